@@ -1,0 +1,89 @@
+// The narrow boundary between vkv and the memory system.
+//
+// A backend reserves virtual address ranges, creates physical pages, maps them
+// into reserved ranges, and orders its device work on caller-named streams.
+// Nothing above this interface says cu* or mmap. Two implementations:
+// CudaBackend (CUDA driver VMM) and HostBackend (mmap + memfd, CPU memory).
+//
+// Granularity: every address and size passed here is a multiple of page_bytes(),
+// fixed at construction. Pages are opaque handles; one handle may be mapped at
+// several addresses at once, and all of them read the same bytes.
+//
+// Ordering: zero() and copy() are enqueued on the stream and may still be running
+// when they return; record_event() marks everything enqueued so far on a stream.
+// map() and unmap() take effect at once and do NOT wait for device work: unmapping a
+// page that a running kernel reads is a fault. Callers unmap only after an event
+// recorded behind the last reader has completed.
+//
+// Thread-safety: every call may be made from any thread; implementations are
+// thread-safe (the CUDA driver is, HostBackend guards its page file with a mutex).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace vkv {
+
+using Address = std::uintptr_t;     ///< a virtual address in a backend's address space
+using PageHandle = std::uint64_t;   ///< a physical page (CUmemGenericAllocationHandle, or a memfd slot)
+using Stream = std::uintptr_t;      ///< CUstream (0 = the legacy default stream); ignored by the host
+using Event = std::uintptr_t;       ///< opaque; 0 is never a valid event
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  /// "cuda:0", "host", ... for messages and stats.
+  virtual std::string name() const = 0;
+  /// Bytes per page; every size and address passed to this backend is a multiple of it.
+  virtual std::size_t page_bytes() const noexcept = 0;
+  /// Largest total virtual range this backend can reserve.
+  virtual std::size_t max_reservation_bytes() const noexcept = 0;
+  /// Physical memory the backend could still provide (device free memory, host available RAM).
+  virtual std::size_t available_memory_bytes() const = 0;
+
+  /// Reserves `bytes` of address space with no memory behind it. @throws DriverError / OutOfMemory.
+  virtual Address reserve(std::size_t bytes) = 0;
+  /// Returns a reservation; every page in it must already be unmapped.
+  virtual void free_reservation(Address base, std::size_t bytes) noexcept = 0;
+
+  /// Creates one physical page. Its contents are unspecified. @throws DriverError / OutOfMemory.
+  virtual PageHandle create_page() = 0;
+  /// Releases a page that is mapped nowhere.
+  virtual void release_page(PageHandle page) noexcept = 0;
+
+  /// Maps `count` pages side by side starting at `address` and makes them readable and
+  /// writable. All or nothing: on failure nothing stays mapped. @throws DriverError.
+  virtual void map(Address address, const PageHandle* pages, std::size_t count) = 0;
+  /// Unmaps [address, address + bytes); the range must consist of whole mapped pages.
+  /// Effective at once: the caller has made sure no device work still reads it.
+  virtual void unmap(Address address, std::size_t bytes) = 0;
+
+  /// Enqueues a zero-fill of mapped memory on `stream`.
+  virtual void zero(Address address, std::size_t bytes, Stream stream) = 0;
+  /// Enqueues a copy on `stream`. Either side may also be ordinary host memory.
+  virtual void copy(Address destination, Address source, std::size_t bytes, Stream stream) = 0;
+
+  /// Records an event behind the work enqueued so far on `stream`.
+  virtual Event record_event(Stream stream) = 0;
+  /// True once the work before `event` has completed.
+  virtual bool event_done(Event event) = 0;
+  /// Blocks the calling thread until `event` has completed.
+  virtual void wait_event(Event event) = 0;
+  /// Makes later work on `stream` wait for `event` without blocking the caller.
+  virtual void stream_wait_event(Stream stream, Event event) = 0;
+  virtual void destroy_event(Event event) noexcept = 0;
+  /// Blocks until everything enqueued on `stream` has completed.
+  virtual void synchronize(Stream stream) = 0;
+};
+
+/// The backend a Device names: CUDA when kind is cuda, or automatic with a device present.
+/// `page_bytes` 0 takes the backend's default. @throws InvalidArgument, DriverError.
+std::shared_ptr<Backend> make_backend(const struct Device& device, std::size_t page_bytes = 0);
+
+/// True when the CUDA driver loads and reports at least one device. Never throws.
+bool cuda_available() noexcept;
+
+}  // namespace vkv

@@ -1,0 +1,59 @@
+// The physical pages vkv owns, and the budget that caps them.
+//
+// A page is either free (held here, mapped nowhere) or handed out (mapped in some
+// slot by the cache). The pool creates pages lazily up to budget_pages() and hands
+// free ones out first; it never maps anything. A free page is "clean" when it is
+// known to hold zeros (it was zero-filled before it was unmapped); freshly created
+// pages are not, and the cache zero-fills them before a slot can read them.
+//
+// Thread-safety: not thread-safe; its owner (KvCache) serializes every call.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "vkv/backend.h"
+
+namespace vkv {
+
+struct Page {
+  PageHandle handle = 0;
+  bool clean = false;  ///< known to hold zeros
+};
+
+class PagePool {
+ public:
+  /// Creates nothing yet. `backend` must outlive the pool.
+  PagePool(Backend& backend, std::size_t budget_pages);
+  /// Releases every free page. Pages still handed out are the owner's to give back first.
+  ~PagePool();
+  PagePool(const PagePool&) = delete;
+  PagePool& operator=(const PagePool&) = delete;
+
+  std::size_t budget_pages() const noexcept { return budget_pages_; }
+  std::size_t created_pages() const noexcept { return created_pages_; }
+  std::size_t free_pages() const noexcept { return free_.size(); }
+  std::size_t handed_out_pages() const noexcept { return created_pages_ - free_.size(); }
+  /// Pages take() can hand out now: the free ones plus those the budget still allows creating.
+  std::size_t obtainable_pages() const noexcept;
+
+  /// Hands out `count` pages, free ones first, then newly created ones. All or nothing.
+  /// @throws OutOfMemory naming the shortfall (budget or device); the pool is unchanged.
+  std::vector<Page> take(std::size_t count);
+  /// Takes back a page that is mapped nowhere.
+  void give_back(Page page);
+  /// Creates pages until `count` are free, so that creation leaves the hot path.
+  /// @throws InvalidArgument when that exceeds the budget; OutOfMemory from the device
+  ///         (the pages created before it stay free in the pool).
+  void precreate(std::size_t count);
+  /// Releases free pages to the backend until at most `keep` remain. Returns how many went.
+  std::size_t trim(std::size_t keep) noexcept;
+
+ private:
+  Backend& backend_;
+  std::size_t budget_pages_;
+  std::size_t created_pages_ = 0;
+  std::vector<Page> free_;  // LIFO: the most recently used page goes out first
+};
+
+}  // namespace vkv

@@ -1,0 +1,13 @@
+// Umbrella header: everything a custom engine needs from vkv.
+#pragma once
+
+#include "vkv/backend.h"
+#include "vkv/config.h"
+#include "vkv/cuda_backend.h"
+#include "vkv/error.h"
+#include "vkv/host_backend.h"
+#include "vkv/kv_cache.h"
+#include "vkv/layout.h"
+#include "vkv/page_pool.h"
+#include "vkv/statistics_backend.h"
+#include "vkv/stats.h"

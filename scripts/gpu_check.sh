@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On a GPU machine: builds vkv, runs every test (CUDA suites included), the demo on
+# the GPU and the map-cost benchmark, and leaves logs and JSON in OUT_DIR.
+#   scripts/gpu_check.sh OUT_DIR
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build-gpu 2>&1 | tail -3
+status=0
+ctest --test-dir build-gpu --output-on-failure -j4 2>&1 | tee "$out/ctest.log" | grep -E "tests passed|Failed|FAILED|Skipped" || true
+grep -q "100% tests passed" "$out/ctest.log" || status=1
+./build-gpu/vkv_demo --device cuda:0 2>&1 | tail -6 | tee "$out/demo.log"
+./build-gpu/benchmarks/vkv_map_cost --device cuda:0 --out "$out/map_cost_h100.json" 2>&1 | tee "$out/map_cost.log"
+exit $status

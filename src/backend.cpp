@@ -1,0 +1,32 @@
+// Choosing a backend for a Device.
+#include "vkv/backend.h"
+
+#include "vkv/config.h"
+#include "vkv/error.h"
+#include "vkv/host_backend.h"
+#ifdef VKV_WITH_CUDA
+#include "vkv/cuda_backend.h"
+#endif
+
+namespace vkv {
+
+bool cuda_available() noexcept {
+#ifdef VKV_WITH_CUDA
+  return CudaBackend::device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+std::shared_ptr<Backend> make_backend(const Device& device, std::size_t page_bytes) {
+  const bool want_cuda =
+      device.kind == Device::Kind::cuda || (device.kind == Device::Kind::automatic && cuda_available());
+  if (!want_cuda) return std::make_shared<HostBackend>(page_bytes == 0 ? HostBackend::kDefaultPageBytes : page_bytes);
+#ifdef VKV_WITH_CUDA
+  return std::make_shared<CudaBackend>(device.kind == Device::Kind::cuda ? device.index : 0, page_bytes);
+#else
+  throw InvalidArgument("device = '" + device.str() + "' needs CUDA, but vkv was built without CUDA headers");
+#endif
+}
+
+}  // namespace vkv

@@ -1,0 +1,76 @@
+// Field-by-field validation of CacheConfig and the small parsers beside it.
+#include "vkv/config.h"
+
+#include <charconv>
+
+#include "vkv/error.h"
+
+namespace vkv {
+
+LayoutKind parse_layout(std::string_view name) {
+  if (name == "per_layer") return LayoutKind::per_layer;
+  if (name == "interleaved") return LayoutKind::interleaved;
+  throw InvalidArgument(detail::concat("layout = '", name,
+                                       "' is not a layout: expected 'per_layer' or 'interleaved'"));
+}
+
+std::string to_string(LayoutKind layout) {
+  return layout == LayoutKind::per_layer ? "per_layer" : "interleaved";
+}
+
+Device Device::parse(std::string_view text) {
+  if (text == "auto") return {Kind::automatic, 0};
+  if (text == "host" || text == "cpu") return {Kind::host, 0};
+  if (text == "cuda") return {Kind::cuda, 0};
+  constexpr std::string_view prefix = "cuda:";
+  if (text.substr(0, prefix.size()) == prefix) {
+    std::string_view digits = text.substr(prefix.size());
+    int index = -1;
+    auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
+    if (error == std::errc{} && end == digits.data() + digits.size() && index >= 0)
+      return {Kind::cuda, index};
+  }
+  throw InvalidArgument(detail::concat("device = '", text,
+                                       "' is not a device: expected 'auto', 'host', 'cpu', 'cuda' or 'cuda:N'"));
+}
+
+std::string Device::str() const {
+  switch (kind) {
+    case Kind::automatic: return "auto";
+    case Kind::host: return "host";
+    case Kind::cuda: return "cuda:" + std::to_string(index);
+  }
+  return "?";
+}
+
+namespace {
+void expect_in_range(const char* field, std::size_t value, std::size_t low, std::size_t high) {
+  VKV_EXPECTS(value >= low && value <= high, field, " = ", value, " is out of range: must be in [", low,
+              ", ", high, "]");
+}
+}  // namespace
+
+void validate(const CacheConfig& config) {
+  expect_in_range("num_layers", config.num_layers, 1, kMaxLayers);
+  expect_in_range("num_kv_heads", config.num_kv_heads, 1, kMaxKvHeads);
+  expect_in_range("head_dim", config.head_dim, 1, kMaxHeadDim);
+  VKV_EXPECTS(config.dtype_bytes == 1 || config.dtype_bytes == 2 || config.dtype_bytes == 4 ||
+                  config.dtype_bytes == 8,
+              "dtype_bytes = ", config.dtype_bytes, " is not an element size: must be 1, 2, 4 or 8");
+  expect_in_range("max_batch", config.max_batch, 1, kMaxBatch);
+  expect_in_range("max_context", config.max_context, 1, kMaxContext);
+  if (config.layout == LayoutKind::per_layer) {
+    VKV_EXPECTS(config.layers_per_group == 0, "layers_per_group = ", config.layers_per_group,
+                " applies only to the interleaved layout: must be 0 with layout 'per_layer'");
+  } else {
+    VKV_EXPECTS(config.layers_per_group <= config.num_layers &&
+                    (config.layers_per_group == 0 || config.num_layers % config.layers_per_group == 0),
+                "layers_per_group = ", config.layers_per_group, " must divide num_layers = ",
+                config.num_layers, " (or be 0 for all layers)");
+  }
+  VKV_EXPECTS(config.page_bytes == 0 || (config.page_bytes & (config.page_bytes - 1)) == 0,
+              "page_bytes = ", config.page_bytes, " must be 0 (backend default) or a power of two");
+  VKV_EXPECTS(config.device.index >= 0, "device index = ", config.device.index, " must be >= 0");
+}
+
+}  // namespace vkv

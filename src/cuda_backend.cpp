@@ -1,0 +1,192 @@
+// CudaBackend: CUDA driver VMM implementation of the backend interface.
+#include "vkv/cuda_backend.h"
+
+#include <string>
+
+#include "cuda_driver.h"
+#include "vkv/error.h"
+
+namespace vkv {
+namespace {
+
+CUcontext as_context(void* context) { return static_cast<CUcontext>(context); }
+CUstream as_stream(Stream stream) { return reinterpret_cast<CUstream>(stream); }
+CUevent as_event(Event event) { return reinterpret_cast<CUevent>(event); }
+
+CUmemAllocationProp page_properties(int device) {
+  CUmemAllocationProp properties{};
+  properties.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  properties.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  properties.location.id = device;
+  return properties;
+}
+
+}  // namespace
+
+// Makes the backend's context current for one call and puts the caller's back.
+class CudaBackend::ContextScope {
+ public:
+  explicit ContextScope(const CudaBackend& backend) : wanted_(as_context(backend.context_)) {
+    VKV_CU_TRY(cuCtxGetCurrent, &previous_);
+    if (previous_ != wanted_) VKV_CU_TRY(cuCtxSetCurrent, wanted_);
+  }
+  ~ContextScope() {
+    if (previous_ != wanted_) cuda::driver().cuCtxSetCurrent(previous_);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  CUcontext wanted_;
+  CUcontext previous_ = nullptr;
+};
+
+int CudaBackend::device_count() noexcept {
+  const cuda::Driver* driver = cuda::try_driver();
+  int count = 0;
+  if (driver == nullptr || driver->cuInit(0) != CUDA_SUCCESS || driver->cuDeviceGetCount(&count) != CUDA_SUCCESS)
+    return 0;
+  return count;
+}
+
+CudaBackend::CudaBackend(int device, std::size_t page_bytes) : device_(device) {
+  VKV_CU_TRY(cuInit, 0);
+  int count = 0;
+  VKV_CU_TRY(cuDeviceGetCount, &count);
+  VKV_EXPECTS(device >= 0 && device < count, "device = cuda:", device, " does not exist: ", count,
+              " CUDA device(s) visible");
+  CUdevice handle = 0;
+  VKV_CU_TRY(cuDeviceGet, &handle, device);
+  device_handle_ = handle;
+
+  const CUmemAllocationProp properties = page_properties(device);
+  std::size_t granularity = 0;
+  VKV_CU_TRY(cuMemGetAllocationGranularity, &granularity, &properties, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+  if (page_bytes == 0) page_bytes = granularity;
+  VKV_EXPECTS(page_bytes % granularity == 0, "page_bytes = ", page_bytes,
+              " is not a multiple of the device's allocation granularity ", granularity);
+  page_bytes_ = page_bytes;
+
+  CUcontext context = nullptr;
+  VKV_CU_TRY(cuDevicePrimaryCtxRetain, &context, handle);
+  context_ = context;
+}
+
+CudaBackend::~CudaBackend() {
+  // Tolerates a driver already shut down at process exit.
+  cuda::driver().cuDevicePrimaryCtxRelease(device_handle_);
+}
+
+std::string CudaBackend::name() const { return "cuda:" + std::to_string(device_); }
+
+std::size_t CudaBackend::available_memory_bytes() const {
+  ContextScope scope(*this);
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  VKV_CU_TRY(cuMemGetInfo, &free_bytes, &total_bytes);
+  return free_bytes;
+}
+
+Address CudaBackend::reserve(std::size_t bytes) {
+  ContextScope scope(*this);
+  CUdeviceptr base = 0;
+  VKV_CU_TRY(cuMemAddressReserve, &base, bytes, page_bytes_, 0, 0);
+  return static_cast<Address>(base);
+}
+
+void CudaBackend::free_reservation(Address base, std::size_t bytes) noexcept {
+  cuda::driver().cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes);
+}
+
+PageHandle CudaBackend::create_page() {
+  ContextScope scope(*this);
+  const CUmemAllocationProp properties = page_properties(device_);
+  CUmemGenericAllocationHandle page = 0;
+  CUresult result = cuda::driver().cuMemCreate(&page, page_bytes_, &properties, 0);
+  if (result == CUDA_ERROR_OUT_OF_MEMORY)
+    throw OutOfMemory("cuMemCreate failed: the device has no free memory for one more " +
+                          std::to_string(page_bytes_) + "-byte page",
+                      1, page_bytes_);
+  cuda::check(result, "cuMemCreate");
+  return static_cast<PageHandle>(page);
+}
+
+void CudaBackend::release_page(PageHandle page) noexcept {
+  cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page));
+}
+
+void CudaBackend::map(Address address, const PageHandle* pages, std::size_t count) {
+  ContextScope scope(*this);
+  const cuda::Driver& driver = cuda::driver();
+  std::size_t mapped = 0;
+  try {
+    for (; mapped < count; ++mapped) {
+      cuda::check(driver.cuMemMap(address + mapped * page_bytes_, page_bytes_, 0,
+                                  static_cast<CUmemGenericAllocationHandle>(pages[mapped]), 0),
+                  "cuMemMap");
+    }
+    // One access call over the whole run: access setting dominates mapping cost.
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    cuda::check(driver.cuMemSetAccess(address, count * page_bytes_, &access, 1), "cuMemSetAccess");
+  } catch (...) {
+    if (mapped > 0) driver.cuMemUnmap(address, mapped * page_bytes_);
+    throw;
+  }
+}
+
+void CudaBackend::unmap(Address address, std::size_t bytes) {
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuMemUnmap, address, bytes);
+}
+
+void CudaBackend::zero(Address address, std::size_t bytes, Stream stream) {
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuMemsetD8Async, address, 0, bytes, as_stream(stream));
+}
+
+void CudaBackend::copy(Address destination, Address source, std::size_t bytes, Stream stream) {
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuMemcpyAsync, destination, source, bytes, as_stream(stream));
+}
+
+Event CudaBackend::record_event(Stream stream) {
+  ContextScope scope(*this);
+  CUevent event = nullptr;
+  VKV_CU_TRY(cuEventCreate, &event, CU_EVENT_DISABLE_TIMING);
+  CUresult result = cuda::driver().cuEventRecord(event, as_stream(stream));
+  if (result != CUDA_SUCCESS) {
+    cuda::driver().cuEventDestroy(event);
+    cuda::check(result, "cuEventRecord");
+  }
+  return reinterpret_cast<Event>(event);
+}
+
+bool CudaBackend::event_done(Event event) {
+  ContextScope scope(*this);
+  CUresult result = cuda::driver().cuEventQuery(as_event(event));
+  if (result == CUDA_ERROR_NOT_READY) return false;
+  cuda::check(result, "cuEventQuery");
+  return true;
+}
+
+void CudaBackend::wait_event(Event event) {
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuEventSynchronize, as_event(event));
+}
+
+void CudaBackend::stream_wait_event(Stream stream, Event event) {
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuStreamWaitEvent, as_stream(stream), as_event(event), 0);
+}
+
+void CudaBackend::destroy_event(Event event) noexcept { cuda::driver().cuEventDestroy(as_event(event)); }
+
+void CudaBackend::synchronize(Stream stream) {
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuStreamSynchronize, as_stream(stream));
+}
+
+}  // namespace vkv

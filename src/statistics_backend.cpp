@@ -1,0 +1,77 @@
+// StatisticsBackend: forwards every call and counts it.
+#include "vkv/statistics_backend.h"
+
+#include "vkv/error.h"
+
+namespace vkv {
+
+StatisticsBackend::StatisticsBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {
+  VKV_EXPECTS(upstream_ != nullptr, "StatisticsBackend needs an upstream backend, got null");
+}
+
+CallStats StatisticsBackend::Counter::snapshot() const noexcept {
+  return {calls.load(std::memory_order_relaxed), units.load(std::memory_order_relaxed),
+          nanoseconds.load(std::memory_order_relaxed)};
+}
+
+BackendStats StatisticsBackend::stats() const noexcept {
+  return {reserve_.snapshot(), create_.snapshot(), release_.snapshot(), map_.snapshot(),
+          unmap_.snapshot(),   zero_.snapshot(),   copy_.snapshot(),    event_.snapshot()};
+}
+
+template <typename Call>
+decltype(auto) StatisticsBackend::timed(Counter& counter, std::uint64_t units, Call&& call) {
+  struct Record {
+    Counter& counter;
+    std::uint64_t units;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    ~Record() {
+      auto elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+      counter.calls.fetch_add(1, std::memory_order_relaxed);
+      counter.units.fetch_add(units, std::memory_order_relaxed);
+      counter.nanoseconds.fetch_add(static_cast<std::uint64_t>(elapsed.count()), std::memory_order_relaxed);
+    }
+  } record{counter, units};
+  return call();
+}
+
+Address StatisticsBackend::reserve(std::size_t bytes) {
+  return timed(reserve_, bytes, [&] { return upstream_->reserve(bytes); });
+}
+void StatisticsBackend::free_reservation(Address base, std::size_t bytes) noexcept {
+  upstream_->free_reservation(base, bytes);
+}
+PageHandle StatisticsBackend::create_page() {
+  return timed(create_, 1, [&] { return upstream_->create_page(); });
+}
+void StatisticsBackend::release_page(PageHandle page) noexcept {
+  timed(release_, 1, [&] { upstream_->release_page(page); });
+}
+void StatisticsBackend::map(Address address, const PageHandle* pages, std::size_t count) {
+  timed(map_, count, [&] { upstream_->map(address, pages, count); });
+}
+void StatisticsBackend::unmap(Address address, std::size_t bytes) {
+  timed(unmap_, bytes / page_bytes(), [&] { upstream_->unmap(address, bytes); });
+}
+void StatisticsBackend::zero(Address address, std::size_t bytes, Stream stream) {
+  timed(zero_, bytes, [&] { upstream_->zero(address, bytes, stream); });
+}
+void StatisticsBackend::copy(Address destination, Address source, std::size_t bytes, Stream stream) {
+  timed(copy_, bytes, [&] { upstream_->copy(destination, source, bytes, stream); });
+}
+Event StatisticsBackend::record_event(Stream stream) {
+  return timed(event_, 1, [&] { return upstream_->record_event(stream); });
+}
+bool StatisticsBackend::event_done(Event event) {
+  return timed(event_, 1, [&] { return upstream_->event_done(event); });
+}
+void StatisticsBackend::wait_event(Event event) {
+  timed(event_, 1, [&] { upstream_->wait_event(event); });
+}
+void StatisticsBackend::stream_wait_event(Stream stream, Event event) {
+  timed(event_, 1, [&] { upstream_->stream_wait_event(stream, event); });
+}
+void StatisticsBackend::destroy_event(Event event) noexcept { upstream_->destroy_event(event); }
+void StatisticsBackend::synchronize(Stream stream) { upstream_->synchronize(stream); }
+
+}  // namespace vkv

@@ -1,0 +1,173 @@
+// Helpers shared by the C++ test suites: the backends to run against, byte I/O
+// through a backend, and a wrapper whose events complete only when a test says so.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "vkv/vkv.h"
+
+namespace vkv {
+// gtest prints parameters with these instead of raw bytes.
+inline void PrintTo(LayoutKind layout, std::ostream* out) { *out << to_string(layout); }
+}  // namespace vkv
+
+namespace vkv::testing {
+
+/// Small pages keep host tests light; CUDA uses the device's granularity.
+inline constexpr std::size_t kHostTestPageBytes = 64 << 10;
+
+enum class BackendKind { host, cuda };
+
+inline std::string backend_label(BackendKind kind) { return kind == BackendKind::host ? "host" : "cuda"; }
+inline void PrintTo(BackendKind kind, std::ostream* out) { *out << backend_label(kind); }
+
+/// A backend of the given kind, or nullptr (and the reason) when it cannot run here.
+inline std::shared_ptr<Backend> make_test_backend(BackendKind kind, std::string* why_not) {
+  if (kind == BackendKind::host) return std::make_shared<HostBackend>(kHostTestPageBytes);
+  if (!cuda_available()) {
+    *why_not = "no CUDA device on this machine: CUDA backend tests skipped";
+    return nullptr;
+  }
+  return make_backend(Device{Device::Kind::cuda, 0});
+}
+
+/// Skips the current test when the backend cannot run here.
+#define VKV_BACKEND_OR_SKIP(variable, kind)                               \
+  std::string variable##_why_not;                                         \
+  auto variable = ::vkv::testing::make_test_backend(kind, &variable##_why_not); \
+  if (!variable) GTEST_SKIP() << variable##_why_not
+
+inline std::vector<std::uint8_t> read_bytes(Backend& backend, Address address, std::size_t bytes) {
+  std::vector<std::uint8_t> out(bytes);
+  backend.copy(reinterpret_cast<Address>(out.data()), address, bytes, 0);
+  backend.synchronize(0);
+  return out;
+}
+
+inline void write_bytes(Backend& backend, Address address, const std::vector<std::uint8_t>& bytes) {
+  backend.copy(address, reinterpret_cast<Address>(bytes.data()), bytes.size(), 0);
+  backend.synchronize(0);
+}
+
+inline void fill_bytes(Backend& backend, Address address, std::size_t bytes, std::uint8_t value) {
+  write_bytes(backend, address, std::vector<std::uint8_t>(bytes, value));
+}
+
+inline bool all_zero(const std::vector<std::uint8_t>& bytes) {
+  for (std::uint8_t byte : bytes)
+    if (byte != 0) return false;
+  return true;
+}
+
+/// Forwards to a real backend, but its events stay pending until a test completes them
+/// (wait_event completes the one waited for, as a host-side synchronize would). Records,
+/// for every unmap, how many events were still pending: reclamation must see none.
+class ControlledEventBackend final : public Backend {
+ public:
+  explicit ControlledEventBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {}
+
+  void complete_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [event, done] : done_) done = true;
+  }
+  std::size_t pending() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::size_t count = 0;
+    for (const auto& [event, done] : done_) count += done ? 0 : 1;
+    return count;
+  }
+  std::vector<std::size_t> pending_at_each_unmap() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pending_at_unmap_;
+  }
+  std::size_t waits() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return waits_;
+  }
+  std::size_t stream_waits() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stream_waits_;
+  }
+
+  std::string name() const override { return upstream_->name(); }
+  std::size_t page_bytes() const noexcept override { return upstream_->page_bytes(); }
+  std::size_t max_reservation_bytes() const noexcept override { return upstream_->max_reservation_bytes(); }
+  std::size_t available_memory_bytes() const override { return upstream_->available_memory_bytes(); }
+  Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
+  void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
+  PageHandle create_page() override { return upstream_->create_page(); }
+  void release_page(PageHandle page) noexcept override { upstream_->release_page(page); }
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    upstream_->map(address, pages, count);
+  }
+  void unmap(Address address, std::size_t bytes) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      std::size_t count = 0;
+      for (const auto& [event, done] : done_) count += done ? 0 : 1;
+      pending_at_unmap_.push_back(count);
+    }
+    upstream_->unmap(address, bytes);
+  }
+  void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
+  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
+    upstream_->copy(destination, source, bytes, stream);
+  }
+  Event record_event(Stream) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Event event = next_++;
+    done_[event] = false;
+    return event;
+  }
+  bool event_done(Event event) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_.at(event);
+  }
+  void wait_event(Event event) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_.at(event) = true;
+    ++waits_;
+  }
+  void stream_wait_event(Stream, Event event) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_.at(event);  // must exist
+    ++stream_waits_;
+  }
+  void destroy_event(Event event) noexcept override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_.erase(event);
+  }
+  void synchronize(Stream stream) override { upstream_->synchronize(stream); }
+
+ private:
+  std::shared_ptr<Backend> upstream_;
+  mutable std::mutex mutex_;
+  std::map<Event, bool> done_;
+  std::vector<std::size_t> pending_at_unmap_;
+  std::size_t waits_ = 0;
+  std::size_t stream_waits_ = 0;
+  Event next_ = 1;
+};
+
+/// A model shape small enough for CPU tests: per-layer token 256 B, interleaved 2 KiB.
+/// max_context gives 8 pages per per-layer region, 64 per interleaved slot.
+inline CacheConfig small_config(LayoutKind layout, std::size_t page_bytes) {
+  CacheConfig config;
+  config.num_layers = 4;
+  config.num_kv_heads = 2;
+  config.head_dim = 64;
+  config.dtype_bytes = 2;
+  config.max_batch = 4;
+  config.max_context = 8 * page_bytes / 256;
+  config.layout = layout;
+  return config;
+}
+
+}  // namespace vkv::testing
