@@ -16,3 +16,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+
+# Python side. torch is pinned to the CPU build this project's machines carry as a local
+# file; any other torch spec would download gigabytes of CUDA packages. Where a torch is
+# already installed (a GPU machine), it is kept.
+python_missing=()
+python3 -c "import torch" 2>/dev/null || python_missing+=("torch==2.13.0")
+for module in numpy pytest hypothesis scikit_build_core; do
+  python3 -c "import $module" 2>/dev/null || python_missing+=("${module//_/-}")
+done
+if [ ${#python_missing[@]} -gt 0 ]; then
+  echo "bootstrap: pip installing ${python_missing[*]}"
+  python3 -m pip install -q "${python_missing[@]}"
+fi

@@ -11,6 +11,9 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null &&
 status=0
 ctest --test-dir build-gpu --output-on-failure -j4 2>&1 | tee "$out/ctest.log" | grep -E "tests passed|Failed|FAILED|Skipped" || true
 grep -q "100% tests passed" "$out/ctest.log" || status=1
+python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING
+(cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" -q -p no:cacheprovider -rs 2>&1) | tee "$out/pytest.log" | tail -15
+grep -qE "[0-9]+ passed" "$out/pytest.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/pytest.log" || status=1
 ./build-gpu/vkv_demo --device cuda:0 2>&1 | tail -6 | tee "$out/demo.log"
 ./build-gpu/benchmarks/vkv_map_cost --device cuda:0 --out "$out/map_cost_h100.json" 2>&1 | tee "$out/map_cost.log"
 exit $status

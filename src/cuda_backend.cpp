@@ -189,4 +189,9 @@ void CudaBackend::synchronize(Stream stream) {
   VKV_CU_TRY(cuStreamSynchronize, as_stream(stream));
 }
 
+void CudaBackend::synchronize_device() {
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuCtxSynchronize);
+}
+
 }  // namespace vkv

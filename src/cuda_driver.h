@@ -22,7 +22,7 @@
   X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) \
   X(cuMemUnmap) X(cuMemSetAccess) X(cuMemsetD8Async) X(cuMemcpyAsync) X(cuEventCreate)  \
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)               \
-  X(cuStreamWaitEvent) X(cuStreamSynchronize)
+  X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize)
 
 namespace vkv::cuda {
 

@@ -114,5 +114,6 @@ void HostBackend::wait_event(Event) {}
 void HostBackend::stream_wait_event(Stream, Event) {}
 void HostBackend::destroy_event(Event) noexcept {}
 void HostBackend::synchronize(Stream) {}
+void HostBackend::synchronize_device() {}
 
 }  // namespace vkv

@@ -57,6 +57,11 @@ KvCache::KvCache(const CacheConfig& config, std::shared_ptr<Backend> backend)
 
 KvCache::~KvCache() {
   std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    backend_->synchronize_device();
+  } catch (...) {
+    // A dead context has no running kernels left to fault.
+  }
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
     try {

@@ -77,6 +77,8 @@ class Backend {
   virtual void destroy_event(Event event) noexcept = 0;
   /// Blocks until everything enqueued on `stream` has completed.
   virtual void synchronize(Stream stream) = 0;
+  /// Blocks until all work on the device, on every stream, has completed.
+  virtual void synchronize_device() = 0;
 };
 
 /// The backend a Device names: CUDA when kind is cuda, or automatic with a device present.

@@ -49,6 +49,7 @@ class HostBackend final : public Backend {
   void stream_wait_event(Stream stream, Event event) override;
   void destroy_event(Event event) noexcept override;
   void synchronize(Stream stream) override;
+  void synchronize_device() override;
 
  private:
   std::size_t page_bytes_;

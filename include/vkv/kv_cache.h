@@ -37,8 +37,8 @@ class KvCache {
   ///         address space larger than the backend can reserve (the message gives both);
   ///         OutOfMemory / DriverError from the backend.
   explicit KvCache(const CacheConfig& config, std::shared_ptr<Backend> backend = nullptr);
-  /// Unmaps and releases everything. Precondition: no device work still reads the cache
-  /// (synchronize first); events recorded by free_reqid() are waited for here.
+  /// Waits for all device work, then unmaps and releases everything: the last owner of a
+  /// tensor over the cache may go away while kernels reading it still run.
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;

@@ -40,6 +40,7 @@ class StatisticsBackend final : public Backend {
   void stream_wait_event(Stream stream, Event event) override;
   void destroy_event(Event event) noexcept override;
   void synchronize(Stream stream) override;
+  void synchronize_device() override { upstream_->synchronize_device(); }
 
  private:
   struct Counter {

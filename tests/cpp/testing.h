@@ -145,6 +145,7 @@ class ControlledEventBackend final : public Backend {
     done_.erase(event);
   }
   void synchronize(Stream stream) override { upstream_->synchronize(stream); }
+  void synchronize_device() override { upstream_->synchronize_device(); }
 
  private:
   std::shared_ptr<Backend> upstream_;

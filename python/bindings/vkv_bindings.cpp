@@ -1,0 +1,174 @@
+// vkv._C: the Python face of vkv::KvCache. The only file that touches torch.
+//
+// Thin on purpose: argument parsing and defaults live in python/vkv/_cache.py. This file
+// wraps the cache, translates errors, and makes the one tensor over the reservation
+// whose storage keeps the cache alive.
+//
+// Locks: every call releases the GIL before it takes the cache's mutex, and nothing in
+// vkv takes the GIL while holding that mutex, so the two cannot deadlock.
+#include <ATen/ATen.h>
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <vkv/vkv.h>
+
+namespace py = pybind11;
+using vkv::KvCache;
+
+namespace {
+
+py::object errors_module() { return py::module_::import("vkv._errors"); }
+
+// Raises the Python exception that matches a vkv exception (called with the GIL held).
+void translate(std::exception_ptr pending) {
+  try {
+    if (pending) std::rethrow_exception(pending);
+  } catch (const vkv::OutOfMemory& error) {
+    py::object type = errors_module().attr("OutOfMemory");
+    py::object instance = type(error.what(), error.missing_pages(), error.missing_bytes());
+    PyErr_SetObject(type.ptr(), instance.ptr());
+  } catch (const vkv::InvalidArgument& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const vkv::DriverError& error) {
+    py::object type = errors_module().attr("DriverError");
+    py::object instance = type(error.what(), error.call(), error.code());
+    PyErr_SetObject(type.ptr(), instance.ptr());
+  } catch (const vkv::Error& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  }
+}
+
+std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_heads, std::size_t head_dim,
+                                    std::size_t dtype_bytes, std::size_t max_batch, std::size_t max_context,
+                                    const std::string& layout, std::size_t layers_per_group,
+                                    std::size_t page_bytes, const std::string& device, std::size_t budget_bytes,
+                                    std::size_t precreate_pages) {
+  vkv::CacheConfig config;
+  config.num_layers = num_layers;
+  config.num_kv_heads = num_kv_heads;
+  config.head_dim = head_dim;
+  config.dtype_bytes = dtype_bytes;
+  config.max_batch = max_batch;
+  config.max_context = max_context;
+  config.layout = vkv::parse_layout(layout);
+  config.layers_per_group = layers_per_group;
+  config.page_bytes = page_bytes;
+  config.device = vkv::Device::parse(device);
+  config.budget_bytes = budget_bytes;
+  config.precreate_pages = precreate_pages;
+  py::gil_scoped_release release;
+  return std::make_shared<KvCache>(config);
+}
+
+// A uint8 tensor over the whole reservation. Its storage holds a reference to the cache,
+// so the memory stays reserved and mapped while any view of it lives, closed cache or not.
+// for_blob + target_device: from_blob would reject an address with nothing mapped yet.
+at::Tensor reservation_tensor(const std::shared_ptr<KvCache>& cache, const std::string& device) {
+  const c10::Device target(device);
+  std::shared_ptr<KvCache> keep_alive = cache;
+  return at::for_blob(reinterpret_cast<void*>(cache->base()),
+                      {static_cast<int64_t>(cache->layout().reserved_bytes())})
+      .options(at::TensorOptions().dtype(at::kByte).device(target))
+      .target_device(target)
+      .deleter([keep_alive](void*) {})
+      .make_tensor();
+}
+
+void step(KvCache& cache, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& seq_lens,
+          std::uintptr_t stream) {
+  if (seq_lens.ndim() != 1)
+    throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(seq_lens.ndim()) +
+                               " dimensions");
+  std::vector<std::size_t> lengths(static_cast<std::size_t>(seq_lens.shape(0)));
+  const int64_t* values = seq_lens.data();
+  for (std::size_t s = 0; s < lengths.size(); ++s) {
+    if (values[s] < 0)
+      throw vkv::InvalidArgument("seq_lens[" + std::to_string(s) + "] = " + std::to_string(values[s]) +
+                                 " is negative");
+    lengths[s] = static_cast<std::size_t>(values[s]);
+  }
+  py::gil_scoped_release release;
+  cache.step(lengths, stream);
+}
+
+py::dict call_stats(const vkv::CallStats& call) {
+  py::dict out;
+  out["calls"] = call.calls;
+  out["units"] = call.units;
+  out["seconds"] = static_cast<double>(call.nanoseconds) / 1e9;
+  out["us_per_unit"] = call.microseconds_per_unit();
+  return out;
+}
+
+py::dict stats(const KvCache& cache) {
+  vkv::CacheStats stats;
+  {
+    py::gil_scoped_release release;
+    stats = cache.stats();
+  }
+  py::dict out;
+  out["page_bytes"] = stats.page_bytes;
+  out["reserved_bytes"] = stats.reserved_bytes;
+  out["budget_pages"] = stats.budget_pages;
+  out["pages_created"] = stats.pages_created;
+  out["pages_free"] = stats.pages_free;
+  out["pages_mapped"] = stats.pages_mapped;
+  out["pages_in_use"] = stats.pages_in_use;
+  out["pages_cached"] = stats.pages_cached;
+  out["bytes_mapped"] = stats.bytes_mapped();
+  out["bytes_in_use"] = stats.bytes_in_use();
+  out["active_slots"] = stats.active_slots;
+  out["tokens_in_use"] = stats.tokens_in_use;
+  py::dict backend;
+  backend["reserve"] = call_stats(stats.backend.reserve);
+  backend["create"] = call_stats(stats.backend.create);
+  backend["release"] = call_stats(stats.backend.release);
+  backend["map"] = call_stats(stats.backend.map);
+  backend["unmap"] = call_stats(stats.backend.unmap);
+  backend["zero"] = call_stats(stats.backend.zero);
+  backend["copy"] = call_stats(stats.backend.copy);
+  backend["event"] = call_stats(stats.backend.event);
+  out["backend"] = backend;
+  return out;
+}
+
+py::tuple view(const KvCache& cache, std::size_t layer, bool value) {
+  const vkv::TensorView view = value ? cache.layout().value_view(layer) : cache.layout().key_view(layer);
+  return py::make_tuple(view.offset_bytes, std::vector<int64_t>(view.shape.begin(), view.shape.end()),
+                        std::vector<int64_t>(view.strides.begin(), view.strides.end()));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "vkv's C++ core (internal: use the vkv package)";
+  py::register_exception_translator(&translate);
+  m.def("cuda_available", &vkv::cuda_available, "True when the CUDA driver loads and sees a device.");
+  m.def("reservation_tensor", &reservation_tensor, py::arg("cache"), py::arg("device"));
+
+  using py::arg;
+  const auto unlocked = py::call_guard<py::gil_scoped_release>();
+  py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache")
+      .def(py::init(&make_cache), arg("num_layers"), arg("num_kv_heads"), arg("head_dim"), arg("dtype_bytes"),
+           arg("max_batch"), arg("max_context"), arg("layout"), arg("layers_per_group"), arg("page_bytes"),
+           arg("device"), arg("budget_bytes"), arg("precreate_pages"))
+      .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
+      .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
+      .def("step", &step, arg("seq_lens"), arg("stream") = 0)
+      .def("stats", &stats)
+      .def("view", &view, arg("layer"), arg("value"))
+      .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)
+      .def("mapped_pages", &KvCache::mapped_pages, arg("slot"), unlocked)
+      .def("check_invariants", &KvCache::check_invariants, unlocked)
+      .def_property_readonly("num_free_slots", &KvCache::num_free_slots)
+      .def_property_readonly("base", &KvCache::base)
+      .def_property_readonly("backend_name", [](const KvCache& cache) { return cache.backend().name(); })
+      .def_property_readonly("page_bytes", [](const KvCache& cache) { return cache.layout().page_bytes(); })
+      .def_property_readonly("token_bytes", [](const KvCache& cache) { return cache.layout().token_bytes(); })
+      .def_property_readonly("num_regions", [](const KvCache& cache) { return cache.layout().num_regions(); })
+      .def_property_readonly("reserved_bytes", [](const KvCache& cache) { return cache.layout().reserved_bytes(); })
+      .def("pages_for_tokens", [](const KvCache& cache, std::size_t tokens) {
+        return cache.layout().pages_for_tokens(tokens);
+      }, arg("tokens"));
+}

@@ -1,0 +1,281 @@
+"""KVCache: the PyTorch-facing cache over vkv's C++ core."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import _C
+
+SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+_LAYOUTS = ("interleaved", "per_layer")
+
+
+def _normalize_device(device: Union[str, torch.device, None]) -> torch.device:
+    """'cuda' -> cuda:<current>, 'auto'/None -> cuda if vkv sees a GPU else cpu."""
+    if device is None or device == "auto":
+        device = "cuda" if _C.cuda_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device = {device!r} is not a device: expected 'cuda', 'cuda:N', 'cpu' or 'auto'") from error
+    if device.type == "cuda":
+        if not _C.cuda_available():
+            raise ValueError(f"device = '{device}' needs a CUDA device, and none is visible; use device='cpu'")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f"device = '{device}' is not supported: expected 'cuda', 'cuda:N', 'cpu' or 'auto'")
+    return device
+
+
+def _expect_count(name: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} = {value!r} must be an int")
+    if value < low:
+        raise ValueError(f"{name} = {value} must be >= {low}")
+    return int(value)
+
+
+class KVCache:
+    """A KV cache whose tensors live in vkv's reserved virtual memory.
+
+    ``key(layer)`` and ``value(layer)`` are ordinary tensors of shape
+    ``[max_batch_size, max_context_len, num_kv_heads, head_dim]`` (strided views of one
+    buffer in the interleaved layout). Their addresses never change; ``step()`` backs
+    with physical pages exactly the tokens the next iteration touches. Reading beyond a
+    slot's seq_len reads memory that may not be mapped: on a GPU that is an
+    illegal-address fault, as with any out-of-bounds access.
+
+    Device work (zero-fill of freed and fresh pages) is enqueued on
+    ``torch.cuda.current_stream()`` of the cache's device at the time of each call.
+
+    Thread-safety: every method is thread-safe (one lock in the C++ core serializes
+    them, taken with the GIL released). Slot ids are shared state: two threads driving
+    one cache must agree on who owns which slot.
+
+    Lifetime: ``close()`` (or leaving a ``with`` block) ends the cache's API; the memory
+    itself is released when the last tensor viewing it is gone, so a tensor kept past
+    ``close()`` stays valid and never points at released memory.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        max_context_len: int,
+        device: Union[str, torch.device, None] = "cuda",
+        layout: str = "interleaved",
+        *,
+        layers_per_group: int = 0,
+        page_size: int = 0,
+        memory_budget: Optional[int] = None,
+        precreate_pages: int = 0,
+    ) -> None:
+        """Reserve the cache's virtual memory and build its tensors.
+
+        Args:
+            dtype: element type; any torch dtype of 1, 2, 4 or 8 bytes (fp8, fp16, bf16, fp32, ...).
+            device: "cuda", "cuda:N", "cpu" (host backend) or "auto" (cuda if present).
+            layout: "interleaved" (all layers of a token in one page) or "per_layer" (vAttention).
+            layers_per_group: interleaved only: layers sharing one region; 0 = all.
+            page_size: bytes per physical page; 0 = the backend's default (2 MiB).
+            memory_budget: most physical memory in bytes; None = enough for every slot,
+                capped at 90% of the device's free memory.
+            precreate_pages: physical pages to create now, so that step() does not.
+
+        Raises:
+            ValueError: a bad argument, or more virtual memory than the backend can reserve.
+            vkv.DriverError: the driver refused.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype = {dtype!r} must be a torch.dtype")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout = {layout!r} is not a layout: expected one of {_LAYOUTS}")
+        if memory_budget is not None:
+            _expect_count("memory_budget", memory_budget)
+        self.device = _normalize_device(device)
+        self.dtype = dtype
+        self.layout = layout
+        self.num_layers = _expect_count("num_layers", num_layers)
+        self.num_kv_heads = _expect_count("num_kv_heads", num_kv_heads)
+        self.head_dim = _expect_count("head_dim", head_dim)
+        self.max_batch_size = _expect_count("max_batch_size", max_batch_size)
+        self.max_context_len = _expect_count("max_context_len", max_context_len)
+        self._core = _C.KvCache(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype_bytes=dtype.itemsize,
+            max_batch=self.max_batch_size,
+            max_context=self.max_context_len,
+            layout=layout,
+            layers_per_group=_expect_count("layers_per_group", layers_per_group, 0),
+            page_bytes=_expect_count("page_size", page_size, 0),
+            device="host" if self.device.type == "cpu" else str(self.device),
+            budget_bytes=memory_budget or 0,
+            precreate_pages=_expect_count("precreate_pages", precreate_pages, 0),
+        )
+        whole = _C.reservation_tensor(self._core, str(self.device)).view(dtype)
+        self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
+        self._values = [self._view(whole, layer, value=True) for layer in range(self.num_layers)]
+
+    def _view(self, whole: torch.Tensor, layer: int, value: bool) -> torch.Tensor:
+        offset_bytes, shape, strides = self._core.view(layer, value)
+        return whole.as_strided(shape, strides, offset_bytes // self.dtype.itemsize)
+
+    # -- tensors -------------------------------------------------------------------
+
+    def key(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s keys, ``[max_batch_size, max_context_len, num_kv_heads, head_dim]``."""
+        return self._live()._keys[self._layer(layer)]
+
+    def value(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s values, same shape as ``key(layer)``."""
+        return self._live()._values[self._layer(layer)]
+
+    def kv_tensors(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """All keys and all values, one tensor per layer each."""
+        self._live()
+        return list(self._keys), list(self._values)
+
+    # -- the engine's calls ----------------------------------------------------------
+
+    def alloc_reqid(self) -> int:
+        """A free slot (request id), preferring one that kept its mapped pages.
+
+        The same call sequence returns the same slots on every tensor-parallel rank.
+
+        Raises:
+            ValueError: every slot is allocated.
+        """
+        return self._live()._core.alloc_reqid(self._stream())
+
+    def free_reqid(self, slot: int) -> None:
+        """Free ``slot``: its pages are zero-filled on the current stream and kept for reuse.
+
+        Raises:
+            ValueError: slot out of range or not allocated (double free).
+        """
+        self._live()._core.free_reqid(self._slot(slot), self._stream())
+
+    def step(self, seq_lens: SeqLens) -> None:
+        """Back ``seq_lens[s]`` tokens of every allocated slot before the next iteration.
+
+        Args:
+            seq_lens: max_batch_size non-negative ints (list, numpy array or tensor; a
+                CUDA tensor is copied to the host, which synchronizes); 0 for free slots.
+
+        Raises:
+            ValueError: wrong length, a negative or too large value, a free slot with tokens.
+            vkv.OutOfMemory: not enough pages; nothing changed, ``missing_pages`` says how many.
+        """
+        self._live()._core.step(_as_int64_array(seq_lens), self._stream())
+
+    # -- inspection ------------------------------------------------------------------
+
+    def stats(self) -> Dict[str, Any]:
+        """Page accounting and backend call counts/times (see docs/api.md)."""
+        return self._live()._core.stats()
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._live()._core.num_free_slots
+
+    @property
+    def page_size(self) -> int:
+        return self._live()._core.page_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._live()._core.reserved_bytes
+
+    @property
+    def tokens_per_page(self) -> int:
+        """Tokens of one slot that one page holds (per region)."""
+        core = self._live()._core
+        return core.page_bytes // core.token_bytes
+
+    def is_allocated(self, slot: int) -> bool:
+        return self._live()._core.is_allocated(self._slot(slot))
+
+    def mapped_pages(self, slot: int) -> int:
+        """Pages mapped in each region of ``slot``."""
+        return self._live()._core.mapped_pages(self._slot(slot))
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if the cache's bookkeeping is inconsistent (for tests)."""
+        self._live()._core.check_invariants()
+
+    # -- lifetime --------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._core is None
+
+    def close(self) -> None:
+        """End the cache's API. Memory goes back once no tensor views it. Idempotent."""
+        self._core = None
+        self._keys = []
+        self._values = []
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.num_free_slots} of {self.max_batch_size} slots free"
+        return (
+            f"vkv.KVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, max_batch_size={self.max_batch_size}, max_context_len={self.max_context_len}, "
+            f"device={self.device}, layout={self.layout!r}; {state})"
+        )
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _live(self) -> "KVCache":
+        if self._core is None:
+            raise RuntimeError("this vkv.KVCache is closed")
+        return self
+
+    def _stream(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise ValueError(f"layer = {layer!r} must be an int")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer = {layer} is out of range: the cache has {self.num_layers} layers")
+        return int(layer)
+
+    def _slot(self, slot: int) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+            raise ValueError(f"slot = {slot!r} must be an int")
+        if slot < 0:
+            raise ValueError(f"slot = {slot} is out of range: max_batch_size = {self.max_batch_size}")
+        return int(slot)
+
+
+def _as_int64_array(seq_lens: SeqLens) -> np.ndarray:
+    if isinstance(seq_lens, torch.Tensor):
+        if seq_lens.is_floating_point() or seq_lens.is_complex() or seq_lens.dtype == torch.bool:
+            raise ValueError(f"seq_lens must hold integers, got a tensor of {seq_lens.dtype}")
+        return seq_lens.detach().to("cpu", torch.int64).numpy()
+    array = np.asarray(seq_lens)
+    if array.dtype.kind not in "iu":
+        if array.size == 0:
+            return array.astype(np.int64)
+        raise ValueError(f"seq_lens must hold integers, got {array.dtype}")
+    if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
+        raise ValueError("seq_lens holds a value above 2**63 - 1")
+    return array.astype(np.int64, copy=False)

@@ -1,0 +1,55 @@
+"""Shared fixtures: the devices to test on (cuda only where vkv sees a GPU) and small caches."""
+
+import pytest
+import torch
+
+import vkv
+
+DEVICES = ["cpu"] + (["cuda"] if vkv.cuda_available() and torch.cuda.is_available() else [])
+LAYOUTS = ["interleaved", "per_layer"]
+
+needs_cuda = pytest.mark.skipif(
+    not (vkv.cuda_available() and torch.cuda.is_available()), reason="no CUDA device: GPU tests skipped"
+)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request):
+    return request.param
+
+
+HOST_PAGE = 64 << 10
+
+
+def small_cache(device="cpu", layout="interleaved", dtype=torch.float16, **overrides):
+    """4 layers, 2 KV heads of 64 (fp16 tokens: 256 B per layer region, 2 KiB interleaved).
+
+    On the host, 64 KiB pages and 4096 tokens: 16 pages per per_layer region, 128 per
+    interleaved slot. On CUDA (2 MiB pages) the context grows to keep 16 per_layer pages.
+    """
+    arguments = dict(
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+        max_batch_size=4,
+        max_context_len=4096 if device == "cpu" else 131072,
+        device=device,
+        layout=layout,
+        page_size=HOST_PAGE if device == "cpu" else 0,
+    )
+    arguments.update(overrides)
+    return vkv.KVCache(**arguments)
+
+
+def lens(cache, **slot_tokens):
+    """seq_lens with tokens for the named slots ('s0=5'), 0 elsewhere."""
+    seq_lens = [0] * cache.max_batch_size
+    for name, tokens in slot_tokens.items():
+        seq_lens[int(name[1:])] = tokens
+    return seq_lens

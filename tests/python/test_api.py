@@ -1,0 +1,222 @@
+"""KVCache calls: step/free semantics, stats, errors and their messages, lifetime, module API."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import vkv
+from conftest import HOST_PAGE, lens, small_cache
+
+
+def test_step_maps_pages_as_slots_grow_and_keeps_them_when_freed(device, layout):
+    with small_cache(device, layout) as cache:
+        per_page = cache.tokens_per_page
+        regions = 1 if layout == "interleaved" else 8
+        slot = cache.alloc_reqid()
+        cache.step(lens(cache, s0=per_page + 1))
+        assert cache.mapped_pages(slot) == 2
+        stats = cache.stats()
+        assert stats["pages_in_use"] == 2 * regions
+        assert stats["active_slots"] == 1
+        assert stats["tokens_in_use"] == per_page + 1
+        assert stats["backend"]["map"]["units"] == 2 * regions
+        cache.free_reqid(slot)
+        stats = cache.stats()
+        assert stats["pages_in_use"] == 0 and stats["pages_cached"] == 2 * regions
+        assert cache.alloc_reqid() == slot  # the slot that kept its pages goes out first
+        cache.check_invariants()
+
+
+def test_a_reused_slot_reads_zeros_through_its_tensors(device, layout):
+    with small_cache(device, layout) as cache:
+        slot = cache.alloc_reqid()
+        cache.step(lens(cache, s0=1000))
+        for layer in range(cache.num_layers):
+            cache.key(layer)[slot, :1000] = 7
+            cache.value(layer)[slot, :1000] = 7
+        cache.free_reqid(slot)
+        assert cache.alloc_reqid() == slot
+        cache.step(lens(cache, s0=1000))
+        for layer in range(cache.num_layers):
+            assert not cache.key(layer)[slot, :1000].any()
+            assert not cache.value(layer)[slot, :1000].any()
+
+
+@pytest.mark.parametrize(
+    "as_input", [list, np.array, lambda x: np.array(x, dtype=np.uint32), torch.tensor], ids=["list", "numpy", "uint32", "tensor"]
+)
+def test_step_accepts_lists_arrays_and_tensors(as_input):
+    with small_cache() as cache:
+        cache.alloc_reqid()
+        cache.step(as_input([10, 0, 0, 0]))
+        assert cache.stats()["tokens_in_use"] == 10
+
+
+def test_a_shortage_raises_out_of_memory_with_the_shortfall_and_changes_nothing(layout):
+    regions = 1 if layout == "interleaved" else 8
+    with small_cache(layout=layout, memory_budget=2 * regions * HOST_PAGE) as cache:
+        per_page = cache.tokens_per_page
+        a, b = cache.alloc_reqid(), cache.alloc_reqid()
+        cache.step(lens(cache, s0=per_page))
+        before = cache.stats()
+        with pytest.raises(vkv.OutOfMemory) as raised:  # 3 pages per region, budget 2
+            cache.step(lens(cache, s0=per_page, s1=2 * per_page))
+        error = raised.value
+        assert isinstance(error, MemoryError)
+        assert error.missing_pages == regions
+        assert error.missing_bytes == regions * HOST_PAGE
+        assert "budget" in str(error)
+        after = cache.stats()
+        for key in ("pages_created", "pages_in_use", "tokens_in_use", "pages_mapped"):
+            assert after[key] == before[key]
+        assert cache.mapped_pages(b) == 0
+        cache.check_invariants()
+        cache.free_reqid(b)  # preempt b: now a can grow
+        cache.step(lens(cache, s0=2 * per_page))
+        assert cache.mapped_pages(a) == 2
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda c: c.step([1, 0, 0]), "max_batch = 4"),
+        (lambda c: c.step([[1, 0, 0, 0]]), "one-dimensional"),
+        (lambda c: c.step([-1, 0, 0, 0]), "negative"),
+        (lambda c: c.step([1.5, 0, 0, 0]), "integers"),
+        (lambda c: c.step(torch.tensor([1.0, 0, 0, 0])), "integers"),
+        (lambda c: c.step([5000, 0, 0, 0]), "exceeds max_context = 4096"),
+        (lambda c: c.step([0, 3, 0, 0]), "slot 1 is not allocated"),
+        (lambda c: c.free_reqid(1), "double free"),
+        (lambda c: c.free_reqid(4), "out of range"),
+        (lambda c: c.free_reqid(-1), "out of range"),
+        (lambda c: c.free_reqid("0"), "must be an int"),
+        (lambda c: c.key(4), "layer = 4 is out of range"),
+        (lambda c: c.value(-1), "out of range"),
+        (lambda c: c.mapped_pages(9), "slot = 9"),
+    ],
+)
+def test_bad_calls_raise_value_error_naming_the_value_and_change_nothing(call, message):
+    with small_cache() as cache:
+        cache.alloc_reqid()
+        cache.step([5, 0, 0, 0])
+        before = cache.stats()
+        with pytest.raises(ValueError, match=message):
+            call(cache)
+        after = cache.stats()
+        assert (after["tokens_in_use"], after["active_slots"], after["pages_mapped"]) == (5, 1, before["pages_mapped"])
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(num_layers=0), "num_layers = 0"),
+        (dict(num_kv_heads=-2), "num_kv_heads = -2"),
+        (dict(head_dim=1.5), "head_dim"),
+        (dict(dtype="float16"), "torch.dtype"),
+        (dict(dtype=torch.complex128), "dtype_bytes = 16"),
+        (dict(layout="paged"), "layout"),
+        (dict(device="tpu"), "device"),
+        (dict(max_batch_size=0), "max_batch_size = 0"),
+        (dict(max_context_len=2**32, max_batch_size=10**5), "virtual address space"),
+        (dict(layers_per_group=3), "layers_per_group = 3"),
+        (dict(page_size=3 << 16), "page_bytes"),
+        (dict(memory_budget=0), "memory_budget"),
+        (dict(memory_budget=100), "less than one page"),
+    ],
+)
+def test_bad_configs_raise_value_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_cache(**overrides)
+
+
+def test_alloc_when_full_raises_value_error():
+    with small_cache() as cache:
+        assert sorted(cache.alloc_reqid() for _ in range(4)) == [0, 1, 2, 3]
+        assert cache.num_free_slots == 0
+        with pytest.raises(ValueError, match="no free slot"):
+            cache.alloc_reqid()
+
+
+@pytest.mark.skipif(vkv.cuda_available(), reason="a CUDA device is present")
+def test_cuda_without_a_gpu_is_refused_clearly():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        small_cache(device="cuda")
+
+
+def test_a_closed_cache_refuses_calls_but_its_tensors_stay_valid(device):
+    cache = small_cache(device)
+    slot = cache.alloc_reqid()
+    cache.step(lens(cache, s0=64))
+    key = cache.key(0)
+    key[slot, :64] = 2.0
+    cache.close()
+    cache.close()  # idempotent
+    assert cache.closed
+    for call in (cache.alloc_reqid, cache.stats, lambda: cache.step([0] * 4), lambda: cache.key(0)):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    del cache
+    gc.collect()
+    # The storage holds the memory: still mapped, still ours.
+    assert key[slot, :64].sum().item() == 2.0 * 64 * 2 * 64
+    key[slot, :64] = 3.0
+    assert key[slot, 0, 0, 0].item() == 3.0
+
+
+def test_memory_goes_back_when_the_last_tensor_dies():
+    cache = small_cache()
+    cache.alloc_reqid()
+    cache.step([4096, 0, 0, 0])
+    core = cache._core  # only to observe the C++ object's lifetime
+    import weakref
+
+    key = cache.key(0)
+    cache.close()
+    assert core is not None
+    del core
+    referent = weakref.ref(key)
+    del key
+    gc.collect()
+    assert referent() is None
+
+
+def test_module_level_api_in_the_papers_shape():
+    with pytest.raises(RuntimeError, match="init"):
+        vkv.alloc_reqid()
+    k_cache, v_cache = vkv.init(
+        num_layers=2, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16, max_batch_size=2, max_context_len=512, device="cpu"
+    )
+    try:
+        assert len(k_cache) == len(v_cache) == 2
+        assert k_cache[0].shape == (2, 512, 1, 64)
+        with pytest.raises(RuntimeError, match="already"):
+            vkv.init(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16, max_batch_size=1, max_context_len=8, device="cpu")
+        reqid = vkv.alloc_reqid()
+        vkv.step([100 if s == reqid else 0 for s in range(2)])
+        k_cache[1][reqid, :100] = 1
+        assert vkv.stats()["tokens_in_use"] == 100
+        vkv.free_reqid(reqid)
+        assert vkv.default_cache().num_free_slots == 2
+    finally:
+        vkv.shutdown()
+    vkv.shutdown()
+    with pytest.raises(RuntimeError):
+        vkv.step([0, 0])
+
+
+def test_repr_and_properties():
+    with small_cache() as cache:
+        assert "4 of 4 slots free" in repr(cache)
+        assert cache.page_size == HOST_PAGE
+        assert cache.tokens_per_page == HOST_PAGE // (4 * 2 * 2 * 64 * 2)
+        assert cache.reserved_bytes == 4 * 4096 * 4 * 2 * 2 * 64 * 2
+    assert "closed" in repr(cache)
+
+
+def test_driver_error_is_a_runtime_error():
+    assert issubclass(vkv.DriverError, RuntimeError)
+    error = vkv.DriverError("cuMemMap failed: CUDA_ERROR_INVALID_VALUE (1)", "cuMemMap", 1)
+    assert error.call == "cuMemMap" and error.code == 1
