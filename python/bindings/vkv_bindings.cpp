@@ -7,7 +7,6 @@
 // Locks: every call releases the GIL before it takes the cache's mutex, and nothing in
 // vkv takes the GIL while holding that mutex, so the two cannot deadlock.
 #include <ATen/ATen.h>
-#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -75,13 +74,17 @@ at::Tensor reservation_tensor(const std::shared_ptr<KvCache>& cache, const std::
       .make_tensor();
 }
 
-void step(KvCache& cache, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& seq_lens,
-          std::uintptr_t stream) {
-  if (seq_lens.ndim() != 1)
-    throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(seq_lens.ndim()) +
+// seq_lens arrives as a CPU int64 tensor (python/vkv/_cache.py converts lists, arrays and
+// tensors): torch's own caster, rather than numpy's C API, whose layout changed in numpy 2.
+void step(KvCache& cache, const at::Tensor& seq_lens, std::uintptr_t stream) {
+  if (seq_lens.dim() != 1)
+    throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(seq_lens.dim()) +
                                " dimensions");
-  std::vector<std::size_t> lengths(static_cast<std::size_t>(seq_lens.shape(0)));
-  const int64_t* values = seq_lens.data();
+  if (seq_lens.scalar_type() != at::kLong || !seq_lens.device().is_cpu())
+    throw vkv::InvalidArgument("internal: seq_lens must reach the core as a CPU int64 tensor");
+  const at::Tensor contiguous = seq_lens.contiguous();
+  std::vector<std::size_t> lengths(static_cast<std::size_t>(contiguous.size(0)));
+  const int64_t* values = contiguous.data_ptr<int64_t>();
   for (std::size_t s = 0; s < lengths.size(); ++s) {
     if (values[s] < 0)
       throw vkv::InvalidArgument("seq_lens[" + std::to_string(s) + "] = " + std::to_string(values[s]) +
