@@ -189,9 +189,18 @@ void CudaBackend::synchronize(Stream stream) {
   VKV_CU_TRY(cuStreamSynchronize, as_stream(stream));
 }
 
+Stream CudaBackend::create_stream() {
+  ContextScope scope(*this);
+  CUstream stream = nullptr;
+  VKV_CU_TRY(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
+  return reinterpret_cast<Stream>(stream);
+}
+
+void CudaBackend::destroy_stream(Stream stream) noexcept { cuda::driver().cuStreamDestroy(as_stream(stream)); }
+
 void CudaBackend::synchronize_device() {
   ContextScope scope(*this);
-  VKV_CU_TRY(cuCtxSynchronize);
+  cuda::check(cuda::driver().cuCtxSynchronize(), "cuCtxSynchronize");
 }
 
 }  // namespace vkv

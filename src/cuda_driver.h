@@ -22,7 +22,8 @@
   X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) \
   X(cuMemUnmap) X(cuMemSetAccess) X(cuMemsetD8Async) X(cuMemcpyAsync) X(cuEventCreate)  \
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)               \
-  X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize)
+  X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize) \
+  X(cuStreamCreate) X(cuStreamDestroy)
 
 namespace vkv::cuda {
 

@@ -115,5 +115,7 @@ void HostBackend::stream_wait_event(Stream, Event) {}
 void HostBackend::destroy_event(Event) noexcept {}
 void HostBackend::synchronize(Stream) {}
 void HostBackend::synchronize_device() {}
+Stream HostBackend::create_stream() { return 0; }  // host work is synchronous: every stream is the same
+void HostBackend::destroy_stream(Stream) noexcept {}
 
 }  // namespace vkv

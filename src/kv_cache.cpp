@@ -1,8 +1,8 @@
-// KvCache: slot bookkeeping, on-demand mapping, deferred and event-ordered reclamation.
+// KvCache: slot bookkeeping, on-demand mapping, background mapping ahead, and
+// deferred, event-ordered reclamation.
 #include "vkv/kv_cache.h"
 
 #include <algorithm>
-#include <limits>
 #include <unordered_set>
 
 #include "format.h"
@@ -10,6 +10,10 @@
 
 namespace vkv {
 namespace {
+
+// Most pages one background unit maps or unmaps: bounds how long step() can wait for
+// the mapper on a slot (about 1 ms on an H100).
+constexpr std::size_t kPagesPerBackgroundUnit = 32;
 
 std::shared_ptr<StatisticsBackend> counted_backend(const CacheConfig& config, std::shared_ptr<Backend> backend) {
   validate(config);
@@ -49,13 +53,22 @@ KvCache::KvCache(const CacheConfig& config, std::shared_ptr<Backend> backend)
               " x ", layout_.slot_bytes(), " bytes per slot) but backend '", backend_->name(),
               "' can reserve at most ", limit, " bytes (", detail::format_bytes(limit),
               "): lower max_batch or max_context");
+  watermark_pages_ = config.reclaim_watermark_pages != 0 ? config.reclaim_watermark_pages : pool_.budget_pages() / 32;
   pool_.precreate(config.precreate_pages);
   slots_.resize(config.max_batch);
   for (Slot& slot : slots_) slot.pages.resize(layout_.num_regions());
-  base_ = backend_->reserve(needed);  // last: nothing after it can throw
+  if (config.background_mapping) background_stream_ = backend_->create_stream();
+  try {
+    base_ = backend_->reserve(needed);
+  } catch (...) {
+    if (config.background_mapping) backend_->destroy_stream(background_stream_);
+    throw;
+  }
+  if (config.background_mapping) mapper_ = std::make_unique<Mapper>([this] { return background_work(); });
 }
 
 KvCache::~KvCache() {
+  stop_background();
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     backend_->synchronize_device();
@@ -73,19 +86,36 @@ KvCache::~KvCache() {
       // The driver is going away (process exit); the pages die with the context.
     }
   }
+  if (config_.background_mapping) backend_->destroy_stream(background_stream_);
   backend_->free_reservation(base_, layout_.reserved_bytes());
+}
+
+void KvCache::stop_background() noexcept {
+  if (mapper_) mapper_->stop();
 }
 
 void KvCache::expect_slot_in_range(std::size_t slot) const {
   VKV_EXPECTS(slot < slots_.size(), "slot = ", slot, " is out of range: max_batch = ", slots_.size());
 }
 
-std::size_t KvCache::alloc_reqid(Stream stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+void KvCache::rethrow_background_error() {
+  if (!mapper_) return;
+  if (std::exception_ptr error = mapper_->take_error()) std::rethrow_exception(error);
+}
+
+std::size_t KvCache::next_alloc_slot() const noexcept {
   std::size_t best = slots_.size();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    if (!slots_[s].allocated && (best == slots_.size() || slots_[s].mapped() > slots_[best].mapped())) best = s;
+    if (!slots_[s].allocated && (best == slots_.size() || slots_[s].kept_at_free > slots_[best].kept_at_free))
+      best = s;
   }
+  return best;
+}
+
+std::size_t KvCache::alloc_reqid(Stream stream) {
+  rethrow_background_error();
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t best = next_alloc_slot();
   VKV_EXPECTS(best < slots_.size(), "no free slot: all max_batch = ", slots_.size(),
               " slots are allocated (free_reqid one first)");
   Slot& slot = slots_[best];
@@ -95,17 +125,23 @@ std::size_t KvCache::alloc_reqid(Stream stream) {
   slot.allocated = true;
   slot.seq_len = 0;
   slot.claimed = 0;
+  slot.kept_at_free = 0;
+  if (mapper_) mapper_->wake();  // the next slot to keep a prefill's pages in has changed
   return best;
 }
 
 void KvCache::free_reqid(std::size_t slot_index, Stream stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(slot_index);
   Slot& slot = slots_[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
               " is not allocated: double free, or a slot alloc_reqid() did not return");
-  if (slot.claimed > 0) {
-    // Pages beyond `claimed` still hold the zeros of the previous free: only the claimed ones need it.
+  if (!config_.deferred_reclamation) {
+    background_done_.wait(lock, [&] { return !slot.busy(); });
+    release_now(slot_index, stream);
+  } else if (slot.claimed > 0) {
+    // Pages beyond `claimed` hold zeros already: only the claimed ones need a fill.
     if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
     for (std::size_t r = 0; r < layout_.num_regions(); ++r)
       backend_->zero(page_address(r, slot_index, 0), slot.claimed * layout_.page_bytes(), stream);
@@ -113,44 +149,83 @@ void KvCache::free_reqid(std::size_t slot_index, Stream stream) {
     if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
     slot.free_event = event;
   }
+  slot.kept_at_free = config_.deferred_reclamation ? slot.claimed : 0;
   slot.allocated = false;
   slot.seq_len = 0;
   slot.claimed = 0;
   slot.freed_at = ++frees_;
+  if (mapper_) mapper_->wake();
+}
+
+// Without deferred reclamation: wait for the slot's last readers, then hand its pages
+// back to the driver (the behaviour of an allocator that frees at once).
+void KvCache::release_now(std::size_t slot_index, Stream stream) {
+  Slot& slot = slots_[slot_index];
+  if (slot.mapped() == 0) return;
+  const Event event = backend_->record_event(stream);
+  if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
+  slot.free_event = event;
+  std::vector<Page> pages;
+  unmap_tail(slot_index, 0, pages);
+  for (const Page& page : pages) pool_.give_back(page);
+  pool_.trim(pool_.free_pages() - pages.size());
 }
 
 void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
   VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch = ", slots_.size(),
               " (0 for slots not in use)");
   VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
+  for (std::size_t s = 0; s < count; ++s) {
+    VKV_EXPECTS(seq_lens[s] <= config_.max_context, "seq_lens[", s, "] = ", seq_lens[s], " exceeds max_context = ",
+                config_.max_context);
+    VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
+                " is not allocated (alloc_reqid() first)");
+  }
   // claims[s]: pages per region slot s keeps after this call; free slots claim none.
   std::vector<std::size_t> claims(count, 0);
-  std::size_t missing = 0;
-  for (std::size_t s = 0; s < count; ++s) {
-    const std::size_t tokens = seq_lens[s];
-    VKV_EXPECTS(tokens <= config_.max_context, "seq_lens[", s, "] = ", tokens, " exceeds max_context = ",
-                config_.max_context);
-    VKV_EXPECTS(tokens == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", tokens, " but slot ", s,
-                " is not allocated (alloc_reqid() first)");
-    claims[s] = std::max(slots_[s].claimed, layout_.pages_for_tokens(tokens));
-    const std::size_t mapped = slots_[s].mapped();
-    if (claims[s] > mapped) missing += (claims[s] - mapped) * layout_.num_regions();
+  for (;;) {
+    std::size_t missing = 0;
+    bool waits_for_mapper = false;
+    for (std::size_t s = 0; s < count; ++s) {
+      const Slot& slot = slots_[s];
+      claims[s] = std::max(slot.claimed, layout_.pages_for_tokens(seq_lens[s]));
+      if (claims[s] > slot.mapped()) missing += (claims[s] - slot.mapped()) * layout_.num_regions();
+      // The mapper is mapping (or unmapping) pages this slot needs: they are nearly done.
+      if (slot.busy() && claims[s] > slot.busy_from) waits_for_mapper = true;
+    }
+    if (waits_for_mapper) {
+      background_done_.wait(lock);
+      continue;
+    }
+    if (missing == 0) break;
+    try {
+      map_missing(claims, missing, stream);
+      break;
+    } catch (const OutOfMemory&) {
+      // Pages the mapper is moving are not lost: decide once it has put them down.
+      if (!background_busy()) throw;
+      background_done_.wait(lock, [&] { return !background_busy(); });
+    }
   }
-  if (missing > 0) map_missing(claims, missing, stream);
   for (std::size_t s = 0; s < count; ++s) {
-    slots_[s].seq_len = seq_lens[s];
-    slots_[s].claimed = claims[s];
+    Slot& slot = slots_[s];
+    if (slot.claimed == 0 && seq_lens[s] > 0)  // a prefill: what the next one may need
+      prompt_estimate_ = prompt_estimate_ == 0 ? seq_lens[s] : (3 * prompt_estimate_ + seq_lens[s]) / 4;
+    slot.seq_len = seq_lens[s];
+    slot.claimed = claims[s];
   }
+  if (mapper_) mapper_->wake();
 }
 
 void KvCache::map_missing(const std::vector<std::size_t>& claims, std::size_t missing, Stream stream) {
-  std::size_t unclaimed = 0;  // mapped pages no slot claims: surplus and freed slots' pages
+  std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
   std::size_t claimed_mapped = 0;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const std::size_t mapped = slots_[s].mapped();
-    unclaimed += mapped > claims[s] ? mapped - claims[s] : 0;
     claimed_mapped += std::min(mapped, claims[s]);
+    if (!slots_[s].busy() && mapped > claims[s]) unclaimed += mapped - claims[s];
   }
   const std::size_t regions = layout_.num_regions();
   const std::size_t obtainable = pool_.obtainable_pages() + unclaimed * regions;
@@ -227,11 +302,11 @@ void KvCache::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const
   // then the least recently freed slot (the most recent is the likeliest to be reused).
   std::size_t victim = slots_.size();
   for (std::size_t s = 0; s < slots_.size() && victim == slots_.size(); ++s)
-    if (slots_[s].allocated && slots_[s].mapped() > claims[s]) victim = s;
+    if (slots_[s].allocated && !slots_[s].busy() && slots_[s].mapped() > claims[s]) victim = s;
   if (victim == slots_.size()) {
     for (std::size_t s = 0; s < slots_.size(); ++s) {
       const Slot& slot = slots_[s];
-      if (slot.allocated || slot.mapped() == 0) continue;
+      if (slot.allocated || slot.busy() || slot.mapped() == 0) continue;
       if (victim == slots_.size() || slot.freed_at < slots_[victim].freed_at) victim = s;
     }
   }
@@ -257,7 +332,7 @@ void KvCache::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<P
       backend_->map(page_address(r, slot_index, keep), slot.pages[r].data() + keep, mapped - keep);
     throw;
   }
-  // Unclaimed pages were zero-filled at free_reqid(), and waited for above: clean.
+  // Unclaimed pages were zero-filled at free_reqid() (or by the mapper), and waited for above: clean.
   const bool clean = keep >= slot.claimed;
   for (std::vector<PageHandle>& pages : slot.pages) {
     for (std::size_t i = keep; i < mapped; ++i) into.push_back({pages[i], clean});
@@ -286,6 +361,150 @@ void KvCache::wait_free_event(Slot& slot) {
   backend_->destroy_event(slot.free_event);
   slot.free_event = 0;
 }
+
+// ---- background work ------------------------------------------------------------------
+
+bool KvCache::background_busy() const noexcept {
+  return in_flight_pages_ > 0 || std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
+}
+
+std::size_t KvCache::map_ahead_now() {
+  rethrow_background_error();
+  std::size_t units = 0;
+  while (background_work()) ++units;
+  return units;
+}
+
+bool KvCache::background_work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const std::size_t max_pages = layout_.pages_per_slot();
+  // 1. Lookahead: each allocated slot's next iterations.
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
+    const std::size_t target = std::min(
+        max_pages, layout_.pages_for_tokens(std::min(config_.max_context, slot.seq_len + config_.lookahead_tokens)));
+    if (target > slot.mapped() && grow_in_background(lock, s, target)) return true;
+  }
+  // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
+  const std::size_t eager_tokens = config_.eager_tokens == kAdaptive ? prompt_estimate_ : config_.eager_tokens;
+  const std::size_t next = next_alloc_slot();
+  if (eager_tokens > 0 && next < slots_.size() && !slots_[next].busy()) {
+    const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(std::min(config_.max_context, eager_tokens)));
+    if (target > slots_[next].mapped() && grow_in_background(lock, next, target)) return true;
+  }
+  // 3. Below the watermark, unmap the least recently freed slot's pages into the pool,
+  //    so that step() does not have to. Only once its last readers are done.
+  const std::size_t obtainable = pool_.obtainable_pages();
+  if (obtainable >= watermark_pages_) return false;
+  std::size_t victim = slots_.size();
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    if (slot.allocated || slot.busy() || slot.mapped() == 0 || s == next) continue;
+    if (victim == slots_.size() || slot.freed_at < slots_[victim].freed_at) victim = s;
+  }
+  if (victim == slots_.size()) return false;
+  Slot& slot = slots_[victim];
+  if (slot.free_event != 0) {
+    if (!backend_->event_done(slot.free_event)) return false;  // later: the mapper is woken by every call
+    backend_->destroy_event(slot.free_event);
+    slot.free_event = 0;
+  }
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t pages = std::min(slot.mapped(), (watermark_pages_ - obtainable + regions - 1) / regions);
+  return shrink_in_background(lock, victim, pages);
+}
+
+bool KvCache::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t target) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t first = slot.mapped();
+  // Only from memory nobody else has: mapping ahead never takes pages from another slot.
+  const std::size_t per_region = std::min({target - first, pool_.obtainable_pages() / regions,
+                                           std::max<std::size_t>(1, kPagesPerBackgroundUnit / regions)});
+  if (per_region == 0) return false;
+  const std::size_t count = per_region * regions;
+  std::vector<Page> pages = pool_.take_free(count);
+  const std::size_t to_create = pool_.begin_create(count - pages.size());
+  in_flight_pages_ += count;
+  slot.busy_from = first;
+  lock.unlock();
+
+  std::size_t created = 0;
+  std::size_t regions_mapped = 0;
+  bool zeroed = false;
+  try {
+    for (; created < to_create; ++created) pages.push_back({backend_->create_page(), false});
+    std::vector<PageHandle> handles(per_region);
+    for (; regions_mapped < regions; ++regions_mapped) {
+      const Page* run = &pages[regions_mapped * per_region];
+      for (std::size_t i = 0; i < per_region; ++i) handles[i] = run[i].handle;
+      const Address address = page_address(regions_mapped, slot_index, first);
+      backend_->map(address, handles.data(), per_region);
+      for (std::size_t i = 0; i < per_region; ++i) {
+        if (!run[i].clean) {
+          backend_->zero(address + i * layout_.page_bytes(), layout_.page_bytes(), background_stream_);
+          zeroed = true;
+        }
+      }
+    }
+    // Published pages must read as zeros to whoever gets them, on any stream.
+    if (zeroed) backend_->synchronize(background_stream_);
+  } catch (...) {
+    for (std::size_t r = 0; r < regions_mapped; ++r) {
+      try {
+        backend_->unmap(page_address(r, slot_index, first), per_region * layout_.page_bytes());
+      } catch (...) {
+        // Already failing; report the first error.
+      }
+    }
+    lock.lock();
+    for (const Page& page : pages) pool_.give_back({page.handle, false});
+    pool_.end_create(to_create, created);
+    in_flight_pages_ -= count;
+    slot.busy_from = kNotBusy;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  for (std::size_t r = 0; r < regions; ++r)
+    for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);
+  in_flight_pages_ -= count;
+  slot.busy_from = kNotBusy;
+  background_done_.notify_all();
+  return true;
+}
+
+bool KvCache::shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t pages) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t mapped = slot.mapped();
+  const std::size_t keep = mapped - pages;
+  slot.busy_from = keep;
+  lock.unlock();
+  std::size_t region = 0;
+  try {
+    for (; region < layout_.num_regions(); ++region)
+      backend_->unmap(page_address(region, slot_index, keep), pages * layout_.page_bytes());
+  } catch (...) {
+    for (std::size_t r = 0; r < region; ++r)
+      backend_->map(page_address(r, slot_index, keep), slot.pages[r].data() + keep, pages);
+    lock.lock();
+    slot.busy_from = kNotBusy;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  // Unclaimed (step() waits for a busy slot before claiming past busy_from): clean.
+  for (std::vector<PageHandle>& handles : slot.pages) {
+    for (std::size_t i = keep; i < mapped; ++i) pool_.give_back({handles[i], true});
+    handles.resize(keep);
+  }
+  slot.busy_from = kNotBusy;
+  background_done_.notify_all();
+  return true;
+}
+
+// ---- inspection -----------------------------------------------------------------------
 
 std::size_t KvCache::num_free_slots() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -346,7 +565,8 @@ void KvCache::check_invariants() const {
     expect(slot.claimed <= mapped, where + ": its claimed pages are mapped");
     mapped_total += mapped * layout_.num_regions();
   }
-  expect(pool_.created_pages() == pool_.free_pages() + mapped_total, "created pages = free + mapped");
+  expect(pool_.created_pages() == pool_.free_pages() + mapped_total + in_flight_pages_,
+         "created pages = free + mapped + in flight in the mapper");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");
 }
 

@@ -40,6 +40,22 @@ std::vector<Page> PagePool::take(std::size_t count) {
   return pages;
 }
 
+std::vector<Page> PagePool::take_free(std::size_t count) {
+  const std::size_t taken = std::min(count, free_.size());
+  std::vector<Page> pages(free_.end() - static_cast<std::ptrdiff_t>(taken), free_.end());
+  free_.resize(free_.size() - taken);
+  return pages;
+}
+
+std::size_t PagePool::begin_create(std::size_t count) noexcept {
+  const std::size_t creatable = budget_pages_ > created_pages_ ? budget_pages_ - created_pages_ : 0;
+  const std::size_t reserved = std::min(count, creatable);
+  created_pages_ += reserved;
+  return reserved;
+}
+
+void PagePool::end_create(std::size_t reserved, std::size_t made) noexcept { created_pages_ -= reserved - made; }
+
 void PagePool::give_back(Page page) { free_.push_back(page); }
 
 void PagePool::precreate(std::size_t count) {

@@ -79,6 +79,10 @@ class Backend {
   virtual void synchronize(Stream stream) = 0;
   /// Blocks until all work on the device, on every stream, has completed.
   virtual void synchronize_device() = 0;
+  /// A stream of the backend's own that does not wait for the legacy default stream
+  /// (the mapper zero-fills there while the model's kernels run). @throws DriverError.
+  virtual Stream create_stream() = 0;
+  virtual void destroy_stream(Stream stream) noexcept = 0;
 };
 
 /// The backend a Device names: CUDA when kind is cuda, or automatic with a device present.

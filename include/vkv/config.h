@@ -57,7 +57,26 @@ struct CacheConfig {
   std::size_t budget_bytes = 0;
   /// Physical pages created up front so that cuMemCreate leaves the step() path.
   std::size_t precreate_pages = 0;
+
+  // Hiding mapping latency (vAttention section 5.4); each can be switched off for ablation.
+  /// A background thread maps ahead what the next iterations will need. Off: step() maps
+  /// everything itself.
+  bool background_mapping = true;
+  /// Tokens the mapper backs beyond each allocated slot's last seq_len.
+  std::size_t lookahead_tokens = 32;
+  /// Tokens the mapper keeps backed in the slot alloc_reqid() hands out next, for the next
+  /// prefill: kAdaptive follows recent prompt lengths, 0 turns eager allocation off.
+  std::size_t eager_tokens = static_cast<std::size_t>(-1);
+  /// Freed slots keep their pages for the next owner. Off: free_reqid() waits for the
+  /// device and gives the slot's pages back to the driver at once.
+  bool deferred_reclamation = true;
+  /// The mapper unmaps freed slots' pages into the pool, ahead of need, while fewer than
+  /// this many pages can be had without unmapping; 0 = budget / 32.
+  std::size_t reclaim_watermark_pages = 0;
 };
+
+/// CacheConfig::eager_tokens: follow the prompt lengths seen so far.
+inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
 
 /// Upper limits on shape fields; far above real models, low enough that byte
 /// counts cannot overflow 64 bits before the address-space check rejects them.

@@ -50,6 +50,8 @@ class CudaBackend final : public Backend {
   void destroy_event(Event event) noexcept override;
   void synchronize(Stream stream) override;
   void synchronize_device() override;
+  Stream create_stream() override;
+  void destroy_stream(Stream stream) noexcept override;
 
  private:
   class ContextScope;

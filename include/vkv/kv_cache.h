@@ -1,19 +1,28 @@
 // The KV cache: slots over one virtual reservation, backed page by page on demand.
 //
 // The engine's calls, in the vAttention paper's shape:
-//   alloc_reqid()      a free slot, preferring one that still holds mapped pages
+//   alloc_reqid()      a free slot, preferring one that kept its pages
 //   step(seq_lens)     back seq_lens[s] tokens of every allocated slot s, or throw
 //                      OutOfMemory with no effect at all
 //   free_reqid(slot)   the slot's pages are zero-filled on the stream and kept
 //                      mapped for the next owner (deferred reclamation)
 // Addresses never move: views computed from base() and layout() stay valid for the
-// cache's life, mapped or not. Pages of freed slots are unmapped (reclaimed) only
-// when step() needs them, and only after the event recorded at free_reqid() has
-// completed, since the driver's unmap does not wait for running kernels.
+// cache's life, mapped or not. Pages of freed slots are unmapped (reclaimed) only when
+// memory runs low, and only after the event recorded at free_reqid() has completed,
+// since the driver's unmap does not wait for running kernels.
 //
-// Thread-safety: every public call is thread-safe; one mutex serializes them.
+// A background mapper (config.background_mapping) maps what the next iterations will
+// need while the current one computes: each allocated slot's seq_len plus a lookahead,
+// and the pages of the next prefill in the slot alloc_reqid() will hand out next. It
+// keeps the pool above a watermark by unmapping freed slots' pages ahead of need.
+// step() maps only what is still missing; it waits for the mapper only where the
+// mapper is mapping the very pages it needs.
+//
+// Thread-safety: every public call is thread-safe; one mutex serializes them. The
+// mapper thread takes the same mutex, and makes its slow backend calls without it.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -23,6 +32,7 @@
 #include "vkv/backend.h"
 #include "vkv/config.h"
 #include "vkv/layout.h"
+#include "vkv/mapper.h"
 #include "vkv/page_pool.h"
 #include "vkv/statistics_backend.h"
 #include "vkv/stats.h"
@@ -31,14 +41,14 @@ namespace vkv {
 
 class KvCache {
  public:
-  /// Reserves the address space and, if asked, pre-creates pages. `backend` null builds
-  /// the one config.device names.
+  /// Reserves the address space, pre-creates pages if asked and starts the mapper.
+  /// `backend` null builds the one config.device names.
   /// @throws InvalidArgument for a bad config, a page size the backend cannot use, or an
   ///         address space larger than the backend can reserve (the message gives both);
   ///         OutOfMemory / DriverError from the backend.
   explicit KvCache(const CacheConfig& config, std::shared_ptr<Backend> backend = nullptr);
-  /// Waits for all device work, then unmaps and releases everything: the last owner of a
-  /// tensor over the cache may go away while kernels reading it still run.
+  /// Stops the mapper, waits for all device work, then unmaps and releases everything:
+  /// the last owner of a tensor over the cache may go away while kernels still read it.
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
@@ -50,14 +60,16 @@ class KvCache {
   /// The backend, behind the statistics adaptor (calls made through it are counted).
   Backend& backend() const noexcept { return *backend_; }
 
-  /// Hands out a free slot: the one holding the most mapped pages, lowest index on ties,
-  /// so the same call sequence gives the same slots on every tensor-parallel rank.
-  /// Later work on `stream` is ordered after the zero-fill of the slot's pages.
-  /// @throws InvalidArgument when every slot is allocated.
+  /// Hands out a free slot: the one that held the most pages when it was freed, lowest
+  /// index on ties, so the same call sequence gives the same slots on every
+  /// tensor-parallel rank whatever the mapper did meanwhile. Later work on `stream` is
+  /// ordered after the zero-fill of the slot's pages.
+  /// @throws InvalidArgument when every slot is allocated; an error of the mapper thread.
   std::size_t alloc_reqid(Stream stream = 0);
 
   /// Frees an allocated slot: enqueues a zero-fill of the pages its seq_lens reached on
-  /// `stream` and records an event behind it; the pages stay mapped for the next owner.
+  /// `stream` and records an event behind it; the pages stay mapped for the next owner
+  /// (or go back to the driver, with deferred_reclamation off).
   /// Contract: an owner writes only tokens below the seq_len it gave step().
   /// @throws InvalidArgument for a slot out of range or not allocated (double free).
   void free_reqid(std::size_t slot, Stream stream = 0);
@@ -69,16 +81,25 @@ class KvCache {
   /// owner needs: surplus pages of allocated slots, then the least recently freed slot.
   /// @throws InvalidArgument for a bad length or value (nothing changes);
   ///         OutOfMemory carrying the number of missing pages when the budget cannot
-  ///         cover them (nothing changes: no slot gains a page); DriverError.
+  ///         cover them (nothing changes: no slot gains a page); DriverError; an error of
+  ///         the mapper thread.
   void step(const std::size_t* seq_lens, std::size_t count, Stream stream = 0);
   void step(const std::vector<std::size_t>& seq_lens, Stream stream = 0) {
     step(seq_lens.data(), seq_lens.size(), stream);
   }
 
+  /// Does on the calling thread what the mapper would do next, until nothing is left;
+  /// returns the number of units done. For tests, benchmarks, and engines that want
+  /// the work done at a known time (e.g. with background_mapping off).
+  std::size_t map_ahead_now();
+  /// Stops and joins the mapper thread; the cache goes on without it. Idempotent.
+  void stop_background() noexcept;
+
   std::size_t num_free_slots() const;
   /// @throws InvalidArgument for a slot out of range.
   bool is_allocated(std::size_t slot) const;
-  /// Pages mapped in each region of `slot` (the same in every region).
+  /// Pages mapped in each region of `slot` (the same in every region). With the mapper on,
+  /// this may grow at any time beyond what step() needed.
   /// @throws InvalidArgument for a slot out of range.
   std::size_t mapped_pages(std::size_t slot) const;
 
@@ -88,29 +109,45 @@ class KvCache {
   void check_invariants() const;
 
  private:
+  static constexpr std::size_t kNotBusy = static_cast<std::size_t>(-1);
+
   struct Slot {
     bool allocated = false;
     std::size_t seq_len = 0;                      // from the last step()
     // Pages per region the owner has needed since alloc_reqid(). Mapped pages beyond
-    // it were inherited from a previous owner, hold zeros and no kernel reads them:
-    // they are as reclaimable as a freed slot's.
+    // it hold zeros and no kernel of the owner reads them: they are as reclaimable as
+    // a freed slot's.
     std::size_t claimed = 0;
     std::vector<std::vector<PageHandle>> pages;   // [region][page]: pages [0, n) mapped in each region
     Event free_event = 0;                         // behind the zero-fill at free_reqid(); 0 once waited for
     std::uint64_t freed_at = 0;                   // free_reqid() order, for least-recently-freed reclamation
+    std::size_t kept_at_free = 0;                 // claimed when freed: alloc_reqid()'s preference
+    // While the mapper maps or unmaps pages [busy_from, ...) of this slot outside the
+    // lock, kNotBusy otherwise. Nobody else touches the slot's pages at or past it.
+    std::size_t busy_from = kNotBusy;
     std::size_t mapped() const noexcept { return pages.empty() ? 0 : pages.front().size(); }
+    bool busy() const noexcept { return busy_from != kNotBusy; }
   };
 
   Address page_address(std::size_t region, std::size_t slot, std::size_t page) const noexcept {
     return base_ + layout_.page_offset(region, slot, page);
   }
   void expect_slot_in_range(std::size_t slot) const;
+  void rethrow_background_error();
+  std::size_t next_alloc_slot() const noexcept;
   void map_missing(const std::vector<std::size_t>& claims, std::size_t missing, Stream stream);
   std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& claims);
   void reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& claims);
   void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
   void zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream);
   void wait_free_event(Slot& slot);
+  void release_now(std::size_t slot, Stream stream);
+
+  // Background work (mapper.h): one unit per call, under `lock`, slow calls without it.
+  bool background_work();
+  bool background_busy() const noexcept;
+  bool grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target);
+  bool shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages);
 
   CacheConfig config_;
   std::shared_ptr<StatisticsBackend> backend_;
@@ -119,7 +156,13 @@ class KvCache {
   Address base_ = 0;
   std::vector<Slot> slots_;
   std::uint64_t frees_ = 0;
+  std::size_t prompt_estimate_ = 0;    // recent prompt lengths, for adaptive eager allocation
+  std::size_t watermark_pages_ = 0;
+  std::size_t in_flight_pages_ = 0;    // taken by the mapper: neither in the pool nor in a slot
+  Stream background_stream_ = 0;
   mutable std::mutex mutex_;
+  std::condition_variable background_done_;  // a slot stopped being busy
+  std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above
 };
 
 }  // namespace vkv

@@ -40,6 +40,13 @@ class PagePool {
   /// Hands out `count` pages, free ones first, then newly created ones. All or nothing.
   /// @throws OutOfMemory naming the shortfall (budget or device); the pool is unchanged.
   std::vector<Page> take(std::size_t count);
+  /// Hands out up to `count` free pages; creates none (no backend call).
+  std::vector<Page> take_free(std::size_t count);
+  /// Counts up to `count` pages as created before they are (at most what the budget
+  /// allows), so that the owner can create them outside its lock. Returns how many.
+  std::size_t begin_create(std::size_t count) noexcept;
+  /// Ends begin_create(reserved) of which `made` pages were created (and are handed out).
+  void end_create(std::size_t reserved, std::size_t made) noexcept;
   /// Takes back a page that is mapped nowhere.
   void give_back(Page page);
   /// Creates pages until `count` are free, so that creation leaves the hot path.

@@ -41,6 +41,8 @@ class StatisticsBackend final : public Backend {
   void destroy_event(Event event) noexcept override;
   void synchronize(Stream stream) override;
   void synchronize_device() override { upstream_->synchronize_device(); }
+  Stream create_stream() override { return upstream_->create_stream(); }
+  void destroy_stream(Stream stream) noexcept override { upstream_->destroy_stream(stream); }
 
  private:
   struct Counter {

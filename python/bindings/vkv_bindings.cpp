@@ -42,7 +42,9 @@ std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_h
                                     std::size_t dtype_bytes, std::size_t max_batch, std::size_t max_context,
                                     const std::string& layout, std::size_t layers_per_group,
                                     std::size_t page_bytes, const std::string& device, std::size_t budget_bytes,
-                                    std::size_t precreate_pages) {
+                                    std::size_t precreate_pages, bool background_mapping,
+                                    std::size_t lookahead_tokens, std::size_t eager_tokens,
+                                    bool deferred_reclamation, std::size_t reclaim_watermark_pages) {
   vkv::CacheConfig config;
   config.num_layers = num_layers;
   config.num_kv_heads = num_kv_heads;
@@ -56,6 +58,11 @@ std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_h
   config.device = vkv::Device::parse(device);
   config.budget_bytes = budget_bytes;
   config.precreate_pages = precreate_pages;
+  config.background_mapping = background_mapping;
+  config.lookahead_tokens = lookahead_tokens;
+  config.eager_tokens = eager_tokens;
+  config.deferred_reclamation = deferred_reclamation;
+  config.reclaim_watermark_pages = reclaim_watermark_pages;
   py::gil_scoped_release release;
   return std::make_shared<KvCache>(config);
 }
@@ -149,13 +156,15 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception_translator(&translate);
   m.def("cuda_available", &vkv::cuda_available, "True when the CUDA driver loads and sees a device.");
   m.def("reservation_tensor", &reservation_tensor, py::arg("cache"), py::arg("device"));
+  m.attr("ADAPTIVE") = vkv::kAdaptive;
 
   using py::arg;
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache")
       .def(py::init(&make_cache), arg("num_layers"), arg("num_kv_heads"), arg("head_dim"), arg("dtype_bytes"),
            arg("max_batch"), arg("max_context"), arg("layout"), arg("layers_per_group"), arg("page_bytes"),
-           arg("device"), arg("budget_bytes"), arg("precreate_pages"))
+           arg("device"), arg("budget_bytes"), arg("precreate_pages"), arg("background_mapping"),
+           arg("lookahead_tokens"), arg("eager_tokens"), arg("deferred_reclamation"), arg("reclaim_watermark_pages"))
       .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
       .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
       .def("step", &step, arg("seq_lens"), arg("stream") = 0)
@@ -164,6 +173,8 @@ PYBIND11_MODULE(_C, m) {
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)
       .def("mapped_pages", &KvCache::mapped_pages, arg("slot"), unlocked)
       .def("check_invariants", &KvCache::check_invariants, unlocked)
+      .def("map_ahead_now", &KvCache::map_ahead_now, unlocked)
+      .def("stop_background", &KvCache::stop_background, unlocked)
       .def_property_readonly("num_free_slots", &KvCache::num_free_slots)
       .def_property_readonly("base", &KvCache::base)
       .def_property_readonly("backend_name", [](const KvCache& cache) { return cache.backend().name(); })

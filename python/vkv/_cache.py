@@ -77,6 +77,11 @@ class KVCache:
         page_size: int = 0,
         memory_budget: Optional[int] = None,
         precreate_pages: int = 0,
+        background_mapping: bool = True,
+        lookahead_tokens: int = 32,
+        eager_tokens: Optional[int] = None,
+        deferred_reclamation: bool = True,
+        reclaim_watermark_pages: int = 0,
     ) -> None:
         """Reserve the cache's virtual memory and build its tensors.
 
@@ -89,6 +94,15 @@ class KVCache:
             memory_budget: most physical memory in bytes; None = enough for every slot,
                 capped at 90% of the device's free memory.
             precreate_pages: physical pages to create now, so that step() does not.
+            background_mapping: a background thread maps ahead what the next iterations
+                need; off, step() maps everything itself.
+            lookahead_tokens: tokens mapped ahead beyond each allocated slot's seq_len.
+            eager_tokens: tokens kept mapped in the slot alloc_reqid() hands out next, for
+                the next prefill; None follows recent prompt lengths, 0 turns it off.
+            deferred_reclamation: freed slots keep their pages for the next owner; off,
+                free_reqid() waits for the device and returns them to the driver.
+            reclaim_watermark_pages: the mapper unmaps freed slots' pages into the pool while
+                fewer pages than this are free; 0 = budget / 32.
 
         Raises:
             ValueError: a bad argument, or more virtual memory than the backend can reserve.
@@ -121,6 +135,11 @@ class KVCache:
             device="host" if self.device.type == "cpu" else str(self.device),
             budget_bytes=memory_budget or 0,
             precreate_pages=_expect_count("precreate_pages", precreate_pages, 0),
+            background_mapping=bool(background_mapping),
+            lookahead_tokens=_expect_count("lookahead_tokens", lookahead_tokens, 0),
+            eager_tokens=_C.ADAPTIVE if eager_tokens is None else _expect_count("eager_tokens", eager_tokens, 0),
+            deferred_reclamation=bool(deferred_reclamation),
+            reclaim_watermark_pages=_expect_count("reclaim_watermark_pages", reclaim_watermark_pages, 0),
         )
         whole = _C.reservation_tensor(self._core, str(self.device)).view(dtype)
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
@@ -209,6 +228,10 @@ class KVCache:
         """Pages mapped in each region of ``slot``."""
         return self._live()._core.mapped_pages(self._slot(slot))
 
+    def map_ahead_now(self) -> int:
+        """Do now, on this thread, what the background mapper would do next; returns units done."""
+        return self._live()._core.map_ahead_now()
+
     def check_invariants(self) -> None:
         """Raise RuntimeError if the cache's bookkeeping is inconsistent (for tests)."""
         self._live()._core.check_invariants()
@@ -220,7 +243,10 @@ class KVCache:
         return self._core is None
 
     def close(self) -> None:
-        """End the cache's API. Memory goes back once no tensor views it. Idempotent."""
+        """Stop the mapper thread and end the cache's API. Memory goes back once no tensor
+        views it. Idempotent."""
+        if self._core is not None:
+            self._core.stop_background()
         self._core = None
         self._keys = []
         self._values = []

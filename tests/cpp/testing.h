@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -146,6 +147,8 @@ class ControlledEventBackend final : public Backend {
   }
   void synchronize(Stream stream) override { upstream_->synchronize(stream); }
   void synchronize_device() override { upstream_->synchronize_device(); }
+  Stream create_stream() override { return upstream_->create_stream(); }
+  void destroy_stream(Stream stream) noexcept override { upstream_->destroy_stream(stream); }
 
  private:
   std::shared_ptr<Backend> upstream_;
@@ -155,6 +158,43 @@ class ControlledEventBackend final : public Backend {
   std::size_t waits_ = 0;
   std::size_t stream_waits_ = 0;
   Event next_ = 1;
+};
+
+/// Forwards to a real backend; map() fails with DriverError while `fail_maps` is set.
+class FailingMapBackend final : public Backend {
+ public:
+  explicit FailingMapBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {}
+  std::atomic<bool> fail_maps{false};
+
+  std::string name() const override { return upstream_->name(); }
+  std::size_t page_bytes() const noexcept override { return upstream_->page_bytes(); }
+  std::size_t max_reservation_bytes() const noexcept override { return upstream_->max_reservation_bytes(); }
+  std::size_t available_memory_bytes() const override { return upstream_->available_memory_bytes(); }
+  Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
+  void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
+  PageHandle create_page() override { return upstream_->create_page(); }
+  void release_page(PageHandle page) noexcept override { upstream_->release_page(page); }
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    if (fail_maps) throw DriverError("map (injected)", 2, "injected failure");
+    upstream_->map(address, pages, count);
+  }
+  void unmap(Address address, std::size_t bytes) override { upstream_->unmap(address, bytes); }
+  void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
+  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
+    upstream_->copy(destination, source, bytes, stream);
+  }
+  Event record_event(Stream stream) override { return upstream_->record_event(stream); }
+  bool event_done(Event event) override { return upstream_->event_done(event); }
+  void wait_event(Event event) override { upstream_->wait_event(event); }
+  void stream_wait_event(Stream stream, Event event) override { upstream_->stream_wait_event(stream, event); }
+  void destroy_event(Event event) noexcept override { upstream_->destroy_event(event); }
+  void synchronize(Stream stream) override { upstream_->synchronize(stream); }
+  void synchronize_device() override { upstream_->synchronize_device(); }
+  Stream create_stream() override { return upstream_->create_stream(); }
+  void destroy_stream(Stream stream) noexcept override { upstream_->destroy_stream(stream); }
+
+ private:
+  std::shared_ptr<Backend> upstream_;
 };
 
 /// A model shape small enough for CPU tests: per-layer token 256 B, interleaved 2 KiB.
@@ -168,6 +208,7 @@ inline CacheConfig small_config(LayoutKind layout, std::size_t page_bytes) {
   config.max_batch = 4;
   config.max_context = 8 * page_bytes / 256;
   config.layout = layout;
+  config.background_mapping = false;  // deterministic; the mapper has its own suite
   return config;
 }
 

@@ -42,6 +42,7 @@ def small_cache(device="cpu", layout="interleaved", dtype=torch.float16, **overr
         device=device,
         layout=layout,
         page_size=HOST_PAGE if device == "cpu" else 0,
+        background_mapping=False,  # deterministic page counts; test_mapper.py covers the thread
     )
     arguments.update(overrides)
     return vkv.KVCache(**arguments)

@@ -1,0 +1,198 @@
+// The background mapper: lookahead, eager allocation, watermark reclamation, ablation
+// switches, errors. Deterministic tests drive the work with map_ahead_now(); the
+// model-based test (test_model_based.cpp) also runs with the real thread.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+#include <tuple>
+
+#include "testing.h"
+
+namespace vkv {
+namespace {
+
+using testing::BackendKind;
+
+class MapperTest : public ::testing::TestWithParam<std::tuple<BackendKind, LayoutKind>> {
+ protected:
+  void SetUp() override {
+    backend_ = testing::make_test_backend(std::get<0>(GetParam()), &why_not_);
+    if (!backend_) GTEST_SKIP() << why_not_;
+    config_ = testing::small_config(std::get<1>(GetParam()), backend_->page_bytes());
+    config_.eager_tokens = 0;  // each test turns on what it looks at
+    config_.lookahead_tokens = 0;
+  }
+  std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
+    std::vector<std::size_t> seq_lens(config_.max_batch, 0);
+    for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
+    return seq_lens;
+  }
+  bool slot_reads_zero(KvCache& cache, std::size_t slot, std::size_t first_page, std::size_t pages) {
+    for (std::size_t r = 0; r < cache.layout().num_regions(); ++r) {
+      const Address address = cache.base() + cache.layout().page_offset(r, slot, first_page);
+      if (!testing::all_zero(testing::read_bytes(cache.backend(), address, pages * cache.layout().page_bytes())))
+        return false;
+    }
+    return true;
+  }
+
+  std::shared_ptr<Backend> backend_;
+  std::string why_not_;
+  CacheConfig config_;
+};
+
+TEST_P(MapperTest, LookaheadIsMappedBeforeStepNeedsIt) {
+  config_.lookahead_tokens = 2 * KvLayout(config_, backend_->page_bytes()).tokens_in_pages(1);
+  KvCache cache(config_, backend_);
+  const KvLayout& layout = cache.layout();
+  const std::size_t slot = cache.alloc_reqid();
+  cache.step(lens({{slot, layout.tokens_in_pages(1)}}));
+  EXPECT_EQ(cache.mapped_pages(slot), 1u);
+  EXPECT_GT(cache.map_ahead_now(), 0u);
+  EXPECT_EQ(cache.mapped_pages(slot), 3u);  // seq_len + two pages' worth of tokens
+  EXPECT_EQ(cache.stats().pages_in_use, 1 * layout.num_regions());  // ahead pages are not claimed
+  const auto maps = cache.stats().backend.map.calls;
+  cache.step(lens({{slot, layout.tokens_in_pages(3)}}));  // two pages further: nothing left to map
+  EXPECT_EQ(cache.stats().backend.map.calls, maps);
+  EXPECT_TRUE(slot_reads_zero(cache, slot, 1, 2));
+  cache.check_invariants();
+}
+
+TEST_P(MapperTest, EagerAllocationPreparesTheNextPrefill) {
+  const KvLayout probe(config_, backend_->page_bytes());
+  config_.eager_tokens = probe.tokens_in_pages(3);
+  KvCache cache(config_, backend_);
+  cache.map_ahead_now();
+  const std::size_t next = 0;  // all slots are alike: the lowest index goes out first
+  EXPECT_EQ(cache.mapped_pages(next), 3u);
+  EXPECT_EQ(cache.stats().pages_in_use, 0u);
+  const auto maps = cache.stats().backend.map.calls;
+  ASSERT_EQ(cache.alloc_reqid(), next);
+  cache.step(lens({{next, probe.tokens_in_pages(3)}}));  // the prompt finds its pages mapped
+  EXPECT_EQ(cache.stats().backend.map.calls, maps);
+  cache.map_ahead_now();  // and the following slot is prepared in turn
+  EXPECT_EQ(cache.mapped_pages(1), 3u);
+  cache.check_invariants();
+}
+
+TEST_P(MapperTest, AdaptiveEagerAllocationFollowsPromptLengths) {
+  config_.eager_tokens = kAdaptive;
+  KvCache cache(config_, backend_);
+  const KvLayout& layout = cache.layout();
+  EXPECT_EQ(cache.map_ahead_now(), 0u);  // no prompt seen yet
+  const std::size_t a = cache.alloc_reqid();
+  cache.step(lens({{a, layout.tokens_in_pages(2)}}));
+  cache.map_ahead_now();
+  EXPECT_EQ(cache.mapped_pages(1), 2u);
+}
+
+TEST_P(MapperTest, WatermarkReclaimsFreedSlotsOnlyOnceTheirReadersAreDone) {
+  auto events = std::make_shared<testing::ControlledEventBackend>(backend_);
+  const KvLayout probe(config_, backend_->page_bytes());
+  const std::size_t regions = probe.num_regions();
+  config_.budget_bytes = 4 * regions * backend_->page_bytes();
+  config_.reclaim_watermark_pages = 2 * regions;
+  KvCache cache(config_, events);
+  const std::size_t a = cache.alloc_reqid(), b = cache.alloc_reqid();
+  cache.step(lens({{a, probe.tokens_in_pages(3)}, {b, 1}}));
+  cache.free_reqid(b);  // freed first: its page is the least recently freed...
+  cache.free_reqid(a);  // ...but `a` (more pages kept) is what alloc_reqid() hands out next
+  EXPECT_EQ(cache.map_ahead_now(), 0u) << "b's readers may still run: its page must stay";
+  events->complete_all();
+  EXPECT_EQ(cache.map_ahead_now(), 1u);  // b's page goes back to the pool
+  EXPECT_EQ(cache.mapped_pages(b), 0u);
+  EXPECT_EQ(cache.mapped_pages(a), 3u) << "the next slot to be handed out keeps its pages";
+  for (std::size_t pending : events->pending_at_each_unmap()) EXPECT_EQ(pending, 0u);
+  EXPECT_EQ(cache.stats().pages_free, 1 * regions);
+  cache.check_invariants();
+}
+
+TEST_P(MapperTest, WithoutDeferredReclamationFreedPagesGoBackToTheDriver) {
+  config_.deferred_reclamation = false;
+  KvCache cache(config_, backend_);
+  const KvLayout& layout = cache.layout();
+  const std::size_t slot = cache.alloc_reqid();
+  cache.step(lens({{slot, layout.tokens_in_pages(2)}}));
+  cache.free_reqid(slot);
+  const CacheStats stats = cache.stats();
+  EXPECT_EQ(stats.pages_mapped, 0u);
+  EXPECT_EQ(stats.pages_created, 0u);
+  EXPECT_EQ(stats.backend.release.units, 2 * layout.num_regions());
+  cache.check_invariants();
+}
+
+TEST_P(MapperTest, AnErrorOnTheMapperThreadSurfacesOnTheNextCall) {
+  auto failing = std::make_shared<testing::FailingMapBackend>(backend_);
+  config_.background_mapping = true;
+  config_.eager_tokens = KvLayout(config_, backend_->page_bytes()).tokens_in_pages(1);
+  failing->fail_maps = true;
+  KvCache cache(config_, failing);
+  cache.alloc_reqid();  // wakes the mapper: it fails to map the next slot's pages
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  bool surfaced = false;
+  while (!surfaced && std::chrono::steady_clock::now() < deadline) {
+    try {
+      cache.step(std::vector<std::size_t>(config_.max_batch, 0));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } catch (const DriverError& error) {
+      surfaced = true;
+      EXPECT_NE(std::string(error.what()).find("injected"), std::string::npos);
+    }
+  }
+  EXPECT_TRUE(surfaced);
+  cache.stop_background();
+  failing->fail_maps = false;
+  cache.check_invariants();  // the failed unit left nothing half done
+  EXPECT_EQ(cache.stats().pages_mapped, 0u);
+}
+
+TEST_P(MapperTest, TheThreadMapsAheadOnItsOwnAndStopsOnRequest) {
+  config_.background_mapping = true;
+  config_.lookahead_tokens = KvLayout(config_, backend_->page_bytes()).tokens_in_pages(2);
+  KvCache cache(config_, backend_);
+  const std::size_t slot = cache.alloc_reqid();
+  cache.step(lens({{slot, 1}}));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (cache.mapped_pages(slot) < 3 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(cache.mapped_pages(slot), 3u);
+  cache.stop_background();
+  cache.stop_background();  // idempotent
+  cache.step(lens({{slot, cache.layout().tokens_in_pages(4)}}));  // the cache goes on without it
+  EXPECT_EQ(cache.mapped_pages(slot), 4u);
+  cache.check_invariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllBackendsAndLayouts, MapperTest,
+    ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
+                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
+    [](const auto& info) {
+      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
+    });
+
+TEST(Mapper, RunsWorkUntilNoneIsLeftAndKeepsErrors) {
+  int calls = 0;
+  std::atomic<int> left{3};
+  Mapper mapper([&] {
+    ++calls;
+    if (left == 1) {
+      --left;
+      throw Error("boom");
+    }
+    return left > 0 && --left > 0;
+  });
+  mapper.wake();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::exception_ptr error;
+  while (!error && std::chrono::steady_clock::now() < deadline) error = mapper.take_error();
+  ASSERT_TRUE(error);
+  EXPECT_THROW(std::rethrow_exception(error), Error);
+  EXPECT_FALSE(mapper.take_error());  // reported once
+  mapper.stop();
+  EXPECT_GE(calls, 2);
+}
+
+}  // namespace
+}  // namespace vkv
