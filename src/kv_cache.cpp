@@ -3,6 +3,7 @@
 #include "vkv/kv_cache.h"
 
 #include <algorithm>
+#include <chrono>
 #include <unordered_set>
 
 #include "format.h"
@@ -172,6 +173,7 @@ void KvCache::release_now(std::size_t slot_index, Stream stream) {
 }
 
 void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
+  const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch = ", slots_.size(),
@@ -202,6 +204,7 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
     if (missing == 0) break;
     try {
       map_missing(claims, missing, stream);
+      step_stats_.units += missing;
       break;
     } catch (const OutOfMemory&) {
       // Pages the mapper is moving are not lost: decide once it has put them down.
@@ -217,6 +220,9 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
     slot.claimed = claims[s];
   }
   if (mapper_) mapper_->wake();
+  step_stats_.calls += 1;
+  step_stats_.nanoseconds += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
 }
 
 void KvCache::map_missing(const std::vector<std::size_t>& claims, std::size_t missing, Stream stream) {
@@ -539,6 +545,7 @@ CacheStats KvCache::stats() const {
     stats.tokens_in_use += slot.seq_len;
   }
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
+  stats.step = step_stats_;
   stats.backend = backend_->stats();
   return stats;
 }

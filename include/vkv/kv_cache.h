@@ -160,6 +160,7 @@ class KvCache {
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;    // taken by the mapper: neither in the pool nor in a slot
   Stream background_stream_ = 0;
+  CallStats step_stats_;
   mutable std::mutex mutex_;
   std::condition_variable background_done_;  // a slot stopped being busy
   std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above

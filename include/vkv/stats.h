@@ -42,6 +42,7 @@ struct CacheStats {
   std::size_t pages_cached = 0;    ///< mapped in freed slots, kept for reuse (deferred reclamation)
   std::size_t active_slots = 0;
   std::size_t tokens_in_use = 0;   ///< sum of the last step's seq_lens
+  CallStats step;                  ///< step() itself, waits included; units: pages it mapped
   BackendStats backend;
 
   std::size_t bytes_mapped() const noexcept { return pages_mapped * page_bytes; }

@@ -12,6 +12,11 @@
 
 #include <vkv/vkv.h>
 
+#include <cctype>
+#ifdef VKV_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace py = pybind11;
 using vkv::KvCache;
 
@@ -81,23 +86,96 @@ at::Tensor reservation_tensor(const std::shared_ptr<KvCache>& cache, const std::
       .make_tensor();
 }
 
-// seq_lens arrives as a CPU int64 tensor (python/vkv/_cache.py converts lists, arrays and
-// tensors): torch's own caster, rather than numpy's C API, whose layout changed in numpy 2.
-void step(KvCache& cache, const at::Tensor& seq_lens, std::uintptr_t stream) {
-  if (seq_lens.dim() != 1)
-    throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(seq_lens.dim()) +
-                               " dimensions");
-  if (seq_lens.scalar_type() != at::kLong || !seq_lens.device().is_cpu())
-    throw vkv::InvalidArgument("internal: seq_lens must reach the core as a CPU int64 tensor");
-  const at::Tensor contiguous = seq_lens.contiguous();
-  std::vector<std::size_t> lengths(static_cast<std::size_t>(contiguous.size(0)));
-  const int64_t* values = contiguous.data_ptr<int64_t>();
-  for (std::size_t s = 0; s < lengths.size(); ++s) {
-    if (values[s] < 0)
-      throw vkv::InvalidArgument("seq_lens[" + std::to_string(s) + "] = " + std::to_string(values[s]) +
+// step() is on every iteration's path, and after the engine waited for the GPU a cold
+// CPU makes each Python-level operation cost tens of microseconds. So seq_lens is read here
+// in one pass: a list or tuple of ints, anything with the buffer protocol (numpy arrays),
+// or a tensor. (Not through numpy's C API, whose struct layout changed in numpy 2.)
+std::vector<std::size_t> read_seq_lens(py::handle object) {
+  std::vector<std::size_t> lengths;
+  auto push = [&](std::size_t index, long long value) {
+    if (value < 0)
+      throw vkv::InvalidArgument("seq_lens[" + std::to_string(index) + "] = " + std::to_string(value) +
                                  " is negative");
-    lengths[s] = static_cast<std::size_t>(values[s]);
+    lengths.push_back(static_cast<std::size_t>(value));
+  };
+  if (THPVariable_Check(object.ptr())) {
+    const at::Tensor tensor = THPVariable_Unpack(object.ptr());
+    if (tensor.dim() != 1)
+      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(tensor.dim()) + " dimensions");
+    if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/false))
+      throw vkv::InvalidArgument(std::string("seq_lens must hold integers, got a tensor of ") +
+                                 c10::toString(tensor.scalar_type()));
+    const at::Tensor values = tensor.to(at::kCPU, at::kLong).contiguous();
+    for (int64_t i = 0; i < values.size(0); ++i) push(i, values.data_ptr<int64_t>()[i]);
+    return lengths;
   }
+  if (PyObject_CheckBuffer(object.ptr())) {
+    const py::buffer_info info = py::reinterpret_borrow<py::buffer>(object).request();
+    if (info.ndim != 1)
+      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(info.ndim) + " dimensions");
+    std::string format = info.format;
+    if (!format.empty() && std::string("@=<").find(format[0]) != std::string::npos) format.erase(0, 1);
+    if (format.size() != 1 || std::string("bBhHiIlLqQ").find(format[0]) == std::string::npos)
+      throw vkv::InvalidArgument("seq_lens must hold integers, got buffer format '" + info.format + "'");
+    const bool is_signed = std::islower(static_cast<unsigned char>(format[0]));
+    const auto* bytes = static_cast<const char*>(info.ptr);
+    for (py::ssize_t i = 0; i < info.shape[0]; ++i) {
+      const char* at = bytes + i * info.strides[0];
+      long long value = 0;
+      switch (info.itemsize) {
+        case 1: value = is_signed ? *reinterpret_cast<const int8_t*>(at) : *reinterpret_cast<const uint8_t*>(at); break;
+        case 2: value = is_signed ? *reinterpret_cast<const int16_t*>(at) : *reinterpret_cast<const uint16_t*>(at); break;
+        case 4: value = is_signed ? *reinterpret_cast<const int32_t*>(at) : *reinterpret_cast<const uint32_t*>(at); break;
+        default: {
+          const uint64_t raw = *reinterpret_cast<const uint64_t*>(at);
+          if (!is_signed && raw > static_cast<uint64_t>(INT64_MAX))
+            throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::to_string(raw) + " is too large");
+          value = static_cast<long long>(raw);
+        }
+      }
+      push(static_cast<std::size_t>(i), value);
+    }
+    return lengths;
+  }
+  if (PyList_Check(object.ptr()) || PyTuple_Check(object.ptr())) {
+    const py::sequence sequence = py::reinterpret_borrow<py::sequence>(object);
+    for (std::size_t i = 0; i < sequence.size(); ++i) {
+      PyObject* item = sequence[i].ptr();
+      if (PyList_Check(item) || PyTuple_Check(item))
+        throw vkv::InvalidArgument("seq_lens must be one-dimensional: seq_lens[" + std::to_string(i) + "] is a sequence");
+      if (PyBool_Check(item) || PyFloat_Check(item) || !PyIndex_Check(item))
+        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(sequence[i])) +
+                                   " is not an integer: seq_lens must hold integers");
+      const py::int_ value = py::reinterpret_steal<py::int_>(PyNumber_Index(item));
+      if (!value) throw py::error_already_set();
+      int overflow = 0;
+      const long long number = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+      if (overflow != 0)
+        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(value)) +
+                                   " does not fit 64 bits");
+      push(i, number);
+    }
+    return lengths;
+  }
+  throw vkv::InvalidArgument(std::string("seq_lens must be a list, tuple, numpy array or tensor of ints, got ") +
+                             Py_TYPE(object.ptr())->tp_name);
+}
+
+// The stream step() orders its device work on: the caller's current torch stream.
+std::uintptr_t current_stream(const KvCache& cache) {
+  if (cache.config().device.kind == vkv::Device::Kind::host) return 0;
+  const int device = cache.config().device.index;
+#ifdef VKV_TORCH_CUDA
+  return reinterpret_cast<std::uintptr_t>(c10::cuda::getCurrentCUDAStream(device).stream());
+#else
+  py::object stream = py::module_::import("torch").attr("cuda").attr("current_stream")(device);
+  return stream.attr("cuda_stream").cast<std::uintptr_t>();
+#endif
+}
+
+void step(KvCache& cache, py::handle seq_lens) {
+  const std::vector<std::size_t> lengths = read_seq_lens(seq_lens);
+  const std::uintptr_t stream = current_stream(cache);
   py::gil_scoped_release release;
   cache.step(lengths, stream);
 }
@@ -130,6 +208,7 @@ py::dict stats(const KvCache& cache) {
   out["bytes_in_use"] = stats.bytes_in_use();
   out["active_slots"] = stats.active_slots;
   out["tokens_in_use"] = stats.tokens_in_use;
+  out["step"] = call_stats(stats.step);
   py::dict backend;
   backend["reserve"] = call_stats(stats.backend.reserve);
   backend["create"] = call_stats(stats.backend.create);
@@ -167,7 +246,7 @@ PYBIND11_MODULE(_C, m) {
            arg("lookahead_tokens"), arg("eager_tokens"), arg("deferred_reclamation"), arg("reclaim_watermark_pages"))
       .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
       .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
-      .def("step", &step, arg("seq_lens"), arg("stream") = 0)
+      .def("step", &step, arg("seq_lens"))
       .def("stats", &stats)
       .def("view", &view, arg("layer"), arg("value"))
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)

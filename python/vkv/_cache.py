@@ -195,7 +195,7 @@ class KVCache:
             ValueError: wrong length, a negative or too large value, a free slot with tokens.
             vkv.OutOfMemory: not enough pages; nothing changed, ``missing_pages`` says how many.
         """
-        self._live()._core.step(_as_int64_tensor(seq_lens), self._stream())
+        self._live()._core.step(seq_lens)  # parsed in C++: this is every iteration's path
 
     # -- inspection ------------------------------------------------------------------
 
@@ -290,19 +290,3 @@ class KVCache:
         if slot < 0:
             raise ValueError(f"slot = {slot} is out of range: max_batch_size = {self.max_batch_size}")
         return int(slot)
-
-
-def _as_int64_tensor(seq_lens: SeqLens) -> torch.Tensor:
-    """A CPU int64 tensor of the same values; ValueError for anything but integers."""
-    if isinstance(seq_lens, torch.Tensor):
-        if seq_lens.is_floating_point() or seq_lens.is_complex() or seq_lens.dtype == torch.bool:
-            raise ValueError(f"seq_lens must hold integers, got a tensor of {seq_lens.dtype}")
-        return seq_lens.detach().to("cpu", torch.int64)
-    array = np.asarray(seq_lens)
-    if array.dtype.kind not in "iu":
-        if array.size == 0:
-            return torch.zeros(array.shape, dtype=torch.int64)
-        raise ValueError(f"seq_lens must hold integers, got {array.dtype}")
-    if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
-        raise ValueError("seq_lens holds a value above 2**63 - 1")
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))

@@ -220,3 +220,33 @@ def test_driver_error_is_a_runtime_error():
     assert issubclass(vkv.DriverError, RuntimeError)
     error = vkv.DriverError("cuMemMap failed: CUDA_ERROR_INVALID_VALUE (1)", "cuMemMap", 1)
     assert error.call == "cuMemMap" and error.code == 1
+
+
+@pytest.mark.parametrize(
+    "seq_lens, message",
+    [
+        (np.array([1.0, 0, 0, 0]), "integers"),
+        (np.array([True, False, False, False]), "integers"),
+        ([1, 0, 0, 2**70], "64 bits"),
+        ([1, 0, 0, True], "not an integer"),
+        ("abcd", "list, tuple, numpy array or tensor"),
+        (np.zeros((2, 2), dtype=np.int64), "one-dimensional"),
+        (np.array([1, 0, 0, 2**63], dtype=np.uint64), "too large"),
+    ],
+)
+def test_step_rejects_seq_lens_that_are_not_non_negative_integers(seq_lens, message):
+    with small_cache() as cache:
+        cache.alloc_reqid()
+        with pytest.raises(ValueError, match=message):
+            cache.step(seq_lens)
+
+
+def test_step_reads_every_integer_width_and_strided_arrays():
+    with small_cache() as cache:
+        cache.alloc_reqid()
+        for seq_lens in (np.array([5, 0, 0, 0], dtype=np.int16), np.array([6, 0, 0, 0], dtype=np.uint8),
+                         np.arange(8, dtype=np.int64)[::2] * 0 + np.array([7, 0, 0, 0]), (8, 0, 0, 0),
+                         torch.tensor([9, 0, 0, 0], dtype=torch.int32)):
+            cache.step(seq_lens)
+            assert cache.stats()["tokens_in_use"] == int(seq_lens[0])
+        assert cache.stats()["step"]["calls"] == 5
