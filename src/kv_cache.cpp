@@ -219,7 +219,8 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
     slot.seq_len = seq_lens[s];
     slot.claimed = claims[s];
   }
-  if (mapper_) mapper_->wake();
+  // A wake-up costs a system call and may put the mapper on this core: only with work.
+  if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
   step_stats_.calls += 1;
   step_stats_.nanoseconds += static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
@@ -381,44 +382,58 @@ std::size_t KvCache::map_ahead_now() {
   return units;
 }
 
-bool KvCache::background_work() {
-  std::unique_lock<std::mutex> lock(mutex_);
+// The next unit of background work, most urgent first. With `settle_events`, a freed
+// slot's completed event is retired (so its pages may go); without, the plan is a cheap,
+// side-effect-free guess that step() uses to decide whether to wake the mapper at all.
+KvCache::BackgroundUnit KvCache::next_background_unit(bool settle_events) {
   const std::size_t max_pages = layout_.pages_per_slot();
+  const std::size_t regions = layout_.num_regions();
+  const bool can_grow = pool_.obtainable_pages() >= regions;  // ahead mapping uses free memory only
   // 1. Lookahead: each allocated slot's next iterations.
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
+  for (std::size_t s = 0; s < slots_.size() && can_grow; ++s) {
     const Slot& slot = slots_[s];
     if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
     const std::size_t target = std::min(
         max_pages, layout_.pages_for_tokens(std::min(config_.max_context, slot.seq_len + config_.lookahead_tokens)));
-    if (target > slot.mapped() && grow_in_background(lock, s, target)) return true;
+    if (target > slot.mapped()) return {BackgroundUnit::Kind::grow, s, target};
   }
   // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
   const std::size_t eager_tokens = config_.eager_tokens == kAdaptive ? prompt_estimate_ : config_.eager_tokens;
   const std::size_t next = next_alloc_slot();
-  if (eager_tokens > 0 && next < slots_.size() && !slots_[next].busy()) {
+  if (can_grow && eager_tokens > 0 && next < slots_.size() && !slots_[next].busy()) {
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(std::min(config_.max_context, eager_tokens)));
-    if (target > slots_[next].mapped() && grow_in_background(lock, next, target)) return true;
+    if (target > slots_[next].mapped()) return {BackgroundUnit::Kind::grow, next, target};
   }
-  // 3. Below the watermark, unmap the least recently freed slot's pages into the pool,
-  //    so that step() does not have to. Only once its last readers are done.
+  // 3. Below the watermark, unmap the least recently freed slot's pages into the pool, so
+  //    that step() does not have to; only once that slot's last readers are done.
   const std::size_t obtainable = pool_.obtainable_pages();
-  if (obtainable >= watermark_pages_) return false;
+  if (obtainable >= watermark_pages_) return {};
   std::size_t victim = slots_.size();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
     if (slot.allocated || slot.busy() || slot.mapped() == 0 || s == next) continue;
     if (victim == slots_.size() || slot.freed_at < slots_[victim].freed_at) victim = s;
   }
-  if (victim == slots_.size()) return false;
+  if (victim == slots_.size()) return {};
   Slot& slot = slots_[victim];
-  if (slot.free_event != 0) {
-    if (!backend_->event_done(slot.free_event)) return false;  // later: the mapper is woken by every call
+  if (settle_events && slot.free_event != 0) {
+    if (!backend_->event_done(slot.free_event)) return {};  // later: every API call wakes the mapper
     backend_->destroy_event(slot.free_event);
     slot.free_event = 0;
   }
-  const std::size_t regions = layout_.num_regions();
   const std::size_t pages = std::min(slot.mapped(), (watermark_pages_ - obtainable + regions - 1) / regions);
-  return shrink_in_background(lock, victim, pages);
+  return {BackgroundUnit::Kind::shrink, victim, pages};
+}
+
+bool KvCache::background_work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const BackgroundUnit unit = next_background_unit(/*settle_events=*/true);
+  switch (unit.kind) {
+    case BackgroundUnit::Kind::grow: return grow_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::shrink: return shrink_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::none: break;
+  }
+  return false;
 }
 
 bool KvCache::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t target) {

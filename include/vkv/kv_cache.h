@@ -143,7 +143,14 @@ class KvCache {
   void wait_free_event(Slot& slot);
   void release_now(std::size_t slot, Stream stream);
 
-  // Background work (mapper.h): one unit per call, under `lock`, slow calls without it.
+  // Background work (mapper.h): one unit per call, planned under the lock, its slow
+  // backend calls made without it.
+  struct BackgroundUnit {
+    enum class Kind { none, grow, shrink } kind = Kind::none;
+    std::size_t slot = 0;
+    std::size_t pages = 0;  // grow: target pages per region; shrink: pages per region to unmap
+  };
+  BackgroundUnit next_background_unit(bool settle_events);
   bool background_work();
   bool background_busy() const noexcept;
   bool grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target);
