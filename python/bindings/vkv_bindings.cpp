@@ -151,7 +151,7 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
       int overflow = 0;
       const long long number = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
       if (overflow != 0)
-        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(value)) +
+        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(py::handle(value))) +
                                    " does not fit 64 bits");
       push(i, number);
     }
