@@ -39,12 +39,12 @@ def main(path: str) -> None:
 
     if "prefill" in results:
         rows = results["prefill"]
-        figure, axis = plt.subplots(figsize=(8, 4))
+        figure, axis = plt.subplots(figsize=(8, 4.5))
         labels = [f"{r['layout']}\n{'eager' if r['eager'] else 'no eager'}, "
                   f"{'deferred' if r['deferred_reclamation'] else 'no deferred'}" for r in rows]
         values = [max(r["median_ms"], 1e-3) for r in rows]
         axis.bar(range(len(rows)), values, color=["#c44" if v > 1 else "#4a4" for v in values])
-        axis.set_xticks(range(len(rows)), labels, fontsize=7)
+        axis.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
         axis.set_yscale("log")
         axis.set_ylabel("ms until the prompt's pages are ready")
         axis.set_title(f"{rows[0]['tokens']}-token prefill, {where}")
