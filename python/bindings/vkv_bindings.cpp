@@ -163,7 +163,7 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
 
 // The stream step() orders its device work on: the caller's current torch stream.
 std::uintptr_t current_stream(const KvCache& cache) {
-  if (cache.config().device.kind == vkv::Device::Kind::host) return 0;
+  if (cache.backend().name() == "host") return 0;  // what the device resolved to, "auto" included
   const int device = cache.config().device.index;
 #ifdef VKV_TORCH_CUDA
   return reinterpret_cast<std::uintptr_t>(c10::cuda::getCurrentCUDAStream(device).stream());

@@ -67,12 +67,47 @@ inline bool all_zero(const std::vector<std::uint8_t>& bytes) {
   return true;
 }
 
-/// Forwards to a real backend, but its events stay pending until a test completes them
-/// (wait_event completes the one waited for, as a host-side synchronize would). Records,
-/// for every unmap, how many events were still pending: reclamation must see none.
-class ControlledEventBackend final : public Backend {
+/// Forwards every call to a real backend; test adaptors override only what they change.
+class ForwardingBackend : public Backend {
  public:
-  explicit ControlledEventBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {}
+  explicit ForwardingBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {}
+
+  std::string name() const override { return upstream_->name(); }
+  std::size_t page_bytes() const noexcept override { return upstream_->page_bytes(); }
+  std::size_t max_reservation_bytes() const noexcept override { return upstream_->max_reservation_bytes(); }
+  std::size_t available_memory_bytes() const override { return upstream_->available_memory_bytes(); }
+  Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
+  void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
+  PageHandle create_page() override { return upstream_->create_page(); }
+  void release_page(PageHandle page) noexcept override { upstream_->release_page(page); }
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    upstream_->map(address, pages, count);
+  }
+  void unmap(Address address, std::size_t bytes) override { upstream_->unmap(address, bytes); }
+  void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
+  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
+    upstream_->copy(destination, source, bytes, stream);
+  }
+  Event record_event(Stream stream) override { return upstream_->record_event(stream); }
+  bool event_done(Event event) override { return upstream_->event_done(event); }
+  void wait_event(Event event) override { upstream_->wait_event(event); }
+  void stream_wait_event(Stream stream, Event event) override { upstream_->stream_wait_event(stream, event); }
+  void destroy_event(Event event) noexcept override { upstream_->destroy_event(event); }
+  void synchronize(Stream stream) override { upstream_->synchronize(stream); }
+  void synchronize_device() override { upstream_->synchronize_device(); }
+  Stream create_stream() override { return upstream_->create_stream(); }
+  void destroy_stream(Stream stream) noexcept override { upstream_->destroy_stream(stream); }
+
+ protected:
+  std::shared_ptr<Backend> upstream_;
+};
+
+/// Events stay pending until a test completes them (wait_event completes the one waited
+/// for, as a host-side synchronize would). Records, for every unmap, how many events were
+/// still pending: reclamation must see none.
+class ControlledEventBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
 
   void complete_all() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -80,9 +115,7 @@ class ControlledEventBackend final : public Backend {
   }
   std::size_t pending() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::size_t count = 0;
-    for (const auto& [event, done] : done_) count += done ? 0 : 1;
-    return count;
+    return pending_locked();
   }
   std::vector<std::size_t> pending_at_each_unmap() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -97,29 +130,12 @@ class ControlledEventBackend final : public Backend {
     return stream_waits_;
   }
 
-  std::string name() const override { return upstream_->name(); }
-  std::size_t page_bytes() const noexcept override { return upstream_->page_bytes(); }
-  std::size_t max_reservation_bytes() const noexcept override { return upstream_->max_reservation_bytes(); }
-  std::size_t available_memory_bytes() const override { return upstream_->available_memory_bytes(); }
-  Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
-  void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
-  PageHandle create_page() override { return upstream_->create_page(); }
-  void release_page(PageHandle page) noexcept override { upstream_->release_page(page); }
-  void map(Address address, const PageHandle* pages, std::size_t count) override {
-    upstream_->map(address, pages, count);
-  }
   void unmap(Address address, std::size_t bytes) override {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      std::size_t count = 0;
-      for (const auto& [event, done] : done_) count += done ? 0 : 1;
-      pending_at_unmap_.push_back(count);
+      pending_at_unmap_.push_back(pending_locked());
     }
     upstream_->unmap(address, bytes);
-  }
-  void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
-  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
-    upstream_->copy(destination, source, bytes, stream);
   }
   Event record_event(Stream) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -145,13 +161,14 @@ class ControlledEventBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     done_.erase(event);
   }
-  void synchronize(Stream stream) override { upstream_->synchronize(stream); }
-  void synchronize_device() override { upstream_->synchronize_device(); }
-  Stream create_stream() override { return upstream_->create_stream(); }
-  void destroy_stream(Stream stream) noexcept override { upstream_->destroy_stream(stream); }
 
  private:
-  std::shared_ptr<Backend> upstream_;
+  std::size_t pending_locked() const {
+    std::size_t count = 0;
+    for (const auto& [event, done] : done_) count += done ? 0 : 1;
+    return count;
+  }
+
   mutable std::mutex mutex_;
   std::map<Event, bool> done_;
   std::vector<std::size_t> pending_at_unmap_;
@@ -160,41 +177,16 @@ class ControlledEventBackend final : public Backend {
   Event next_ = 1;
 };
 
-/// Forwards to a real backend; map() fails with DriverError while `fail_maps` is set.
-class FailingMapBackend final : public Backend {
+/// map() fails with DriverError while `fail_maps` is set.
+class FailingMapBackend final : public ForwardingBackend {
  public:
-  explicit FailingMapBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {}
+  using ForwardingBackend::ForwardingBackend;
   std::atomic<bool> fail_maps{false};
 
-  std::string name() const override { return upstream_->name(); }
-  std::size_t page_bytes() const noexcept override { return upstream_->page_bytes(); }
-  std::size_t max_reservation_bytes() const noexcept override { return upstream_->max_reservation_bytes(); }
-  std::size_t available_memory_bytes() const override { return upstream_->available_memory_bytes(); }
-  Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
-  void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
-  PageHandle create_page() override { return upstream_->create_page(); }
-  void release_page(PageHandle page) noexcept override { upstream_->release_page(page); }
   void map(Address address, const PageHandle* pages, std::size_t count) override {
     if (fail_maps) throw DriverError("map (injected)", 2, "injected failure");
     upstream_->map(address, pages, count);
   }
-  void unmap(Address address, std::size_t bytes) override { upstream_->unmap(address, bytes); }
-  void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
-  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
-    upstream_->copy(destination, source, bytes, stream);
-  }
-  Event record_event(Stream stream) override { return upstream_->record_event(stream); }
-  bool event_done(Event event) override { return upstream_->event_done(event); }
-  void wait_event(Event event) override { upstream_->wait_event(event); }
-  void stream_wait_event(Stream stream, Event event) override { upstream_->stream_wait_event(stream, event); }
-  void destroy_event(Event event) noexcept override { upstream_->destroy_event(event); }
-  void synchronize(Stream stream) override { upstream_->synchronize(stream); }
-  void synchronize_device() override { upstream_->synchronize_device(); }
-  Stream create_stream() override { return upstream_->create_stream(); }
-  void destroy_stream(Stream stream) noexcept override { upstream_->destroy_stream(stream); }
-
- private:
-  std::shared_ptr<Backend> upstream_;
 };
 
 /// A model shape small enough for CPU tests: per-layer token 256 B, interleaved 2 KiB.
