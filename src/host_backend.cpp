@@ -98,10 +98,13 @@ void HostBackend::unmap(Address address, std::size_t bytes) {
   if (got == MAP_FAILED) throw_errno("mmap(PROT_NONE | MAP_FIXED)");
 }
 
-void HostBackend::zero(Address address, std::size_t bytes, Stream) { std::memset(as_pointer(address), 0, bytes); }
+// Zero-byte requests return early: memset/memmove with a null pointer is undefined even for 0 bytes.
+void HostBackend::zero(Address address, std::size_t bytes, Stream) {
+  if (bytes > 0) std::memset(as_pointer(address), 0, bytes);
+}
 
 void HostBackend::copy(Address destination, Address source, std::size_t bytes, Stream) {
-  std::memmove(as_pointer(destination), as_pointer(source), bytes);
+  if (bytes > 0) std::memmove(as_pointer(destination), as_pointer(source), bytes);
 }
 
 Event HostBackend::record_event(Stream) {

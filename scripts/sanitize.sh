@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the C++ tests with AddressSanitizer + UndefinedBehaviorSanitizer, and with
+# ThreadSanitizer (the mapper thread included), and runs them. Randomized tests run
+# shorter here: sanitizers slow them 5-20x, and the plain build runs them at full length.
+#   scripts/sanitize.sh [address,undefined|thread ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+sanitizers=("$@")
+[ ${#sanitizers[@]} -gt 0 ] || sanitizers=("address,undefined" "thread")
+for sanitizer in "${sanitizers[@]}"; do
+  build="build-${sanitizer//,/-}"
+  echo "== $sanitizer"
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVKV_SANITIZE="$sanitizer" \
+    -DVKV_BUILD_EXAMPLES=OFF -DVKV_BUILD_BENCHMARKS=OFF >/dev/null
+  cmake --build "$build"
+  # Death tests fork a process with threads, which ThreadSanitizer does not follow.
+  exclude="install_and_find_package"
+  [ "$sanitizer" = "thread" ] && exclude="$exclude|UnmappedMemoryIsInaccessible"
+  VKV_MODEL_OPS=600 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
+    ctest --test-dir "$build" --output-on-failure -j"$(nproc)" -E "$exclude"
+done
