@@ -453,7 +453,6 @@ bool KvCache::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t
 
   std::size_t created = 0;
   std::size_t regions_mapped = 0;
-  bool zeroed = false;
   try {
     for (; created < to_create; ++created) pages.push_back({backend_->create_page(), false});
     std::vector<PageHandle> handles(per_region);
@@ -462,15 +461,11 @@ bool KvCache::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t
       for (std::size_t i = 0; i < per_region; ++i) handles[i] = run[i].handle;
       const Address address = page_address(regions_mapped, slot_index, first);
       backend_->map(address, handles.data(), per_region);
-      for (std::size_t i = 0; i < per_region; ++i) {
-        if (!run[i].clean) {
-          backend_->zero(address + i * layout_.page_bytes(), layout_.page_bytes(), background_stream_);
-          zeroed = true;
-        }
-      }
+      zero_fresh_pages(address, run, per_region, background_stream_);
     }
     // Published pages must read as zeros to whoever gets them, on any stream.
-    if (zeroed) backend_->synchronize(background_stream_);
+    if (std::any_of(pages.begin(), pages.end(), [](const Page& page) { return !page.clean; }))
+      backend_->synchronize(background_stream_);
   } catch (...) {
     for (std::size_t r = 0; r < regions_mapped; ++r) {
       try {

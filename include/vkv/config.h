@@ -39,6 +39,9 @@ struct Device {
   std::string str() const;
 };
 
+/// CacheConfig::eager_tokens: follow the prompt lengths seen so far.
+inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
+
 struct CacheConfig {
   std::size_t num_layers = 0;
   std::size_t num_kv_heads = 0;
@@ -66,7 +69,7 @@ struct CacheConfig {
   std::size_t lookahead_tokens = 32;
   /// Tokens the mapper keeps backed in the slot alloc_reqid() hands out next, for the next
   /// prefill: kAdaptive follows recent prompt lengths, 0 turns eager allocation off.
-  std::size_t eager_tokens = static_cast<std::size_t>(-1);
+  std::size_t eager_tokens = kAdaptive;
   /// Freed slots keep their pages for the next owner. Off: free_reqid() waits for the
   /// device and gives the slot's pages back to the driver at once.
   bool deferred_reclamation = true;
@@ -75,8 +78,6 @@ struct CacheConfig {
   std::size_t reclaim_watermark_pages = 0;
 };
 
-/// CacheConfig::eager_tokens: follow the prompt lengths seen so far.
-inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
 
 /// Upper limits on shape fields; far above real models, low enough that byte
 /// counts cannot overflow 64 bits before the address-space check rejects them.
