@@ -17,41 +17,17 @@ turns it into plots.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
-import sys
 import time
 
 import numpy as np
 import torch
 
 import vkv
+from common import device_tag, machine, percentiles, progress, write_json
 
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 PAGE = 2 << 20
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def machine(device: str) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            info["driver"] = "unknown"
-    else:
-        info["cpu"] = platform.processor() or platform.machine()
-    return info
 
 
 class Workload:
@@ -83,12 +59,6 @@ class Workload:
     def synchronize(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
-
-
-def percentiles(values) -> dict:
-    values = np.asarray(values, dtype=np.float64)
-    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)),
-            "max": float(values.max()), "mean": float(values.mean())}
 
 
 def bandwidth(device: str, quick: bool) -> list:
@@ -211,12 +181,7 @@ def main() -> None:
     for name in args.only:
         progress(f"{name} ...")
         results[name] = globals()[name](args.device, args.quick)
-    os.makedirs(args.out, exist_ok=True)
-    tag = "cpu" if args.device == "cpu" else torch.cuda.get_device_name().split()[1].lower()
-    path = os.path.join(args.out, f"alloc_{tag}{'_quick' if args.quick else ''}.json")
-    with open(path, "w") as out:
-        json.dump(results, out, indent=1)
-    progress(f"wrote {path}")
+    write_json(results, os.path.join(args.out, f"alloc_{device_tag(args.device)}{'_quick' if args.quick else ''}.json"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""Helpers shared by the Python benchmarks: progress lines, machine description, JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def machine(device: str) -> dict:
+    """What the numbers were measured on, and the command that measured them."""
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            info["driver"] = "unknown"
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def device_tag(device: str) -> str:
+    """'h100' for an NVIDIA H100 ..., 'cpu' for the host backend: the results' file suffix."""
+    return "cpu" if device == "cpu" else torch.cuda.get_device_name().split()[1].lower()
+
+
+def percentiles(values) -> dict:
+    values = np.asarray(values, dtype=np.float64)
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)),
+            "max": float(values.max()), "mean": float(values.mean())}
+
+
+def write_json(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as out:
+        json.dump(results, out, indent=1)
+    progress(f"wrote {path}")
