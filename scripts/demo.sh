@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Builds vkv and runs the demo on the default backend (CUDA with a GPU, host without).
-# Extra arguments go to the demo: scripts/demo.sh --layout per_layer --device host
+# Installs what is missing, builds and installs the vkv Python package, and runs the
+# serving demo (python -m vkv.demo) on the default backend: GPU if present, else host.
+# Extra arguments go to the demo: scripts/demo.sh --stores vkv-interleaved static
+# The C++ walk-through of the core API: cmake --build build --target vkv_demo && ./build/vkv_demo
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-cmake -S . -B build -G Ninja >/dev/null
-cmake --build build --target vkv_demo >/dev/null
-./build/vkv_demo "$@"
+python3 -m pip install -q --no-build-isolation --no-deps .
+cd /tmp  # import the installed package, not the source tree
+python3 -m vkv.demo "$@"

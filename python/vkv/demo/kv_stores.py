@@ -1,0 +1,347 @@
+"""The KV caches the demo compares, behind one small interface the model and engine use.
+
+  VkvStore      vkv: contiguous virtual memory per request, pages mapped by step()
+  StaticStore   every request gets max_context tokens up front (Orca / FasterTransformer)
+  PagedStore    vLLM-style pages of N tokens with FlexAttention's PagedAttention
+
+All get the same KV memory budget. vkv and static hand plain [slots, max_context, heads,
+head_dim] tensors to an unmodified kernel: on a GPU, PyTorch's bundled FlashAttention-2
+(varlen forward with per-request lengths, ``seqused_k``: it reads only the tokens each
+request has, never a page vkv has not mapped); on a CPU, SDPA per request. The paged
+store needs a kernel that follows its page table: compiled FlexAttention.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import vkv
+
+
+@dataclass
+class DecodeBatch:
+    """One decode iteration's requests, as tensors the kernels take."""
+    slots: List[int]
+    slots_t: torch.Tensor       # [B] int64
+    tokens: torch.Tensor        # [B] the token each request feeds in
+    positions: torch.Tensor     # [B] where its K/V go (seq_len - 1)
+    lens: List[int]             # K/V tokens each request attends to, the new one included
+    extra: dict                 # what a store prepared for its kernel
+
+
+class KvStore:
+    """What the engine asks of a KV cache. Not thread-safe: one engine drives one store."""
+
+    name = "?"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, max_context: int) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device, self.max_context = dtype, device, max_context
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def alloc(self) -> Optional[int]:
+        """A free slot, or None when there is none."""
+        raise NotImplementedError
+
+    def free(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def reserve(self, lens: Dict[int, int]) -> bool:
+        """Make room for lens[slot] tokens of every allocated slot; False (and nothing
+        changed) when the memory budget cannot."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        """KV memory held for allocated requests (what waste is measured against)."""
+        raise NotImplementedError
+
+    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def write_tokens(self, layer: int, batch: DecodeBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def decode_attention(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare_decode(self, slots: Sequence[int], tokens: Sequence[int], lens: Sequence[int]) -> DecodeBatch:
+        order = np.argsort(slots, kind="stable")  # ascending slots: varlen offsets must not decrease
+        slots = [int(slots[i]) for i in order]
+        lens = [int(lens[i]) for i in order]
+        batch = DecodeBatch(slots, self._tensor(slots), self._tensor([tokens[i] for i in order]),
+                            self._tensor([n - 1 for n in lens]), lens, {})
+        batch.extra["order"] = order
+        return batch
+
+    def close(self) -> None:
+        pass
+
+    def _tensor(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, device=self.device, dtype=dtype)
+
+
+class ContiguousStore(KvStore):
+    """K/V as [slots, max_context, kv_heads, head_dim] tensors per layer (vkv and static)."""
+
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+
+    def write_prompt(self, layer, slot, k, v):
+        self.keys[layer][slot, :k.shape[0]] = k
+        self.values[layer][slot, :v.shape[0]] = v
+
+    def write_tokens(self, layer, batch, k, v):
+        index = (batch.slots_t, batch.positions)
+        self.keys[layer].index_put_(index, k)
+        self.values[layer].index_put_(index, v)
+
+    def _as_one_sequence(self, cache: torch.Tensor) -> torch.Tensor:
+        """[slots, max_context, heads, dim] seen as [slots * tokens_per_slot, heads, dim]:
+        a slot's stride may exceed max_context tokens (vkv rounds slots up to whole pages)."""
+        return cache.as_strided((cache.shape[0] * self._tokens_per_slot(cache), *cache.shape[2:]), cache.stride()[1:])
+
+    def _tokens_per_slot(self, cache: torch.Tensor) -> int:
+        if cache.stride(0) % cache.stride(1):
+            raise ValueError(f"slot stride {cache.stride(0)} is not a whole number of tokens ({cache.stride(1)})")
+        return cache.stride(0) // cache.stride(1)
+
+    def prepare_decode(self, slots, tokens, lens):
+        batch = super().prepare_decode(slots, tokens, lens)
+        if self.device.type == "cuda":
+            per_slot = self._tokens_per_slot(self.keys[0])
+            starts = [slot * per_slot for slot in batch.slots]
+            cu_k = starts + [starts[-1] + batch.lens[-1]]
+            batch.extra.update(cu_q=torch.arange(len(slots) + 1, device=self.device, dtype=torch.int32),
+                               cu_k=self._tensor(cu_k, torch.int32), seqused_k=self._tensor(batch.lens, torch.int32),
+                               max_k=max(batch.lens))
+        return batch
+
+    def decode_attention(self, layer, batch, q):
+        keys, values = self.keys[layer], self.values[layer]
+        if self.device.type == "cuda":
+            # FlashAttention-2 varlen over the whole cache seen as one token sequence: request
+            # b's keys start at slot * max_context, and only seqused_k[b] of them are read.
+            flat_k, flat_v = self._as_one_sequence(keys), self._as_one_sequence(values)
+            e = batch.extra
+            return torch.ops.aten._flash_attention_forward(
+                q, flat_k, flat_v, e["cu_q"], e["cu_k"], 1, e["max_k"], 0.0, False, False,
+                seqused_k=e["seqused_k"])[0]
+        outputs = []
+        for row, (slot, n) in enumerate(zip(batch.slots, batch.lens)):
+            outputs.append(F.scaled_dot_product_attention(
+                q[row, :, None], keys[slot, :n].transpose(0, 1), values[slot, :n].transpose(0, 1),
+                enable_gqa=True)[:, 0])
+        return torch.stack(outputs)
+
+
+class VkvStore(ContiguousStore):
+    """vkv: the engine's lens go to KVCache.step(), which maps what they need."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
+                 max_slots: int, layout: str, page_size: int = 0) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
+        self.name = f"vkv {layout.replace('_', '-')}"
+        self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, max_batch_size=max_slots,
+                                 max_context_len=max_context, device=device, layout=layout,
+                                 memory_budget=budget_bytes, page_size=page_size)
+        self.keys, self.values = self.cache.kv_tensors()
+        self._lens = np.zeros(max_slots, dtype=np.int64)
+
+    def alloc(self):
+        return self.cache.alloc_reqid() if self.cache.num_free_slots else None
+
+    def free(self, slot):
+        self.cache.free_reqid(slot)
+
+    def reserve(self, lens):
+        self._lens[:] = 0
+        for slot, n in lens.items():
+            self._lens[slot] = n
+        try:
+            self.cache.step(self._lens)
+            return True
+        except vkv.OutOfMemory:
+            return False
+
+    def held_bytes(self):
+        return self.cache.stats()["pages_in_use"] * self.cache.page_size
+
+    def close(self):
+        self.keys = self.values = []
+        self.cache.close()
+
+
+class StaticStore(ContiguousStore):
+    """max_context tokens reserved per request: as many requests as the budget holds."""
+
+    name = "static"
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
+        self.slots = budget_bytes // (max_context * self.bytes_per_token)
+        if self.slots < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no request of max_context = "
+                             f"{max_context} tokens ({max_context * self.bytes_per_token} bytes)")
+        shape = (self.slots, max_context, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self._free = list(range(self.slots - 1, -1, -1))
+
+    def alloc(self):
+        return self._free.pop() if self._free else None
+
+    def free(self, slot):
+        self._free.append(slot)
+
+    def reserve(self, lens):
+        return all(n <= self.max_context for n in lens.values())
+
+    def held_bytes(self):
+        return (self.slots - len(self._free)) * self.max_context * self.bytes_per_token
+
+
+class PagedStore(KvStore):
+    """Pages of ``page_tokens`` tokens from one pool per layer, a page table per request,
+    attention by FlexAttention through the table (torch's PagedAttention). Pages are
+    handed out from a shuffled free list, as in a server that has run for a while."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
+                 max_slots: int, page_tokens: int, flex: Callable) -> None:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
+        self.name = f"paged-{page_tokens}"
+        self.page_tokens, self.max_slots, self.flex = page_tokens, max_slots, flex
+        self.num_pages = budget_bytes // (page_tokens * self.bytes_per_token)
+        self.pages_per_slot = -(-max_context // page_tokens)
+        self.table = PagedAttention(self.num_pages, page_tokens, max_slots, device=str(device))
+        pool = (1, num_kv_heads, self.num_pages * page_tokens, head_dim)
+        self.k_pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
+        self._free_pages = list(range(self.num_pages))
+        random.Random(0).shuffle(self._free_pages)
+        self._pages: Dict[int, List[int]] = {}
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        # One mask function for the whole run (a new closure every step would recompile).
+        self._kv_len = torch.zeros(max_slots, device=device, dtype=torch.int64)
+        self._mask_mod = self.table.get_mask_mod(None, self._kv_len)
+
+    def alloc(self):
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.pop()
+        self._pages[slot] = []
+        return slot
+
+    def free(self, slot):
+        pages = self._pages.pop(slot)
+        self._free_pages.extend(pages)
+        if pages:
+            self.table.page_table[slot] = -1
+            self.table.physical_to_logical[slot, torch.tensor(pages, device=self.device)] = -1
+            self.table.capacity[slot] = 0
+        self._free_slots.append(slot)
+
+    def reserve(self, lens):
+        wanted = {slot: -(-n // self.page_tokens) - len(self._pages[slot]) for slot, n in lens.items()}
+        if sum(max(0, w) for w in wanted.values()) > len(self._free_pages):
+            return False
+        rows, logical, physical = [], [], []
+        for slot, count in wanted.items():
+            for _ in range(count):
+                rows.append(slot)
+                logical.append(len(self._pages[slot]))
+                physical.append(self._free_pages.pop())
+                self._pages[slot].append(physical[-1])
+        if rows:  # one update of the device-side tables per call, not one per page
+            rows_t, logical_t, physical_t = self._tensor(rows), self._tensor(logical), self._tensor(physical)
+            self.table.page_table[rows_t, logical_t] = physical_t
+            self.table.physical_to_logical[rows_t, physical_t] = logical_t
+        return True
+
+    def held_bytes(self):
+        return (self.num_pages - len(self._free_pages)) * self.page_tokens * self.bytes_per_token
+
+    def write_prompt(self, layer, slot, k, v):
+        count = k.shape[0]
+        self.table.assign(torch.tensor([slot], device=self.device), torch.arange(count, device=self.device)[None],
+                          k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.k_pools[layer], self.v_pools[layer])
+
+    def write_tokens(self, layer, batch, k, v):
+        self.table.assign(batch.slots_t, batch.positions[:, None], k[:, :, None], v[:, :, None],
+                          self.k_pools[layer], self.v_pools[layer])
+
+    def prepare_decode(self, slots, tokens, lens):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        batch = super().prepare_decode(slots, tokens, lens)
+        # Every slot is a row of the query batch (empty rows cost nothing): one compiled
+        # kernel for the whole run instead of one per batch size.
+        blocks = torch.zeros(self.max_slots, 1, 1, dtype=torch.int32)
+        indices = torch.zeros(self.max_slots, 1, 1, self.num_pages, dtype=torch.int32)
+        kv_len = torch.zeros(self.max_slots, dtype=torch.int64)
+        for slot, n in zip(batch.slots, batch.lens):
+            pages = self._pages[slot][: -(-n // self.page_tokens)]
+            blocks[slot] = len(pages)
+            indices[slot, 0, 0, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            kv_len[slot] = n
+        self._kv_len.copy_(kv_len)
+        batch.extra["block_mask"] = BlockMask.from_kv_blocks(
+            blocks.to(self.device), indices.to(self.device), BLOCK_SIZE=(self.page_tokens, self.page_tokens),
+            mask_mod=self._mask_mod, seq_lengths=(1, self.num_pages * self.page_tokens))
+        return batch
+
+    def decode_attention(self, layer, batch, q):
+        if self.device.type != "cuda":  # Flex's CPU path is a dense reference: gather instead
+            return self._gathered_attention(layer, batch, q)
+        queries = q.new_zeros(self.max_slots, q.shape[1], 1, q.shape[2])
+        queries[batch.slots_t] = q[:, :, None]
+        out = self.flex(queries, self.k_pools[layer], self.v_pools[layer], block_mask=batch.extra["block_mask"],
+                        enable_gqa=True)
+        return out[batch.slots_t, :, 0]
+
+    def _gathered_attention(self, layer, batch, q):
+        outputs = []
+        for row, (slot, n) in enumerate(zip(batch.slots, batch.lens)):
+            pages = torch.tensor(self._pages[slot], device=self.device)
+            index = (pages[:, None] * self.page_tokens + torch.arange(self.page_tokens, device=self.device)).flatten()[:n]
+            outputs.append(F.scaled_dot_product_attention(
+                q[row, :, None], self.k_pools[layer][0][:, index], self.v_pools[layer][0][:, index],
+                enable_gqa=True)[:, 0])
+        return torch.stack(outputs)
+
+    def close(self):
+        self.k_pools = self.v_pools = []
+
+
+def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device, max_context: int,
+               budget_bytes: int, max_slots: int, flex: Callable, page_size: int = 0) -> KvStore:
+    """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, static."""
+    common = (model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim, dtype, device, max_context)
+    if kind.startswith("vkv-"):
+        return VkvStore(*common, budget_bytes, max_slots, kind[4:].replace("-", "_"), page_size)
+    if kind.startswith("paged-"):
+        return PagedStore(*common, budget_bytes, max_slots, int(kind[6:]), flex)
+    if kind == "static":
+        return StaticStore(*common, budget_bytes)
+    raise ValueError(f"store = {kind!r} is not one of vkv-interleaved, vkv-per-layer, paged-<tokens>, static")
+
+
+def pages_note(store: KvStore) -> str:
+    if isinstance(store, VkvStore):
+        return f"{store.cache.page_size >> 10} KiB pages, {store.cache.tokens_per_page} tokens/page/region"
+    if isinstance(store, PagedStore):
+        return f"{store.num_pages} pages of {store.page_tokens} tokens"
+    if isinstance(store, StaticStore):
+        return f"{store.slots} slots of {store.max_context} tokens"
+    return ""
+
+
+__all__ = ["DecodeBatch", "KvStore", "VkvStore", "StaticStore", "PagedStore", "make_store", "pages_note"]

@@ -1,0 +1,131 @@
+"""A Llama-architecture decoder in plain PyTorch, random weights, any size.
+
+The forward pass is the real computation of a serving engine (RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU); the weights are random because the demo measures the
+system, not the text. Attention reads and writes the KV cache through a ``KvStore``
+(kv_stores.py), so the same model runs on vkv, on a paged cache and on a static one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    vocab: int
+    rope_theta: float = 500000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+SHAPES = {
+    "llama3-8b": ModelShape("llama3-8b", num_layers=32, hidden=4096, intermediate=14336, num_heads=32,
+                            num_kv_heads=8, vocab=128256),
+    "tiny": ModelShape("tiny", num_layers=4, hidden=256, intermediate=688, num_heads=8, num_kv_heads=2,
+                       vocab=1024),
+}
+
+
+class LlamaModel:
+    """Weights and forward passes; ``prefill`` for one prompt, ``decode`` for a batch."""
+
+    def __init__(self, shape: ModelShape, device: torch.device, dtype: torch.dtype, max_context: int,
+                 seed: int = 0) -> None:
+        self.shape, self.device, self.dtype = shape, device, dtype
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+        def weight(rows: int, cols: int) -> torch.Tensor:  # small enough that activations stay finite
+            return (torch.randn(rows, cols, generator=generator, device=device) / math.sqrt(cols)).to(dtype)
+
+        s = shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.embedding = weight(s.vocab, s.hidden)
+        self.layers = [{
+            "qkv": weight(q_size + 2 * kv_size, s.hidden),
+            "out": weight(s.hidden, q_size),
+            "gate_up": weight(2 * s.intermediate, s.hidden),
+            "down": weight(s.hidden, s.intermediate),
+            "norm1": torch.ones(s.hidden, device=device, dtype=dtype),
+            "norm2": torch.ones(s.hidden, device=device, dtype=dtype),
+        } for _ in range(s.num_layers)]
+        self.final_norm = torch.ones(s.hidden, device=device, dtype=dtype)
+        self.lm_head = weight(s.vocab, s.hidden)
+        positions = torch.arange(max_context, dtype=torch.float32)
+        inverse = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim))
+        angles = torch.outer(positions, inverse)
+        self.cos = angles.cos().to(device, dtype)
+        self.sin = angles.sin().to(device, dtype)
+
+    # -- pieces ------------------------------------------------------------------------
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + 1e-5)).to(x.dtype) * weight
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim]; rotates pairs (first half, second half)."""
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+    def _qkv(self, layer: dict, x: torch.Tensor, positions: torch.Tensor):
+        s = self.shape
+        q, k, v = (x @ layer["qkv"].T).split(
+            [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1)
+        q = self._rope(q.view(-1, s.num_heads, s.head_dim), positions)
+        k = self._rope(k.view(-1, s.num_kv_heads, s.head_dim), positions)
+        return q, k, v.view(-1, s.num_kv_heads, s.head_dim)
+
+    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ layer["down"].T
+
+    def _next_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self._rms_norm(hidden, self.final_norm) @ self.lm_head.T).argmax(-1)
+
+    # -- forward passes ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, store, slot: int, tokens: torch.Tensor) -> int:
+        """Run one prompt (token ids [T]), write its K/V into ``slot``; the next token id."""
+        positions = torch.arange(tokens.numel(), device=self.device)
+        x = self.embedding[tokens]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), positions)
+            store.write_prompt(index, slot, k, v)
+            # A prompt attends to its own fresh K/V: the same kernel for every KV store.
+            attention = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            x = x + attention.reshape(x.shape[0], -1) @ layer["out"].T
+            x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
+        return int(self._next_tokens(x[-1:])[0])
+
+    @torch.inference_mode()
+    def decode(self, store, batch) -> torch.Tensor:
+        """One token for each running request; ``batch`` is the store's DecodeBatch."""
+        x = self.embedding[batch.tokens]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), batch.positions)
+            store.write_tokens(index, batch, k, v)
+            attention = store.decode_attention(index, batch, q)
+            x = x + attention.reshape(x.shape[0], -1) @ layer["out"].T
+            x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
+        return self._next_tokens(x)
