@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU machine: builds vkv, runs every test (CUDA suites included), the demo on
+# On a GPU machine: builds vkv, runs every test (CUDA suites included), both demos on
 # the GPU and the map-cost benchmark, and leaves logs and JSON in OUT_DIR.
 #   scripts/gpu_check.sh OUT_DIR
 set -uo pipefail
@@ -15,5 +15,6 @@ python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNIN
 (cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" -q -p no:cacheprovider -rs 2>&1) | tee "$out/pytest.log" | tail -15
 grep -qE "[0-9]+ passed" "$out/pytest.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/pytest.log" || status=1
 ./build-gpu/vkv_demo --device cuda:0 2>&1 | tail -6 | tee "$out/demo.log"
+(cd /tmp && python3 -m vkv.demo --device cuda --no-progress 2>&1) | tail -10 | tee "$out/serving_demo.log"
 ./build-gpu/benchmarks/vkv_map_cost --device cuda:0 --out "$out/map_cost_h100.json" 2>&1 | tee "$out/map_cost.log"
 exit $status
