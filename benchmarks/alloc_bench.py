@@ -16,7 +16,6 @@ turns it into plots.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 import vkv
-from common import device_tag, machine, percentiles, progress, write_json
+from common import argument_parser, device_tag, machine, percentiles, progress, write_json
 
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 PAGE = 2 << 20
@@ -171,11 +170,7 @@ def prefill(device: str, quick: bool) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--quick", action="store_true", help="small and short: a smoke test")
-    parser.add_argument("--only", nargs="*", default=["bandwidth", "decode", "prefill"])
+    parser = argument_parser(__doc__, ("bandwidth", "decode", "prefill"))
     args = parser.parse_args()
     results = {"benchmark": "alloc", "machine": machine(args.device), "quick": args.quick}
     for name in args.only:

@@ -30,7 +30,6 @@ Results are written after every shape, so an interrupted run keeps what it measu
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -47,7 +46,7 @@ from torch.nn.attention.experimental._paged_attention import PagedAttention
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import vkv
-from common import device_tag, machine, progress, write_json
+from common import argument_parser, device_tag, machine, progress, write_json
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -469,11 +468,7 @@ def keep_other_sections(results: dict, path: str, sections: List[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--quick", action="store_true", help="small shapes: a smoke test")
-    parser.add_argument("--only", nargs="*", default=["decode", "append", "prefill"])
+    parser = argument_parser(__doc__, ("decode", "append", "prefill"))
     parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default: 1 8 32 128)")
     parser.add_argument("--contexts", type=int, nargs="*", help="context lengths (default: 1K-32K)")
     parser.add_argument("--layers-per-group", type=int, default=0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -12,6 +13,18 @@ import time
 
 import numpy as np
 import torch
+
+
+def argument_parser(description: str, sections) -> argparse.ArgumentParser:
+    """--device, --out, --quick and --only (which sections to run), as every benchmark takes them."""
+    import vkv
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--quick", action="store_true", help="small and short: a smoke test")
+    parser.add_argument("--only", nargs="*", default=list(sections), help=f"sections to run (default: {sections})")
+    return parser
 
 
 def progress(message: str) -> None:
