@@ -169,7 +169,7 @@ class Engine:
                 batch = store.prepare_decode([r.slot for r in running], [r.next_token for r in running],
                                              [r.seq_len for r in running])
                 next_tokens = model.decode(store, batch).tolist()  # synchronizes
-                for row, index in enumerate(batch.extra["order"]):
+                for row, index in enumerate(batch.order):
                     request = running[index]
                     request.next_token = next_tokens[row]
                     request.generated += 1

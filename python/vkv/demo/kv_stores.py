@@ -32,6 +32,7 @@ class DecodeBatch:
     tokens: torch.Tensor        # [B] the token each request feeds in
     positions: torch.Tensor     # [B] where its K/V go (seq_len - 1)
     lens: List[int]             # K/V tokens each request attends to, the new one included
+    order: np.ndarray           # row i is the caller's request order[i]
     extra: dict                 # what a store prepared for its kernel
 
 
@@ -76,8 +77,7 @@ class KvStore:
         slots = [int(slots[i]) for i in order]
         lens = [int(lens[i]) for i in order]
         batch = DecodeBatch(slots, self._tensor(slots), self._tensor([tokens[i] for i in order]),
-                            self._tensor([n - 1 for n in lens]), lens, {})
-        batch.extra["order"] = order
+                            self._tensor([n - 1 for n in lens]), lens, order, {})
         return batch
 
     def close(self) -> None:
