@@ -152,6 +152,21 @@ void CudaBackend::copy(Address destination, Address source, std::size_t bytes, S
   VKV_CU_TRY(cuMemcpyAsync, destination, source, bytes, as_stream(stream));
 }
 
+Address CudaBackend::allocate_host(std::size_t bytes) {
+  ContextScope scope(*this);
+  void* memory = nullptr;
+  const CUresult result = cuda::driver().cuMemHostAlloc(&memory, bytes == 0 ? 1 : bytes, 0);
+  if (result == CUDA_ERROR_OUT_OF_MEMORY)
+    throw OutOfMemory("cuMemHostAlloc of " + std::to_string(bytes) + " bytes of page-locked host memory failed", 0,
+                      page_bytes_);
+  cuda::check(result, "cuMemHostAlloc");
+  return reinterpret_cast<Address>(memory);
+}
+
+void CudaBackend::free_host(Address address, std::size_t) noexcept {
+  cuda::driver().cuMemFreeHost(reinterpret_cast<void*>(address));
+}
+
 Event CudaBackend::record_event(Stream stream) {
   ContextScope scope(*this);
   CUevent event = nullptr;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <string>
 
 #include "vkv/error.h"
 
@@ -16,6 +17,13 @@ struct LoadResult {
   bool loaded = false;
   std::string why;
 };
+
+// The version of an entry point whose signature matches cuda.h's declaration. CUDA 13
+// gave cuCtxSynchronize a context argument under the same name, while cuda.h still
+// declares the CUDA 2.0 one without: asking for the newest would call it with garbage.
+int abi_version(const std::string& name, int version) {
+  return name == "cuCtxSynchronize" ? 2000 : version;
+}
 
 LoadResult load() {
   LoadResult result;
@@ -39,7 +47,8 @@ LoadResult load() {
   {                                                                                                        \
     void* function = nullptr;                                                                              \
     CUdriverProcAddressQueryResult found{};                                                                \
-    if (get_proc_address(#name, &function, version, CU_GET_PROC_ADDRESS_DEFAULT, &found) != CUDA_SUCCESS || \
+    if (get_proc_address(#name, &function, abi_version(#name, version), CU_GET_PROC_ADDRESS_DEFAULT,         \
+                         &found) != CUDA_SUCCESS ||                                                        \
         function == nullptr) {                                                                             \
       complete = false;                                                                                    \
       result.why = "the CUDA driver lacks " #name " at version " + std::to_string(version);               \

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -106,6 +107,15 @@ void HostBackend::zero(Address address, std::size_t bytes, Stream) {
 void HostBackend::copy(Address destination, Address source, std::size_t bytes, Stream) {
   if (bytes > 0) std::memmove(as_pointer(destination), as_pointer(source), bytes);
 }
+
+Address HostBackend::allocate_host(std::size_t bytes) {
+  void* memory = std::malloc(bytes == 0 ? 1 : bytes);
+  if (memory == nullptr)
+    throw OutOfMemory("malloc of " + std::to_string(bytes) + " bytes of host memory failed", 0, page_bytes_);
+  return reinterpret_cast<Address>(memory);
+}
+
+void HostBackend::free_host(Address address, std::size_t) noexcept { std::free(as_pointer(address)); }
 
 Event HostBackend::record_event(Stream) {
   std::lock_guard<std::mutex> lock(mutex_);

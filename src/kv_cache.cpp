@@ -4,9 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "format.h"
+#include "undo_log.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -78,6 +79,7 @@ KvCache::~KvCache() {
   }
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
+    if (slot.swapped) host_frees_.push_back(slot.swap);
     try {
       wait_free_event(slot);
       std::vector<Page> pages;
@@ -86,6 +88,11 @@ KvCache::~KvCache() {
     } catch (...) {
       // The driver is going away (process exit); the pages die with the context.
     }
+  }
+  try {
+    free_finished_host_copies(/*wait=*/true);
+  } catch (...) {
+    // Only allocation can fail here; the memory goes with the process.
   }
   if (config_.background_mapping) backend_->destroy_stream(background_stream_);
   backend_->free_reservation(base_, layout_.reserved_bytes());
@@ -116,7 +123,16 @@ std::size_t KvCache::next_alloc_slot() const noexcept {
 std::size_t KvCache::alloc_reqid(Stream stream) {
   rethrow_background_error();
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::size_t best = next_alloc_slot();
+  const std::size_t slot = allocate_slot(next_alloc_slot(), stream);
+  if (mapper_) mapper_->wake();  // the next slot to keep a prefill's pages in has changed
+  return slot;
+}
+
+void KvCache::wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot) {
+  background_done_.wait(lock, [&] { return !slots_[slot].busy(); });
+}
+
+std::size_t KvCache::allocate_slot(std::size_t best, Stream stream) {
   VKV_EXPECTS(best < slots_.size(), "no free slot: all max_batch = ", slots_.size(),
               " slots are allocated (free_reqid one first)");
   Slot& slot = slots_[best];
@@ -127,7 +143,6 @@ std::size_t KvCache::alloc_reqid(Stream stream) {
   slot.seq_len = 0;
   slot.claimed = 0;
   slot.kept_at_free = 0;
-  if (mapper_) mapper_->wake();  // the next slot to keep a prefill's pages in has changed
   return best;
 }
 
@@ -138,19 +153,22 @@ void KvCache::free_reqid(std::size_t slot_index, Stream stream) {
   Slot& slot = slots_[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
               " is not allocated: double free, or a slot alloc_reqid() did not return");
-  if (!config_.deferred_reclamation) {
-    background_done_.wait(lock, [&] { return !slot.busy(); });
-    release_now(slot_index, stream);
-  } else if (slot.claimed > 0) {
-    // Pages beyond `claimed` hold zeros already: only the claimed ones need a fill.
-    if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
-    for (std::size_t r = 0; r < layout_.num_regions(); ++r)
-      backend_->zero(page_address(r, slot_index, 0), slot.claimed * layout_.page_bytes(), stream);
-    const Event event = backend_->record_event(stream);
-    if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
-    slot.free_event = event;
+  free_finished_host_copies(/*wait=*/false);
+  // A next owner must never see another request's tokens: shared pages leave the slot now.
+  const bool keeps_pages = config_.deferred_reclamation && !holds_shared(slot);
+  if (!keeps_pages) {
+    wait_not_busy(lock, slot_index);
+    drop_all_pages(slot_index, stream, /*return_to_device=*/!config_.deferred_reclamation);
+  } else {
+    zero_claimed_pages(slot_index, stream);
   }
-  slot.kept_at_free = config_.deferred_reclamation ? slot.claimed : 0;
+  if (slot.swapped) {
+    host_frees_.push_back(slot.swap);
+    slot.swap = {};
+    slot.swapped = false;
+    slot.swapped_tokens = 0;
+  }
+  slot.kept_at_free = keeps_pages ? slot.claimed : 0;
   slot.allocated = false;
   slot.seq_len = 0;
   slot.claimed = 0;
@@ -158,9 +176,23 @@ void KvCache::free_reqid(std::size_t slot_index, Stream stream) {
   if (mapper_) mapper_->wake();
 }
 
-// Without deferred reclamation: wait for the slot's last readers, then hand its pages
-// back to the driver (the behaviour of an allocator that frees at once).
-void KvCache::release_now(std::size_t slot_index, Stream stream) {
+// Zero-fills the pages a slot's owner wrote (beyond `claimed` they hold zeros already)
+// and records the event its pages' reclamation will wait for.
+void KvCache::zero_claimed_pages(std::size_t slot_index, Stream stream) {
+  Slot& slot = slots_[slot_index];
+  if (slot.claimed == 0) return;
+  if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+  for (std::size_t r = 0; r < layout_.num_regions(); ++r)
+    backend_->zero(page_address(r, slot_index, 0), slot.claimed * layout_.page_bytes(), stream);
+  const Event event = backend_->record_event(stream);
+  if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
+  slot.free_event = event;
+}
+
+// Waits for the slot's last readers (work on `stream` so far), then unmaps every page
+// of it; pages mapped nowhere else go back to the pool, or to the driver with
+// return_to_device (the behaviour of an allocator that frees at once).
+void KvCache::drop_all_pages(std::size_t slot_index, Stream stream, bool return_to_device) {
   Slot& slot = slots_[slot_index];
   if (slot.mapped() == 0) return;
   const Event event = backend_->record_event(stream);
@@ -169,7 +201,7 @@ void KvCache::release_now(std::size_t slot_index, Stream stream) {
   std::vector<Page> pages;
   unmap_tail(slot_index, 0, pages);
   for (const Page& page : pages) pool_.give_back(page);
-  pool_.trim(pool_.free_pages() - pages.size());
+  if (return_to_device) pool_.trim(pool_.free_pages() - pages.size());
 }
 
 void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
@@ -184,16 +216,31 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
                 config_.max_context);
     VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
                 " is not allocated (alloc_reqid() first)");
+    VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
+                " is swapped out (swap_in() first, or give it 0)");
   }
   // claims[s]: pages per region slot s keeps after this call; free slots claim none.
   std::vector<std::size_t> claims(count, 0);
+  std::vector<PageRef> copies;  // shared pages a slot is about to write into
+  std::unordered_map<PageHandle, std::size_t> copies_of;  // the last slot mapping a page keeps it
   for (;;) {
     std::size_t missing = 0;
     bool waits_for_mapper = false;
+    copies.clear();
+    copies_of.clear();
     for (std::size_t s = 0; s < count; ++s) {
       const Slot& slot = slots_[s];
       claims[s] = std::max(slot.claimed, layout_.pages_for_tokens(seq_lens[s]));
       if (claims[s] > slot.mapped()) missing += (claims[s] - slot.mapped()) * layout_.num_regions();
+      if (!shares_.empty() && seq_lens[s] > slot.seq_len) {
+        const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
+        for (std::size_t page = slot.seq_len * layout_.token_bytes() / layout_.page_bytes(); page < end; ++page) {
+          const auto share = shares_.find(slot.pages.front()[page]);
+          if (share == shares_.end() || copies_of[share->first]++ == share->second - 1) continue;
+          copies.push_back({s, page});
+          missing += layout_.num_regions();
+        }
+      }
       // The mapper is mapping (or unmapping) pages this slot needs: they are nearly done.
       if (slot.busy() && claims[s] > slot.busy_from) waits_for_mapper = true;
     }
@@ -203,7 +250,9 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
     }
     if (missing == 0) break;
     try {
-      map_missing(claims, missing, stream);
+      detail::UndoLog undo;
+      map_missing(claims, copies, missing, stream, undo, "step");
+      undo.commit();
       step_stats_.units += missing;
       break;
     } catch (const OutOfMemory&) {
@@ -226,66 +275,87 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
 }
 
-void KvCache::map_missing(const std::vector<std::size_t>& claims, std::size_t missing, Stream stream) {
+std::vector<std::size_t> KvCache::current_claims() const {
+  std::vector<std::size_t> claims(slots_.size());
+  for (std::size_t s = 0; s < slots_.size(); ++s) claims[s] = slots_[s].claimed;
+  return claims;
+}
+
+// Throws OutOfMemory unless `missing` pages can be had: from the pool, or by unmapping
+// pages no slot claims (never shared: only allocated slots share, below their claim).
+std::size_t KvCache::obtainable_pages(const std::vector<std::size_t>& claims) const {
   std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
-  std::size_t claimed_mapped = 0;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const std::size_t mapped = slots_[s].mapped();
-    claimed_mapped += std::min(mapped, claims[s]);
     if (!slots_[s].busy() && mapped > claims[s]) unclaimed += mapped - claims[s];
   }
-  const std::size_t regions = layout_.num_regions();
-  const std::size_t obtainable = pool_.obtainable_pages() + unclaimed * regions;
-  if (missing > obtainable) {
-    const std::size_t page = layout_.page_bytes();
-    throw OutOfMemory(detail::concat("step needs ", missing, " more pages (", detail::format_bytes(missing * page),
-                                     ") but only ", obtainable, " can be had: budget ", pool_.budget_pages(),
-                                     " pages of ", detail::format_bytes(page), ", ", claimed_mapped * regions,
-                                     " held by allocated slots; free or preempt requests, or raise budget_bytes"),
-                      missing - obtainable, page);
-  }
-  std::vector<Page> pages = obtain_pages(missing, claims);
+  return pool_.obtainable_pages() + unclaimed * layout_.num_regions();
+}
 
-  struct MappedRun {
-    std::size_t slot, region, first_page;
-  };
-  std::vector<MappedRun> runs;
-  std::size_t next = 0;
-  std::vector<PageHandle> handles;
-  try {
-    for (std::size_t s = 0; s < slots_.size(); ++s) {
-      Slot& slot = slots_[s];
-      const std::size_t mapped = slot.mapped();
-      if (claims[s] <= mapped) continue;
-      const std::size_t count = claims[s] - mapped;
-      for (std::size_t r = 0; r < regions; ++r) {
-        const Page* run = &pages[next];
-        handles.clear();
-        for (std::size_t i = 0; i < count; ++i) handles.push_back(run[i].handle);
-        const Address address = page_address(r, s, mapped);
-        backend_->map(address, handles.data(), count);
-        runs.push_back({s, r, mapped});
-        slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
-        next += count;
-        zero_fresh_pages(address, run, count, stream);
-      }
-    }
-  } catch (...) {
-    // Undo this call's mappings so that no slot gains a page.
-    for (auto run = runs.rbegin(); run != runs.rend(); ++run) {
-      std::vector<PageHandle>& mapped = slots_[run->slot].pages[run->region];
-      try {
-        backend_->unmap(page_address(run->region, run->slot, run->first_page),
-                        (mapped.size() - run->first_page) * layout_.page_bytes());
-      } catch (...) {
-        // Keep undoing the rest; the error that matters is the one being rethrown.
-      }
-      for (std::size_t i = run->first_page; i < mapped.size(); ++i) pool_.give_back({mapped[i], false});
-      mapped.resize(run->first_page);
-    }
+// Pages the mapper is moving are not lost: a shortage is decided once it has put them down.
+void KvCache::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot,
+                             std::size_t claim) {
+  background_done_.wait(lock, [&] {
+    std::vector<std::size_t> claims = current_claims();
+    claims[slot] = std::max(claims[slot], claim);
+    return !background_busy() || obtainable_pages(claims) >= missing;
+  });
+}
+
+void KvCache::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const {
+  const std::size_t obtainable = obtainable_pages(claims);
+  if (missing <= obtainable) return;
+  std::size_t claimed_mapped = 0;
+  for (std::size_t s = 0; s < slots_.size(); ++s) claimed_mapped += std::min(slots_[s].mapped(), claims[s]);
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t page = layout_.page_bytes();
+  throw OutOfMemory(detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page),
+                                   ") but only ", obtainable, " can be had: budget ", pool_.budget_pages(),
+                                   " pages of ", detail::format_bytes(page), ", ",
+                                   claimed_mapped * regions - duplicate_mappings(),
+                                   " held by allocated slots; free, preempt or swap out requests, or raise the budget"),
+                    missing - obtainable, page);
+}
+
+// Maps every slot up to claims[s] pages per region and gives `copies` private copies of
+// the shared pages they name, with `missing` pages in all. Each backend step registers
+// its undo in `undo`; the caller commits.
+void KvCache::map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies,
+                          std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
+  expect_obtainable(missing, claims, call);
+  std::vector<Page> pages = obtain_pages(missing, claims);
+  std::size_t next = 0;  // pages[next...] are not mapped yet
+  detail::UndoLog unused;
+  unused.push([&] {
     for (std::size_t i = next; i < pages.size(); ++i) pool_.give_back(pages[i]);
-    throw;
+  });
+  if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
+
+  const std::size_t regions = layout_.num_regions();
+  std::vector<PageHandle> handles;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    Slot& slot = slots_[s];
+    const std::size_t mapped = slot.mapped();
+    if (claims[s] <= mapped) continue;
+    const std::size_t count = claims[s] - mapped;
+    for (std::size_t r = 0; r < regions; ++r) {
+      const Page* run = &pages[next];
+      handles.clear();
+      for (std::size_t i = 0; i < count; ++i) handles.push_back(run[i].handle);
+      const Address address = page_address(r, s, mapped);
+      backend_->map(address, handles.data(), count);
+      slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
+      next += count;
+      undo.push([this, s, r, mapped, address] {
+        std::vector<PageHandle>& list = slots_[s].pages[r];
+        backend_->unmap(address, (list.size() - mapped) * layout_.page_bytes());
+        for (std::size_t i = mapped; i < list.size(); ++i) pool_.give_back({list[i], false});
+        list.resize(mapped);
+      });
+      zero_fresh_pages(address, run, count, stream);
+    }
   }
+  unused.commit();
 }
 
 std::vector<Page> KvCache::obtain_pages(std::size_t count, const std::vector<std::size_t>& claims) {
@@ -339,10 +409,12 @@ void KvCache::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<P
       backend_->map(page_address(r, slot_index, keep), slot.pages[r].data() + keep, mapped - keep);
     throw;
   }
-  // Unclaimed pages were zero-filled at free_reqid() (or by the mapper), and waited for above: clean.
+  // Unclaimed pages were zero-filled at free_reqid() (or by the mapper), and waited for
+  // above: clean. A shared page stays with its other slots.
   const bool clean = keep >= slot.claimed;
   for (std::vector<PageHandle>& pages : slot.pages) {
-    for (std::size_t i = keep; i < mapped; ++i) into.push_back({pages[i], clean});
+    for (std::size_t i = keep; i < mapped; ++i)
+      if (drop_mapping(pages[i])) into.push_back({pages[i], clean});
     pages.resize(keep);
   }
 }
@@ -548,12 +620,20 @@ CacheStats KvCache::stats() const {
   stats.budget_pages = pool_.budget_pages();
   stats.pages_created = pool_.created_pages();
   stats.pages_free = pool_.free_pages();
+  std::size_t claimed_mappings = 0;
   for (const Slot& slot : slots_) {
-    stats.pages_mapped += slot.mapped() * layout_.num_regions();
-    stats.pages_in_use += slot.claimed * layout_.num_regions();
+    stats.page_mappings += slot.mapped() * layout_.num_regions();
+    claimed_mappings += slot.claimed * layout_.num_regions();
     stats.active_slots += slot.allocated ? 1 : 0;
     stats.tokens_in_use += slot.seq_len;
+    stats.swapped_slots += slot.swapped ? 1 : 0;
+    stats.swapped_bytes += slot.swap.bytes;
   }
+  // Shared pages lie below their slots' claims: each extra mapping is a claimed one.
+  const std::size_t duplicates = duplicate_mappings();
+  stats.pages_shared = shares_.size();
+  stats.pages_mapped = stats.page_mappings - duplicates;
+  stats.pages_in_use = claimed_mappings - duplicates;
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
   stats.step = step_stats_;
   stats.backend = backend_->stats();
@@ -565,8 +645,7 @@ void KvCache::check_invariants() const {
   auto expect = [](bool holds, const std::string& what) {
     if (!holds) throw Error("vkv invariant broken: " + what);
   };
-  std::unordered_set<PageHandle> seen;
-  std::size_t mapped_total = 0;
+  std::unordered_map<PageHandle, std::size_t> mappings;  // page -> slot addresses mapping it
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
     const std::size_t mapped = slot.mapped();
@@ -575,14 +654,28 @@ void KvCache::check_invariants() const {
     expect(mapped <= layout_.pages_per_slot(), where + " maps no more than pages_per_slot");
     for (const auto& pages : slot.pages) {
       expect(pages.size() == mapped, where + " maps the same number of pages in every region");
-      for (PageHandle page : pages) expect(seen.insert(page).second, where + ": no page is mapped twice");
+      for (std::size_t i = 0; i < pages.size(); ++i) {
+        mappings[pages[i]] += 1;
+        if (!is_shared(pages[i])) continue;
+        expect(slot.allocated && i < slot.claimed, where + ": a shared page lies below an allocated slot's claim");
+        expect(is_shared(slot.pages.front()[i]), where + ": a page is shared in every region or in none");
+      }
     }
     expect(slot.allocated || (slot.seq_len == 0 && slot.claimed == 0), where + ": a free slot claims nothing");
+    expect(slot.allocated || !slot.swapped, where + ": a free slot is not swapped out");
+    expect(!slot.swapped || (slot.seq_len == 0 && slot.claimed == 0), where + ": a swapped-out slot claims nothing");
+    expect(slot.swapped || slot.swap.bytes == 0, where + ": only a swapped-out slot holds host memory");
     expect(layout_.pages_for_tokens(slot.seq_len) <= slot.claimed, where + ": its seq_len is claimed");
     expect(slot.claimed <= mapped, where + ": its claimed pages are mapped");
-    mapped_total += mapped * layout_.num_regions();
   }
-  expect(pool_.created_pages() == pool_.free_pages() + mapped_total + in_flight_pages_,
+  for (const auto& [page, count] : mappings) {
+    const auto share = shares_.find(page);
+    expect(count == (share == shares_.end() ? 1 : share->second),
+           "a page's share count equals the slots mapping it (no page mapped twice unless shared)");
+  }
+  for (const auto& [page, count] : shares_)
+    expect(count >= 2 && mappings.count(page) != 0, "a page counted as shared is mapped at least twice");
+  expect(pool_.created_pages() == pool_.free_pages() + mappings.size() + in_flight_pages_,
          "created pages = free + mapped + in flight in the mapper");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");
 }

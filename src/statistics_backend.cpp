@@ -59,6 +59,10 @@ void StatisticsBackend::zero(Address address, std::size_t bytes, Stream stream) 
 void StatisticsBackend::copy(Address destination, Address source, std::size_t bytes, Stream stream) {
   timed(copy_, bytes, [&] { upstream_->copy(destination, source, bytes, stream); });
 }
+
+Address StatisticsBackend::allocate_host(std::size_t bytes) { return upstream_->allocate_host(bytes); }
+
+void StatisticsBackend::free_host(Address address, std::size_t bytes) noexcept { upstream_->free_host(address, bytes); }
 Event StatisticsBackend::record_event(Stream stream) {
   return timed(event_, 1, [&] { return upstream_->record_event(stream); });
 }

@@ -63,8 +63,14 @@ class Backend {
 
   /// Enqueues a zero-fill of mapped memory on `stream`.
   virtual void zero(Address address, std::size_t bytes, Stream stream) = 0;
-  /// Enqueues a copy on `stream`. Either side may also be ordinary host memory.
+  /// Enqueues a copy on `stream`. Either side may also be host memory from allocate_host().
   virtual void copy(Address destination, Address source, std::size_t bytes, Stream stream) = 0;
+
+  /// Host memory the device copies to and from asynchronously (page-locked on CUDA), for
+  /// swapping slots out. @throws OutOfMemory naming the size.
+  virtual Address allocate_host(std::size_t bytes) = 0;
+  /// Frees allocate_host() memory; no copy may still be using it.
+  virtual void free_host(Address address, std::size_t bytes) noexcept = 0;
 
   /// Records an event behind the work enqueued so far on `stream`.
   virtual Event record_event(Stream stream) = 0;

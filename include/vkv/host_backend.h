@@ -43,6 +43,8 @@ class HostBackend final : public Backend {
   void unmap(Address address, std::size_t bytes) override;
   void zero(Address address, std::size_t bytes, Stream stream) override;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
+  Address allocate_host(std::size_t bytes) override;
+  void free_host(Address address, std::size_t bytes) noexcept override;
   Event record_event(Stream stream) override;
   bool event_done(Event event) override;
   void wait_event(Event event) override;

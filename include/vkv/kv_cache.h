@@ -11,6 +11,11 @@
 // memory runs low, and only after the event recorded at free_reqid() has completed,
 // since the driver's unmap does not wait for running kernels.
 //
+// Beyond the paper: fork() and share_prefix() map one physical page at several slots'
+// addresses (reference-counted; a shared page is copied before a slot writes into it),
+// swap_out() / swap_in() move a slot's tokens to host memory and back, and
+// set_budget() / trim() grow and shrink the physical memory the cache holds.
+//
 // A background mapper (config.background_mapping) maps what the next iterations will
 // need while the current one computes: each allocated slot's seq_len plus a lookahead,
 // and the pages of the next prefill in the slot alloc_reqid() will hand out next. It
@@ -27,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "vkv/backend.h"
@@ -36,6 +42,10 @@
 #include "vkv/page_pool.h"
 #include "vkv/statistics_backend.h"
 #include "vkv/stats.h"
+
+namespace vkv::detail {
+class UndoLog;
+}
 
 namespace vkv {
 
@@ -95,6 +105,61 @@ class KvCache {
   /// Stops and joins the mapper thread; the cache goes on without it. Idempotent.
   void stop_background() noexcept;
 
+  // ---- sharing ---------------------------------------------------------------------
+  // Tokens a slot shares with another are read-only to both. A step() that grows a
+  // slot from seq_len a to b lets it write tokens [a, b); a shared page in that range is
+  // first copied for the writer (copy-on-write). That only happens after a slot stepped
+  // back below a shared page (a rollback): appending after fork() never copies. Such a
+  // step waits on the host for the work already on `stream`, which still reads the page
+  // through the slot's address.
+
+  /// Allocates a slot (as alloc_reqid()) whose first tokens are src's seq_len tokens:
+  /// src's full pages are mapped at its addresses too, the partly filled last page is
+  /// copied on `stream`. The new slot's seq_len is src's.
+  /// @throws InvalidArgument when src is out of range, not allocated or swapped out, or
+  ///         no slot is free; OutOfMemory when the copied page cannot be had (no effect).
+  std::size_t fork(std::size_t src, Stream stream = 0);
+
+  /// Gives dst, allocated and not yet stepped, src's first `tokens` tokens (prompt
+  /// caching): full pages shared, the rest copied on `stream`, and seq_len = tokens.
+  /// Pages dst kept from its previous owner are replaced (after that owner's last
+  /// readers, waited for on the host).
+  /// @throws InvalidArgument for slots out of range, equal, free or swapped out, a dst
+  ///         that already holds tokens, or tokens > src's seq_len; OutOfMemory as fork().
+  void share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream = 0);
+
+  // ---- swapping ---------------------------------------------------------------------
+
+  /// Copies slot's seq_len tokens to page-locked host memory on `stream` and gives its
+  /// pages up: zero-filled behind the copy and left for step() to reclaim, as a freed
+  /// slot's (pages it shares with other slots are dropped at once, which waits on the
+  /// host for the copy). The slot stays allocated, swapped out: step() must give it 0
+  /// until swap_in(); free_reqid() discards the copy.
+  /// @throws InvalidArgument for a slot out of range, free or already swapped out;
+  ///         OutOfMemory when host memory runs out (no effect).
+  void swap_out(std::size_t slot, Stream stream = 0);
+  /// Maps the pages a swapped-out slot needs and copies its tokens back on `stream`,
+  /// after the swap_out() copy; seq_len is what it was. The host memory is freed once
+  /// the copy is done.
+  /// @throws InvalidArgument for a slot out of range or not swapped out; OutOfMemory
+  ///         carrying the missing pages, as step() (no effect).
+  void swap_in(std::size_t slot, Stream stream = 0);
+  /// @throws InvalidArgument for a slot out of range.
+  bool is_swapped(std::size_t slot) const;
+
+  // ---- elastic memory ---------------------------------------------------------------
+
+  /// Sets the most physical memory the cache may hold, rounded down to pages. Shrinking
+  /// releases free pages, then unmaps pages no allocated slot claims (freed slots' first,
+  /// waiting for their last readers) and releases them to the device.
+  /// @throws InvalidArgument for less than one page; OutOfMemory when allocated slots
+  ///         claim more than `bytes` (no effect: free, preempt or swap out first).
+  void set_budget(std::size_t bytes);
+  /// Releases to the device every page no allocated slot claims: the pool's free pages,
+  /// freed slots' kept pages and mapped-ahead surplus. Returns the bytes released. The
+  /// mapper maps ahead again within the budget; set_budget() keeps memory away for good.
+  std::size_t trim();
+
   std::size_t num_free_slots() const;
   /// @throws InvalidArgument for a slot out of range.
   bool is_allocated(std::size_t slot) const;
@@ -111,6 +176,17 @@ class KvCache {
  private:
   static constexpr std::size_t kNotBusy = static_cast<std::size_t>(-1);
 
+  // Host memory holding a swapped-out slot; `ready` follows the copy into or out of it.
+  struct HostCopy {
+    Address host = 0;
+    std::size_t bytes = 0;
+    Event ready = 0;
+  };
+  // Page `page` (of every region) of slot `slot`.
+  struct PageRef {
+    std::size_t slot, page;
+  };
+
   struct Slot {
     bool allocated = false;
     std::size_t seq_len = 0;                      // from the last step()
@@ -125,6 +201,9 @@ class KvCache {
     // While the mapper maps or unmaps pages [busy_from, ...) of this slot outside the
     // lock, kNotBusy otherwise. Nobody else touches the slot's pages at or past it.
     std::size_t busy_from = kNotBusy;
+    bool swapped = false;
+    std::size_t swapped_tokens = 0;               // seq_len at swap_out()
+    HostCopy swap;                                // where swap_out() put the tokens
     std::size_t mapped() const noexcept { return pages.empty() ? 0 : pages.front().size(); }
     bool busy() const noexcept { return busy_from != kNotBusy; }
   };
@@ -135,13 +214,34 @@ class KvCache {
   void expect_slot_in_range(std::size_t slot) const;
   void rethrow_background_error();
   std::size_t next_alloc_slot() const noexcept;
-  void map_missing(const std::vector<std::size_t>& claims, std::size_t missing, Stream stream);
+  std::size_t allocate_slot(std::size_t slot, Stream stream);
+  void wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot);
+  std::vector<std::size_t> current_claims() const;
+  std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
+  void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
+  void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
+  void map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies, std::size_t missing,
+                   Stream stream, detail::UndoLog& undo, const char* call);
+  void copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
+                     Stream stream, detail::UndoLog& undo);
+  void share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, detail::UndoLog& undo);
+  void zero_claimed_pages(std::size_t slot, Stream stream);
+  void drop_all_pages(std::size_t slot, Stream stream, bool return_to_device);
+  void free_finished_host_copies(bool wait);
+  void shrink_to_budget();
   std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& claims);
   void reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& claims);
   void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
   void zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream);
   void wait_free_event(Slot& slot);
-  void release_now(std::size_t slot, Stream stream);
+
+  // Pages mapped at more than one address: how many. A page absent here is mapped once.
+  bool is_shared(PageHandle page) const { return shares_.count(page) != 0; }
+  bool holds_shared(const Slot& slot) const;
+  void add_mapping(PageHandle page);
+  /// True when that was the page's last mapping (it may go back to the pool).
+  bool drop_mapping(PageHandle page);
+  std::size_t duplicate_mappings() const noexcept;
 
   // Background work (mapper.h): one unit per call, planned under the lock, its slow
   // backend calls made without it.
@@ -162,6 +262,8 @@ class KvCache {
   PagePool pool_;
   Address base_ = 0;
   std::vector<Slot> slots_;
+  std::unordered_map<PageHandle, std::size_t> shares_;  // mappings of pages mapped more than once
+  std::vector<HostCopy> host_frees_;                    // host memory to free once `ready` completes
   std::uint64_t frees_ = 0;
   std::size_t prompt_estimate_ = 0;    // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;

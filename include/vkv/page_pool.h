@@ -31,6 +31,8 @@ class PagePool {
   PagePool& operator=(const PagePool&) = delete;
 
   std::size_t budget_pages() const noexcept { return budget_pages_; }
+  /// A new budget; created pages above it stay until the owner releases them (trim()).
+  void set_budget(std::size_t pages) noexcept { budget_pages_ = pages; }
   std::size_t created_pages() const noexcept { return created_pages_; }
   std::size_t free_pages() const noexcept { return free_.size(); }
   std::size_t handed_out_pages() const noexcept { return created_pages_ - free_.size(); }

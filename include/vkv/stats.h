@@ -29,8 +29,9 @@ struct BackendStats {
   CallStats event;    ///< record, query, wait, stream-wait; units: calls
 };
 
-/// Page accounting of a KvCache. pages_created = pages_free + pages_mapped, always;
-/// pages_mapped = pages_in_use + pages_cached.
+/// Page accounting of a KvCache. Physical pages: pages_created = pages_free +
+/// pages_mapped (+ pages the mapper is moving); pages_mapped = pages_in_use + pages_cached.
+/// A page shared by several slots counts once there, and page_mappings counts it per slot.
 struct CacheStats {
   std::size_t page_bytes = 0;
   std::size_t reserved_bytes = 0;  ///< virtual address space held
@@ -38,16 +39,22 @@ struct CacheStats {
   std::size_t pages_created = 0;   ///< physical pages in existence
   std::size_t pages_free = 0;      ///< created, mapped nowhere, ready to map
   std::size_t pages_mapped = 0;    ///< mapped in some slot
-  std::size_t pages_in_use = 0;    ///< mapped in allocated slots
-  std::size_t pages_cached = 0;    ///< mapped in freed slots, kept for reuse (deferred reclamation)
+  std::size_t pages_in_use = 0;    ///< mapped in allocated slots, below what they claim
+  std::size_t pages_cached = 0;    ///< mapped, claimed by nobody: kept for reuse or mapped ahead
+  std::size_t pages_shared = 0;    ///< mapped in more than one slot (fork, share_prefix)
+  std::size_t page_mappings = 0;   ///< page-sized runs of slot addresses backed; >= pages_mapped
   std::size_t active_slots = 0;
   std::size_t tokens_in_use = 0;   ///< sum of the last step's seq_lens
+  std::size_t swapped_slots = 0;   ///< allocated slots swapped out to host memory
+  std::size_t swapped_bytes = 0;   ///< host memory holding them
   CallStats step;                  ///< step() itself, waits included; units: pages it mapped
   BackendStats backend;
 
   std::size_t bytes_mapped() const noexcept { return pages_mapped * page_bytes; }
   std::size_t bytes_in_use() const noexcept { return pages_in_use * page_bytes; }
   std::size_t bytes_created() const noexcept { return pages_created * page_bytes; }
+  /// Device memory sharing saves: what the shared mappings would take as private copies.
+  std::size_t bytes_saved_by_sharing() const noexcept { return (page_mappings - pages_mapped) * page_bytes; }
 };
 
 }  // namespace vkv

@@ -206,8 +206,13 @@ py::dict stats(const KvCache& cache) {
   out["pages_cached"] = stats.pages_cached;
   out["bytes_mapped"] = stats.bytes_mapped();
   out["bytes_in_use"] = stats.bytes_in_use();
+  out["pages_shared"] = stats.pages_shared;
+  out["page_mappings"] = stats.page_mappings;
+  out["bytes_saved_by_sharing"] = stats.bytes_saved_by_sharing();
   out["active_slots"] = stats.active_slots;
   out["tokens_in_use"] = stats.tokens_in_use;
+  out["swapped_slots"] = stats.swapped_slots;
+  out["swapped_bytes"] = stats.swapped_bytes;
   out["step"] = call_stats(stats.step);
   py::dict backend;
   backend["reserve"] = call_stats(stats.backend.reserve);
@@ -247,6 +252,14 @@ PYBIND11_MODULE(_C, m) {
       .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
       .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
       .def("step", &step, arg("seq_lens"))
+      .def("fork", &KvCache::fork, arg("src"), arg("stream") = 0, unlocked)
+      .def("share_prefix", &KvCache::share_prefix, arg("src"), arg("dst"), arg("tokens"), arg("stream") = 0,
+           unlocked)
+      .def("swap_out", &KvCache::swap_out, arg("slot"), arg("stream") = 0, unlocked)
+      .def("swap_in", &KvCache::swap_in, arg("slot"), arg("stream") = 0, unlocked)
+      .def("is_swapped", &KvCache::is_swapped, arg("slot"), unlocked)
+      .def("set_budget", &KvCache::set_budget, arg("bytes"), unlocked)
+      .def("trim", &KvCache::trim, unlocked)
       .def("stats", &stats)
       .def("view", &view, arg("layer"), arg("value"))
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)

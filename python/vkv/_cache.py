@@ -197,6 +197,80 @@ class KVCache:
         """
         self._live()._core.step(seq_lens)  # parsed in C++: this is every iteration's path
 
+    # -- sharing, swapping, elastic memory --------------------------------------------
+
+    def fork(self, src: int) -> int:
+        """A new slot whose first tokens are ``src``'s (parallel sampling, beam search).
+
+        ``src``'s full pages are mapped into the new slot too, not copied; only the partly
+        filled last page is copied, on the current stream. Shared tokens are read-only:
+        appending never copies; a step that grows a slot back over a shared page (after a
+        rollback) copies that page first, waiting for the current stream.
+
+        Raises:
+            ValueError: ``src`` is not allocated or is swapped out, or no slot is free.
+            vkv.OutOfMemory: no page for the partial copy; nothing changed.
+        """
+        return self._live()._core.fork(self._slot(src), self._stream())
+
+    def share_prefix(self, src: int, dst: int, n_tokens: int) -> None:
+        """Give ``dst`` (fresh from ``alloc_reqid()``) ``src``'s first ``n_tokens`` tokens.
+
+        For prompt caching: full pages are shared, the rest copied; ``dst``'s seq_len
+        becomes ``n_tokens`` and its next ``step()`` extends it.
+
+        Raises:
+            ValueError: bad slots, ``dst`` already holds tokens, or ``n_tokens`` exceeds
+                ``src``'s seq_len.
+            vkv.OutOfMemory: no page for the partial copy; nothing changed.
+        """
+        self._live()._core.share_prefix(
+            self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0), self._stream()
+        )
+
+    def swap_out(self, slot: int) -> None:
+        """Copy ``slot``'s tokens to page-locked host memory and give up its pages.
+
+        Asynchronous on the current stream. The slot stays allocated but must get 0 in
+        ``step()`` until ``swap_in()``; ``free_reqid()`` discards the copy.
+
+        Raises:
+            ValueError: ``slot`` is free or already swapped out.
+            vkv.OutOfMemory: host memory ran out; nothing changed.
+        """
+        self._live()._core.swap_out(self._slot(slot), self._stream())
+
+    def swap_in(self, slot: int) -> None:
+        """Map ``slot``'s pages again and copy its tokens back (current stream).
+
+        Raises:
+            ValueError: ``slot`` is not swapped out.
+            vkv.OutOfMemory: not enough pages; nothing changed, ``missing_pages`` says how many.
+        """
+        self._live()._core.swap_in(self._slot(slot), self._stream())
+
+    def is_swapped(self, slot: int) -> bool:
+        return self._live()._core.is_swapped(self._slot(slot))
+
+    def set_budget(self, memory_budget: int) -> None:
+        """Set the most physical memory (bytes, rounded down to pages) the cache may hold.
+
+        Shrinking releases pages no allocated slot claims to the device at once.
+
+        Raises:
+            ValueError: less than one page.
+            vkv.OutOfMemory: allocated slots claim more; nothing changed.
+        """
+        self._live()._core.set_budget(_expect_count("memory_budget", memory_budget))
+
+    def trim(self) -> int:
+        """Release to the device every page no allocated slot claims; returns the bytes.
+
+        The background mapper maps ahead again within the budget; use ``set_budget()``
+        to keep memory away.
+        """
+        return self._live()._core.trim()
+
     # -- inspection ------------------------------------------------------------------
 
     def stats(self) -> Dict[str, Any]:

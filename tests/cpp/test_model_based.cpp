@@ -1,12 +1,15 @@
-// Random alloc/free/step sequences against a small reference model, checking the
-// cache's invariants and the model's predictions after every call.
+// Random alloc/free/step/fork/share_prefix/swap/trim/set_budget sequences against a
+// small reference model, checking the cache's invariants, its page accounting and every
+// token's bytes after every call.
 //
 // CI runs a fixed seed for a bounded number of operations. For a longer run:
 //   VKV_MODEL_OPS=200000 VKV_MODEL_SEED=$RANDOM ./build/tests/cpp/vkv_tests --gtest_filter='ModelBased*'
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <random>
+#include <set>
 
 #include "testing.h"
 
@@ -18,11 +21,35 @@ std::size_t env_or(const char* name, std::size_t fallback) {
   return value ? static_cast<std::size_t>(std::strtoull(value, nullptr, 10)) : fallback;
 }
 
-// What the cache must look like from outside, derived only from the calls made.
+// What the cache must look like from outside, derived only from the calls made. A
+// physical page (one per region) is an id: pages[s] lists the ids slot s claims, and
+// two slots list the same id where they share a page.
 struct Model {
-  std::vector<bool> allocated;
+  std::vector<bool> allocated, swapped;
   std::vector<std::size_t> seq_len;
-  std::vector<std::size_t> claimed;      // pages per region an allocated slot has needed since alloc
+  std::vector<std::vector<std::uint64_t>> pages;        // claimed pages, by id
+  std::vector<std::vector<std::uint8_t>> tokens;        // the byte each token was written with
+  std::vector<std::vector<std::uint8_t>> swapped_tokens;
+  std::uint64_t next_id = 1;
+
+  explicit Model(std::size_t slots)
+      : allocated(slots), swapped(slots), seq_len(slots), pages(slots), tokens(slots), swapped_tokens(slots) {}
+
+  std::size_t distinct_pages() const {
+    std::set<std::uint64_t> ids;
+    for (const auto& list : pages) ids.insert(list.begin(), list.end());
+    return ids.size();
+  }
+  bool shared(std::size_t slot, std::size_t page) const {
+    for (std::size_t s = 0; s < pages.size(); ++s)
+      if (s != slot && pages[s].size() > page && pages[s][page] == pages[slot][page]) return true;
+    return false;
+  }
+  void drop(std::size_t slot) {
+    pages[slot].clear();
+    tokens[slot].clear();
+    seq_len[slot] = 0;
+  }
 };
 
 // Parameters: backend, layout, and whether the background mapper runs beside the calls.
@@ -41,110 +68,258 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
   config.background_mapping = background;
   const KvLayout layout(config, backend->page_bytes());
   const std::size_t regions = layout.num_regions();
-  const std::size_t budget_per_region = layout.pages_per_slot() * 2;  // tight: about a third of full backing
-  config.budget_bytes = budget_per_region * regions * backend->page_bytes();
+  const std::size_t token_bytes = layout.token_bytes();
+  std::size_t budget = layout.pages_per_slot() * 2;  // per region; tight: about a third of full backing
+  config.budget_bytes = budget * regions * backend->page_bytes();
   KvCache cache(config, backend);
 
-  Model model{std::vector<bool>(config.max_batch), std::vector<std::size_t>(config.max_batch),
-              std::vector<std::size_t>(config.max_batch)};
-  std::size_t steps = 0, shortages = 0, frees = 0;
+  Model model(config.max_batch);
+  std::size_t steps = 0, shortages = 0, frees = 0, forks = 0, swaps = 0, budgets = 0;
+  std::uint8_t next_value = 0;
 
-  // An owner's first look at pages [first, last) of its slot: zeros, whoever had them
-  // before. Then it writes its own mark over all of them.
-  auto check_zero_then_write = [&](std::size_t slot, std::size_t first, std::size_t last) {
+  auto token_address = [&](std::size_t region, std::size_t slot, std::size_t token) {
+    return cache.base() + layout.page_offset(region, slot, 0) + token * token_bytes;
+  };
+  // Writes tokens [first, last) of `slot` with a new value, as its kernels would.
+  auto write_tokens = [&](std::size_t slot, std::size_t first, std::size_t last) {
+    if (first >= last) return;
+    next_value = static_cast<std::uint8_t>(next_value % 254 + 1);
+    for (std::size_t r = 0; r < regions; ++r)
+      testing::fill_bytes(cache.backend(), token_address(r, slot, first), (last - first) * token_bytes, next_value);
+    model.tokens[slot].resize(last);
+    std::fill(model.tokens[slot].begin() + static_cast<std::ptrdiff_t>(first), model.tokens[slot].end(), next_value);
+  };
+  // Every token below seq_len reads as written, in every region.
+  auto check_tokens = [&](std::size_t slot) {
+    const std::size_t count = model.seq_len[slot];
+    if (count == 0) return;
+    for (std::size_t r = 0; r < regions; ++r) {
+      const auto bytes = testing::read_bytes(cache.backend(), token_address(r, slot, 0), count * token_bytes);
+      for (std::size_t t = 0; t < count; ++t)
+        ASSERT_EQ(bytes[t * token_bytes + token_bytes / 2], model.tokens[slot][t])
+            << "slot " << slot << " region " << r << " token " << t;
+    }
+  };
+  // Pages [first, last) an owner claims for the first time read as zeros, whoever had them.
+  auto check_zero = [&](std::size_t slot, std::size_t first, std::size_t last) {
     if (first >= last) return;
     const std::size_t bytes = (last - first) * layout.page_bytes();
-    for (std::size_t r = 0; r < regions; ++r) {
-      const Address address = cache.base() + layout.page_offset(r, slot, first);
-      ASSERT_TRUE(testing::all_zero(testing::read_bytes(cache.backend(), address, bytes)))
+    for (std::size_t r = 0; r < regions; ++r)
+      ASSERT_TRUE(testing::all_zero(
+          testing::read_bytes(cache.backend(), cache.base() + layout.page_offset(r, slot, first), bytes)))
           << "slot " << slot << " region " << r << " pages [" << first << ", " << last
-          << ") show a previous owner's data";
-      testing::fill_bytes(cache.backend(), address, bytes, static_cast<std::uint8_t>(1 + slot));
+          << ") show another request's data";
+  };
+  auto expect_shortage = [&](auto&& call, std::size_t demand) {
+    try {
+      call();
+      FAIL() << "overcommitted: demand " << demand << " pages per region, budget " << budget;
+    } catch (const OutOfMemory& error) {
+      ASSERT_EQ(error.missing_pages(), (demand - budget) * regions);
     }
+    ++shortages;
+  };
+  auto random_slot = [&](auto&& wanted) {
+    std::vector<std::size_t> candidates;
+    for (std::size_t s = 0; s < config.max_batch; ++s)
+      if (wanted(s)) candidates.push_back(s);
+    return candidates.empty() ? config.max_batch : candidates[random() % candidates.size()];
+  };
+  auto running = [&](std::size_t s) { return model.allocated[s] && !model.swapped[s]; };
+  // After sharing `tokens` tokens into dst: claimed ids, and a shortage when the partial page does not fit.
+  auto share_pages = [&](std::size_t src, std::size_t tokens) {
+    const std::size_t full = tokens * token_bytes / layout.page_bytes();
+    std::vector<std::uint64_t> ids(model.pages[src].begin(), model.pages[src].begin() + static_cast<std::ptrdiff_t>(full));
+    if (layout.pages_for_tokens(tokens) > full) ids.push_back(model.next_id++);
+    return ids;
   };
 
   for (std::size_t op = 0; op < operations; ++op) {
-    const int choice = static_cast<int>(random() % 10);
-    std::size_t free_count = 0;
-    for (bool allocated : model.allocated) free_count += allocated ? 0 : 1;
+    const int choice = static_cast<int>(random() % 16);
+    const std::size_t free_slot = random_slot([&](std::size_t s) { return !model.allocated[s]; });
+    const std::size_t live = random_slot(running);
+    std::vector<std::size_t> touched;
 
-    if (choice < 2 && free_count > 0) {  // alloc
+    if (choice < 2 && free_slot < config.max_batch) {  // alloc
       const std::size_t slot = cache.alloc_reqid();
       ASSERT_LT(slot, config.max_batch);
       ASSERT_FALSE(model.allocated[slot]) << "handed out an allocated slot";
       model.allocated[slot] = true;
-      model.claimed[slot] = 0;
       // Pages it inherits from a previous owner read as zeros. (With the mapper running,
       // pages past what step() claimed may be moving: an owner reads only what it claimed.)
-      if (!background) {
-        for (std::size_t r = 0; r < regions; ++r)
-          ASSERT_TRUE(testing::all_zero(testing::read_bytes(
-              cache.backend(), cache.base() + layout.page_offset(r, slot, 0), cache.mapped_pages(slot) * layout.page_bytes())))
-              << "slot " << slot << " inherited a previous owner's data";
-      }
-    } else if (choice < 4 && free_count < config.max_batch) {  // free
-      std::size_t slot;
-      do slot = random() % config.max_batch; while (!model.allocated[slot]);
+      if (!background) check_zero(slot, 0, cache.mapped_pages(slot));
+    } else if (choice < 4) {  // free, swapped-out slots included
+      const std::size_t slot = random_slot([&](std::size_t s) { return model.allocated[s]; });
+      if (slot == config.max_batch) continue;
       cache.free_reqid(slot);
-      model.allocated[slot] = false;
-      model.seq_len[slot] = 0;
+      model.allocated[slot] = model.swapped[slot] = false;
+      model.swapped_tokens[slot].clear();
+      model.drop(slot);
       ++frees;
     } else if (choice == 4) {  // a bad call: must throw and change nothing
       const std::size_t slot = random() % config.max_batch;
-      if (!model.allocated[slot]) EXPECT_THROW(cache.free_reqid(slot), InvalidArgument);
+      if (!model.allocated[slot]) {
+        EXPECT_THROW(cache.free_reqid(slot), InvalidArgument);
+        EXPECT_THROW(cache.fork(slot), InvalidArgument);
+        EXPECT_THROW(cache.swap_out(slot), InvalidArgument);
+      }
+      if (!model.swapped[slot]) EXPECT_THROW(cache.swap_in(slot), InvalidArgument);
       std::vector<std::size_t> bad(model.seq_len);
       bad[slot] = config.max_context + 1 + random() % 7;
       EXPECT_THROW(cache.step(bad), InvalidArgument);
-    } else {  // step: grow, keep or shrink every allocated slot
+      if (model.swapped[slot]) {
+        bad[slot] = 1;
+        EXPECT_THROW(cache.step(bad), InvalidArgument);
+      }
+    } else if (choice == 5 && live < config.max_batch && free_slot < config.max_batch) {  // fork
+      const std::size_t tokens = model.seq_len[live];
+      const std::vector<std::uint64_t> ids = share_pages(live, tokens);
+      const bool partial = layout.pages_for_tokens(tokens) > tokens * token_bytes / layout.page_bytes();
+      const std::size_t demand = model.distinct_pages() + (partial ? 1 : 0);
+      if (demand > budget) {
+        expect_shortage([&] { cache.fork(live); }, demand);
+      } else {
+        const std::size_t slot = cache.fork(live);
+        ASSERT_FALSE(model.allocated[slot]) << "fork handed out an allocated slot";
+        model.allocated[slot] = true;
+        model.pages[slot] = ids;
+        model.seq_len[slot] = model.seq_len[live];
+        model.tokens[slot] = model.tokens[live];
+        model.tokens[slot].resize(model.seq_len[slot]);
+        touched = {live, slot};
+        ++forks;
+      }
+    } else if (choice == 6 && live < config.max_batch && free_slot < config.max_batch) {  // share_prefix
+      const std::size_t tokens = random() % (model.seq_len[live] + 1);
+      const std::size_t dst = cache.alloc_reqid();
+      model.allocated[dst] = true;
+      const std::vector<std::uint64_t> ids = share_pages(live, tokens);
+      const bool partial = layout.pages_for_tokens(tokens) > tokens * token_bytes / layout.page_bytes();
+      const std::size_t demand = model.distinct_pages() + (partial ? 1 : 0);
+      if (demand > budget) {
+        expect_shortage([&] { cache.share_prefix(live, dst, tokens); }, demand);
+      } else {
+        cache.share_prefix(live, dst, tokens);
+        model.pages[dst] = ids;
+        model.seq_len[dst] = tokens;
+        model.tokens[dst].assign(model.tokens[live].begin(), model.tokens[live].begin() + static_cast<std::ptrdiff_t>(tokens));
+        touched = {live, dst};
+        ++forks;
+      }
+    } else if (choice == 7 && live < config.max_batch) {  // swap_out
+      cache.swap_out(live);
+      model.swapped[live] = true;
+      model.swapped_tokens[live] = model.tokens[live];
+      model.swapped_tokens[live].resize(model.seq_len[live]);
+      model.drop(live);
+      ++swaps;
+    } else if (choice == 8) {  // swap_in
+      const std::size_t slot = random_slot([&](std::size_t s) { return model.swapped[s]; });
+      if (slot == config.max_batch) continue;
+      const std::size_t count = model.swapped_tokens[slot].size();
+      const std::size_t demand = model.distinct_pages() + layout.pages_for_tokens(count);
+      if (demand > budget) {
+        expect_shortage([&] { cache.swap_in(slot); }, demand);
+      } else {
+        cache.swap_in(slot);
+        model.swapped[slot] = false;
+        model.seq_len[slot] = count;
+        model.tokens[slot] = model.swapped_tokens[slot];
+        for (std::size_t i = 0; i < layout.pages_for_tokens(count); ++i) model.pages[slot].push_back(model.next_id++);
+        touched = {slot};
+      }
+    } else if (choice == 9) {  // trim, or a new budget
+      if (random() % 2 == 0) {
+        cache.trim();
+        if (!background) {
+          const CacheStats stats = cache.stats();
+          ASSERT_EQ(stats.pages_created, stats.pages_in_use) << "trim kept unclaimed pages";
+        }
+      } else {
+        const std::size_t wanted = 1 + random() % (3 * layout.pages_per_slot());
+        if (model.distinct_pages() > wanted) {
+          const std::size_t old = budget;
+          budget = wanted;
+          expect_shortage([&] { cache.set_budget(wanted * regions * layout.page_bytes()); }, model.distinct_pages());
+          budget = old;
+        } else {
+          cache.set_budget(wanted * regions * layout.page_bytes());
+          budget = wanted;
+          ASSERT_LE(cache.stats().pages_created, budget * regions);
+          ++budgets;
+        }
+      }
+    } else if (choice >= 10) {  // step: grow, keep or shrink every running slot
       std::vector<std::size_t> seq_lens(config.max_batch, 0);
-      std::size_t demand = 0;
+      std::vector<std::vector<std::uint64_t>> after = model.pages;
       for (std::size_t s = 0; s < config.max_batch; ++s) {
-        if (!model.allocated[s]) continue;
+        if (!running(s)) continue;
         const std::size_t roll = random() % 10;
         std::size_t tokens = model.seq_len[s];
         if (roll < 6) tokens += 1 + random() % (layout.tokens_in_pages(1) + 1);        // decode / short prefill
         else if (roll < 7) tokens += random() % (config.max_context / 2);             // long prefill
-        else if (roll < 8) tokens = random() % (tokens + 1);                           // truncation
+        else if (roll < 8) tokens = random() % (tokens + 1);                           // rollback
         seq_lens[s] = std::min(tokens, config.max_context);
-        demand += std::max(model.claimed[s], layout.pages_for_tokens(seq_lens[s]));
       }
-      if (demand > budget_per_region) {
-        try {
-          cache.step(seq_lens);
-          FAIL() << "step overcommitted: demand " << demand << " pages per region, budget " << budget_per_region;
-        } catch (const OutOfMemory& error) {
-          ASSERT_EQ(error.missing_pages(), (demand - budget_per_region) * regions);
-        }
-        ++shortages;
+      // Copy-on-write: shared pages in a growing slot's written range get new ids.
+      std::size_t next_id = model.next_id;
+      for (std::size_t s = 0; s < config.max_batch; ++s) {
+        if (!running(s) || seq_lens[s] <= model.seq_len[s]) continue;
+        const std::size_t end = std::min(model.pages[s].size(), layout.pages_for_tokens(seq_lens[s]));
+        for (std::size_t page = model.seq_len[s] * token_bytes / layout.page_bytes(); page < end; ++page)
+          if (model.shared(s, page)) after[s][page] = next_id++;
+        while (after[s].size() < layout.pages_for_tokens(seq_lens[s])) after[s].push_back(next_id++);
+      }
+      std::swap(after, model.pages);
+      const std::size_t demand = model.distinct_pages();
+      std::swap(after, model.pages);
+      if (demand > budget) {
+        expect_shortage([&] { cache.step(seq_lens); }, demand);
       } else {
         cache.step(seq_lens);
+        model.next_id = next_id;
         for (std::size_t s = 0; s < config.max_batch; ++s) {
-          if (!model.allocated[s]) continue;
-          const std::size_t before = model.claimed[s];
-          model.claimed[s] = std::max(before, layout.pages_for_tokens(seq_lens[s]));
+          if (!running(s)) continue;
+          const std::size_t before = model.pages[s].size();
+          model.pages[s] = after[s];
+          ASSERT_GE(cache.mapped_pages(s), model.pages[s].size()) << "slot " << s;
+          check_zero(s, before, model.pages[s].size());
+          if (seq_lens[s] > model.seq_len[s]) write_tokens(s, model.seq_len[s], seq_lens[s]);
           model.seq_len[s] = seq_lens[s];
-          ASSERT_GE(cache.mapped_pages(s), model.claimed[s]) << "slot " << s;
-          check_zero_then_write(s, before, model.claimed[s]);
+          model.tokens[s].resize(seq_lens[s]);
         }
+        touched.resize(config.max_batch);
+        for (std::size_t s = 0; s < config.max_batch; ++s) touched[s] = s;
         ++steps;
       }
     }
     if (HasFailure()) break;
     cache.check_invariants();
+    // Tokens: of the slots this call touched, and of one more at random (reads are slow).
+    touched.push_back(random() % config.max_batch);
+    for (std::size_t s : touched)
+      if (running(s)) check_tokens(s);
+    if (HasFailure()) break;
     const CacheStats stats = cache.stats();
-    std::size_t in_use = 0, active = 0;
+    std::size_t active = 0, swapped = 0;
     for (std::size_t s = 0; s < config.max_batch; ++s) {
       ASSERT_EQ(cache.is_allocated(s), model.allocated[s]);
-      if (model.allocated[s]) in_use += model.claimed[s] * regions, ++active;
+      ASSERT_EQ(cache.is_swapped(s), model.swapped[s]);
+      active += model.allocated[s] ? 1 : 0;
+      swapped += model.swapped[s] ? model.swapped_tokens[s].size() * token_bytes * regions : 0;
     }
-    ASSERT_EQ(stats.pages_in_use, in_use);
+    ASSERT_EQ(stats.pages_in_use, model.distinct_pages() * regions);
     ASSERT_EQ(stats.active_slots, active);
-    ASSERT_LE(stats.pages_created, budget_per_region * regions);
+    ASSERT_EQ(stats.swapped_bytes, swapped);
+    ASSERT_LE(stats.pages_created, budget * regions);
   }
   // The run must have exercised what it claims to.
-  EXPECT_GT(steps, operations / 4);
+  EXPECT_GT(steps, operations / 5);
   EXPECT_GT(shortages, 0u);
   EXPECT_GT(frees, 0u);
+  EXPECT_GT(forks, 0u);
+  EXPECT_GT(swaps, 0u);
+  EXPECT_GT(budgets, 0u);
   EXPECT_GT(cache.stats().backend.unmap.calls, 0u) << "no reclamation happened";
 }
 

@@ -1,0 +1,69 @@
+// KvCache: growing and shrinking the physical memory the cache holds while it runs,
+// so that the framework's allocator or another process can use what it gives back.
+#include "format.h"
+#include "vkv/error.h"
+#include "vkv/kv_cache.h"
+
+namespace vkv {
+
+void KvCache::set_budget(std::size_t bytes) {
+  rethrow_background_error();
+  const std::size_t page = layout_.page_bytes();
+  VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
+  const std::size_t budget = bytes / page;
+  std::unique_lock<std::mutex> lock(mutex_);
+  background_done_.wait(lock, [&] { return !background_busy(); });  // pages in flight count too
+  std::size_t in_use = 0;
+  for (const Slot& slot : slots_) in_use += slot.claimed * layout_.num_regions();
+  in_use -= duplicate_mappings();  // shared pages lie below their slots' claims
+  if (in_use > budget) {
+    throw OutOfMemory(detail::concat("set_budget(", bytes, ") allows ", budget, " pages (",
+                                     detail::format_bytes(budget * page), ") but allocated slots claim ", in_use,
+                                     " (", detail::format_bytes(in_use * page),
+                                     "); free, preempt or swap out requests first"),
+                      in_use - budget, page);
+  }
+  const std::size_t old_budget = pool_.budget_pages();
+  const std::size_t old_watermark = watermark_pages_;
+  pool_.set_budget(budget);
+  if (config_.reclaim_watermark_pages == 0) watermark_pages_ = budget / 32;
+  try {
+    shrink_to_budget();
+  } catch (...) {
+    pool_.set_budget(old_budget);  // what was released stays released, within the old budget
+    watermark_pages_ = old_watermark;
+    throw;
+  }
+  if (mapper_) mapper_->wake();  // growing makes room for mapping ahead
+}
+
+std::size_t KvCache::trim() {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  background_done_.wait(lock, [&] { return !background_busy(); });
+  free_finished_host_copies(/*wait=*/false);
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    std::vector<Page> pages;
+    unmap_tail(s, slots_[s].claimed, pages);  // waits for a freed slot's last readers
+    for (const Page& page : pages) pool_.give_back(page);
+  }
+  return pool_.trim(0) * layout_.page_bytes();
+}
+
+// Releases pages until no more exist than the budget allows: free ones first, then
+// unclaimed mappings, coldest first. The caller made sure the claimed ones fit.
+void KvCache::shrink_to_budget() {
+  const std::vector<std::size_t> claims = current_claims();
+  while (pool_.created_pages() > pool_.budget_pages()) {
+    const std::size_t excess = pool_.created_pages() - pool_.budget_pages();
+    if (pool_.free_pages() > 0) {
+      pool_.trim(pool_.free_pages() - std::min(pool_.free_pages(), excess));
+      continue;
+    }
+    std::vector<Page> pages;
+    reclaim_coldest(pages, excess, claims);
+    for (const Page& page : pages) pool_.give_back(page);
+  }
+}
+
+}  // namespace vkv

@@ -1,0 +1,149 @@
+// KvCache: moving a slot's tokens to host memory and back (preemption without
+// recomputation). The slot keeps its id and its addresses; only its pages go.
+//
+// Host memory has a per-region layout of its own: region r's seq_len * token_bytes
+// bytes, one region after another. Copies run on the caller's stream; the host memory
+// of a copy back is freed by a later call once the copy's event has completed.
+#include "format.h"
+#include "undo_log.h"
+#include "vkv/error.h"
+#include "vkv/kv_cache.h"
+
+namespace vkv {
+
+bool KvCache::is_swapped(std::size_t slot) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  expect_slot_in_range(slot);
+  return slots_[slot].swapped;
+}
+
+void KvCache::swap_out(std::size_t slot_index, Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  expect_slot_in_range(slot_index);
+  auto expect_valid = [&] {
+    VKV_EXPECTS(slots_[slot_index].allocated, "swap_out: slot ", slot_index, " is not allocated");
+    VKV_EXPECTS(!slots_[slot_index].swapped, "swap_out: slot ", slot_index, " is swapped out already");
+  };
+  expect_valid();
+  wait_not_busy(lock, slot_index);
+  expect_valid();  // the wait let other threads in
+  free_finished_host_copies(/*wait=*/false);
+
+  Slot& slot = slots_[slot_index];
+  const std::size_t region_bytes = slot.seq_len * layout_.token_bytes();
+  HostCopy copy;
+  copy.bytes = region_bytes * layout_.num_regions();
+  detail::UndoLog undo;
+  if (copy.bytes > 0) {
+    copy.host = backend_->allocate_host(copy.bytes);
+    undo.push([this, copy, stream] {
+      try {
+        backend_->synchronize(stream);  // copies already enqueued write into the host memory
+      } catch (...) {
+        // A dead context runs no copy any more.
+      }
+      backend_->free_host(copy.host, copy.bytes);
+    });
+    for (std::size_t r = 0; r < layout_.num_regions(); ++r)
+      backend_->copy(copy.host + r * region_bytes, page_address(r, slot_index, 0), region_bytes, stream);
+    copy.ready = backend_->record_event(stream);
+    undo.push([this, ready = copy.ready] { backend_->destroy_event(ready); });
+  }
+  // From here on only the pages change hands; the tokens are safe in `copy`.
+  if (holds_shared(slot)) {
+    drop_all_pages(slot_index, stream, /*return_to_device=*/false);
+  } else {
+    zero_claimed_pages(slot_index, stream);  // behind the copy on the stream
+  }
+  undo.commit();
+  slot.swapped = true;
+  slot.swap = copy;
+  slot.swapped_tokens = slot.seq_len;
+  slot.seq_len = 0;
+  slot.claimed = 0;
+  if (mapper_) mapper_->wake();
+}
+
+void KvCache::swap_in(std::size_t slot_index, Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  expect_slot_in_range(slot_index);
+  auto expect_valid = [&] {
+    VKV_EXPECTS(slots_[slot_index].allocated && slots_[slot_index].swapped, "swap_in: slot ", slot_index,
+                " is not swapped out");
+  };
+  expect_valid();
+  const std::size_t claim = layout_.pages_for_tokens(slots_[slot_index].swapped_tokens);
+  wait_not_busy(lock, slot_index);
+  wait_for_pages(lock, claim * layout_.num_regions(), slot_index, claim);
+  expect_valid();  // the waits let other threads in
+  wait_not_busy(lock, slot_index);
+  free_finished_host_copies(/*wait=*/false);
+
+  Slot& slot = slots_[slot_index];
+  const std::size_t tokens = slot.swapped_tokens;
+  std::vector<std::size_t> claims = current_claims();
+  claims[slot_index] = layout_.pages_for_tokens(tokens);
+  const std::size_t missing =
+      claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * layout_.num_regions() : 0;
+  detail::UndoLog undo;
+  map_missing(claims, {}, missing, stream, undo, "swap_in");
+  if (slot.swap.bytes > 0) {
+    // After the zero-fill of the slot's kept pages, and after the copy out.
+    if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+    backend_->stream_wait_event(stream, slot.swap.ready);
+    const std::size_t region_bytes = tokens * layout_.token_bytes();
+    for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
+      const Address address = page_address(r, slot_index, 0);
+      backend_->copy(address, slot.swap.host + r * region_bytes, region_bytes, stream);
+      // Pages this slot keeps must read as zeros again if the call fails.
+      undo.push([this, address, region_bytes, stream] { backend_->zero(address, region_bytes, stream); });
+    }
+    const Event done = backend_->record_event(stream);
+    undo.commit();
+    backend_->destroy_event(slot.swap.ready);
+    host_frees_.push_back({slot.swap.host, slot.swap.bytes, done});
+  } else {
+    undo.commit();
+  }
+  slot.swap = {};
+  slot.swapped = false;
+  slot.swapped_tokens = 0;
+  slot.seq_len = tokens;
+  slot.claimed = claims[slot_index];
+  if (mapper_) mapper_->wake();
+}
+
+// Frees host memory whose last copy has completed. Without `wait` it only asks, and a
+// failed query propagates before anything changed; with `wait` (the destructor) it
+// waits, and a dead context runs no copy any more.
+void KvCache::free_finished_host_copies(bool wait) {
+  std::vector<bool> done(host_frees_.size(), true);
+  for (std::size_t i = 0; i < host_frees_.size(); ++i) {
+    const Event ready = host_frees_[i].ready;
+    if (ready == 0) continue;
+    if (!wait) {
+      done[i] = backend_->event_done(ready);
+      continue;
+    }
+    try {
+      backend_->wait_event(ready);
+    } catch (...) {
+      // Nothing runs on a dead context.
+    }
+  }
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < host_frees_.size(); ++i) {
+    const HostCopy copy = host_frees_[i];
+    if (!done[i]) {
+      host_frees_[kept++] = copy;
+      continue;
+    }
+    if (copy.ready != 0) backend_->destroy_event(copy.ready);
+    if (copy.host != 0) backend_->free_host(copy.host, copy.bytes);
+  }
+  host_frees_.resize(kept);
+}
+
+}  // namespace vkv
