@@ -63,7 +63,21 @@ class KvStore:
         """KV memory held for allocated requests (what waste is measured against)."""
         raise NotImplementedError
 
-    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """K/V of prompt tokens [start, start + len(k))."""
+        raise NotImplementedError
+
+    # Sharing (vkv only): a store that cannot share says so, and the engine copies.
+    def fork(self, slot: int) -> Optional[int]:
+        """A new slot holding ``slot``'s tokens without copying them, or None."""
+        return None
+
+    def share_prefix(self, src: int, dst: int, tokens: int) -> bool:
+        """Give fresh slot ``dst`` the first ``tokens`` of ``src`` without copying; False if not."""
+        return False
+
+    def cached_kv(self, layer: int, slot: int, tokens: int):
+        """Keys and values [tokens, kv_heads, head_dim] of a slot's first tokens."""
         raise NotImplementedError
 
     def write_tokens(self, layer: int, batch: DecodeBatch, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -93,9 +107,12 @@ class ContiguousStore(KvStore):
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
 
-    def write_prompt(self, layer, slot, k, v):
-        self.keys[layer][slot, :k.shape[0]] = k
-        self.values[layer][slot, :v.shape[0]] = v
+    def write_prompt(self, layer, slot, k, v, start=0):
+        self.keys[layer][slot, start:start + k.shape[0]] = k
+        self.values[layer][slot, start:start + v.shape[0]] = v
+
+    def cached_kv(self, layer, slot, tokens):
+        return self.keys[layer][slot, :tokens], self.values[layer][slot, :tokens]
 
     def write_tokens(self, layer, batch, k, v):
         index = (batch.slots_t, batch.positions)
@@ -172,6 +189,21 @@ class VkvStore(ContiguousStore):
 
     def held_bytes(self):
         return self.cache.stats()["pages_in_use"] * self.cache.page_size
+
+    def fork(self, slot):
+        if not self.cache.num_free_slots:
+            return None
+        try:
+            return self.cache.fork(slot)
+        except vkv.OutOfMemory:  # no page for the partial copy
+            return None
+
+    def share_prefix(self, src, dst, tokens):
+        try:
+            self.cache.share_prefix(src, dst, tokens)
+            return True
+        except vkv.OutOfMemory:
+            return False
 
     def close(self):
         self.keys = self.values = []
@@ -269,7 +301,9 @@ class PagedStore(KvStore):
     def held_bytes(self):
         return (self.num_pages - len(self._free_pages)) * self.page_tokens * self.bytes_per_token
 
-    def write_prompt(self, layer, slot, k, v):
+    def write_prompt(self, layer, slot, k, v, start=0):
+        if start:
+            raise NotImplementedError("the paged store shares no prefix: prompts start at 0")
         count = k.shape[0]
         self.table.assign(torch.tensor([slot], device=self.device), torch.arange(count, device=self.device)[None],
                           k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.k_pools[layer], self.v_pools[layer])

@@ -103,17 +103,24 @@ class LlamaModel:
     # -- forward passes ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, store, slot: int, tokens: torch.Tensor) -> int:
-        """Run one prompt (token ids [T]), write its K/V into ``slot``; the next token id."""
-        positions = torch.arange(tokens.numel(), device=self.device)
+    def prefill(self, store, slot: int, tokens: torch.Tensor, start: int = 0) -> int:
+        """Run one prompt (token ids [T]) at positions [start, start + T), write its K/V
+        into ``slot``; the next token id. With ``start`` > 0 the slot already holds the
+        first ``start`` tokens' K/V (a shared prefix) and the prompt attends to them too."""
+        count = tokens.numel()
+        positions = torch.arange(start, start + count, device=self.device)
+        # Token i sees keys [0, start + i]: causal, aligned to the last key.
+        mask = (torch.arange(start + count, device=self.device)[None] <= positions[:, None]) if start else None
         x = self.embedding[tokens]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), positions)
-            store.write_prompt(index, slot, k, v)
-            # A prompt attends to its own fresh K/V: the same kernel for every KV store.
+            store.write_prompt(index, slot, k, v, start)
+            if start:
+                k, v = store.cached_kv(index, slot, start + count)
+            # A fresh prompt attends to its own K/V: the same kernel for every KV store.
             attention = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                attn_mask=mask, is_causal=not start, enable_gqa=True)[0].transpose(0, 1)
             x = x + attention.reshape(x.shape[0], -1) @ layer["out"].T
             x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
         return int(self._next_tokens(x[-1:])[0])

@@ -32,6 +32,11 @@ class Request:
     finished_at: float = math.nan
     preemptions: int = 0
     rejected: bool = False  # larger than the whole KV budget
+    # sharing scenarios (sharing.py): parallel sampling and a shared system prompt
+    group: int = -1         # requests of one prompt sampled n times share a group; sample 0 leads
+    sample: int = 0         # which of the n samples: its first token is the sample-th choice
+    prefix_len: int = 0     # the prompt starts with this many tokens of a shared system prompt
+    cached: int = 0         # prompt tokens it found in the cache (shared) at its last admission
     slot: int = -1
     next_token: int = 0
     prompt: List[int] = field(default_factory=list)
@@ -58,3 +63,33 @@ def make_trace(count: int, rate: float, max_context: int, vocab: int, seed: int 
     return [Request(id=i, arrival=float(arrivals[i]), prompt_len=int(prompts[i]), output_len=int(outputs[i]),
                     prompt=rng.integers(0, vocab, int(prompts[i])).tolist())
             for i in range(count)]
+
+
+def make_parallel_sampling_trace(prompts: int, samples: int, max_context: int, vocab: int, seed: int = 0,
+                                 scale: float = 1.0) -> List[Request]:
+    """``prompts`` ShareGPT-like prompts, each sampled ``samples`` times at once (as
+    ``n`` in an OpenAI-style request): one request per sample, each with its own output
+    length; all arrive at time 0, a group's leader first."""
+    base = make_trace(prompts, math.inf, max_context, vocab, seed, scale)
+    rng = np.random.default_rng(seed + 1)
+    trace = []
+    for group, leader in enumerate(base):
+        outputs = lognormal_lengths(rng, SHAREGPT_MEAN_OUTPUT * scale, samples, 2, max_context // 2)
+        for sample in range(samples):
+            trace.append(Request(id=len(trace), arrival=0.0, prompt_len=leader.prompt_len,
+                                 output_len=int(outputs[sample]), prompt=list(leader.prompt), group=group,
+                                 sample=sample))
+    return trace
+
+
+def make_system_prompt_trace(count: int, system_prompt_len: int, max_context: int, vocab: int, seed: int = 0,
+                             scale: float = 1.0) -> List[Request]:
+    """ShareGPT-like requests whose prompts all start with the same ``system_prompt_len``
+    tokens (a chat template's system prompt, a few-shot preamble)."""
+    trace = make_trace(count, math.inf, max_context - system_prompt_len, vocab, seed, scale)
+    system = np.random.default_rng(seed + 2).integers(0, vocab, system_prompt_len).tolist()
+    for request in trace:
+        request.prompt = system + request.prompt
+        request.prompt_len += system_prompt_len
+        request.prefix_len = system_prompt_len
+    return trace
