@@ -17,6 +17,6 @@ for sanitizer in "${sanitizers[@]}"; do
   # Death tests fork a process with threads, which ThreadSanitizer does not follow.
   exclude="install_and_find_package"
   [ "$sanitizer" = "thread" ] && exclude="$exclude|UnmappedMemoryIsInaccessible"
-  VKV_MODEL_OPS=600 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
+  VKV_MODEL_OPS=600 VKV_FAULT_EVERY=5 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
     ctest --test-dir "$build" --output-on-failure -j"$(nproc)" -E "$exclude"
 done

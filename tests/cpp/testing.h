@@ -88,6 +88,8 @@ class ForwardingBackend : public Backend {
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
     upstream_->copy(destination, source, bytes, stream);
   }
+  Address allocate_host(std::size_t bytes) override { return upstream_->allocate_host(bytes); }
+  void free_host(Address address, std::size_t bytes) noexcept override { upstream_->free_host(address, bytes); }
   Event record_event(Stream stream) override { return upstream_->record_event(stream); }
   bool event_done(Event event) override { return upstream_->event_done(event); }
   void wait_event(Event event) override { upstream_->wait_event(event); }
@@ -186,6 +188,107 @@ class FailingMapBackend final : public ForwardingBackend {
   void map(Address address, const PageHandle* pages, std::size_t count) override {
     if (fail_maps) throw DriverError("map (injected)", 2, "injected failure");
     upstream_->map(address, pages, count);
+  }
+};
+
+/// Fails the Nth fallible backend call (1-based; 0 = never) with DriverError, once, and
+/// counts what was acquired and given back, so that a test can tell nothing leaked.
+class FaultInjectingBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::size_t fail_at = 0;
+  std::size_t calls = 0;  // fallible calls so far
+  std::map<std::string, long> held;  // acquired minus given back, per kind of resource
+  std::string injected;              // the call that failed
+
+  Address reserve(std::size_t bytes) override {
+    maybe_fail("reserve");
+    const Address address = upstream_->reserve(bytes);
+    held["reservations"] += 1;
+    return address;
+  }
+  void free_reservation(Address base, std::size_t bytes) noexcept override {
+    held["reservations"] -= 1;
+    upstream_->free_reservation(base, bytes);
+  }
+  PageHandle create_page() override {
+    maybe_fail("create_page");
+    const PageHandle page = upstream_->create_page();
+    held["pages"] += 1;
+    return page;
+  }
+  void release_page(PageHandle page) noexcept override {
+    held["pages"] -= 1;
+    upstream_->release_page(page);
+  }
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    maybe_fail("map");
+    upstream_->map(address, pages, count);
+  }
+  void unmap(Address address, std::size_t bytes) override {
+    maybe_fail("unmap");
+    upstream_->unmap(address, bytes);
+  }
+  void zero(Address address, std::size_t bytes, Stream stream) override {
+    maybe_fail("zero");
+    upstream_->zero(address, bytes, stream);
+  }
+  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
+    maybe_fail("copy");
+    upstream_->copy(destination, source, bytes, stream);
+  }
+  Address allocate_host(std::size_t bytes) override {
+    maybe_fail("allocate_host");
+    const Address address = upstream_->allocate_host(bytes);
+    held["host_buffers"] += 1;
+    return address;
+  }
+  void free_host(Address address, std::size_t bytes) noexcept override {
+    held["host_buffers"] -= 1;
+    upstream_->free_host(address, bytes);
+  }
+  Event record_event(Stream stream) override {
+    maybe_fail("record_event");
+    const Event event = upstream_->record_event(stream);
+    held["events"] += 1;
+    return event;
+  }
+  void destroy_event(Event event) noexcept override {
+    held["events"] -= 1;
+    upstream_->destroy_event(event);
+  }
+  bool event_done(Event event) override {
+    maybe_fail("event_done");
+    return upstream_->event_done(event);
+  }
+  void wait_event(Event event) override {
+    maybe_fail("wait_event");
+    upstream_->wait_event(event);
+  }
+  void stream_wait_event(Stream stream, Event event) override {
+    maybe_fail("stream_wait_event");
+    upstream_->stream_wait_event(stream, event);
+  }
+  void synchronize(Stream stream) override {
+    maybe_fail("synchronize");
+    upstream_->synchronize(stream);
+  }
+  Stream create_stream() override {
+    maybe_fail("create_stream");
+    const Stream stream = upstream_->create_stream();
+    held["streams"] += 1;
+    return stream;
+  }
+  void destroy_stream(Stream stream) noexcept override {
+    held["streams"] -= 1;
+    upstream_->destroy_stream(stream);
+  }
+
+ private:
+  void maybe_fail(const char* call) {
+    if (++calls != fail_at) return;
+    injected = call;
+    throw DriverError(std::string(call) + " (injected)", 999, "injected failure");
   }
 };
 

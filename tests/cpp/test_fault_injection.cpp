@@ -1,0 +1,213 @@
+// Fault injection: a scripted workload (alloc, step, fork, copy-on-write, share_prefix,
+// swap, free, set_budget, trim) runs once for every N with the backend's Nth fallible
+// call failing. The call that fails must leave the cache as it was (bookkeeping, and
+// the tokens of every slot it did not set out to discard), the invariants must hold, and
+// once the cache is gone nothing may be left: pages, reservations, events, host memory,
+// streams.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+
+#include "testing.h"
+
+namespace vkv {
+namespace {
+
+struct Script;
+using Operation = std::function<void(Script&)>;
+
+// The workload's own state: its slots and how many tokens each has written.
+struct Script {
+  KvCache& cache;
+  std::size_t tokens_per_page;
+  std::vector<std::size_t> slot = std::vector<std::size_t>(4, 0);  // a, b, c, d
+  std::vector<std::size_t> tokens;                                  // per cache slot
+  std::vector<bool> swapped;
+
+  std::uint8_t* token(std::size_t region, std::size_t s, std::size_t t) const {
+    const KvLayout& layout = cache.layout();
+    return reinterpret_cast<std::uint8_t*>(cache.base() + layout.page_offset(region, s, 0) + t * layout.token_bytes());
+  }
+  // Steps to `lens` (by script slot) and writes the new tokens, as the model would.
+  void step(std::vector<std::pair<std::size_t, std::size_t>> lens) {
+    std::vector<std::size_t> seq_lens(tokens.size(), 0);
+    for (std::size_t s = 0; s < tokens.size(); ++s)
+      if (cache.is_allocated(s) && !swapped[s]) seq_lens[s] = tokens[s];
+    for (auto [which, n] : lens) seq_lens[slot[which]] = n;
+    cache.step(seq_lens);
+    for (std::size_t s = 0; s < tokens.size(); ++s) {
+      for (std::size_t r = 0; r < cache.layout().num_regions() && seq_lens[s] > tokens[s]; ++r)
+        std::memset(token(r, s, tokens[s]), static_cast<int>(1 + s * 16 + seq_lens[s] % 13),
+                    (seq_lens[s] - tokens[s]) * cache.layout().token_bytes());
+      if (cache.is_allocated(s)) tokens[s] = seq_lens[s];
+    }
+  }
+};
+
+// What a failed call must not change. `discarded`: the slot the call was freeing or
+// swapping out, whose bytes it may have begun to clear.
+struct Snapshot {
+  std::vector<bool> allocated, swapped;
+  std::size_t pages_in_use = 0, tokens_in_use = 0, active = 0, swapped_bytes = 0, shared = 0, budget = 0;
+  std::vector<std::vector<std::uint8_t>> bytes;
+
+  static Snapshot of(const Script& script, std::size_t discarded) {
+    Snapshot snapshot;
+    const CacheStats stats = script.cache.stats();
+    snapshot.pages_in_use = stats.pages_in_use;
+    snapshot.tokens_in_use = stats.tokens_in_use;
+    snapshot.active = stats.active_slots;
+    snapshot.swapped_bytes = stats.swapped_bytes;
+    snapshot.shared = stats.pages_shared;
+    snapshot.budget = stats.budget_pages;
+    for (std::size_t s = 0; s < script.tokens.size(); ++s) {
+      snapshot.allocated.push_back(script.cache.is_allocated(s));
+      snapshot.swapped.push_back(script.cache.is_swapped(s));
+      std::vector<std::uint8_t> bytes;
+      if (s != discarded && snapshot.allocated[s] && !snapshot.swapped[s]) {
+        const std::size_t size = script.tokens[s] * script.cache.layout().token_bytes();
+        for (std::size_t r = 0; r < script.cache.layout().num_regions(); ++r)
+          bytes.insert(bytes.end(), script.token(r, s, 0), script.token(r, s, 0) + size);
+      }
+      snapshot.bytes.push_back(std::move(bytes));
+    }
+    return snapshot;
+  }
+  bool operator==(const Snapshot& other) const {
+    return allocated == other.allocated && swapped == other.swapped && pages_in_use == other.pages_in_use &&
+           tokens_in_use == other.tokens_in_use && active == other.active && swapped_bytes == other.swapped_bytes &&
+           shared == other.shared && budget == other.budget && bytes == other.bytes;
+  }
+};
+
+struct Step {
+  const char* name;
+  std::size_t discards;  // script slot index, or 4 for none
+  Operation run;
+};
+
+std::vector<Step> workload() {
+  auto page = [](Script& s, double pages) { return static_cast<std::size_t>(pages * s.tokens_per_page); };
+  auto alloc = [](std::size_t which) {
+    return [which](Script& s) {
+      s.slot[which] = s.cache.alloc_reqid();
+    };
+  };
+  auto free = [](std::size_t which) {
+    return [which](Script& s) {
+      s.cache.free_reqid(s.slot[which]);
+      s.tokens[s.slot[which]] = 0;
+      s.swapped[s.slot[which]] = false;
+    };
+  };
+  return {
+      {"alloc a", 4, alloc(0)},
+      {"alloc b", 4, alloc(1)},
+      {"prefill a and b", 4, [=](Script& s) { s.step({{0, page(s, 2.5)}, {1, page(s, 1) + 3}}); }},
+      {"fork a into c", 4, [](Script& s) {
+         s.slot[2] = s.cache.fork(s.slot[0]);
+         s.tokens[s.slot[2]] = s.tokens[s.slot[0]];
+       }},
+      {"decode all", 4, [](Script& s) {
+         s.step({{0, s.tokens[s.slot[0]] + 1}, {1, s.tokens[s.slot[1]] + 1}, {2, s.tokens[s.slot[2]] + 1}});
+       }},
+      {"roll c back into a shared page", 4, [=](Script& s) { s.step({{2, page(s, 1) + 2}}); }},
+      {"grow c over it: copy-on-write", 4, [=](Script& s) { s.step({{2, page(s, 2) + 2}}); }},
+      {"alloc d", 4, alloc(3)},
+      {"share b's prefix into d", 4, [=](Script& s) {
+         s.cache.share_prefix(s.slot[1], s.slot[3], page(s, 1) + 1);
+         s.tokens[s.slot[3]] = page(s, 1) + 1;
+       }},
+      {"swap out b", 1, [](Script& s) {
+         s.cache.swap_out(s.slot[1]);
+         s.swapped[s.slot[1]] = true;
+       }},
+      {"decode a, c, d", 4, [](Script& s) {
+         s.step({{0, s.tokens[s.slot[0]] + 1}, {2, s.tokens[s.slot[2]] + 1}, {3, s.tokens[s.slot[3]] + 1}});
+       }},
+      {"swap in b", 4, [](Script& s) {
+         s.cache.swap_in(s.slot[1]);
+         s.swapped[s.slot[1]] = false;
+       }},
+      {"free a (shares pages with c)", 0, free(0)},
+      {"lower the budget", 4, [](Script& s) {
+         s.cache.set_budget((s.cache.stats().pages_in_use + s.cache.layout().num_regions()) * s.cache.layout().page_bytes());
+       }},
+      {"trim", 4, [](Script& s) { s.cache.trim(); }},
+      {"free c", 2, free(2)},
+      {"free d", 3, free(3)},
+      {"swap out b again", 1, [](Script& s) {
+         s.cache.swap_out(s.slot[1]);
+         s.swapped[s.slot[1]] = true;
+       }},
+      {"free b while swapped out", 1, free(1)},
+  };
+}
+
+class FaultInjectionTest : public ::testing::TestWithParam<LayoutKind> {};
+
+TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
+  CacheConfig config = testing::small_config(GetParam(), testing::kHostTestPageBytes);
+  config.budget_bytes = 0;
+  const std::vector<Step> steps = workload();
+  std::size_t total_calls = 0;
+  std::size_t failures_seen = 0;
+  // Sanitizer builds test every k-th call only (VKV_FAULT_EVERY=k): they run 5-20x slower.
+  const char* every_env = std::getenv("VKV_FAULT_EVERY");
+  const std::size_t every = every_env ? std::max<std::size_t>(1, std::strtoull(every_env, nullptr, 10)) : 1;
+  std::size_t expected_failures = 0;
+  for (std::size_t fail_at = 0; fail_at == 0 || fail_at <= total_calls; fail_at += (fail_at == 0 ? 1 : every)) {
+    SCOPED_TRACE("failing backend call " + std::to_string(fail_at));
+    auto backend = std::make_shared<testing::FaultInjectingBackend>(
+        std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+    backend->fail_at = fail_at;
+    {
+      std::unique_ptr<KvCache> cache;
+      try {
+        cache = std::make_unique<KvCache>(config, backend);
+      } catch (const DriverError&) {
+        ++failures_seen;
+      }
+      if (cache) {
+        Script script{*cache, cache->layout().tokens_in_pages(1)};
+        script.tokens.assign(config.max_batch, 0);
+        script.swapped.assign(config.max_batch, false);
+        for (const Step& step : steps) {
+          SCOPED_TRACE(step.name);
+          const std::size_t discarded = step.discards < 4 ? script.slot[step.discards] : config.max_batch;
+          const Snapshot before = Snapshot::of(script, discarded);
+          try {
+            step.run(script);
+          } catch (const DriverError& error) {
+            ASSERT_NE(std::string(error.what()).find("injected"), std::string::npos) << error.what();
+            ++failures_seen;
+            EXPECT_NO_THROW(cache->check_invariants());
+            EXPECT_TRUE(Snapshot::of(script, discarded) == before) << "the failed call changed the cache";
+            break;
+          }
+          ASSERT_NO_THROW(cache->check_invariants());
+        }
+        if (fail_at == 0) total_calls = backend->calls;  // the destructor's calls fail silently
+      }
+    }
+    for (const auto& [resource, count] : backend->held) EXPECT_EQ(count, 0) << resource << " leaked";
+    if (fail_at > 0) expected_failures += 1;
+    if (failures_seen != expected_failures) {
+      ADD_FAILURE() << "the injected failure of " << backend->injected << " did not reach the caller";
+      failures_seen = expected_failures;
+    }
+    if (HasFailure()) break;
+  }
+  EXPECT_GT(total_calls, 50u) << "the workload exercises the backend";
+  EXPECT_EQ(failures_seen, (total_calls + every - 1) / every) << "every injected failure reached the caller";
+}
+
+INSTANTIATE_TEST_SUITE_P(BothLayouts, FaultInjectionTest,
+                         ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved),
+                         [](const auto& info) { return to_string(info.param); });
+
+}  // namespace
+}  // namespace vkv
