@@ -49,6 +49,8 @@ class LlamaModel:
     def __init__(self, shape: ModelShape, device: torch.device, dtype: torch.dtype, max_context: int,
                  seed: int = 0) -> None:
         self.shape, self.device, self.dtype = shape, device, dtype
+        self.heads, self.kv_heads = shape.num_heads, shape.num_kv_heads  # this rank's (all, unsharded)
+        self.group = None  # the tensor-parallel process group once sharded
         generator = torch.Generator(device=device).manual_seed(seed)
 
         def weight(rows: int, cols: int) -> torch.Tensor:  # small enough that activations stay finite
@@ -73,6 +75,39 @@ class LlamaModel:
         self.cos = angles.cos().to(device, dtype)
         self.sin = angles.sin().to(device, dtype)
 
+    def shard(self, rank: int, world_size: int, group=None) -> "LlamaModel":
+        """Keeps this tensor-parallel rank's heads and MLP columns (Megatron-style): Q/K/V
+        and gate/up by rows, the output and down projections by columns, their partial
+        sums all-reduced. Built from the full seeded weights, so it computes what the
+        unsharded model does."""
+        s = self.shape
+        if s.num_kv_heads % world_size or s.intermediate % world_size:
+            raise ValueError(f"{s.name}: {s.num_kv_heads} KV heads / {s.intermediate} MLP columns do not split "
+                             f"over {world_size} ranks")
+        self.heads, self.kv_heads, self.group = s.num_heads // world_size, s.num_kv_heads // world_size, group
+        d, mlp = s.head_dim, s.intermediate // world_size
+        q, kv = s.num_heads * d, s.num_kv_heads * d
+
+        def rows(weight, start, count):
+            return weight[start:start + count]
+
+        for layer in self.layers:
+            qkv = layer["qkv"]
+            layer["qkv"] = torch.cat([rows(qkv, rank * self.heads * d, self.heads * d),
+                                      rows(qkv, q + rank * self.kv_heads * d, self.kv_heads * d),
+                                      rows(qkv, q + kv + rank * self.kv_heads * d, self.kv_heads * d)]).contiguous()
+            layer["out"] = layer["out"][:, rank * self.heads * d:(rank + 1) * self.heads * d].contiguous()
+            gate_up = layer["gate_up"]
+            layer["gate_up"] = torch.cat([rows(gate_up, rank * mlp, mlp),
+                                          rows(gate_up, s.intermediate + rank * mlp, mlp)]).contiguous()
+            layer["down"] = layer["down"][:, rank * mlp:(rank + 1) * mlp].contiguous()
+        return self
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            torch.distributed.all_reduce(partial, group=self.group)
+        return partial
+
     # -- pieces ------------------------------------------------------------------------
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -86,16 +121,15 @@ class LlamaModel:
         return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
     def _qkv(self, layer: dict, x: torch.Tensor, positions: torch.Tensor):
-        s = self.shape
-        q, k, v = (x @ layer["qkv"].T).split(
-            [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1)
-        q = self._rope(q.view(-1, s.num_heads, s.head_dim), positions)
-        k = self._rope(k.view(-1, s.num_kv_heads, s.head_dim), positions)
-        return q, k, v.view(-1, s.num_kv_heads, s.head_dim)
+        d = self.shape.head_dim
+        q, k, v = (x @ layer["qkv"].T).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = self._rope(q.view(-1, self.heads, d), positions)
+        k = self._rope(k.view(-1, self.kv_heads, d), positions)
+        return q, k, v.view(-1, self.kv_heads, d)
 
     def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ layer["down"].T
+        return self._reduce((F.silu(gate) * up) @ layer["down"].T)
 
     def _next_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self._rms_norm(hidden, self.final_norm) @ self.lm_head.T).argmax(-1)
@@ -121,7 +155,7 @@ class LlamaModel:
             attention = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 attn_mask=mask, is_causal=not start, enable_gqa=True)[0].transpose(0, 1)
-            x = x + attention.reshape(x.shape[0], -1) @ layer["out"].T
+            x = x + self._reduce(attention.reshape(x.shape[0], -1) @ layer["out"].T)
             x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
         return int(self._next_tokens(x[-1:])[0])
 
@@ -133,6 +167,6 @@ class LlamaModel:
             q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), batch.positions)
             store.write_tokens(index, batch, k, v)
             attention = store.decode_attention(index, batch, q)
-            x = x + attention.reshape(x.shape[0], -1) @ layer["out"].T
+            x = x + self._reduce(attention.reshape(x.shape[0], -1) @ layer["out"].T)
             x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
         return self._next_tokens(x)

@@ -1,0 +1,139 @@
+"""The serving demo's model, tensor parallel over N ranks with one vkv cache per rank.
+
+  torchrun --nproc-per-node 2 -m vkv.demo.tp --device cuda --out benchmarks/results   # two GPUs, NCCL
+  torchrun --nproc-per-node 2 -m vkv.demo.tp --device cpu                             # gloo, host backend
+
+Rank 0 first serves the trace alone with the whole model (the reference); then every
+rank serves it with its share of the heads, its cache driven through
+``vkv.distributed.TensorParallelCache`` (shortages agreed by all-reduce, slot ids and
+seq_lens checked across ranks). Reports whether the generated tokens match the
+reference and each rank's step() latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import vkv.distributed
+
+from .engine import Engine
+from .kv_stores import make_store
+from .model import SHAPES, LlamaModel
+from .workload import make_trace
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m vkv.demo.tp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: llama3-8b on cuda, tiny on cpu")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--kv-budget-mib", type=int, default=None, help="per rank")
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--length-scale", type=float, default=None)
+    parser.add_argument("--max-slots", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.model = args.model or ("llama3-8b" if gpu else "tiny")
+    args.requests = args.requests or (64 if gpu else 8)
+    args.kv_budget_mib = args.kv_budget_mib or (4096 if gpu else 8)
+    args.length_scale = args.length_scale or (1.0 if gpu else 0.1)
+    return args
+
+
+def serve(model, shape, device, dtype, args, trace, tensor_parallel: bool):
+    store = make_store("vkv-interleaved", shape, dtype, device, args.max_context, args.kv_budget_mib << 20,
+                       args.max_slots, None, page_size=0 if device.type == "cuda" else 16 << 10)
+    if tensor_parallel:
+        store.cache = vkv.distributed.TensorParallelCache(store.cache, debug=True)
+    try:
+        result = Engine(model, store, max_prefill_tokens=8192).run(copy.deepcopy(trace), show_progress=False)
+    finally:
+        store.close()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpu = args.device == "cuda"
+    dist.init_process_group("nccl" if gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    shape = SHAPES[args.model]
+    trace = make_trace(args.requests, math.inf, args.max_context, shape.vocab, args.seed, args.length_scale)
+
+    reference = None
+    if rank == 0:
+        model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
+        reference = serve(model, shape, device, dtype, args, trace, tensor_parallel=False)
+        del model
+        if gpu:
+            torch.cuda.empty_cache()
+    dist.barrier()
+
+    model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed).shard(rank, world, group=None)
+    model.group = dist.group.WORLD
+    local_shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)  # what its cache holds
+    result = serve(model, local_shape, device, dtype, args, trace, tensor_parallel=True)
+    step_us = np.array(result.reserve_us)
+    mine = {"rank": rank, "device": str(device), "step_us_p50": float(np.percentile(step_us, 50)),
+            "step_us_p99": float(np.percentile(step_us, 99)), "iterations": result.iterations,
+            "throughput_tok_s": result.summary()["throughput_tok_s"], "tokens": [r.tokens for r in result.requests]}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    status = 0
+    if rank == 0:
+        tokens = [r.tokens for r in reference.requests]
+        same = sum(a == b for a, b in zip(everyone[0]["tokens"], tokens))
+        ranks_agree = all(entry["tokens"] == everyone[0]["tokens"] for entry in everyone)
+        print(f"{shape.name}, {world}-way tensor parallel on {device.type} ({dist.get_backend()}), "
+              f"{len(trace)} requests: ranks agree on every token: {ranks_agree}; "
+              f"{same}/{len(trace)} requests generate exactly the 1-rank reference's tokens")
+        print(f"1 rank: {reference.summary()['throughput_tok_s']:.0f} tok/s, step() p50 "
+              f"{np.percentile(reference.reserve_us, 50):.0f} us, p99 {np.percentile(reference.reserve_us, 99):.0f} us")
+        for entry in everyone:
+            print(f"rank {entry['rank']} ({entry['device']}): {entry['throughput_tok_s']:.0f} tok/s, step() p50 "
+                  f"{entry['step_us_p50']:.0f} us, p99 {entry['step_us_p99']:.0f} us (all-reduce of the "
+                  f"shortage included), {entry['iterations']} iterations")
+        status = 0 if ranks_agree else 1
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            machine = torch.cuda.get_device_name(device) if gpu else platform.machine()
+            tag = "cpu" if not gpu else machine.split()[1].lower()
+            path = os.path.join(args.out, f"tp{world}_{tag}.json")
+            with open(path, "w") as out:
+                json.dump({"config": vars(args), "machine": machine, "world_size": world,
+                           "torch": torch.__version__, "backend": dist.get_backend(),
+                           "command": f"torchrun --nproc-per-node {world} -m vkv.demo.tp " + " ".join(sys.argv[1:]),
+                           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "ranks_agree": ranks_agree, "requests_matching_reference": same, "requests": len(trace),
+                           "reference": {"throughput_tok_s": reference.summary()["throughput_tok_s"],
+                                         "step_us_p50": float(np.percentile(reference.reserve_us, 50)),
+                                         "step_us_p99": float(np.percentile(reference.reserve_us, 99))},
+                           "ranks": [{k: v for k, v in entry.items() if k != "tokens"} for entry in everyone]},
+                          out, indent=1)
+            print(f"wrote {path}")
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
