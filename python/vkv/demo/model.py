@@ -160,6 +160,20 @@ class LlamaModel:
         return int(self._next_tokens(x[-1:])[0])
 
     @torch.inference_mode()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] of one whole sequence, no KV cache: a teacher-forced check."""
+        positions = torch.arange(tokens.numel(), device=self.device)
+        x = self.embedding[tokens]
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), positions)
+            attention = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            x = x + self._reduce(attention.reshape(x.shape[0], -1) @ layer["out"].T)
+            x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
+        return (self._rms_norm(x, self.final_norm) @ self.lm_head.T).float()
+
+    @torch.inference_mode()
     def decode(self, store, batch) -> torch.Tensor:
         """One token for each running request; ``batch`` is the store's DecodeBatch."""
         x = self.embedding[batch.tokens]

@@ -45,6 +45,8 @@ def parse_args(argv):
     parser.add_argument("--length-scale", type=float, default=None)
     parser.add_argument("--max-slots", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--teacher-forced", type=int, default=8,
+                        help="reference sequences run through both models position by position")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
@@ -53,6 +55,12 @@ def parse_args(argv):
     args.kv_budget_mib = args.kv_budget_mib or (4096 if gpu else 8)
     args.length_scale = args.length_scale or (1.0 if gpu else 0.1)
     return args
+
+
+def top2(logits: torch.Tensor):
+    """Per position: the top token and its margin over the second (logit units), on the host."""
+    values, indices = logits.topk(2, dim=-1)
+    return indices[:, 0].cpu(), (values[:, 0] - values[:, 1]).cpu()
 
 
 def serve(model, shape, device, dtype, args, trace, tensor_parallel: bool):
@@ -80,19 +88,24 @@ def main(argv=None) -> int:
     shape = SHAPES[args.model]
     trace = make_trace(args.requests, math.inf, args.max_context, shape.vocab, args.seed, args.length_scale)
 
-    reference = None
+    reference, sequences, expected = None, [None] * args.teacher_forced, None
     if rank == 0:
         model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
         reference = serve(model, shape, device, dtype, args, trace, tensor_parallel=False)
+        sequences = [r.prompt + r.tokens[:-1] for r in reference.requests[:args.teacher_forced]]
+        expected = [top2(model.logits(torch.tensor(s, device=device))) for s in sequences]
         del model
         if gpu:
             torch.cuda.empty_cache()
     dist.barrier()
+    dist.broadcast_object_list(sequences, src=0)
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed).shard(rank, world, group=None)
     model.group = dist.group.WORLD
     local_shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)  # what its cache holds
     result = serve(model, local_shape, device, dtype, args, trace, tensor_parallel=True)
+    # Teacher-forced: the same token sequences through both models, position by position.
+    sharded = [model.logits(torch.tensor(s, device=device)).argmax(-1).cpu() for s in sequences]
     step_us = np.array(result.reserve_us)
     mine = {"rank": rank, "device": str(device), "step_us_p50": float(np.percentile(step_us, 50)),
             "step_us_p99": float(np.percentile(step_us, 99)), "iterations": result.iterations,
@@ -113,6 +126,16 @@ def main(argv=None) -> int:
             print(f"rank {entry['rank']} ({entry['device']}): {entry['throughput_tok_s']:.0f} tok/s, step() p50 "
                   f"{entry['step_us_p50']:.0f} us, p99 {entry['step_us_p99']:.0f} us (all-reduce of the "
                   f"shortage included), {entry['iterations']} iterations")
+        agree = torch.cat([tp == ref_top for tp, (ref_top, _) in zip(sharded, expected)])
+        margins = torch.cat([margin for _, margin in expected])
+        worst_margin = float(margins[~agree].max()) if (~agree).any() else 0.0
+        forced = {"positions": int(agree.numel()), "top1_agree_pct": 100 * float(agree.float().mean()),
+                  "largest_reference_margin_where_they_differ": worst_margin,
+                  "median_reference_margin": float(margins.median())}
+        print(f"teacher-forced, {len(sequences)} sequences, {forced['positions']} positions: the {world}-rank model's "
+              f"next token equals the 1-rank model's at {forced['top1_agree_pct']:.2f}% of positions; where they "
+              f"differ the reference's top-2 logits were at most {worst_margin:.4f} apart (median margin "
+              f"{forced['median_reference_margin']:.4f})")
         status = 0 if ranks_agree else 1
         if args.out:
             os.makedirs(args.out, exist_ok=True)
@@ -125,6 +148,7 @@ def main(argv=None) -> int:
                            "command": f"torchrun --nproc-per-node {world} -m vkv.demo.tp " + " ".join(sys.argv[1:]),
                            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "ranks_agree": ranks_agree, "requests_matching_reference": same, "requests": len(trace),
+                           "teacher_forced": forced,
                            "reference": {"throughput_tok_s": reference.summary()["throughput_tok_s"],
                                          "step_us_p50": float(np.percentile(reference.reserve_us, 50)),
                                          "step_us_p99": float(np.percentile(reference.reserve_us, 99))},
