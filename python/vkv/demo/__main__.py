@@ -43,14 +43,24 @@ def parse_args(argv):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
     parser.add_argument("--stores", nargs="+", default=STORES, help=f"KV caches to compare (default: {STORES})")
-    for key, value in PRESETS["small"].items():
+    return parse_with_presets(parser, PRESETS, argv)
+
+
+def parse_with_presets(parser, presets, argv):
+    """Adds --seed, --out, --no-progress and an option per preset key (a list value takes
+    several), parses, and fills what was not given from the chosen --preset."""
+    for key, value in presets["small"].items():
+        if isinstance(value, list):
+            parser.add_argument(f"--{key.replace('_', '-')}", type=int, nargs="+", default=None,
+                                help="(default: the preset's value)")
+            continue
         kind = float if isinstance(value, float) else (str if isinstance(value, str) else int)
         parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None, help="(default: the preset's value)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for JSON and plots (default: nothing written)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    for key, value in PRESETS[args.preset].items():
+    for key, value in presets[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args

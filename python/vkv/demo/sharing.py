@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .__main__ import resolve_device
+from .__main__ import parse_with_presets, resolve_device
 from .engine import Engine
 from .kv_stores import make_store
 from .model import SHAPES, LlamaModel
@@ -50,21 +50,7 @@ def parse_args(argv):
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
     parser.add_argument("--scenarios", nargs="+", default=["parallel-sampling", "system-prompt"],
                         choices=["parallel-sampling", "system-prompt"])
-    for key, value in PRESETS["small"].items():
-        if isinstance(value, list):
-            parser.add_argument(f"--{key.replace('_', '-')}", type=int, nargs="+", default=None)
-        else:
-            kind = float if isinstance(value, float) else (str if isinstance(value, str) else int)
-            parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None,
-                                help="(default: the preset's value)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="directory for JSON and a plot (default: nothing written)")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
+    return parse_with_presets(parser, PRESETS, argv)
 
 
 def traces(args, vocab):
