@@ -166,7 +166,6 @@ void KvCache::free_reqid(std::size_t slot_index, Stream stream) {
     host_frees_.push_back(slot.swap);
     slot.swap = {};
     slot.swapped = false;
-    slot.swapped_tokens = 0;
   }
   slot.kept_at_free = keeps_pages ? slot.claimed : 0;
   slot.allocated = false;

@@ -59,7 +59,6 @@ void KvCache::swap_out(std::size_t slot_index, Stream stream) {
   undo.commit();
   slot.swapped = true;
   slot.swap = copy;
-  slot.swapped_tokens = slot.seq_len;
   slot.seq_len = 0;
   slot.claimed = 0;
   if (mapper_) mapper_->wake();
@@ -74,7 +73,7 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
                 " is not swapped out");
   };
   expect_valid();
-  const std::size_t claim = layout_.pages_for_tokens(slots_[slot_index].swapped_tokens);
+  const std::size_t claim = layout_.pages_for_tokens(swapped_tokens(slots_[slot_index]));
   wait_not_busy(lock, slot_index);
   wait_for_pages(lock, claim * layout_.num_regions(), slot_index, claim);
   expect_valid();  // the waits let other threads in
@@ -82,7 +81,7 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
   free_finished_host_copies(/*wait=*/false);
 
   Slot& slot = slots_[slot_index];
-  const std::size_t tokens = slot.swapped_tokens;
+  const std::size_t tokens = swapped_tokens(slot);
   std::vector<std::size_t> claims = current_claims();
   claims[slot_index] = layout_.pages_for_tokens(tokens);
   const std::size_t missing =
@@ -109,7 +108,6 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
   }
   slot.swap = {};
   slot.swapped = false;
-  slot.swapped_tokens = 0;
   slot.seq_len = tokens;
   slot.claimed = claims[slot_index];
   if (mapper_) mapper_->wake();

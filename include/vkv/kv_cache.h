@@ -202,12 +202,15 @@ class KvCache {
     // lock, kNotBusy otherwise. Nobody else touches the slot's pages at or past it.
     std::size_t busy_from = kNotBusy;
     bool swapped = false;
-    std::size_t swapped_tokens = 0;               // seq_len at swap_out()
     HostCopy swap;                                // where swap_out() put the tokens
     std::size_t mapped() const noexcept { return pages.empty() ? 0 : pages.front().size(); }
     bool busy() const noexcept { return busy_from != kNotBusy; }
   };
 
+  // The seq_len a swapped-out slot had: its host copy holds that many tokens per region.
+  std::size_t swapped_tokens(const Slot& slot) const noexcept {
+    return slot.swap.bytes / (layout_.token_bytes() * layout_.num_regions());
+  }
   Address page_address(std::size_t region, std::size_t slot, std::size_t page) const noexcept {
     return base_ + layout_.page_offset(region, slot, page);
   }

@@ -65,9 +65,9 @@ class TensorParallelCache:
         self.cache.free_reqid(slot)
 
     def step(self, seq_lens: SeqLens) -> None:
-        lens = [int(n) for n in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
-        self._agree("step", lens)
-        self._collective_oom(lambda: self.cache.step(lens), "step")
+        if self.debug:  # a list only for the comparison: step() itself parses arrays faster
+            self._agree("step", [int(n) for n in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)])
+        self._collective_oom(lambda: self.cache.step(seq_lens), "step")
 
     def __getattr__(self, name: str) -> Any:  # key(), value(), stats(), ...: the local cache's
         return getattr(self.cache, name)

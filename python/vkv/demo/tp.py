@@ -100,8 +100,7 @@ def main(argv=None) -> int:
     dist.barrier()
     dist.broadcast_object_list(sequences, src=0)
 
-    model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed).shard(rank, world, group=None)
-    model.group = dist.group.WORLD
+    model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed).shard(rank, world, dist.group.WORLD)
     local_shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)  # what its cache holds
     result = serve(model, local_shape, device, dtype, args, trace, tensor_parallel=True)
     # Teacher-forced: the same token sequences through both models, position by position.
