@@ -1,6 +1,7 @@
 // CudaBackend: CUDA driver VMM implementation of the backend interface.
 #include "vkv/cuda_backend.h"
 
+#include <memory>
 #include <string>
 
 #include "cuda_driver.h"
@@ -74,6 +75,7 @@ CudaBackend::CudaBackend(int device, std::size_t page_bytes) : device_(device) {
 
 CudaBackend::~CudaBackend() {
   // Tolerates a driver already shut down at process exit.
+  if (zero_page_ != 0) cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(zero_page_));
   cuda::driver().cuDevicePrimaryCtxRelease(device_handle_);
 }
 
@@ -142,6 +144,53 @@ void CudaBackend::unmap(Address address, std::size_t bytes) {
   VKV_CU_TRY(cuMemUnmap, address, bytes);
 }
 
+PageHandle CudaBackend::zero_page() {
+  std::lock_guard<std::mutex> lock(zero_page_mutex_);
+  if (zero_page_ != 0) return zero_page_;
+  ContextScope scope(*this);
+  // Fill it through a temporary read-write mapping of its own, then keep only the handle.
+  const PageHandle page = create_page();
+  CUdeviceptr scratch = 0;
+  bool reserved = false;
+  bool mapped = false;
+  try {
+    VKV_CU_TRY(cuMemAddressReserve, &scratch, page_bytes_, page_bytes_, 0, 0);
+    reserved = true;
+    map(static_cast<Address>(scratch), &page, 1);
+    mapped = true;
+    VKV_CU_TRY(cuMemsetD8, scratch, 0, page_bytes_);  // synchronous
+  } catch (...) {
+    if (mapped) cuda::driver().cuMemUnmap(scratch, page_bytes_);
+    if (reserved) cuda::driver().cuMemAddressFree(scratch, page_bytes_);
+    release_page(page);
+    throw;
+  }
+  cuda::driver().cuMemUnmap(scratch, page_bytes_);
+  cuda::driver().cuMemAddressFree(scratch, page_bytes_);
+  zero_page_ = page;
+  return page;
+}
+
+void CudaBackend::back_with_zeros(Address address, std::size_t bytes) {
+  const auto zeros = static_cast<CUmemGenericAllocationHandle>(zero_page());
+  ContextScope scope(*this);
+  const cuda::Driver& driver = cuda::driver();
+  const std::size_t count = bytes / page_bytes_;
+  std::size_t mapped = 0;
+  try {
+    for (; mapped < count; ++mapped)
+      cuda::check(driver.cuMemMap(address + mapped * page_bytes_, page_bytes_, 0, zeros, 0), "cuMemMap");
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+    cuda::check(driver.cuMemSetAccess(address, bytes, &access, 1), "cuMemSetAccess(read-only)");
+  } catch (...) {
+    if (mapped > 0) driver.cuMemUnmap(address, mapped * page_bytes_);  // nothing has read them yet
+    throw;
+  }
+}
+
 void CudaBackend::zero(Address address, std::size_t bytes, Stream stream) {
   ContextScope scope(*this);
   VKV_CU_TRY(cuMemsetD8Async, address, 0, bytes, as_stream(stream));
@@ -150,6 +199,20 @@ void CudaBackend::zero(Address address, std::size_t bytes, Stream stream) {
 void CudaBackend::copy(Address destination, Address source, std::size_t bytes, Stream stream) {
   ContextScope scope(*this);
   VKV_CU_TRY(cuMemcpyAsync, destination, source, bytes, as_stream(stream));
+}
+
+void CudaBackend::launch_host_function(Stream stream, std::function<void()> function) {
+  ContextScope scope(*this);
+  auto* owned = new std::function<void()>(std::move(function));
+  const CUresult result = cuda::driver().cuLaunchHostFunc(
+      as_stream(stream),
+      [](void* data) {
+        std::unique_ptr<std::function<void()>> call(static_cast<std::function<void()>*>(data));
+        (*call)();
+      },
+      owned);
+  if (result != CUDA_SUCCESS) delete owned;
+  cuda::check(result, "cuLaunchHostFunc");
 }
 
 Address CudaBackend::allocate_host(std::size_t bytes) {

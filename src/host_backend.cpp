@@ -11,30 +11,44 @@
 #include <fstream>
 #include <string>
 
+#include "format.h"
+#include "host_stream.h"
 #include "vkv/error.h"
 
 namespace vkv {
 namespace {
 
-[[noreturn]] void throw_errno(const std::string& call) {
-  int code = errno;
+using State = detail::PageStates::State;
+
+[[noreturn]] void throw_errno(const std::string& call, int code = errno) {
   throw DriverError(call, code, std::strerror(code));
 }
 
 void* as_pointer(Address address) { return reinterpret_cast<void*>(address); }
 
+constexpr int kReservedProtection = PROT_NONE;
+constexpr int kAnonymousFixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE;
+
 }  // namespace
 
-HostBackend::HostBackend(std::size_t page_bytes) : page_bytes_(page_bytes) {
+HostBackend::HostBackend(std::size_t page_bytes, HostExecution execution) : page_bytes_(page_bytes) {
   const auto os_page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   VKV_EXPECTS(page_bytes >= os_page && page_bytes % os_page == 0, "page_bytes = ", page_bytes,
               " is not usable by the host backend: must be a positive multiple of the OS page size ",
               os_page);
   page_file_ = memfd_create("vkv-pages", MFD_CLOEXEC);
   if (page_file_ < 0) throw_errno("memfd_create");
+  if (execution == HostExecution::deferred) {
+    mapping_mutex_ = std::make_unique<std::mutex>();
+    page_states_ = std::make_unique<detail::PageStates>();
+    stream_ = std::make_unique<detail::HostStream>();
+  }
 }
 
-HostBackend::~HostBackend() { close(page_file_); }
+HostBackend::~HostBackend() {
+  stream_.reset();  // runs what is queued
+  close(page_file_);
+}
 
 std::size_t HostBackend::available_memory_bytes() const {
   std::ifstream meminfo("/proc/meminfo");
@@ -47,13 +61,27 @@ std::size_t HostBackend::available_memory_bytes() const {
   return static_cast<std::size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
 }
 
+bool HostBackend::remap(Address address, std::size_t bytes, int protection, int flags, int file,
+                        std::size_t offset) noexcept {
+  return mmap(as_pointer(address), bytes, protection, flags, file, static_cast<off_t>(offset)) != MAP_FAILED;
+}
+
 Address HostBackend::reserve(std::size_t bytes) {
-  void* base = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* base = mmap(nullptr, bytes, kReservedProtection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) throw_errno("mmap(PROT_NONE, " + std::to_string(bytes) + " bytes)");
-  return reinterpret_cast<Address>(base);
+  const auto address = reinterpret_cast<Address>(base);
+  if (mapping_mutex_) {
+    std::lock_guard<std::mutex> lock(*mapping_mutex_);
+    if (page_states_) page_states_->set(address, address + bytes, State::reserved);
+  }
+  return address;
 }
 
 void HostBackend::free_reservation(Address base, std::size_t bytes) noexcept {
+  if (mapping_mutex_) {
+    std::lock_guard<std::mutex> lock(*mapping_mutex_);
+    page_states_->erase(base, base + bytes);
+  }
   munmap(as_pointer(base), bytes);
 }
 
@@ -79,33 +107,76 @@ void HostBackend::release_page(PageHandle page) noexcept {
 }
 
 void HostBackend::map(Address address, const PageHandle* pages, std::size_t count) {
+  std::unique_lock<std::mutex> lock;
+  if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
   for (std::size_t i = 0; i < count; ++i) {
-    void* at = as_pointer(address + i * page_bytes_);
-    void* got = mmap(at, page_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, page_file_,
-                     static_cast<off_t>(pages[i] * page_bytes_));
-    if (got == MAP_FAILED) {
-      int code = errno;
-      if (i > 0) unmap(address, i * page_bytes_);
-      errno = code;
-      throw_errno("mmap(MAP_FIXED | MAP_SHARED)");
-    }
+    const Address at = address + i * page_bytes_;
+    if (remap(at, page_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, page_file_, pages[i] * page_bytes_) &&
+        madvise(as_pointer(at), page_bytes_, MADV_DONTFORK) == 0)
+      continue;
+    // All or nothing: put back what this call mapped, and report the first error.
+    const int code = errno;
+    std::string message = "mmap(MAP_FIXED | MAP_SHARED) of page " + std::to_string(i) + " of " + std::to_string(count);
+    if (!remap(address, (i + 1) * page_bytes_, kReservedProtection, kAnonymousFixed, -1, 0))
+      message += detail::concat(" (and unmapping the ", i, " pages mapped before it failed too: ",
+                                std::strerror(errno), ")");
+    throw_errno(message, code);
   }
+  if (page_states_) page_states_->set(address, address + count * page_bytes_, State::real);
 }
 
 void HostBackend::unmap(Address address, std::size_t bytes) {
+  std::unique_lock<std::mutex> lock;
+  if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
   // Back to a reserved, inaccessible range rather than a hole another mmap could take.
-  void* got = mmap(as_pointer(address), bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
-                   -1, 0);
-  if (got == MAP_FAILED) throw_errno("mmap(PROT_NONE | MAP_FIXED)");
+  if (!remap(address, bytes, kReservedProtection, kAnonymousFixed, -1, 0)) throw_errno("mmap(PROT_NONE | MAP_FIXED)");
+  if (page_states_) page_states_->set(address, address + bytes, State::reserved);
 }
 
-// Zero-byte requests return early: memset/memmove with a null pointer is undefined even for 0 bytes.
+void HostBackend::back_with_zeros(Address address, std::size_t bytes) {
+  std::unique_lock<std::mutex> lock;
+  if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
+  // Untouched private anonymous memory reads from the kernel's zero page and costs nothing.
+  if (!remap(address, bytes, PROT_READ, kAnonymousFixed, -1, 0)) throw_errno("mmap(PROT_READ | MAP_FIXED)");
+  if (page_states_) page_states_->set(address, address + bytes, State::zero);
+}
+
+void HostBackend::defer(const char* what, Address destination, Address source, std::size_t bytes,
+                        std::function<void()> work) {
+  stream_->enqueue([this, what, destination, source, bytes, work = std::move(work)] {
+    std::lock_guard<std::mutex> lock(*mapping_mutex_);
+    const bool writable = page_states_->usable(destination, destination + bytes, State::real, State::real);
+    const bool readable = source == 0 || page_states_->usable(source, source + bytes, State::real, State::zero);
+    if (!writable || !readable) {
+      stream_->fault(detail::concat(what, " of ", bytes, " bytes at 0x", std::hex, destination,
+                                    " ran after its pages were unmapped"));
+      return;
+    }
+    work();
+  });
+}
+
+// Zero-byte requests do nothing: memset/memmove with a null pointer is undefined even for 0 bytes.
 void HostBackend::zero(Address address, std::size_t bytes, Stream) {
-  if (bytes > 0) std::memset(as_pointer(address), 0, bytes);
+  if (bytes == 0) return;
+  auto work = [address, bytes] { std::memset(as_pointer(address), 0, bytes); };
+  if (stream_) return defer("zero", address, 0, bytes, work);
+  work();
 }
 
 void HostBackend::copy(Address destination, Address source, std::size_t bytes, Stream) {
-  if (bytes > 0) std::memmove(as_pointer(destination), as_pointer(source), bytes);
+  if (bytes == 0) return;
+  auto work = [destination, source, bytes] { std::memmove(as_pointer(destination), as_pointer(source), bytes); };
+  if (stream_) return defer("copy", destination, source, bytes, work);
+  work();
+}
+
+void HostBackend::launch_host_function(Stream, std::function<void()> function) {
+  if (stream_) {
+    stream_->enqueue(std::move(function));
+  } else {
+    function();
+  }
 }
 
 Address HostBackend::allocate_host(std::size_t bytes) {
@@ -117,18 +188,29 @@ Address HostBackend::allocate_host(std::size_t bytes) {
 
 void HostBackend::free_host(Address address, std::size_t) noexcept { std::free(as_pointer(address)); }
 
+// Deferred mode: an event is a position in the one stream (every stream is the same,
+// which orders more than a GPU would, never less).
 Event HostBackend::record_event(Stream) {
+  if (stream_) return stream_->enqueue([] {});
   std::lock_guard<std::mutex> lock(mutex_);
   return next_event_++;
 }
 
-bool HostBackend::event_done(Event) { return true; }
-void HostBackend::wait_event(Event) {}
+bool HostBackend::event_done(Event event) { return stream_ ? stream_->done(event) : true; }
+
+void HostBackend::wait_event(Event event) {
+  if (stream_) stream_->wait(event);
+}
+
 void HostBackend::stream_wait_event(Stream, Event) {}
 void HostBackend::destroy_event(Event) noexcept {}
-void HostBackend::synchronize(Stream) {}
-void HostBackend::synchronize_device() {}
-Stream HostBackend::create_stream() { return 0; }  // host work is synchronous: every stream is the same
+
+void HostBackend::synchronize(Stream) {
+  if (stream_) stream_->wait(stream_->tail());
+}
+
+void HostBackend::synchronize_device() { synchronize(0); }
+Stream HostBackend::create_stream() { return 0; }
 void HostBackend::destroy_stream(Stream) noexcept {}
 
 }  // namespace vkv

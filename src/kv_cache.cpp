@@ -6,7 +6,9 @@
 #include <chrono>
 #include <unordered_map>
 
+#include "fork_guard.h"
 #include "format.h"
+#include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
 
@@ -16,6 +18,8 @@ namespace {
 // Most pages one background unit maps or unmaps: bounds how long step() can wait for
 // the mapper on a slot (about 1 ms on an H100).
 constexpr std::size_t kPagesPerBackgroundUnit = 32;
+// Most pages one unit backs with zeros (~37 us each on an H100): about 2.4 ms.
+constexpr std::size_t kPagesPerCoverUnit = 64;
 
 std::shared_ptr<StatisticsBackend> counted_backend(const CacheConfig& config, std::shared_ptr<Backend> backend) {
   validate(config);
@@ -47,7 +51,9 @@ KvCache::KvCache(const CacheConfig& config, std::shared_ptr<Backend> backend)
     : config_(config),
       backend_(counted_backend(config, std::move(backend))),
       layout_(config, backend_->page_bytes()),
-      pool_(*backend_, budget_pages(config, layout_, *backend_)) {
+      pool_(*backend_, budget_pages(config, layout_, *backend_)),
+      read_windows_(std::make_unique<detail::ReadWindows>(*backend_)),
+      fork_generation_(detail::fork_generation()) {
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(needed <= limit, "the cache needs ", needed, " bytes (", detail::format_bytes(needed),
@@ -59,17 +65,35 @@ KvCache::KvCache(const CacheConfig& config, std::shared_ptr<Backend> backend)
   pool_.precreate(config.precreate_pages);
   slots_.resize(config.max_batch);
   for (Slot& slot : slots_) slot.pages.resize(layout_.num_regions());
-  if (config.background_mapping) background_stream_ = backend_->create_stream();
-  try {
-    base_ = backend_->reserve(needed);
-  } catch (...) {
-    if (config.background_mapping) backend_->destroy_stream(background_stream_);
-    throw;
+  detail::UndoLog undo;
+  if (config.background_mapping) {
+    background_stream_ = backend_->create_stream();
+    undo.push([this] { backend_->destroy_stream(background_stream_); });
   }
+  base_ = backend_->reserve(needed);
+  undo.push([this, needed] { backend_->free_reservation(base_, needed); });
+  // Where backing with zeros costs one call, the whole reservation reads as zeros from the
+  // start; elsewhere (CUDA: ~37 us a page) slots are backed as they are handed out, and
+  // the mapper backs the others in the background.
+  if (config.zero_page && backend_->zero_backing_is_bulk()) {
+    backend_->back_with_zeros(base_, needed);
+    for (Slot& slot : slots_) slot.backed_end = layout_.pages_per_slot();
+  }
+  undo.commit();
   if (config.background_mapping) mapper_ = std::make_unique<Mapper>([this] { return background_work(); });
 }
 
 KvCache::~KvCache() {
+  if (detail::fork_generation() != fork_generation_) {
+    // A forked child: the mapper thread, the device context and the pages are the
+    // parent's. Releasing anything here would reach into the parent's memory (the host
+    // backend's page file is shared), joining the mapper would wait forever: leave all.
+    static_cast<void>(mapper_.release());
+    static_cast<void>(read_windows_.release());
+    static_cast<void>(new std::shared_ptr<StatisticsBackend>(backend_));
+    pool_.abandon();
+    return;
+  }
   stop_background();
   std::lock_guard<std::mutex> lock(mutex_);
   try {
@@ -82,9 +106,16 @@ KvCache::~KvCache() {
     if (slot.swapped) host_frees_.push_back(slot.swap);
     try {
       wait_free_event(slot);
-      std::vector<Page> pages;
-      unmap_tail(s, 0, pages);
-      for (const Page& page : pages) pool_.give_back(page);
+      // One call per region unmaps real and zero-backed pages alike.
+      const std::size_t backed = std::max(slot.mapped(), slot.backed_end);
+      if (backed > 0)
+        for (std::size_t r = 0; r < layout_.num_regions(); ++r)
+          backend_->unmap(page_address(r, s, 0), backed * layout_.page_bytes());
+      for (std::vector<PageHandle>& pages : slot.pages) {
+        for (PageHandle page : pages)
+          if (drop_mapping(page)) pool_.give_back({page, false});
+        pages.clear();
+      }
     } catch (...) {
       // The driver is going away (process exit); the pages die with the context.
     }
@@ -94,19 +125,29 @@ KvCache::~KvCache() {
   } catch (...) {
     // Only allocation can fail here; the memory goes with the process.
   }
+  read_windows_.reset();
   if (config_.background_mapping) backend_->destroy_stream(background_stream_);
   backend_->free_reservation(base_, layout_.reserved_bytes());
 }
 
 void KvCache::stop_background() noexcept {
-  if (mapper_) mapper_->stop();
+  if (mapper_ && detail::fork_generation() == fork_generation_) mapper_->stop();
 }
 
 void KvCache::expect_slot_in_range(std::size_t slot) const {
   VKV_EXPECTS(slot < slots_.size(), "slot = ", slot, " is out of range: max_batch = ", slots_.size());
 }
 
+void KvCache::expect_usable_in_this_process() const {
+  if (detail::fork_generation() == fork_generation_) return;
+  throw Error(
+      "this vkv cache was created before fork() and cannot be used in the child process: its mapper thread, "
+      "device context and pages belong to the parent. Create a new cache in the child, or start workers with "
+      "the 'spawn' method");
+}
+
 void KvCache::rethrow_background_error() {
+  expect_usable_in_this_process();
   if (!mapper_) return;
   if (std::exception_ptr error = mapper_->take_error()) std::rethrow_exception(error);
 }
@@ -122,8 +163,8 @@ std::size_t KvCache::next_alloc_slot() const noexcept {
 
 std::size_t KvCache::alloc_reqid(Stream stream) {
   rethrow_background_error();
-  std::lock_guard<std::mutex> lock(mutex_);
-  const std::size_t slot = allocate_slot(next_alloc_slot(), stream);
+  std::unique_lock<std::mutex> lock(mutex_);
+  const std::size_t slot = allocate_slot(lock, next_alloc_slot(), stream);
   if (mapper_) mapper_->wake();  // the next slot to keep a prefill's pages in has changed
   return slot;
 }
@@ -132,13 +173,20 @@ void KvCache::wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot
   background_done_.wait(lock, [&] { return !slots_[slot].busy(); });
 }
 
-std::size_t KvCache::allocate_slot(std::size_t best, Stream stream) {
+std::size_t KvCache::allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t best, Stream stream) {
   VKV_EXPECTS(best < slots_.size(), "no free slot: all max_batch = ", slots_.size(),
               " slots are allocated (free_reqid one first)");
   Slot& slot = slots_[best];
+  if (config_.zero_page && slot.backed_end < layout_.pages_per_slot()) {
+    // Not yet backed by the mapper: an allocated slot reads as zeros to its end. Pages
+    // past backed_end are unmapped, so nothing in flight reads them.
+    wait_not_busy(lock, best);
+    back_with_zeros(best, layout_.pages_per_slot());
+  }
   // The new owner's work must not overtake the zero-fill enqueued at free_reqid(). The
   // event stays: reclaiming this slot's surplus pages later waits for it on the host.
   if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+  slot.allocated_at = read_windows_->steps();
   slot.allocated = true;
   slot.seq_len = 0;
   slot.claimed = 0;
@@ -218,6 +266,8 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
     VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
                 " is swapped out (swap_in() first, or give it 0)");
   }
+  // The work enqueued since the last step() ends its read window here (zero_page).
+  if (config_.zero_page) read_windows_->begin_step(stream);
   // claims[s]: pages per region slot s keeps after this call; free slots claim none.
   std::vector<std::size_t> claims(count, 0);
   std::vector<PageRef> copies;  // shared pages a slot is about to write into
@@ -249,7 +299,7 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
     }
     if (missing == 0) break;
     try {
-      detail::UndoLog undo;
+      detail::UndoLog undo(stream_waiter(stream));
       map_missing(claims, copies, missing, stream, undo, "step");
       undo.commit();
       step_stats_.units += missing;
@@ -260,13 +310,17 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
       background_done_.wait(lock, [&] { return !background_busy(); });
     }
   }
+  std::size_t longest = 0;
   for (std::size_t s = 0; s < count; ++s) {
     Slot& slot = slots_[s];
     if (slot.claimed == 0 && seq_lens[s] > 0)  // a prefill: what the next one may need
       prompt_estimate_ = prompt_estimate_ == 0 ? seq_lens[s] : (3 * prompt_estimate_ + seq_lens[s]) / 4;
     slot.seq_len = seq_lens[s];
     slot.claimed = claims[s];
+    longest = std::max(longest, seq_lens[s]);
   }
+  // What the iteration's kernels may read in every allocated slot: a padded batch's length.
+  if (config_.zero_page) read_windows_->end_step(layout_.pages_for_tokens(longest));
   // A wake-up costs a system call and may put the mapper on this core: only with work.
   if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
   step_stats_.calls += 1;
@@ -319,9 +373,20 @@ void KvCache::expect_obtainable(std::size_t missing, const std::vector<std::size
 // Maps every slot up to claims[s] pages per region and gives `copies` private copies of
 // the shared pages they name, with `missing` pages in all. Each backend step registers
 // its undo in `undo`; the caller commits.
+std::function<void()> KvCache::stream_waiter(Stream stream) {
+  return [this, stream] { backend_->synchronize(stream); };
+}
+
+// Maps every slot up to claims[s] pages per region and gives `copies` private copies of
+// the shared pages they name, with `missing` pages in all. Each backend step registers
+// its undo in `undo`; the caller commits. Every mapping is made before any zero-fill is
+// enqueued, so a failed map is undone at once; once device work is queued, undoing waits
+// for it (the undo log's stream waiter).
 void KvCache::map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies,
                           std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
   expect_obtainable(missing, claims, call);
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    if (claims[s] > slots_[s].mapped()) order_after_readers(s, slots_[s].mapped());
   std::vector<Page> pages = obtain_pages(missing, claims);
   std::size_t next = 0;  // pages[next...] are not mapped yet
   detail::UndoLog unused;
@@ -330,6 +395,12 @@ void KvCache::map_missing(const std::vector<std::size_t>& claims, const std::vec
   });
   if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
 
+  struct Fresh {
+    Address address;
+    std::size_t first;  // index into pages
+    std::size_t count;
+  };
+  std::vector<Fresh> fresh;
   const std::size_t regions = layout_.num_regions();
   std::vector<PageHandle> handles;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
@@ -338,22 +409,27 @@ void KvCache::map_missing(const std::vector<std::size_t>& claims, const std::vec
     if (claims[s] <= mapped) continue;
     const std::size_t count = claims[s] - mapped;
     for (std::size_t r = 0; r < regions; ++r) {
-      const Page* run = &pages[next];
       handles.clear();
-      for (std::size_t i = 0; i < count; ++i) handles.push_back(run[i].handle);
-      const Address address = page_address(r, s, mapped);
-      backend_->map(address, handles.data(), count);
+      for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[next + i].handle);
+      map_real(s, r, mapped, handles.data(), count);
       slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
+      fresh.push_back({page_address(r, s, mapped), next, count});
       next += count;
-      undo.push([this, s, r, mapped, address] {
+      undo.push_remap([this, s, r, mapped] {
         std::vector<PageHandle>& list = slots_[s].pages[r];
-        backend_->unmap(address, (list.size() - mapped) * layout_.page_bytes());
+        unmap_real(s, r, mapped, list.size() - mapped);
         for (std::size_t i = mapped; i < list.size(); ++i) pool_.give_back({list[i], false});
         list.resize(mapped);
       });
-      zero_fresh_pages(address, run, count, stream);
+    }
+    if (config_.zero_page) {
+      const std::size_t backed_end = slot.backed_end;
+      slot.backed_end = std::max(backed_end, claims[s]);
+      undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
     }
   }
+  if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
+  for (const Fresh& run : fresh) zero_fresh_pages(run.address, &pages[run.first], run.count, stream);
   unused.commit();
 }
 
@@ -373,6 +449,8 @@ std::vector<Page> KvCache::obtain_pages(std::size_t count, const std::vector<std
   return pages;
 }
 
+// For engine calls (after ReadWindows::close_current()): every unclaimed page may go,
+// after its readers.
 void KvCache::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& claims) {
   // Coldest first: surplus of allocated slots (their requests may never grow that far),
   // then the least recently freed slot (the most recent is the likeliest to be reused).
@@ -390,6 +468,7 @@ void KvCache::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const
   const std::size_t regions = layout_.num_regions();
   const std::size_t mapped = slots_[victim].mapped();
   const std::size_t per_region = std::min(mapped - claims[victim], (wanted + regions - 1) / regions);
+  order_after_readers(victim, mapped - per_region);
   unmap_tail(victim, mapped - per_region, into);
 }
 
@@ -398,14 +477,18 @@ void KvCache::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<P
   const std::size_t mapped = slot.mapped();
   if (mapped <= keep) return;
   wait_free_event(slot);  // the driver's unmap does not wait for kernels still reading
-  const std::size_t bytes = (mapped - keep) * layout_.page_bytes();
   std::size_t region = 0;
   try {
-    for (; region < slot.pages.size(); ++region) backend_->unmap(page_address(region, slot_index, keep), bytes);
+    for (; region < slot.pages.size(); ++region) unmap_real(slot_index, region, keep, mapped - keep);
   } catch (...) {
     // Put back what this call unmapped, so every region keeps the same pages.
-    for (std::size_t r = 0; r < region; ++r)
-      backend_->map(page_address(r, slot_index, keep), slot.pages[r].data() + keep, mapped - keep);
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        map_real(slot_index, r, keep, slot.pages[r].data() + keep, mapped - keep);
+      } catch (...) {
+        // Already failing; report the first error.
+      }
+    }
     throw;
   }
   // Unclaimed pages were zero-filled at free_reqid() (or by the mapper), and waited for
@@ -416,6 +499,81 @@ void KvCache::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<P
       if (drop_mapping(pages[i])) into.push_back({pages[i], clean});
     pages.resize(keep);
   }
+}
+
+void KvCache::map_real(std::size_t slot_index, std::size_t region, std::size_t first, const PageHandle* handles,
+                       std::size_t count) {
+  const Slot& slot = slots_[slot_index];
+  const std::size_t page = layout_.page_bytes();
+  const Address address = page_address(region, slot_index, first);
+  const std::size_t zero_backed =
+      config_.zero_page && slot.backed_end > first ? std::min(count, slot.backed_end - first) : 0;
+  if (zero_backed > 0) backend_->unmap(address, zero_backed * page);
+  try {
+    backend_->map(address, handles, count);
+  } catch (...) {
+    try {
+      if (zero_backed > 0) backend_->back_with_zeros(address, zero_backed * page);
+    } catch (...) {
+      // Already failing; report the first error.
+    }
+    throw;
+  }
+}
+
+void KvCache::unmap_real(std::size_t slot_index, std::size_t region, std::size_t first, std::size_t count) {
+  const Slot& slot = slots_[slot_index];
+  const std::size_t page = layout_.page_bytes();
+  const Address address = page_address(region, slot_index, first);
+  backend_->unmap(address, count * page);
+  const std::size_t zero_backed =
+      config_.zero_page && slot.backed_end > first ? std::min(count, slot.backed_end - first) : 0;
+  if (zero_backed == 0) return;
+  try {
+    backend_->back_with_zeros(address, zero_backed * page);
+  } catch (...) {
+    try {
+      backend_->map(address, slot.pages[region].data() + first, count);
+    } catch (...) {
+      // Already failing; report the first error.
+    }
+    throw;
+  }
+}
+
+void KvCache::back_with_zeros(std::size_t slot_index, std::size_t until) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t from = std::max(slot.mapped(), slot.backed_end);
+  if (until <= from) return;
+  const std::size_t bytes = (until - from) * layout_.page_bytes();
+  std::size_t region = 0;
+  try {
+    for (; region < layout_.num_regions(); ++region) backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
+  } catch (...) {
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        backend_->unmap(page_address(r, slot_index, from), bytes);  // nothing reads a range just backed
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  slot.backed_end = until;
+}
+
+void KvCache::order_after_readers(std::size_t slot_index, std::size_t first) {
+  if (!config_.zero_page) return;  // without zero backing nothing reads beyond a slot's tokens
+  Slot& slot = slots_[slot_index];
+  if (first >= std::max(slot.mapped(), slot.backed_end)) return;  // unmapped from there on: unreadable
+  wait_free_event(slot);  // the previous owner's padded reads
+  if (slot.allocated && first < read_windows_->horizon(slot.allocated_at, /*include_current=*/false))
+    read_windows_->wait();
+}
+
+std::size_t KvCache::first_reclaimable_without_waiting(std::size_t slot_index) const {
+  const Slot& slot = slots_[slot_index];
+  if (!config_.zero_page || !slot.allocated) return slot.claimed;
+  return std::max(slot.claimed, read_windows_->horizon(slot.allocated_at, /*include_current=*/true));
 }
 
 void KvCache::zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream) {
@@ -460,40 +618,58 @@ KvCache::BackgroundUnit KvCache::next_background_unit(bool settle_events) {
   const std::size_t max_pages = layout_.pages_per_slot();
   const std::size_t regions = layout_.num_regions();
   const bool can_grow = pool_.obtainable_pages() >= regions;  // ahead mapping uses free memory only
-  // 1. Lookahead: each allocated slot's next iterations.
+  // A freed slot's pages may still be read by its last owner's work: only after its event.
+  auto readers_done = [&](Slot& slot) {
+    if (slot.free_event == 0) return true;
+    if (!settle_events || !backend_->event_done(slot.free_event)) return false;  // later: API calls wake the mapper
+    backend_->destroy_event(slot.free_event);
+    slot.free_event = 0;
+    return true;
+  };
+  // 1. Lookahead: each allocated slot's next iterations, where no work in flight reads
+  //    (with zero backing, below the read horizon only step() may swap pages).
   for (std::size_t s = 0; s < slots_.size() && can_grow; ++s) {
     const Slot& slot = slots_[s];
     if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
     const std::size_t target = std::min(
         max_pages, layout_.pages_for_tokens(std::min(config_.max_context, slot.seq_len + config_.lookahead_tokens)));
-    if (target > slot.mapped()) return {BackgroundUnit::Kind::grow, s, target};
+    if (target > slot.mapped() && slot.mapped() >= first_reclaimable_without_waiting(s))
+      return {BackgroundUnit::Kind::grow, s, target};
   }
   // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
   const std::size_t eager_tokens = config_.eager_tokens == kAdaptive ? prompt_estimate_ : config_.eager_tokens;
   const std::size_t next = next_alloc_slot();
   if (can_grow && eager_tokens > 0 && next < slots_.size() && !slots_[next].busy()) {
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(std::min(config_.max_context, eager_tokens)));
-    if (target > slots_[next].mapped()) return {BackgroundUnit::Kind::grow, next, target};
+    if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(slots_[next])))
+      return {BackgroundUnit::Kind::grow, next, target};
   }
   // 3. Below the watermark, unmap the least recently freed slot's pages into the pool, so
   //    that step() does not have to; only once that slot's last readers are done.
   const std::size_t obtainable = pool_.obtainable_pages();
-  if (obtainable >= watermark_pages_) return {};
-  std::size_t victim = slots_.size();
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const Slot& slot = slots_[s];
-    if (slot.allocated || slot.busy() || slot.mapped() == 0 || s == next) continue;
-    if (victim == slots_.size() || slot.freed_at < slots_[victim].freed_at) victim = s;
+  if (obtainable < watermark_pages_) {
+    std::size_t victim = slots_.size();
+    for (std::size_t s = 0; s < slots_.size(); ++s) {
+      const Slot& slot = slots_[s];
+      if (slot.allocated || slot.busy() || slot.mapped() == 0 || s == next) continue;
+      if (victim == slots_.size() || slot.freed_at < slots_[victim].freed_at) victim = s;
+    }
+    if (victim < slots_.size() && readers_done(slots_[victim])) {
+      const std::size_t pages = std::min(slots_[victim].mapped(), (watermark_pages_ - obtainable + regions - 1) / regions);
+      return {BackgroundUnit::Kind::shrink, victim, pages};
+    }
   }
-  if (victim == slots_.size()) return {};
-  Slot& slot = slots_[victim];
-  if (settle_events && slot.free_event != 0) {
-    if (!backend_->event_done(slot.free_event)) return {};  // later: every API call wakes the mapper
-    backend_->destroy_event(slot.free_event);
-    slot.free_event = 0;
+  // 4. Zero backing of slots not yet handed out (where it costs per page), the next one first.
+  if (config_.zero_page) {
+    for (std::size_t k = 0; k <= slots_.size(); ++k) {
+      const std::size_t s = k == 0 ? next : k - 1;
+      if (s >= slots_.size() || slots_[s].allocated || slots_[s].busy()) continue;
+      const std::size_t from = std::max(slots_[s].mapped(), slots_[s].backed_end);
+      if (from < max_pages)
+        return {BackgroundUnit::Kind::cover, s, std::min(max_pages, from + std::max<std::size_t>(1, kPagesPerCoverUnit / regions))};
+    }
   }
-  const std::size_t pages = std::min(slot.mapped(), (watermark_pages_ - obtainable + regions - 1) / regions);
-  return {BackgroundUnit::Kind::shrink, victim, pages};
+  return {};
 }
 
 bool KvCache::background_work() {
@@ -502,6 +678,7 @@ bool KvCache::background_work() {
   switch (unit.kind) {
     case BackgroundUnit::Kind::grow: return grow_in_background(lock, unit.slot, unit.pages);
     case BackgroundUnit::Kind::shrink: return shrink_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::cover: return cover_in_background(lock, unit.slot, unit.pages);
     case BackgroundUnit::Kind::none: break;
   }
   return false;
@@ -522,25 +699,34 @@ bool KvCache::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t
   slot.busy_from = first;
   lock.unlock();
 
+  // Pages at or past busy_from, and backed_end, belong to this thread until it is cleared.
   std::size_t created = 0;
   std::size_t regions_mapped = 0;
+  bool zero_filling = false;
   try {
     for (; created < to_create; ++created) pages.push_back({backend_->create_page(), false});
     std::vector<PageHandle> handles(per_region);
     for (; regions_mapped < regions; ++regions_mapped) {
       const Page* run = &pages[regions_mapped * per_region];
       for (std::size_t i = 0; i < per_region; ++i) handles[i] = run[i].handle;
-      const Address address = page_address(regions_mapped, slot_index, first);
-      backend_->map(address, handles.data(), per_region);
-      zero_fresh_pages(address, run, per_region, background_stream_);
+      map_real(slot_index, regions_mapped, first, handles.data(), per_region);
     }
     // Published pages must read as zeros to whoever gets them, on any stream.
-    if (std::any_of(pages.begin(), pages.end(), [](const Page& page) { return !page.clean; }))
+    if (std::any_of(pages.begin(), pages.end(), [](const Page& page) { return !page.clean; })) {
+      zero_filling = true;
+      for (std::size_t r = 0; r < regions; ++r)
+        zero_fresh_pages(page_address(r, slot_index, first), &pages[r * per_region], per_region, background_stream_);
       backend_->synchronize(background_stream_);
+    }
   } catch (...) {
+    try {
+      if (zero_filling) backend_->synchronize(background_stream_);  // never unmap under a queued zero-fill
+    } catch (...) {
+      // A dead context runs nothing any more.
+    }
     for (std::size_t r = 0; r < regions_mapped; ++r) {
       try {
-        backend_->unmap(page_address(r, slot_index, first), per_region * layout_.page_bytes());
+        unmap_real(slot_index, r, first, per_region);
       } catch (...) {
         // Already failing; report the first error.
       }
@@ -556,6 +742,7 @@ bool KvCache::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t
   lock.lock();
   for (std::size_t r = 0; r < regions; ++r)
     for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);
+  if (config_.zero_page) slot.backed_end = std::max(slot.backed_end, first + per_region);
   in_flight_pages_ -= count;
   slot.busy_from = kNotBusy;
   background_done_.notify_all();
@@ -570,11 +757,15 @@ bool KvCache::shrink_in_background(std::unique_lock<std::mutex>& lock, std::size
   lock.unlock();
   std::size_t region = 0;
   try {
-    for (; region < layout_.num_regions(); ++region)
-      backend_->unmap(page_address(region, slot_index, keep), pages * layout_.page_bytes());
+    for (; region < layout_.num_regions(); ++region) unmap_real(slot_index, region, keep, pages);
   } catch (...) {
-    for (std::size_t r = 0; r < region; ++r)
-      backend_->map(page_address(r, slot_index, keep), slot.pages[r].data() + keep, pages);
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        map_real(slot_index, r, keep, slot.pages[r].data() + keep, pages);
+      } catch (...) {
+        // Already failing; report the first error.
+      }
+    }
     lock.lock();
     slot.busy_from = kNotBusy;
     background_done_.notify_all();
@@ -591,27 +782,59 @@ bool KvCache::shrink_in_background(std::unique_lock<std::mutex>& lock, std::size
   return true;
 }
 
+bool KvCache::cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t until) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t from = std::max(slot.mapped(), slot.backed_end);
+  slot.busy_from = from;  // nobody maps there meanwhile; the range is unmapped, so nothing reads it
+  lock.unlock();
+  const std::size_t bytes = (until - from) * layout_.page_bytes();
+  std::size_t region = 0;
+  try {
+    for (; region < layout_.num_regions(); ++region) backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
+  } catch (...) {
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        backend_->unmap(page_address(r, slot_index, from), bytes);
+      } catch (...) {
+      }
+    }
+    lock.lock();
+    slot.busy_from = kNotBusy;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  slot.backed_end = until;
+  slot.busy_from = kNotBusy;
+  background_done_.notify_all();
+  return true;
+}
+
 // ---- inspection -----------------------------------------------------------------------
 
 std::size_t KvCache::num_free_slots() const {
+  expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<std::size_t>(
       std::count_if(slots_.begin(), slots_.end(), [](const Slot& slot) { return !slot.allocated; }));
 }
 
 bool KvCache::is_allocated(std::size_t slot) const {
+  expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   expect_slot_in_range(slot);
   return slots_[slot].allocated;
 }
 
 std::size_t KvCache::mapped_pages(std::size_t slot) const {
+  expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   expect_slot_in_range(slot);
   return slots_[slot].mapped();
 }
 
 CacheStats KvCache::stats() const {
+  expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   CacheStats stats;
   stats.page_bytes = layout_.page_bytes();
@@ -620,7 +843,10 @@ CacheStats KvCache::stats() const {
   stats.pages_created = pool_.created_pages();
   stats.pages_free = pool_.free_pages();
   std::size_t claimed_mappings = 0;
-  for (const Slot& slot : slots_) {
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    stats.pages_in_reach +=
+        (std::min(slot.mapped(), first_reclaimable_without_waiting(s)) - slot.claimed) * layout_.num_regions();
     stats.page_mappings += slot.mapped() * layout_.num_regions();
     claimed_mappings += slot.claimed * layout_.num_regions();
     stats.active_slots += slot.allocated ? 1 : 0;
@@ -640,6 +866,7 @@ CacheStats KvCache::stats() const {
 }
 
 void KvCache::check_invariants() const {
+  expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   auto expect = [](bool holds, const std::string& what) {
     if (!holds) throw Error("vkv invariant broken: " + what);
@@ -666,6 +893,10 @@ void KvCache::check_invariants() const {
     expect(slot.swapped || slot.swap.bytes == 0, where + ": only a swapped-out slot holds host memory");
     expect(layout_.pages_for_tokens(slot.seq_len) <= slot.claimed, where + ": its seq_len is claimed");
     expect(slot.claimed <= mapped, where + ": its claimed pages are mapped");
+    expect(config_.zero_page || slot.backed_end == 0, where + ": nothing is zero-backed without zero_page");
+    expect(slot.backed_end <= layout_.pages_per_slot(), where + ": zero backing stays inside the slot");
+    expect(!config_.zero_page || !slot.allocated || slot.backed_end == layout_.pages_per_slot(),
+           where + ": an allocated slot reads as zeros to its end");
   }
   for (const auto& [page, count] : mappings) {
     const auto share = shares_.find(page);

@@ -1,5 +1,7 @@
 // KvCache: growing and shrinking the physical memory the cache holds while it runs,
 // so that the framework's allocator or another process can use what it gives back.
+#include <algorithm>
+
 #include "format.h"
 #include "vkv/error.h"
 #include "vkv/kv_cache.h"
@@ -13,14 +15,17 @@ void KvCache::set_budget(std::size_t bytes) {
   const std::size_t budget = bytes / page;
   std::unique_lock<std::mutex> lock(mutex_);
   background_done_.wait(lock, [&] { return !background_busy(); });  // pages in flight count too
+  // Pages work in flight may read (zero_page: below the read horizon) cannot go yet either.
   std::size_t in_use = 0;
-  for (const Slot& slot : slots_) in_use += slot.claimed * layout_.num_regions();
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    in_use += std::min(slots_[s].mapped(), first_reclaimable_without_waiting(s)) * layout_.num_regions();
   in_use -= duplicate_mappings();  // shared pages lie below their slots' claims
   if (in_use > budget) {
     throw OutOfMemory(detail::concat("set_budget(", bytes, ") allows ", budget, " pages (",
                                      detail::format_bytes(budget * page), ") but allocated slots claim ", in_use,
                                      " (", detail::format_bytes(in_use * page),
-                                     "); free, preempt or swap out requests first"),
+                                     "); free, preempt or swap out requests first, or retry after the next step() if pages mapped ahead are "
+                                     "still in reach of work in flight"),
                       in_use - budget, page);
   }
   const std::size_t old_budget = pool_.budget_pages();
@@ -44,7 +49,7 @@ std::size_t KvCache::trim() {
   free_finished_host_copies(/*wait=*/false);
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     std::vector<Page> pages;
-    unmap_tail(s, slots_[s].claimed, pages);  // waits for a freed slot's last readers
+    unmap_tail(s, first_reclaimable_without_waiting(s), pages);  // waits for a freed slot's last readers
     for (const Page& page : pages) pool_.give_back(page);
   }
   return pool_.trim(0) * layout_.page_bytes();
@@ -53,7 +58,8 @@ std::size_t KvCache::trim() {
 // Releases pages until no more exist than the budget allows: free ones first, then
 // unclaimed mappings, coldest first. The caller made sure the claimed ones fit.
 void KvCache::shrink_to_budget() {
-  const std::vector<std::size_t> claims = current_claims();
+  std::vector<std::size_t> claims(slots_.size());  // what no page may be reclaimed below without waiting
+  for (std::size_t s = 0; s < slots_.size(); ++s) claims[s] = first_reclaimable_without_waiting(s);
   while (pool_.created_pages() > pool_.budget_pages()) {
     const std::size_t excess = pool_.created_pages() - pool_.budget_pages();
     if (pool_.free_pages() > 0) {

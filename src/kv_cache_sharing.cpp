@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "format.h"
+#include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
 #include "vkv/kv_cache.h"
@@ -48,10 +49,10 @@ std::size_t KvCache::fork(std::size_t src, Stream stream) {
     VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
   };
   expect_source();
-  detail::UndoLog undo;
+  detail::UndoLog undo(stream_waiter(stream));
   const std::size_t dst = next_alloc_slot();
   const std::size_t kept_at_free = dst < slots_.size() ? slots_[dst].kept_at_free : 0;
-  allocate_slot(dst, stream);
+  allocate_slot(lock, dst, stream);
   undo.push([this, dst, kept_at_free] {
     Slot& slot = slots_[dst];
     slot.allocated = false;
@@ -61,6 +62,7 @@ std::size_t KvCache::fork(std::size_t src, Stream stream) {
   wait_not_busy(lock, dst);  // the mapper may be mapping ahead into the slot handed out next
   wait_for_pages(lock, layout_.num_regions(), dst, 0);  // room for a partial page
   expect_source();           // the waits let other threads in
+  if (config_.zero_page) read_windows_->close_current(stream);  // share_into() may wait for it
   share_into(src, dst, slots_[src].seq_len, stream, undo);
   undo.commit();
   if (mapper_) mapper_->wake();
@@ -87,7 +89,8 @@ void KvCache::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens,
   wait_not_busy(lock, dst);
   wait_for_pages(lock, layout_.num_regions(), dst, 0);  // room for a partial page
   expect_valid();  // the waits let other threads in
-  detail::UndoLog undo;
+  if (config_.zero_page) read_windows_->close_current(stream);  // share_into() may wait for it
+  detail::UndoLog undo(stream_waiter(stream));
   share_into(src, dst, tokens, stream, undo);
   undo.commit();
 }
@@ -116,27 +119,28 @@ void KvCache::share_into(std::size_t src, std::size_t dst, std::size_t tokens, S
     });
   }
   const std::size_t mapped = to.mapped();  // after reclamation, which may have taken dst's
-  wait_free_event(to);  // the previous owner's kernels may still read the pages replaced
+  wait_free_event(to);          // the previous owner's zero-fill still writes the pages replaced
+  order_after_readers(dst, 0);  // and reads of dst in flight (zero_page)
 
   const std::size_t replaced = std::min(mapped, full);
   for (std::size_t r = 0; r < regions; ++r) {
-    const Address first = page_address(r, dst, 0);
     if (replaced > 0) {
-      backend_->unmap(first, replaced * page_bytes);
-      std::vector<PageHandle> old(to.pages[r].begin(), to.pages[r].begin() + static_cast<std::ptrdiff_t>(replaced));
-      undo.push([this, first, old] { backend_->map(first, old.data(), old.size()); });
+      unmap_real(dst, r, 0, replaced);
+      undo.push_remap([this, dst, r, replaced] { map_real(dst, r, 0, slots_[dst].pages[r].data(), replaced); });
     }
     if (full > 0) {
-      backend_->map(first, from.pages[r].data(), full);
-      undo.push([this, first, full, page_bytes] { backend_->unmap(first, full * page_bytes); });
+      map_real(dst, r, 0, from.pages[r].data(), full);
+      undo.push_remap([this, dst, r, full] { unmap_real(dst, r, 0, full); });
     }
     if (partial_bytes == 0) continue;
     const Address partial = page_address(r, dst, full);
     if (!fresh.empty()) {
-      backend_->map(partial, &fresh[r].handle, 1);
-      undo.push([this, partial, page_bytes] { backend_->unmap(partial, page_bytes); });
+      map_real(dst, r, full, &fresh[r].handle, 1);
+      undo.push_remap([this, dst, r, full] { unmap_real(dst, r, full, 1); });
+      undo.enqueued_device_work();
       zero_fresh_pages(partial, &fresh[r], 1, stream);
     }
+    undo.enqueued_device_work();
     backend_->copy(partial, page_address(r, src, full), partial_bytes, stream);
   }
 
@@ -190,13 +194,14 @@ void KvCache::copy_on_write(const std::vector<PageRef>& copies, const std::vecto
       ++next;
       slots_[ref.slot].pages[r][ref.page] = fresh;
       drop_mapping(shared);
-      undo.push([this, ref, r, address, shared, fresh, page_bytes] {
+      undo.push_remap([this, ref, r, address, shared, fresh, page_bytes] {
         backend_->unmap(address, page_bytes);
         backend_->map(address, &shared, 1);
         slots_[ref.slot].pages[r][ref.page] = shared;
         add_mapping(shared);
         pool_.give_back({fresh, false});
       });
+      undo.enqueued_device_work();
       backend_->copy(address, page_address(r, holder, ref.page), page_bytes, stream);
     }
   }

@@ -5,6 +5,7 @@
 // bytes, one region after another. Copies run on the caller's stream; the host memory
 // of a copy back is freed by a later call once the copy's event has completed.
 #include "format.h"
+#include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
 #include "vkv/kv_cache.h"
@@ -12,6 +13,7 @@
 namespace vkv {
 
 bool KvCache::is_swapped(std::size_t slot) const {
+  expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   expect_slot_in_range(slot);
   return slots_[slot].swapped;
@@ -79,6 +81,7 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
   expect_valid();  // the waits let other threads in
   wait_not_busy(lock, slot_index);
   free_finished_host_copies(/*wait=*/false);
+  if (config_.zero_page) read_windows_->close_current(stream);  // undo and reclamation may wait for it
 
   Slot& slot = slots_[slot_index];
   const std::size_t tokens = swapped_tokens(slot);
@@ -86,7 +89,7 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
   claims[slot_index] = layout_.pages_for_tokens(tokens);
   const std::size_t missing =
       claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * layout_.num_regions() : 0;
-  detail::UndoLog undo;
+  detail::UndoLog undo(stream_waiter(stream));
   map_missing(claims, {}, missing, stream, undo, "swap_in");
   if (slot.swap.bytes > 0) {
     // After the zero-fill of the slot's kept pages, and after the copy out.
@@ -95,9 +98,10 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
     const std::size_t region_bytes = tokens * layout_.token_bytes();
     for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
       const Address address = page_address(r, slot_index, 0);
+      undo.enqueued_device_work();
       backend_->copy(address, slot.swap.host + r * region_bytes, region_bytes, stream);
       // Pages this slot keeps must read as zeros again if the call fails.
-      undo.push([this, address, region_bytes, stream] { backend_->zero(address, region_bytes, stream); });
+      undo.push_enqueue([this, address, region_bytes, stream] { backend_->zero(address, region_bytes, stream); });
     }
     const Event done = backend_->record_event(stream);
     undo.commit();

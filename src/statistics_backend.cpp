@@ -1,13 +1,11 @@
 // StatisticsBackend: forwards every call and counts it.
 #include "vkv/statistics_backend.h"
 
-#include "vkv/error.h"
+#include <chrono>
 
 namespace vkv {
 
-StatisticsBackend::StatisticsBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {
-  VKV_EXPECTS(upstream_ != nullptr, "StatisticsBackend needs an upstream backend, got null");
-}
+StatisticsBackend::StatisticsBackend(std::shared_ptr<Backend> upstream) : ForwardingBackend(std::move(upstream)) {}
 
 CallStats StatisticsBackend::Counter::snapshot() const noexcept {
   return {calls.load(std::memory_order_relaxed), units.load(std::memory_order_relaxed),
@@ -15,8 +13,17 @@ CallStats StatisticsBackend::Counter::snapshot() const noexcept {
 }
 
 BackendStats StatisticsBackend::stats() const noexcept {
-  return {reserve_.snapshot(), create_.snapshot(), release_.snapshot(), map_.snapshot(),
-          unmap_.snapshot(),   zero_.snapshot(),   copy_.snapshot(),    event_.snapshot()};
+  BackendStats stats;
+  stats.reserve = reserve_.snapshot();
+  stats.create = create_.snapshot();
+  stats.release = release_.snapshot();
+  stats.map = map_.snapshot();
+  stats.unmap = unmap_.snapshot();
+  stats.zero_backing = zero_backing_.snapshot();
+  stats.zero = zero_.snapshot();
+  stats.copy = copy_.snapshot();
+  stats.event = event_.snapshot();
+  return stats;
 }
 
 template <typename Call>
@@ -38,9 +45,6 @@ decltype(auto) StatisticsBackend::timed(Counter& counter, std::uint64_t units, C
 Address StatisticsBackend::reserve(std::size_t bytes) {
   return timed(reserve_, bytes, [&] { return upstream_->reserve(bytes); });
 }
-void StatisticsBackend::free_reservation(Address base, std::size_t bytes) noexcept {
-  upstream_->free_reservation(base, bytes);
-}
 PageHandle StatisticsBackend::create_page() {
   return timed(create_, 1, [&] { return upstream_->create_page(); });
 }
@@ -53,6 +57,9 @@ void StatisticsBackend::map(Address address, const PageHandle* pages, std::size_
 void StatisticsBackend::unmap(Address address, std::size_t bytes) {
   timed(unmap_, bytes / page_bytes(), [&] { upstream_->unmap(address, bytes); });
 }
+void StatisticsBackend::back_with_zeros(Address address, std::size_t bytes) {
+  timed(zero_backing_, bytes / page_bytes(), [&] { upstream_->back_with_zeros(address, bytes); });
+}
 void StatisticsBackend::zero(Address address, std::size_t bytes, Stream stream) {
   timed(zero_, bytes, [&] { upstream_->zero(address, bytes, stream); });
 }
@@ -60,9 +67,6 @@ void StatisticsBackend::copy(Address destination, Address source, std::size_t by
   timed(copy_, bytes, [&] { upstream_->copy(destination, source, bytes, stream); });
 }
 
-Address StatisticsBackend::allocate_host(std::size_t bytes) { return upstream_->allocate_host(bytes); }
-
-void StatisticsBackend::free_host(Address address, std::size_t bytes) noexcept { upstream_->free_host(address, bytes); }
 Event StatisticsBackend::record_event(Stream stream) {
   return timed(event_, 1, [&] { return upstream_->record_event(stream); });
 }
@@ -75,7 +79,5 @@ void StatisticsBackend::wait_event(Event event) {
 void StatisticsBackend::stream_wait_event(Stream stream, Event event) {
   timed(event_, 1, [&] { upstream_->stream_wait_event(stream, event); });
 }
-void StatisticsBackend::destroy_event(Event event) noexcept { upstream_->destroy_event(event); }
-void StatisticsBackend::synchronize(Stream stream) { upstream_->synchronize(stream); }
 
 }  // namespace vkv

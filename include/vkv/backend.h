@@ -11,9 +11,15 @@
 //
 // Ordering: zero() and copy() are enqueued on the stream and may still be running
 // when they return; record_event() marks everything enqueued so far on a stream.
-// map() and unmap() take effect at once and do NOT wait for device work: unmapping a
-// page that a running kernel reads is a fault. Callers unmap only after an event
-// recorded behind the last reader has completed.
+// map(), unmap() and back_with_zeros() take effect at once and do NOT wait for device
+// work: changing the mapping of a page that queued or running work reads or writes is
+// a fault (on CUDA, one that kills the context). Callers change a mapping only after an
+// event recorded behind the last work touching it has completed; that holds for undoing
+// a failed call too.
+//
+// Zero backing: a range backed by back_with_zeros() reads as zeros and faults on writes,
+// at the cost of one shared read-only page; it is how vkv makes reads beyond a slot's
+// tokens harmless. A backed range must be unmapped before a real page is mapped there.
 //
 // Thread-safety: every call may be made from any thread; implementations are
 // thread-safe (the CUDA driver is, HostBackend guards its page file with a mutex).
@@ -57,9 +63,18 @@ class Backend {
   /// Maps `count` pages side by side starting at `address` and makes them readable and
   /// writable. All or nothing: on failure nothing stays mapped. @throws DriverError.
   virtual void map(Address address, const PageHandle* pages, std::size_t count) = 0;
-  /// Unmaps [address, address + bytes); the range must consist of whole mapped pages.
-  /// Effective at once: the caller has made sure no device work still reads it.
+  /// Unmaps [address, address + bytes); the range must consist of whole mapped pages,
+  /// real or zero-backed. Effective at once: the caller has made sure no device work
+  /// still reads it.
   virtual void unmap(Address address, std::size_t bytes) = 0;
+  /// Backs [address, address + bytes), which must not be mapped, with the backend's one
+  /// read-only page of zeros: reads return 0, writes fault. All or nothing. unmap()
+  /// removes it. @throws DriverError / OutOfMemory (the zero page is created on first use).
+  virtual void back_with_zeros(Address address, std::size_t bytes) = 0;
+  /// True when back_with_zeros() costs about one call whatever the range (host: one
+  /// mmap); false when it costs per page (CUDA: ~37 us a page), so that a cache backs
+  /// its reservation lazily, slot by slot, off the hot path.
+  virtual bool zero_backing_is_bulk() const noexcept = 0;
 
   /// Enqueues a zero-fill of mapped memory on `stream`.
   virtual void zero(Address address, std::size_t bytes, Stream stream) = 0;

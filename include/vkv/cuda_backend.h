@@ -4,9 +4,14 @@
 // library need no CUDA driver to load, only to construct a CudaBackend.
 //
 // Every call makes the device's primary context current for its duration and
-// restores the caller's context afterwards, so any thread may call.
+// restores the caller's context afterwards, so any thread may call. Zero backing maps
+// one 2 MiB page of zeros, created on first use, read-only at every address it backs;
+// it costs about as much per page as mapping a real one (the access setting dominates).
 // Thread-safety: all calls are thread-safe.
 #pragma once
+
+#include <functional>
+#include <mutex>
 
 #include "vkv/backend.h"
 
@@ -30,6 +35,9 @@ class CudaBackend final : public Backend {
   static int device_count() noexcept;
 
   int device() const noexcept { return device_; }
+  /// Queues `function` on `stream` (cuLaunchHostFunc); it must not call CUDA. Tests use
+  /// it to keep a stream busy. @throws DriverError.
+  void launch_host_function(Stream stream, std::function<void()> function);
   std::string name() const override;
   std::size_t page_bytes() const noexcept override { return page_bytes_; }
   std::size_t max_reservation_bytes() const noexcept override { return kMaxReservationBytes; }
@@ -41,6 +49,8 @@ class CudaBackend final : public Backend {
   void release_page(PageHandle page) noexcept override;
   void map(Address address, const PageHandle* pages, std::size_t count) override;
   void unmap(Address address, std::size_t bytes) override;
+  void back_with_zeros(Address address, std::size_t bytes) override;
+  bool zero_backing_is_bulk() const noexcept override { return false; }
   void zero(Address address, std::size_t bytes, Stream stream) override;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
   Address allocate_host(std::size_t bytes) override;
@@ -57,11 +67,15 @@ class CudaBackend final : public Backend {
 
  private:
   class ContextScope;
+  // The one page of zeros back_with_zeros() maps everywhere; created on first use.
+  PageHandle zero_page();
 
   int device_;
   int device_handle_ = 0;      // CUdevice
   void* context_ = nullptr;    // CUcontext: the device's primary context, retained
   std::size_t page_bytes_ = 0;
+  std::mutex zero_page_mutex_;
+  PageHandle zero_page_ = 0;   // 0 until created
 };
 
 }  // namespace vkv

@@ -2,20 +2,40 @@
 //
 // A reservation is an mmap(PROT_NONE) range. Physical pages are slices of one
 // memfd; mapping is mmap(MAP_FIXED | MAP_SHARED) of a slice, so one page mapped at
-// two addresses shows the same bytes. Unmapping puts PROT_NONE back; releasing a
-// page punches a hole in the memfd so its memory returns to the system. Device work
-// (zero, copy) runs synchronously, so every event is complete when recorded.
+// two addresses shows the same bytes. Unmapping puts PROT_NONE back; zero backing is a
+// private read-only anonymous mapping (the kernel's zero page: reads 0, writes SIGSEGV);
+// releasing a page punches a hole in the memfd so its memory returns to the system.
+// Mappings carry MADV_DONTFORK: a child made by fork() does not share the cache's pages.
+//
+// Device work (zero, copy) runs synchronously by default, so every event is complete when
+// recorded. In deferred mode it runs later, in order, on a worker thread, like a GPU
+// stream, and checks when it runs that its pages are still mapped: a mapping changed
+// under queued work is a sticky fault (DriverError from every later wait), as on a GPU.
+// That mode exists for tests: it catches ordering bugs without a GPU.
 //
 // This is a real backend, not a mock: it is what runs vkv where there is no GPU.
 // Thread-safety: all calls are thread-safe.
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <vector>
 
 #include "vkv/backend.h"
 
 namespace vkv {
+
+namespace detail {
+class HostStream;
+class PageStates;
+}  // namespace detail
+
+/// When the host backend runs device work (zero, copy).
+enum class HostExecution {
+  synchronous,  ///< at once, on the calling thread
+  deferred,     ///< later, in order, on a worker thread (a model of a GPU stream, for tests)
+};
 
 class HostBackend final : public Backend {
  public:
@@ -25,10 +45,17 @@ class HostBackend final : public Backend {
 
   /// @throws InvalidArgument when page_bytes is not a multiple of the OS page size;
   ///         DriverError when memfd_create fails.
-  explicit HostBackend(std::size_t page_bytes = kDefaultPageBytes);
+  explicit HostBackend(std::size_t page_bytes = kDefaultPageBytes,
+                       HostExecution execution = HostExecution::synchronous);
+  /// Runs the work still queued (deferred mode), then closes the page file.
   ~HostBackend() override;
   HostBackend(const HostBackend&) = delete;
   HostBackend& operator=(const HostBackend&) = delete;
+
+  HostExecution execution() const noexcept { return stream_ ? HostExecution::deferred : HostExecution::synchronous; }
+  /// Queues `function` on the stream (deferred mode; at once otherwise), as
+  /// cuLaunchHostFunc: tests use it to keep a stream busy.
+  void launch_host_function(Stream stream, std::function<void()> function);
 
   std::string name() const override { return "host"; }
   std::size_t page_bytes() const noexcept override { return page_bytes_; }
@@ -41,6 +68,8 @@ class HostBackend final : public Backend {
   void release_page(PageHandle page) noexcept override;
   void map(Address address, const PageHandle* pages, std::size_t count) override;
   void unmap(Address address, std::size_t bytes) override;
+  void back_with_zeros(Address address, std::size_t bytes) override;
+  bool zero_backing_is_bulk() const noexcept override { return true; }
   void zero(Address address, std::size_t bytes, Stream stream) override;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
   Address allocate_host(std::size_t bytes) override;
@@ -56,12 +85,22 @@ class HostBackend final : public Backend {
   void destroy_stream(Stream stream) noexcept override;
 
  private:
+  // Deferred mode: runs `work` on the stream once [ranges) are mapped as it needs.
+  void defer(const char* what, Address destination, Address source, std::size_t bytes, std::function<void()> work);
+  // mmap(MAP_FIXED) of one kind over [address, +bytes); false (errno set) on failure.
+  bool remap(Address address, std::size_t bytes, int protection, int flags, int file, std::size_t offset) noexcept;
+
   std::size_t page_bytes_;
   int page_file_;                       // memfd; page handle h lives at offset h * page_bytes_
   std::mutex mutex_;                    // guards the two members below
   std::size_t file_pages_ = 0;          // handles ever handed out
   std::vector<PageHandle> released_;    // handles whose memory was given back, reused first
-  Event next_event_ = 1;
+  Event next_event_ = 1;                // synchronous mode's events (all complete)
+  // Deferred mode only. mapping_mutex_ is held by every mapping change and by a queued
+  // task while it checks and touches its pages, so neither sees the other half done.
+  std::unique_ptr<std::mutex> mapping_mutex_;
+  std::unique_ptr<detail::PageStates> page_states_;
+  std::unique_ptr<detail::HostStream> stream_;  // last: its worker uses the members above
 };
 
 }  // namespace vkv

@@ -23,13 +23,23 @@
 // step() maps only what is still missing; it waits for the mapper only where the
 // mapper is mapping the very pages it needs.
 //
+// Reads beyond a slot's tokens (config.zero_page): every page no step() backed reads as
+// zeros. The contract that keeps that safe while pages come and go: the work an engine
+// enqueues after step() reads, in each allocated slot, only pages below what the largest
+// seq_len of that step needs (a padded batch does exactly that); vkv changes a mapping
+// such work may read only after an event behind it has completed.
+//
 // Thread-safety: every public call is thread-safe; one mutex serializes them. The
 // mapper thread takes the same mutex, and makes its slow backend calls without it.
+// Kernels that read the cache are enqueued by the thread that calls step(), never
+// while a call of this class runs. A cache is unusable in a child made by fork(): every
+// call there throws Error, and the child's destructor leaves everything to the parent.
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -44,6 +54,7 @@
 #include "vkv/stats.h"
 
 namespace vkv::detail {
+class ReadWindows;
 class UndoLog;
 }
 
@@ -191,10 +202,14 @@ class KvCache {
     bool allocated = false;
     std::size_t seq_len = 0;                      // from the last step()
     // Pages per region the owner has needed since alloc_reqid(). Mapped pages beyond
-    // it hold zeros and no kernel of the owner reads them: they are as reclaimable as
+    // it hold zeros and no kernel of the owner writes them: they are as reclaimable as
     // a freed slot's.
     std::size_t claimed = 0;
     std::vector<std::vector<PageHandle>> pages;   // [region][page]: pages [0, n) mapped in each region
+    // Pages [mapped(), backed_end) of every region are backed by the zero page (zero_page
+    // on); pages from backed_end on are not mapped. An allocated slot is backed to its end.
+    std::size_t backed_end = 0;
+    std::uint64_t allocated_at = 0;               // steps done when it was allocated (ReadWindows)
     Event free_event = 0;                         // behind the zero-fill at free_reqid(); 0 once waited for
     std::uint64_t freed_at = 0;                   // free_reqid() order, for least-recently-freed reclamation
     std::size_t kept_at_free = 0;                 // claimed when freed: alloc_reqid()'s preference
@@ -215,9 +230,23 @@ class KvCache {
     return base_ + layout_.page_offset(region, slot, page);
   }
   void expect_slot_in_range(std::size_t slot) const;
+  // Every public call's first check: the cache is unusable in a forked child.
+  void expect_usable_in_this_process() const;
   void rethrow_background_error();
   std::size_t next_alloc_slot() const noexcept;
-  std::size_t allocate_slot(std::size_t slot, Stream stream);
+  std::size_t allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t slot, Stream stream);
+  // Backs pages [backed_end, until) of every region of a slot with zeros.
+  void back_with_zeros(std::size_t slot, std::size_t until);
+  // Real pages at pages [first, first + count) of one region, replacing zero backing; and
+  // back. Backend calls only, all or nothing; the caller keeps the books.
+  void map_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles, std::size_t count);
+  void unmap_real(std::size_t slot, std::size_t region, std::size_t first, std::size_t count);
+  // Before an engine call changes the mappings of `slot` from page `first` on: waits for
+  // the work in flight that may read them (after ReadWindows::close_current()).
+  void order_after_readers(std::size_t slot, std::size_t first);
+  // The first page of `slot` that pages may be reclaimed from by a call that cannot wait
+  // for in-flight readers (trim, set_budget, the mapper).
+  std::size_t first_reclaimable_without_waiting(std::size_t slot) const;
   void wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot);
   std::vector<std::size_t> current_claims() const;
   std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
@@ -225,6 +254,8 @@ class KvCache {
   void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
   void map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies, std::size_t missing,
                    Stream stream, detail::UndoLog& undo, const char* call);
+  // Undo log for an engine call on `stream`: undoing a mapping waits for the call's device work.
+  std::function<void()> stream_waiter(Stream stream);
   void copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
                      Stream stream, detail::UndoLog& undo);
   void share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, detail::UndoLog& undo);
@@ -249,11 +280,13 @@ class KvCache {
   // Background work (mapper.h): one unit per call, planned under the lock, its slow
   // backend calls made without it.
   struct BackgroundUnit {
-    enum class Kind { none, grow, shrink } kind = Kind::none;
+    enum class Kind { none, grow, shrink, cover } kind = Kind::none;
     std::size_t slot = 0;
-    std::size_t pages = 0;  // grow: target pages per region; shrink: pages per region to unmap
+    // grow: target pages per region; shrink: pages per region to unmap; cover: back with zeros up to
+    std::size_t pages = 0;
   };
   BackgroundUnit next_background_unit(bool settle_events);
+  bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
   bool background_work();
   bool background_busy() const noexcept;
   bool grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target);
@@ -273,6 +306,8 @@ class KvCache {
   std::size_t in_flight_pages_ = 0;    // taken by the mapper: neither in the pool nor in a slot
   Stream background_stream_ = 0;
   CallStats step_stats_;
+  std::unique_ptr<detail::ReadWindows> read_windows_;
+  std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
   mutable std::mutex mutex_;
   std::condition_variable background_done_;  // a slot stopped being busy
   std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above

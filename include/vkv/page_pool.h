@@ -57,6 +57,12 @@ class PagePool {
   void precreate(std::size_t count);
   /// Releases free pages to the backend until at most `keep` remain. Returns how many went.
   std::size_t trim(std::size_t keep) noexcept;
+  /// Forgets every page without releasing it: a forked child must not release pages
+  /// that belong to its parent (the host backend's page file is shared).
+  void abandon() noexcept {
+    free_.clear();
+    created_pages_ = 0;
+  }
 
  private:
   Backend& backend_;

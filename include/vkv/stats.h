@@ -23,7 +23,8 @@ struct BackendStats {
   CallStats create;   ///< units: pages
   CallStats release;  ///< units: pages
   CallStats map;      ///< units: pages (map + access of a run counts as one call)
-  CallStats unmap;    ///< units: pages
+  CallStats unmap;    ///< units: pages (real or zero-backed)
+  CallStats zero_backing;  ///< back_with_zeros(); units: pages
   CallStats zero;     ///< units: bytes
   CallStats copy;     ///< units: bytes
   CallStats event;    ///< record, query, wait, stream-wait; units: calls
@@ -41,6 +42,10 @@ struct CacheStats {
   std::size_t pages_mapped = 0;    ///< mapped in some slot
   std::size_t pages_in_use = 0;    ///< mapped in allocated slots, below what they claim
   std::size_t pages_cached = 0;    ///< mapped, claimed by nobody: kept for reuse or mapped ahead
+  /// Of pages_cached: in allocated slots below what work in flight may read (zero_page:
+  /// the largest seq_len of the last step()); trim() and set_budget() leave them until
+  /// a later step() puts them out of reach.
+  std::size_t pages_in_reach = 0;
   std::size_t pages_shared = 0;    ///< mapped in more than one slot (fork, share_prefix)
   std::size_t page_mappings = 0;   ///< page-sized runs of slot addresses backed; >= pages_mapped
   std::size_t active_slots = 0;

@@ -84,7 +84,7 @@ TEST_P(BackendTest, ReportsItsLimits) {
   EXPECT_GT(backend->available_memory_bytes(), 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllBackends, BackendTest, ::testing::Values(BackendKind::host, BackendKind::cuda),
+INSTANTIATE_TEST_SUITE_P(AllBackends, BackendTest, ::testing::Values(BackendKind::host, BackendKind::host_deferred, BackendKind::cuda),
                          [](const auto& info) { return testing::backend_label(info.param); });
 
 TEST(HostBackend, RejectsAPageSizeThatIsNotAMultipleOfTheOsPage) {

@@ -4,6 +4,12 @@
 // the tokens of every slot it did not set out to discard), the invariants must hold, and
 // once the cache is gone nothing may be left: pages, reservations, events, host memory,
 // streams.
+//
+// It runs over asynchronous backends too, with the stream kept busy ahead of every call
+// (a host function that sleeps), so that a failing call's own zero-fills and copies are
+// still queued when it undoes its mappings: the undo must wait for them. After every
+// failure the stream must still synchronize (on a GPU, an early unmap kills the context;
+// the deferred host backend reports the same as a sticky fault).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,17 +25,19 @@ namespace {
 struct Script;
 using Operation = std::function<void(Script&)>;
 
-// The workload's own state: its slots and how many tokens each has written.
+// The workload's own state: its slots and how many tokens each has written. Bytes go
+// through `io`, the backend under the fault injector, in stream order.
 struct Script {
   KvCache& cache;
+  Backend& io;
   std::size_t tokens_per_page;
   std::vector<std::size_t> slot = std::vector<std::size_t>(4, 0);  // a, b, c, d
   std::vector<std::size_t> tokens;                                  // per cache slot
   std::vector<bool> swapped;
 
-  std::uint8_t* token(std::size_t region, std::size_t s, std::size_t t) const {
+  Address token(std::size_t region, std::size_t s, std::size_t t) const {
     const KvLayout& layout = cache.layout();
-    return reinterpret_cast<std::uint8_t*>(cache.base() + layout.page_offset(region, s, 0) + t * layout.token_bytes());
+    return cache.base() + layout.page_offset(region, s, 0) + t * layout.token_bytes();
   }
   // Steps to `lens` (by script slot) and writes the new tokens, as the model would.
   void step(std::vector<std::pair<std::size_t, std::size_t>> lens) {
@@ -40,8 +48,8 @@ struct Script {
     cache.step(seq_lens);
     for (std::size_t s = 0; s < tokens.size(); ++s) {
       for (std::size_t r = 0; r < cache.layout().num_regions() && seq_lens[s] > tokens[s]; ++r)
-        std::memset(token(r, s, tokens[s]), static_cast<int>(1 + s * 16 + seq_lens[s] % 13),
-                    (seq_lens[s] - tokens[s]) * cache.layout().token_bytes());
+        testing::fill_bytes(io, token(r, s, tokens[s]), (seq_lens[s] - tokens[s]) * cache.layout().token_bytes(),
+                            static_cast<std::uint8_t>(1 + s * 16 + seq_lens[s] % 13));
       if (cache.is_allocated(s)) tokens[s] = seq_lens[s];
     }
   }
@@ -69,8 +77,10 @@ struct Snapshot {
       std::vector<std::uint8_t> bytes;
       if (s != discarded && snapshot.allocated[s] && !snapshot.swapped[s]) {
         const std::size_t size = script.tokens[s] * script.cache.layout().token_bytes();
-        for (std::size_t r = 0; r < script.cache.layout().num_regions(); ++r)
-          bytes.insert(bytes.end(), script.token(r, s, 0), script.token(r, s, 0) + size);
+        for (std::size_t r = 0; r < script.cache.layout().num_regions(); ++r) {
+          const auto region = testing::read_bytes(script.io, script.token(r, s, 0), size);
+          bytes.insert(bytes.end(), region.begin(), region.end());
+        }
       }
       snapshot.bytes.push_back(std::move(bytes));
     }
@@ -147,10 +157,16 @@ std::vector<Step> workload() {
   };
 }
 
-class FaultInjectionTest : public ::testing::TestWithParam<LayoutKind> {};
+class FaultInjectionTest : public ::testing::TestWithParam<std::tuple<testing::BackendKind, LayoutKind>> {};
 
 TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
-  CacheConfig config = testing::small_config(GetParam(), testing::kHostTestPageBytes);
+  const testing::BackendKind kind = std::get<0>(GetParam());
+  {
+    VKV_BACKEND_OR_SKIP(probe, kind);  // skips CUDA without a device
+  }
+  const bool asynchronous = kind != testing::BackendKind::host;
+  std::string unused;
+  CacheConfig config = testing::small_config(std::get<1>(GetParam()), testing::make_test_backend(kind, &unused)->page_bytes());
   config.budget_bytes = 0;
   const std::vector<Step> steps = workload();
   std::size_t total_calls = 0;
@@ -161,8 +177,8 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
   std::size_t expected_failures = 0;
   for (std::size_t fail_at = 0; fail_at == 0 || fail_at <= total_calls; fail_at += (fail_at == 0 ? 1 : every)) {
     SCOPED_TRACE("failing backend call " + std::to_string(fail_at));
-    auto backend = std::make_shared<testing::FaultInjectingBackend>(
-        std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+    std::shared_ptr<Backend> real = testing::make_test_backend(kind, &unused);
+    auto backend = std::make_shared<testing::FaultInjectingBackend>(real);
     backend->fail_at = fail_at;
     {
       std::unique_ptr<KvCache> cache;
@@ -172,18 +188,23 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
         ++failures_seen;
       }
       if (cache) {
-        Script script{*cache, cache->layout().tokens_in_pages(1)};
+        Script script{*cache, *real, cache->layout().tokens_in_pages(1)};
         script.tokens.assign(config.max_batch, 0);
         script.swapped.assign(config.max_batch, false);
         for (const Step& step : steps) {
           SCOPED_TRACE(step.name);
           const std::size_t discarded = step.discards < 4 ? script.slot[step.discards] : config.max_batch;
           const Snapshot before = Snapshot::of(script, discarded);
+          // Work queued ahead: the call's own device work is still pending if it fails.
+          if (asynchronous)
+            testing::hold_stream(*real, 0, std::chrono::microseconds(kind == testing::BackendKind::cuda ? 3000 : 300));
           try {
             step.run(script);
           } catch (const DriverError& error) {
             ASSERT_NE(std::string(error.what()).find("injected"), std::string::npos) << error.what();
             ++failures_seen;
+            // The device (context) survived: nothing was unmapped under queued work.
+            ASSERT_NO_THROW(real->synchronize(0)) << "the failed call faulted the stream";
             EXPECT_NO_THROW(cache->check_invariants());
             EXPECT_TRUE(Snapshot::of(script, discarded) == before) << "the failed call changed the cache";
             break;
@@ -205,9 +226,14 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
   EXPECT_EQ(failures_seen, (total_calls + every - 1) / every) << "every injected failure reached the caller";
 }
 
-INSTANTIATE_TEST_SUITE_P(BothLayouts, FaultInjectionTest,
-                         ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved),
-                         [](const auto& info) { return to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(
+    AllBackendsAndLayouts, FaultInjectionTest,
+    ::testing::Combine(::testing::Values(testing::BackendKind::host, testing::BackendKind::host_deferred,
+                                         testing::BackendKind::cuda),
+                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
+    [](const auto& info) {
+      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
+    });
 
 }  // namespace
 }  // namespace vkv

@@ -5,13 +5,17 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "vkv/forwarding_backend.h"
 #include "vkv/vkv.h"
 
 namespace vkv {
@@ -24,14 +28,20 @@ namespace vkv::testing {
 /// Small pages keep host tests light; CUDA uses the device's granularity.
 inline constexpr std::size_t kHostTestPageBytes = 64 << 10;
 
-enum class BackendKind { host, cuda };
+/// host: synchronous host backend; host_deferred: its device work on a worker thread, as
+/// a GPU stream would run it; cuda: the real thing (skipped without a device).
+enum class BackendKind { host, host_deferred, cuda };
 
-inline std::string backend_label(BackendKind kind) { return kind == BackendKind::host ? "host" : "cuda"; }
+inline std::string backend_label(BackendKind kind) {
+  return kind == BackendKind::host ? "host" : kind == BackendKind::host_deferred ? "host_deferred" : "cuda";
+}
 inline void PrintTo(BackendKind kind, std::ostream* out) { *out << backend_label(kind); }
 
 /// A backend of the given kind, or nullptr (and the reason) when it cannot run here.
 inline std::shared_ptr<Backend> make_test_backend(BackendKind kind, std::string* why_not) {
   if (kind == BackendKind::host) return std::make_shared<HostBackend>(kHostTestPageBytes);
+  if (kind == BackendKind::host_deferred)
+    return std::make_shared<HostBackend>(kHostTestPageBytes, HostExecution::deferred);
   if (!cuda_available()) {
     *why_not = "no CUDA device on this machine: CUDA backend tests skipped";
     return nullptr;
@@ -61,48 +71,22 @@ inline void fill_bytes(Backend& backend, Address address, std::size_t bytes, std
   write_bytes(backend, address, std::vector<std::uint8_t>(bytes, value));
 }
 
-inline bool all_zero(const std::vector<std::uint8_t>& bytes) {
-  for (std::uint8_t byte : bytes)
-    if (byte != 0) return false;
-  return true;
+/// Keeps `stream` busy for `duration` (a host function ahead of whatever comes next), so
+/// that work enqueued behind it is still pending when the next call returns.
+inline void hold_stream(Backend& backend, Stream stream, std::chrono::microseconds duration) {
+  auto sleep = [duration] { std::this_thread::sleep_for(duration); };
+  if (auto* host = dynamic_cast<HostBackend*>(&backend)) return host->launch_host_function(stream, sleep);
+#ifdef VKV_WITH_CUDA
+  if (auto* cuda = dynamic_cast<CudaBackend*>(&backend)) return cuda->launch_host_function(stream, sleep);
+#endif
 }
 
-/// Forwards every call to a real backend; test adaptors override only what they change.
-class ForwardingBackend : public Backend {
- public:
-  explicit ForwardingBackend(std::shared_ptr<Backend> upstream) : upstream_(std::move(upstream)) {}
+inline bool all_zero(const std::vector<std::uint8_t>& bytes) {
+  // Zero at the front, and every byte equal to the one before it (memcmp is vectorized).
+  return bytes.empty() || (bytes[0] == 0 && std::memcmp(bytes.data(), bytes.data() + 1, bytes.size() - 1) == 0);
+}
 
-  std::string name() const override { return upstream_->name(); }
-  std::size_t page_bytes() const noexcept override { return upstream_->page_bytes(); }
-  std::size_t max_reservation_bytes() const noexcept override { return upstream_->max_reservation_bytes(); }
-  std::size_t available_memory_bytes() const override { return upstream_->available_memory_bytes(); }
-  Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
-  void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
-  PageHandle create_page() override { return upstream_->create_page(); }
-  void release_page(PageHandle page) noexcept override { upstream_->release_page(page); }
-  void map(Address address, const PageHandle* pages, std::size_t count) override {
-    upstream_->map(address, pages, count);
-  }
-  void unmap(Address address, std::size_t bytes) override { upstream_->unmap(address, bytes); }
-  void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
-  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
-    upstream_->copy(destination, source, bytes, stream);
-  }
-  Address allocate_host(std::size_t bytes) override { return upstream_->allocate_host(bytes); }
-  void free_host(Address address, std::size_t bytes) noexcept override { upstream_->free_host(address, bytes); }
-  Event record_event(Stream stream) override { return upstream_->record_event(stream); }
-  bool event_done(Event event) override { return upstream_->event_done(event); }
-  void wait_event(Event event) override { upstream_->wait_event(event); }
-  void stream_wait_event(Stream stream, Event event) override { upstream_->stream_wait_event(stream, event); }
-  void destroy_event(Event event) noexcept override { upstream_->destroy_event(event); }
-  void synchronize(Stream stream) override { upstream_->synchronize(stream); }
-  void synchronize_device() override { upstream_->synchronize_device(); }
-  Stream create_stream() override { return upstream_->create_stream(); }
-  void destroy_stream(Stream stream) noexcept override { upstream_->destroy_stream(stream); }
-
- protected:
-  std::shared_ptr<Backend> upstream_;
-};
+using vkv::ForwardingBackend;
 
 /// Events stay pending until a test completes them (wait_event completes the one waited
 /// for, as a host-side synchronize would). Records, for every unmap, how many events were
@@ -228,6 +212,10 @@ class FaultInjectingBackend final : public ForwardingBackend {
   void unmap(Address address, std::size_t bytes) override {
     maybe_fail("unmap");
     upstream_->unmap(address, bytes);
+  }
+  void back_with_zeros(Address address, std::size_t bytes) override {
+    maybe_fail("back_with_zeros");
+    upstream_->back_with_zeros(address, bytes);
   }
   void zero(Address address, std::size_t bytes, Stream stream) override {
     maybe_fail("zero");
