@@ -180,6 +180,20 @@ void step(KvCache& cache, py::handle seq_lens) {
   cache.step(lengths, stream);
 }
 
+// The fallible half of step(), for vkv.distributed: seq_lens read as step() reads them.
+KvCache::Preparation prepare_step(KvCache& cache, py::handle seq_lens) {
+  const std::vector<std::size_t> lengths = read_seq_lens(seq_lens);
+  const std::uintptr_t stream = current_stream(cache);
+  py::gil_scoped_release release;
+  return cache.prepare_step(lengths.data(), lengths.size(), stream);
+}
+
+KvCache::Preparation prepare_swap_in(KvCache& cache, std::size_t slot) {
+  const std::uintptr_t stream = current_stream(cache);
+  py::gil_scoped_release release;
+  return cache.prepare_swap_in(slot, stream);
+}
+
 py::dict call_stats(const vkv::CallStats& call) {
   py::dict out;
   out["calls"] = call.calls;
@@ -244,6 +258,10 @@ PYBIND11_MODULE(_C, m) {
 
   using py::arg;
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
+  py::class_<KvCache::Preparation>(m, "Preparation")
+      .def_readonly("missing_pages", &KvCache::Preparation::missing_pages)
+      .def_readonly("copied_pages", &KvCache::Preparation::copied_pages)
+      .def_readonly("slot", &KvCache::Preparation::slot);
   py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache")
       .def(py::init(&make_cache), arg("num_layers"), arg("num_kv_heads"), arg("head_dim"), arg("dtype_bytes"),
            arg("max_batch"), arg("max_context"), arg("layout"), arg("layers_per_group"), arg("page_bytes"),
@@ -260,6 +278,11 @@ PYBIND11_MODULE(_C, m) {
       .def("is_swapped", &KvCache::is_swapped, arg("slot"), unlocked)
       .def("set_budget", &KvCache::set_budget, arg("bytes"), unlocked)
       .def("trim", &KvCache::trim, unlocked)
+      .def("prepare_step", &prepare_step, arg("seq_lens"))
+      .def("prepare_swap_in", &prepare_swap_in, arg("slot"))
+      .def("prepare_fork", &KvCache::prepare_fork, arg("src"), unlocked)
+      .def("prepare_share_prefix", &KvCache::prepare_share_prefix, arg("src"), arg("dst"), arg("tokens"), unlocked)
+      .def("prepare_set_budget", &KvCache::prepare_set_budget, arg("bytes"), unlocked)
       .def("stats", &stats)
       .def("view", &view, arg("layer"), arg("value"))
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)

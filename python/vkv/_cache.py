@@ -271,6 +271,29 @@ class KVCache:
         """
         return self._live()._core.trim()
 
+    # -- for vkv.distributed: the part of a call that may fail on one rank only ------
+    # Each does ahead what may go differently on different ranks (running short of
+    # pages, creating or reclaiming them, the mapper thread's error) without changing
+    # anything later calls depend on, and returns the shortage instead of raising it:
+    # a ``_C.Preparation`` (missing_pages, copied_pages, slot). See include/vkv/kv_cache.h.
+
+    def _prepare_step(self, seq_lens: SeqLens) -> _C.Preparation:
+        return self._live()._core.prepare_step(seq_lens)
+
+    def _prepare_swap_in(self, slot: int) -> _C.Preparation:
+        return self._live()._core.prepare_swap_in(self._slot(slot))
+
+    def _prepare_fork(self, src: int) -> _C.Preparation:
+        return self._live()._core.prepare_fork(self._slot(src))
+
+    def _prepare_share_prefix(self, src: int, dst: int, n_tokens: int) -> _C.Preparation:
+        return self._live()._core.prepare_share_prefix(
+            self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0)
+        )
+
+    def _prepare_set_budget(self, memory_budget: int) -> _C.Preparation:
+        return self._live()._core.prepare_set_budget(_expect_count("memory_budget", memory_budget))
+
     # -- inspection ------------------------------------------------------------------
 
     def stats(self) -> Dict[str, Any]:
