@@ -139,9 +139,9 @@ class TensorParallelCache:
         """``KVCache.step(seq_lens)`` on every rank: a shortage on any rank raises
         ``vkv.OutOfMemory`` on all, with the worst shortfall, and changes nothing on any."""
         self._expect_usable()
-        compared: Sequence[int] = ()
-        if self.debug:  # a list only for the comparison: step() itself parses arrays faster
-            compared = [int(n) for n in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
+        if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type != "cpu":
+            seq_lens = seq_lens.cpu()  # once, not in both the preparation and the step
+        compared: Sequence[int] = self._comparable(seq_lens) if self.debug else ()
         _, copies = self._prepare("step", lambda: self.cache._prepare_step(seq_lens), compared)
         _, error = self._commit(lambda: self.cache.step(seq_lens))
         if copies:
@@ -198,6 +198,16 @@ class TensorParallelCache:
 
     def __getattr__(self, name: str) -> Any:  # key(), value(), stats(), ...: the local cache's
         return getattr(self.cache, name)
+
+    def _comparable(self, seq_lens: SeqLens) -> List[int]:
+        """seq_lens as a list of max_batch_size + 1 ints (its length first): the all-reduce
+        needs the same size on every rank, whatever each was given."""
+        size = self.cache.max_batch_size
+        try:
+            values = [int(n) for n in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
+        except (TypeError, ValueError):
+            return [-1] + [0] * size  # step() itself raises the error, on this rank's preparation
+        return [len(values)] + (values + [0] * size)[:size]
 
     # -- the phases -----------------------------------------------------------------------
 
@@ -296,7 +306,7 @@ class TensorParallelCache:
     def _all_reduce(self, missing: int, error: Optional[Exception], flag: bool, compared: Sequence[Any]) -> _Outcome:
         status = [missing, int(error is not None), int(self._diverged is not None), int(flag)]
         for value in compared:
-            value = 0 if value is None else int(value)
+            value = _as_int64(value)
             status += [value, -value]  # MAX of both: the largest and the smallest
         tensor = torch.tensor(status, dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._agreement)
@@ -323,6 +333,15 @@ class TensorParallelCache:
 
 
 _SEVERITY = {"DriverError": 0, "OutOfMemory": 2, "ValueError": 3, "TypeError": 3}  # anything else: 1
+
+
+def _as_int64(value: Any) -> int:
+    """A compared value as an int64; what is none (a failed call's slot) or no int counts as -1."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return -1
+    return number if -(2**62) < number < 2**62 else -1
 
 
 def _describe(error: Optional[Exception]) -> Optional[tuple]:

@@ -179,6 +179,22 @@ def set_budget_one_rank_cannot_honour(rank):
         return short, budget, lowered, budget_pages(cache), after(tp)
 
 
+def fork_and_copy_on_write(rank):
+    """A fork, and a step that copies a shared page (its commit is confirmed): first on
+    both ranks, then failing on rank 1 alone, which breaks both."""
+    with small_cache(memory_budget=64 * HOST_PAGE) as cache:
+        tp = tensor_parallel(cache)
+        a = tp.alloc_reqid()
+        tp.step(seq_lens(cache, {a: 3 * TOKENS_PER_PAGE}))
+        b = tp.fork(a)
+        tp.step(seq_lens(cache, {a: TOKENS_PER_PAGE + 2, b: 3 * TOKENS_PER_PAGE}))  # a rolls back
+        copied = attempt(lambda: tp.step(seq_lens(cache, {a: TOKENS_PER_PAGE + 3, b: 3 * TOKENS_PER_PAGE})))
+        state = logical_state(cache)
+        cache.step = fail_on(rank, 1, cache.step)
+        failed = attempt(lambda: tp.step(seq_lens(cache, {a: 3 * TOKENS_PER_PAGE, b: 3 * TOKENS_PER_PAGE})))
+        return b, copied, state, failed, attempt(tp.trim)
+
+
 def driver_error_while_preparing(rank):
     """Rank 1's driver fails mapping a step's pages: every rank raises, none claimed."""
     with small_cache(memory_budget=64 * HOST_PAGE) as cache:
@@ -263,7 +279,8 @@ def seq_lens_differ_in_debug_mode(rank):
         tp = tensor_parallel(cache, debug=True)
         a = tp.alloc_reqid()
         differ = attempt(lambda: tp.step(seq_lens(cache, {a: 100 + rank})))
-        return differ, after(tp)
+        shorter = attempt(lambda: tp.step([100, 0, 0, 0][:4 - rank]))  # rank 1: 3 entries
+        return differ, shorter, after(tp)
 
 
 def an_nccl_group_gets_a_gloo_group_to_agree_on(rank):
@@ -292,6 +309,7 @@ SCENARIOS = [
     share_prefix_falls_short_on_one_rank,
     swap_in_falls_short_on_one_rank,
     set_budget_one_rank_cannot_honour,
+    fork_and_copy_on_write,
     driver_error_while_preparing,
     driver_error_on_every_rank,
     driver_error_after_agreeing,
@@ -388,6 +406,15 @@ def test_a_budget_one_rank_cannot_honour_is_set_on_no_rank(two_ranks):
 
 
 @needs_distributed
+def test_a_copy_on_write_step_is_confirmed_and_breaks_both_ranks_when_one_fails(two_ranks):
+    b, copied, state, failed, after_failure = same_on_both(two_ranks, "fork_and_copy_on_write")
+    assert b == 1 and copied == ("ok", None)
+    assert state["pages_shared"] == 2 and state["tokens_in_use"] == 4 * TOKENS_PER_PAGE + 3
+    assert failed[0] == "DriverError" and "rank 1" in failed[1] and "refuses every later call" in failed[1]
+    assert after_failure[0] == "RuntimeError" and "broken" in after_failure[1]
+
+
+@needs_distributed
 def test_a_driver_error_while_preparing_raises_on_every_rank_and_changes_nothing(two_ranks):
     failed, (state, order) = same_on_both(two_ranks, "driver_error_while_preparing")
     assert failed[0] == "DriverError" and "rank 1" in failed[1] and "nothing changed" in failed[1]
@@ -440,8 +467,10 @@ def test_ranks_that_disagree_on_a_slot_raise_on_every_rank(two_ranks):
 
 @needs_distributed
 def test_debug_mode_catches_ranks_that_disagree_on_seq_lens(two_ranks):
-    differ, (state, _) = same_on_both(two_ranks, "seq_lens_differ_in_debug_mode")
-    assert differ[0] == "RuntimeError" and "disagree on step" in differ[1] and "[100, 0, 0, 0]" in differ[1]
+    differ, shorter, (state, _) = same_on_both(two_ranks, "seq_lens_differ_in_debug_mode")
+    assert differ[0] == "RuntimeError" and "disagree on step" in differ[1] and "[4, 100, 0, 0, 0]" in differ[1]
+    assert shorter[0] == "ValueError" and "rank 1" in shorter[1] and "3 entries" in shorter[1]
+    assert state["tokens_in_use"] == 0
 
 
 @needs_distributed
