@@ -92,6 +92,9 @@ KvCache::~KvCache() {
     static_cast<void>(read_windows_.release());
     static_cast<void>(new std::shared_ptr<StatisticsBackend>(backend_));
     pool_.abandon();
+    // A thread of the parent may have been waiting on it: destroying the copy would wait
+    // for that waiter forever. A fresh one has none.
+    new (&background_done_) std::condition_variable();
     return;
   }
   stop_background();
@@ -268,6 +271,8 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
   }
   // The work enqueued since the last step() ends its read window here (zero_page).
   if (config_.zero_page) read_windows_->begin_step(stream);
+  // What the iteration's kernels may read in every allocated slot: a padded batch's length.
+  const std::size_t horizon = config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
   // claims[s]: pages per region slot s keeps after this call; free slots claim none.
   std::vector<std::size_t> claims(count, 0);
   std::vector<PageRef> copies;  // shared pages a slot is about to write into
@@ -290,8 +295,10 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
           missing += layout_.num_regions();
         }
       }
-      // The mapper is mapping (or unmapping) pages this slot needs: they are nearly done.
-      if (slot.busy() && claims[s] > slot.busy_from) waits_for_mapper = true;
+      // The mapper is mapping (or unmapping) pages this slot needs, or pages the new
+      // horizon puts in reach of the next iteration's reads: they are nearly done.
+      if (slot.busy() && (claims[s] > slot.busy_from || (slot.allocated && slot.busy_from < horizon)))
+        waits_for_mapper = true;
     }
     if (waits_for_mapper) {
       background_done_.wait(lock);
@@ -310,17 +317,14 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
       background_done_.wait(lock, [&] { return !background_busy(); });
     }
   }
-  std::size_t longest = 0;
   for (std::size_t s = 0; s < count; ++s) {
     Slot& slot = slots_[s];
     if (slot.claimed == 0 && seq_lens[s] > 0)  // a prefill: what the next one may need
       prompt_estimate_ = prompt_estimate_ == 0 ? seq_lens[s] : (3 * prompt_estimate_ + seq_lens[s]) / 4;
     slot.seq_len = seq_lens[s];
     slot.claimed = claims[s];
-    longest = std::max(longest, seq_lens[s]);
   }
-  // What the iteration's kernels may read in every allocated slot: a padded batch's length.
-  if (config_.zero_page) read_windows_->end_step(layout_.pages_for_tokens(longest));
+  if (config_.zero_page) read_windows_->end_step(horizon);
   // A wake-up costs a system call and may put the mapper on this core: only with work.
   if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
   step_stats_.calls += 1;

@@ -171,6 +171,42 @@ class KvCache {
   /// mapper maps ahead again within the budget; set_budget() keeps memory away for good.
   std::size_t trim();
 
+  // ---- agreement between tensor-parallel ranks (kv_cache_prepare.cpp) ----------------
+  // Tensor-parallel ranks (vkv.distributed) must all succeed or all fail at each call,
+  // and stay in the same logical state: slots, seq_lens, claims, the order alloc_reqid()
+  // follows, sharing, budget. A prepare_*() call does, ahead of the call it names, the
+  // part that may go differently on different ranks: running short of pages, creating
+  // or reclaiming them, an error of the mapper thread. It changes nothing the cache's
+  // later decisions depend on: pages it maps lie beyond the slots' claims, as the
+  // mapper's lookahead does, and no slot choice, claim or shortage depends on those. A
+  // shortage is returned, not thrown. When no other thread calls the cache in between,
+  // the call itself then runs short of nothing and creates no page (mapping ahead may
+  // still unmap unclaimed ones to the pool), so it can fail only in a driver call.
+
+  /// What a prepare_*() call found.
+  struct Preparation {
+    std::size_t missing_pages = 0;  ///< the call would throw OutOfMemory for this many; 0 = it will not
+    std::size_t copied_pages = 0;   ///< prepare_step(): shared pages step() will copy (its only backend calls)
+    std::size_t slot = 0;           ///< prepare_fork(): the slot fork() will hand out
+  };
+  /// Maps the pages step(seq_lens) needs, without claiming them, and makes the pages
+  /// its copy-on-write needs free in the pool. After a result with missing_pages and
+  /// copied_pages 0, step(seq_lens) makes no backend call.
+  /// @throws InvalidArgument as step(); DriverError; an error of the mapper thread.
+  Preparation prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream = 0);
+  /// Maps the pages swap_in(slot) needs, without claiming them.
+  /// @throws InvalidArgument as swap_in(); DriverError; an error of the mapper thread.
+  Preparation prepare_swap_in(std::size_t slot, Stream stream = 0);
+  /// The slot fork(src) will hand out; makes the page for its partial copy free in the pool.
+  /// @throws InvalidArgument as fork(); DriverError; an error of the mapper thread.
+  Preparation prepare_fork(std::size_t src);
+  /// Makes the page share_prefix(src, dst, tokens) copies into free in the pool.
+  /// @throws InvalidArgument as share_prefix(); DriverError; an error of the mapper thread.
+  Preparation prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens);
+  /// How far set_budget(bytes) would fall short of what allocated slots claim; changes nothing.
+  /// @throws InvalidArgument as set_budget(); an error of the mapper thread.
+  Preparation prepare_set_budget(std::size_t bytes);
+
   std::size_t num_free_slots() const;
   /// @throws InvalidArgument for a slot out of range.
   bool is_allocated(std::size_t slot) const;
@@ -268,6 +304,7 @@ class KvCache {
   void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
   void zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream);
   void wait_free_event(Slot& slot);
+  std::size_t obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens);
 
   // Pages mapped at more than one address: how many. A page absent here is mapped once.
   bool is_shared(PageHandle page) const { return shares_.count(page) != 0; }

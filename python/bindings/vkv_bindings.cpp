@@ -49,7 +49,7 @@ std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_h
                                     std::size_t page_bytes, const std::string& device, std::size_t budget_bytes,
                                     std::size_t precreate_pages, bool background_mapping,
                                     std::size_t lookahead_tokens, std::size_t eager_tokens,
-                                    bool deferred_reclamation, std::size_t reclaim_watermark_pages) {
+                                    bool deferred_reclamation, std::size_t reclaim_watermark_pages, bool zero_page) {
   vkv::CacheConfig config;
   config.num_layers = num_layers;
   config.num_kv_heads = num_kv_heads;
@@ -68,6 +68,7 @@ std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_h
   config.eager_tokens = eager_tokens;
   config.deferred_reclamation = deferred_reclamation;
   config.reclaim_watermark_pages = reclaim_watermark_pages;
+  config.zero_page = zero_page;
   py::gil_scoped_release release;
   return std::make_shared<KvCache>(config);
 }
@@ -180,6 +181,20 @@ void step(KvCache& cache, py::handle seq_lens) {
   cache.step(lengths, stream);
 }
 
+// The fallible half of step(), for vkv.distributed: seq_lens read as step() reads them.
+KvCache::Preparation prepare_step(KvCache& cache, py::handle seq_lens) {
+  const std::vector<std::size_t> lengths = read_seq_lens(seq_lens);
+  const std::uintptr_t stream = current_stream(cache);
+  py::gil_scoped_release release;
+  return cache.prepare_step(lengths.data(), lengths.size(), stream);
+}
+
+KvCache::Preparation prepare_swap_in(KvCache& cache, std::size_t slot) {
+  const std::uintptr_t stream = current_stream(cache);
+  py::gil_scoped_release release;
+  return cache.prepare_swap_in(slot, stream);
+}
+
 py::dict call_stats(const vkv::CallStats& call) {
   py::dict out;
   out["calls"] = call.calls;
@@ -204,6 +219,7 @@ py::dict stats(const KvCache& cache) {
   out["pages_mapped"] = stats.pages_mapped;
   out["pages_in_use"] = stats.pages_in_use;
   out["pages_cached"] = stats.pages_cached;
+  out["pages_in_reach"] = stats.pages_in_reach;
   out["bytes_mapped"] = stats.bytes_mapped();
   out["bytes_in_use"] = stats.bytes_in_use();
   out["pages_shared"] = stats.pages_shared;
@@ -220,6 +236,7 @@ py::dict stats(const KvCache& cache) {
   backend["release"] = call_stats(stats.backend.release);
   backend["map"] = call_stats(stats.backend.map);
   backend["unmap"] = call_stats(stats.backend.unmap);
+  backend["zero_backing"] = call_stats(stats.backend.zero_backing);
   backend["zero"] = call_stats(stats.backend.zero);
   backend["copy"] = call_stats(stats.backend.copy);
   backend["event"] = call_stats(stats.backend.event);
@@ -244,11 +261,16 @@ PYBIND11_MODULE(_C, m) {
 
   using py::arg;
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
+  py::class_<KvCache::Preparation>(m, "Preparation")
+      .def_readonly("missing_pages", &KvCache::Preparation::missing_pages)
+      .def_readonly("copied_pages", &KvCache::Preparation::copied_pages)
+      .def_readonly("slot", &KvCache::Preparation::slot);
   py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache")
       .def(py::init(&make_cache), arg("num_layers"), arg("num_kv_heads"), arg("head_dim"), arg("dtype_bytes"),
            arg("max_batch"), arg("max_context"), arg("layout"), arg("layers_per_group"), arg("page_bytes"),
            arg("device"), arg("budget_bytes"), arg("precreate_pages"), arg("background_mapping"),
-           arg("lookahead_tokens"), arg("eager_tokens"), arg("deferred_reclamation"), arg("reclaim_watermark_pages"))
+           arg("lookahead_tokens"), arg("eager_tokens"), arg("deferred_reclamation"), arg("reclaim_watermark_pages"),
+           arg("zero_page"))
       .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
       .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
       .def("step", &step, arg("seq_lens"))
@@ -260,6 +282,11 @@ PYBIND11_MODULE(_C, m) {
       .def("is_swapped", &KvCache::is_swapped, arg("slot"), unlocked)
       .def("set_budget", &KvCache::set_budget, arg("bytes"), unlocked)
       .def("trim", &KvCache::trim, unlocked)
+      .def("prepare_step", &prepare_step, arg("seq_lens"))
+      .def("prepare_swap_in", &prepare_swap_in, arg("slot"))
+      .def("prepare_fork", &KvCache::prepare_fork, arg("src"), unlocked)
+      .def("prepare_share_prefix", &KvCache::prepare_share_prefix, arg("src"), arg("dst"), arg("tokens"), unlocked)
+      .def("prepare_set_budget", &KvCache::prepare_set_budget, arg("bytes"), unlocked)
       .def("stats", &stats)
       .def("view", &view, arg("layer"), arg("value"))
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)
@@ -267,7 +294,10 @@ PYBIND11_MODULE(_C, m) {
       .def("check_invariants", &KvCache::check_invariants, unlocked)
       .def("map_ahead_now", &KvCache::map_ahead_now, unlocked)
       .def("stop_background", &KvCache::stop_background, unlocked)
-      .def_property_readonly("num_free_slots", &KvCache::num_free_slots)
+      .def_property_readonly("num_free_slots", [](const KvCache& cache) {
+        py::gil_scoped_release release;  // it takes the cache's lock, which a slow call may hold
+        return cache.num_free_slots();
+      })
       .def_property_readonly("base", &KvCache::base)
       .def_property_readonly("backend_name", [](const KvCache& cache) { return cache.backend().name(); })
       .def_property_readonly("page_bytes", [](const KvCache& cache) { return cache.layout().page_bytes(); })

@@ -46,9 +46,14 @@ class KVCache:
     ``key(layer)`` and ``value(layer)`` are ordinary tensors of shape
     ``[max_batch_size, max_context_len, num_kv_heads, head_dim]`` (strided views of one
     buffer in the interleaved layout). Their addresses never change; ``step()`` backs
-    with physical pages exactly the tokens the next iteration touches. Reading beyond a
-    slot's seq_len reads memory that may not be mapped: on a GPU that is an
-    illegal-address fault, as with any out-of-bounds access.
+    with physical pages exactly the tokens the next iteration touches.
+
+    Everything else reads as zeros (``zero_page=True``, the default): a padded batch,
+    ``k[slots, :n]`` with ``n`` the longest request, reads zeros beyond the shorter ones,
+    and printing a tensor works. Writes beyond what ``step()`` backed still fault. The
+    rule that keeps this safe while pages come and go: the kernels enqueued after a
+    ``step()`` read no slot beyond the largest seq_len of that step (other reads must be
+    synchronous, like ``print``).
 
     Device work (zero-fill of freed and fresh pages) is enqueued on
     ``torch.cuda.current_stream()`` of the cache's device at the time of each call.
@@ -82,6 +87,7 @@ class KVCache:
         eager_tokens: Optional[int] = None,
         deferred_reclamation: bool = True,
         reclaim_watermark_pages: int = 0,
+        zero_page: bool = True,
     ) -> None:
         """Reserve the cache's virtual memory and build its tensors.
 
@@ -103,6 +109,9 @@ class KVCache:
                 free_reqid() waits for the device and returns them to the driver.
             reclaim_watermark_pages: the mapper unmaps freed slots' pages into the pool while
                 fewer pages than this are free; 0 = budget / 32.
+            zero_page: pages no step() backed read as zeros (one shared read-only page is
+                mapped there), so padded batches may read beyond a slot's seq_len. Off:
+                such reads touch unmapped memory (a fault). Costs: docs/api.md.
 
         Raises:
             ValueError: a bad argument, or more virtual memory than the backend can reserve.
@@ -140,6 +149,7 @@ class KVCache:
             eager_tokens=_C.ADAPTIVE if eager_tokens is None else _expect_count("eager_tokens", eager_tokens, 0),
             deferred_reclamation=bool(deferred_reclamation),
             reclaim_watermark_pages=_expect_count("reclaim_watermark_pages", reclaim_watermark_pages, 0),
+            zero_page=bool(zero_page),
         )
         whole = _C.reservation_tensor(self._core, str(self.device)).view(dtype)
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
@@ -270,6 +280,29 @@ class KVCache:
         to keep memory away.
         """
         return self._live()._core.trim()
+
+    # -- for vkv.distributed: the part of a call that may fail on one rank only ------
+    # Each does ahead what may go differently on different ranks (running short of
+    # pages, creating or reclaiming them, the mapper thread's error) without changing
+    # anything later calls depend on, and returns the shortage instead of raising it:
+    # a ``_C.Preparation`` (missing_pages, copied_pages, slot). See include/vkv/kv_cache.h.
+
+    def _prepare_step(self, seq_lens: SeqLens) -> _C.Preparation:
+        return self._live()._core.prepare_step(seq_lens)
+
+    def _prepare_swap_in(self, slot: int) -> _C.Preparation:
+        return self._live()._core.prepare_swap_in(self._slot(slot))
+
+    def _prepare_fork(self, src: int) -> _C.Preparation:
+        return self._live()._core.prepare_fork(self._slot(src))
+
+    def _prepare_share_prefix(self, src: int, dst: int, n_tokens: int) -> _C.Preparation:
+        return self._live()._core.prepare_share_prefix(
+            self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0)
+        )
+
+    def _prepare_set_budget(self, memory_budget: int) -> _C.Preparation:
+        return self._live()._core.prepare_set_budget(_expect_count("memory_budget", memory_budget))
 
     # -- inspection ------------------------------------------------------------------
 

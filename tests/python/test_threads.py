@@ -63,3 +63,41 @@ def test_an_engine_thread_and_a_memory_controller_thread_share_one_cache():
         cache.check_invariants()
         keys = cache.key(0)
         assert keys.dtype == torch.float16
+
+
+def test_a_thread_blocked_on_the_cache_lock_does_not_hold_the_gil(monkeypatch):
+    """Thread A holds the cache's lock while it waits on the host for the device (freeing
+    a slot without deferred reclamation waits for its zero-fill); thread B then calls a
+    binding that needs the lock. Neither may stall the other Python threads."""
+    import time
+
+    monkeypatch.setenv("VKV_HOST_EXECUTION", "deferred")  # zero-fills run later, like a GPU stream's
+    with vkv.KVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float32, max_batch_size=2,
+                     max_context_len=65536, device="cpu", background_mapping=False,
+                     deferred_reclamation=False) as cache:
+        slot = cache.alloc_reqid()
+        cache.step([65536 if s == slot else 0 for s in range(2)])  # 512 MiB of zero-fill queued
+        times = {}
+
+        def holder():
+            times["a_start"] = time.perf_counter()
+            cache.free_reqid(slot)  # inside the lock until the worker thread zero-filled 512 MiB
+            times["a_end"] = time.perf_counter()
+
+        def waiter():
+            times["b_start"] = time.perf_counter()
+            _ = cache.num_free_slots  # blocks on the lock held by the holder
+            times["b_end"] = time.perf_counter()
+
+        a = threading.Thread(target=holder)
+        b = threading.Thread(target=waiter)
+        a.start()
+        time.sleep(0.002)
+        b.start()
+        spins = 0
+        while b.is_alive():  # this thread must keep running while B waits
+            spins += 1
+        a.join()
+        b.join()
+        assert times["a_end"] - times["a_start"] > 0.01, "the lock was not held long enough to tell"
+        assert spins > 1000, f"the main thread ran only {spins} loop iterations while B waited for the lock"

@@ -5,8 +5,8 @@
 
 Rank 0 first serves the trace alone with the whole model (the reference); then every
 rank serves it with its share of the heads, its cache driven through
-``vkv.distributed.TensorParallelCache`` (shortages agreed by all-reduce, slot ids and
-seq_lens checked across ranks). Reports whether the generated tokens match the
+``vkv.distributed.TensorParallelCache`` (every call agreed by all-reduce: a shortage or
+failure on one rank raises on all; slot ids and, in debug mode, seq_lens compared). Reports whether the generated tokens match the
 reference and each rank's step() latency.
 """
 

@@ -1,0 +1,226 @@
+// KvCache: the part of a call that may go differently on different tensor-parallel
+// ranks, done ahead of the call (see "agreement between tensor-parallel ranks" in
+// kv_cache.h). vkv.distributed prepares on every rank, agrees, then makes the call on
+// every rank or on none.
+//
+// Preparing may map, create and unmap pages, but only beyond the slots' claims: the
+// state every later decision depends on (which slots are allocated, their seq_lens and
+// claims, what they kept when freed, which pages they share, the budget) is untouched.
+// A shortage is returned, not thrown, and a failed preparation leaves no trace but
+// pages mapped ahead.
+//
+// step(), swap_in(), fork() and share_prefix() plan the same way as below; the checks
+// repeat theirs with the same messages, so that a bad argument fails before agreement.
+#include <algorithm>
+#include <chrono>
+#include <unordered_map>
+
+#include "read_windows.h"
+#include "undo_log.h"
+#include "vkv/error.h"
+#include "vkv/kv_cache.h"
+
+namespace vkv {
+
+KvCache::Preparation KvCache::prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
+  const auto start = std::chrono::steady_clock::now();
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch = ", slots_.size(),
+              " (0 for slots not in use)");
+  VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
+  for (std::size_t s = 0; s < count; ++s) {
+    VKV_EXPECTS(seq_lens[s] <= config_.max_context, "seq_lens[", s, "] = ", seq_lens[s], " exceeds max_context = ",
+                config_.max_context);
+    VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
+                " is not allocated (alloc_reqid() first)");
+    VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
+                " is swapped out (swap_in() first, or give it 0)");
+  }
+  const std::size_t regions = layout_.num_regions();
+  if (config_.zero_page) read_windows_->close_current(stream);  // mapping may wait for in-flight reads
+  std::vector<std::size_t> claims(count, 0);  // what step() will claim
+  std::unordered_map<PageHandle, std::size_t> copies_of;
+  for (;;) {
+    std::size_t to_map = 0;
+    std::size_t to_copy = 0;
+    bool waits_for_mapper = false;
+    copies_of.clear();
+    for (std::size_t s = 0; s < count; ++s) {
+      const Slot& slot = slots_[s];
+      claims[s] = std::max(slot.claimed, layout_.pages_for_tokens(seq_lens[s]));
+      if (claims[s] > slot.mapped()) to_map += (claims[s] - slot.mapped()) * regions;
+      if (!shares_.empty() && seq_lens[s] > slot.seq_len) {
+        const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
+        for (std::size_t page = slot.seq_len * layout_.token_bytes() / layout_.page_bytes(); page < end; ++page) {
+          const auto share = shares_.find(slot.pages.front()[page]);
+          if (share == shares_.end() || copies_of[share->first]++ == share->second - 1) continue;
+          to_copy += regions;
+        }
+      }
+      if (slot.busy() && claims[s] > slot.busy_from) waits_for_mapper = true;
+    }
+    if (waits_for_mapper) {
+      background_done_.wait(lock);
+      continue;
+    }
+    Preparation plan;
+    plan.copied_pages = to_copy / regions;
+    const std::size_t missing = to_map + to_copy;
+    if (missing == 0) return plan;
+    const std::size_t obtainable = obtainable_pages(claims);
+    if (missing <= obtainable) {
+      try {
+        detail::UndoLog undo(stream_waiter(stream));
+        if (to_map > 0) map_missing(claims, {}, to_map, stream, undo, "step");
+        // The copies' pages wait in the pool: step() takes them without creating any.
+        if (to_copy > 0)
+          for (const Page& page : obtain_pages(to_copy, claims)) pool_.give_back(page);
+        undo.commit();
+        step_stats_.units += to_map;
+        step_stats_.nanoseconds += static_cast<std::uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+        return plan;
+      } catch (const OutOfMemory& error) {  // the device, not the budget, ran out
+        if (!background_busy()) {
+          plan.missing_pages = std::max<std::size_t>(error.missing_pages(), 1);
+          return plan;
+        }
+      }
+    } else if (!background_busy()) {
+      plan.missing_pages = missing - obtainable;
+      return plan;
+    }
+    // Pages the mapper is moving are not lost: decide once it has put them down.
+    background_done_.wait(lock, [&] { return !background_busy(); });
+  }
+}
+
+KvCache::Preparation KvCache::prepare_swap_in(std::size_t slot_index, Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  expect_slot_in_range(slot_index);
+  const std::size_t regions = layout_.num_regions();
+  if (config_.zero_page) read_windows_->close_current(stream);  // mapping may wait for in-flight reads
+  for (;;) {
+    const Slot& slot = slots_[slot_index];
+    VKV_EXPECTS(slot.allocated && slot.swapped, "swap_in: slot ", slot_index, " is not swapped out");
+    if (slot.busy()) {
+      wait_not_busy(lock, slot_index);
+      continue;
+    }
+    std::vector<std::size_t> claims = current_claims();
+    claims[slot_index] = layout_.pages_for_tokens(swapped_tokens(slot));
+    Preparation plan;
+    const std::size_t missing = claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * regions : 0;
+    if (missing == 0) return plan;
+    const std::size_t obtainable = obtainable_pages(claims);
+    if (missing <= obtainable) {
+      try {
+        detail::UndoLog undo(stream_waiter(stream));
+        map_missing(claims, {}, missing, stream, undo, "swap_in");
+        undo.commit();
+        return plan;
+      } catch (const OutOfMemory& error) {
+        if (!background_busy()) {
+          plan.missing_pages = std::max<std::size_t>(error.missing_pages(), 1);
+          return plan;
+        }
+      }
+    } else if (!background_busy()) {
+      plan.missing_pages = missing - obtainable;
+      return plan;
+    }
+    background_done_.wait(lock, [&] { return !background_busy(); });
+  }
+}
+
+KvCache::Preparation KvCache::prepare_fork(std::size_t src) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  expect_slot_in_range(src);
+  for (;;) {
+    VKV_EXPECTS(slots_[src].allocated, "fork: slot ", src, " is not allocated");
+    VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
+    Preparation plan;
+    plan.slot = next_alloc_slot();
+    VKV_EXPECTS(plan.slot < slots_.size(), "no free slot: all max_batch = ", slots_.size(),
+                " slots are allocated (free_reqid one first)");
+    if (slots_[plan.slot].busy()) {
+      wait_not_busy(lock, plan.slot);
+      continue;
+    }
+    plan.missing_pages = obtain_partial_page(lock, plan.slot, slots_[src].seq_len);
+    return plan;
+  }
+}
+
+KvCache::Preparation KvCache::prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  expect_slot_in_range(src);
+  expect_slot_in_range(dst);
+  for (;;) {
+    VKV_EXPECTS(src != dst, "share_prefix: src and dst are both slot ", src);
+    for (std::size_t slot : {src, dst}) {
+      VKV_EXPECTS(slots_[slot].allocated, "share_prefix: slot ", slot, " is not allocated");
+      VKV_EXPECTS(!slots_[slot].swapped, "share_prefix: slot ", slot, " is swapped out (swap_in() first)");
+    }
+    VKV_EXPECTS(tokens <= slots_[src].seq_len, "share_prefix: tokens = ", tokens, " exceeds src slot ", src,
+                "'s seq_len = ", slots_[src].seq_len);
+    VKV_EXPECTS(slots_[dst].claimed == 0, "share_prefix: dst slot ", dst, " already holds tokens (seq_len ",
+                slots_[dst].seq_len, "); share into a slot fresh from alloc_reqid()");
+    if (slots_[dst].busy()) {
+      wait_not_busy(lock, dst);
+      continue;
+    }
+    Preparation plan;
+    plan.missing_pages = obtain_partial_page(lock, dst, tokens);
+    return plan;
+  }
+}
+
+KvCache::Preparation KvCache::prepare_set_budget(std::size_t bytes) {
+  rethrow_background_error();
+  const std::size_t page = layout_.page_bytes();
+  VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t in_use = 0;  // as set_budget() counts: claims, and pages work in flight may read
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    in_use += std::min(slots_[s].mapped(), first_reclaimable_without_waiting(s)) * layout_.num_regions();
+  in_use -= duplicate_mappings();  // shared pages lie below their slots' claims
+  Preparation plan;
+  plan.missing_pages = in_use > bytes / page ? in_use - bytes / page : 0;
+  return plan;
+}
+
+// Sharing `tokens` tokens into dst copies a partly filled page into a page of dst's
+// own: one it keeps mapped there, or a fresh one per region. Makes the fresh ones free
+// in the pool (created, or unmapped from where no slot claims them); returns the
+// shortfall.
+std::size_t KvCache::obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens) {
+  const std::size_t page = layout_.page_bytes();
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t shared_bytes = tokens * layout_.token_bytes();
+  if (shared_bytes % page == 0) return 0;
+  for (;;) {
+    if (slots_[dst].mapped() > shared_bytes / page) return 0;
+    // No stream to wait on here: pages work in flight may read stay where they are.
+    std::vector<std::size_t> claims(slots_.size());
+    for (std::size_t s = 0; s < slots_.size(); ++s) claims[s] = first_reclaimable_without_waiting(s);
+    const std::size_t obtainable = obtainable_pages(claims);
+    if (obtainable >= regions) {
+      try {
+        for (const Page& fresh : obtain_pages(regions, claims)) pool_.give_back(fresh);
+        return 0;
+      } catch (const OutOfMemory& error) {
+        if (!background_busy()) return std::max<std::size_t>(error.missing_pages(), 1);
+      }
+    } else if (!background_busy()) {
+      return regions - obtainable;
+    }
+    background_done_.wait(lock, [&] { return !background_busy(); });
+  }
+}
+
+}  // namespace vkv

@@ -1,0 +1,109 @@
+"""Reading beyond a slot's tokens: every page no step() backed reads as zeros, so padded
+batches and print() work on the CPU and on the GPU; writes there still fault."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vkv
+from conftest import HOST_PAGE, small_cache
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter: a fault kills that process, not the test run."""
+    import os
+
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+def test_printing_a_fresh_cache_shows_zeros():
+    result = run_python("""
+        import torch, vkv
+        with vkv.KVCache(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, max_batch_size=4,
+                         max_context_len=1024, device="cpu") as cache:
+            print(cache.key(0))
+            print(float(cache.value(1).abs().sum()))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "tensor(" in result.stdout and result.stdout.strip().endswith("0.0")
+
+
+def test_a_write_beyond_what_step_backed_is_a_fault_not_silent_corruption():
+    result = run_python("""
+        import torch, vkv
+        cache = vkv.KVCache(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, max_batch_size=2,
+                            max_context_len=65536, device="cpu", background_mapping=False)
+        slot = cache.alloc_reqid()
+        cache.step([1 if s == slot else 0 for s in range(2)])
+        cache.key(0)[slot, 60000] = 1.0   # far beyond the one backed token
+        print("wrote")
+    """)
+    assert result.returncode != 0 and "wrote" not in result.stdout
+
+
+def padded_attention(device, layout, lens, dtype):
+    """A decode step over requests of different lengths, as the README does it: SDPA over
+    k[slots, :n] with a padding mask. Returns (output on vkv, output on plain zero-padded
+    copies of the same tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 64
+    with small_cache(device, layout, dtype=dtype, num_kv_heads=kv_heads, head_dim=dim,
+                     max_context_len=4096 if device == "cpu" else 32768) as cache:
+        slots = [cache.alloc_reqid() for _ in lens]
+        seq_lens = [0] * cache.max_batch_size
+        for slot, n in zip(slots, lens):
+            seq_lens[slot] = n
+        cache.step(seq_lens)
+        n = max(lens)
+        plain_k = torch.zeros(len(lens), n, kv_heads, dim, dtype=dtype)
+        plain_v = torch.zeros_like(plain_k)
+        for row, (slot, length) in enumerate(zip(slots, lens)):
+            plain_k[row, :length] = torch.randn(length, kv_heads, dim, generator=generator).to(dtype)
+            plain_v[row, :length] = torch.randn(length, kv_heads, dim, generator=generator).to(dtype)
+            cache.key(1)[slot, :length] = plain_k[row, :length].to(device)
+            cache.value(1)[slot, :length] = plain_v[row, :length].to(device)
+        q = torch.randn(len(lens), heads, 1, dim, generator=generator).to(dtype).to(device)
+        mask = (torch.arange(n) < torch.tensor(lens)[:, None])[:, None, None, :].to(device)
+        k = cache.key(1)[slots, :n].transpose(1, 2)  # reads zero-backed pages past the shorter requests
+        v = cache.value(1)[slots, :n].transpose(1, 2)
+        assert torch.count_nonzero(k[0, :, lens[0]:]) == 0, "beyond a request's tokens reads other than zeros"
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q, plain_k.to(device).transpose(1, 2), plain_v.to(device).transpose(1, 2),
+                                             attn_mask=mask, enable_gqa=True)
+        for slot in slots:
+            cache.free_reqid(slot)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out.cpu(), ref.cpu()
+
+
+@pytest.mark.parametrize("lens", [[300, 1000], [5, 2000, 70]])
+def test_a_padded_batch_reads_zeros_beyond_each_request_and_matches_sdpa_with_a_mask(device, layout, lens):
+    out, ref = padded_attention(device, layout, lens, torch.float32 if device == "cpu" else torch.bfloat16)
+    assert torch.equal(out, ref)
+
+
+def test_the_readme_example_runs_as_written():
+    """The README's Python snippet (requests of different lengths, a padded batch)."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"## Using it from Python.*?```python\n(.*?)```", readme, re.S).group(1)
+    result = run_python(block)
+    assert result.returncode == 0, result.stderr
+    assert "same as SDPA over padded copies: True" in result.stdout, result.stdout
+
+
+def test_stats_count_zero_backing_and_pages_in_reach():
+    with small_cache(memory_budget=64 * HOST_PAGE) as cache:
+        stats = cache.stats()
+        assert stats["backend"]["zero_backing"]["units"] > 0
+        assert stats["pages_in_reach"] == 0
+    with small_cache(zero_page=False) as cache:
+        assert cache.stats()["backend"]["zero_backing"]["calls"] == 0
