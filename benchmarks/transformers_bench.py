@@ -1,0 +1,163 @@
+"""transformers generate() with vkv's VkvCache vs DynamicCache and StaticCache.
+
+A Llama-3-8B-shaped model (hidden 4096, 32 query / 8 KV heads of 128, vocab 128256) with
+few layers and seeded random weights, in bf16; left-padded batches of prompts of 256-512
+tokens (--quick: a tiny model, short prompts). For each batch size: greedy tokens/s of
+generate() with each cache (eager: StaticCache is not compiled, as VkvCache is not), and
+the fraction of generated tokens identical to DynamicCache's (StaticCache's fraction is
+bf16's own noise floor: it changes the attention's shapes, not its math).
+
+  python benchmarks/transformers_bench.py [--device cuda] [--layers 4] [--batches 1 8 32]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from common import argument_parser, device_tag, machine, progress, progress_bar, write_json
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if args.quick:
+        config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers,
+                             num_attention_heads=8, num_key_value_heads=2, pad_token_id=0)
+    else:  # Llama-3-8B's layer shape
+        config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
+                             head_dim=128, max_position_embeddings=8192, rope_theta=500000.0, pad_token_id=0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # every row generates max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(batch, low, high, vocab, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (batch,), generator=generator)
+    ids = torch.randint(1, vocab, (batch, high), generator=generator)
+    mask = (torch.arange(high).unsqueeze(0) >= high - lengths.unsqueeze(1)).long()  # left padding
+    ids[mask == 0] = 0
+    return ids.to(device), mask.to(device)
+
+
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_generate(model, ids, mask, new_tokens, cache_kind, args):
+    from vkv.integrations.transformers import VkvCache
+
+    options = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    cache = None
+    if cache_kind == "static":
+        options.update(cache_implementation="static", disable_compile=True)
+    elif cache_kind.startswith("vkv"):
+        layout = cache_kind.split("_", 1)[1]
+        cache = VkvCache.from_model(model, max_batch_size=ids.shape[0], max_context_len=ids.shape[1] + new_tokens,
+                                    layout=layout)
+        options["past_key_values"] = cache
+    synchronize(args.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        tokens = model.generate(ids, **options)
+    synchronize(args.device)
+    seconds = time.perf_counter() - start
+    extra = {}
+    if cache is not None:
+        stats = cache.kv_cache.stats()
+        extra = {"vkv_bytes_mapped": stats["bytes_mapped"], "vkv_bytes_in_use": stats["bytes_in_use"],
+                 "copies_history": cache.copies_history}
+        cache.close()
+    return tokens[:, ids.shape[1]:], seconds, extra
+
+
+def main():
+    parser = argument_parser(__doc__, ["generate"])
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (Llama-3-8B has 32)")
+    parser.add_argument("--batches", type=int, nargs="*", help="batch sizes (default: 1 8 32)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cache and batch size (median)")
+    args = parser.parse_args()
+    batches = args.batches or ((1, 4) if args.quick else (1, 8, 32))
+    low, high = (16, 32) if args.quick else (256, 512)
+    new_tokens = 16 if args.quick else args.new_tokens
+    kinds = ["dynamic", "static", "vkv_interleaved", "vkv_per_layer"]
+
+    model = build_model(args)
+    progress(f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
+             f"{model.dtype} on {args.device}")
+    rows = []
+    cases = [(batch, kind) for batch in batches for kind in kinds]
+    reference = {}
+    for batch, kind in progress_bar(cases, "generate"):
+        ids, mask = prompts(batch, low, high, model.config.vocab_size, args.device, seed=batch)
+        run_generate(model, ids, mask, 4, kind, args)  # warm-up: kernels, allocator, vkv pages
+        times, tokens, extra = [], None, {}
+        for _ in range(args.repeats):
+            tokens, seconds, extra = run_generate(model, ids, mask, new_tokens, kind, args)
+            times.append(seconds)
+        seconds = float(np.median(times))
+        if kind == "dynamic":
+            reference[batch] = tokens
+        same = (tokens == reference[batch]).float()
+        row = {"batch": batch, "cache": kind, "new_tokens": new_tokens, "prompt_tokens": [low, high],
+               "seconds": seconds, "seconds_all": times, "tokens_per_s": batch * new_tokens / seconds,
+               "identical_fraction": float(same.mean()),
+               "rows_identical": int(same.all(dim=1).sum()),
+               "first_divergence": [int(r.argmin()) if not r.all() else None for r in same.bool()], **extra}
+        if args.device == "cuda":
+            row["torch_peak_bytes"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        rows.append(row)
+        progress(f"B={batch} {kind:<16} {row['tokens_per_s']:9.1f} tok/s  identical to DynamicCache: "
+                 f"{100 * row['identical_fraction']:.1f}% ({row['rows_identical']}/{batch} rows)")
+    for batch in batches:
+        base = next(r for r in rows if r["batch"] == batch and r["cache"] == "dynamic")["tokens_per_s"]
+        for row in rows:
+            if row["batch"] == batch:
+                row["speed_vs_dynamic"] = row["tokens_per_s"] / base
+    results = {"machine": machine(args.device), "model": {"layers": args.layers, "shape": "tiny" if args.quick else
+               "llama-3-8b", "dtype": str(model.dtype)}, "rows": rows}
+    path = os.path.join(args.out, f"transformers_{device_tag(args.device)}{'_quick' if args.quick else ''}.json")
+    write_json(results, path)
+    plot(results, path.replace(".json", ".png"))
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib not installed: no plot")
+        return
+    rows = results["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    kinds = list(dict.fromkeys(r["cache"] for r in rows))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(kinds)
+    for k, kind in enumerate(kinds):
+        values = [next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["cache"] == kind) for b in batches]
+        axis.bar(np.arange(len(batches)) + k * width, values, width, label=kind)
+    axis.set_xticks(np.arange(len(batches)) + width * (len(kinds) - 1) / 2, [f"batch {b}" for b in batches])
+    axis.set_ylabel("generated tokens / s")
+    axis.set_title(f"transformers generate(), {results['model']['shape']} x{results['model']['layers']} layers, "
+                   f"{results['machine'].get('gpu', 'cpu')}", fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    progress(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
