@@ -33,7 +33,9 @@ def build_model(args):
                              num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
                              head_dim=128, max_position_embeddings=8192, rope_theta=500000.0, pad_token_id=0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    with torch.device(args.device):  # random initialization on the GPU: seconds, not a minute
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # every row generates max_new_tokens
     model.generation_config.pad_token_id = 0
     return model

@@ -279,9 +279,12 @@ def step_async(seq_lens: Sequence[int]) -> None:
 def _step(cache: KVCache, seq_lens: Sequence[int], call: str) -> None:
     try:
         cache.step(seq_lens)
-    except OutOfMemory:
+    except OutOfMemory as shortage:
         logger.info("%s: out of memory; %s", call, _allocator_state(cache, _current()))
-        raise
+        raise OutOfMemory(
+            f"{call}: the KV memory budget cannot back these seq_lens: {shortage.missing_pages} more pages of "
+            f"{cache.page_size} bytes are needed (nothing changed); free_batch_idx() or preempt requests, or "
+            f"reserve_physical_pages() more. ({shortage})", shortage.missing_pages, shortage.missing_bytes) from shortage
     except ValueError as error:
         reason = _explain_seq_lens(cache, seq_lens)
         if reason is None:

@@ -263,6 +263,9 @@ def test_errors_speak_transformers_names():
     with vkv_cache(model, max_context_len=20) as cache:
         with pytest.raises(ValueError, match="max_context_len = 20"):
             generate(model, ids, mask, cache, max_new_tokens=16)
+    with vkv_cache(model, page_size=4096, memory_budget=4 * 4096) as cache:  # 8 tokens a page, 3 rows
+        with pytest.raises(vkv.OutOfMemory, match="cannot back 3 rows of 12 tokens: 2 more pages"):
+            generate(model, ids, mask, cache)
     with vkv_cache(model, max_batch_size=2) as cache:
         with pytest.raises(ValueError, match="the batch has 3 rows but the vkv.KVCache has 2 free slots"):
             generate(model, ids, mask, cache)

@@ -302,7 +302,7 @@ def test_a_shortage_raises_out_of_memory_and_changes_nothing():
     a, b = vattention.alloc_new_batch_idx(10), vattention.alloc_new_batch_idx(10)
     lens = [0] * 4
     lens[a] = lens[b] = 10
-    with pytest.raises(vkv.OutOfMemory) as shortage:
+    with pytest.raises(vkv.OutOfMemory, match=r"step_async: .* free_batch_idx\(\) or preempt") as shortage:
         vattention.step_async(lens)
     assert shortage.value.missing_pages == 4
     assert vattention.num_free_kvblocks() == 1

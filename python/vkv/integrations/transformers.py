@@ -35,6 +35,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     raise ImportError("vkv.integrations.transformers needs transformers >= 5: pip install 'transformers>=5'") from error
 
 from .._cache import KVCache
+from .._errors import OutOfMemory
 
 if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
     raise ImportError(f"vkv.integrations.transformers needs transformers >= 5, found {transformers.__version__}")
@@ -259,7 +260,13 @@ class VkvCache(Cache):
         if tokens > self.kv_cache.max_context_len:
             raise ValueError(f"the rows would hold {tokens} tokens but the vkv.KVCache has "
                              f"max_context_len = {self.kv_cache.max_context_len}")
-        self.kv_cache.step({slot: tokens for slot in self._slots})
+        try:
+            self.kv_cache.step({slot: tokens for slot in self._slots})
+        except OutOfMemory as shortage:
+            raise OutOfMemory(
+                f"the vkv.KVCache's memory_budget cannot back {len(self._slots)} rows of {tokens} tokens: "
+                f"{shortage.missing_pages} more pages are needed (nothing changed); reset() finished generations "
+                f"or raise memory_budget. ({shortage})", shortage.missing_pages, shortage.missing_bytes) from shortage
         self._stepped = tokens
 
     def _release_slots(self) -> None:
