@@ -55,10 +55,12 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def run_generate(model, ids, mask, new_tokens, cache_kind, args):
+def run_generate(model, ids, mask, new_tokens, cache_kind, args, scores=False):
     from vkv.integrations.transformers import VkvCache
 
     options = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    if scores:  # the reference's top-2 logits per step: how close a divergence was to a tie
+        options.update(output_scores=True, return_dict_in_generate=True)
     cache = None
     if cache_kind == "static":
         options.update(cache_implementation="static", disable_compile=True)
@@ -74,12 +76,48 @@ def run_generate(model, ids, mask, new_tokens, cache_kind, args):
     synchronize(args.device)
     seconds = time.perf_counter() - start
     extra = {}
+    if scores:
+        extra["top2"] = torch.stack([step.float().topk(2).values for step in tokens.scores], dim=1).cpu()
+        tokens = tokens.sequences
     if cache is not None:
         stats = cache.kv_cache.stats()
         extra = {"vkv_bytes_mapped": stats["bytes_mapped"], "vkv_bytes_in_use": stats["bytes_in_use"],
                  "copies_history": cache.copies_history}
         cache.close()
     return tokens[:, ids.shape[1]:], seconds, extra
+
+
+def teacher_forced_logits(model, ids, mask, forced, cache):
+    """Last-position logits of a prefill and of decode steps fed `forced` (DynamicCache's tokens),
+    so that one different pick does not make every later step differ."""
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits.append(out.logits[:, -1].float())
+        for step in range(forced.shape[1] - 1):
+            token = forced[:, step:step + 1]
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            out = model(input_ids=token, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits.append(out.logits[:, -1].float())
+    return torch.stack(logits, dim=1)
+
+
+def compare_logits(model, ids, mask, forced, kind):
+    """Teacher-forced: the fraction of (row, step) logit vectors bitwise equal to DynamicCache's, and the largest difference."""
+    from transformers import DynamicCache
+    from vkv.integrations.transformers import VkvCache
+
+    reference = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
+    cache = VkvCache.from_model(model, max_batch_size=ids.shape[0], max_context_len=ids.shape[1] + forced.shape[1],
+                                layout=kind.split("_", 1)[1])
+    logits = teacher_forced_logits(model, ids, mask, forced, cache)
+    cache.close()
+    equal = (logits == reference).all(dim=-1)
+    return {"teacher_forced_logits_identical": float(equal.float().mean()),
+            "teacher_forced_max_abs_diff": float((logits - reference).abs().max()),
+            "teacher_forced_first_unequal_step": int((~equal).any(0).nonzero()[0]) if not equal.all() else None}
 
 
 def main():
@@ -109,19 +147,32 @@ def main():
             times.append(seconds)
         seconds = float(np.median(times))
         if kind == "dynamic":
-            reference[batch] = tokens
-        same = (tokens == reference[batch]).float()
+            reference[batch] = run_generate(model, ids, mask, new_tokens, kind, args, scores=True)
+            assert torch.equal(reference[batch][0], tokens), "DynamicCache is not deterministic here"
+        reference_tokens, _, reference_extra = reference[batch]
+        same = (tokens == reference_tokens).cpu()
+        divergences = [int((~r).nonzero()[0]) if not r.all() else None for r in same]
+        margins = reference_extra["top2"][..., 0] - reference_extra["top2"][..., 1]
         row = {"batch": batch, "cache": kind, "new_tokens": new_tokens, "prompt_tokens": [low, high],
                "seconds": seconds, "seconds_all": times, "tokens_per_s": batch * new_tokens / seconds,
-               "identical_fraction": float(same.mean()),
+               "identical_fraction": float(same.float().mean()),
                "rows_identical": int(same.all(dim=1).sum()),
-               "first_divergence": [int(r.argmin()) if not r.all() else None for r in same.bool()], **extra}
+               "first_divergence": divergences,
+               # DynamicCache's top-1 minus top-2 logit where a row first diverged (0 = an exact tie)
+               "margin_at_divergence": [None if p is None else float(margins[r, p]) for r, p in enumerate(divergences)],
+               "median_margin": float(margins.median()), **extra}
+        if kind.startswith("vkv"):
+            row.update(compare_logits(model, ids, mask, reference_tokens, kind))
         if args.device == "cuda":
             row["torch_peak_bytes"] = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         rows.append(row)
         progress(f"B={batch} {kind:<16} {row['tokens_per_s']:9.1f} tok/s  identical to DynamicCache: "
-                 f"{100 * row['identical_fraction']:.1f}% ({row['rows_identical']}/{batch} rows)")
+                 f"{100 * row['identical_fraction']:.1f}% ({row['rows_identical']}/{batch} rows), margins where rows "
+                 f"diverged {[m for m in row['margin_at_divergence'] if m is not None][:4]} (median "
+                 f"{row['median_margin']:.3g}); teacher-forced logits identical "
+                 f"{row.get('teacher_forced_logits_identical', float('nan')):.3f}, "
+                 f"max diff {row.get('teacher_forced_max_abs_diff', float('nan')):.3g}")
     for batch in batches:
         base = next(r for r in rows if r["batch"] == batch and r["cache"] == "dynamic")["tokens_per_s"]
         for row in rows:
