@@ -4,10 +4,14 @@ A Llama-3-8B-shaped model (hidden 4096, 32 query / 8 KV heads of 128, vocab 1282
 few layers and seeded random weights, in bf16; left-padded batches of prompts of 256-512
 tokens (--quick: a tiny model, short prompts). For each batch size: greedy tokens/s of
 generate() with each cache (eager: StaticCache is not compiled, as VkvCache is not), and
-the fraction of generated tokens identical to DynamicCache's (StaticCache's fraction is
-bf16's own noise floor: it changes the attention's shapes, not its math).
+the fraction of generated tokens identical to a separate DynamicCache run (the dynamic
+row compares DynamicCache with itself: the GPU's run-to-run noise floor), where rows first
+diverge and how close DynamicCache's top-2 logits were there, and, teacher-forced with
+DynamicCache's tokens, the fraction of steps whose logits are bitwise identical.
+--deterministic makes runs bitwise reproducible (torch deterministic algorithms, a fixed
+cuBLAS workspace), so that any remaining difference is the cache's.
 
-  python benchmarks/transformers_bench.py [--device cuda] [--layers 4] [--batches 1 8 32]
+  python benchmarks/transformers_bench.py [--device cuda] [--layers 4] [--batches 1 8 32] [--deterministic]
 """
 
 from __future__ import annotations
@@ -110,10 +114,13 @@ def compare_logits(model, ids, mask, forced, kind):
     from vkv.integrations.transformers import VkvCache
 
     reference = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
-    cache = VkvCache.from_model(model, max_batch_size=ids.shape[0], max_context_len=ids.shape[1] + forced.shape[1],
-                                layout=kind.split("_", 1)[1])
-    logits = teacher_forced_logits(model, ids, mask, forced, cache)
-    cache.close()
+    if kind == "dynamic":  # DynamicCache against itself: what the GPU's own run-to-run differences are
+        logits = teacher_forced_logits(model, ids, mask, forced, DynamicCache(config=model.config))
+    else:
+        cache = VkvCache.from_model(model, max_batch_size=ids.shape[0],
+                                    max_context_len=ids.shape[1] + forced.shape[1], layout=kind.split("_", 1)[1])
+        logits = teacher_forced_logits(model, ids, mask, forced, cache)
+        cache.close()
     equal = (logits == reference).all(dim=-1)
     return {"teacher_forced_logits_identical": float(equal.float().mean()),
             "teacher_forced_max_abs_diff": float((logits - reference).abs().max()),
@@ -126,7 +133,13 @@ def main():
     parser.add_argument("--batches", type=int, nargs="*", help="batch sizes (default: 1 8 32)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cache and batch size (median)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms and a fixed cuBLAS workspace: bitwise-reproducible "
+                             "runs, so that token differences are the caches' (slower)")
     args = parser.parse_args()
+    if args.deterministic:  # before the first cuBLAS handle is made
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
     batches = args.batches or ((1, 4) if args.quick else (1, 8, 32))
     low, high = (16, 32) if args.quick else (256, 512)
     new_tokens = 16 if args.quick else args.new_tokens
@@ -146,9 +159,8 @@ def main():
             tokens, seconds, extra = run_generate(model, ids, mask, new_tokens, kind, args)
             times.append(seconds)
         seconds = float(np.median(times))
-        if kind == "dynamic":
+        if kind == "dynamic":  # the reference is a separate DynamicCache run: the dynamic row is the noise floor
             reference[batch] = run_generate(model, ids, mask, new_tokens, kind, args, scores=True)
-            assert torch.equal(reference[batch][0], tokens), "DynamicCache is not deterministic here"
         reference_tokens, _, reference_extra = reference[batch]
         same = (tokens == reference_tokens).cpu()
         divergences = [int((~r).nonzero()[0]) if not r.all() else None for r in same]
@@ -161,7 +173,7 @@ def main():
                # DynamicCache's top-1 minus top-2 logit where a row first diverged (0 = an exact tie)
                "margin_at_divergence": [None if p is None else float(margins[r, p]) for r, p in enumerate(divergences)],
                "median_margin": float(margins.median()), **extra}
-        if kind.startswith("vkv"):
+        if kind != "static":
             row.update(compare_logits(model, ids, mask, reference_tokens, kind))
         if args.device == "cuda":
             row["torch_peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -178,8 +190,12 @@ def main():
         for row in rows:
             if row["batch"] == batch:
                 row["speed_vs_dynamic"] = row["tokens_per_s"] / base
-    results = {"machine": machine(args.device), "model": {"layers": args.layers, "shape": "tiny" if args.quick else
-               "llama-3-8b", "dtype": str(model.dtype)}, "rows": rows}
+    import transformers
+
+    results = {"machine": {**machine(args.device), "transformers": transformers.__version__,
+                           "deterministic": args.deterministic},
+               "model": {"layers": args.layers, "shape": "tiny" if args.quick else "llama-3-8b", "dtype": str(model.dtype)},
+               "rows": rows}
     path = os.path.join(args.out, f"transformers_{device_tag(args.device)}{'_quick' if args.quick else ''}.json")
     write_json(results, path)
     plot(results, path.replace(".json", ".png"))
