@@ -113,7 +113,7 @@ def decode(device: str, quick: bool) -> list:
             step_us = np.empty(iterations)
             core_us = np.empty(iterations)  # the same call as the C++ core timed it, without Python
             core_seconds = cache.stats()["step"]["seconds"]
-            for iteration in range(iterations):
+            for iteration in progress_bar(range(iterations), f"decode {layout} mapper={'on' if mapper else 'off'}"):
                 seq_lens += 1
                 start = time.perf_counter_ns()
                 cache.step(seq_lens)

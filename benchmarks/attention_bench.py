@@ -379,14 +379,14 @@ def decode(run: AttentionRun, quick: bool) -> None:
     batches, contexts = ((1, 2), (256, 512)) if quick else ((1, 8, 32, 128), (1024, 2048, 4096, 8192, 16384, 32768))
     batches, contexts = run.args.batches or batches, run.args.contexts or contexts
     shapes = [(b, c) for b in batches for c in contexts]
-    for index, (batch, context) in enumerate(shapes):
+    for index, (batch, context) in enumerate(progress_bar(shapes, "decode shapes")):
         run.shape("decode", batch, context, 1, context - 1, f"decode B={batch} L={context} ({index + 1}/{len(shapes)})")
 
 
 def prefill(run: AttentionRun, quick: bool) -> None:
     contexts = run.args.contexts or ((128, 256) if quick else (1024, 2048, 4096, 8192, 16384, 32768))
     shapes = [(c, p) for c in contexts for p in (0, c // 2)]
-    for index, (context, prefix) in enumerate(shapes):
+    for index, (context, prefix) in enumerate(progress_bar(shapes, "prefill shapes")):
         run.shape("prefill", 1, context, context - prefix, prefix,
                   f"prefill L={context} cached prefix {prefix} ({index + 1}/{len(shapes)})")
 
@@ -399,7 +399,7 @@ def append(run: AttentionRun, quick: bool) -> None:
     capacity = 256 if quick else 1024
     cases = [("decode", b, 1) for b in ((1, 4) if quick else (1, 8, 32, 128))]
     cases += [("prefill", 1, t) for t in ((128, 256) if quick else (1024, 4096, 16384))]
-    for phase, batch, tokens in cases:
+    for phase, batch, tokens in progress_bar(cases, "append cases"):
         context = max(capacity, tokens)
         generator = torch.Generator(device=device).manual_seed(batch + tokens)
         new_k = torch.randn(batch, tokens, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE, generator=generator)

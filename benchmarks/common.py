@@ -1,4 +1,4 @@
-"""Helpers shared by the Python benchmarks: progress lines, machine description, JSON."""
+"""Helpers shared by the Python benchmarks: progress bars and lines, machine description, JSON."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 
 def argument_parser(description: str, sections) -> argparse.ArgumentParser:
@@ -23,12 +24,21 @@ def argument_parser(description: str, sections) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--quick", action="store_true", help="small and short: a smoke test")
-    parser.add_argument("--only", nargs="*", default=list(sections), help=f"sections to run (default: {sections})")
+    parser.add_argument("--only", nargs="*", default=list(sections), choices=list(sections), metavar="SECTION",
+                        help=f"sections to run, of {list(sections)} (default: all)")
     return parser
 
 
 def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    """A timestamped line on stderr, printed above any progress bar (and alone in captured logs)."""
+    tqdm.write(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr)
+
+
+def progress_bar(iterable, description: str, total=None):
+    """tqdm over `iterable` on stderr where it is a terminal; in captured logs (no terminal)
+    there is no bar, only the progress() lines, so logs hold no carriage-return redraws."""
+    return tqdm(iterable, desc=description, total=total, file=sys.stderr, disable=None, dynamic_ncols=True,
+                mininterval=0.5, leave=False)
 
 
 def machine(device: str) -> dict:

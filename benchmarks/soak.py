@@ -18,7 +18,7 @@ import time
 import torch
 
 import vkv
-from common import argument_parser, device_tag, machine, progress, write_json
+from common import argument_parser, device_tag, machine, progress, progress_bar, write_json
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -53,7 +53,7 @@ def main() -> int:
     trajectory = []
     failures = []
     began = time.perf_counter()
-    for step in range(args.steps):
+    for step in progress_bar(range(args.steps), "soak steps"):
         live = [s for s in range(args.max_batch) if lens[s]]  # allocated slots always hold tokens here
         roll = rng.random()
         if roll < 0.05 and cache.num_free_slots:

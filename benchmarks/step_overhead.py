@@ -25,7 +25,7 @@ def timed(label, call, repeats=2000):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu", choices=["cuda", "cpu"])
     device = parser.parse_args().device
     for mapper in (False, True):
         cache = vkv.KVCache(32, 8, 128, torch.bfloat16, 32, 16384, device=device, background_mapping=mapper)

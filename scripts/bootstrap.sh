@@ -22,9 +22,12 @@ fi
 # already installed (a GPU machine), it is kept.
 python_missing=()
 python3 -c "import torch" 2>/dev/null || python_missing+=("torch==2.13.0")
-for module in numpy pytest hypothesis scikit_build_core; do
+for module in numpy pytest hypothesis scikit_build_core tqdm; do
   python3 -c "import $module" 2>/dev/null || python_missing+=("${module//_/-}")
 done
+# The transformers integration's tests (a test extra in pyproject.toml); an installed
+# transformers is kept.
+python3 -c "import transformers" 2>/dev/null || python_missing+=("transformers==5.17.0")
 if [ ${#python_missing[@]} -gt 0 ]; then
   echo "bootstrap: pip installing ${python_missing[*]}"
   python3 -m pip install -q "${python_missing[@]}"

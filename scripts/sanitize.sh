@@ -15,7 +15,7 @@ for sanitizer in "${sanitizers[@]}"; do
     -DVKV_BUILD_EXAMPLES=OFF -DVKV_BUILD_BENCHMARKS=OFF >/dev/null
   cmake --build "$build"
   # Death tests fork a process with threads, which ThreadSanitizer does not follow.
-  exclude="install_and_find_package"
+  exclude="install_and_find_package|configure_without_cuda_headers"
   [ "$sanitizer" = "thread" ] && exclude="$exclude|UnmappedMemoryIsInaccessible|StillFault|MapsNothing|Fork\."
   VKV_MODEL_OPS=600 VKV_FAULT_EVERY=5 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 TSAN_OPTIONS=halt_on_error=1 \
     ctest --test-dir "$build" --output-on-failure -j"$(nproc)" -E "$exclude"

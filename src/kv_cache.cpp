@@ -258,6 +258,11 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  step_locked(lock, seq_lens, count, stream, start);
+}
+
+void KvCache::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
+                          Stream stream, std::chrono::steady_clock::time_point start) {
   VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch = ", slots_.size(),
               " (0 for slots not in use)");
   VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");

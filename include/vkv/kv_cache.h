@@ -36,6 +36,7 @@
 // call there throws Error, and the child's destructor leaves everything to the parent.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -115,6 +116,31 @@ class KvCache {
   std::size_t map_ahead_now();
   /// Stops and joins the mapper thread; the cache goes on without it. Idempotent.
   void stop_background() noexcept;
+
+  // ---- per-slot calls --------------------------------------------------------------
+  // For glue that drives some slots of a cache others drive too (one transformers
+  // generation among several, a compatibility module): they never restate every slot.
+
+  /// Allocates `count` slots at once, all or none. With `contiguous`, adjacent slot ids
+  /// (the run of free slots that kept the most pages, lowest first on ties), so that a
+  /// batch's rows are one slice of every tensor; otherwise as `count` alloc_reqid() calls.
+  /// Deterministic, as alloc_reqid().
+  /// @throws InvalidArgument when count is 0, or fewer than `count` slots (or no run of
+  ///         `count` adjacent slots) are free (nothing is allocated).
+  std::vector<std::size_t> alloc_reqids(std::size_t count, bool contiguous, Stream stream = 0);
+
+  /// Every slot's seq_len as the last step() left it, 0 for free and swapped-out slots:
+  /// what a step() restating every slot would pass.
+  std::vector<std::size_t> seq_lens() const;
+
+  /// step() for the listed slots only: slots[i] gets seq_lens[i] tokens, every other slot
+  /// keeps its seq_len. Atomic with respect to other calls; all or nothing, as step().
+  /// @throws InvalidArgument for a slot out of range or listed twice, and as step();
+  ///         OutOfMemory as step().
+  void step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream = 0);
+
+  /// Turns deferred reclamation (config.deferred_reclamation) on or off for later free_reqid() calls.
+  void set_deferred_reclamation(bool on);
 
   // ---- sharing ---------------------------------------------------------------------
   // Tokens a slot shares with another are read-only to both. A step() that grows a
@@ -268,6 +294,9 @@ class KvCache {
   void expect_slot_in_range(std::size_t slot) const;
   // Every public call's first check: the cache is unusable in a forked child.
   void expect_usable_in_this_process() const;
+  // step() with mutex_ held (step_slots() builds its seq_lens under the same lock).
+  void step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
+                   std::chrono::steady_clock::time_point start);
   void rethrow_background_error();
   std::size_t next_alloc_slot() const noexcept;
   std::size_t allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t slot, Stream stream);

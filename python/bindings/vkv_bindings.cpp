@@ -195,6 +195,22 @@ KvCache::Preparation prepare_swap_in(KvCache& cache, std::size_t slot) {
   return cache.prepare_swap_in(slot, stream);
 }
 
+// step() for some slots: `slots[i]` gets `seq_lens[i]` tokens, the others keep theirs.
+void step_slots(KvCache& cache, const std::vector<std::size_t>& slots, const std::vector<std::size_t>& seq_lens) {
+  if (slots.size() != seq_lens.size())
+    throw vkv::InvalidArgument("step_slots: " + std::to_string(slots.size()) + " slots but " +
+                               std::to_string(seq_lens.size()) + " seq_lens");
+  const std::uintptr_t stream = current_stream(cache);
+  py::gil_scoped_release release;
+  cache.step_slots(slots.data(), seq_lens.data(), slots.size(), stream);
+}
+
+std::vector<std::size_t> alloc_reqids(KvCache& cache, std::size_t count, bool contiguous) {
+  const std::uintptr_t stream = current_stream(cache);
+  py::gil_scoped_release release;
+  return cache.alloc_reqids(count, contiguous, stream);
+}
+
 py::dict call_stats(const vkv::CallStats& call) {
   py::dict out;
   out["calls"] = call.calls;
@@ -274,6 +290,10 @@ PYBIND11_MODULE(_C, m) {
       .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
       .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
       .def("step", &step, arg("seq_lens"))
+      .def("step_slots", &step_slots, arg("slots"), arg("seq_lens"))
+      .def("alloc_reqids", &alloc_reqids, arg("count"), arg("contiguous"))
+      .def("seq_lens", &KvCache::seq_lens, unlocked)
+      .def("set_deferred_reclamation", &KvCache::set_deferred_reclamation, arg("on"), unlocked)
       .def("fork", &KvCache::fork, arg("src"), arg("stream") = 0, unlocked)
       .def("share_prefix", &KvCache::share_prefix, arg("src"), arg("dst"), arg("tokens"), arg("stream") = 0,
            unlocked)

@@ -2,7 +2,7 @@
 
     import torch, vkv
     with vkv.KVCache(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                     max_batch_size=64, max_context_len=32768, device="cuda") as cache:
+                     max_batch_size=64, max_context_len=32768) as cache:  # device="auto"
         slot = cache.alloc_reqid()
         cache.step(seq_lens)                   # before each iteration
         k, v = cache.key(0), cache.value(0)    # plain tensors: SDPA, FlexAttention, Triton...
@@ -14,6 +14,7 @@ See docs/api.md for the whole API and its guarantees.
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C
+from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
 from ._cache import KVCache
 from ._errors import DriverError, OutOfMemory
@@ -38,4 +39,5 @@ __all__ = [
     "stats",
     "shutdown",
     "default_cache",
+    "distributed",
 ]

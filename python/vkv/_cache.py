@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from . import _C
 
-SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor]
+SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor, Mapping[int, int]]
 
 _LAYOUTS = ("interleaved", "per_layer")
 
 
 def _normalize_device(device: Union[str, torch.device, None]) -> torch.device:
-    """'cuda' -> cuda:<current>, 'auto'/None -> cuda if vkv sees a GPU else cpu."""
+    """'cuda' -> cuda:<current>, 'auto'/None -> cuda if vkv and torch see a GPU, else cpu."""
     if device is None or device == "auto":
-        device = "cuda" if _C.cuda_available() else "cpu"
+        device = "cuda" if _C.cuda_available() and torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as error:
@@ -75,7 +75,7 @@ class KVCache:
         dtype: torch.dtype,
         max_batch_size: int,
         max_context_len: int,
-        device: Union[str, torch.device, None] = "cuda",
+        device: Union[str, torch.device, None] = "auto",
         layout: str = "interleaved",
         *,
         layers_per_group: int = 0,
@@ -93,7 +93,8 @@ class KVCache:
 
         Args:
             dtype: element type; any torch dtype of 1, 2, 4 or 8 bytes (fp8, fp16, bf16, fp32, ...).
-            device: "cuda", "cuda:N", "cpu" (host backend) or "auto" (cuda if present).
+            device: "auto" (the default: cuda if vkv sees a GPU, else cpu), "cuda", "cuda:N"
+                or "cpu" (host backend).
             layout: "interleaved" (all layers of a token in one page) or "per_layer" (vAttention).
             layers_per_group: interleaved only: layers sharing one region; 0 = all.
             page_size: bytes per physical page; 0 = the backend's default (2 MiB).
@@ -194,18 +195,43 @@ class KVCache:
         """
         self._live()._core.free_reqid(self._slot(slot), self._stream())
 
+    def alloc_reqids(self, count: int, contiguous: bool = False) -> List[int]:
+        """``count`` free slots at once, all or none.
+
+        With ``contiguous``, adjacent slot ids (ascending), so that a batch's rows are one
+        slice ``key(l)[first:first + count]`` of every tensor and kernels read them without
+        a gather; otherwise as ``count`` ``alloc_reqid()`` calls. Deterministic.
+
+        Raises:
+            ValueError: ``count`` < 1, or fewer than ``count`` slots (or no run of ``count``
+                adjacent slots) are free; nothing was allocated.
+        """
+        return self._live()._core.alloc_reqids(_expect_count("count", count), bool(contiguous))
+
     def step(self, seq_lens: SeqLens) -> None:
         """Back ``seq_lens[s]`` tokens of every allocated slot before the next iteration.
 
         Args:
             seq_lens: max_batch_size non-negative ints (list, numpy array or tensor; a
                 CUDA tensor is copied to the host, which synchronizes); 0 for free slots.
+                Or a mapping ``{slot: tokens}``: only those slots change, every other slot
+                keeps the seq_len it has (for code that drives some slots of a shared cache).
 
         Raises:
             ValueError: wrong length, a negative or too large value, a free slot with tokens.
             vkv.OutOfMemory: not enough pages; nothing changed, ``missing_pages`` says how many.
         """
+        if isinstance(seq_lens, Mapping):
+            slots = [self._slot(slot) for slot in seq_lens]
+            tokens = [_expect_count(f"seq_lens[{slot}]", n, 0) for slot, n in seq_lens.items()]
+            self._live()._core.step_slots(slots, tokens)
+            return
         self._live()._core.step(seq_lens)  # parsed in C++: this is every iteration's path
+
+    def seq_lens(self) -> List[int]:
+        """Every slot's seq_len as the last ``step()`` left it (0 for free and swapped-out
+        slots): a list of max_batch_size ints, what a ``step()`` restating every slot passes."""
+        return self._live()._core.seq_lens()
 
     # -- sharing, swapping, elastic memory --------------------------------------------
 
@@ -272,6 +298,11 @@ class KVCache:
             vkv.OutOfMemory: allocated slots claim more; nothing changed.
         """
         self._live()._core.set_budget(_expect_count("memory_budget", memory_budget))
+
+    def set_deferred_reclamation(self, deferred_reclamation: bool) -> None:
+        """Turn deferred reclamation on (freed slots keep their pages for the next owner) or
+        off (``free_reqid()`` waits for the device and returns them to the driver) for later frees."""
+        self._live()._core.set_deferred_reclamation(bool(deferred_reclamation))
 
     def trim(self) -> int:
         """Release to the device every page no allocated slot claims; returns the bytes.

@@ -88,18 +88,6 @@ def test_a_padded_batch_reads_zeros_beyond_each_request_and_matches_sdpa_with_a_
     assert torch.equal(out, ref)
 
 
-def test_the_readme_example_runs_as_written():
-    """The README's Python snippet (requests of different lengths, a padded batch)."""
-    import pathlib
-    import re
-
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = re.search(r"## Using it from Python.*?```python\n(.*?)```", readme, re.S).group(1)
-    result = run_python(block)
-    assert result.returncode == 0, result.stderr
-    assert "same as SDPA over padded copies: True" in result.stdout, result.stdout
-
-
 def test_stats_count_zero_backing_and_pages_in_reach():
     with small_cache(memory_budget=64 * HOST_PAGE) as cache:
         stats = cache.stats()

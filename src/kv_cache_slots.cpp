@@ -1,0 +1,88 @@
+// KvCache: calls that name some slots only, for code that drives a few slots of a cache
+// shared with others (a transformers generation, the vAttention-compatible module): a
+// batch of adjacent slots at once, the seq_lens read back, a step for listed slots.
+#include <chrono>
+
+#include "undo_log.h"
+#include "vkv/error.h"
+#include "vkv/kv_cache.h"
+
+namespace vkv {
+
+std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguous, Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  VKV_EXPECTS(count > 0, "alloc_reqids: count = 0; ask for at least one slot");
+  std::size_t free_slots = 0;
+  for (const Slot& slot : slots_) free_slots += slot.allocated ? 0 : 1;
+  VKV_EXPECTS(count <= free_slots, "alloc_reqids: count = ", count, " but only ", free_slots, " of max_batch = ",
+              slots_.size(), " slots are free");
+  std::vector<std::size_t> allocated;
+  detail::UndoLog undo;  // all or nothing: a slot that fails to allocate frees the ones before it
+  auto allocate = [&](std::size_t slot) {
+    const std::size_t kept_at_free = slots_[slot].kept_at_free;
+    allocated.push_back(allocate_slot(lock, slot, stream));
+    undo.push([this, slot, kept_at_free] {
+      slots_[slot].allocated = false;
+      slots_[slot].kept_at_free = kept_at_free;
+    });
+  };
+  if (!contiguous) {
+    for (std::size_t i = 0; i < count; ++i) allocate(next_alloc_slot());
+  } else {
+    // The run of `count` free slots whose previous owners left the most pages, lowest first.
+    std::size_t best = slots_.size(), best_kept = 0, run = 0, kept = 0;
+    for (std::size_t s = 0; s < slots_.size(); ++s) {
+      if (slots_[s].allocated) {
+        run = kept = 0;
+        continue;
+      }
+      run += 1;
+      kept += slots_[s].kept_at_free;
+      if (run > count) kept -= slots_[s - count].kept_at_free;
+      if (run >= count && (best == slots_.size() || kept > best_kept)) {
+        best = s + 1 - count;
+        best_kept = kept;
+      }
+    }
+    VKV_EXPECTS(best < slots_.size(), "alloc_reqids: no ", count, " adjacent slots are free (", free_slots,
+                " free of max_batch = ", slots_.size(), "); free some, or ask without contiguous");
+    for (std::size_t s = best; s < best + count; ++s) allocate(s);
+  }
+  undo.commit();
+  if (mapper_) mapper_->wake();  // the next slot to keep a prefill's pages in has changed
+  return allocated;
+}
+
+std::vector<std::size_t> KvCache::seq_lens() const {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::size_t> lengths(slots_.size());
+  for (std::size_t s = 0; s < slots_.size(); ++s) lengths[s] = slots_[s].seq_len;  // 0 when free or swapped out
+  return lengths;
+}
+
+void KvCache::step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream) {
+  const auto start = std::chrono::steady_clock::now();
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  VKV_EXPECTS((slots != nullptr && seq_lens != nullptr) || count == 0, "step_slots: slots or seq_lens is null");
+  std::vector<std::size_t> lengths(slots_.size());
+  for (std::size_t s = 0; s < slots_.size(); ++s) lengths[s] = slots_[s].seq_len;
+  std::vector<bool> listed(slots_.size(), false);
+  for (std::size_t i = 0; i < count; ++i) {
+    expect_slot_in_range(slots[i]);
+    VKV_EXPECTS(!listed[slots[i]], "step_slots: slot ", slots[i], " is listed twice");
+    listed[slots[i]] = true;
+    lengths[slots[i]] = seq_lens[i];
+  }
+  step_locked(lock, lengths.data(), lengths.size(), stream, start);
+}
+
+void KvCache::set_deferred_reclamation(bool on) {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  config_.deferred_reclamation = on;  // read by free_reqid() only, under the same lock
+}
+
+}  // namespace vkv
