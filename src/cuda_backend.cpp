@@ -158,7 +158,9 @@ PageHandle CudaBackend::zero_page() {
     reserved = true;
     map(static_cast<Address>(scratch), &page, 1);
     mapped = true;
-    VKV_CU_TRY(cuMemsetD8, scratch, 0, page_bytes_);  // synchronous
+    // A memset of device memory may return before it ran: wait for it before unmapping.
+    VKV_CU_TRY(cuMemsetD8Async, scratch, 0, page_bytes_, nullptr);
+    VKV_CU_TRY(cuStreamSynchronize, nullptr);
   } catch (...) {
     if (mapped) cuda::driver().cuMemUnmap(scratch, page_bytes_);
     if (reserved) cuda::driver().cuMemAddressFree(scratch, page_bytes_);

@@ -23,8 +23,7 @@
   X(cuMemUnmap) X(cuMemSetAccess) X(cuMemsetD8Async) X(cuMemcpyAsync) X(cuEventCreate)  \
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)               \
   X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize) \
-  X(cuStreamCreate) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuMemsetD8)     \
-  X(cuLaunchHostFunc)
+  X(cuStreamCreate) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuLaunchHostFunc)
 
 namespace vkv::cuda {
 

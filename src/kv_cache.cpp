@@ -668,7 +668,17 @@ KvCache::BackgroundUnit KvCache::next_background_unit(bool settle_events) {
       return {BackgroundUnit::Kind::shrink, victim, pages};
     }
   }
-  // 4. Zero backing of slots not yet handed out (where it costs per page), the next one first.
+  // 4. With zero backing, pages in reach of work in flight are swapped by step() itself:
+  //    keep free pages created for it, so that it does not wait for cuMemCreate.
+  if (config_.zero_page) {
+    std::size_t in_reach = 0;  // allocated slots whose next page the mapper may not map ahead
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (slots_[s].allocated && slots_[s].mapped() < first_reclaimable_without_waiting(s)) in_reach += regions;
+    const std::size_t wanted = std::min(in_reach, kPagesPerBackgroundUnit);
+    if (pool_.free_pages() < wanted && pool_.obtainable_pages() > pool_.free_pages())
+      return {BackgroundUnit::Kind::create, 0, wanted - pool_.free_pages()};
+  }
+  // 5. Zero backing of slots not yet handed out (where it costs per page), the next one first.
   if (config_.zero_page) {
     for (std::size_t k = 0; k <= slots_.size(); ++k) {
       const std::size_t s = k == 0 ? next : k - 1;
@@ -688,6 +698,7 @@ bool KvCache::background_work() {
     case BackgroundUnit::Kind::grow: return grow_in_background(lock, unit.slot, unit.pages);
     case BackgroundUnit::Kind::shrink: return shrink_in_background(lock, unit.slot, unit.pages);
     case BackgroundUnit::Kind::cover: return cover_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::create: return create_in_background(lock, unit.pages);
     case BackgroundUnit::Kind::none: break;
   }
   return false;
@@ -815,6 +826,30 @@ bool KvCache::cover_in_background(std::unique_lock<std::mutex>& lock, std::size_
   lock.lock();
   slot.backed_end = until;
   slot.busy_from = kNotBusy;
+  background_done_.notify_all();
+  return true;
+}
+
+bool KvCache::create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages) {
+  const std::size_t reserved = pool_.begin_create(pages);
+  if (reserved == 0) return false;
+  in_flight_pages_ += reserved;
+  lock.unlock();
+  std::vector<Page> created;
+  try {
+    while (created.size() < reserved) created.push_back({backend_->create_page(), false});
+  } catch (...) {
+    lock.lock();
+    for (const Page& page : created) pool_.give_back(page);
+    pool_.end_create(reserved, created.size());
+    in_flight_pages_ -= reserved;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  for (const Page& page : created) pool_.give_back(page);
+  pool_.end_create(reserved, created.size());
+  in_flight_pages_ -= reserved;
   background_done_.notify_all();
   return true;
 }

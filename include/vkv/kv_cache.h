@@ -346,13 +346,15 @@ class KvCache {
   // Background work (mapper.h): one unit per call, planned under the lock, its slow
   // backend calls made without it.
   struct BackgroundUnit {
-    enum class Kind { none, grow, shrink, cover } kind = Kind::none;
+    enum class Kind { none, grow, shrink, cover, create } kind = Kind::none;
     std::size_t slot = 0;
-    // grow: target pages per region; shrink: pages per region to unmap; cover: back with zeros up to
+    // grow: target pages per region; shrink: pages per region to unmap; cover: back with
+    // zeros up to; create: pages to create into the pool
     std::size_t pages = 0;
   };
   BackgroundUnit next_background_unit(bool settle_events);
   bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
+  bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
   bool background_work();
   bool background_busy() const noexcept;
   bool grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target);

@@ -22,6 +22,9 @@ class MapperTest : public ::testing::TestWithParam<std::tuple<BackendKind, Layou
     config_ = testing::small_config(std::get<1>(GetParam()), backend_->page_bytes());
     config_.eager_tokens = 0;  // each test turns on what it looks at
     config_.lookahead_tokens = 0;
+    // These count the mapper's units; its zero backing of free slots (CUDA) and how zero
+    // backing restricts mapping ahead are test_zero_page.cpp's.
+    config_.zero_page = false;
   }
   std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
     std::vector<std::size_t> seq_lens(config_.max_batch, 0);
