@@ -70,12 +70,12 @@ int main(int argc, char** argv) {
       config.num_kv_heads = 8;
       config.head_dim = 128;
       config.dtype_bytes = 2;
-      config.max_batch = 2;
-      config.max_context = 8192;
+      config.max_batch_size = 2;
+      config.max_context_len = 8192;
       config.layout = layout;
       config.device = device;
-      config.budget_bytes = std::size_t{1} << 30;  // exactly one 8192-token request
-      config.precreate_pages = precreate ? config.budget_bytes / (2 << 20) : 0;
+      config.memory_budget = std::size_t{1} << 30;  // exactly one 8192-token request
+      config.precreate_pages = precreate ? config.memory_budget / (2 << 20) : 0;
       vkv::KvCache cache(config);
       std::vector<std::size_t> seq_lens(2, 0);
       const std::size_t a = cache.alloc_reqid(), b = cache.alloc_reqid();

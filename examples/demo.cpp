@@ -28,9 +28,9 @@ int main(int argc, char** argv) {
   config.num_kv_heads = 8;
   config.head_dim = 128;
   config.dtype_bytes = 2;
-  config.max_batch = 16;
-  config.max_context = 8192;
-  config.budget_bytes = std::size_t{2} << 30;
+  config.max_batch_size = 16;
+  config.max_context_len = 8192;
+  config.memory_budget = std::size_t{2} << 30;
 
   try {
     vkv::KvCache cache(config);
@@ -39,10 +39,10 @@ int main(int argc, char** argv) {
                 "budget %.1f GiB\n\n",
                 cache.backend().name().c_str(), vkv::to_string(config.layout).c_str(), layout.num_regions(),
                 layout.tokens_in_pages(1), mib(layout.page_bytes()), mib(layout.reserved_bytes()) / 1024,
-                mib(config.budget_bytes) / 1024);
+                mib(config.memory_budget) / 1024);
 
     std::mt19937 random(7);
-    std::vector<std::size_t> seq_lens(config.max_batch, 0), remaining(config.max_batch, 0);
+    std::vector<std::size_t> seq_lens(config.max_batch_size, 0), remaining(config.max_batch_size, 0);
     std::size_t finished = 0, preempted = 0;
     std::printf("%6s %7s %8s %10s %10s %10s %10s\n", "step", "active", "tokens", "in use MiB", "cached MiB",
                 "waste %", "step us");

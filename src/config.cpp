@@ -57,8 +57,8 @@ void validate(const CacheConfig& config) {
   VKV_EXPECTS(config.dtype_bytes == 1 || config.dtype_bytes == 2 || config.dtype_bytes == 4 ||
                   config.dtype_bytes == 8,
               "dtype_bytes = ", config.dtype_bytes, " is not an element size: must be 1, 2, 4 or 8");
-  expect_in_range("max_batch", config.max_batch, 1, kMaxBatch);
-  expect_in_range("max_context", config.max_context, 1, kMaxContext);
+  expect_in_range("max_batch_size", config.max_batch_size, 1, kMaxBatch);
+  expect_in_range("max_context_len", config.max_context_len, 1, kMaxContext);
   if (config.layout == LayoutKind::per_layer) {
     VKV_EXPECTS(config.layers_per_group == 0, "layers_per_group = ", config.layers_per_group,
                 " applies only to the interleaved layout: must be 0 with layout 'per_layer'");
@@ -68,8 +68,8 @@ void validate(const CacheConfig& config) {
                 "layers_per_group = ", config.layers_per_group, " must divide num_layers = ",
                 config.num_layers, " (or be 0 for all layers)");
   }
-  VKV_EXPECTS(config.page_bytes == 0 || (config.page_bytes & (config.page_bytes - 1)) == 0,
-              "page_bytes = ", config.page_bytes, " must be 0 (backend default) or a power of two");
+  VKV_EXPECTS(config.page_size == 0 || (config.page_size & (config.page_size - 1)) == 0,
+              "page_size = ", config.page_size, " must be 0 (backend default) or a power of two");
   VKV_EXPECTS(config.device.index >= 0, "device index = ", config.device.index, " must be >= 0");
 }
 

@@ -64,7 +64,7 @@ CudaBackend::CudaBackend(int device, std::size_t page_bytes) : device_(device) {
   std::size_t granularity = 0;
   VKV_CU_TRY(cuMemGetAllocationGranularity, &granularity, &properties, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
   if (page_bytes == 0) page_bytes = granularity;
-  VKV_EXPECTS(page_bytes % granularity == 0, "page_bytes = ", page_bytes,
+  VKV_EXPECTS(page_bytes % granularity == 0, "page_size = ", page_bytes,
               " is not a multiple of the device's allocation granularity ", granularity);
   page_bytes_ = page_bytes;
 

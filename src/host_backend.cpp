@@ -33,7 +33,7 @@ constexpr int kAnonymousFixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NO
 
 HostBackend::HostBackend(std::size_t page_bytes, HostExecution execution) : page_bytes_(page_bytes) {
   const auto os_page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  VKV_EXPECTS(page_bytes >= os_page && page_bytes % os_page == 0, "page_bytes = ", page_bytes,
+  VKV_EXPECTS(page_bytes >= os_page && page_bytes % os_page == 0, "page_size = ", page_bytes,
               " is not usable by the host backend: must be a positive multiple of the OS page size ",
               os_page);
   page_file_ = memfd_create("vkv-pages", MFD_CLOEXEC);

@@ -24,20 +24,20 @@ constexpr std::size_t kPagesPerCoverUnit = 64;
 std::shared_ptr<StatisticsBackend> counted_backend(const CacheConfig& config, std::shared_ptr<Backend> backend) {
   validate(config);
   if (backend == nullptr) {
-    backend = make_backend(config.device, config.page_bytes);
+    backend = make_backend(config.device, config.page_size);
   } else {
-    VKV_EXPECTS(config.page_bytes == 0 || config.page_bytes == backend->page_bytes(), "page_bytes = ",
-                config.page_bytes, " differs from the given backend's page size ", backend->page_bytes());
+    VKV_EXPECTS(config.page_size == 0 || config.page_size == backend->page_bytes(), "page_size = ",
+                config.page_size, " differs from the given backend's page size ", backend->page_bytes());
   }
   return std::make_shared<StatisticsBackend>(std::move(backend));
 }
 
 std::size_t budget_pages(const CacheConfig& config, const KvLayout& layout, const Backend& backend) {
   const std::size_t page = layout.page_bytes();
-  if (config.budget_bytes != 0) {
-    VKV_EXPECTS(config.budget_bytes >= page, "budget_bytes = ", config.budget_bytes, " is less than one page (",
+  if (config.memory_budget != 0) {
+    VKV_EXPECTS(config.memory_budget >= page, "memory_budget = ", config.memory_budget, " is less than one page (",
                 page, " bytes)");
-    return config.budget_bytes / page;
+    return config.memory_budget / page;
   }
   // Enough to back everything, but leave 10% of the device to the framework and the kernels.
   const std::size_t all_pages = layout.reserved_bytes() / page;
@@ -57,13 +57,13 @@ KvCache::KvCache(const CacheConfig& config, std::shared_ptr<Backend> backend)
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(needed <= limit, "the cache needs ", needed, " bytes (", detail::format_bytes(needed),
-              ") of virtual address space (", layout_.num_regions(), " regions x max_batch ", config.max_batch,
+              ") of virtual address space (", layout_.num_regions(), " regions x max_batch_size ", config.max_batch_size,
               " x ", layout_.slot_bytes(), " bytes per slot) but backend '", backend_->name(),
               "' can reserve at most ", limit, " bytes (", detail::format_bytes(limit),
-              "): lower max_batch or max_context");
+              "): lower max_batch_size or max_context_len");
   watermark_pages_ = config.reclaim_watermark_pages != 0 ? config.reclaim_watermark_pages : pool_.budget_pages() / 32;
   pool_.precreate(config.precreate_pages);
-  slots_.resize(config.max_batch);
+  slots_.resize(config.max_batch_size);
   for (Slot& slot : slots_) slot.pages.resize(layout_.num_regions());
   detail::UndoLog undo;
   if (config.background_mapping) {
@@ -138,7 +138,7 @@ void KvCache::stop_background() noexcept {
 }
 
 void KvCache::expect_slot_in_range(std::size_t slot) const {
-  VKV_EXPECTS(slot < slots_.size(), "slot = ", slot, " is out of range: max_batch = ", slots_.size());
+  VKV_EXPECTS(slot < slots_.size(), "slot = ", slot, " is out of range: max_batch_size = ", slots_.size());
 }
 
 void KvCache::expect_usable_in_this_process() const {
@@ -177,7 +177,7 @@ void KvCache::wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot
 }
 
 std::size_t KvCache::allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t best, Stream stream) {
-  VKV_EXPECTS(best < slots_.size(), "no free slot: all max_batch = ", slots_.size(),
+  VKV_EXPECTS(best < slots_.size(), "no free slot: all max_batch_size = ", slots_.size(),
               " slots are allocated (free_reqid one first)");
   Slot& slot = slots_[best];
   if (config_.zero_page && slot.backed_end < layout_.pages_per_slot()) {
@@ -263,12 +263,12 @@ void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream
 
 void KvCache::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
                           Stream stream, std::chrono::steady_clock::time_point start) {
-  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch = ", slots_.size(),
+  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ", slots_.size(),
               " (0 for slots not in use)");
   VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
   for (std::size_t s = 0; s < count; ++s) {
-    VKV_EXPECTS(seq_lens[s] <= config_.max_context, "seq_lens[", s, "] = ", seq_lens[s], " exceeds max_context = ",
-                config_.max_context);
+    VKV_EXPECTS(seq_lens[s] <= config_.max_context_len, "seq_lens[", s, "] = ", seq_lens[s], " exceeds max_context_len = ",
+                config_.max_context_len);
     VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
                 " is not allocated (alloc_reqid() first)");
     VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
@@ -641,7 +641,7 @@ KvCache::BackgroundUnit KvCache::next_background_unit(bool settle_events) {
     const Slot& slot = slots_[s];
     if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
     const std::size_t target = std::min(
-        max_pages, layout_.pages_for_tokens(std::min(config_.max_context, slot.seq_len + config_.lookahead_tokens)));
+        max_pages, layout_.pages_for_tokens(std::min(config_.max_context_len, slot.seq_len + config_.lookahead_tokens)));
     if (target > slot.mapped() && slot.mapped() >= first_reclaimable_without_waiting(s))
       return {BackgroundUnit::Kind::grow, s, target};
   }
@@ -649,7 +649,7 @@ KvCache::BackgroundUnit KvCache::next_background_unit(bool settle_events) {
   const std::size_t eager_tokens = config_.eager_tokens == kAdaptive ? prompt_estimate_ : config_.eager_tokens;
   const std::size_t next = next_alloc_slot();
   if (can_grow && eager_tokens > 0 && next < slots_.size() && !slots_[next].busy()) {
-    const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(std::min(config_.max_context, eager_tokens)));
+    const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(std::min(config_.max_context_len, eager_tokens)));
     if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(slots_[next])))
       return {BackgroundUnit::Kind::grow, next, target};
   }

@@ -26,12 +26,12 @@ KvCache::Preparation KvCache::prepare_step(const std::size_t* seq_lens, std::siz
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch = ", slots_.size(),
+  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ", slots_.size(),
               " (0 for slots not in use)");
   VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
   for (std::size_t s = 0; s < count; ++s) {
-    VKV_EXPECTS(seq_lens[s] <= config_.max_context, "seq_lens[", s, "] = ", seq_lens[s], " exceeds max_context = ",
-                config_.max_context);
+    VKV_EXPECTS(seq_lens[s] <= config_.max_context_len, "seq_lens[", s, "] = ", seq_lens[s], " exceeds max_context_len = ",
+                config_.max_context_len);
     VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
                 " is not allocated (alloc_reqid() first)");
     VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
@@ -144,7 +144,7 @@ KvCache::Preparation KvCache::prepare_fork(std::size_t src) {
     VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
     Preparation plan;
     plan.slot = next_alloc_slot();
-    VKV_EXPECTS(plan.slot < slots_.size(), "no free slot: all max_batch = ", slots_.size(),
+    VKV_EXPECTS(plan.slot < slots_.size(), "no free slot: all max_batch_size = ", slots_.size(),
                 " slots are allocated (free_reqid one first)");
     if (slots_[plan.slot].busy()) {
       wait_not_busy(lock, plan.slot);

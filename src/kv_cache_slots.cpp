@@ -15,7 +15,7 @@ std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguou
   VKV_EXPECTS(count > 0, "alloc_reqids: count = 0; ask for at least one slot");
   std::size_t free_slots = 0;
   for (const Slot& slot : slots_) free_slots += slot.allocated ? 0 : 1;
-  VKV_EXPECTS(count <= free_slots, "alloc_reqids: count = ", count, " but only ", free_slots, " of max_batch = ",
+  VKV_EXPECTS(count <= free_slots, "alloc_reqids: count = ", count, " but only ", free_slots, " of max_batch_size = ",
               slots_.size(), " slots are free");
   std::vector<std::size_t> allocated;
   detail::UndoLog undo;  // all or nothing: a slot that fails to allocate frees the ones before it
@@ -46,7 +46,7 @@ std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguou
       }
     }
     VKV_EXPECTS(best < slots_.size(), "alloc_reqids: no ", count, " adjacent slots are free (", free_slots,
-                " free of max_batch = ", slots_.size(), "); free some, or ask without contiguous");
+                " free of max_batch_size = ", slots_.size(), "); free some, or ask without contiguous");
     for (std::size_t s = best; s < best + count; ++s) allocate(s);
   }
   undo.commit();

@@ -18,7 +18,7 @@ std::size_t checked_multiply(std::size_t a, std::size_t b, const char* what) {
 
 KvLayout::KvLayout(const CacheConfig& config, std::size_t page_bytes) : config_(config), page_bytes_(page_bytes) {
   validate(config);
-  VKV_EXPECTS(page_bytes > 0 && page_bytes % config.dtype_bytes == 0, "page_bytes = ", page_bytes,
+  VKV_EXPECTS(page_bytes > 0 && page_bytes % config.dtype_bytes == 0, "page_size = ", page_bytes,
               " must be a positive multiple of dtype_bytes = ", config.dtype_bytes);
   if (config.layout == LayoutKind::per_layer) {
     layers_per_region_ = 1;
@@ -29,11 +29,11 @@ KvLayout::KvLayout(const CacheConfig& config, std::size_t page_bytes) : config_(
   }
   head_bytes_ = config.num_kv_heads * config.head_dim * config.dtype_bytes;  // bounded by the kMax limits
   token_bytes_ = config.layout == LayoutKind::per_layer ? head_bytes_ : 2 * layers_per_region_ * head_bytes_;
-  const std::size_t context_bytes = checked_multiply(config.max_context, token_bytes_, "max_context * token_bytes");
-  VKV_EXPECTS(context_bytes <= std::numeric_limits<std::size_t>::max() - page_bytes, "max_context * token_bytes = ",
+  const std::size_t context_bytes = checked_multiply(config.max_context_len, token_bytes_, "max_context_len * token_bytes");
+  VKV_EXPECTS(context_bytes <= std::numeric_limits<std::size_t>::max() - page_bytes, "max_context_len * token_bytes = ",
               context_bytes, " overflows 64 bits when rounded up to a page");
   slot_bytes_ = (context_bytes + page_bytes - 1) / page_bytes * page_bytes;
-  region_bytes_ = checked_multiply(slot_bytes_, config.max_batch, "slot_bytes * max_batch");
+  region_bytes_ = checked_multiply(slot_bytes_, config.max_batch_size, "slot_bytes * max_batch_size");
   checked_multiply(region_bytes_, num_regions_, "region_bytes * num_regions");
 }
 
@@ -49,7 +49,7 @@ TensorView KvLayout::view(std::size_t layer, std::size_t k_or_v) const {
     const std::size_t within_token = (layer % layers_per_region_ * 2 + k_or_v) * head_bytes_;
     view.offset_bytes = region * region_bytes_ + within_token;
   }
-  view.shape = {static_cast<std::int64_t>(config_.max_batch), static_cast<std::int64_t>(config_.max_context),
+  view.shape = {static_cast<std::int64_t>(config_.max_batch_size), static_cast<std::int64_t>(config_.max_context_len),
                 static_cast<std::int64_t>(config_.num_kv_heads), static_cast<std::int64_t>(config_.head_dim)};
   view.strides = {static_cast<std::int64_t>(slot_bytes_ / dtype), static_cast<std::int64_t>(token_bytes_ / dtype),
                   static_cast<std::int64_t>(config_.head_dim), 1};

@@ -13,9 +13,9 @@ namespace vkv {
 
 /// How the K/V bytes of a slot are laid out in virtual memory (docs/architecture.md).
 enum class LayoutKind {
-  /// vAttention: one region per layer and per K/V, each [max_batch, max_context, kv_heads, head_dim].
+  /// vAttention: one region per layer and per K/V, each [max_batch_size, max_context_len, kv_heads, head_dim].
   per_layer,
-  /// vkv: one region per group of layers, [max_batch, max_context, group, 2, kv_heads, head_dim],
+  /// vkv: one region per group of layers, [max_batch_size, max_context_len, group, 2, kv_heads, head_dim],
   /// so a page holds every layer of a few tokens instead of one layer of many.
   interleaved,
 };
@@ -42,47 +42,44 @@ struct Device {
 /// CacheConfig::eager_tokens: follow the prompt lengths seen so far.
 inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
 
+// Every field of CacheConfig, once: its name (the same in C++ and Python), type, default
+// and meaning. The struct below, the Python binding (vkv._C.CacheConfig), KVCache's
+// keyword arguments and docstring, the stub and the table in docs/api.md derive from it.
+#define VKV_CACHE_CONFIG_FIELDS(X)                                                                                  \
+  X(num_layers, std::size_t, 0, "transformer layers whose keys and values the cache holds")                        \
+  X(num_kv_heads, std::size_t, 0, "key/value heads per layer")                                                     \
+  X(head_dim, std::size_t, 0, "elements per head")                                                                 \
+  X(dtype_bytes, std::size_t, 2, "bytes per element: 1 (fp8), 2 (fp16, bf16), 4 (fp32) or 8")                      \
+  X(max_batch_size, std::size_t, 0, "slots: requests the cache holds at once")                                     \
+  X(max_context_len, std::size_t, 0, "tokens per slot")                                                            \
+  X(layout, LayoutKind, LayoutKind::interleaved,                                                                   \
+    "'interleaved' (every layer of a token in one page) or 'per_layer' (vAttention)")                              \
+  X(layers_per_group, std::size_t, 0, "interleaved only: layers that share one region (divides num_layers); 0 = all") \
+  X(page_size, std::size_t, 0, "bytes per physical page; 0 = the backend's default (2 MiB)")                        \
+  X(device, Device, Device{}, "'auto' (a GPU if present), 'cpu' / 'host', 'cuda' or 'cuda:N'")                     \
+  X(memory_budget, std::size_t, 0,                                                                                 \
+    "most physical memory in bytes; 0 = enough for every slot, at most 90% of the free device memory")            \
+  X(precreate_pages, std::size_t, 0, "physical pages created up front, so that step() does not create them")       \
+  X(zero_page, bool, true,                                                                                         \
+    "pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may "   \
+    "read beyond a slot's seq_len; off: such reads touch unmapped memory")                                        \
+  X(background_mapping, bool, true, "a background thread maps ahead what the next iterations will need")           \
+  X(lookahead_tokens, std::size_t, 32, "tokens mapped ahead beyond each allocated slot's seq_len")                 \
+  X(eager_tokens, std::size_t, kAdaptive,                                                                          \
+    "tokens kept mapped in the slot alloc_reqid() hands out next, for the next prefill; adaptive follows recent "  \
+    "prompt lengths, 0 turns it off")                                                                             \
+  X(deferred_reclamation, bool, true,                                                                              \
+    "freed slots keep their pages for the next owner; off: free_reqid() waits for the device and gives them back") \
+  X(reclaim_watermark_pages, std::size_t, 0,                                                                       \
+    "the mapper unmaps freed slots' pages into the pool while fewer are free; 0 = budget / 32")                    \
+  X(backend_statistics, bool, true, "count every backend call and its time (stats()['backend'])")
+
+/// What a KV cache looks like. Plain data; validate() checks it field by field.
 struct CacheConfig {
-  std::size_t num_layers = 0;
-  std::size_t num_kv_heads = 0;
-  std::size_t head_dim = 0;
-  std::size_t dtype_bytes = 2;   ///< 1 (fp8), 2 (fp16/bf16), 4 (fp32) or 8
-  std::size_t max_batch = 0;     ///< number of slots
-  std::size_t max_context = 0;   ///< tokens per slot
-  LayoutKind layout = LayoutKind::interleaved;
-  /// Interleaved only: layers that share one region (must divide num_layers); 0 = all of them.
-  std::size_t layers_per_group = 0;
-  /// Physical page size; 0 = the backend's default (2 MiB on CUDA and host).
-  std::size_t page_bytes = 0;
-  Device device{};
-  /// Most physical memory the cache may hold; 0 = enough to back every slot fully,
-  /// capped at 90% of the memory the backend reports free at construction.
-  std::size_t budget_bytes = 0;
-  /// Physical pages created up front so that cuMemCreate leaves the step() path.
-  std::size_t precreate_pages = 0;
-  /// Every page of the reservation that no step() backs reads as zeros (one shared
-  /// read-only page is mapped there; writes still fault), so kernels may read a padded
-  /// batch beyond a slot's seq_len, up to the largest seq_len of the batch. Off: such
-  /// reads touch unmapped memory (a fault). Costs are in docs/api.md.
-  bool zero_page = true;
-
-  // Hiding mapping latency (vAttention section 5.4); each can be switched off for ablation.
-  /// A background thread maps ahead what the next iterations will need. Off: step() maps
-  /// everything itself.
-  bool background_mapping = true;
-  /// Tokens the mapper backs beyond each allocated slot's last seq_len.
-  std::size_t lookahead_tokens = 32;
-  /// Tokens the mapper keeps backed in the slot alloc_reqid() hands out next, for the next
-  /// prefill: kAdaptive follows recent prompt lengths, 0 turns eager allocation off.
-  std::size_t eager_tokens = kAdaptive;
-  /// Freed slots keep their pages for the next owner. Off: free_reqid() waits for the
-  /// device and gives the slot's pages back to the driver at once.
-  bool deferred_reclamation = true;
-  /// The mapper unmaps freed slots' pages into the pool, ahead of need, while fewer than
-  /// this many pages can be had without unmapping; 0 = budget / 32.
-  std::size_t reclaim_watermark_pages = 0;
+#define VKV_DECLARE_CONFIG_FIELD(name, type, default_value, meaning) type name = default_value;
+  VKV_CACHE_CONFIG_FIELDS(VKV_DECLARE_CONFIG_FIELD)
+#undef VKV_DECLARE_CONFIG_FIELD
 };
-
 
 /// Upper limits on shape fields; far above real models, low enough that byte
 /// counts cannot overflow 64 bits before the address-space check rejects them.

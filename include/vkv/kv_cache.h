@@ -97,7 +97,7 @@ class KvCache {
   void free_reqid(std::size_t slot, Stream stream = 0);
 
   /// Makes sure every allocated slot s has seq_lens[s] tokens backed, mapping what is
-  /// missing (zero-filling fresh pages on `stream`). `count` must be max_batch; free
+  /// missing (zero-filling fresh pages on `stream`). `count` must be max_batch_size; free
   /// slots must have 0. A slot keeps every page it has needed since alloc_reqid(), also
   /// when its seq_len shrinks. Missing pages come from the pool, then from pages no
   /// owner needs: surplus pages of allocated slots, then the least recently freed slot.

@@ -1,7 +1,7 @@
 // Where every byte of the KV cache lives in the reservation.
 //
 // The reservation is cut into regions of equal size; a region holds one
-// [max_batch, max_context, ...] block, and each slot owns one contiguous run of
+// [max_batch_size, max_context_len, ...] block, and each slot owns one contiguous run of
 // it (slot_bytes, a whole number of pages). Per-layer: 2 * num_layers regions,
 // K and V of one layer each. Interleaved: num_layers / layers_per_group regions,
 // each token holding [group, 2, kv_heads, head_dim]. In both, token t of slot s
@@ -19,7 +19,7 @@
 
 namespace vkv {
 
-/// A [max_batch, max_context, kv_heads, head_dim] view of one layer's K or V.
+/// A [max_batch_size, max_context_len, kv_heads, head_dim] view of one layer's K or V.
 struct TensorView {
   std::size_t offset_bytes = 0;          ///< from the start of the reservation
   std::array<std::int64_t, 4> shape{};   ///< in elements
@@ -37,7 +37,7 @@ class KvLayout {
   std::size_t layers_per_region() const noexcept { return layers_per_region_; }
   /// Bytes one token occupies in one region.
   std::size_t token_bytes() const noexcept { return token_bytes_; }
-  /// Bytes one slot owns in one region: max_context tokens rounded up to pages.
+  /// Bytes one slot owns in one region: max_context_len tokens rounded up to pages.
   std::size_t slot_bytes() const noexcept { return slot_bytes_; }
   std::size_t pages_per_slot() const noexcept { return slot_bytes_ / page_bytes_; }
   std::size_t region_bytes() const noexcept { return region_bytes_; }

@@ -44,9 +44,9 @@ void translate(std::exception_ptr pending) {
 }
 
 std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_heads, std::size_t head_dim,
-                                    std::size_t dtype_bytes, std::size_t max_batch, std::size_t max_context,
+                                    std::size_t dtype_bytes, std::size_t max_batch_size, std::size_t max_context_len,
                                     const std::string& layout, std::size_t layers_per_group,
-                                    std::size_t page_bytes, const std::string& device, std::size_t budget_bytes,
+                                    std::size_t page_bytes, const std::string& device, std::size_t memory_budget,
                                     std::size_t precreate_pages, bool background_mapping,
                                     std::size_t lookahead_tokens, std::size_t eager_tokens,
                                     bool deferred_reclamation, std::size_t reclaim_watermark_pages, bool zero_page) {
@@ -55,13 +55,13 @@ std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_h
   config.num_kv_heads = num_kv_heads;
   config.head_dim = head_dim;
   config.dtype_bytes = dtype_bytes;
-  config.max_batch = max_batch;
-  config.max_context = max_context;
+  config.max_batch_size = max_batch_size;
+  config.max_context_len = max_context_len;
   config.layout = vkv::parse_layout(layout);
   config.layers_per_group = layers_per_group;
-  config.page_bytes = page_bytes;
+  config.page_size = page_bytes;
   config.device = vkv::Device::parse(device);
-  config.budget_bytes = budget_bytes;
+  config.memory_budget = memory_budget;
   config.precreate_pages = precreate_pages;
   config.background_mapping = background_mapping;
   config.lookahead_tokens = lookahead_tokens;
@@ -283,8 +283,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("slot", &KvCache::Preparation::slot);
   py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache")
       .def(py::init(&make_cache), arg("num_layers"), arg("num_kv_heads"), arg("head_dim"), arg("dtype_bytes"),
-           arg("max_batch"), arg("max_context"), arg("layout"), arg("layers_per_group"), arg("page_bytes"),
-           arg("device"), arg("budget_bytes"), arg("precreate_pages"), arg("background_mapping"),
+           arg("max_batch_size"), arg("max_context_len"), arg("layout"), arg("layers_per_group"), arg("page_bytes"),
+           arg("device"), arg("memory_budget"), arg("precreate_pages"), arg("background_mapping"),
            arg("lookahead_tokens"), arg("eager_tokens"), arg("deferred_reclamation"), arg("reclaim_watermark_pages"),
            arg("zero_page"))
       .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)

@@ -35,9 +35,9 @@ TEST(Config, RejectsEachShapeFieldOutOfRange) {
       {[](CacheConfig& c) { c.head_dim = 0; }, {"head_dim = 0"}},
       {[](CacheConfig& c) { c.head_dim = 1 << 20; }, {"head_dim = 1048576", "65536"}},
       {[](CacheConfig& c) { c.dtype_bytes = 3; }, {"dtype_bytes = 3", "1, 2, 4 or 8"}},
-      {[](CacheConfig& c) { c.max_batch = 0; }, {"max_batch = 0"}},
-      {[](CacheConfig& c) { c.max_batch = kMaxBatch + 1; }, {"max_batch = 1048577"}},
-      {[](CacheConfig& c) { c.max_context = 0; }, {"max_context = 0"}},
+      {[](CacheConfig& c) { c.max_batch_size = 0; }, {"max_batch_size = 0"}},
+      {[](CacheConfig& c) { c.max_batch_size = kMaxBatch + 1; }, {"max_batch_size = 1048577"}},
+      {[](CacheConfig& c) { c.max_context_len = 0; }, {"max_context_len = 0"}},
       {[](CacheConfig& c) { c.layers_per_group = 3; }, {"layers_per_group = 3", "num_layers = 4"}},
       {[](CacheConfig& c) { c.layers_per_group = 8; }, {"layers_per_group = 8"}},
       {[](CacheConfig& c) {
@@ -45,7 +45,7 @@ TEST(Config, RejectsEachShapeFieldOutOfRange) {
          c.layers_per_group = 2;
        },
        {"layers_per_group = 2", "per_layer"}},
-      {[](CacheConfig& c) { c.page_bytes = 3000; }, {"page_bytes = 3000", "power of two"}},
+      {[](CacheConfig& c) { c.page_size = 3000; }, {"page_size = 3000", "power of two"}},
       {[](CacheConfig& c) { c.device.index = -1; }, {"device index = -1"}},
   };
   for (const Case& test : cases) {
@@ -72,8 +72,8 @@ TEST(Config, RefusesMoreAddressSpaceThanTheBackendCanReserve) {
   config.num_layers = 128;
   config.num_kv_heads = 64;
   config.head_dim = 256;
-  config.max_batch = 4096;
-  config.max_context = 1 << 20;  // 8 MiB per token x 2^20 tokens x 4096 slots
+  config.max_batch_size = 4096;
+  config.max_context_len = 1 << 20;  // 8 MiB per token x 2^20 tokens x 4096 slots
   auto backend = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
   try {
     KvCache cache(config, backend);
@@ -91,21 +91,21 @@ TEST(Config, RefusesSizesThatOverflow) {
   config.num_kv_heads = kMaxKvHeads;
   config.head_dim = kMaxHeadDim;
   config.dtype_bytes = 8;
-  config.max_context = kMaxContext;
+  config.max_context_len = kMaxContext;
   EXPECT_THROW(KvLayout(config, 64 << 10), InvalidArgument);
 }
 
 TEST(Config, RejectsABudgetBelowOnePageAndAPageSizeTheBackendLacks) {
   auto backend = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
   CacheConfig config = valid_config();
-  config.budget_bytes = 1000;
+  config.memory_budget = 1000;
   EXPECT_THROW(KvCache(config, backend), InvalidArgument);
-  config.budget_bytes = 0;
-  config.page_bytes = 128 << 10;
+  config.memory_budget = 0;
+  config.page_size = 128 << 10;
   EXPECT_THROW(KvCache(config, backend), InvalidArgument);
-  config.page_bytes = 0;
+  config.page_size = 0;
   config.precreate_pages = 1 << 30;
-  config.budget_bytes = 4 * testing::kHostTestPageBytes;
+  config.memory_budget = 4 * testing::kHostTestPageBytes;
   EXPECT_THROW(KvCache(config, backend), InvalidArgument);
 }
 

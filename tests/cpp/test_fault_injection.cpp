@@ -167,7 +167,7 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
   const bool asynchronous = kind != testing::BackendKind::host;
   std::string unused;
   CacheConfig config = testing::small_config(std::get<1>(GetParam()), testing::make_test_backend(kind, &unused)->page_bytes());
-  config.budget_bytes = 0;
+  config.memory_budget = 0;
   const std::vector<Step> steps = workload();
   std::size_t total_calls = 0;
   std::size_t failures_seen = 0;
@@ -189,11 +189,11 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
       }
       if (cache) {
         Script script{*cache, *real, cache->layout().tokens_in_pages(1)};
-        script.tokens.assign(config.max_batch, 0);
-        script.swapped.assign(config.max_batch, false);
+        script.tokens.assign(config.max_batch_size, 0);
+        script.swapped.assign(config.max_batch_size, false);
         for (const Step& step : steps) {
           SCOPED_TRACE(step.name);
-          const std::size_t discarded = step.discards < 4 ? script.slot[step.discards] : config.max_batch;
+          const std::size_t discarded = step.discards < 4 ? script.slot[step.discards] : config.max_batch_size;
           const Snapshot before = Snapshot::of(script, discarded);
           // Work queued ahead: the call's own device work is still pending if it fails.
           if (asynchronous)

@@ -32,7 +32,7 @@ TEST(Fork, EveryCallInTheChildRaisesAndTheParentGoesOn) {
   config.background_mapping = true;  // a mapper thread that does not exist in the child
   auto cache = std::make_unique<KvCache>(config, std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   const std::size_t slot = cache->alloc_reqid();
-  std::vector<std::size_t> seq_lens(config.max_batch, 0);
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
   seq_lens[slot] = 10;
   cache->step(seq_lens);
   auto* token = reinterpret_cast<std::uint8_t*>(cache->base() + cache->layout().page_offset(0, slot, 0));

@@ -21,13 +21,13 @@ class KvCacheTest : public ::testing::TestWithParam<std::tuple<BackendKind, Layo
   std::unique_ptr<KvCache> make_cache(std::size_t budget_pages_per_region = 0) {
     CacheConfig config = config_;
     const KvLayout layout(config, backend_->page_bytes());
-    config.budget_bytes = budget_pages_per_region * layout.num_regions() * backend_->page_bytes();
+    config.memory_budget = budget_pages_per_region * layout.num_regions() * backend_->page_bytes();
     return std::make_unique<KvCache>(config, backend_);
   }
 
   // seq_lens with `tokens` for `slot` and 0 elsewhere.
   std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
-    std::vector<std::size_t> seq_lens(config_.max_batch, 0);
+    std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
     for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
     return seq_lens;
   }
@@ -82,7 +82,7 @@ TEST_P(KvCacheTest, StepBacksEverySlotInOneCall) {
   auto cache = make_cache();
   const KvLayout& layout = cache->layout();
   const std::size_t a = cache->alloc_reqid(), b = cache->alloc_reqid(), c = cache->alloc_reqid();
-  cache->step(lens({{a, 1}, {b, layout.tokens_in_pages(4)}, {c, config_.max_context}}));
+  cache->step(lens({{a, 1}, {b, layout.tokens_in_pages(4)}, {c, config_.max_context_len}}));
   EXPECT_EQ(cache->mapped_pages(a), 1u);
   EXPECT_EQ(cache->mapped_pages(b), 4u);
   EXPECT_EQ(cache->mapped_pages(c), layout.pages_per_slot());
@@ -198,10 +198,10 @@ TEST_P(KvCacheTest, EveryBadInputRaisesAndChangesNothing) {
       EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
     }
   };
-  expect_invalid([&] { cache->step(std::vector<std::size_t>(config_.max_batch - 1, 0)); }, "max_batch = 4");
-  expect_invalid([&] { cache->step(lens({{slot, config_.max_context + 1}})); }, "exceeds max_context");
+  expect_invalid([&] { cache->step(std::vector<std::size_t>(config_.max_batch_size - 1, 0)); }, "max_batch_size = 4");
+  expect_invalid([&] { cache->step(lens({{slot, config_.max_context_len + 1}})); }, "exceeds max_context_len");
   expect_invalid([&] { cache->step(lens({{slot, 1}, {slot + 1, 1}})); }, "is not allocated");
-  expect_invalid([&] { cache->free_reqid(config_.max_batch); }, "out of range");
+  expect_invalid([&] { cache->free_reqid(config_.max_batch_size); }, "out of range");
   expect_invalid([&] { cache->free_reqid(slot + 1); }, "double free");
   expect_invalid([&] { cache->is_allocated(99); }, "slot = 99");
   expect_invalid([&] { cache->mapped_pages(99); }, "slot = 99");
@@ -211,7 +211,7 @@ TEST_P(KvCacheTest, EveryBadInputRaisesAndChangesNothing) {
   EXPECT_EQ(after.pages_mapped, before.pages_mapped);
   cache->free_reqid(slot);
   expect_invalid([&] { cache->free_reqid(slot); }, "double free");
-  for (std::size_t i = 0; i < config_.max_batch; ++i) cache->alloc_reqid();
+  for (std::size_t i = 0; i < config_.max_batch_size; ++i) cache->alloc_reqid();
   expect_invalid([&] { cache->alloc_reqid(); }, "no free slot");
   cache->check_invariants();
 }
@@ -259,11 +259,11 @@ TEST(KvCacheReclamation, UnmapsAFreedSlotOnlyAfterItsEventCompleted) {
   auto events = std::make_shared<testing::ControlledEventBackend>(
       std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
-  config.budget_bytes = 4 * testing::kHostTestPageBytes;
+  config.memory_budget = 4 * testing::kHostTestPageBytes;
   config.zero_page = false;  // its read windows have events of their own (test_zero_page.cpp)
   KvCache cache(config, events);
   const KvLayout& layout = cache.layout();
-  std::vector<std::size_t> seq_lens(config.max_batch, 0);
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
   const std::size_t a = cache.alloc_reqid();
   seq_lens[a] = layout.tokens_in_pages(4);
   cache.step(seq_lens);

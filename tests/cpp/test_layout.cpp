@@ -62,7 +62,7 @@ TEST(Layout, PagesForTokensRoundsUpAndCoversAStraddlingToken) {
   EXPECT_EQ(layout.pages_for_tokens(171), 2u);  // token 170 ends at 65664
   EXPECT_EQ(layout.tokens_in_pages(1), 170u);
   EXPECT_EQ(layout.slot_bytes() % kPage, 0u);
-  EXPECT_GE(layout.slot_bytes(), config.max_context * 384);
+  EXPECT_GE(layout.slot_bytes(), config.max_context_len * 384);
 }
 
 TEST(Layout, PageOffsetsFollowRegionSlotPage) {
@@ -82,8 +82,8 @@ TEST(Layout, Llama3_8BShapesMatchTheDesign) {
   config.num_kv_heads = 8;
   config.head_dim = 128;
   config.dtype_bytes = 2;
-  config.max_batch = 32;
-  config.max_context = 8192;
+  config.max_batch_size = 32;
+  config.max_context_len = 8192;
   const std::size_t page = 2 << 20;
   config.layout = LayoutKind::interleaved;
   EXPECT_EQ(KvLayout(config, page).tokens_in_pages(1), 16u);

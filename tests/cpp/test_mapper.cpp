@@ -27,7 +27,7 @@ class MapperTest : public ::testing::TestWithParam<std::tuple<BackendKind, Layou
     config_.zero_page = false;
   }
   std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
-    std::vector<std::size_t> seq_lens(config_.max_batch, 0);
+    std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
     for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
     return seq_lens;
   }
@@ -94,7 +94,7 @@ TEST_P(MapperTest, WatermarkReclaimsFreedSlotsOnlyOnceTheirReadersAreDone) {
   auto events = std::make_shared<testing::ControlledEventBackend>(backend_);
   const KvLayout probe(config_, backend_->page_bytes());
   const std::size_t regions = probe.num_regions();
-  config_.budget_bytes = 4 * regions * backend_->page_bytes();
+  config_.memory_budget = 4 * regions * backend_->page_bytes();
   config_.reclaim_watermark_pages = 2 * regions;
   KvCache cache(config_, events);
   const std::size_t a = cache.alloc_reqid(), b = cache.alloc_reqid();
@@ -136,7 +136,7 @@ TEST_P(MapperTest, AnErrorOnTheMapperThreadSurfacesOnTheNextCall) {
   bool surfaced = false;
   while (!surfaced && std::chrono::steady_clock::now() < deadline) {
     try {
-      cache.step(std::vector<std::size_t>(config_.max_batch, 0));
+      cache.step(std::vector<std::size_t>(config_.max_batch_size, 0));
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     } catch (const DriverError& error) {
       surfaced = true;

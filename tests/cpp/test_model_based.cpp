@@ -64,7 +64,7 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
   std::mt19937_64 random(seed);
 
   CacheConfig config = testing::small_config(std::get<1>(GetParam()), backend->page_bytes());
-  config.max_batch = 6;
+  config.max_batch_size = 6;
   const bool background = std::get<2>(GetParam());
   config.background_mapping = background;
   config.zero_page = std::get<3>(GetParam());
@@ -72,10 +72,10 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
   const std::size_t regions = layout.num_regions();
   const std::size_t token_bytes = layout.token_bytes();
   std::size_t budget = layout.pages_per_slot() * 2;  // per region; tight: about a third of full backing
-  config.budget_bytes = budget * regions * backend->page_bytes();
+  config.memory_budget = budget * regions * backend->page_bytes();
   KvCache cache(config, backend);
 
-  Model model(config.max_batch);
+  Model model(config.max_batch_size);
   std::size_t steps = 0, shortages = 0, frees = 0, forks = 0, swaps = 0, budgets = 0;
   std::uint8_t next_value = 0;
 
@@ -135,9 +135,9 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
   };
   auto random_slot = [&](auto&& wanted) {
     std::vector<std::size_t> candidates;
-    for (std::size_t s = 0; s < config.max_batch; ++s)
+    for (std::size_t s = 0; s < config.max_batch_size; ++s)
       if (wanted(s)) candidates.push_back(s);
-    return candidates.empty() ? config.max_batch : candidates[random() % candidates.size()];
+    return candidates.empty() ? config.max_batch_size : candidates[random() % candidates.size()];
   };
   auto running = [&](std::size_t s) { return model.allocated[s] && !model.swapped[s]; };
   // After sharing `tokens` tokens into dst: claimed ids, and a shortage when the partial page does not fit.
@@ -154,9 +154,9 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
     const std::size_t live = random_slot(running);
     std::vector<std::size_t> touched;
 
-    if (choice < 2 && free_slot < config.max_batch) {  // alloc
+    if (choice < 2 && free_slot < config.max_batch_size) {  // alloc
       const std::size_t slot = cache.alloc_reqid();
-      ASSERT_LT(slot, config.max_batch);
+      ASSERT_LT(slot, config.max_batch_size);
       ASSERT_FALSE(model.allocated[slot]) << "handed out an allocated slot";
       model.allocated[slot] = true;
       // Pages it inherits from a previous owner read as zeros. (With the mapper running,
@@ -164,14 +164,14 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
       if (!background) check_zero(slot, 0, cache.mapped_pages(slot));
     } else if (choice < 4) {  // free, swapped-out slots included
       const std::size_t slot = random_slot([&](std::size_t s) { return model.allocated[s]; });
-      if (slot == config.max_batch) continue;
+      if (slot == config.max_batch_size) continue;
       cache.free_reqid(slot);
       model.allocated[slot] = model.swapped[slot] = false;
       model.swapped_tokens[slot].clear();
       model.drop(slot);
       ++frees;
     } else if (choice == 4) {  // a bad call: must throw and change nothing
-      const std::size_t slot = random() % config.max_batch;
+      const std::size_t slot = random() % config.max_batch_size;
       if (!model.allocated[slot]) {
         EXPECT_THROW(cache.free_reqid(slot), InvalidArgument);
         EXPECT_THROW(cache.fork(slot), InvalidArgument);
@@ -179,13 +179,13 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
       }
       if (!model.swapped[slot]) EXPECT_THROW(cache.swap_in(slot), InvalidArgument);
       std::vector<std::size_t> bad(model.seq_len);
-      bad[slot] = config.max_context + 1 + random() % 7;
+      bad[slot] = config.max_context_len + 1 + random() % 7;
       EXPECT_THROW(cache.step(bad), InvalidArgument);
       if (model.swapped[slot]) {
         bad[slot] = 1;
         EXPECT_THROW(cache.step(bad), InvalidArgument);
       }
-    } else if (choice == 5 && live < config.max_batch && free_slot < config.max_batch) {  // fork
+    } else if (choice == 5 && live < config.max_batch_size && free_slot < config.max_batch_size) {  // fork
       const std::size_t tokens = model.seq_len[live];
       const std::vector<std::uint64_t> ids = share_pages(live, tokens);
       const bool partial = layout.pages_for_tokens(tokens) > tokens * token_bytes / layout.page_bytes();
@@ -203,7 +203,7 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
         touched = {live, slot};
         ++forks;
       }
-    } else if (choice == 6 && live < config.max_batch && free_slot < config.max_batch) {  // share_prefix
+    } else if (choice == 6 && live < config.max_batch_size && free_slot < config.max_batch_size) {  // share_prefix
       const std::size_t tokens = random() % (model.seq_len[live] + 1);
       const std::size_t dst = cache.alloc_reqid();
       model.allocated[dst] = true;
@@ -220,7 +220,7 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
         touched = {live, dst};
         ++forks;
       }
-    } else if (choice == 7 && live < config.max_batch) {  // swap_out
+    } else if (choice == 7 && live < config.max_batch_size) {  // swap_out
       cache.swap_out(live);
       model.swapped[live] = true;
       model.swapped_tokens[live] = model.tokens[live];
@@ -229,7 +229,7 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
       ++swaps;
     } else if (choice == 8) {  // swap_in
       const std::size_t slot = random_slot([&](std::size_t s) { return model.swapped[s]; });
-      if (slot == config.max_batch) continue;
+      if (slot == config.max_batch_size) continue;
       const std::size_t count = model.swapped_tokens[slot].size();
       const std::size_t demand = model.distinct_pages() + layout.pages_for_tokens(count);
       if (demand > budget) {
@@ -267,20 +267,20 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
         }
       }
     } else if (choice >= 10) {  // step: grow, keep or shrink every running slot
-      std::vector<std::size_t> seq_lens(config.max_batch, 0);
+      std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
       std::vector<std::vector<std::uint64_t>> after = model.pages;
-      for (std::size_t s = 0; s < config.max_batch; ++s) {
+      for (std::size_t s = 0; s < config.max_batch_size; ++s) {
         if (!running(s)) continue;
         const std::size_t roll = random() % 10;
         std::size_t tokens = model.seq_len[s];
         if (roll < 6) tokens += 1 + random() % (layout.tokens_in_pages(1) + 1);        // decode / short prefill
-        else if (roll < 7) tokens += random() % (config.max_context / 2);             // long prefill
+        else if (roll < 7) tokens += random() % (config.max_context_len / 2);             // long prefill
         else if (roll < 8) tokens = random() % (tokens + 1);                           // rollback
-        seq_lens[s] = std::min(tokens, config.max_context);
+        seq_lens[s] = std::min(tokens, config.max_context_len);
       }
       // Copy-on-write: shared pages in a growing slot's written range get new ids.
       std::size_t next_id = model.next_id;
-      for (std::size_t s = 0; s < config.max_batch; ++s) {
+      for (std::size_t s = 0; s < config.max_batch_size; ++s) {
         if (!running(s) || seq_lens[s] <= model.seq_len[s]) continue;
         const std::size_t end = std::min(model.pages[s].size(), layout.pages_for_tokens(seq_lens[s]));
         for (std::size_t page = model.seq_len[s] * token_bytes / layout.page_bytes(); page < end; ++page)
@@ -295,7 +295,7 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
       } else {
         cache.step(seq_lens);
         model.next_id = next_id;
-        for (std::size_t s = 0; s < config.max_batch; ++s) {
+        for (std::size_t s = 0; s < config.max_batch_size; ++s) {
           if (!running(s)) continue;
           const std::size_t before = model.pages[s].size();
           model.pages[s] = after[s];
@@ -305,15 +305,15 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
           model.seq_len[s] = seq_lens[s];
           model.tokens[s].resize(seq_lens[s]);
         }
-        touched.resize(config.max_batch);
-        for (std::size_t s = 0; s < config.max_batch; ++s) touched[s] = s;
+        touched.resize(config.max_batch_size);
+        for (std::size_t s = 0; s < config.max_batch_size; ++s) touched[s] = s;
         ++steps;
       }
     }
     if (HasFailure()) break;
     cache.check_invariants();
     // Tokens: of the slots this call touched, and of one more at random (reads are slow).
-    touched.push_back(random() % config.max_batch);
+    touched.push_back(random() % config.max_batch_size);
     for (std::size_t s : touched) {
       if (running(s)) check_tokens(s);
       check_zero_beyond(s);
@@ -321,7 +321,7 @@ TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
     if (HasFailure()) break;
     const CacheStats stats = cache.stats();
     std::size_t active = 0, swapped = 0;
-    for (std::size_t s = 0; s < config.max_batch; ++s) {
+    for (std::size_t s = 0; s < config.max_batch_size; ++s) {
       ASSERT_EQ(cache.is_allocated(s), model.allocated[s]);
       ASSERT_EQ(cache.is_swapped(s), model.swapped[s]);
       active += model.allocated[s] ? 1 : 0;

@@ -24,12 +24,12 @@ class PrepareTest : public ::testing::TestWithParam<std::tuple<BackendKind, Layo
 
   std::unique_ptr<KvCache> make_cache(std::size_t budget_pages_per_region = 0) {
     CacheConfig config = config_;
-    config.budget_bytes = budget_pages_per_region * layout_->num_regions() * backend_->page_bytes();
+    config.memory_budget = budget_pages_per_region * layout_->num_regions() * backend_->page_bytes();
     return std::make_unique<KvCache>(config, backend_);
   }
 
   std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
-    std::vector<std::size_t> seq_lens(config_.max_batch, 0);
+    std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
     for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
     return seq_lens;
   }

@@ -15,7 +15,7 @@ class SlotCallsTest : public ::testing::TestWithParam<testing::BackendKind> {
     backend_ = testing::make_test_backend(GetParam(), &why_not_);
     if (!backend_) GTEST_SKIP() << why_not_;
     config_ = testing::small_config(LayoutKind::interleaved, backend_->page_bytes());
-    config_.max_batch = 8;
+    config_.max_batch_size = 8;
   }
   std::unique_ptr<KvCache> make_cache() { return std::make_unique<KvCache>(config_, backend_); }
 
@@ -92,7 +92,7 @@ TEST_P(SlotCallsTest, StepSlotsChangesTheListedSlotsOnly) {
 
 TEST_P(SlotCallsTest, StepSlotsIsAllOrNothingOnAShortage) {
   CacheConfig config = config_;
-  config.budget_bytes = 2 * backend_->page_bytes();
+  config.memory_budget = 2 * backend_->page_bytes();
   KvCache cache(config, backend_);
   const std::vector<std::size_t> slots = cache.alloc_reqids(2, true);
   const std::size_t per_page = cache.layout().tokens_in_pages(1);

@@ -19,7 +19,7 @@ class ZeroPageTest : public ::testing::TestWithParam<std::tuple<BackendKind, Lay
     config_ = testing::small_config(std::get<1>(GetParam()), backend_->page_bytes());
   }
   std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
-    std::vector<std::size_t> seq_lens(config_.max_batch, 0);
+    std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
     for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
     return seq_lens;
   }
@@ -42,12 +42,12 @@ TEST_P(ZeroPageTest, EveryPageOfEverySlotReadsZerosOnceBacked) {
   const std::size_t slot = cache.alloc_reqid();  // an allocated slot is backed to its end at once
   expect_zeros_from(cache, slot, 0);
   cache.map_ahead_now();  // what the mapper does in the background where backing costs per page
-  for (std::size_t s = 0; s < config_.max_batch; ++s) expect_zeros_from(cache, s, 0);
+  for (std::size_t s = 0; s < config_.max_batch_size; ++s) expect_zeros_from(cache, s, 0);
   cache.check_invariants();
 }
 
 TEST_P(ZeroPageTest, ReadsBeyondTheTokensReadZerosWhilePagesComeAndGo) {
-  config_.budget_bytes = 3 * KvLayout(config_, backend_->page_bytes()).num_regions() * backend_->page_bytes();
+  config_.memory_budget = 3 * KvLayout(config_, backend_->page_bytes()).num_regions() * backend_->page_bytes();
   KvCache cache(config_, backend_);
   const KvLayout& layout = cache.layout();
   const std::size_t a = cache.alloc_reqid(), b = cache.alloc_reqid();
@@ -108,7 +108,7 @@ TEST(ZeroPage, APageInReachOfWorkInFlightIsSwappedOnlyAfterIt) {
   const KvLayout& layout = cache.layout();
   const std::size_t page = layout.tokens_in_pages(1);
   const std::size_t longer = cache.alloc_reqid(), shorter = cache.alloc_reqid();
-  std::vector<std::size_t> seq_lens(config.max_batch, 0);
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
   seq_lens[longer] = 8 * page;
   seq_lens[shorter] = page;
   cache.step(seq_lens);  // the iteration after this may read pages [0, 8) of both slots
@@ -132,7 +132,7 @@ TEST(ZeroPage, APageInReachOfWorkInFlightIsSwappedOnlyAfterIt) {
   config.lookahead_tokens = 2 * page;
   KvCache ahead(config, events);
   const std::size_t l = ahead.alloc_reqid(), s = ahead.alloc_reqid();
-  std::vector<std::size_t> lens(config.max_batch, 0);
+  std::vector<std::size_t> lens(config.max_batch_size, 0);
   lens[l] = 8 * page;
   lens[s] = page;
   ahead.step(lens);
@@ -150,7 +150,7 @@ TEST(ZeroPage, TrimLeavesPagesInReachOfWorkInFlight) {
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
   KvCache cache(config, backend);
   const std::size_t page = cache.layout().tokens_in_pages(1);
-  std::vector<std::size_t> seq_lens(config.max_batch, 0);
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
   const std::size_t a = cache.alloc_reqid();
   seq_lens[a] = 4 * page;
   cache.step(seq_lens);

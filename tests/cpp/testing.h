@@ -281,15 +281,15 @@ class FaultInjectingBackend final : public ForwardingBackend {
 };
 
 /// A model shape small enough for CPU tests: per-layer token 256 B, interleaved 2 KiB.
-/// max_context gives 8 pages per per-layer region, 64 per interleaved slot.
+/// max_context_len gives 8 pages per per-layer region, 64 per interleaved slot.
 inline CacheConfig small_config(LayoutKind layout, std::size_t page_bytes) {
   CacheConfig config;
   config.num_layers = 4;
   config.num_kv_heads = 2;
   config.head_dim = 64;
   config.dtype_bytes = 2;
-  config.max_batch = 4;
-  config.max_context = 8 * page_bytes / 256;
+  config.max_batch_size = 4;
+  config.max_context_len = 8 * page_bytes / 256;
   config.layout = layout;
   config.background_mapping = false;  // deterministic; the mapper has its own suite
   return config;

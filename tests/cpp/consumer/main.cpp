@@ -8,8 +8,8 @@ int main() {
   config.num_layers = 2;
   config.num_kv_heads = 1;
   config.head_dim = 64;
-  config.max_batch = 2;
-  config.max_context = 1024;
+  config.max_batch_size = 2;
+  config.max_context_len = 1024;
   config.device = vkv::Device::parse("host");
   vkv::KvCache cache(config);
   const std::size_t slot = cache.alloc_reqid();
