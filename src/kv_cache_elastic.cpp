@@ -4,22 +4,25 @@
 
 #include "format.h"
 #include "vkv/error.h"
-#include "vkv/kv_cache.h"
+#include "kv_cache_impl.h"
 
 namespace vkv {
 
-void KvCache::set_budget(std::size_t bytes) {
+std::size_t KvCache::Impl::pages_set_budget_keeps() const {
+  std::size_t pages = 0;  // claimed, or (zero_page) in reach of work in flight: neither can go now
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    pages += std::min(slots_[s].mapped(), first_reclaimable_without_waiting(s)) * layout_.num_regions();
+  return pages - sharing_.duplicate_mappings();  // shared pages lie below their slots' claims
+}
+
+void KvCache::Impl::set_budget(std::size_t bytes) {
   rethrow_background_error();
   const std::size_t page = layout_.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   const std::size_t budget = bytes / page;
   std::unique_lock<std::mutex> lock(mutex_);
   background_done_.wait(lock, [&] { return !background_busy(); });  // pages in flight count too
-  // Pages work in flight may read (zero_page: below the read horizon) cannot go yet either.
-  std::size_t in_use = 0;
-  for (std::size_t s = 0; s < slots_.size(); ++s)
-    in_use += std::min(slots_[s].mapped(), first_reclaimable_without_waiting(s)) * layout_.num_regions();
-  in_use -= duplicate_mappings();  // shared pages lie below their slots' claims
+  const std::size_t in_use = pages_set_budget_keeps();
   if (in_use > budget) {
     throw OutOfMemory(detail::concat("set_budget(", bytes, ") allows ", budget, " pages (",
                                      detail::format_bytes(budget * page), ") but allocated slots claim ", in_use,
@@ -42,7 +45,7 @@ void KvCache::set_budget(std::size_t bytes) {
   if (mapper_) mapper_->wake();  // growing makes room for mapping ahead
 }
 
-std::size_t KvCache::trim() {
+std::size_t KvCache::Impl::trim() {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   background_done_.wait(lock, [&] { return !background_busy(); });
@@ -57,9 +60,8 @@ std::size_t KvCache::trim() {
 
 // Releases pages until no more exist than the budget allows: free ones first, then
 // unclaimed mappings, coldest first. The caller made sure the claimed ones fit.
-void KvCache::shrink_to_budget() {
-  std::vector<std::size_t> claims(slots_.size());  // what no page may be reclaimed below without waiting
-  for (std::size_t s = 0; s < slots_.size(); ++s) claims[s] = first_reclaimable_without_waiting(s);
+void KvCache::Impl::shrink_to_budget() {
+  const std::vector<std::size_t> claims = reclaimable_floors();
   while (pool_.created_pages() > pool_.budget_pages()) {
     const std::size_t excess = pool_.created_pages() - pool_.budget_pages();
     if (pool_.free_pages() > 0) {

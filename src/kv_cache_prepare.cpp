@@ -18,52 +18,28 @@
 #include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
-#include "vkv/kv_cache.h"
+#include "kv_cache_impl.h"
 
 namespace vkv {
 
-KvCache::Preparation KvCache::prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
+KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ", slots_.size(),
-              " (0 for slots not in use)");
-  VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
-  for (std::size_t s = 0; s < count; ++s) {
-    VKV_EXPECTS(seq_lens[s] <= config_.max_context_len, "seq_lens[", s, "] = ", seq_lens[s], " exceeds max_context_len = ",
-                config_.max_context_len);
-    VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
-                " is not allocated (alloc_reqid() first)");
-    VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
-                " is swapped out (swap_in() first, or give it 0)");
-  }
+  expect_valid_seq_lens(seq_lens, count);
   const std::size_t regions = layout_.num_regions();
-  if (config_.zero_page) read_windows_->close_current(stream);  // mapping may wait for in-flight reads
-  std::vector<std::size_t> claims(count, 0);  // what step() will claim
-  std::unordered_map<PageHandle, std::size_t> copies_of;
+  if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
+  const std::size_t horizon =
+      config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
   for (;;) {
-    std::size_t to_map = 0;
-    std::size_t to_copy = 0;
-    bool waits_for_mapper = false;
-    copies_of.clear();
-    for (std::size_t s = 0; s < count; ++s) {
-      const Slot& slot = slots_[s];
-      claims[s] = std::max(slot.claimed, layout_.pages_for_tokens(seq_lens[s]));
-      if (claims[s] > slot.mapped()) to_map += (claims[s] - slot.mapped()) * regions;
-      if (!shares_.empty() && seq_lens[s] > slot.seq_len) {
-        const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
-        for (std::size_t page = slot.seq_len * layout_.token_bytes() / layout_.page_bytes(); page < end; ++page) {
-          const auto share = shares_.find(slot.pages.front()[page]);
-          if (share == shares_.end() || copies_of[share->first]++ == share->second - 1) continue;
-          to_copy += regions;
-        }
-      }
-      if (slot.busy() && claims[s] > slot.busy_from) waits_for_mapper = true;
-    }
-    if (waits_for_mapper) {
+    const StepPlan step = plan_step(seq_lens, count, horizon);
+    if (step.waits_for_mapper) {
       background_done_.wait(lock);
       continue;
     }
+    const std::vector<std::size_t>& claims = step.claims;
+    const std::size_t to_map = step.to_map;
+    const std::size_t to_copy = step.copies.size() * regions;
     Preparation plan;
     plan.copied_pages = to_copy / regions;
     const std::size_t missing = to_map + to_copy;
@@ -96,12 +72,12 @@ KvCache::Preparation KvCache::prepare_step(const std::size_t* seq_lens, std::siz
   }
 }
 
-KvCache::Preparation KvCache::prepare_swap_in(std::size_t slot_index, Stream stream) {
+KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(slot_index);
   const std::size_t regions = layout_.num_regions();
-  if (config_.zero_page) read_windows_->close_current(stream);  // mapping may wait for in-flight reads
+  if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
   for (;;) {
     const Slot& slot = slots_[slot_index];
     VKV_EXPECTS(slot.allocated && slot.swapped, "swap_in: slot ", slot_index, " is not swapped out");
@@ -109,7 +85,7 @@ KvCache::Preparation KvCache::prepare_swap_in(std::size_t slot_index, Stream str
       wait_not_busy(lock, slot_index);
       continue;
     }
-    std::vector<std::size_t> claims = current_claims();
+    std::vector<std::size_t> claims = slots_.claims();
     claims[slot_index] = layout_.pages_for_tokens(swapped_tokens(slot));
     Preparation plan;
     const std::size_t missing = claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * regions : 0;
@@ -135,7 +111,7 @@ KvCache::Preparation KvCache::prepare_swap_in(std::size_t slot_index, Stream str
   }
 }
 
-KvCache::Preparation KvCache::prepare_fork(std::size_t src) {
+KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(src);
@@ -143,7 +119,7 @@ KvCache::Preparation KvCache::prepare_fork(std::size_t src) {
     VKV_EXPECTS(slots_[src].allocated, "fork: slot ", src, " is not allocated");
     VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
     Preparation plan;
-    plan.slot = next_alloc_slot();
+    plan.slot = slots_.next_to_allocate();
     VKV_EXPECTS(plan.slot < slots_.size(), "no free slot: all max_batch_size = ", slots_.size(),
                 " slots are allocated (free_reqid one first)");
     if (slots_[plan.slot].busy()) {
@@ -155,7 +131,7 @@ KvCache::Preparation KvCache::prepare_fork(std::size_t src) {
   }
 }
 
-KvCache::Preparation KvCache::prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens) {
+KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(src);
@@ -180,15 +156,12 @@ KvCache::Preparation KvCache::prepare_share_prefix(std::size_t src, std::size_t 
   }
 }
 
-KvCache::Preparation KvCache::prepare_set_budget(std::size_t bytes) {
+KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
   rethrow_background_error();
   const std::size_t page = layout_.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   std::lock_guard<std::mutex> lock(mutex_);
-  std::size_t in_use = 0;  // as set_budget() counts: claims, and pages work in flight may read
-  for (std::size_t s = 0; s < slots_.size(); ++s)
-    in_use += std::min(slots_[s].mapped(), first_reclaimable_without_waiting(s)) * layout_.num_regions();
-  in_use -= duplicate_mappings();  // shared pages lie below their slots' claims
+  const std::size_t in_use = pages_set_budget_keeps();
   Preparation plan;
   plan.missing_pages = in_use > bytes / page ? in_use - bytes / page : 0;
   return plan;
@@ -198,7 +171,7 @@ KvCache::Preparation KvCache::prepare_set_budget(std::size_t bytes) {
 // own: one it keeps mapped there, or a fresh one per region. Makes the fresh ones free
 // in the pool (created, or unmapped from where no slot claims them); returns the
 // shortfall.
-std::size_t KvCache::obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens) {
+std::size_t KvCache::Impl::obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens) {
   const std::size_t page = layout_.page_bytes();
   const std::size_t regions = layout_.num_regions();
   const std::size_t shared_bytes = tokens * layout_.token_bytes();
@@ -206,8 +179,7 @@ std::size_t KvCache::obtain_partial_page(std::unique_lock<std::mutex>& lock, std
   for (;;) {
     if (slots_[dst].mapped() > shared_bytes / page) return 0;
     // No stream to wait on here: pages work in flight may read stay where they are.
-    std::vector<std::size_t> claims(slots_.size());
-    for (std::size_t s = 0; s < slots_.size(); ++s) claims[s] = first_reclaimable_without_waiting(s);
+    const std::vector<std::size_t> claims = reclaimable_floors();
     const std::size_t obtainable = obtainable_pages(claims);
     if (obtainable >= regions) {
       try {

@@ -1,46 +1,17 @@
-// KvCache: one physical page at several slots' addresses (fork, share_prefix), and
-// the copy-on-write that keeps shared tokens read-only.
-//
-// Sharing always pairs the same page index of the same region in two slots, since a
-// shared prefix sits at the same token positions. Only allocated slots hold shared
-// pages, all below their claim; free_reqid() and swap_out() drop a slot's shared pages
-// at once. So pages that can be reclaimed are never shared, and the page accounting of
-// the rest of the cache holds unchanged.
+// KvCache: one physical page at several slots' addresses (fork, share_prefix), and the
+// copy-on-write that keeps shared tokens read-only. The counts are PageSharing's
+// (page_sharing.h, where the rules that keep sharing simple are written).
 #include <algorithm>
 
 #include "format.h"
 #include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
-#include "vkv/kv_cache.h"
+#include "kv_cache_impl.h"
 
 namespace vkv {
 
-bool KvCache::holds_shared(const Slot& slot) const {
-  if (shares_.empty()) return false;
-  const std::vector<PageHandle>& pages = slot.pages.front();  // shared in every region or in none
-  return std::any_of(pages.begin(), pages.end(), [this](PageHandle page) { return is_shared(page); });
-}
-
-void KvCache::add_mapping(PageHandle page) {
-  auto [share, inserted] = shares_.try_emplace(page, 2);
-  if (!inserted) share->second += 1;
-}
-
-bool KvCache::drop_mapping(PageHandle page) {
-  const auto share = shares_.find(page);
-  if (share == shares_.end()) return true;
-  if (--share->second == 1) shares_.erase(share);
-  return false;
-}
-
-std::size_t KvCache::duplicate_mappings() const noexcept {
-  std::size_t duplicates = 0;
-  for (const auto& [page, count] : shares_) duplicates += count - 1;
-  return duplicates;
-}
-
-std::size_t KvCache::fork(std::size_t src, Stream stream) {
+std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(src);
@@ -50,7 +21,7 @@ std::size_t KvCache::fork(std::size_t src, Stream stream) {
   };
   expect_source();
   detail::UndoLog undo(stream_waiter(stream));
-  const std::size_t dst = next_alloc_slot();
+  const std::size_t dst = slots_.next_to_allocate();
   const std::size_t kept_at_free = dst < slots_.size() ? slots_[dst].kept_at_free : 0;
   allocate_slot(lock, dst, stream);
   undo.push([this, dst, kept_at_free] {
@@ -59,17 +30,16 @@ std::size_t KvCache::fork(std::size_t src, Stream stream) {
     slot.seq_len = slot.claimed = 0;
     slot.kept_at_free = kept_at_free;
   });
-  wait_not_busy(lock, dst);  // the mapper may be mapping ahead into the slot handed out next
-  wait_for_pages(lock, layout_.num_regions(), dst, 0);  // room for a partial page
-  expect_source();           // the waits let other threads in
-  if (config_.zero_page) read_windows_->close_current(stream);  // share_into() may wait for it
+  // The mapper may be mapping ahead into the slot handed out next; room for a partial page.
+  settle(lock, dst, layout_.num_regions(), 0, expect_source);
+  if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   share_into(src, dst, slots_[src].seq_len, stream, undo);
   undo.commit();
   if (mapper_) mapper_->wake();
   return dst;
 }
 
-void KvCache::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream) {
+void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(src);
@@ -85,11 +55,8 @@ void KvCache::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens,
     VKV_EXPECTS(slots_[dst].claimed == 0, "share_prefix: dst slot ", dst, " already holds tokens (seq_len ",
                 slots_[dst].seq_len, "); share into a slot fresh from alloc_reqid()");
   };
-  expect_valid();
-  wait_not_busy(lock, dst);
-  wait_for_pages(lock, layout_.num_regions(), dst, 0);  // room for a partial page
-  expect_valid();  // the waits let other threads in
-  if (config_.zero_page) read_windows_->close_current(stream);  // share_into() may wait for it
+  settle(lock, dst, layout_.num_regions(), 0, expect_valid);  // room for a partial page
+  if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   detail::UndoLog undo(stream_waiter(stream));
   share_into(src, dst, tokens, stream, undo);
   undo.commit();
@@ -98,7 +65,7 @@ void KvCache::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens,
 // dst's pages [0, full) become src's; page `full`, where `tokens` ends inside a page,
 // is dst's own (kept, or fresh from the pool) and receives a copy of src's bytes of
 // tokens below `tokens` only: src's later tokens may belong to another request.
-void KvCache::share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream,
+void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream,
                          detail::UndoLog& undo) {
   Slot& from = slots_[src];
   Slot& to = slots_[dst];
@@ -111,7 +78,7 @@ void KvCache::share_into(std::size_t src, std::size_t dst, std::size_t tokens, S
   std::vector<Page> fresh;  // one per region, for the partial page when dst has none there
   if (partial_bytes > 0 && to.mapped() <= full) {
     // dst's own kept pages count as obtainable: all of them are about to be replaced.
-    const std::vector<std::size_t> claims = current_claims();
+    const std::vector<std::size_t> claims = slots_.claims();
     expect_obtainable(regions, claims, "sharing a partly filled page");
     fresh = obtain_pages(regions, claims);
     undo.push([this, fresh] {
@@ -152,7 +119,7 @@ void KvCache::share_into(std::size_t src, std::size_t dst, std::size_t tokens, S
     if (mapped > full) now.insert(now.end(), pages.begin() + static_cast<std::ptrdiff_t>(full), pages.end());
     if (!fresh.empty()) now.push_back(fresh[r].handle);
     pages = std::move(now);
-    for (std::size_t i = 0; i < full; ++i) add_mapping(pages[i]);
+    for (std::size_t i = 0; i < full; ++i) sharing_.add_mapping(pages[i]);
   }
   to.seq_len = tokens;
   to.claimed = layout_.pages_for_tokens(tokens);
@@ -161,7 +128,7 @@ void KvCache::share_into(std::size_t src, std::size_t dst, std::size_t tokens, S
 // Gives each slot in `copies` a private copy of the shared page it names, from
 // pages[next...]. The copy comes from another slot mapping the same page (an allocated
 // one, whose claimed pages nothing unmaps under the lock).
-void KvCache::copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
+void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
                             Stream stream, detail::UndoLog& undo) {
   // The writer's earlier kernels may still read the shared page through its address.
   const Event readers = backend_->record_event(stream);
@@ -193,12 +160,12 @@ void KvCache::copy_on_write(const std::vector<PageRef>& copies, const std::vecto
       }
       ++next;
       slots_[ref.slot].pages[r][ref.page] = fresh;
-      drop_mapping(shared);
+      sharing_.drop_mapping(shared);
       undo.push_remap([this, ref, r, address, shared, fresh, page_bytes] {
         backend_->unmap(address, page_bytes);
         backend_->map(address, &shared, 1);
         slots_[ref.slot].pages[r][ref.page] = shared;
-        add_mapping(shared);
+        sharing_.add_mapping(shared);
         pool_.give_back({fresh, false});
       });
       undo.enqueued_device_work();

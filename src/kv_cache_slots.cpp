@@ -5,11 +5,11 @@
 
 #include "undo_log.h"
 #include "vkv/error.h"
-#include "vkv/kv_cache.h"
+#include "kv_cache_impl.h"
 
 namespace vkv {
 
-std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguous, Stream stream) {
+std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool contiguous, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   VKV_EXPECTS(count > 0, "alloc_reqids: count = 0; ask for at least one slot");
@@ -28,7 +28,7 @@ std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguou
     });
   };
   if (!contiguous) {
-    for (std::size_t i = 0; i < count; ++i) allocate(next_alloc_slot());
+    for (std::size_t i = 0; i < count; ++i) allocate(slots_.next_to_allocate());
   } else {
     // The run of `count` free slots whose previous owners left the most pages, lowest first.
     std::size_t best = slots_.size(), best_kept = 0, run = 0, kept = 0;
@@ -54,7 +54,7 @@ std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguou
   return allocated;
 }
 
-std::vector<std::size_t> KvCache::seq_lens() const {
+std::vector<std::size_t> KvCache::Impl::seq_lens() const {
   expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::size_t> lengths(slots_.size());
@@ -62,7 +62,7 @@ std::vector<std::size_t> KvCache::seq_lens() const {
   return lengths;
 }
 
-void KvCache::step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream) {
+void KvCache::Impl::step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream) {
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
@@ -79,7 +79,7 @@ void KvCache::step_slots(const std::size_t* slots, const std::size_t* seq_lens, 
   step_locked(lock, lengths.data(), lengths.size(), stream, start);
 }
 
-void KvCache::set_deferred_reclamation(bool on) {
+void KvCache::Impl::set_deferred_reclamation(bool on) {
   expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   config_.deferred_reclamation = on;  // read by free_reqid() only, under the same lock

@@ -8,18 +8,18 @@
 #include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
-#include "vkv/kv_cache.h"
+#include "kv_cache_impl.h"
 
 namespace vkv {
 
-bool KvCache::is_swapped(std::size_t slot) const {
+bool KvCache::Impl::is_swapped(std::size_t slot) const {
   expect_usable_in_this_process();
   std::lock_guard<std::mutex> lock(mutex_);
   expect_slot_in_range(slot);
   return slots_[slot].swapped;
 }
 
-void KvCache::swap_out(std::size_t slot_index, Stream stream) {
+void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(slot_index);
@@ -27,14 +27,12 @@ void KvCache::swap_out(std::size_t slot_index, Stream stream) {
     VKV_EXPECTS(slots_[slot_index].allocated, "swap_out: slot ", slot_index, " is not allocated");
     VKV_EXPECTS(!slots_[slot_index].swapped, "swap_out: slot ", slot_index, " is swapped out already");
   };
-  expect_valid();
-  wait_not_busy(lock, slot_index);
-  expect_valid();  // the wait let other threads in
+  settle(lock, slot_index, 0, 0, expect_valid);
   free_finished_host_copies(/*wait=*/false);
 
   Slot& slot = slots_[slot_index];
   const std::size_t region_bytes = slot.seq_len * layout_.token_bytes();
-  HostCopy copy;
+  detail::HostCopy copy;
   copy.bytes = region_bytes * layout_.num_regions();
   detail::UndoLog undo;
   if (copy.bytes > 0) {
@@ -53,7 +51,7 @@ void KvCache::swap_out(std::size_t slot_index, Stream stream) {
     undo.push([this, ready = copy.ready] { backend_->destroy_event(ready); });
   }
   // From here on only the pages change hands; the tokens are safe in `copy`.
-  if (holds_shared(slot)) {
+  if (sharing_.holds_shared(slot)) {
     drop_all_pages(slot_index, stream, /*return_to_device=*/false);
   } else {
     zero_claimed_pages(slot_index, stream);  // behind the copy on the stream
@@ -66,7 +64,7 @@ void KvCache::swap_out(std::size_t slot_index, Stream stream) {
   if (mapper_) mapper_->wake();
 }
 
-void KvCache::swap_in(std::size_t slot_index, Stream stream) {
+void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(slot_index);
@@ -76,16 +74,13 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
   };
   expect_valid();
   const std::size_t claim = layout_.pages_for_tokens(swapped_tokens(slots_[slot_index]));
-  wait_not_busy(lock, slot_index);
-  wait_for_pages(lock, claim * layout_.num_regions(), slot_index, claim);
-  expect_valid();  // the waits let other threads in
-  wait_not_busy(lock, slot_index);
+  settle(lock, slot_index, claim * layout_.num_regions(), claim, expect_valid);
   free_finished_host_copies(/*wait=*/false);
-  if (config_.zero_page) read_windows_->close_current(stream);  // undo and reclamation may wait for it
+  if (config_.zero_page) read_windows_.close_current(stream);  // undo and reclamation may wait for it
 
   Slot& slot = slots_[slot_index];
   const std::size_t tokens = swapped_tokens(slot);
-  std::vector<std::size_t> claims = current_claims();
+  std::vector<std::size_t> claims = slots_.claims();
   claims[slot_index] = layout_.pages_for_tokens(tokens);
   const std::size_t missing =
       claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * layout_.num_regions() : 0;
@@ -120,7 +115,7 @@ void KvCache::swap_in(std::size_t slot_index, Stream stream) {
 // Frees host memory whose last copy has completed. Without `wait` it only asks, and a
 // failed query propagates before anything changed; with `wait` (the destructor) it
 // waits, and a dead context runs no copy any more.
-void KvCache::free_finished_host_copies(bool wait) {
+void KvCache::Impl::free_finished_host_copies(bool wait) {
   std::vector<bool> done(host_frees_.size(), true);
   for (std::size_t i = 0; i < host_frees_.size(); ++i) {
     const Event ready = host_frees_[i].ready;
@@ -137,7 +132,7 @@ void KvCache::free_finished_host_copies(bool wait) {
   }
   std::size_t kept = 0;
   for (std::size_t i = 0; i < host_frees_.size(); ++i) {
-    const HostCopy copy = host_frees_[i];
+    const detail::HostCopy copy = host_frees_[i];
     if (!done[i]) {
       host_frees_[kept++] = copy;
       continue;

@@ -1,5 +1,5 @@
 // Mapper: a worker thread that runs the cache's background work until told to stop.
-#include "vkv/mapper.h"
+#include "mapper.h"
 
 namespace vkv {
 

@@ -1,5 +1,5 @@
 // PagePool: lazy creation under a budget, LIFO reuse, all-or-nothing take().
-#include "vkv/page_pool.h"
+#include "page_pool.h"
 
 #include "vkv/error.h"
 

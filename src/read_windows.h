@@ -49,6 +49,9 @@ class ReadWindows {
   /// after `allocated_at` steps; `include_current`: also the work enqueued since the last
   /// step(), which no event covers yet (what the mapper must assume).
   std::size_t horizon(std::uint64_t allocated_at, bool include_current) const noexcept;
+  /// Forgets every event without waiting or destroying (teardown after a device
+  /// synchronize, or a forked child, where the events are the parent's).
+  void abandon() noexcept { closed_.clear(); }
   /// Blocks until the work behind every recorded event has completed, then forgets them.
   /// Work enqueued after the last close_current() is not covered: engine calls close
   /// first, and the engine enqueues nothing while they run. @throws DriverError.

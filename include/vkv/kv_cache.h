@@ -36,28 +36,14 @@
 // call there throws Error, and the child's destructor leaves everything to the parent.
 #pragma once
 
-#include <chrono>
-#include <condition_variable>
 #include <cstddef>
-#include <cstdint>
-#include <functional>
 #include <memory>
-#include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "vkv/backend.h"
 #include "vkv/config.h"
 #include "vkv/layout.h"
-#include "vkv/mapper.h"
-#include "vkv/page_pool.h"
-#include "vkv/statistics_backend.h"
 #include "vkv/stats.h"
-
-namespace vkv::detail {
-class ReadWindows;
-class UndoLog;
-}
 
 namespace vkv {
 
@@ -75,12 +61,13 @@ class KvCache {
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
 
-  const CacheConfig& config() const noexcept { return config_; }
-  const KvLayout& layout() const noexcept { return layout_; }
+  const CacheConfig& config() const noexcept;
+  const KvLayout& layout() const noexcept;
   /// First byte of the reservation; a view's address is base() + view.offset_bytes.
-  Address base() const noexcept { return base_; }
-  /// The backend, behind the statistics adaptor (calls made through it are counted).
-  Backend& backend() const noexcept { return *backend_; }
+  Address base() const noexcept;
+  /// The backend the cache calls: the one given (or made for config.device), behind the
+  /// statistics adaptor when config.backend_statistics is on.
+  Backend& backend() const noexcept;
 
   /// Hands out a free slot: the one that held the most pages when it was freed, lowest
   /// index on ties, so the same call sequence gives the same slots on every
@@ -247,138 +234,8 @@ class KvCache {
   void check_invariants() const;
 
  private:
-  static constexpr std::size_t kNotBusy = static_cast<std::size_t>(-1);
-
-  // Host memory holding a swapped-out slot; `ready` follows the copy into or out of it.
-  struct HostCopy {
-    Address host = 0;
-    std::size_t bytes = 0;
-    Event ready = 0;
-  };
-  // Page `page` (of every region) of slot `slot`.
-  struct PageRef {
-    std::size_t slot, page;
-  };
-
-  struct Slot {
-    bool allocated = false;
-    std::size_t seq_len = 0;                      // from the last step()
-    // Pages per region the owner has needed since alloc_reqid(). Mapped pages beyond
-    // it hold zeros and no kernel of the owner writes them: they are as reclaimable as
-    // a freed slot's.
-    std::size_t claimed = 0;
-    std::vector<std::vector<PageHandle>> pages;   // [region][page]: pages [0, n) mapped in each region
-    // Pages [mapped(), backed_end) of every region are backed by the zero page (zero_page
-    // on); pages from backed_end on are not mapped. An allocated slot is backed to its end.
-    std::size_t backed_end = 0;
-    std::uint64_t allocated_at = 0;               // steps done when it was allocated (ReadWindows)
-    Event free_event = 0;                         // behind the zero-fill at free_reqid(); 0 once waited for
-    std::uint64_t freed_at = 0;                   // free_reqid() order, for least-recently-freed reclamation
-    std::size_t kept_at_free = 0;                 // claimed when freed: alloc_reqid()'s preference
-    // While the mapper maps or unmaps pages [busy_from, ...) of this slot outside the
-    // lock, kNotBusy otherwise. Nobody else touches the slot's pages at or past it.
-    std::size_t busy_from = kNotBusy;
-    bool swapped = false;
-    HostCopy swap;                                // where swap_out() put the tokens
-    std::size_t mapped() const noexcept { return pages.empty() ? 0 : pages.front().size(); }
-    bool busy() const noexcept { return busy_from != kNotBusy; }
-  };
-
-  // The seq_len a swapped-out slot had: its host copy holds that many tokens per region.
-  std::size_t swapped_tokens(const Slot& slot) const noexcept {
-    return slot.swap.bytes / (layout_.token_bytes() * layout_.num_regions());
-  }
-  Address page_address(std::size_t region, std::size_t slot, std::size_t page) const noexcept {
-    return base_ + layout_.page_offset(region, slot, page);
-  }
-  void expect_slot_in_range(std::size_t slot) const;
-  // Every public call's first check: the cache is unusable in a forked child.
-  void expect_usable_in_this_process() const;
-  // step() with mutex_ held (step_slots() builds its seq_lens under the same lock).
-  void step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
-                   std::chrono::steady_clock::time_point start);
-  void rethrow_background_error();
-  std::size_t next_alloc_slot() const noexcept;
-  std::size_t allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t slot, Stream stream);
-  // Backs pages [backed_end, until) of every region of a slot with zeros.
-  void back_with_zeros(std::size_t slot, std::size_t until);
-  // Real pages at pages [first, first + count) of one region, replacing zero backing; and
-  // back. Backend calls only, all or nothing; the caller keeps the books.
-  void map_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles, std::size_t count);
-  void unmap_real(std::size_t slot, std::size_t region, std::size_t first, std::size_t count);
-  // Before an engine call changes the mappings of `slot` from page `first` on: waits for
-  // the work in flight that may read them (after ReadWindows::close_current()).
-  void order_after_readers(std::size_t slot, std::size_t first);
-  // The first page of `slot` that pages may be reclaimed from by a call that cannot wait
-  // for in-flight readers (trim, set_budget, the mapper).
-  std::size_t first_reclaimable_without_waiting(std::size_t slot) const;
-  void wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot);
-  std::vector<std::size_t> current_claims() const;
-  std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
-  void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
-  void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
-  void map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies, std::size_t missing,
-                   Stream stream, detail::UndoLog& undo, const char* call);
-  // Undo log for an engine call on `stream`: undoing a mapping waits for the call's device work.
-  std::function<void()> stream_waiter(Stream stream);
-  void copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
-                     Stream stream, detail::UndoLog& undo);
-  void share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, detail::UndoLog& undo);
-  void zero_claimed_pages(std::size_t slot, Stream stream);
-  void drop_all_pages(std::size_t slot, Stream stream, bool return_to_device);
-  void free_finished_host_copies(bool wait);
-  void shrink_to_budget();
-  std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& claims);
-  void reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& claims);
-  void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
-  void zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream);
-  void wait_free_event(Slot& slot);
-  std::size_t obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens);
-
-  // Pages mapped at more than one address: how many. A page absent here is mapped once.
-  bool is_shared(PageHandle page) const { return shares_.count(page) != 0; }
-  bool holds_shared(const Slot& slot) const;
-  void add_mapping(PageHandle page);
-  /// True when that was the page's last mapping (it may go back to the pool).
-  bool drop_mapping(PageHandle page);
-  std::size_t duplicate_mappings() const noexcept;
-
-  // Background work (mapper.h): one unit per call, planned under the lock, its slow
-  // backend calls made without it.
-  struct BackgroundUnit {
-    enum class Kind { none, grow, shrink, cover, create } kind = Kind::none;
-    std::size_t slot = 0;
-    // grow: target pages per region; shrink: pages per region to unmap; cover: back with
-    // zeros up to; create: pages to create into the pool
-    std::size_t pages = 0;
-  };
-  BackgroundUnit next_background_unit(bool settle_events);
-  bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
-  bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
-  bool background_work();
-  bool background_busy() const noexcept;
-  bool grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target);
-  bool shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages);
-
-  CacheConfig config_;
-  std::shared_ptr<StatisticsBackend> backend_;
-  KvLayout layout_;
-  PagePool pool_;
-  Address base_ = 0;
-  std::vector<Slot> slots_;
-  std::unordered_map<PageHandle, std::size_t> shares_;  // mappings of pages mapped more than once
-  std::vector<HostCopy> host_frees_;                    // host memory to free once `ready` completes
-  std::uint64_t frees_ = 0;
-  std::size_t prompt_estimate_ = 0;    // recent prompt lengths, for adaptive eager allocation
-  std::size_t watermark_pages_ = 0;
-  std::size_t in_flight_pages_ = 0;    // taken by the mapper: neither in the pool nor in a slot
-  Stream background_stream_ = 0;
-  CallStats step_stats_;
-  std::unique_ptr<detail::ReadWindows> read_windows_;
-  std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
-  mutable std::mutex mutex_;
-  std::condition_variable background_done_;  // a slot stopped being busy
-  std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above
+  class Impl;  // src/kv_cache_impl.h: the parts and how they compose
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace vkv

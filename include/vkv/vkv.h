@@ -8,6 +8,6 @@
 #include "vkv/host_backend.h"
 #include "vkv/kv_cache.h"
 #include "vkv/layout.h"
-#include "vkv/page_pool.h"
+#include "vkv/forwarding_backend.h"
 #include "vkv/statistics_backend.h"
 #include "vkv/stats.h"

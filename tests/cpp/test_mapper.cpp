@@ -7,6 +7,7 @@
 #include <thread>
 #include <tuple>
 
+#include "mapper.h"
 #include "testing.h"
 
 namespace vkv {

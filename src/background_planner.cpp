@@ -1,0 +1,103 @@
+// KvCache: what the background mapper does next (the plan, under the lock), one unit
+// at a time, most urgent first.
+#include <algorithm>
+
+#include "kv_cache_impl.h"
+#include "reclaim_policy.h"
+
+namespace vkv {
+
+bool KvCache::Impl::background_busy() const noexcept {
+  return in_flight_pages_ > 0 || std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
+}
+
+std::size_t KvCache::Impl::map_ahead_now() {
+  rethrow_background_error();
+  std::size_t units = 0;
+  while (background_work()) ++units;
+  return units;
+}
+
+// The next unit of background work, most urgent first. With `settle_events`, a freed
+// slot's completed event is retired (so its pages may go); without, the plan is a cheap,
+// side-effect-free guess that step() uses to decide whether to wake the mapper at all.
+KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_events) {
+  const std::size_t max_pages = layout_.pages_per_slot();
+  const std::size_t regions = layout_.num_regions();
+  const bool can_grow = pool_.obtainable_pages() >= regions;  // ahead mapping uses free memory only
+  // A freed slot's pages may still be read by its last owner's work: only after its event.
+  auto readers_done = [&](Slot& slot) {
+    if (slot.free_event == 0) return true;
+    if (!settle_events || !backend_->event_done(slot.free_event)) return false;  // later: API calls wake the mapper
+    backend_->destroy_event(slot.free_event);
+    slot.free_event = 0;
+    return true;
+  };
+  // 1. Lookahead: each allocated slot's next iterations, where no work in flight reads
+  //    (with zero backing, below the read horizon only step() may swap pages).
+  for (std::size_t s = 0; s < slots_.size() && can_grow; ++s) {
+    const Slot& slot = slots_[s];
+    if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
+    const std::size_t target = std::min(
+        max_pages, layout_.pages_for_tokens(std::min(config_.max_context_len, slot.seq_len + config_.lookahead_tokens)));
+    if (target > slot.mapped() && slot.mapped() >= first_reclaimable_without_waiting(s))
+      return {BackgroundUnit::Kind::grow, s, target};
+  }
+  // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
+  const std::size_t eager_tokens = config_.eager_tokens == kAdaptive ? prompt_estimate_ : config_.eager_tokens;
+  const std::size_t next = slots_.next_to_allocate();
+  if (can_grow && eager_tokens > 0 && next < slots_.size() && !slots_[next].busy()) {
+    const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(std::min(config_.max_context_len, eager_tokens)));
+    if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(slots_[next])))
+      return {BackgroundUnit::Kind::grow, next, target};
+  }
+  // 3. Below the watermark, unmap the least recently freed slot's pages into the pool, so
+  //    that step() does not have to; only once that slot's last readers are done.
+  const std::size_t obtainable = pool_.obtainable_pages();
+  if (obtainable < watermark_pages_) {
+    // Not the slot handed out next: its pages are the next prefill's.
+    const std::size_t victim = detail::choose_victim(slots_, std::vector<std::size_t>(slots_.size(), 0),
+                                                     detail::VictimKinds::freed_only, next);
+    if (victim < slots_.size() && readers_done(slots_[victim])) {
+      const std::size_t pages = std::min(slots_[victim].mapped(), (watermark_pages_ - obtainable + regions - 1) / regions);
+      return {BackgroundUnit::Kind::shrink, victim, pages};
+    }
+  }
+  // 4. With zero backing, pages in reach of work in flight are swapped by step() itself:
+  //    keep free pages created for it, so that it does not wait for cuMemCreate.
+  if (config_.zero_page) {
+    std::size_t in_reach = 0;  // allocated slots whose next page the mapper may not map ahead
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (slots_[s].allocated && slots_[s].mapped() < first_reclaimable_without_waiting(s)) in_reach += regions;
+    const std::size_t wanted = std::min(in_reach, kPagesPerBackgroundUnit);
+    if (pool_.free_pages() < wanted && pool_.obtainable_pages() > pool_.free_pages())
+      return {BackgroundUnit::Kind::create, 0, wanted - pool_.free_pages()};
+  }
+  // 5. Zero backing of slots not yet handed out (where it costs per page), the next one first.
+  if (config_.zero_page) {
+    for (std::size_t k = 0; k <= slots_.size(); ++k) {
+      const std::size_t s = k == 0 ? next : k - 1;
+      if (s >= slots_.size() || slots_[s].allocated || slots_[s].busy()) continue;
+      const std::size_t from = std::max(slots_[s].mapped(), slots_[s].backed_end);
+      if (from < max_pages)
+        return {BackgroundUnit::Kind::cover, s,
+                std::min(max_pages, from + std::max<std::size_t>(1, kPagesPerCoverUnit / regions))};
+    }
+  }
+  return {};
+}
+
+bool KvCache::Impl::background_work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const BackgroundUnit unit = next_background_unit(/*settle_events=*/true);
+  switch (unit.kind) {
+    case BackgroundUnit::Kind::grow: return grow_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::shrink: return shrink_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::cover: return cover_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::create: return create_in_background(lock, unit.pages);
+    case BackgroundUnit::Kind::none: break;
+  }
+  return false;
+}
+
+}  // namespace vkv

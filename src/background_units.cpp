@@ -1,0 +1,163 @@
+// KvCache: the mapper's units of work, planned under the lock, their slow backend
+// calls made without it (the slot's pages at or past busy_from are the mapper's meanwhile).
+#include <algorithm>
+#include <chrono>
+
+#include "format.h"
+#include "kv_cache_impl.h"
+#include "undo_log.h"
+#include "vkv/error.h"
+
+namespace vkv {
+
+bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t target) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t first = slot.mapped();
+  // Only from memory nobody else has: mapping ahead never takes pages from another slot.
+  const std::size_t per_region = std::min({target - first, pool_.obtainable_pages() / regions,
+                                           std::max<std::size_t>(1, kPagesPerBackgroundUnit / regions)});
+  if (per_region == 0) return false;
+  const std::size_t count = per_region * regions;
+  std::vector<Page> pages = pool_.take_free(count);
+  const std::size_t to_create = pool_.begin_create(count - pages.size());
+  in_flight_pages_ += count;
+  slot.busy_from = first;
+  lock.unlock();
+
+  // Pages at or past busy_from, and backed_end, belong to this thread until it is cleared.
+  std::size_t created = 0;
+  std::size_t regions_mapped = 0;
+  bool zero_filling = false;
+  try {
+    for (; created < to_create; ++created) pages.push_back({backend_->create_page(), false});
+    std::vector<PageHandle> handles(per_region);
+    for (; regions_mapped < regions; ++regions_mapped) {
+      const Page* run = &pages[regions_mapped * per_region];
+      for (std::size_t i = 0; i < per_region; ++i) handles[i] = run[i].handle;
+      map_real(slot_index, regions_mapped, first, handles.data(), per_region);
+    }
+    // Published pages must read as zeros to whoever gets them, on any stream.
+    if (std::any_of(pages.begin(), pages.end(), [](const Page& page) { return !page.clean; })) {
+      zero_filling = true;
+      for (std::size_t r = 0; r < regions; ++r)
+        zero_fresh_pages(page_address(r, slot_index, first), &pages[r * per_region], per_region, background_stream_);
+      backend_->synchronize(background_stream_);
+    }
+  } catch (...) {
+    try {
+      if (zero_filling) backend_->synchronize(background_stream_);  // never unmap under a queued zero-fill
+    } catch (...) {
+      // A dead context runs nothing any more.
+    }
+    for (std::size_t r = 0; r < regions_mapped; ++r) {
+      try {
+        unmap_real(slot_index, r, first, per_region);
+      } catch (...) {
+        // Already failing; report the first error.
+      }
+    }
+    lock.lock();
+    for (const Page& page : pages) pool_.give_back({page.handle, false});
+    pool_.end_create(to_create, created);
+    in_flight_pages_ -= count;
+    slot.busy_from = detail::kNotBusy;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  for (std::size_t r = 0; r < regions; ++r)
+    for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);
+  if (config_.zero_page) slot.backed_end = std::max(slot.backed_end, first + per_region);
+  in_flight_pages_ -= count;
+  slot.busy_from = detail::kNotBusy;
+  background_done_.notify_all();
+  return true;
+}
+
+bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t pages) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t mapped = slot.mapped();
+  const std::size_t keep = mapped - pages;
+  slot.busy_from = keep;
+  lock.unlock();
+  std::size_t region = 0;
+  try {
+    for (; region < layout_.num_regions(); ++region) unmap_real(slot_index, region, keep, pages);
+  } catch (...) {
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        map_real(slot_index, r, keep, slot.pages[r].data() + keep, pages);
+      } catch (...) {
+        // Already failing; report the first error.
+      }
+    }
+    lock.lock();
+    slot.busy_from = detail::kNotBusy;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  // Unclaimed (step() waits for a busy slot before claiming past busy_from): clean.
+  for (std::vector<PageHandle>& handles : slot.pages) {
+    for (std::size_t i = keep; i < mapped; ++i) pool_.give_back({handles[i], true});
+    handles.resize(keep);
+  }
+  slot.busy_from = detail::kNotBusy;
+  background_done_.notify_all();
+  return true;
+}
+
+bool KvCache::Impl::cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t until) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t from = std::max(slot.mapped(), slot.backed_end);
+  slot.busy_from = from;  // nobody maps there meanwhile; the range is unmapped, so nothing reads it
+  lock.unlock();
+  const std::size_t bytes = (until - from) * layout_.page_bytes();
+  std::size_t region = 0;
+  try {
+    for (; region < layout_.num_regions(); ++region) backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
+  } catch (...) {
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        backend_->unmap(page_address(r, slot_index, from), bytes);
+      } catch (...) {
+      }
+    }
+    lock.lock();
+    slot.busy_from = detail::kNotBusy;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  slot.backed_end = until;
+  slot.busy_from = detail::kNotBusy;
+  background_done_.notify_all();
+  return true;
+}
+
+bool KvCache::Impl::create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages) {
+  const std::size_t reserved = pool_.begin_create(pages);
+  if (reserved == 0) return false;
+  in_flight_pages_ += reserved;
+  lock.unlock();
+  std::vector<Page> created;
+  try {
+    while (created.size() < reserved) created.push_back({backend_->create_page(), false});
+  } catch (...) {
+    lock.lock();
+    for (const Page& page : created) pool_.give_back(page);
+    pool_.end_create(reserved, created.size());
+    in_flight_pages_ -= reserved;
+    background_done_.notify_all();
+    throw;
+  }
+  lock.lock();
+  for (const Page& page : created) pool_.give_back(page);
+  pool_.end_create(reserved, created.size());
+  in_flight_pages_ -= reserved;
+  background_done_.notify_all();
+  return true;
+}
+
+}  // namespace vkv

@@ -1,0 +1,212 @@
+// KvCache::Impl: the parts of a cache and how its calls compose them.
+//
+//   SlotTable     slot_table.h      who is allocated, what each claims and maps, alloc order
+//   PageSharing   page_sharing.h    pages mapped at several slots (fork, share_prefix)
+//   PagePool      page_pool.h       physical pages: free, created, the budget
+//   ReadWindows   read_windows.h    what device work in flight may still read
+//   choose_victim reclaim_policy.h  which pages go back first
+//   Mapper        mapper.h          the background thread; what it does is planned here
+//   Backend       backend.h         the device (behind the statistics adaptor if asked)
+//
+// Each public call checks its arguments, waits for the mapper where it must, and then
+// changes the parts under one mutex; a call that fails undoes what it did (undo_log.h),
+// in stream order. The methods live in the files named after what they do:
+// kv_cache.cpp (construction, alloc, free, the public forwarders), kv_cache_step.cpp,
+// slot_mappings.cpp (mapping and unmapping a slot's pages, reclamation),
+// background_planner.cpp and background_units.cpp (the mapper's work),
+// kv_cache_sharing.cpp, kv_cache_swap.cpp, kv_cache_elastic.cpp, kv_cache_prepare.cpp,
+// kv_cache_slots.cpp, kv_cache_inspect.cpp (stats, invariants).
+//
+// Lock order: the cache's mutex, then the backend's own locks; the mapper thread takes
+// the same mutex and makes its slow backend calls without it (a busy slot's pages at or
+// past busy_from are its own meanwhile). Nothing under the mutex takes Python's GIL.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "mapper.h"
+#include "page_pool.h"
+#include "page_sharing.h"
+#include "read_windows.h"
+#include "slot_table.h"
+#include "vkv/kv_cache.h"
+#include "vkv/statistics_backend.h"
+
+namespace vkv {
+namespace detail {
+class UndoLog;
+}
+
+class KvCache::Impl {
+ public:
+  Impl(const CacheConfig& config, std::shared_ptr<Backend> backend);
+  ~Impl();
+
+  // ---- the public calls (kv_cache.h documents them) --------------------------------
+  std::size_t alloc_reqid(Stream stream);
+  std::vector<std::size_t> alloc_reqids(std::size_t count, bool contiguous, Stream stream);
+  void free_reqid(std::size_t slot, Stream stream);
+  void step(const std::size_t* seq_lens, std::size_t count, Stream stream);
+  void step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream);
+  std::vector<std::size_t> seq_lens() const;
+  void set_deferred_reclamation(bool on);
+  std::size_t map_ahead_now();
+  void stop_background() noexcept;
+  std::size_t fork(std::size_t src, Stream stream);
+  void share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream);
+  void swap_out(std::size_t slot, Stream stream);
+  void swap_in(std::size_t slot, Stream stream);
+  bool is_swapped(std::size_t slot) const;
+  void set_budget(std::size_t bytes);
+  std::size_t trim();
+  Preparation prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream);
+  Preparation prepare_swap_in(std::size_t slot, Stream stream);
+  Preparation prepare_fork(std::size_t src);
+  Preparation prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens);
+  Preparation prepare_set_budget(std::size_t bytes);
+  std::size_t num_free_slots() const;
+  bool is_allocated(std::size_t slot) const;
+  std::size_t mapped_pages(std::size_t slot) const;
+  CacheStats stats() const;
+  void check_invariants() const;
+
+  const CacheConfig& config() const noexcept { return config_; }
+  const KvLayout& layout() const noexcept { return layout_; }
+  Address base() const noexcept { return base_; }
+  Backend& backend() const noexcept { return *backend_; }
+
+ private:
+  using Slot = detail::Slot;
+  // Most pages one background unit maps or unmaps: bounds how long step() can wait for
+  // the mapper on a slot (about 1 ms on an H100).
+  static constexpr std::size_t kPagesPerBackgroundUnit = 32;
+  // Most pages one unit backs with zeros (~37 us each on an H100): about 2.4 ms.
+  static constexpr std::size_t kPagesPerCoverUnit = 64;
+  // Page `page` (of every region) of slot `slot`.
+  struct PageRef {
+    std::size_t slot, page;
+  };
+  // One unit of the mapper's work, planned under the lock (background_planner.cpp).
+  struct BackgroundUnit {
+    enum class Kind { none, grow, shrink, cover, create } kind = Kind::none;
+    std::size_t slot = 0;
+    // grow: target pages per region; shrink: pages per region to unmap; cover: back with
+    // zeros up to; create: pages to create into the pool
+    std::size_t pages = 0;
+  };
+
+  Address page_address(std::size_t region, std::size_t slot, std::size_t page) const noexcept {
+    return base_ + layout_.page_offset(region, slot, page);
+  }
+  // The seq_len a swapped-out slot had: its host copy holds that many tokens per region.
+  std::size_t swapped_tokens(const Slot& slot) const noexcept {
+    return slot.swap.bytes / (layout_.token_bytes() * layout_.num_regions());
+  }
+
+  // ---- entry checks and waits (kv_cache.cpp) ---------------------------------------
+  void expect_slot_in_range(std::size_t slot) const;
+  // Every public call's first check: the cache is unusable in a forked child.
+  void expect_usable_in_this_process() const;
+  void rethrow_background_error();
+  void wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot);
+  // The opening of fork, share_prefix, swap_out and swap_in: check, wait until `slot` is
+  // not busy and (pages > 0) that many pages can be had with it claiming `claim`, check
+  // again (the waits let other threads in).
+  void settle(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages, std::size_t claim,
+              const std::function<void()>& expect_valid);
+  std::size_t allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t slot, Stream stream);
+  void zero_claimed_pages(std::size_t slot, Stream stream);
+  void drop_all_pages(std::size_t slot, Stream stream, bool return_to_device);
+
+  // ---- step and mapping what is missing (kv_cache_step.cpp) ------------------------
+  // What step(seq_lens) must do: the claims it leaves, the shared pages slots are about
+  // to write into (copy-on-write), the pages to map, and whether the mapper is busy on
+  // pages it needs (then wait and plan again). prepare_step() plans the same way.
+  struct StepPlan {
+    std::vector<std::size_t> claims;
+    std::vector<PageRef> copies;
+    std::size_t to_map = 0;   // pages, all regions
+    std::size_t missing = 0;  // to_map and a page per region for every copy
+    bool waits_for_mapper = false;
+  };
+  StepPlan plan_step(const std::size_t* seq_lens, std::size_t count, std::size_t horizon) const;
+  // step() with mutex_ held (step_slots() builds its seq_lens under the same lock).
+  void step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
+                   std::chrono::steady_clock::time_point start);
+  void expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const;
+  std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
+  void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
+  void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
+  void map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies, std::size_t missing,
+                   Stream stream, detail::UndoLog& undo, const char* call);
+  // Undo log for an engine call on `stream`: undoing a mapping waits for the call's device work.
+  std::function<void()> stream_waiter(Stream stream);
+
+  // ---- a slot's mappings and reclamation (slot_mappings.cpp) -----------------------
+  // Real pages at pages [first, first + count) of one region, replacing zero backing; and
+  // back. Backend calls only, all or nothing; the caller keeps the books.
+  void map_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles, std::size_t count);
+  void unmap_real(std::size_t slot, std::size_t region, std::size_t first, std::size_t count);
+  // Backs pages [backed_end, until) of every region of a slot with zeros.
+  void back_with_zeros(std::size_t slot, std::size_t until);
+  void zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream);
+  // Before an engine call changes the mappings of `slot` from page `first` on: waits for
+  // the work in flight that may read them (after ReadWindows::close_current()).
+  void order_after_readers(std::size_t slot, std::size_t first);
+  // The first page of `slot` that a call which cannot wait for in-flight readers (trim,
+  // set_budget, the mapper) may take: its claim, or the read horizon where that is higher.
+  std::size_t first_reclaimable_without_waiting(std::size_t slot) const;
+  std::vector<std::size_t> reclaimable_floors() const;
+  void wait_free_event(Slot& slot);
+  std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& floors);
+  void reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors);
+  void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
+
+  // ---- sharing, swapping, elastic memory, preparation ------------------------------
+  void copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
+                     Stream stream, detail::UndoLog& undo);
+  void share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, detail::UndoLog& undo);
+  void free_finished_host_copies(bool wait);
+  // Pages set_budget() cannot release now: what allocated slots claim, and (zero_page)
+  // pages work in flight may read.
+  std::size_t pages_set_budget_keeps() const;
+  void shrink_to_budget();
+  std::size_t obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens);
+
+  // ---- the mapper's work (background_planner.cpp, background_units.cpp) ------------
+  BackgroundUnit next_background_unit(bool settle_events);
+  bool background_work();
+  bool background_busy() const noexcept;
+  bool grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target);
+  bool shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages);
+  bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
+  bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
+
+  CacheConfig config_;
+  std::shared_ptr<Backend> backend_;        // the top of the adaptor stack
+  StatisticsBackend* statistics_ = nullptr;  // in that stack when config.backend_statistics
+  KvLayout layout_;
+  PagePool pool_;
+  Address base_ = 0;
+  detail::SlotTable slots_;
+  detail::PageSharing sharing_;
+  std::vector<detail::HostCopy> host_frees_;  // host memory to free once `ready` completes
+  std::size_t prompt_estimate_ = 0;           // recent prompt lengths, for adaptive eager allocation
+  std::size_t watermark_pages_ = 0;
+  std::size_t in_flight_pages_ = 0;           // taken by the mapper: neither in the pool nor in a slot
+  Stream background_stream_ = 0;
+  CallStats step_stats_;
+  detail::ReadWindows read_windows_;
+  std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
+  mutable std::mutex mutex_;
+  std::condition_variable background_done_;  // a slot stopped being busy
+  std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above
+};
+
+}  // namespace vkv

@@ -1,0 +1,86 @@
+// KvCache: inspection (stats, slot state) and the invariants the parts must keep together.
+#include <algorithm>
+#include <chrono>
+
+#include "format.h"
+#include "kv_cache_impl.h"
+#include "undo_log.h"
+#include "vkv/error.h"
+
+namespace vkv {
+
+// ---- inspection -----------------------------------------------------------------------
+
+std::size_t KvCache::Impl::num_free_slots() const {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<std::size_t>(
+      std::count_if(slots_.begin(), slots_.end(), [](const Slot& slot) { return !slot.allocated; }));
+}
+
+bool KvCache::Impl::is_allocated(std::size_t slot) const {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  expect_slot_in_range(slot);
+  return slots_[slot].allocated;
+}
+
+std::size_t KvCache::Impl::mapped_pages(std::size_t slot) const {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  expect_slot_in_range(slot);
+  return slots_[slot].mapped();
+}
+
+CacheStats KvCache::Impl::stats() const {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  CacheStats stats;
+  stats.page_bytes = layout_.page_bytes();
+  stats.reserved_bytes = layout_.reserved_bytes();
+  stats.budget_pages = pool_.budget_pages();
+  stats.pages_created = pool_.created_pages();
+  stats.pages_free = pool_.free_pages();
+  std::size_t claimed_mappings = 0;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    stats.pages_in_reach +=
+        (std::min(slot.mapped(), first_reclaimable_without_waiting(s)) - slot.claimed) * layout_.num_regions();
+    stats.page_mappings += slot.mapped() * layout_.num_regions();
+    claimed_mappings += slot.claimed * layout_.num_regions();
+    stats.active_slots += slot.allocated ? 1 : 0;
+    stats.tokens_in_use += slot.seq_len;
+    stats.swapped_slots += slot.swapped ? 1 : 0;
+    stats.swapped_bytes += slot.swap.bytes;
+  }
+  // Shared pages lie below their slots' claims: each extra mapping is a claimed one.
+  const std::size_t duplicates = sharing_.duplicate_mappings();
+  stats.pages_shared = sharing_.size();
+  stats.pages_mapped = stats.page_mappings - duplicates;
+  stats.pages_in_use = claimed_mappings - duplicates;
+  stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
+  stats.step = step_stats_;
+  if (statistics_ != nullptr) stats.backend = statistics_->stats();
+  return stats;
+}
+
+// Each part checks its own; what they must agree on together is checked here.
+void KvCache::Impl::check_invariants() const {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  slots_.check(layout_, config_.zero_page);
+  sharing_.check(slots_);
+  auto expect = [](bool holds, const std::string& what) {
+    if (!holds) throw Error("vkv invariant broken: " + what);
+  };
+  std::size_t physical = 0;  // distinct pages mapped in some slot
+  for (const Slot& slot : slots_)
+    for (const auto& pages : slot.pages)
+      for (PageHandle page : pages) physical += sharing_.is_shared(page) ? 0 : 1;
+  physical += sharing_.size();
+  expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_,
+         "created pages = free + mapped + in flight in the mapper");
+  expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");
+}
+
+}  // namespace vkv

@@ -1,0 +1,205 @@
+// KvCache: step(), and mapping every page a call needs that is not mapped yet.
+#include <algorithm>
+#include <chrono>
+
+#include <unordered_map>
+
+#include "internal_assert.h"
+#include "format.h"
+#include "kv_cache_impl.h"
+#include "undo_log.h"
+#include "vkv/error.h"
+
+namespace vkv {
+
+void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
+  const auto start = std::chrono::steady_clock::now();
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  step_locked(lock, seq_lens, count, stream, start);
+}
+
+void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const {
+  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ",
+              slots_.size(), " (0 for slots not in use)");
+  VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
+  for (std::size_t s = 0; s < count; ++s) {
+    VKV_EXPECTS(seq_lens[s] <= config_.max_context_len, "seq_lens[", s, "] = ", seq_lens[s],
+                " exceeds max_context_len = ", config_.max_context_len);
+    VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
+                " is not allocated (alloc_reqid() first)");
+    VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
+                " is swapped out (swap_in() first, or give it 0)");
+  }
+}
+
+KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, std::size_t count,
+                                                 std::size_t horizon) const {
+  StepPlan plan;
+  plan.claims.assign(count, 0);
+  const std::size_t regions = layout_.num_regions();
+  std::unordered_map<PageHandle, std::size_t> copies_of;  // the last slot mapping a page keeps it
+  for (std::size_t s = 0; s < count; ++s) {
+    const Slot& slot = slots_[s];
+    plan.claims[s] = std::max(slot.claimed, layout_.pages_for_tokens(seq_lens[s]));
+    if (plan.claims[s] > slot.mapped()) plan.to_map += (plan.claims[s] - slot.mapped()) * regions;
+    if (!sharing_.empty() && seq_lens[s] > slot.seq_len) {
+      // Tokens [seq_len, new seq_len) are about to be written: a shared page there is copied.
+      const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
+      for (std::size_t page = slot.seq_len * layout_.token_bytes() / layout_.page_bytes(); page < end; ++page) {
+        const PageHandle handle = slot.pages.front()[page];
+        if (!sharing_.is_shared(handle) || copies_of[handle]++ == sharing_.mappings(handle) - 1) continue;
+        plan.copies.push_back({s, page});
+      }
+    }
+    // The mapper is mapping (or unmapping) pages this slot needs, or pages the new horizon
+    // puts in reach of the next iteration's reads: they are nearly done.
+    if (slot.busy() && (plan.claims[s] > slot.busy_from || (slot.allocated && slot.busy_from < horizon)))
+      plan.waits_for_mapper = true;
+  }
+  plan.missing = plan.to_map + plan.copies.size() * regions;
+  return plan;
+}
+
+void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
+                                Stream stream, std::chrono::steady_clock::time_point start) {
+  expect_valid_seq_lens(seq_lens, count);
+  // The work enqueued since the last step() ends its read window here (zero_page).
+  if (config_.zero_page) read_windows_.begin_step(stream);
+  // What the iteration's kernels may read in every allocated slot: a padded batch's length.
+  const std::size_t horizon =
+      config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
+  StepPlan plan;
+  for (;;) {
+    plan = plan_step(seq_lens, count, horizon);
+    if (plan.waits_for_mapper) {
+      background_done_.wait(lock);
+      continue;
+    }
+    if (plan.missing == 0) break;
+    try {
+      detail::UndoLog undo(stream_waiter(stream));
+      map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
+      undo.commit();
+      step_stats_.units += plan.missing;
+      break;
+    } catch (const OutOfMemory&) {
+      // Pages the mapper is moving are not lost: decide once it has put them down.
+      if (!background_busy()) throw;
+      background_done_.wait(lock, [&] { return !background_busy(); });
+    }
+  }
+  for (std::size_t s = 0; s < count; ++s) {
+    Slot& slot = slots_[s];
+    if (slot.claimed == 0 && seq_lens[s] > 0)  // a prefill: what the next one may need
+      prompt_estimate_ = prompt_estimate_ == 0 ? seq_lens[s] : (3 * prompt_estimate_ + seq_lens[s]) / 4;
+    slot.seq_len = seq_lens[s];
+    slot.claimed = plan.claims[s];
+    VKV_ASSERT(slot.claimed <= slot.mapped());
+  }
+  if (config_.zero_page) read_windows_.end_step(horizon);
+  // A wake-up costs a system call and may put the mapper on this core: only with work.
+  if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
+  step_stats_.calls += 1;
+  step_stats_.nanoseconds += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+}
+
+std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& claims) const {
+  std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const std::size_t mapped = slots_[s].mapped();
+    if (!slots_[s].busy() && mapped > claims[s]) unclaimed += mapped - claims[s];
+  }
+  return pool_.obtainable_pages() + unclaimed * layout_.num_regions();
+}
+
+// Pages the mapper is moving are not lost: a shortage is decided once it has put them down.
+void KvCache::Impl::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot,
+                             std::size_t claim) {
+  background_done_.wait(lock, [&] {
+    std::vector<std::size_t> claims = slots_.claims();
+    claims[slot] = std::max(claims[slot], claim);
+    return !background_busy() || obtainable_pages(claims) >= missing;
+  });
+}
+
+void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const {
+  const std::size_t obtainable = obtainable_pages(claims);
+  if (missing <= obtainable) return;
+  std::size_t claimed_mapped = 0;
+  for (std::size_t s = 0; s < slots_.size(); ++s) claimed_mapped += std::min(slots_[s].mapped(), claims[s]);
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t page = layout_.page_bytes();
+  throw OutOfMemory(detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page),
+                                   ") but only ", obtainable, " can be had: budget ", pool_.budget_pages(),
+                                   " pages of ", detail::format_bytes(page), ", ",
+                                   claimed_mapped * regions - sharing_.duplicate_mappings(),
+                                   " held by allocated slots; free, preempt or swap out requests, or raise the budget"),
+                    missing - obtainable, page);
+}
+
+// Maps every slot up to claims[s] pages per region and gives `copies` private copies of
+// the shared pages they name, with `missing` pages in all. Each backend step registers
+// its undo in `undo`; the caller commits.
+std::function<void()> KvCache::Impl::stream_waiter(Stream stream) {
+  return [this, stream] { backend_->synchronize(stream); };
+}
+
+// Maps every slot up to claims[s] pages per region and gives `copies` private copies of
+// the shared pages they name, with `missing` pages in all. Each backend step registers
+// its undo in `undo`; the caller commits. Every mapping is made before any zero-fill is
+// enqueued, so a failed map is undone at once; once device work is queued, undoing waits
+// for it (the undo log's stream waiter).
+void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies,
+                          std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
+  expect_obtainable(missing, claims, call);
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    if (claims[s] > slots_[s].mapped()) order_after_readers(s, slots_[s].mapped());
+  std::vector<Page> pages = obtain_pages(missing, claims);
+  std::size_t next = 0;  // pages[next...] are not mapped yet
+  detail::UndoLog unused;
+  unused.push([&] {
+    for (std::size_t i = next; i < pages.size(); ++i) pool_.give_back(pages[i]);
+  });
+  if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
+
+  struct Fresh {
+    Address address;
+    std::size_t first;  // index into pages
+    std::size_t count;
+  };
+  std::vector<Fresh> fresh;
+  const std::size_t regions = layout_.num_regions();
+  std::vector<PageHandle> handles;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    Slot& slot = slots_[s];
+    const std::size_t mapped = slot.mapped();
+    if (claims[s] <= mapped) continue;
+    const std::size_t count = claims[s] - mapped;
+    for (std::size_t r = 0; r < regions; ++r) {
+      handles.clear();
+      for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[next + i].handle);
+      map_real(s, r, mapped, handles.data(), count);
+      slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
+      fresh.push_back({page_address(r, s, mapped), next, count});
+      next += count;
+      undo.push_remap([this, s, r, mapped] {
+        std::vector<PageHandle>& list = slots_[s].pages[r];
+        unmap_real(s, r, mapped, list.size() - mapped);
+        for (std::size_t i = mapped; i < list.size(); ++i) pool_.give_back({list[i], false});
+        list.resize(mapped);
+      });
+    }
+    if (config_.zero_page) {
+      const std::size_t backed_end = slot.backed_end;
+      slot.backed_end = std::max(backed_end, claims[s]);
+      undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
+    }
+  }
+  if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
+  for (const Fresh& run : fresh) zero_fresh_pages(run.address, &pages[run.first], run.count, stream);
+  unused.commit();
+}
+
+}  // namespace vkv

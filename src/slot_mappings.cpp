@@ -1,0 +1,175 @@
+// KvCache: changing a slot's mappings (real pages in, zero backing back), and taking
+// pages back from slots (reclamation: which slot is choose_victim()'s, this is how).
+#include <algorithm>
+
+#include "format.h"
+#include "kv_cache_impl.h"
+#include "reclaim_policy.h"
+#include "undo_log.h"
+#include "vkv/error.h"
+
+namespace vkv {
+
+// Pages from the pool, then reclaimed from slots above their floors (claims, for an engine
+// call that waits for in-flight readers after ReadWindows::close_current(); or
+// reclaimable_floors() for a call that cannot).
+std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vector<std::size_t>& floors) {
+  std::vector<Page> pages = pool_.take(std::min(count, pool_.obtainable_pages()));
+  try {
+    while (pages.size() < count) reclaim_coldest(pages, count - pages.size(), floors);
+  } catch (...) {
+    for (const Page& page : pages) pool_.give_back(page);
+    throw;
+  }
+  // Reclamation takes whole pages from every region; what this call does not need is free now.
+  while (pages.size() > count) {
+    pool_.give_back(pages.back());
+    pages.pop_back();
+  }
+  return pages;
+}
+
+void KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors) {
+  const std::size_t victim =
+      detail::choose_victim(slots_, floors, detail::VictimKinds::surplus_then_freed, /*exclude=*/slots_.size());
+  if (victim == slots_.size()) throw Error("internal: reclamation found no unclaimed mapped page");
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t mapped = slots_[victim].mapped();
+  const std::size_t per_region = std::min(mapped - floors[victim], (wanted + regions - 1) / regions);
+  order_after_readers(victim, mapped - per_region);
+  unmap_tail(victim, mapped - per_region, into);
+}
+
+void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<Page>& into) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t mapped = slot.mapped();
+  if (mapped <= keep) return;
+  wait_free_event(slot);  // the driver's unmap does not wait for kernels still reading
+  std::size_t region = 0;
+  try {
+    for (; region < slot.pages.size(); ++region) unmap_real(slot_index, region, keep, mapped - keep);
+  } catch (...) {
+    // Put back what this call unmapped, so every region keeps the same pages.
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        map_real(slot_index, r, keep, slot.pages[r].data() + keep, mapped - keep);
+      } catch (...) {
+        // Already failing; report the first error.
+      }
+    }
+    throw;
+  }
+  // Unclaimed pages were zero-filled at free_reqid() (or by the mapper), and waited for
+  // above: clean. A shared page stays with its other slots.
+  const bool clean = keep >= slot.claimed;
+  for (std::vector<PageHandle>& pages : slot.pages) {
+    for (std::size_t i = keep; i < mapped; ++i)
+      if (sharing_.drop_mapping(pages[i])) into.push_back({pages[i], clean});
+    pages.resize(keep);
+  }
+}
+
+void KvCache::Impl::map_real(std::size_t slot_index, std::size_t region, std::size_t first, const PageHandle* handles,
+                       std::size_t count) {
+  const Slot& slot = slots_[slot_index];
+  const std::size_t page = layout_.page_bytes();
+  const Address address = page_address(region, slot_index, first);
+  const std::size_t zero_backed =
+      config_.zero_page && slot.backed_end > first ? std::min(count, slot.backed_end - first) : 0;
+  if (zero_backed > 0) backend_->unmap(address, zero_backed * page);
+  try {
+    backend_->map(address, handles, count);
+  } catch (...) {
+    try {
+      if (zero_backed > 0) backend_->back_with_zeros(address, zero_backed * page);
+    } catch (...) {
+      // Already failing; report the first error.
+    }
+    throw;
+  }
+}
+
+void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::size_t first, std::size_t count) {
+  const Slot& slot = slots_[slot_index];
+  const std::size_t page = layout_.page_bytes();
+  const Address address = page_address(region, slot_index, first);
+  backend_->unmap(address, count * page);
+  const std::size_t zero_backed =
+      config_.zero_page && slot.backed_end > first ? std::min(count, slot.backed_end - first) : 0;
+  if (zero_backed == 0) return;
+  try {
+    backend_->back_with_zeros(address, zero_backed * page);
+  } catch (...) {
+    try {
+      backend_->map(address, slot.pages[region].data() + first, count);
+    } catch (...) {
+      // Already failing; report the first error.
+    }
+    throw;
+  }
+}
+
+void KvCache::Impl::back_with_zeros(std::size_t slot_index, std::size_t until) {
+  Slot& slot = slots_[slot_index];
+  const std::size_t from = std::max(slot.mapped(), slot.backed_end);
+  if (until <= from) return;
+  const std::size_t bytes = (until - from) * layout_.page_bytes();
+  std::size_t region = 0;
+  try {
+    for (; region < layout_.num_regions(); ++region) backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
+  } catch (...) {
+    for (std::size_t r = 0; r < region; ++r) {
+      try {
+        backend_->unmap(page_address(r, slot_index, from), bytes);  // nothing reads a range just backed
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  slot.backed_end = until;
+}
+
+void KvCache::Impl::order_after_readers(std::size_t slot_index, std::size_t first) {
+  if (!config_.zero_page) return;  // without zero backing nothing reads beyond a slot's tokens
+  Slot& slot = slots_[slot_index];
+  if (first >= std::max(slot.mapped(), slot.backed_end)) return;  // unmapped from there on: unreadable
+  wait_free_event(slot);  // the previous owner's padded reads
+  if (slot.allocated && first < read_windows_.horizon(slot.allocated_at, /*include_current=*/false))
+    read_windows_.wait();
+}
+
+std::vector<std::size_t> KvCache::Impl::reclaimable_floors() const {
+  std::vector<std::size_t> floors(slots_.size());
+  for (std::size_t s = 0; s < slots_.size(); ++s) floors[s] = first_reclaimable_without_waiting(s);
+  return floors;
+}
+
+std::size_t KvCache::Impl::first_reclaimable_without_waiting(std::size_t slot_index) const {
+  const Slot& slot = slots_[slot_index];
+  if (!config_.zero_page || !slot.allocated) return slot.claimed;
+  return std::max(slot.claimed, read_windows_.horizon(slot.allocated_at, /*include_current=*/true));
+}
+
+void KvCache::Impl::zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream) {
+  const std::size_t page = layout_.page_bytes();
+  std::size_t i = 0;
+  while (i < count) {
+    if (pages[i].clean) {
+      ++i;
+      continue;
+    }
+    std::size_t end = i;
+    while (end < count && !pages[end].clean) ++end;
+    backend_->zero(address + i * page, (end - i) * page, stream);
+    i = end;
+  }
+}
+
+void KvCache::Impl::wait_free_event(Slot& slot) {
+  if (slot.free_event == 0) return;
+  backend_->wait_event(slot.free_event);
+  backend_->destroy_event(slot.free_event);
+  slot.free_event = 0;
+}
+
+}  // namespace vkv

@@ -1,0 +1,77 @@
+// SlotTable: the books of alloc and free, and the slots' own invariants.
+#include "slot_table.h"
+
+#include <algorithm>
+#include <string>
+
+#include "vkv/error.h"
+
+namespace vkv::detail {
+
+SlotTable::SlotTable(std::size_t slots, std::size_t regions) : slots_(slots) {
+  for (Slot& slot : slots_) slot.pages.resize(regions);
+}
+
+std::size_t SlotTable::next_to_allocate() const noexcept {
+  std::size_t best = slots_.size();
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    if (!slots_[s].allocated && (best == slots_.size() || slots_[s].kept_at_free > slots_[best].kept_at_free))
+      best = s;
+  }
+  return best;
+}
+
+std::size_t SlotTable::free_count() const noexcept {
+  return static_cast<std::size_t>(std::count_if(slots_.begin(), slots_.end(), [](const Slot& slot) { return !slot.allocated; }));
+}
+
+std::vector<std::size_t> SlotTable::claims() const {
+  std::vector<std::size_t> claims(slots_.size());
+  for (std::size_t s = 0; s < slots_.size(); ++s) claims[s] = slots_[s].claimed;
+  return claims;
+}
+
+void SlotTable::mark_allocated(std::size_t slot, std::uint64_t steps_so_far) noexcept {
+  Slot& entry = slots_[slot];
+  entry.allocated_at = steps_so_far;
+  entry.allocated = true;
+  entry.seq_len = 0;
+  entry.claimed = 0;
+  entry.kept_at_free = 0;
+}
+
+void SlotTable::mark_freed(std::size_t slot, std::size_t kept) noexcept {
+  Slot& entry = slots_[slot];
+  entry.kept_at_free = kept;
+  entry.allocated = false;
+  entry.seq_len = 0;
+  entry.claimed = 0;
+  entry.freed_at = ++frees_;
+}
+
+void SlotTable::check(const KvLayout& layout, bool zero_page) const {
+  auto expect = [](bool holds, const std::string& what) {
+    if (!holds) throw Error("vkv invariant broken: " + what);
+  };
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    const std::size_t mapped = slot.mapped();
+    const std::string where = "slot " + std::to_string(s);
+    expect(slot.pages.size() == layout.num_regions(), where + " has a page list per region");
+    expect(mapped <= layout.pages_per_slot(), where + " maps no more than pages_per_slot");
+    for (const auto& pages : slot.pages)
+      expect(pages.size() == mapped, where + " maps the same number of pages in every region");
+    expect(slot.allocated || (slot.seq_len == 0 && slot.claimed == 0), where + ": a free slot claims nothing");
+    expect(slot.allocated || !slot.swapped, where + ": a free slot is not swapped out");
+    expect(!slot.swapped || (slot.seq_len == 0 && slot.claimed == 0), where + ": a swapped-out slot claims nothing");
+    expect(slot.swapped || slot.swap.bytes == 0, where + ": only a swapped-out slot holds host memory");
+    expect(layout.pages_for_tokens(slot.seq_len) <= slot.claimed, where + ": its seq_len is claimed");
+    expect(slot.claimed <= mapped, where + ": its claimed pages are mapped");
+    expect(zero_page || slot.backed_end == 0, where + ": nothing is zero-backed without zero_page");
+    expect(slot.backed_end <= layout.pages_per_slot(), where + ": zero backing stays inside the slot");
+    expect(!zero_page || !slot.allocated || slot.backed_end == layout.pages_per_slot(),
+           where + ": an allocated slot reads as zeros to its end");
+  }
+}
+
+}  // namespace vkv::detail

@@ -1,0 +1,88 @@
+// The slots: which are allocated, what each claims, which pages each maps, and the order
+// alloc_reqid() hands them out in. The logical state every later decision follows (the
+// same call sequence must give the same slots on every tensor-parallel rank).
+//
+// Invariants (check()): a slot maps the same number of pages in every region; a free
+// slot claims nothing and is not swapped out; a swapped-out slot claims nothing; a
+// slot's seq_len is claimed and its claim is mapped; zero backing covers an allocated
+// slot to its end.
+//
+// Internal. Thread-safety: none; the cache serializes every call under its mutex.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "vkv/backend.h"
+#include "vkv/layout.h"
+
+namespace vkv::detail {
+
+/// KvCache::Impl's marker for a slot no background unit is working on.
+inline constexpr std::size_t kNotBusy = static_cast<std::size_t>(-1);
+
+/// Host memory holding a swapped-out slot; `ready` follows the copy into or out of it.
+struct HostCopy {
+  Address host = 0;
+  std::size_t bytes = 0;
+  Event ready = 0;
+};
+
+struct Slot {
+  bool allocated = false;
+  std::size_t seq_len = 0;                      // from the last step()
+  // Pages per region the owner has needed since alloc_reqid(). Mapped pages beyond it
+  // hold zeros and no kernel of the owner writes them: as reclaimable as a freed slot's.
+  std::size_t claimed = 0;
+  std::vector<std::vector<PageHandle>> pages;   // [region][page]: pages [0, n) mapped in each region
+  // Pages [mapped(), backed_end) of every region are backed by the zero page (zero_page
+  // on); pages from backed_end on are not mapped.
+  std::size_t backed_end = 0;
+  std::uint64_t allocated_at = 0;               // steps done when it was allocated (ReadWindows)
+  Event free_event = 0;                         // behind the zero-fill at free_reqid(); 0 once waited for
+  std::uint64_t freed_at = 0;                   // free order, for least-recently-freed reclamation
+  std::size_t kept_at_free = 0;                 // claimed when freed: alloc_reqid()'s preference
+  // While the mapper maps or unmaps pages [busy_from, ...) of this slot outside the lock,
+  // kNotBusy otherwise. Nobody else touches the slot's pages at or past it.
+  std::size_t busy_from = kNotBusy;
+  bool swapped = false;
+  HostCopy swap;                                // where swap_out() put the tokens
+
+  std::size_t mapped() const noexcept { return pages.empty() ? 0 : pages.front().size(); }
+  bool busy() const noexcept { return busy_from != kNotBusy; }
+};
+
+class SlotTable {
+ public:
+  SlotTable(std::size_t slots, std::size_t regions);
+
+  std::size_t size() const noexcept { return slots_.size(); }
+  Slot& operator[](std::size_t slot) noexcept { return slots_[slot]; }
+  const Slot& operator[](std::size_t slot) const noexcept { return slots_[slot]; }
+  std::vector<Slot>::iterator begin() noexcept { return slots_.begin(); }
+  std::vector<Slot>::iterator end() noexcept { return slots_.end(); }
+  std::vector<Slot>::const_iterator begin() const noexcept { return slots_.begin(); }
+  std::vector<Slot>::const_iterator end() const noexcept { return slots_.end(); }
+
+  /// The free slot alloc_reqid() hands out next: the one that kept the most pages when
+  /// freed, lowest index on ties; size() when none is free.
+  std::size_t next_to_allocate() const noexcept;
+  std::size_t free_count() const noexcept;
+  /// What each slot claims now.
+  std::vector<std::size_t> claims() const;
+
+  /// The books of an allocation (the caller ordered its stream after the zero-fill).
+  void mark_allocated(std::size_t slot, std::uint64_t steps_so_far) noexcept;
+  /// The books of a free: `kept` pages stay for the next owner's preference.
+  void mark_freed(std::size_t slot, std::size_t kept) noexcept;
+
+  /// @throws Error naming the broken invariant (see the file comment).
+  void check(const KvLayout& layout, bool zero_page) const;
+
+ private:
+  std::vector<Slot> slots_;
+  std::uint64_t frees_ = 0;  // free_reqid() calls so far: each free's freed_at
+};
+
+}  // namespace vkv::detail
