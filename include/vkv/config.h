@@ -62,9 +62,9 @@ struct CacheConfig {
   std::size_t precreate_pages = 0;
   /// Every page of the reservation that no step() backs reads as zeros (one shared
   /// read-only page is mapped there; writes still fault), so kernels may read a padded
-  /// batch beyond a slot's seq_len, up to the largest seq_len of the batch. Off: such
-  /// reads touch unmapped memory (a fault). Costs are in docs/api.md.
-  bool zero_page = true;
+  /// batch beyond a slot's seq_len, up to the largest seq_len of the batch. Off (the
+  /// default, for its cost on CUDA: docs/api.md): such reads touch unmapped memory.
+  bool zero_page = false;
 
   // Hiding mapping latency (vAttention section 5.4); each can be switched off for ablation.
   /// A background thread maps ahead what the next iterations will need. Off: step() maps
