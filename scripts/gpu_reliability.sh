@@ -11,7 +11,7 @@ mkdir -p "$out/logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build-gpu 2>&1 | tail -2
 status=0
-ctest --test-dir build-gpu --output-on-failure -j4 -E install_and_find_package 2>&1 > "$out/logs/ctest.log"
+VKV_FAULT_EVERY=7 ctest --test-dir build-gpu --output-on-failure -j8 -E install_and_find_package 2>&1 > "$out/logs/ctest.log"
 grep -E "tests passed|Failed|\*\*\*" "$out/logs/ctest.log" | tail -5
 grep -q "100% tests passed" "$out/logs/ctest.log" || status=1
 python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING

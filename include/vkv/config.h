@@ -60,9 +60,9 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
   X(memory_budget, std::size_t, 0,                                                                                 \
     "most physical memory in bytes; 0 = enough for every slot, at most 90% of the free device memory")            \
   X(precreate_pages, std::size_t, 0, "physical pages created up front, so that step() does not create them")       \
-  X(zero_page, bool, true,                                                                                         \
+  X(zero_page, bool, false,                                                                                        \
     "pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may "   \
-    "read beyond a slot's seq_len; off: such reads touch unmapped memory")                                        \
+    "read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads touch unmapped memory")      \
   X(background_mapping, bool, true, "a background thread maps ahead what the next iterations will need")           \
   X(lookahead_tokens, std::size_t, 32, "tokens mapped ahead beyond each allocated slot's seq_len")                 \
   X(eager_tokens, std::size_t, kAdaptive,                                                                          \

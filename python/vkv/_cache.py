@@ -48,12 +48,13 @@ class KVCache:
     buffer in the interleaved layout). Their addresses never change; ``step()`` backs
     with physical pages exactly the tokens the next iteration touches.
 
-    Everything else reads as zeros (``zero_page=True``, the default): a padded batch,
+    With ``zero_page=True`` everything else reads as zeros: a padded batch,
     ``k[slots, :n]`` with ``n`` the longest request, reads zeros beyond the shorter ones,
-    and printing a tensor works. Writes beyond what ``step()`` backed still fault. The
+    and printing a tensor works; writes beyond what ``step()`` backed still fault. The
     rule that keeps this safe while pages come and go: the kernels enqueued after a
     ``step()`` read no slot beyond the largest seq_len of that step (other reads must be
-    synchronous, like ``print``).
+    synchronous, like ``print``). Off (the default, for what it costs on a GPU, see
+    docs/api.md), reading beyond a slot's seq_len touches unmapped memory: a fault.
 
     Device work (zero-fill of freed and fresh pages) is enqueued on
     ``torch.cuda.current_stream()`` of the cache's device at the time of each call.
@@ -87,7 +88,7 @@ class KVCache:
         eager_tokens: Optional[int] = None,
         deferred_reclamation: bool = True,
         reclaim_watermark_pages: int = 0,
-        zero_page: bool = True,
+        zero_page: bool = False,
     ) -> None:
         """Reserve the cache's virtual memory and build its tensors.
 
@@ -111,8 +112,8 @@ class KVCache:
             reclaim_watermark_pages: the mapper unmaps freed slots' pages into the pool while
                 fewer pages than this are free; 0 = budget / 32.
             zero_page: pages no step() backed read as zeros (one shared read-only page is
-                mapped there), so padded batches may read beyond a slot's seq_len. Off:
-                such reads touch unmapped memory (a fault). Costs: docs/api.md.
+                mapped there), so padded batches may read beyond a slot's seq_len. Off
+                (default): such reads touch unmapped memory (a fault). Costs: docs/api.md.
 
         Raises:
             ValueError: a bad argument, or more virtual memory than the backend can reserve.

@@ -17,6 +17,7 @@ class ZeroPageTest : public ::testing::TestWithParam<std::tuple<BackendKind, Lay
     backend_ = testing::make_test_backend(std::get<0>(GetParam()), &why_not_);
     if (!backend_) GTEST_SKIP() << why_not_;
     config_ = testing::small_config(std::get<1>(GetParam()), backend_->page_bytes());
+    config_.zero_page = true;
   }
   std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
     std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
@@ -85,7 +86,9 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(ZeroPage, WritesBeyondWhatStepBackedStillFault) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto backend = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
-  KvCache cache(testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes), backend);
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.zero_page = true;
+  KvCache cache(config, backend);
   const std::size_t slot = cache.alloc_reqid();
   std::vector<std::size_t> seq_lens(4, 0);
   seq_lens[slot] = 1;
@@ -104,6 +107,7 @@ TEST(ZeroPage, APageInReachOfWorkInFlightIsSwappedOnlyAfterIt) {
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
   config.lookahead_tokens = 0;
   config.eager_tokens = 0;
+  config.zero_page = true;
   KvCache cache(config, events);
   const KvLayout& layout = cache.layout();
   const std::size_t page = layout.tokens_in_pages(1);
@@ -148,6 +152,7 @@ TEST(ZeroPage, APageInReachOfWorkInFlightIsSwappedOnlyAfterIt) {
 TEST(ZeroPage, TrimLeavesPagesInReachOfWorkInFlight) {
   auto backend = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.zero_page = true;
   KvCache cache(config, backend);
   const std::size_t page = cache.layout().tokens_in_pages(1);
   std::vector<std::size_t> seq_lens(config.max_batch_size, 0);

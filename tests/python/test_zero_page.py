@@ -25,7 +25,7 @@ def test_printing_a_fresh_cache_shows_zeros():
     result = run_python("""
         import torch, vkv
         with vkv.KVCache(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, max_batch_size=4,
-                         max_context_len=1024, device="cpu") as cache:
+                         max_context_len=1024, device="cpu", zero_page=True) as cache:
             print(cache.key(0))
             print(float(cache.value(1).abs().sum()))
     """)
@@ -37,7 +37,7 @@ def test_a_write_beyond_what_step_backed_is_a_fault_not_silent_corruption():
     result = run_python("""
         import torch, vkv
         cache = vkv.KVCache(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, max_batch_size=2,
-                            max_context_len=65536, device="cpu", background_mapping=False)
+                            max_context_len=65536, device="cpu", background_mapping=False, zero_page=True)
         slot = cache.alloc_reqid()
         cache.step([1 if s == slot else 0 for s in range(2)])
         cache.key(0)[slot, 60000] = 1.0   # far beyond the one backed token
@@ -52,7 +52,7 @@ def padded_attention(device, layout, lens, dtype):
     copies of the same tokens)."""
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 8, 2, 64
-    with small_cache(device, layout, dtype=dtype, num_kv_heads=kv_heads, head_dim=dim,
+    with small_cache(device, layout, dtype=dtype, num_kv_heads=kv_heads, head_dim=dim, zero_page=True,
                      max_context_len=4096 if device == "cpu" else 32768) as cache:
         slots = [cache.alloc_reqid() for _ in lens]
         seq_lens = [0] * cache.max_batch_size
@@ -89,9 +89,9 @@ def test_a_padded_batch_reads_zeros_beyond_each_request_and_matches_sdpa_with_a_
 
 
 def test_stats_count_zero_backing_and_pages_in_reach():
-    with small_cache(memory_budget=64 * HOST_PAGE) as cache:
+    with small_cache(memory_budget=64 * HOST_PAGE, zero_page=True) as cache:
         stats = cache.stats()
         assert stats["backend"]["zero_backing"]["units"] > 0
         assert stats["pages_in_reach"] == 0
-    with small_cache(zero_page=False) as cache:
+    with small_cache() as cache:  # off by default
         assert cache.stats()["backend"]["zero_backing"]["calls"] == 0
