@@ -11,7 +11,7 @@ sanitizers=("$@")
 for sanitizer in "${sanitizers[@]}"; do
   build="build-${sanitizer//,/-}"
   echo "== $sanitizer"
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVKV_SANITIZE="$sanitizer" \
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVKV_SANITIZE="$sanitizer" -DVKV_ASSERTS=ON \
     -DVKV_BUILD_EXAMPLES=OFF -DVKV_BUILD_BENCHMARKS=OFF >/dev/null
   cmake --build "$build"
   # Death tests fork a process with threads, which ThreadSanitizer does not follow.

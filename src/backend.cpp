@@ -1,4 +1,4 @@
-// Choosing a backend for a Device.
+// Choosing a backend for a Device, and the Backend calls that have a default.
 #include "vkv/backend.h"
 
 #include <cstdlib>
@@ -26,6 +26,26 @@ HostExecution host_execution_from_environment() {
 }
 
 }  // namespace
+
+void Backend::synchronize(Stream stream) {
+  const Event event = record_event(stream);
+  try {
+    wait_event(event);
+  } catch (...) {
+    destroy_event(event);
+    throw;
+  }
+  destroy_event(event);
+}
+
+Address Backend::allocate_host(std::size_t bytes) {
+  void* memory = std::malloc(bytes == 0 ? 1 : bytes);
+  if (memory == nullptr)
+    throw OutOfMemory("malloc of " + std::to_string(bytes) + " bytes of host memory failed", 0, page_bytes());
+  return reinterpret_cast<Address>(memory);
+}
+
+void Backend::free_host(Address address, std::size_t) noexcept { std::free(reinterpret_cast<void*>(address)); }
 
 bool cuda_available() noexcept {
 #ifdef VKV_WITH_CUDA

@@ -30,7 +30,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   std::size_t regions_mapped = 0;
   bool zero_filling = false;
   try {
-    for (; created < to_create; ++created) pages.push_back({backend_->create_page(), false});
+    for (; created < to_create; ++created) pages.push_back(pool_.new_page());
     std::vector<PageHandle> handles(per_region);
     for (; regions_mapped < regions; ++regions_mapped) {
       const Page* run = &pages[regions_mapped * per_region];
@@ -58,7 +58,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
       }
     }
     lock.lock();
-    for (const Page& page : pages) pool_.give_back({page.handle, false});
+    for (const Page& page : pages) pool_.give_back({page.handle, false});  // a zero-fill may have begun
     pool_.end_create(to_create, created);
     in_flight_pages_ -= count;
     slot.busy_from = detail::kNotBusy;
@@ -143,7 +143,7 @@ bool KvCache::Impl::create_in_background(std::unique_lock<std::mutex>& lock, std
   lock.unlock();
   std::vector<Page> created;
   try {
-    while (created.size() < reserved) created.push_back({backend_->create_page(), false});
+    while (created.size() < reserved) created.push_back(pool_.new_page());
   } catch (...) {
     lock.lock();
     for (const Page& page : created) pool_.give_back(page);

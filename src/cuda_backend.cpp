@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda_driver.h"
+#include "log.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -27,17 +28,18 @@ CUmemAllocationProp page_properties(int device) {
 // Makes the backend's context current for one call and puts the caller's back.
 class CudaBackend::ContextScope {
  public:
-  explicit ContextScope(const CudaBackend& backend) : wanted_(as_context(backend.context_)) {
+  explicit ContextScope(const CudaBackend& backend) : backend_(backend), wanted_(as_context(backend.context_)) {
     VKV_CU_TRY(cuCtxGetCurrent, &previous_);
     if (previous_ != wanted_) VKV_CU_TRY(cuCtxSetCurrent, wanted_);
   }
   ~ContextScope() {
-    if (previous_ != wanted_) cuda::driver().cuCtxSetCurrent(previous_);
+    if (previous_ != wanted_) backend_.note_cleanup(cuda::driver().cuCtxSetCurrent(previous_), "cuCtxSetCurrent");
   }
   ContextScope(const ContextScope&) = delete;
   ContextScope& operator=(const ContextScope&) = delete;
 
  private:
+  const CudaBackend& backend_;
   CUcontext wanted_;
   CUcontext previous_ = nullptr;
 };
@@ -74,9 +76,17 @@ CudaBackend::CudaBackend(int device, std::size_t page_bytes) : device_(device) {
 }
 
 CudaBackend::~CudaBackend() {
-  // Tolerates a driver already shut down at process exit.
-  if (zero_page_ != 0) cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(zero_page_));
-  cuda::driver().cuDevicePrimaryCtxRelease(device_handle_);
+  // Tolerates a driver already shut down at process exit (the failures are counted).
+  if (zero_page_ != 0)
+    note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(zero_page_)), "cuMemRelease");
+  note_cleanup(cuda::driver().cuDevicePrimaryCtxRelease(device_handle_), "cuDevicePrimaryCtxRelease");
+}
+
+void CudaBackend::note_cleanup(int result, const char* call) const noexcept {
+  if (result == CUDA_SUCCESS) return;
+  cleanup_failures_.fetch_add(1);
+  if (detail::debug_logging())
+    detail::log_debug(std::string(call) + " failed: " + cuda::error_name(static_cast<CUresult>(result)));
 }
 
 std::string CudaBackend::name() const { return "cuda:" + std::to_string(device_); }
@@ -97,7 +107,7 @@ Address CudaBackend::reserve(std::size_t bytes) {
 }
 
 void CudaBackend::free_reservation(Address base, std::size_t bytes) noexcept {
-  cuda::driver().cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes);
+  note_cleanup(cuda::driver().cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes), "cuMemAddressFree");
 }
 
 PageHandle CudaBackend::create_page() {
@@ -114,7 +124,7 @@ PageHandle CudaBackend::create_page() {
 }
 
 void CudaBackend::release_page(PageHandle page) noexcept {
-  cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page));
+  note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page)), "cuMemRelease");
 }
 
 void CudaBackend::map(Address address, const PageHandle* pages, std::size_t count) {
@@ -134,7 +144,7 @@ void CudaBackend::map(Address address, const PageHandle* pages, std::size_t coun
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     cuda::check(driver.cuMemSetAccess(address, count * page_bytes_, &access, 1), "cuMemSetAccess");
   } catch (...) {
-    if (mapped > 0) driver.cuMemUnmap(address, mapped * page_bytes_);
+    if (mapped > 0) note_cleanup(driver.cuMemUnmap(address, mapped * page_bytes_), "cuMemUnmap");
     throw;
   }
 }
@@ -162,13 +172,13 @@ PageHandle CudaBackend::zero_page() {
     VKV_CU_TRY(cuMemsetD8Async, scratch, 0, page_bytes_, nullptr);
     VKV_CU_TRY(cuStreamSynchronize, nullptr);
   } catch (...) {
-    if (mapped) cuda::driver().cuMemUnmap(scratch, page_bytes_);
-    if (reserved) cuda::driver().cuMemAddressFree(scratch, page_bytes_);
+    if (mapped) note_cleanup(cuda::driver().cuMemUnmap(scratch, page_bytes_), "cuMemUnmap");
+    if (reserved) note_cleanup(cuda::driver().cuMemAddressFree(scratch, page_bytes_), "cuMemAddressFree");
     release_page(page);
     throw;
   }
-  cuda::driver().cuMemUnmap(scratch, page_bytes_);
-  cuda::driver().cuMemAddressFree(scratch, page_bytes_);
+  note_cleanup(cuda::driver().cuMemUnmap(scratch, page_bytes_), "cuMemUnmap");
+  note_cleanup(cuda::driver().cuMemAddressFree(scratch, page_bytes_), "cuMemAddressFree");
   zero_page_ = page;
   return page;
 }
@@ -188,7 +198,7 @@ void CudaBackend::back_with_zeros(Address address, std::size_t bytes) {
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
     cuda::check(driver.cuMemSetAccess(address, bytes, &access, 1), "cuMemSetAccess(read-only)");
   } catch (...) {
-    if (mapped > 0) driver.cuMemUnmap(address, mapped * page_bytes_);  // nothing has read them yet
+    if (mapped > 0) note_cleanup(driver.cuMemUnmap(address, mapped * page_bytes_), "cuMemUnmap");  // nothing has read them yet
     throw;
   }
 }
@@ -229,7 +239,7 @@ Address CudaBackend::allocate_host(std::size_t bytes) {
 }
 
 void CudaBackend::free_host(Address address, std::size_t) noexcept {
-  cuda::driver().cuMemFreeHost(reinterpret_cast<void*>(address));
+  note_cleanup(cuda::driver().cuMemFreeHost(reinterpret_cast<void*>(address)), "cuMemFreeHost");
 }
 
 Event CudaBackend::record_event(Stream stream) {
@@ -238,7 +248,7 @@ Event CudaBackend::record_event(Stream stream) {
   VKV_CU_TRY(cuEventCreate, &event, CU_EVENT_DISABLE_TIMING);
   CUresult result = cuda::driver().cuEventRecord(event, as_stream(stream));
   if (result != CUDA_SUCCESS) {
-    cuda::driver().cuEventDestroy(event);
+    note_cleanup(cuda::driver().cuEventDestroy(event), "cuEventDestroy");
     cuda::check(result, "cuEventRecord");
   }
   return reinterpret_cast<Event>(event);
@@ -262,7 +272,9 @@ void CudaBackend::stream_wait_event(Stream stream, Event event) {
   VKV_CU_TRY(cuStreamWaitEvent, as_stream(stream), as_event(event), 0);
 }
 
-void CudaBackend::destroy_event(Event event) noexcept { cuda::driver().cuEventDestroy(as_event(event)); }
+void CudaBackend::destroy_event(Event event) noexcept {
+  note_cleanup(cuda::driver().cuEventDestroy(as_event(event)), "cuEventDestroy");
+}
 
 void CudaBackend::synchronize(Stream stream) {
   ContextScope scope(*this);
@@ -276,7 +288,9 @@ Stream CudaBackend::create_stream() {
   return reinterpret_cast<Stream>(stream);
 }
 
-void CudaBackend::destroy_stream(Stream stream) noexcept { cuda::driver().cuStreamDestroy(as_stream(stream)); }
+void CudaBackend::destroy_stream(Stream stream) noexcept {
+  note_cleanup(cuda::driver().cuStreamDestroy(as_stream(stream)), "cuStreamDestroy");
+}
 
 void CudaBackend::synchronize_device() {
   ContextScope scope(*this);

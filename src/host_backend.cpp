@@ -13,6 +13,7 @@
 
 #include "format.h"
 #include "host_stream.h"
+#include "log.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -82,7 +83,10 @@ void HostBackend::free_reservation(Address base, std::size_t bytes) noexcept {
     std::lock_guard<std::mutex> lock(*mapping_mutex_);
     page_states_->erase(base, base + bytes);
   }
-  munmap(as_pointer(base), bytes);
+  if (munmap(as_pointer(base), bytes) != 0) {
+    cleanup_failures_.fetch_add(1);
+    detail::log_debug(detail::concat("munmap of a ", bytes, "-byte reservation failed: ", std::strerror(errno)));
+  }
 }
 
 PageHandle HostBackend::create_page() {
@@ -99,9 +103,16 @@ PageHandle HostBackend::create_page() {
 }
 
 void HostBackend::release_page(PageHandle page) noexcept {
-  // Punching a hole returns the page's memory to the system; the slot is reused later.
-  fallocate(page_file_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(page * page_bytes_),
-            static_cast<off_t>(page_bytes_));
+  // Punching a hole returns the page's memory to the system and makes it read as zeros,
+  // so the slot can be handed out again as a fresh page.
+  if (fallocate(page_file_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(page * page_bytes_),
+                static_cast<off_t>(page_bytes_)) != 0) {
+    // Its bytes may survive: never reuse it (fresh pages must read as zeros).
+    cleanup_failures_.fetch_add(1);
+    detail::log_debug(detail::concat("punching out page ", page, " failed (", std::strerror(errno),
+                                     "): its file slot is not reused"));
+    return;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   released_.push_back(page);
 }
@@ -179,15 +190,6 @@ void HostBackend::launch_host_function(Stream, std::function<void()> function) {
   }
 }
 
-Address HostBackend::allocate_host(std::size_t bytes) {
-  void* memory = std::malloc(bytes == 0 ? 1 : bytes);
-  if (memory == nullptr)
-    throw OutOfMemory("malloc of " + std::to_string(bytes) + " bytes of host memory failed", 0, page_bytes_);
-  return reinterpret_cast<Address>(memory);
-}
-
-void HostBackend::free_host(Address address, std::size_t) noexcept { std::free(as_pointer(address)); }
-
 // Deferred mode: an event is a position in the one stream (every stream is the same,
 // which orders more than a GPU would, never less).
 Event HostBackend::record_event(Stream) {
@@ -206,7 +208,7 @@ void HostBackend::stream_wait_event(Stream, Event) {}
 void HostBackend::destroy_event(Event) noexcept {}
 
 void HostBackend::synchronize(Stream) {
-  if (stream_) stream_->wait(stream_->tail());
+  if (stream_) stream_->wait(stream_->tail());  // every stream is the one queue
 }
 
 void HostBackend::synchronize_device() { synchronize(0); }

@@ -69,7 +69,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   // Where backing with zeros costs one call, the whole reservation reads as zeros from the
   // start; elsewhere (CUDA: ~37 us a page) slots are backed as they are handed out, and
   // the mapper backs the others in the background.
-  if (config.zero_page && backend_->zero_backing_is_bulk()) {
+  if (config.zero_page && backend_->traits().zero_backing_is_bulk) {
     backend_->back_with_zeros(base_, needed);
     for (Slot& slot : slots_) slot.backed_end = layout_.pages_per_slot();
   }

@@ -197,6 +197,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
     }
   }
+  VKV_ASSERT(next == pages.size());  // every page obtained found its place
   if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
   for (const Fresh& run : fresh) zero_fresh_pages(run.address, &pages[run.first], run.count, stream);
   unused.commit();

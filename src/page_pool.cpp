@@ -26,7 +26,7 @@ std::vector<Page> PagePool::take(std::size_t count) {
   pages.reserve(count);
   const std::size_t from_free = std::min(count, free_.size());
   try {
-    while (pages.size() < count - from_free) pages.push_back({backend_.create_page(), false});
+    while (pages.size() < count - from_free) pages.push_back(new_page());
   } catch (const OutOfMemory& error) {
     for (const Page& page : pages) backend_.release_page(page.handle);
     throw OutOfMemory(error.what(), count - pages.size() - from_free, backend_.page_bytes());
@@ -63,7 +63,7 @@ void PagePool::precreate(std::size_t count) {
               " pages");
   free_.reserve(count);
   while (free_.size() < count && created_pages_ < budget_pages_) {
-    free_.push_back({backend_.create_page(), false});
+    free_.push_back(new_page());
     ++created_pages_;
   }
 }

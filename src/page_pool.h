@@ -4,7 +4,8 @@
 // slot by the cache). The pool creates pages lazily up to budget_pages() and hands
 // free ones out first; it never maps anything. A free page is "clean" when it is
 // known to hold zeros (it was zero-filled before it was unmapped); freshly created
-// pages are not, and the cache zero-fills them before a slot can read them.
+// pages are not (unless the backend says they are: memfd pages), and the cache
+// zero-fills them before a slot can read them.
 //
 // Thread-safety: not thread-safe; its owner (KvCache) serializes every call.
 #pragma once
@@ -42,6 +43,10 @@ class PagePool {
   /// Hands out `count` pages, free ones first, then newly created ones. All or nothing.
   /// @throws OutOfMemory naming the shortfall (budget or device); the pool is unchanged.
   std::vector<Page> take(std::size_t count);
+  /// A page just created by the backend, clean where the backend's fresh pages are zeros.
+  /// Touches no pool state (the owner may call it without its lock, between
+  /// begin_create() and end_create()). @throws as Backend::create_page().
+  Page new_page() const { return {backend_.create_page(), backend_.traits().fresh_pages_are_zero}; }
   /// Hands out up to `count` free pages; creates none (no backend call).
   std::vector<Page> take_free(std::size_t count);
   /// Counts up to `count` pages as created before they are (at most what the budget

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "format.h"
+#include "internal_assert.h"
 #include "kv_cache_impl.h"
 #include "reclaim_policy.h"
 #include "undo_log.h"
@@ -59,6 +60,7 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
     }
     throw;
   }
+  VKV_ASSERT(!slot.busy());  // a busy slot's pages are the mapper's until it is done
   // Unclaimed pages were zero-filled at free_reqid() (or by the mapper), and waited for
   // above: clean. A shared page stays with its other slots.
   const bool clean = keep >= slot.claimed;

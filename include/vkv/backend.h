@@ -37,10 +37,22 @@ using PageHandle = std::uint64_t;   ///< a physical page (CUmemGenericAllocation
 using Stream = std::uintptr_t;      ///< CUstream (0 = the legacy default stream); ignored by the host
 using Event = std::uintptr_t;       ///< opaque; 0 is never a valid event
 
+/// What a backend can do that changes how the cache uses it.
+struct BackendTraits {
+  /// create_page() hands out pages that already read as zeros (memfd pages do): the cache
+  /// skips their zero-fill.
+  bool fresh_pages_are_zero = false;
+  /// back_with_zeros() costs about one call whatever the range (host: one mmap); false
+  /// where it costs per page (CUDA: ~37 us a page): the cache then backs lazily, slot by
+  /// slot, off the hot path.
+  bool zero_backing_is_bulk = false;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
 
+  // ---- what it is ------------------------------------------------------------------
   /// "cuda:0", "host", ... for messages and stats.
   virtual std::string name() const = 0;
   /// Bytes per page; every size and address passed to this backend is a multiple of it.
@@ -49,17 +61,21 @@ class Backend {
   virtual std::size_t max_reservation_bytes() const noexcept = 0;
   /// Physical memory the backend could still provide (device free memory, host available RAM).
   virtual std::size_t available_memory_bytes() const = 0;
+  virtual BackendTraits traits() const noexcept { return {}; }
+  /// Release calls that failed (they cannot throw: their callers clean up); each is also
+  /// logged with VKV_LOG=debug. A dead context at exit fails them all.
+  virtual std::uint64_t cleanup_failures() const noexcept { return 0; }
 
+  // ---- address space and physical pages (the VMM part) ----------------------------
   /// Reserves `bytes` of address space with no memory behind it. @throws DriverError / OutOfMemory.
   virtual Address reserve(std::size_t bytes) = 0;
   /// Returns a reservation; every page in it must already be unmapped.
   virtual void free_reservation(Address base, std::size_t bytes) noexcept = 0;
-
-  /// Creates one physical page. Its contents are unspecified. @throws DriverError / OutOfMemory.
+  /// Creates one physical page (zeros if traits().fresh_pages_are_zero, else unspecified).
+  /// @throws DriverError / OutOfMemory.
   virtual PageHandle create_page() = 0;
   /// Releases a page that is mapped nowhere.
   virtual void release_page(PageHandle page) noexcept = 0;
-
   /// Maps `count` pages side by side starting at `address` and makes them readable and
   /// writable. All or nothing: on failure nothing stays mapped. @throws DriverError.
   virtual void map(Address address, const PageHandle* pages, std::size_t count) = 0;
@@ -71,22 +87,23 @@ class Backend {
   /// read-only page of zeros: reads return 0, writes fault. All or nothing. unmap()
   /// removes it. @throws DriverError / OutOfMemory (the zero page is created on first use).
   virtual void back_with_zeros(Address address, std::size_t bytes) = 0;
-  /// True when back_with_zeros() costs about one call whatever the range (host: one
-  /// mmap); false when it costs per page (CUDA: ~37 us a page), so that a cache backs
-  /// its reservation lazily, slot by slot, off the hot path.
-  virtual bool zero_backing_is_bulk() const noexcept = 0;
 
+  // ---- device work, ordered on streams ----------------------------------------------
   /// Enqueues a zero-fill of mapped memory on `stream`.
   virtual void zero(Address address, std::size_t bytes, Stream stream) = 0;
   /// Enqueues a copy on `stream`. Either side may also be host memory from allocate_host().
   virtual void copy(Address destination, Address source, std::size_t bytes, Stream stream) = 0;
+  /// A stream of the backend's own that does not wait for the legacy default stream
+  /// (the mapper zero-fills there while the model's kernels run). @throws DriverError.
+  virtual Stream create_stream() = 0;
+  virtual void destroy_stream(Stream stream) noexcept = 0;
+  /// Blocks until everything enqueued on `stream` has completed. By default: an event
+  /// behind it, waited for.
+  virtual void synchronize(Stream stream);
+  /// Blocks until all work on the device, on every stream, has completed.
+  virtual void synchronize_device() = 0;
 
-  /// Host memory the device copies to and from asynchronously (page-locked on CUDA), for
-  /// swapping slots out. @throws OutOfMemory naming the size.
-  virtual Address allocate_host(std::size_t bytes) = 0;
-  /// Frees allocate_host() memory; no copy may still be using it.
-  virtual void free_host(Address address, std::size_t bytes) noexcept = 0;
-
+  // ---- events: what ordering is built from -----------------------------------------
   /// Records an event behind the work enqueued so far on `stream`.
   virtual Event record_event(Stream stream) = 0;
   /// True once the work before `event` has completed.
@@ -96,14 +113,13 @@ class Backend {
   /// Makes later work on `stream` wait for `event` without blocking the caller.
   virtual void stream_wait_event(Stream stream, Event event) = 0;
   virtual void destroy_event(Event event) noexcept = 0;
-  /// Blocks until everything enqueued on `stream` has completed.
-  virtual void synchronize(Stream stream) = 0;
-  /// Blocks until all work on the device, on every stream, has completed.
-  virtual void synchronize_device() = 0;
-  /// A stream of the backend's own that does not wait for the legacy default stream
-  /// (the mapper zero-fills there while the model's kernels run). @throws DriverError.
-  virtual Stream create_stream() = 0;
-  virtual void destroy_stream(Stream stream) noexcept = 0;
+
+  // ---- host memory for swapping ------------------------------------------------------
+  /// Host memory the device copies to and from asynchronously (page-locked on CUDA), for
+  /// swapping slots out. By default: malloc. @throws OutOfMemory naming the size.
+  virtual Address allocate_host(std::size_t bytes);
+  /// Frees allocate_host() memory; no copy may still be using it.
+  virtual void free_host(Address address, std::size_t bytes) noexcept;
 };
 
 /// The backend a Device names: CUDA when kind is cuda, or automatic with a device present.

@@ -10,6 +10,7 @@
 // Thread-safety: all calls are thread-safe.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <mutex>
 
@@ -50,7 +51,7 @@ class CudaBackend final : public Backend {
   void map(Address address, const PageHandle* pages, std::size_t count) override;
   void unmap(Address address, std::size_t bytes) override;
   void back_with_zeros(Address address, std::size_t bytes) override;
-  bool zero_backing_is_bulk() const noexcept override { return false; }
+  std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
   Address allocate_host(std::size_t bytes) override;
@@ -67,6 +68,8 @@ class CudaBackend final : public Backend {
 
  private:
   class ContextScope;
+  // Counts and logs (VKV_LOG=debug) a release call that failed. Never throws.
+  void note_cleanup(int result, const char* call) const noexcept;
   // The one page of zeros back_with_zeros() maps everywhere; created on first use.
   PageHandle zero_page();
 
@@ -76,6 +79,7 @@ class CudaBackend final : public Backend {
   std::size_t page_bytes_ = 0;
   std::mutex zero_page_mutex_;
   PageHandle zero_page_ = 0;   // 0 until created
+  mutable std::atomic<std::uint64_t> cleanup_failures_{0};
 };
 
 }  // namespace vkv

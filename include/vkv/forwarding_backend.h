@@ -33,7 +33,8 @@ class ForwardingBackend : public Backend {
   }
   void unmap(Address address, std::size_t bytes) override { upstream_->unmap(address, bytes); }
   void back_with_zeros(Address address, std::size_t bytes) override { upstream_->back_with_zeros(address, bytes); }
-  bool zero_backing_is_bulk() const noexcept override { return upstream_->zero_backing_is_bulk(); }
+  BackendTraits traits() const noexcept override { return upstream_->traits(); }
+  std::uint64_t cleanup_failures() const noexcept override { return upstream_->cleanup_failures(); }
   void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
     upstream_->copy(destination, source, bytes, stream);

@@ -17,6 +17,7 @@
 // Thread-safety: all calls are thread-safe.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -69,11 +70,11 @@ class HostBackend final : public Backend {
   void map(Address address, const PageHandle* pages, std::size_t count) override;
   void unmap(Address address, std::size_t bytes) override;
   void back_with_zeros(Address address, std::size_t bytes) override;
-  bool zero_backing_is_bulk() const noexcept override { return true; }
+  /// memfd pages are zero when created and when reused (a released page's hole was punched).
+  BackendTraits traits() const noexcept override { return {/*fresh_pages_are_zero=*/true, /*zero_backing_is_bulk=*/true}; }
+  std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
-  Address allocate_host(std::size_t bytes) override;
-  void free_host(Address address, std::size_t bytes) noexcept override;
   Event record_event(Stream stream) override;
   bool event_done(Event event) override;
   void wait_event(Event event) override;
@@ -96,6 +97,7 @@ class HostBackend final : public Backend {
   std::size_t file_pages_ = 0;          // handles ever handed out
   std::vector<PageHandle> released_;    // handles whose memory was given back, reused first
   Event next_event_ = 1;                // synchronous mode's events (all complete)
+  std::atomic<std::uint64_t> cleanup_failures_{0};
   // Deferred mode only. mapping_mutex_ is held by every mapping change and by a queued
   // task while it checks and touches its pages, so neither sees the other half done.
   std::unique_ptr<std::mutex> mapping_mutex_;

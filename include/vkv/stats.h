@@ -28,6 +28,9 @@ struct BackendStats {
   CallStats zero;     ///< units: bytes
   CallStats copy;     ///< units: bytes
   CallStats event;    ///< record, query, wait, stream-wait; units: calls
+  /// Release calls that failed (logged with VKV_LOG=debug); counted with or without the
+  /// statistics adaptor.
+  std::uint64_t cleanup_failures = 0;
 };
 
 /// Page accounting of a KvCache. Physical pages: pages_created = pages_free +

@@ -8,6 +8,7 @@
 #include "vkv/host_backend.h"
 #include "vkv/kv_cache.h"
 #include "vkv/layout.h"
+#include "vkv/limiting_backend.h"
 #include "vkv/forwarding_backend.h"
 #include "vkv/statistics_backend.h"
 #include "vkv/stats.h"

@@ -141,3 +141,31 @@ TEST(CudaBackend, RejectsADeviceThatDoesNotExist) {
 
 }  // namespace
 }  // namespace vkv
+
+namespace vkv {
+namespace {
+
+// Adaptors stack: a cache over a limit below its budget runs short where the device
+// would, cleanly, and recovers when the limit rises; without the statistics adaptor
+// it reports no backend counts.
+TEST(Adaptors, ALimitBelowTheBudgetIsAShortageTheCacheSurvives) {
+  auto host = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
+  auto limited = std::make_shared<LimitingBackend>(host, 3);
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.backend_statistics = false;
+  KvCache cache(config, limited);
+  const std::size_t slot = cache.alloc_reqid();
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+  seq_lens[slot] = cache.layout().tokens_in_pages(4);
+  EXPECT_THROW(cache.step(seq_lens), OutOfMemory);
+  EXPECT_EQ(cache.mapped_pages(slot), 0u);
+  EXPECT_EQ(limited->pages(), 0u) << "the failed step gave back the pages it created";
+  limited->set_max_pages(4);
+  cache.step(seq_lens);
+  EXPECT_EQ(cache.mapped_pages(slot), 4u);
+  EXPECT_EQ(cache.stats().backend.map.calls, 0u);
+  cache.check_invariants();
+}
+
+}  // namespace
+}  // namespace vkv

@@ -21,8 +21,21 @@ TEST_F(PagePoolTest, CreatesLazilyUpToTheBudget) {
   EXPECT_EQ(pages.size(), 3u);
   EXPECT_EQ(pool.created_pages(), 3u);
   EXPECT_EQ(pool.handed_out_pages(), 3u);
-  for (const Page& page : pages) EXPECT_FALSE(page.clean);  // fresh pages are not known to be zero
+  for (const Page& page : pages) EXPECT_TRUE(page.clean);  // memfd pages are born zero: no zero-fill
   for (const Page& page : pages) pool.give_back(page);
+}
+
+// Where the backend does not promise zeros, a fresh page is not known to be clean.
+TEST_F(PagePoolTest, FreshPagesAreCleanOnlyWhereTheBackendSaysSo) {
+  struct Unpromising : ForwardingBackend {
+    using ForwardingBackend::ForwardingBackend;
+    BackendTraits traits() const noexcept override { return {}; }
+  } unpromising(host_);
+  PagePool pool(unpromising, 2);
+  for (const Page& page : pool.take(2)) {
+    EXPECT_FALSE(page.clean);
+    pool.give_back(page);
+  }
 }
 
 TEST_F(PagePoolTest, ReusesFreePagesBeforeCreating) {

@@ -1,0 +1,34 @@
+// LimitingBackend: counts pages and refuses to create one past the limit.
+#include "vkv/limiting_backend.h"
+
+#include <string>
+
+#include "vkv/error.h"
+
+namespace vkv {
+
+LimitingBackend::LimitingBackend(std::shared_ptr<Backend> upstream, std::size_t max_pages)
+    : ForwardingBackend(std::move(upstream)), max_pages_(max_pages) {}
+
+PageHandle LimitingBackend::create_page() {
+  // Count first, so that two threads cannot both take the last page.
+  if (pages_.fetch_add(1) >= max_pages_.load()) {
+    pages_.fetch_sub(1);
+    throw OutOfMemory("the limiting adaptor allows " + std::to_string(max_pages_.load()) + " pages of " +
+                          std::to_string(page_bytes()) + " bytes, and all exist",
+                      1, page_bytes());
+  }
+  try {
+    return upstream_->create_page();
+  } catch (...) {
+    pages_.fetch_sub(1);
+    throw;
+  }
+}
+
+void LimitingBackend::release_page(PageHandle page) noexcept {
+  pages_.fetch_sub(1);
+  upstream_->release_page(page);
+}
+
+}  // namespace vkv
