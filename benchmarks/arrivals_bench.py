@@ -1,0 +1,247 @@
+"""step() latency in a trace where requests arrive and leave (issue 18's workload), for vkv's
+two layouts and, given a checkout, the public vAttention module, on the same seeded trace.
+
+Llama-3-8B KV shape (32 layers, 8 KV heads, head_dim 128, fp16); max_batch 64, max_context
+16384, 40 GiB budget, 2 MiB pages. 32 requests with prompts uniform in [512, 4096] are
+admitted first; then, for `--iterations` iterations of ~7 ms of GPU work each, every slot
+grows by one token and every 10th iteration one request finishes and a new one arrives
+(its prompt mapped by that iteration's step()).
+
+Reported per system: step() p50/p99/max over decode-only iterations, over iterations with
+an arrival, and over all; free_reqid() and alloc_reqid() p50; and the bandwidth of mapping
+one 4K-token prompt. JSON (machine, command, every iteration's time) and a plot of step()
+latency per iteration.
+
+  python benchmarks/arrivals_bench.py --out benchmarks/results                   # H100: ~1 min a system
+  python benchmarks/arrivals_bench.py --vattention ../vattention --out benchmarks/results
+  python benchmarks/arrivals_bench.py --device cpu --quick --out /tmp/r          # smoke test anywhere
+
+vAttention: the folder of a microsoft/vattention checkout; its `vattention` extension is
+built there (pip install, against the torch installed) unless it imports already. Its
+step_async() needs the CUDA context current in the thread it spawns to run at all on
+CUDA 13 (see ../shared/peers/vattention-api.md): this script makes the primary context
+current in the caller, which its thread inherits only where the build does so itself; a
+build that crashes there is reported, not hidden.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+import vkv
+from alloc_bench import Workload
+from common import argument_parser, device_tag, machine, percentiles, progress, progress_bar, write_json
+
+SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
+PAGE = 2 << 20
+
+
+def trace(quick: bool, seed: int = 0) -> dict:
+    """The seeded workload every system runs: initial prompts, arrivals, who leaves when."""
+    rng = np.random.default_rng(seed)
+    running, iterations, every = (32, 1000, 10) if not quick else (8, 60, 10)
+    low, high = (512, 4096) if not quick else (64, 512)
+    arrivals = iterations // every
+    return {"running": running, "iterations": iterations, "every": every,
+            "prompts": rng.integers(low, high + 1, size=running).tolist(),
+            "arriving": rng.integers(low, high + 1, size=arrivals).tolist(),
+            "leaving": rng.integers(0, running, size=arrivals).tolist(),  # index into the running list
+            "max_batch": 64 if not quick else 16, "max_context": 16384 if not quick else 2048,
+            "budget": (40 << 30) if not quick else (1 << 30)}
+
+
+class VkvSystem:
+    """vkv through its Python API."""
+
+    def __init__(self, layout: str, device: str, work: dict) -> None:
+        self.name = f"vkv {layout}"
+        self.cache = vkv.KVCache(**SHAPE, max_batch_size=work["max_batch"], max_context_len=work["max_context"],
+                                 device=device, layout=layout, memory_budget=work["budget"], page_size=PAGE)
+        self.seq_lens = np.zeros(work["max_batch"], dtype=np.int64)
+
+    def alloc(self, prompt: int) -> int:
+        slot = self.cache.alloc_reqid()
+        self.seq_lens[slot] = prompt
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.cache.free_reqid(slot)
+        self.seq_lens[slot] = 0
+
+    def step(self) -> None:
+        self.cache.step(self.seq_lens)
+
+    def grow(self) -> None:
+        self.seq_lens[self.seq_lens > 0] += 1
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class VattentionSystem:
+    """The public vAttention module, through the calls its engine makes."""
+
+    def __init__(self, module, asynchronous: bool, work: dict) -> None:
+        self.name = f"vattention {'step_async' if asynchronous else 'step'}"
+        self.module, self.asynchronous = module, asynchronous
+        module.init_kvcache(SHAPE["num_layers"], SHAPE["num_kv_heads"], SHAPE["head_dim"], work["max_batch"],
+                            work["max_context"], 0, SHAPE["dtype"], PAGE, False)
+        module.reserve_physical_pages(work["budget"])
+        self.seq_lens = [0] * work["max_batch"]
+
+    def alloc(self, prompt: int) -> int:
+        slot = self.module.alloc_new_batch_idx(prompt)
+        if slot < 0:
+            raise RuntimeError("vattention: no free batch index")
+        self.seq_lens[slot] = prompt
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.module.free_batch_idx(slot)
+        self.seq_lens[slot] = 0
+
+    def step(self) -> None:
+        if self.asynchronous:
+            self.module.step_async(self.seq_lens)
+        else:
+            self.module.step(self.seq_lens, True)
+
+    def grow(self) -> None:
+        self.seq_lens = [n + 1 if n else 0 for n in self.seq_lens]
+
+    def close(self) -> None:
+        self.module.cleanup()
+
+
+def run(system, work: dict, workload: Workload) -> dict:
+    """Drives one system through the trace; returns its timings."""
+    slots = [system.alloc(prompt) for prompt in work["prompts"]]
+    system.step()  # the initial prefills, not timed
+    workload.run()
+    step_us, arrival = np.empty(work["iterations"]), np.zeros(work["iterations"], dtype=bool)
+    free_us, alloc_us = [], []
+    for iteration in progress_bar(range(work["iterations"]), system.name):
+        system.grow()
+        if iteration % work["every"] == work["every"] - 1:
+            event = iteration // work["every"]
+            leaving = work["leaving"][event] % len(slots)
+            start = time.perf_counter_ns()
+            system.free(slots[leaving])
+            free_us.append((time.perf_counter_ns() - start) / 1e3)
+            start = time.perf_counter_ns()
+            slots[leaving] = system.alloc(work["arriving"][event])
+            alloc_us.append((time.perf_counter_ns() - start) / 1e3)
+            arrival[iteration] = True
+        start = time.perf_counter_ns()
+        system.step()
+        step_us[iteration] = (time.perf_counter_ns() - start) / 1e3
+        workload.launch()
+        workload.synchronize()  # the engine waits for the sampled tokens
+    return {"system": system.name, "step_us": step_us.round(2).tolist(), "arrival": arrival.tolist(),
+            "decode_only_us": percentiles(step_us[~arrival]), "with_arrival_us": percentiles(step_us[arrival]),
+            "all_us": percentiles(step_us), "free_us": percentiles(free_us), "alloc_us": percentiles(alloc_us)}
+
+
+def prompt_bandwidth(device: str, quick: bool) -> list:
+    """GB/s of mapping one 4K-token prompt in step() (pages created up front), per layout."""
+    tokens = 4096 if not quick else 512
+    rows = []
+    for layout in ("interleaved", "per_layer"):
+        cache = vkv.KVCache(**SHAPE, max_batch_size=2, max_context_len=tokens, device=device, layout=layout,
+                            background_mapping=False, eager_tokens=0, page_size=PAGE,
+                            precreate_pages=256 if not quick else 64)
+        slot = cache.alloc_reqid()
+        start = time.perf_counter()
+        cache.step([tokens if s == slot else 0 for s in range(2)])
+        seconds = time.perf_counter() - start
+        gigabytes = cache.stats()["pages_mapped"] * PAGE / 1e9
+        rows.append({"layout": layout, "tokens": tokens, "GB": gigabytes, "seconds": seconds, "GBps": gigabytes / seconds})
+        progress(f"prompt mapping {layout}: {gigabytes:.2f} GB in {seconds * 1e3:.2f} ms = {gigabytes / seconds:.0f} GB/s")
+        cache.close()
+    return rows
+
+
+def load_vattention(folder: str):
+    """Imports the vattention extension, building it from `folder` first if needed."""
+    try:
+        return importlib.import_module("vattention")
+    except ImportError:
+        pass
+    source = os.path.join(folder, "vattention")
+    progress(f"building vAttention from {source} (pip install --no-build-isolation) ...")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", source],
+                   check=True)
+    return importlib.import_module("vattention")
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axis = plt.subplots(figsize=(11, 4))
+    for run in result["runs"]:
+        label = f"{run['system']}: p99 {run['all_us']['p99']:.0f} us, max {run['all_us']['max']:.0f} us"
+        axis.plot(run["step_us"], lw=0.7, alpha=0.85, label=label)
+    axis.set_yscale("log")
+    axis.set_xlabel("iteration (an arrival every 10th)")
+    axis.set_ylabel("step() wall time (us)")
+    axis.set_title(f"step() in a trace with arrivals, {result['machine'].get('gpu', 'host')}")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argument_parser(__doc__, ("arrivals", "prompt"))
+    parser.add_argument("--vattention", metavar="FOLDER", help="a microsoft/vattention checkout: run it beside vkv")
+    args = parser.parse_args()
+    if args.vattention and args.device != "cuda":
+        parser.error("--vattention runs on CUDA only")
+    work = trace(args.quick)
+    result = {"benchmark": "arrivals", "machine": machine(args.device), "trace": work, "runs": []}
+    workload = Workload(args.device, 7.0 if args.device == "cuda" else 1.0)
+    if "arrivals" in args.only:
+        for layout in ("interleaved", "per_layer"):
+            system = VkvSystem(layout, args.device, work)
+            result["runs"].append(run(system, work, workload))
+            system.close()
+        if args.vattention:
+            module = load_vattention(args.vattention)
+            for asynchronous in (True, False):
+                try:
+                    system = VattentionSystem(module, asynchronous, work)
+                    result["runs"].append(run(system, work, workload))
+                    system.close()
+                except Exception as error:  # reported in the JSON, not hidden
+                    result["runs"].append({"system": f"vattention {'step_async' if asynchronous else 'step'}",
+                                           "error": repr(error)})
+        for entry in result["runs"]:
+            if "error" in entry:
+                progress(f"{entry['system']}: failed: {entry['error']}")
+                continue
+            progress(f"{entry['system']}: step() all p50/p99/max {entry['all_us']['p50']:.0f}/"
+                     f"{entry['all_us']['p99']:.0f}/{entry['all_us']['max']:.0f} us; decode-only p99 "
+                     f"{entry['decode_only_us']['p99']:.0f}; with an arrival p99 {entry['with_arrival_us']['p99']:.0f}; "
+                     f"free p50 {entry['free_us']['p50']:.0f} us, alloc p50 {entry['alloc_us']['p50']:.0f} us")
+    if "prompt" in args.only:
+        result["prompt_mapping"] = prompt_bandwidth(args.device, args.quick)
+    stem = os.path.join(args.out, f"arrivals_{device_tag(args.device)}{'_quick' if args.quick else ''}")
+    write_json(result, stem + ".json")
+    if result["runs"]:
+        plot(result, stem + ".png")
+
+
+if __name__ == "__main__":
+    main()
