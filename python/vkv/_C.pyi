@@ -16,28 +16,16 @@ class Preparation:
     @property
     def slot(self) -> int: ...
 
+class CacheConfig:
+    def __init__(self, **fields: Any) -> None: ...
+    @staticmethod
+    def fields() -> List[Tuple[str, str, Any, str]]: ...
+    def validate(self) -> None: ...
+    def __getattr__(self, name: str) -> Any: ...
+    def __setattr__(self, name: str, value: Any) -> None: ...
+
 class KvCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype_bytes: int,
-        max_batch: int,
-        max_context: int,
-        layout: str,
-        layers_per_group: int,
-        page_bytes: int,
-        device: str,
-        budget_bytes: int,
-        precreate_pages: int,
-        background_mapping: bool,
-        lookahead_tokens: int,
-        eager_tokens: int,
-        deferred_reclamation: bool,
-        reclaim_watermark_pages: int,
-        zero_page: bool,
-    ) -> None: ...
+    def __init__(self, config: CacheConfig) -> None: ...
     def map_ahead_now(self) -> int: ...
     def stop_background(self) -> None: ...
     def alloc_reqid(self, stream: int = 0) -> int: ...

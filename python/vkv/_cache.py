@@ -132,18 +132,18 @@ class KVCache:
         self.head_dim = _expect_count("head_dim", head_dim)
         self.max_batch_size = _expect_count("max_batch_size", max_batch_size)
         self.max_context_len = _expect_count("max_context_len", max_context_len)
-        self._core = _C.KvCache(
+        config = _C.CacheConfig(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype_bytes=dtype.itemsize,
-            max_batch=self.max_batch_size,
-            max_context=self.max_context_len,
+            max_batch_size=self.max_batch_size,
+            max_context_len=self.max_context_len,
             layout=layout,
             layers_per_group=_expect_count("layers_per_group", layers_per_group, 0),
-            page_bytes=_expect_count("page_size", page_size, 0),
-            device="host" if self.device.type == "cpu" else str(self.device),
-            budget_bytes=memory_budget or 0,
+            page_size=_expect_count("page_size", page_size, 0),
+            device=str(self.device),
+            memory_budget=memory_budget or 0,
             precreate_pages=_expect_count("precreate_pages", precreate_pages, 0),
             background_mapping=bool(background_mapping),
             lookahead_tokens=_expect_count("lookahead_tokens", lookahead_tokens, 0),
@@ -152,6 +152,7 @@ class KVCache:
             reclaim_watermark_pages=_expect_count("reclaim_watermark_pages", reclaim_watermark_pages, 0),
             zero_page=bool(zero_page),
         )
+        self._core = _C.KvCache(config)
         whole = _C.reservation_tensor(self._core, str(self.device)).view(dtype)
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
         self._values = [self._view(whole, layer, value=True) for layer in range(self.num_layers)]

@@ -81,12 +81,12 @@ def test_a_shortage_raises_out_of_memory_with_the_shortfall_and_changes_nothing(
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda c: c.step([1, 0, 0]), "max_batch = 4"),
+        (lambda c: c.step([1, 0, 0]), "max_batch_size = 4"),
         (lambda c: c.step([[1, 0, 0, 0]]), "one-dimensional"),
         (lambda c: c.step([-1, 0, 0, 0]), "negative"),
         (lambda c: c.step([1.5, 0, 0, 0]), "integers"),
         (lambda c: c.step(torch.tensor([1.0, 0, 0, 0])), "integers"),
-        (lambda c: c.step([5000, 0, 0, 0]), "exceeds max_context = 4096"),
+        (lambda c: c.step([5000, 0, 0, 0]), "exceeds max_context_len = 4096"),
         (lambda c: c.step([0, 3, 0, 0]), "slot 1 is not allocated"),
         (lambda c: c.free_reqid(1), "double free"),
         (lambda c: c.free_reqid(4), "out of range"),
@@ -122,7 +122,7 @@ def test_bad_calls_raise_value_error_naming_the_value_and_change_nothing(call, m
         (dict(max_batch_size=0), "max_batch_size = 0"),
         (dict(max_context_len=2**32, max_batch_size=10**5), "virtual address space"),
         (dict(layers_per_group=3), "layers_per_group = 3"),
-        (dict(page_size=3 << 16), "page_bytes"),
+        (dict(page_size=3 << 16), "page_size = 196608"),
         (dict(memory_budget=0), "memory_budget"),
         (dict(memory_budget=100), "less than one page"),
     ],
