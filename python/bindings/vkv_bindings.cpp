@@ -445,6 +445,9 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;  // it takes the cache's lock, which a slow call may hold
         return cache.num_free_slots();
       })
+      .def_property_readonly(
+          "config", [](const KvCache& cache) { return vkv::CacheConfig(cache.config()); },
+          "A copy of the config the cache was built with.")
       .def_property_readonly("base", &KvCache::base)
       .def_property_readonly("backend_name", [](const KvCache& cache) { return cache.backend().name(); })
       .def_property_readonly("page_bytes", [](const KvCache& cache) { return cache.layout().page_bytes(); })

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from . import _parameters
 from ._cache import KVCache, SeqLens
 
 _lock = threading.Lock()
@@ -35,6 +36,9 @@ def init(*args: Any, **kwargs: Any) -> Tuple[List[torch.Tensor], List[torch.Tens
             raise RuntimeError("vkv.init() was already called; call vkv.shutdown() first")
         _default = KVCache(*args, **kwargs)
         return _default.kv_tensors()
+
+
+init.__signature__ = _parameters.signature(Tuple[List[torch.Tensor], List[torch.Tensor]])  # type: ignore[attr-defined]
 
 
 def default_cache() -> KVCache:

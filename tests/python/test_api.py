@@ -1,6 +1,7 @@
 """KVCache calls: step/free semantics, stats, errors and their messages, lifetime, module API."""
 
 import gc
+import inspect
 
 import numpy as np
 import pytest
@@ -250,3 +251,88 @@ def test_step_reads_every_integer_width_and_strided_arrays():
             cache.step(seq_lens)
             assert cache.stats()["tokens_in_use"] == int(seq_lens[0])
         assert cache.stats()["step"]["calls"] == 5
+
+
+# -- the constructor's parameters come from the config fields (include/vkv/config.h) --------
+
+PYTHON_VALUED = {"dtype_bytes": "dtype", "device": "device", "memory_budget": "memory_budget", "eager_tokens": "eager_tokens"}
+
+
+def test_the_signature_has_every_config_field_with_its_default():
+    from vkv import _C
+
+    parameters = inspect.signature(vkv.KVCache).parameters
+    fields = _C.CacheConfig.fields()
+    assert len(parameters) == len(fields)
+    for name, python_type, default, meaning in fields:
+        assert PYTHON_VALUED.get(name, name) in parameters, name
+        if name not in PYTHON_VALUED and parameters[name].kind == inspect.Parameter.KEYWORD_ONLY:
+            assert parameters[name].default == default, name
+            assert parameters[name].annotation.__name__ == python_type, name
+    assert list(parameters)[:8] == ["num_layers", "num_kv_heads", "head_dim", "dtype", "max_batch_size",
+                                    "max_context_len", "device", "layout"]
+    assert parameters["device"].default == "auto" and parameters["layout"].default == "interleaved"
+    assert parameters["memory_budget"].default is None and parameters["eager_tokens"].default is None
+    assert inspect.signature(vkv.init).parameters.keys() == parameters.keys()
+
+
+def test_the_docstring_documents_every_parameter():
+    doc = vkv.KVCache.__init__.__doc__
+    for name in inspect.signature(vkv.KVCache).parameters:
+        assert f"\n            {name}: " in doc, name
+    assert "{args}" not in doc
+
+
+def test_an_unknown_keyword_is_refused_naming_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown keyword argument 'page_bytes': the keywords are num_layers, .*zero_page"):
+        small_cache(page_bytes=HOST_PAGE)
+    with pytest.raises(ValueError, match="'dtype_bytes'"):  # the core's field; Python passes a dtype
+        small_cache(dtype_bytes=2)
+    with pytest.raises(TypeError, match=r"vkv.KVCache\(\): missing a required argument: 'max_context_len'"):
+        vkv.KVCache(1, 1, 8, torch.float16, 1)
+
+
+def test_every_keyword_option_reaches_the_core():
+    page = HOST_PAGE
+    options = dict(layers_per_group=2, page_size=page, memory_budget=8 * page, precreate_pages=1, zero_page=False,
+                   background_mapping=False, lookahead_tokens=7, eager_tokens=5, deferred_reclamation=False,
+                   reclaim_watermark_pages=3, backend_statistics=False)
+    keywords = [p.name for p in inspect.signature(vkv.KVCache).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    assert sorted(options) == sorted(keywords), "a new config field: give it a value here"
+    with vkv.KVCache(4, 2, 64, torch.float16, 4, 4096, "cpu", "interleaved", **options) as cache:
+        config = cache._core.config
+        for name, value in options.items():
+            assert getattr(config, name) == value, name
+        assert (config.dtype_bytes, config.device, config.layout) == (2, "cpu", "interleaved")
+    with small_cache() as cache:  # the Python defaults: None for memory_budget and eager_tokens
+        assert (cache._core.config.memory_budget, cache._core.config.eager_tokens) == (0, vkv._C.ADAPTIVE)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(zero_page="no"), "zero_page = 'no' must be a bool"),
+        (dict(lookahead_tokens=-1), "lookahead_tokens = -1 must be >= 0"),
+        (dict(eager_tokens=2.5), "eager_tokens = 2.5 must be an int"),
+        (dict(layout=3), "layout = 3 must be a str"),
+        (dict(page_size=2**64), "page_size = 18446744073709551616 does not fit 64 bits"),
+        (dict(memory_budget=-5), "memory_budget = -5 must be >= 1"),
+    ],
+)
+def test_option_types_are_checked_naming_the_option(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_cache(**overrides)
+
+
+def test_the_config_binding_takes_keywords_and_names_its_fields():
+    from vkv import _C
+
+    config = _C.CacheConfig(num_layers=2, device="cuda:1", layout="per_layer")
+    assert (config.num_layers, config.device, config.layout, config.eager_tokens) == (2, "cuda:1", "per_layer", _C.ADAPTIVE)
+    config.zero_page = False
+    assert "zero_page=False" in repr(config)
+    with pytest.raises(ValueError, match="CacheConfig has no field 'max_batch': its fields are num_layers"):
+        _C.CacheConfig(max_batch=2)
+    with pytest.raises(ValueError, match="device = 'host' is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        _C.CacheConfig(device="host")
+    assert _C.CacheConfig(device="cpu").device == "cpu"
