@@ -56,7 +56,7 @@ void validate(const CacheConfig& config) {
   expect_in_range("head_dim", config.head_dim, 1, kMaxHeadDim);
   VKV_EXPECTS(config.dtype_bytes == 1 || config.dtype_bytes == 2 || config.dtype_bytes == 4 ||
                   config.dtype_bytes == 8,
-              "dtype_bytes = ", config.dtype_bytes, " is not an element size: must be 1, 2, 4 or 8");
+              "dtype_bytes = ", config.dtype_bytes, " is not supported: elements must be 1, 2, 4 or 8 bytes");
   expect_in_range("max_batch_size", config.max_batch_size, 1, kMaxBatch);
   expect_in_range("max_context_len", config.max_context_len, 1, kMaxContext);
   if (config.layout == LayoutKind::per_layer) {

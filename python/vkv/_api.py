@@ -54,9 +54,9 @@ def alloc_reqid() -> int:
     return default_cache().alloc_reqid()
 
 
-def free_reqid(reqid: int) -> None:
-    """KVCache.free_reqid() on the default cache."""
-    default_cache().free_reqid(reqid)
+def free_reqid(slot: int) -> None:
+    """KVCache.free_reqid() on the default cache: ``slot`` is what alloc_reqid() returned (the paper's reqid)."""
+    default_cache().free_reqid(slot)
 
 
 def step(seq_lens: SeqLens) -> None:

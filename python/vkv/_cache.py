@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from . import _C, _parameters
+from ._errors import in_callers_words
 
 SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor, Mapping[int, int]]
 
@@ -19,6 +20,11 @@ def _expect_count(name: str, value: Any, low: int = 1) -> int:
     if value < low:
         raise ValueError(f"{name} = {value} must be >= {low}")
     return int(value)
+
+
+# The core's names for these calls' parameters -> KVCache's.
+_SHARE_PREFIX_WORDS = {"tokens = ": "n_tokens = "}
+_SET_BUDGET_WORDS = {"bytes = ": "memory_budget = "}
 
 
 class KVCache:
@@ -35,6 +41,10 @@ class KVCache:
     rule that keeps this safe while pages come and go: the kernels enqueued after a
     ``step()`` read no slot beyond the largest seq_len of that step (other reads must be
     synchronous, like ``print``).
+
+    Slots: a request's place in the cache, ``0 <= slot < max_batch_size``, the row it owns
+    in every tensor. The vAttention paper calls a slot a *reqid*; the methods keep its
+    names (``alloc_reqid()``, ``free_reqid()``), their parameters and messages say slot.
 
     Device work (zero-fill of freed and fresh pages) is enqueued on
     ``torch.cuda.current_stream()`` of the cache's device at the time of each call.
@@ -64,8 +74,11 @@ class KVCache:
             vkv.DriverError: the driver refused.
         """
         arguments = _parameters.bind(args, kwargs)
-        config = _parameters.to_config(arguments)
-        self._core = _C.KvCache(config)
+        try:
+            config = _parameters.to_config(arguments)
+            self._core = _C.KvCache(config)
+        except ValueError as error:
+            raise in_callers_words(error, _parameters.callers_words(arguments)) from None
         self.dtype: torch.dtype = arguments["dtype"]
         self.device = torch.device(config.device)
         self.layout: str = config.layout
@@ -100,7 +113,7 @@ class KVCache:
     # -- the engine's calls ----------------------------------------------------------
 
     def alloc_reqid(self) -> int:
-        """A free slot (request id), preferring one that kept its mapped pages.
+        """A free slot (the paper's reqid), preferring one that kept its mapped pages.
 
         The same call sequence returns the same slots on every tensor-parallel rank.
 
@@ -182,9 +195,11 @@ class KVCache:
                 ``src``'s seq_len.
             vkv.OutOfMemory: no page for the partial copy; nothing changed.
         """
-        self._live()._core.share_prefix(
-            self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0), self._stream()
-        )
+        core = self._live()._core
+        try:
+            core.share_prefix(self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0), self._stream())
+        except ValueError as error:
+            raise in_callers_words(error, _SHARE_PREFIX_WORDS) from None
 
     def swap_out(self, slot: int) -> None:
         """Copy ``slot``'s tokens to page-locked host memory and give up its pages.
@@ -219,7 +234,11 @@ class KVCache:
             ValueError: less than one page.
             vkv.OutOfMemory: allocated slots claim more; nothing changed.
         """
-        self._live()._core.set_budget(_expect_count("memory_budget", memory_budget))
+        core = self._live()._core
+        try:
+            core.set_budget(_expect_count("memory_budget", memory_budget))
+        except ValueError as error:
+            raise in_callers_words(error, _SET_BUDGET_WORDS) from None
 
     def set_deferred_reclamation(self, deferred_reclamation: bool) -> None:
         """Turn deferred reclamation on (freed slots keep their pages for the next owner) or
@@ -250,12 +269,18 @@ class KVCache:
         return self._live()._core.prepare_fork(self._slot(src))
 
     def _prepare_share_prefix(self, src: int, dst: int, n_tokens: int) -> _C.Preparation:
-        return self._live()._core.prepare_share_prefix(
-            self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0)
-        )
+        core = self._live()._core
+        try:
+            return core.prepare_share_prefix(self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0))
+        except ValueError as error:
+            raise in_callers_words(error, _SHARE_PREFIX_WORDS) from None
 
     def _prepare_set_budget(self, memory_budget: int) -> _C.Preparation:
-        return self._live()._core.prepare_set_budget(_expect_count("memory_budget", memory_budget))
+        core = self._live()._core
+        try:
+            return core.prepare_set_budget(_expect_count("memory_budget", memory_budget))
+        except ValueError as error:
+            raise in_callers_words(error, _SET_BUDGET_WORDS) from None
 
     # -- inspection ------------------------------------------------------------------
 

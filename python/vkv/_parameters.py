@@ -184,6 +184,19 @@ def to_config(arguments: Mapping[str, Any]) -> "_C.CacheConfig":
     return config
 
 
+def callers_words(arguments: Mapping[str, Any]) -> Dict[str, str]:
+    """What the core says about a config, in the words of the caller who passed ``arguments``:
+    the field and value of a parameter that takes a Python value under another name
+    (``dtype_bytes = 16``: ``dtype = torch.complex128``), and the host backend, which
+    Python calls the cpu device."""
+    words = {"backend 'host'": "device 'cpu'"}
+    for parameter in PARAMETERS:
+        if parameter.name != parameter.field:
+            value = arguments[parameter.name]
+            words[f"{parameter.field} = {parameter.to_field(value)}"] = f"{parameter.name} = {value}"
+    return words
+
+
 def docstring_args(indent: int = 12, width: int = 100) -> str:
     """Google-style 'Args:' entries, one per parameter, in signature order."""
     keep_together = "\u00a0=\u00a0"  # no line break inside "0 = all"

@@ -117,7 +117,7 @@ def test_bad_calls_raise_value_error_naming_the_value_and_change_nothing(call, m
         (dict(num_kv_heads=-2), "num_kv_heads = -2"),
         (dict(head_dim=1.5), "head_dim"),
         (dict(dtype="float16"), "torch.dtype"),
-        (dict(dtype=torch.complex128), "dtype_bytes = 16"),
+        (dict(dtype=torch.complex128), "dtype = torch.complex128 is not supported: elements must be 1, 2, 4 or 8 bytes"),
         (dict(layout="paged"), "layout"),
         (dict(device="tpu"), "device"),
         (dict(max_batch_size=0), "max_batch_size = 0"),
@@ -336,3 +336,70 @@ def test_the_config_binding_takes_keywords_and_names_its_fields():
     with pytest.raises(ValueError, match="device = 'host' is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"):
         _C.CacheConfig(device="host")
     assert _C.CacheConfig(device="cpu").device == "cpu"
+
+
+# -- messages speak the caller's names, never the core's own -----------------------------
+
+CORE_ONLY_WORDS = ["dtype_bytes", "backend 'host'", "'host',", "'host' or", "page_bytes", "budget_bytes", "max_batch ", "max_batch =", "max_context ",
+                   "max_context =", "reqid =", "kAdaptive", "18446744073709551615", "(bytes", " bytes = ", " tokens = ",
+                   "step_slots"]
+
+
+def bad_constructions():
+    yield lambda: small_cache(dtype=torch.complex128)
+    yield lambda: small_cache(max_context_len=2**32, max_batch_size=10**5)
+    yield lambda: small_cache(page_size=1024)
+    yield lambda: small_cache(precreate_pages=10**6, memory_budget=8 * HOST_PAGE)
+    yield lambda: small_cache(memory_budget=100)
+    yield lambda: small_cache(device="host")
+    yield lambda: small_cache(layout="per_layer", layers_per_group=2)
+    yield lambda: small_cache(eager_tokens=-1)
+
+
+def bad_calls(cache, slot):
+    other = cache.alloc_reqid()
+    yield lambda: cache.set_budget(100)
+    yield lambda: cache._prepare_set_budget(100)
+    yield lambda: cache.share_prefix(slot, other, 50)
+    yield lambda: cache._prepare_share_prefix(slot, other, 50)
+    yield lambda: cache.share_prefix(slot, slot, 1)
+    yield lambda: cache.fork(3)
+    yield lambda: cache.swap_in(slot)
+    yield lambda: cache.free_reqid(3)
+    yield lambda: cache.alloc_reqids(9)
+    yield lambda: cache.step({7: 1})
+    yield lambda: cache.step({slot: 10**6})
+    yield lambda: cache.step([1, 2, 3])
+    yield lambda: cache.mapped_pages(9)
+
+
+def test_no_message_shows_a_name_only_the_core_uses():
+    messages = []
+    for call in bad_constructions():
+        with pytest.raises(ValueError) as raised:
+            call()
+        messages.append(str(raised.value))
+    with small_cache() as cache:
+        slot = cache.alloc_reqid()
+        cache.step([10, 0, 0, 0])
+        for call in bad_calls(cache, slot):
+            with pytest.raises(ValueError) as raised:
+                call()
+            messages.append(str(raised.value))
+        cache.check_invariants()
+    for message in messages:
+        for word in CORE_ONLY_WORDS:
+            assert word not in message, f"{word!r} in {message!r}"
+    said = "\n".join(messages)
+    for words in ("dtype = torch.complex128", "device 'cpu' can reserve", "set_budget: memory_budget = 100",
+                  "share_prefix: n_tokens = 50 exceeds"):
+        assert words in said
+
+
+def test_module_level_calls_name_the_slot():
+    vkv.init(1, 1, 8, torch.float16, 2, 64, "cpu")
+    try:
+        with pytest.raises(ValueError, match="slot = 5 is out of range: max_batch_size = 2"):
+            vkv.free_reqid(slot=5)
+    finally:
+        vkv.shutdown()
