@@ -1,4 +1,4 @@
-// Field-by-field validation of CacheConfig and the small parsers beside it.
+// Field-by-field validation of CacheConfig, the small parsers beside it, and the model shapes.
 #include "vkv/config.h"
 
 #include <charconv>
@@ -41,6 +41,17 @@ std::string Device::str() const {
     case Kind::cuda: return "cuda:" + std::to_string(index);
   }
   return "?";
+}
+
+CacheConfig llama3_8b_config(std::size_t max_batch_size, std::size_t max_context_len) {
+  CacheConfig config;
+  config.num_layers = 32;
+  config.num_kv_heads = 8;
+  config.head_dim = 128;
+  config.dtype_bytes = 2;  // bf16
+  config.max_batch_size = max_batch_size;
+  config.max_context_len = max_context_len;
+  return config;
 }
 
 namespace {

@@ -81,6 +81,12 @@ struct CacheConfig {
 #undef VKV_DECLARE_CONFIG_FIELD
 };
 
+/// Llama-3-8B's KV shape (32 layers, 8 KV heads of 128 elements, bf16) for `max_batch_size`
+/// slots of `max_context_len` tokens; every other field at its default. The shape the
+/// design, the benchmarks and the examples measure: one token is 128 KiB interleaved,
+/// 16 tokens per 2 MiB page. Thread-safe (returns a new value).
+CacheConfig llama3_8b_config(std::size_t max_batch_size, std::size_t max_context_len);
+
 /// Upper limits on shape fields; far above real models, low enough that byte
 /// counts cannot overflow 64 bits before the address-space check rejects them.
 inline constexpr std::size_t kMaxLayers = 4096;
