@@ -65,13 +65,7 @@ int main(int argc, char** argv) {
   bool first = true;
   for (vkv::LayoutKind layout : {vkv::LayoutKind::interleaved, vkv::LayoutKind::per_layer}) {
     for (bool precreate : {false, true}) {
-      vkv::CacheConfig config;
-      config.num_layers = 32;
-      config.num_kv_heads = 8;
-      config.head_dim = 128;
-      config.dtype_bytes = 2;
-      config.max_batch_size = 2;
-      config.max_context_len = 8192;
+      vkv::CacheConfig config = vkv::llama3_8b_config(/*max_batch_size=*/2, /*max_context_len=*/8192);
       config.layout = layout;
       config.device = device;
       config.memory_budget = std::size_t{1} << 30;  // exactly one 8192-token request

@@ -18,18 +18,11 @@ double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 }  // namespace
 
 int main(int argc, char** argv) {
-  vkv::CacheConfig config;
+  vkv::CacheConfig config = vkv::llama3_8b_config(/*max_batch_size=*/16, /*max_context_len=*/8192);
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--device") == 0) config.device = vkv::Device::parse(argv[i + 1]);
     else if (std::strcmp(argv[i], "--layout") == 0) config.layout = vkv::parse_layout(argv[i + 1]);
   }
-  // Llama-3-8B's KV shape: 32 layers, 8 KV heads of 128, bf16.
-  config.num_layers = 32;
-  config.num_kv_heads = 8;
-  config.head_dim = 128;
-  config.dtype_bytes = 2;
-  config.max_batch_size = 16;
-  config.max_context_len = 8192;
   config.memory_budget = std::size_t{2} << 30;
 
   try {

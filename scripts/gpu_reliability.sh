@@ -20,7 +20,7 @@ python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNIN
 tail -3 "$out/logs/pytest.log"
 grep -qE "[0-9]+ passed" "$out/logs/pytest.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/logs/pytest.log" || status=1
 VKV_FAULT_EVERY=3 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 build-gpu/tests/cpp/vkv_tests \
-  --gtest_filter='*FaultInjection*cuda*:*ZeroPageTest*cuda*:*SharingTest*cuda*' > "$out/logs/memcheck_cpp.log" 2>&1 || status=1
+  --gtest_filter='*FaultInjection*cuda*:*ZeroPageTest*cuda*:*SharingTest*cuda*:*SwapTest*cuda*:*ElasticTest*cuda*' > "$out/logs/memcheck_cpp.log" 2>&1 || status=1
 tail -3 "$out/logs/memcheck_cpp.log"
 (cd /tmp && timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest \
   "$OLDPWD/tests/python/test_zero_page.py" -q -p no:cacheprovider -k cuda 2>&1) > "$out/logs/memcheck_python.log" || status=1

@@ -1,4 +1,4 @@
-// Field-by-field validation of CacheConfig and the small parsers beside it.
+// Field-by-field validation of CacheConfig, the small parsers beside it, and the model shapes.
 #include "vkv/config.h"
 
 #include <charconv>
@@ -43,6 +43,17 @@ std::string Device::str() const {
   return "?";
 }
 
+CacheConfig llama3_8b_config(std::size_t max_batch_size, std::size_t max_context_len) {
+  CacheConfig config;
+  config.num_layers = 32;
+  config.num_kv_heads = 8;
+  config.head_dim = 128;
+  config.dtype_bytes = 2;  // bf16
+  config.max_batch_size = max_batch_size;
+  config.max_context_len = max_context_len;
+  return config;
+}
+
 namespace {
 void expect_in_range(const char* field, std::size_t value, std::size_t low, std::size_t high) {
   VKV_EXPECTS(value >= low && value <= high, field, " = ", value, " is out of range: must be in [", low,
@@ -56,7 +67,7 @@ void validate(const CacheConfig& config) {
   expect_in_range("head_dim", config.head_dim, 1, kMaxHeadDim);
   VKV_EXPECTS(config.dtype_bytes == 1 || config.dtype_bytes == 2 || config.dtype_bytes == 4 ||
                   config.dtype_bytes == 8,
-              "dtype_bytes = ", config.dtype_bytes, " is not an element size: must be 1, 2, 4 or 8");
+              "dtype_bytes = ", config.dtype_bytes, " is not supported: elements must be 1, 2, 4 or 8 bytes");
   expect_in_range("max_batch_size", config.max_batch_size, 1, kMaxBatch);
   expect_in_range("max_context_len", config.max_context_len, 1, kMaxContext);
   if (config.layout == LayoutKind::per_layer) {

@@ -56,7 +56,7 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
     "'interleaved' (every layer of a token in one page) or 'per_layer' (vAttention)")                              \
   X(layers_per_group, std::size_t, 0, "interleaved only: layers that share one region (divides num_layers); 0 = all") \
   X(page_size, std::size_t, 0, "bytes per physical page; 0 = the backend's default (2 MiB)")                        \
-  X(device, Device, Device{}, "'auto' (a GPU if present), 'cpu' / 'host', 'cuda' or 'cuda:N'")                     \
+  X(device, Device, Device{}, "'auto' (a GPU if present), 'cpu', 'cuda' or 'cuda:N'")                     \
   X(memory_budget, std::size_t, 0,                                                                                 \
     "most physical memory in bytes; 0 = enough for every slot, at most 90% of the free device memory")            \
   X(precreate_pages, std::size_t, 0, "physical pages created up front, so that step() does not create them")       \
@@ -80,6 +80,12 @@ struct CacheConfig {
   VKV_CACHE_CONFIG_FIELDS(VKV_DECLARE_CONFIG_FIELD)
 #undef VKV_DECLARE_CONFIG_FIELD
 };
+
+/// Llama-3-8B's KV shape (32 layers, 8 KV heads of 128 elements, bf16) for `max_batch_size`
+/// slots of `max_context_len` tokens; every other field at its default. The shape the
+/// design, the benchmarks and the examples measure: one token is 128 KiB interleaved,
+/// 16 tokens per 2 MiB page. Thread-safe (returns a new value).
+CacheConfig llama3_8b_config(std::size_t max_batch_size, std::size_t max_context_len);
 
 /// Upper limits on shape fields; far above real models, low enough that byte
 /// counts cannot overflow 64 bits before the address-space check rejects them.

@@ -1,8 +1,9 @@
 // vkv._C: the Python face of vkv::KvCache. The only file that touches torch.
 //
-// Thin on purpose: argument parsing and defaults live in python/vkv/_cache.py. This file
-// wraps the cache, translates errors, and makes the one tensor over the reservation
-// whose storage keeps the cache alive.
+// Thin on purpose: defaults and conversions that are easier in Python live in
+// python/vkv/_parameters.py. This file binds CacheConfig from its one field list
+// (VKV_CACHE_CONFIG_FIELDS), wraps the cache, translates errors, and makes the one tensor
+// over the reservation whose storage keeps the cache alive.
 //
 // Locks: every call releases the GIL before it takes the cache's mutex, and nothing in
 // vkv takes the GIL while holding that mutex, so the two cannot deadlock.
@@ -12,6 +13,7 @@
 
 #include <vkv/vkv.h>
 
+#include <algorithm>
 #include <cctype>
 #ifdef VKV_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -43,32 +45,148 @@ void translate(std::exception_ptr pending) {
   }
 }
 
-std::shared_ptr<KvCache> make_cache(std::size_t num_layers, std::size_t num_kv_heads, std::size_t head_dim,
-                                    std::size_t dtype_bytes, std::size_t max_batch_size, std::size_t max_context_len,
-                                    const std::string& layout, std::size_t layers_per_group,
-                                    std::size_t page_bytes, const std::string& device, std::size_t memory_budget,
-                                    std::size_t precreate_pages, bool background_mapping,
-                                    std::size_t lookahead_tokens, std::size_t eager_tokens,
-                                    bool deferred_reclamation, std::size_t reclaim_watermark_pages, bool zero_page) {
+// -- vkv.CacheConfig: every field bound from VKV_CACHE_CONFIG_FIELDS, none by hand ----------
+
+// How a config field's C++ type looks in Python: its type's name there and the two
+// conversions. Type errors are ValueErrors naming the field and the value.
+template <typename T>
+struct PythonField;
+
+template <>
+struct PythonField<std::size_t> {
+  static constexpr const char* type_name = "int";
+  static py::object to_python(std::size_t value) { return py::int_(value); }
+  static std::size_t from_python(const char* name, py::handle value) {
+    if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr()))
+      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::repr(value)), " must be an int"));
+    const py::int_ number = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
+    if (!number) throw py::error_already_set();
+    if (PyObject_RichCompareBool(number.ptr(), py::int_(0).ptr(), Py_LT) == 1)
+      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(number)), " must be >= 0"));
+    const unsigned long long result = PyLong_AsUnsignedLongLong(number.ptr());
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(number)), " does not fit 64 bits"));
+    }
+    return static_cast<std::size_t>(result);
+  }
+};
+
+template <>
+struct PythonField<bool> {
+  static constexpr const char* type_name = "bool";
+  static py::object to_python(bool value) { return py::bool_(value); }
+  // True/False, numpy's bool, or an int 0 or 1.
+  static bool from_python(const char* name, py::handle value) {
+    const std::string type = Py_TYPE(value.ptr())->tp_name;
+    if (PyBool_Check(value.ptr()) || type == "numpy.bool" || type == "numpy.bool_") return value.cast<bool>();
+    if (PyIndex_Check(value.ptr())) {
+      const py::int_ number = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
+      if (!number) throw py::error_already_set();
+      if (number.equal(py::int_(0)) || number.equal(py::int_(1))) return number.equal(py::int_(1));
+    }
+    throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::repr(value)), " must be a bool"));
+  }
+};
+
+std::string expect_str(const char* name, py::handle value) {
+  if (!PyUnicode_Check(value.ptr()))
+    throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::repr(value)), " must be a str"));
+  return value.cast<std::string>();
+}
+
+template <>
+struct PythonField<vkv::LayoutKind> {
+  static constexpr const char* type_name = "str";
+  static py::object to_python(vkv::LayoutKind layout) { return py::str(vkv::to_string(layout)); }
+  static vkv::LayoutKind from_python(const char* name, py::handle value) {
+    return vkv::parse_layout(expect_str(name, value));
+  }
+};
+
+// Python says 'cpu' where C++ says 'host' (vkv::Device::parse takes both).
+template <>
+struct PythonField<vkv::Device> {
+  static constexpr const char* type_name = "str";
+  static py::object to_python(const vkv::Device& device) {
+    return py::str(device.kind == vkv::Device::Kind::host ? std::string("cpu") : device.str());
+  }
+  static vkv::Device from_python(const char* name, py::handle value) {
+    const std::string text = expect_str(name, value);
+    if (text != "host") {
+      try {
+        return vkv::Device::parse(text);
+      } catch (const vkv::InvalidArgument&) {
+      }
+    }
+    throw vkv::InvalidArgument(vkv::detail::concat(name, " = '", text,
+                                                   "' is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"));
+  }
+};
+
+// One field as Python sees it. Its default is the field's value in a default CacheConfig.
+struct ConfigField {
+  const char* name;
+  const char* python_type;
+  const char* meaning;
+  py::object (*get)(const vkv::CacheConfig&);
+  void (*set)(vkv::CacheConfig&, py::handle);
+};
+
+const std::vector<ConfigField>& config_fields() {
+  using vkv::Device;      // the field list names its types as namespace vkv sees them
+  using vkv::LayoutKind;
+  static const std::vector<ConfigField> fields = {
+#define VKV_BIND_CONFIG_FIELD(field, type, default_value, meaning)                                     \
+  ConfigField{#field, PythonField<type>::type_name, meaning,                                           \
+              [](const vkv::CacheConfig& config) { return PythonField<type>::to_python(config.field); }, \
+              [](vkv::CacheConfig& config, py::handle value) {                                         \
+                config.field = PythonField<type>::from_python(#field, value);                          \
+              }},
+      VKV_CACHE_CONFIG_FIELDS(VKV_BIND_CONFIG_FIELD)
+#undef VKV_BIND_CONFIG_FIELD
+  };
+  return fields;
+}
+
+std::string config_field_names() {
+  std::string names;
+  for (const ConfigField& field : config_fields()) names += (names.empty() ? "" : ", ") + std::string(field.name);
+  return names;
+}
+
+vkv::CacheConfig make_config(const py::kwargs& fields) {
   vkv::CacheConfig config;
-  config.num_layers = num_layers;
-  config.num_kv_heads = num_kv_heads;
-  config.head_dim = head_dim;
-  config.dtype_bytes = dtype_bytes;
-  config.max_batch_size = max_batch_size;
-  config.max_context_len = max_context_len;
-  config.layout = vkv::parse_layout(layout);
-  config.layers_per_group = layers_per_group;
-  config.page_size = page_bytes;
-  config.device = vkv::Device::parse(device);
-  config.memory_budget = memory_budget;
-  config.precreate_pages = precreate_pages;
-  config.background_mapping = background_mapping;
-  config.lookahead_tokens = lookahead_tokens;
-  config.eager_tokens = eager_tokens;
-  config.deferred_reclamation = deferred_reclamation;
-  config.reclaim_watermark_pages = reclaim_watermark_pages;
-  config.zero_page = zero_page;
+  for (const auto& [key, value] : fields) {
+    const std::string name = py::str(key);
+    const auto field = std::find_if(config_fields().begin(), config_fields().end(),
+                                    [&](const ConfigField& candidate) { return name == candidate.name; });
+    if (field == config_fields().end())
+      throw vkv::InvalidArgument("CacheConfig has no field '" + name + "': its fields are " + config_field_names());
+    field->set(config, value);
+  }
+  return config;
+}
+
+// (name, Python type, default, meaning) of every field, in the order config.h lists them.
+py::list describe_config_fields() {
+  const vkv::CacheConfig defaults;
+  py::list out;
+  for (const ConfigField& field : config_fields())
+    out.append(py::make_tuple(field.name, field.python_type, field.get(defaults), field.meaning));
+  return out;
+}
+
+std::string config_repr(const vkv::CacheConfig& config) {
+  std::string out = "CacheConfig(";
+  for (const ConfigField& field : config_fields()) {
+    if (out.back() != '(') out += ", ";
+    out += std::string(field.name) + "=" + std::string(py::repr(field.get(config)));
+  }
+  return out + ")";
+}
+
+std::shared_ptr<KvCache> make_cache(const vkv::CacheConfig& config) {
   py::gil_scoped_release release;
   return std::make_shared<KvCache>(config);
 }
@@ -276,17 +394,26 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ADAPTIVE") = vkv::kAdaptive;
 
   using py::arg;
+  py::class_<vkv::CacheConfig> config(m, "CacheConfig",
+                                      "What a KV cache looks like: CacheConfig(num_layers=32, ...), keywords only. "
+                                      "Fields, their defaults and meanings: CacheConfig.fields() (include/vkv/config.h).");
+  config.def(py::init(&make_config))
+      .def_static("fields", &describe_config_fields,
+                  "(name, Python type, default, meaning) of every field, in include/vkv/config.h's order.")
+      .def("validate", &vkv::validate, "Check every field that needs no backend; ValueError naming the first bad one.")
+      .def("__repr__", &config_repr);
+  for (const ConfigField& field : config_fields())
+    config.def_property(
+        field.name, [&field](const vkv::CacheConfig& self) { return field.get(self); },
+        [&field](vkv::CacheConfig& self, py::handle value) { field.set(self, value); }, field.meaning);
+
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   py::class_<KvCache::Preparation>(m, "Preparation")
       .def_readonly("missing_pages", &KvCache::Preparation::missing_pages)
       .def_readonly("copied_pages", &KvCache::Preparation::copied_pages)
       .def_readonly("slot", &KvCache::Preparation::slot);
   py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache")
-      .def(py::init(&make_cache), arg("num_layers"), arg("num_kv_heads"), arg("head_dim"), arg("dtype_bytes"),
-           arg("max_batch_size"), arg("max_context_len"), arg("layout"), arg("layers_per_group"), arg("page_bytes"),
-           arg("device"), arg("memory_budget"), arg("precreate_pages"), arg("background_mapping"),
-           arg("lookahead_tokens"), arg("eager_tokens"), arg("deferred_reclamation"), arg("reclaim_watermark_pages"),
-           arg("zero_page"))
+      .def(py::init(&make_cache), arg("config"))
       .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
       .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
       .def("step", &step, arg("seq_lens"))
@@ -318,6 +445,9 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;  // it takes the cache's lock, which a slow call may hold
         return cache.num_free_slots();
       })
+      .def_property_readonly(
+          "config", [](const KvCache& cache) { return vkv::CacheConfig(cache.config()); },
+          "A copy of the config the cache was built with.")
       .def_property_readonly("base", &KvCache::base)
       .def_property_readonly("backend_name", [](const KvCache& cache) { return cache.backend().name(); })
       .def_property_readonly("page_bytes", [](const KvCache& cache) { return cache.layout().page_bytes(); })

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from . import _parameters
 from ._cache import KVCache, SeqLens
 
 _lock = threading.Lock()
@@ -37,6 +38,9 @@ def init(*args: Any, **kwargs: Any) -> Tuple[List[torch.Tensor], List[torch.Tens
         return _default.kv_tensors()
 
 
+init.__signature__ = _parameters.signature(Tuple[List[torch.Tensor], List[torch.Tensor]])  # type: ignore[attr-defined]
+
+
 def default_cache() -> KVCache:
     """The cache init() built. Raises RuntimeError before init() or after shutdown()."""
     cache = _default
@@ -50,9 +54,9 @@ def alloc_reqid() -> int:
     return default_cache().alloc_reqid()
 
 
-def free_reqid(reqid: int) -> None:
-    """KVCache.free_reqid() on the default cache."""
-    default_cache().free_reqid(reqid)
+def free_reqid(slot: int) -> None:
+    """KVCache.free_reqid() on the default cache: ``slot`` is what alloc_reqid() returned (the paper's reqid)."""
+    default_cache().free_reqid(slot)
 
 
 def step(seq_lens: SeqLens) -> None:

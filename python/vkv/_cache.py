@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import inspect
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from . import _C
+from . import _C, _parameters
+from ._errors import in_callers_words
 
 SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor, Mapping[int, int]]
-
-_LAYOUTS = ("interleaved", "per_layer")
-
-
-def _normalize_device(device: Union[str, torch.device, None]) -> torch.device:
-    """'cuda' -> cuda:<current>, 'auto'/None -> cuda if vkv and torch see a GPU, else cpu."""
-    if device is None or device == "auto":
-        device = "cuda" if _C.cuda_available() and torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device = {device!r} is not a device: expected 'cuda', 'cuda:N', 'cpu' or 'auto'") from error
-    if device.type == "cuda":
-        if not _C.cuda_available():
-            raise ValueError(f"device = '{device}' needs a CUDA device, and none is visible; use device='cpu'")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise ValueError(f"device = '{device}' is not supported: expected 'cuda', 'cuda:N', 'cpu' or 'auto'")
-    return device
 
 
 def _expect_count(name: str, value: Any, low: int = 1) -> int:
@@ -38,6 +20,11 @@ def _expect_count(name: str, value: Any, low: int = 1) -> int:
     if value < low:
         raise ValueError(f"{name} = {value} must be >= {low}")
     return int(value)
+
+
+# The core's names for these calls' parameters -> KVCache's.
+_SHARE_PREFIX_WORDS = {"tokens = ": "n_tokens = "}
+_SET_BUDGET_WORDS = {"bytes = ": "memory_budget = "}
 
 
 class KVCache:
@@ -56,6 +43,10 @@ class KVCache:
     synchronous, like ``print``). Off (the default, for what it costs on a GPU, see
     docs/api.md), reading beyond a slot's seq_len touches unmapped memory: a fault.
 
+    Slots: a request's place in the cache, ``0 <= slot < max_batch_size``, the row it owns
+    in every tensor. The vAttention paper calls a slot a *reqid*; the methods keep its
+    names (``alloc_reqid()``, ``free_reqid()``), their parameters and messages say slot.
+
     Device work (zero-fill of freed and fresh pages) is enqueued on
     ``torch.cuda.current_stream()`` of the cache's device at the time of each call.
 
@@ -68,92 +59,36 @@ class KVCache:
     ``close()`` stays valid and never points at released memory.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        max_batch_size: int,
-        max_context_len: int,
-        device: Union[str, torch.device, None] = "auto",
-        layout: str = "interleaved",
-        *,
-        layers_per_group: int = 0,
-        page_size: int = 0,
-        memory_budget: Optional[int] = None,
-        precreate_pages: int = 0,
-        background_mapping: bool = True,
-        lookahead_tokens: int = 32,
-        eager_tokens: Optional[int] = None,
-        deferred_reclamation: bool = True,
-        reclaim_watermark_pages: int = 0,
-        zero_page: bool = False,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Reserve the cache's virtual memory and build its tensors.
 
+        The options after ``layout`` are keyword-only. Each is a field of the core's
+        config (include/vkv/config.h), the one place they are listed: the signature,
+        the checks and this list come from there.
+
         Args:
-            dtype: element type; any torch dtype of 1, 2, 4 or 8 bytes (fp8, fp16, bf16, fp32, ...).
-            device: "auto" (the default: cuda if vkv sees a GPU, else cpu), "cuda", "cuda:N"
-                or "cpu" (host backend).
-            layout: "interleaved" (all layers of a token in one page) or "per_layer" (vAttention).
-            layers_per_group: interleaved only: layers sharing one region; 0 = all.
-            page_size: bytes per physical page; 0 = the backend's default (2 MiB).
-            memory_budget: most physical memory in bytes; None = enough for every slot,
-                capped at 90% of the device's free memory.
-            precreate_pages: physical pages to create now, so that step() does not.
-            background_mapping: a background thread maps ahead what the next iterations
-                need; off, step() maps everything itself.
-            lookahead_tokens: tokens mapped ahead beyond each allocated slot's seq_len.
-            eager_tokens: tokens kept mapped in the slot alloc_reqid() hands out next, for
-                the next prefill; None follows recent prompt lengths, 0 turns it off.
-            deferred_reclamation: freed slots keep their pages for the next owner; off,
-                free_reqid() waits for the device and returns them to the driver.
-            reclaim_watermark_pages: the mapper unmaps freed slots' pages into the pool while
-                fewer pages than this are free; 0 = budget / 32.
-            zero_page: pages no step() backed read as zeros (one shared read-only page is
-                mapped there), so padded batches may read beyond a slot's seq_len. Off
-                (default): such reads touch unmapped memory (a fault). Costs: docs/api.md.
+            {args}
 
         Raises:
-            ValueError: a bad argument, or more virtual memory than the backend can reserve.
+            ValueError: a bad argument (naming it, its value and the limit), an unknown
+                keyword, or more virtual memory than the backend can reserve.
             vkv.DriverError: the driver refused.
         """
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype = {dtype!r} must be a torch.dtype")
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout = {layout!r} is not a layout: expected one of {_LAYOUTS}")
-        if memory_budget is not None:
-            _expect_count("memory_budget", memory_budget)
-        self.device = _normalize_device(device)
-        self.dtype = dtype
-        self.layout = layout
-        self.num_layers = _expect_count("num_layers", num_layers)
-        self.num_kv_heads = _expect_count("num_kv_heads", num_kv_heads)
-        self.head_dim = _expect_count("head_dim", head_dim)
-        self.max_batch_size = _expect_count("max_batch_size", max_batch_size)
-        self.max_context_len = _expect_count("max_context_len", max_context_len)
-        self._core = _C.KvCache(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype_bytes=dtype.itemsize,
-            max_batch=self.max_batch_size,
-            max_context=self.max_context_len,
-            layout=layout,
-            layers_per_group=_expect_count("layers_per_group", layers_per_group, 0),
-            page_bytes=_expect_count("page_size", page_size, 0),
-            device="host" if self.device.type == "cpu" else str(self.device),
-            budget_bytes=memory_budget or 0,
-            precreate_pages=_expect_count("precreate_pages", precreate_pages, 0),
-            background_mapping=bool(background_mapping),
-            lookahead_tokens=_expect_count("lookahead_tokens", lookahead_tokens, 0),
-            eager_tokens=_C.ADAPTIVE if eager_tokens is None else _expect_count("eager_tokens", eager_tokens, 0),
-            deferred_reclamation=bool(deferred_reclamation),
-            reclaim_watermark_pages=_expect_count("reclaim_watermark_pages", reclaim_watermark_pages, 0),
-            zero_page=bool(zero_page),
-        )
-        whole = _C.reservation_tensor(self._core, str(self.device)).view(dtype)
+        arguments = _parameters.bind(args, kwargs)
+        try:
+            config = _parameters.to_config(arguments)
+            self._core = _C.KvCache(config)
+        except ValueError as error:
+            raise in_callers_words(error, _parameters.callers_words(arguments)) from None
+        self.dtype: torch.dtype = arguments["dtype"]
+        self.device = torch.device(config.device)
+        self.layout: str = config.layout
+        self.num_layers: int = config.num_layers
+        self.num_kv_heads: int = config.num_kv_heads
+        self.head_dim: int = config.head_dim
+        self.max_batch_size: int = config.max_batch_size
+        self.max_context_len: int = config.max_context_len
+        whole = _C.reservation_tensor(self._core, str(self.device)).view(self.dtype)
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
         self._values = [self._view(whole, layer, value=True) for layer in range(self.num_layers)]
 
@@ -179,7 +114,7 @@ class KVCache:
     # -- the engine's calls ----------------------------------------------------------
 
     def alloc_reqid(self) -> int:
-        """A free slot (request id), preferring one that kept its mapped pages.
+        """A free slot (the paper's reqid), preferring one that kept its mapped pages.
 
         The same call sequence returns the same slots on every tensor-parallel rank.
 
@@ -261,9 +196,11 @@ class KVCache:
                 ``src``'s seq_len.
             vkv.OutOfMemory: no page for the partial copy; nothing changed.
         """
-        self._live()._core.share_prefix(
-            self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0), self._stream()
-        )
+        core = self._live()._core
+        try:
+            core.share_prefix(self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0), self._stream())
+        except ValueError as error:
+            raise in_callers_words(error, _SHARE_PREFIX_WORDS) from None
 
     def swap_out(self, slot: int) -> None:
         """Copy ``slot``'s tokens to page-locked host memory and give up its pages.
@@ -298,7 +235,11 @@ class KVCache:
             ValueError: less than one page.
             vkv.OutOfMemory: allocated slots claim more; nothing changed.
         """
-        self._live()._core.set_budget(_expect_count("memory_budget", memory_budget))
+        core = self._live()._core
+        try:
+            core.set_budget(_expect_count("memory_budget", memory_budget))
+        except ValueError as error:
+            raise in_callers_words(error, _SET_BUDGET_WORDS) from None
 
     def set_deferred_reclamation(self, deferred_reclamation: bool) -> None:
         """Turn deferred reclamation on (freed slots keep their pages for the next owner) or
@@ -329,12 +270,18 @@ class KVCache:
         return self._live()._core.prepare_fork(self._slot(src))
 
     def _prepare_share_prefix(self, src: int, dst: int, n_tokens: int) -> _C.Preparation:
-        return self._live()._core.prepare_share_prefix(
-            self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0)
-        )
+        core = self._live()._core
+        try:
+            return core.prepare_share_prefix(self._slot(src), self._slot(dst), _expect_count("n_tokens", n_tokens, 0))
+        except ValueError as error:
+            raise in_callers_words(error, _SHARE_PREFIX_WORDS) from None
 
     def _prepare_set_budget(self, memory_budget: int) -> _C.Preparation:
-        return self._live()._core.prepare_set_budget(_expect_count("memory_budget", memory_budget))
+        core = self._live()._core
+        try:
+            return core.prepare_set_budget(_expect_count("memory_budget", memory_budget))
+        except ValueError as error:
+            raise in_callers_words(error, _SET_BUDGET_WORDS) from None
 
     # -- inspection ------------------------------------------------------------------
 
@@ -429,3 +376,12 @@ class KVCache:
         if slot < 0:
             raise ValueError(f"slot = {slot} is out of range: max_batch_size = {self.max_batch_size}")
         return int(slot)
+
+
+# KVCache's call as the config fields make it: for help(), IDEs and inspect.signature().
+KVCache.__signature__ = _parameters.SIGNATURE  # type: ignore[attr-defined]
+KVCache.__init__.__signature__ = _parameters.SIGNATURE.replace(  # type: ignore[attr-defined]
+    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *_parameters.SIGNATURE.parameters.values()],
+    return_annotation=None,
+)
+KVCache.__init__.__doc__ = KVCache.__init__.__doc__.replace("{args}", _parameters.docstring_args())

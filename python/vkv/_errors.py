@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Mapping
+
 
 class OutOfMemory(MemoryError):
     """Not enough physical pages for a step(); the call changed nothing.
@@ -23,3 +26,18 @@ class DriverError(RuntimeError):
         super().__init__(message)
         self.call = call
         self.code = code
+
+
+def in_callers_words(error: ValueError, words: Mapping[str, str]) -> ValueError:
+    """``error`` (from the core) with the core's words replaced by the caller's.
+
+    The core names its own parameters and values (``set_budget: bytes = 100``,
+    ``dtype_bytes = 16``); a Python caller must read the names it passed
+    (``memory_budget = 100``, ``dtype = torch.complex128``). ``words`` maps the first to
+    the second; a word is replaced only where it starts (``bytes = `` leaves
+    ``page_bytes = `` alone). Returns ``error`` itself when no word occurs.
+    """
+    message = str(error)
+    for core_words, callers_words in words.items():
+        message = re.sub(r"(?<!\w)" + re.escape(core_words), lambda _: callers_words, message)
+    return error if message == str(error) else ValueError(message)

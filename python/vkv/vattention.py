@@ -164,11 +164,8 @@ def init_kvcache(
     with _lock:
         if _state is not None and not _state.cache.closed:
             raise RuntimeError("vkv.vattention.init_kvcache() was already called; call cleanup() first")
-        try:
-            cache = KVCache(num_layers, num_kv_heads, head_size, dtype, max_batch_size, max_context_length,
-                            device=_device(device), layout=layout, page_size=page_size, **options)
-        except ValueError as error:  # the core's name for page_size
-            raise ValueError(str(error).replace("page_bytes = ", "page_size = ")) from error
+        cache = KVCache(num_layers, num_kv_heads, head_size, dtype, max_batch_size, max_context_length,
+                        device=_device(device), layout=layout, page_size=page_size, **options)
         _state = _State(cache, megacache, 2 if megacache else 2 * num_layers)
     logger.info("init_kvcache: %r, megacache=%s", cache, megacache)
     keys, values = cache.kv_tensors()

@@ -77,13 +77,7 @@ TEST(Layout, RejectsALayerOutOfRange) {
 }
 
 TEST(Layout, Llama3_8BShapesMatchTheDesign) {
-  CacheConfig config;
-  config.num_layers = 32;
-  config.num_kv_heads = 8;
-  config.head_dim = 128;
-  config.dtype_bytes = 2;
-  config.max_batch_size = 32;
-  config.max_context_len = 8192;
+  CacheConfig config = llama3_8b_config(/*max_batch_size=*/32, /*max_context_len=*/8192);
   const std::size_t page = 2 << 20;
   config.layout = LayoutKind::interleaved;
   EXPECT_EQ(KvLayout(config, page).tokens_in_pages(1), 16u);

@@ -4,44 +4,12 @@
 // itself nothing to create. For both layouts on every backend (CUDA skips without a device).
 #include <gtest/gtest.h>
 
-#include <tuple>
-
 #include "testing.h"
 
 namespace vkv {
 namespace {
 
-using testing::BackendKind;
-
-class PrepareTest : public ::testing::TestWithParam<std::tuple<BackendKind, LayoutKind>> {
- protected:
-  void SetUp() override {
-    backend_ = testing::make_test_backend(std::get<0>(GetParam()), &why_not_);
-    if (!backend_) GTEST_SKIP() << why_not_;
-    config_ = testing::small_config(std::get<1>(GetParam()), backend_->page_bytes());
-    layout_ = std::make_unique<KvLayout>(config_, backend_->page_bytes());
-  }
-
-  std::unique_ptr<KvCache> make_cache(std::size_t budget_pages_per_region = 0) {
-    CacheConfig config = config_;
-    config.memory_budget = budget_pages_per_region * layout_->num_regions() * backend_->page_bytes();
-    return std::make_unique<KvCache>(config, backend_);
-  }
-
-  std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
-    std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
-    for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
-    return seq_lens;
-  }
-
-  std::size_t tokens(std::size_t pages) const { return layout_->tokens_in_pages(pages); }
-  std::size_t regions() const { return layout_->num_regions(); }
-
-  std::shared_ptr<Backend> backend_;
-  std::string why_not_;
-  CacheConfig config_;
-  std::unique_ptr<KvLayout> layout_;
-};
+class PrepareTest : public testing::CacheTest {};
 
 TEST_P(PrepareTest, APreparedStepMapsWithoutClaimingAndTheStepMakesNoBackendCall) {
   auto cache = make_cache();
@@ -158,13 +126,8 @@ TEST_P(PrepareTest, PrepareSharePrefixSwapInAndSetBudgetReportTheirShortages) {
   cache->check_invariants();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllBackendsAndLayouts, PrepareTest,
-    ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
-                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
-    [](const auto& info) {
-      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, PrepareTest, testing::host_and_cuda_with_both_layouts(),
+                         testing::backend_and_layout_name);
 
 }  // namespace
 }  // namespace vkv

@@ -1,76 +1,15 @@
-// fork / share_prefix / copy-on-write, swap_out / swap_in, set_budget / trim: for both
+// fork / share_prefix / copy-on-write: several slots on one physical page, for both
 // layouts on every backend (CUDA skips without a device).
 #include <gtest/gtest.h>
-
-#include <algorithm>
-#include <tuple>
 
 #include "testing.h"
 
 namespace vkv {
 namespace {
 
-using testing::BackendKind;
+using testing::mark;
 
-class SharingTest : public ::testing::TestWithParam<std::tuple<BackendKind, LayoutKind>> {
- protected:
-  void SetUp() override {
-    backend_ = testing::make_test_backend(std::get<0>(GetParam()), &why_not_);
-    if (!backend_) GTEST_SKIP() << why_not_;
-    config_ = testing::small_config(std::get<1>(GetParam()), backend_->page_bytes());
-    layout_ = std::make_unique<KvLayout>(config_, backend_->page_bytes());
-  }
-
-  std::unique_ptr<KvCache> make_cache(std::size_t budget_pages_per_region = 0) {
-    CacheConfig config = config_;
-    config.memory_budget = budget_pages_per_region * layout_->num_regions() * backend_->page_bytes();
-    return std::make_unique<KvCache>(config, backend_);
-  }
-
-  std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
-    std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
-    for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
-    return seq_lens;
-  }
-
-  Address token_address(KvCache& cache, std::size_t region, std::size_t slot, std::size_t token) const {
-    return cache.base() + layout_->page_offset(region, slot, 0) + token * layout_->token_bytes();
-  }
-
-  // Token t of `slot` in every region holds the byte value(t), one copy per region.
-  template <typename Value>
-  void write_tokens(KvCache& cache, std::size_t slot, std::size_t first, std::size_t last, Value value) {
-    const std::size_t token_bytes = layout_->token_bytes();
-    std::vector<std::uint8_t> bytes((last - first) * token_bytes);
-    for (std::size_t t = first; t < last; ++t)
-      std::fill_n(bytes.begin() + static_cast<std::ptrdiff_t>((t - first) * token_bytes), token_bytes, value(t));
-    for (std::size_t r = 0; r < layout_->num_regions(); ++r)
-      testing::write_bytes(cache.backend(), token_address(cache, r, slot, first), bytes);
-  }
-  template <typename Value>
-  void expect_tokens(KvCache& cache, std::size_t slot, std::size_t first, std::size_t last, Value value) {
-    const std::size_t token_bytes = layout_->token_bytes();
-    for (std::size_t r = 0; r < layout_->num_regions(); ++r) {
-      const auto bytes =
-          testing::read_bytes(cache.backend(), token_address(cache, r, slot, first), (last - first) * token_bytes);
-      for (std::size_t t = first; t < last; ++t)
-        for (std::size_t i = 0; i < token_bytes; i += token_bytes / 4)  // a few bytes per token
-          ASSERT_EQ(bytes[(t - first) * token_bytes + i], value(t)) << "slot " << slot << " region " << r
-                                                                     << " token " << t;
-    }
-  }
-
-  std::size_t tokens_per_page() const { return layout_->tokens_in_pages(1); }
-
-  std::shared_ptr<Backend> backend_;
-  std::string why_not_;
-  CacheConfig config_;
-  std::unique_ptr<KvLayout> layout_;
-};
-
-auto mark(std::uint8_t base) {
-  return [base](std::size_t token) { return static_cast<std::uint8_t>(base + token % 50); };
-}
+class SharingTest : public testing::CacheTest {};
 
 TEST_P(SharingTest, ForkSharesFullPagesAndCopiesThePartialOne) {
   auto cache = make_cache();
@@ -226,123 +165,8 @@ TEST_P(SharingTest, ForkWithoutRoomForThePartialPageFailsAndLeavesNoSlotBehind) 
   cache->check_invariants();
 }
 
-TEST_P(SharingTest, SwapOutAndInRestoresTheTokensAndFreesThePagesMeanwhile) {
-  auto cache = make_cache(/*budget_pages_per_region=*/4);
-  const std::size_t tokens = 3 * tokens_per_page() + 5;
-  const std::size_t a = cache->alloc_reqid();
-  cache->step(lens({{a, tokens}}));
-  write_tokens(*cache, a, 0, tokens, mark(11));
-
-  cache->swap_out(a);
-  EXPECT_TRUE(cache->is_swapped(a));
-  EXPECT_TRUE(cache->is_allocated(a));
-  CacheStats stats = cache->stats();
-  EXPECT_EQ(stats.swapped_slots, 1u);
-  EXPECT_EQ(stats.swapped_bytes, tokens * layout_->token_bytes() * layout_->num_regions());
-  EXPECT_EQ(stats.pages_in_use, 0u);
-  EXPECT_THROW(cache->step(lens({{a, tokens}})), InvalidArgument);
-  EXPECT_THROW(cache->swap_out(a), InvalidArgument);
-
-  // Another request uses the whole budget meanwhile: swap_in must wait for room.
-  const std::size_t b = cache->alloc_reqid();
-  cache->step(lens({{b, 4 * tokens_per_page()}}));
-  write_tokens(*cache, b, 0, 4 * tokens_per_page(), mark(20));
-  try {
-    cache->swap_in(a);
-    FAIL() << "swap_in overcommitted";
-  } catch (const OutOfMemory& error) {
-    EXPECT_EQ(error.missing_pages(), 4 * layout_->num_regions());
-  }
-  EXPECT_TRUE(cache->is_swapped(a));
-  cache->free_reqid(b);
-  cache->swap_in(a);
-  EXPECT_FALSE(cache->is_swapped(a));
-  expect_tokens(*cache, a, 0, tokens, mark(11));
-  stats = cache->stats();
-  EXPECT_EQ(stats.swapped_bytes, 0u);
-  EXPECT_EQ(stats.tokens_in_use, tokens);
-  EXPECT_THROW(cache->swap_in(a), InvalidArgument);
-  cache->step(lens({{a, tokens + 1}}));  // and it goes on decoding
-  cache->check_invariants();
-}
-
-TEST_P(SharingTest, SwappingOutASharingSlotLeavesTheOtherIntact) {
-  auto cache = make_cache();
-  const std::size_t tokens = 2 * tokens_per_page() + 1;
-  const std::size_t src = cache->alloc_reqid();
-  cache->step(lens({{src, tokens}}));
-  write_tokens(*cache, src, 0, tokens, mark(5));
-  const std::size_t dst = cache->fork(src);
-  cache->swap_out(src);
-  EXPECT_EQ(cache->stats().pages_shared, 0u);
-  expect_tokens(*cache, dst, 0, tokens, mark(5));
-  cache->swap_in(src);
-  expect_tokens(*cache, src, 0, tokens, mark(5));
-  cache->free_reqid(src);  // a swapped-in, then freed slot
-  const std::size_t swapped = cache->alloc_reqid();
-  cache->step(lens({{swapped, 1}, {dst, tokens}}));
-  cache->swap_out(swapped);
-  cache->free_reqid(swapped);  // freeing a swapped-out slot discards its copy
-  EXPECT_EQ(cache->stats().swapped_bytes, 0u);
-  cache->check_invariants();
-}
-
-TEST_P(SharingTest, TrimReleasesEveryUnclaimedPage) {
-  auto cache = make_cache();
-  const std::size_t a = cache->alloc_reqid();
-  const std::size_t b = cache->alloc_reqid();
-  cache->step(lens({{a, 3 * tokens_per_page()}, {b, 2 * tokens_per_page()}}));
-  cache->step(lens({{a, tokens_per_page()}, {b, 2 * tokens_per_page()}}));  // a keeps its claim
-  cache->free_reqid(b);
-  const std::size_t created = cache->stats().pages_created;
-  const std::size_t released = cache->trim();
-  EXPECT_EQ(released, 2 * layout_->num_regions() * layout_->page_bytes());
-  const CacheStats stats = cache->stats();
-  EXPECT_EQ(stats.pages_created, created - 2 * layout_->num_regions());
-  EXPECT_EQ(stats.pages_created, stats.pages_in_use);
-  EXPECT_EQ(stats.backend.release.units, 2 * layout_->num_regions());
-  cache->check_invariants();
-}
-
-TEST_P(SharingTest, SetBudgetShrinksToWhatIsClaimedAndGrowsAgain) {
-  auto cache = make_cache(/*budget_pages_per_region=*/6);
-  const std::size_t regions = layout_->num_regions();
-  const std::size_t page = layout_->page_bytes();
-  const std::size_t a = cache->alloc_reqid();
-  const std::size_t b = cache->alloc_reqid();
-  cache->step(lens({{a, 2 * tokens_per_page()}, {b, 3 * tokens_per_page()}}));
-  cache->free_reqid(b);  // 3 cached pages per region
-
-  try {
-    cache->set_budget(page * regions);  // less than a's two pages per region
-    FAIL() << "set_budget went below what allocated slots claim";
-  } catch (const OutOfMemory& error) {
-    EXPECT_EQ(error.missing_pages(), regions);
-  }
-  EXPECT_EQ(cache->stats().budget_pages, 6 * regions);
-  EXPECT_THROW(cache->set_budget(page - 1), InvalidArgument);
-
-  cache->set_budget(3 * regions * page);
-  CacheStats stats = cache->stats();
-  EXPECT_EQ(stats.budget_pages, 3 * regions);
-  EXPECT_LE(stats.pages_created, 3 * regions);
-  EXPECT_THROW(cache->step(lens({{a, 4 * tokens_per_page()}})), OutOfMemory);
-  cache->step(lens({{a, 3 * tokens_per_page()}}));
-  cache->check_invariants();
-
-  cache->set_budget(8 * regions * page);
-  cache->step(lens({{a, 8 * tokens_per_page()}}));
-  EXPECT_EQ(cache->stats().pages_in_use, 8 * regions);
-  cache->check_invariants();
-}
-
-INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharingTest,
-                         ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
-                                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
-                         [](const auto& info) {
-                           return testing::backend_label(std::get<0>(info.param)) + "_" +
-                                  to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharingTest, testing::host_and_cuda_with_both_layouts(),
+                         testing::backend_and_layout_name);
 
 }  // namespace
 }  // namespace vkv

@@ -1,9 +1,11 @@
 // Helpers shared by the C++ test suites: the backends to run against, byte I/O
-// through a backend, and a wrapper whose events complete only when a test says so.
+// through a backend, backend wrappers that control events or inject failures, and the
+// fixture of the suites that run one small cache per backend and layout.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -13,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "vkv/forwarding_backend.h"
@@ -293,6 +296,85 @@ inline CacheConfig small_config(LayoutKind layout, std::size_t page_bytes) {
   config.layout = layout;
   config.background_mapping = false;  // deterministic; the mapper has its own suite
   return config;
+}
+
+/// The (backend, layout) pairs most cache suites run on; CUDA skips without a device.
+using BackendAndLayout = std::tuple<BackendKind, LayoutKind>;
+
+inline auto host_and_cuda_with_both_layouts() {
+  return ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
+                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved));
+}
+
+inline std::string backend_and_layout_name(const ::testing::TestParamInfo<BackendAndLayout>& info) {
+  return backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
+}
+
+/// A suite over one cache at a time: small_config() on the parameter's backend and layout,
+/// seq_lens by slot, and token bytes written and checked through the backend.
+class CacheTest : public ::testing::TestWithParam<BackendAndLayout> {
+ protected:
+  void SetUp() override {
+    backend_ = make_test_backend(std::get<0>(GetParam()), &why_not_);
+    if (!backend_) GTEST_SKIP() << why_not_;
+    config_ = small_config(std::get<1>(GetParam()), backend_->page_bytes());
+    layout_ = std::make_unique<KvLayout>(config_, backend_->page_bytes());
+  }
+
+  /// A cache on the test's backend; a budget of 0 pages means enough for every slot.
+  std::unique_ptr<KvCache> make_cache(std::size_t budget_pages_per_region = 0) const {
+    CacheConfig config = config_;
+    config.memory_budget = budget_pages_per_region * layout_->num_regions() * backend_->page_bytes();
+    return std::make_unique<KvCache>(config, backend_);
+  }
+
+  /// seq_lens with the given tokens for the given slots, 0 for the others.
+  std::vector<std::size_t> lens(std::initializer_list<std::pair<std::size_t, std::size_t>> slot_tokens) const {
+    std::vector<std::size_t> seq_lens(config_.max_batch_size, 0);
+    for (auto [slot, tokens] : slot_tokens) seq_lens[slot] = tokens;
+    return seq_lens;
+  }
+
+  Address token_address(KvCache& cache, std::size_t region, std::size_t slot, std::size_t token) const {
+    return cache.base() + layout_->page_offset(region, slot, 0) + token * layout_->token_bytes();
+  }
+
+  // Token t of `slot` in every region holds the byte value(t), one copy per region.
+  template <typename Value>
+  void write_tokens(KvCache& cache, std::size_t slot, std::size_t first, std::size_t last, Value value) {
+    const std::size_t token_bytes = layout_->token_bytes();
+    std::vector<std::uint8_t> bytes((last - first) * token_bytes);
+    for (std::size_t t = first; t < last; ++t)
+      std::fill_n(bytes.begin() + static_cast<std::ptrdiff_t>((t - first) * token_bytes), token_bytes, value(t));
+    for (std::size_t r = 0; r < layout_->num_regions(); ++r)
+      write_bytes(cache.backend(), token_address(cache, r, slot, first), bytes);
+  }
+  template <typename Value>
+  void expect_tokens(KvCache& cache, std::size_t slot, std::size_t first, std::size_t last, Value value) {
+    const std::size_t token_bytes = layout_->token_bytes();
+    for (std::size_t r = 0; r < layout_->num_regions(); ++r) {
+      const auto bytes = read_bytes(cache.backend(), token_address(cache, r, slot, first), (last - first) * token_bytes);
+      for (std::size_t t = first; t < last; ++t)
+        for (std::size_t i = 0; i < token_bytes; i += token_bytes / 4)  // a few bytes per token
+          ASSERT_EQ(bytes[(t - first) * token_bytes + i], value(t)) << "slot " << slot << " region " << r
+                                                                     << " token " << t;
+    }
+  }
+
+  /// Tokens of one slot that `pages` pages hold.
+  std::size_t tokens(std::size_t pages) const { return layout_->tokens_in_pages(pages); }
+  std::size_t tokens_per_page() const { return tokens(1); }
+  std::size_t regions() const { return layout_->num_regions(); }
+
+  std::shared_ptr<Backend> backend_;
+  std::string why_not_;
+  CacheConfig config_;
+  std::unique_ptr<KvLayout> layout_;
+};
+
+/// Token values for write_tokens/expect_tokens that differ from token to token.
+inline auto mark(std::uint8_t base) {
+  return [base](std::size_t token) { return static_cast<std::uint8_t>(base + token % 50); };
 }
 
 }  // namespace vkv::testing

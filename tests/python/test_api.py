@@ -1,6 +1,7 @@
 """KVCache calls: step/free semantics, stats, errors and their messages, lifetime, module API."""
 
 import gc
+import inspect
 
 import numpy as np
 import pytest
@@ -81,12 +82,12 @@ def test_a_shortage_raises_out_of_memory_with_the_shortfall_and_changes_nothing(
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda c: c.step([1, 0, 0]), "max_batch = 4"),
+        (lambda c: c.step([1, 0, 0]), "max_batch_size = 4"),
         (lambda c: c.step([[1, 0, 0, 0]]), "one-dimensional"),
         (lambda c: c.step([-1, 0, 0, 0]), "negative"),
         (lambda c: c.step([1.5, 0, 0, 0]), "integers"),
         (lambda c: c.step(torch.tensor([1.0, 0, 0, 0])), "integers"),
-        (lambda c: c.step([5000, 0, 0, 0]), "exceeds max_context = 4096"),
+        (lambda c: c.step([5000, 0, 0, 0]), "exceeds max_context_len = 4096"),
         (lambda c: c.step([0, 3, 0, 0]), "slot 1 is not allocated"),
         (lambda c: c.free_reqid(1), "double free"),
         (lambda c: c.free_reqid(4), "out of range"),
@@ -116,13 +117,13 @@ def test_bad_calls_raise_value_error_naming_the_value_and_change_nothing(call, m
         (dict(num_kv_heads=-2), "num_kv_heads = -2"),
         (dict(head_dim=1.5), "head_dim"),
         (dict(dtype="float16"), "torch.dtype"),
-        (dict(dtype=torch.complex128), "dtype_bytes = 16"),
+        (dict(dtype=torch.complex128), "dtype = torch.complex128 is not supported: elements must be 1, 2, 4 or 8 bytes"),
         (dict(layout="paged"), "layout"),
         (dict(device="tpu"), "device"),
         (dict(max_batch_size=0), "max_batch_size = 0"),
         (dict(max_context_len=2**32, max_batch_size=10**5), "virtual address space"),
         (dict(layers_per_group=3), "layers_per_group = 3"),
-        (dict(page_size=3 << 16), "page_bytes"),
+        (dict(page_size=3 << 16), "page_size = 196608"),
         (dict(memory_budget=0), "memory_budget"),
         (dict(memory_budget=100), "less than one page"),
     ],
@@ -250,3 +251,155 @@ def test_step_reads_every_integer_width_and_strided_arrays():
             cache.step(seq_lens)
             assert cache.stats()["tokens_in_use"] == int(seq_lens[0])
         assert cache.stats()["step"]["calls"] == 5
+
+
+# -- the constructor's parameters come from the config fields (include/vkv/config.h) --------
+
+PYTHON_VALUED = {"dtype_bytes": "dtype", "device": "device", "memory_budget": "memory_budget", "eager_tokens": "eager_tokens"}
+
+
+def test_the_signature_has_every_config_field_with_its_default():
+    from vkv import _C
+
+    parameters = inspect.signature(vkv.KVCache).parameters
+    fields = _C.CacheConfig.fields()
+    assert len(parameters) == len(fields)
+    for name, python_type, default, meaning in fields:
+        assert PYTHON_VALUED.get(name, name) in parameters, name
+        if name not in PYTHON_VALUED and parameters[name].kind == inspect.Parameter.KEYWORD_ONLY:
+            assert parameters[name].default == default, name
+            assert parameters[name].annotation.__name__ == python_type, name
+    assert list(parameters)[:8] == ["num_layers", "num_kv_heads", "head_dim", "dtype", "max_batch_size",
+                                    "max_context_len", "device", "layout"]
+    assert parameters["device"].default == "auto" and parameters["layout"].default == "interleaved"
+    assert parameters["memory_budget"].default is None and parameters["eager_tokens"].default is None
+    assert inspect.signature(vkv.init).parameters.keys() == parameters.keys()
+
+
+def test_the_docstring_documents_every_parameter():
+    doc = vkv.KVCache.__init__.__doc__
+    for name in inspect.signature(vkv.KVCache).parameters:
+        assert f"\n            {name}: " in doc, name
+    assert "{args}" not in doc
+
+
+def test_an_unknown_keyword_is_refused_naming_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown keyword argument 'page_bytes': the keywords are num_layers, .*zero_page"):
+        small_cache(page_bytes=HOST_PAGE)
+    with pytest.raises(ValueError, match="'dtype_bytes'"):  # the core's field; Python passes a dtype
+        small_cache(dtype_bytes=2)
+    with pytest.raises(TypeError, match=r"vkv.KVCache\(\): missing a required argument: 'max_context_len'"):
+        vkv.KVCache(1, 1, 8, torch.float16, 1)
+
+
+def test_every_keyword_option_reaches_the_core():
+    page = HOST_PAGE
+    options = dict(layers_per_group=2, page_size=page, memory_budget=8 * page, precreate_pages=1, zero_page=False,
+                   background_mapping=False, lookahead_tokens=7, eager_tokens=5, deferred_reclamation=False,
+                   reclaim_watermark_pages=3, backend_statistics=False)
+    keywords = [p.name for p in inspect.signature(vkv.KVCache).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    assert sorted(options) == sorted(keywords), "a new config field: give it a value here"
+    with vkv.KVCache(4, 2, 64, torch.float16, 4, 4096, "cpu", "interleaved", **options) as cache:
+        config = cache._core.config
+        for name, value in options.items():
+            assert getattr(config, name) == value, name
+        assert (config.dtype_bytes, config.device, config.layout) == (2, "cpu", "interleaved")
+    with small_cache() as cache:  # the Python defaults: None for memory_budget and eager_tokens
+        assert (cache._core.config.memory_budget, cache._core.config.eager_tokens) == (0, vkv._C.ADAPTIVE)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(zero_page="no"), "zero_page = 'no' must be a bool"),
+        (dict(lookahead_tokens=-1), "lookahead_tokens = -1 must be >= 0"),
+        (dict(eager_tokens=2.5), "eager_tokens = 2.5 must be an int"),
+        (dict(layout=3), "layout = 3 must be a str"),
+        (dict(page_size=2**64), "page_size = 18446744073709551616 does not fit 64 bits"),
+        (dict(memory_budget=-5), "memory_budget = -5 must be >= 1"),
+    ],
+)
+def test_option_types_are_checked_naming_the_option(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_cache(**overrides)
+
+
+def test_the_config_binding_takes_keywords_and_names_its_fields():
+    from vkv import _C
+
+    config = _C.CacheConfig(num_layers=2, device="cuda:1", layout="per_layer")
+    assert (config.num_layers, config.device, config.layout, config.eager_tokens) == (2, "cuda:1", "per_layer", _C.ADAPTIVE)
+    config.zero_page = False
+    assert "zero_page=False" in repr(config)
+    with pytest.raises(ValueError, match="CacheConfig has no field 'max_batch': its fields are num_layers"):
+        _C.CacheConfig(max_batch=2)
+    with pytest.raises(ValueError, match="device = 'host' is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        _C.CacheConfig(device="host")
+    assert _C.CacheConfig(device="cpu").device == "cpu"
+
+
+# -- messages speak the caller's names, never the core's own -----------------------------
+
+CORE_ONLY_WORDS = ["dtype_bytes", "backend 'host'", "'host',", "'host' or", "page_bytes", "budget_bytes", "max_batch ", "max_batch =", "max_context ",
+                   "max_context =", "reqid =", "kAdaptive", "18446744073709551615", "(bytes", " bytes = ", " tokens = ",
+                   "step_slots"]
+
+
+def bad_constructions():
+    yield lambda: small_cache(dtype=torch.complex128)
+    yield lambda: small_cache(max_context_len=2**32, max_batch_size=10**5)
+    yield lambda: small_cache(page_size=1024)
+    yield lambda: small_cache(precreate_pages=10**6, memory_budget=8 * HOST_PAGE)
+    yield lambda: small_cache(memory_budget=100)
+    yield lambda: small_cache(device="host")
+    yield lambda: small_cache(layout="per_layer", layers_per_group=2)
+    yield lambda: small_cache(eager_tokens=-1)
+
+
+def bad_calls(cache, slot):
+    other = cache.alloc_reqid()
+    yield lambda: cache.set_budget(100)
+    yield lambda: cache._prepare_set_budget(100)
+    yield lambda: cache.share_prefix(slot, other, 50)
+    yield lambda: cache._prepare_share_prefix(slot, other, 50)
+    yield lambda: cache.share_prefix(slot, slot, 1)
+    yield lambda: cache.fork(3)
+    yield lambda: cache.swap_in(slot)
+    yield lambda: cache.free_reqid(3)
+    yield lambda: cache.alloc_reqids(9)
+    yield lambda: cache.step({7: 1})
+    yield lambda: cache.step({slot: 10**6})
+    yield lambda: cache.step([1, 2, 3])
+    yield lambda: cache.mapped_pages(9)
+
+
+def test_no_message_shows_a_name_only_the_core_uses():
+    messages = []
+    for call in bad_constructions():
+        with pytest.raises(ValueError) as raised:
+            call()
+        messages.append(str(raised.value))
+    with small_cache() as cache:
+        slot = cache.alloc_reqid()
+        cache.step([10, 0, 0, 0])
+        for call in bad_calls(cache, slot):
+            with pytest.raises(ValueError) as raised:
+                call()
+            messages.append(str(raised.value))
+        cache.check_invariants()
+    for message in messages:
+        for word in CORE_ONLY_WORDS:
+            assert word not in message, f"{word!r} in {message!r}"
+    said = "\n".join(messages)
+    for words in ("dtype = torch.complex128", "device 'cpu' can reserve", "set_budget: memory_budget = 100",
+                  "share_prefix: n_tokens = 50 exceeds"):
+        assert words in said
+
+
+def test_module_level_calls_name_the_slot():
+    vkv.init(1, 1, 8, torch.float16, 2, 64, "cpu")
+    try:
+        with pytest.raises(ValueError, match="slot = 5 is out of range: max_batch_size = 2"):
+            vkv.free_reqid(slot=5)
+    finally:
+        vkv.shutdown()

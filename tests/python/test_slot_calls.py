@@ -45,7 +45,7 @@ def test_alloc_reqids_gives_adjacent_slots_all_or_nothing():
         with pytest.raises(ValueError, match="no 2 adjacent slots are free"):
             cache.alloc_reqids(2, contiguous=True)
         assert cache.alloc_reqids(2) == [1, 3]
-        with pytest.raises(ValueError, match="count = 1 but only 0 of max_batch = 4 slots are free"):
+        with pytest.raises(ValueError, match="count = 1 but only 0 of max_batch_size = 4 slots are free"):
             cache.alloc_reqids(1)
         with pytest.raises(ValueError, match="count = 0 must be >= 1"):
             cache.alloc_reqids(0)

@@ -66,22 +66,22 @@ def test_an_engine_thread_and_a_memory_controller_thread_share_one_cache():
 
 
 def test_a_thread_blocked_on_the_cache_lock_does_not_hold_the_gil(monkeypatch):
-    """Thread A holds the cache's lock while it waits on the host for the device (freeing
-    a slot without deferred reclamation waits for its zero-fill); thread B then calls a
-    binding that needs the lock. Neither may stall the other Python threads."""
+    """Thread A holds the cache's lock while it waits on the host for the device (trim()
+    waits for the copy and zero-fill a swap-out queued before it unmaps the pages); thread
+    B then calls a binding that needs the lock. Neither may stall the other Python threads."""
     import time
 
-    monkeypatch.setenv("VKV_HOST_EXECUTION", "deferred")  # zero-fills run later, like a GPU stream's
+    monkeypatch.setenv("VKV_HOST_EXECUTION", "deferred")  # copies and zero-fills run later, like a GPU stream's
     with vkv.KVCache(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float32, max_batch_size=2,
-                     max_context_len=65536, device="cpu", background_mapping=False,
-                     deferred_reclamation=False) as cache:
+                     max_context_len=65536, device="cpu", background_mapping=False) as cache:
         slot = cache.alloc_reqid()
-        cache.step([65536 if s == slot else 0 for s in range(2)])  # 512 MiB of zero-fill queued
+        cache.step([65536 if s == slot else 0 for s in range(2)])
+        cache.swap_out(slot)  # 512 MiB copied to host memory and zero-filled, queued
         times = {}
 
         def holder():
             times["a_start"] = time.perf_counter()
-            cache.free_reqid(slot)  # inside the lock until the worker thread zero-filled 512 MiB
+            cache.trim()  # inside the lock until the worker thread has done both
             times["a_end"] = time.perf_counter()
 
         def waiter():

@@ -330,7 +330,7 @@ def test_errors_name_the_arguments_as_vattention_does():
         vattention.init_kvcache(2, 2, 64, 4, -1, "cpu", torch.float16, HOST_PAGE, False)
     with pytest.raises(ValueError, match="page_size = 1000"):
         vattention.init_kvcache(2, 2, 64, 4, 1024, "cpu", torch.float16, 1000, False)
-    with pytest.raises(ValueError, match="page_size = 1024"):  # below the OS page: the core's check, renamed
+    with pytest.raises(ValueError, match="page_size = 1024"):  # below the OS page: the core's check
         vattention.init_kvcache(2, 2, 64, 4, 1024, "cpu", torch.float16, 1024, False)
     with pytest.raises(ValueError, match="dtype"):
         vattention.init_kvcache(2, 2, 64, 4, 1024, "cpu", "float16", HOST_PAGE, False)
