@@ -254,19 +254,31 @@ class Engine:
         def clock() -> float:
             return time.perf_counter() - start
 
+        collected = None  # tokens collected, not yet appended to their requests' outputs
+
         def collect() -> None:
-            """Waits for the decode step in flight and hands its tokens to its requests."""
-            nonlocal pending
+            """Waits for the decode step in flight and feeds its tokens to its requests; the
+            rest (outputs, finish times) is ``settle``'s, off the critical path."""
+            nonlocal pending, collected
             if pending is None:
                 return
             requests, launched, began = pending
             pending = None
             tokens = self.decoder.wait(launched)
+            now = clock()
             result.decode_ms[-1] += (time.perf_counter() - began) * 1e3
             result.gpu_decode_ms[-1] += self._device_ms(2)
-            now = clock()
             for request, token in zip(requests, tokens):
                 request.next_token = token
+            collected = (requests, tokens, now)
+
+        def settle() -> None:
+            nonlocal collected
+            if collected is None:
+                return
+            requests, tokens, now = collected
+            collected = None
+            for request, token in zip(requests, tokens):
                 request.tokens.append(token)
                 if request.emitted >= request.output_len:
                     request.finished_at = now
@@ -315,6 +327,7 @@ class Engine:
             # 2. room for the decode tokens: preempt the youngest while there is none
             while running and not self._reserve(lens, result):
                 collect()  # the victim's last token becomes part of its prompt
+                settle()
                 victim = running.pop()
                 del lens[victim.slot]
                 store.free(victim.slot)
@@ -350,28 +363,31 @@ class Engine:
                 result.gpu_prefill_ms[-1] = self._device_ms(0)
 
             # 4. one decode step for the running requests: their inputs are the tokens of
-            # the step in flight
+            # the step in flight. Between collecting those and launching this step the
+            # device idles: only what needs the tokens happens there.
+            slots, seq_lens = [r.slot for r in running], [r.seq_len for r in running]
             collect()
             result.decode_ms.append(0.0)
             result.gpu_decode_ms.append(0.0)
             result.decode_rows.append(len(running))
             if running:
-                held, token_bytes = store.held_bytes(), sum(r.seq_len for r in running) * store.bytes_per_token
-                result.waste.append(max(0.0, 1.0 - token_bytes / held) if held else 0.0)
-                result.held.append(held)
-                result.logical.append(token_bytes)
                 began = time.perf_counter()
                 self._record(2)
-                launched = self.decoder.launch([r.slot for r in running], [r.next_token for r in running],
-                                               [r.seq_len for r in running])
+                launched = self.decoder.launch(slots, [r.next_token for r in running], seq_lens)
                 self._record(3)
                 pending = (list(running), launched, began)
                 in_flight = {id(r) for r in running}
+                settle()
                 for request in running:
                     request.generated += 1
                     request.emitted += 1
                 result.emitted += len(running)
+                held, token_bytes = store.held_bytes(), sum(seq_lens) * store.bytes_per_token
+                result.waste.append(max(0.0, 1.0 - token_bytes / held) if held else 0.0)
+                result.held.append(held)
+                result.logical.append(token_bytes)
             else:
+                settle()
                 self._synchronize()
             running.extend(admitted)
             running.extend(forked)
@@ -392,6 +408,7 @@ class Engine:
             progress.update(done, len(running), result.emitted)
 
         collect()
+        settle()
         result.seconds = clock()
         for slot in self.pinned:
             store.free(slot)

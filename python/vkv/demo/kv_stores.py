@@ -120,7 +120,12 @@ class KvStore:
         pass
 
     def _tensor(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, device=self.device, dtype=dtype)
+        """Host values on the device without waiting for it: on a GPU through pinned memory,
+        so that bookkeeping done while a decode step runs does not stall on it."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
 
 class ContiguousStore(KvStore):
@@ -321,7 +326,7 @@ class PagedStore(KvStore):
         self._free_pages.extend(pages)
         if pages:
             self.table.page_table[slot] = -1
-            self.table.physical_to_logical[slot, torch.tensor(pages, device=self.device)] = -1
+            self.table.physical_to_logical[slot, self._tensor(pages)] = -1
         self._free_slots.append(slot)
 
     def reserve(self, lens):
