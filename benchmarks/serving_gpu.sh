@@ -52,8 +52,12 @@ for stage in $stages; do
       step serving_h100_quick 150 python3 -m vkv.demo --preset h100 --stores vkv-interleaved static --no-progress ;;
     h100)
       step serving_h100 400 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" ;;
-    long)
-      step serving_long_h100 400 python3 -m vkv.demo --preset long --no-progress --out "$out/results" ;;
+    long)  # vkv per-layer serves these prompts as vkv interleaved does (see serving_long in docs)
+      step serving_long_h100 400 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
+        --stores vkv-interleaved paged-16 paged-128 static ;;
+    eager)  # today's engine without CUDA graphs, same lease: what the graphs bring
+      step serving_h100_eager 200 python3 -m vkv.demo --preset h100 --stores vkv-interleaved --no-cuda-graphs \
+        --no-progress --out "$out/eager" ;;
     *)
       echo "unknown stage $stage"
       status=1 ;;

@@ -10,8 +10,10 @@ import torch
 
 from conftest import needs_cuda
 from vkv.demo.decode_runner import DecodeRunner
+from vkv.demo.engine import Engine
 from vkv.demo.kv_stores import VkvStore, make_store
 from vkv.demo.model import LlamaModel, ModelShape
+from vkv.demo.workload import make_trace
 
 pytestmark = needs_cuda
 
@@ -82,3 +84,37 @@ def test_graph_replay_equals_eager_while_pages_come_and_go(kind):
         assert backend["map"]["units"] > 0 and backend["unmap"]["units"] > 0, backend
     runner.release()
     store.close()
+
+
+class WaitingRunner(DecodeRunner):
+    """Reads every step's tokens on the host before launching the next (no device-side feed)."""
+
+    def launch(self, slots, tokens, lens, feed=None):
+        if feed is not None and any(f >= 0 for f in feed):
+            previous = self.wait(self._previous)
+            tokens = [previous[f] if f >= 0 else t for t, f in zip(tokens, feed)]
+        return super().launch(slots, tokens, lens)
+
+
+@pytest.mark.parametrize("kind", ["vkv-interleaved", "paged-16"])
+def test_steps_launched_ahead_generate_what_steps_waited_for_do(kind):
+    """The engine launches step i+1 before reading step i's tokens (fed on the device):
+    the tokens equal those of an engine that waits for every step."""
+    import copy
+    import math
+
+    device = torch.device("cuda")
+    trace = make_trace(24, math.inf, 512, SHAPE.vocab, seed=4, scale=0.3)
+    outputs = []
+    for runner_type in (DecodeRunner, WaitingRunner):
+        model = LlamaModel(SHAPE, device, torch.bfloat16, MAX_CONTEXT, seed=3)
+        store = make_store(kind, SHAPE, torch.bfloat16, device, MAX_CONTEXT, 256 << 20, MAX_SLOTS,
+                           flex() if kind.startswith("paged") else None)
+        engine = Engine(model, store, max_prefill_tokens=1024, cuda_graphs=True)
+        engine.decoder = runner_type(model, store, store.max_slots, graphs=True)
+        result = engine.run(copy.deepcopy(trace), show_progress=False)
+        assert all(len(r.tokens) == r.output_len for r in result.requests)
+        outputs.append([r.tokens for r in result.requests])
+        engine.decoder.release()
+        store.close()
+    assert outputs[0] == outputs[1]

@@ -131,6 +131,10 @@ def main(argv=None) -> int:
     shape = SHAPES[args.model]
     budget = args.kv_budget_mib << 20
     torch.manual_seed(args.seed)
+    if device.type == "cpu" and shape.hidden <= 1024:
+        # The tiny model's ops are too small to split across threads, and spinning worker
+        # threads make it crawl on a busy machine.
+        torch.set_num_threads(1)
     if device.type == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
 

@@ -1,8 +1,12 @@
 """Decode steps, run eagerly or replayed from CUDA graphs (one graph per batch-size bucket).
 
-A decode step launches ~25 kernels per layer; eager PyTorch spends ~25 us of host time on
+A decode step launches ~20 kernels per layer; eager PyTorch spends ~25 us of host time on
 each, so an 8B model's step costs ~30 ms of launches whatever the batch. Captured once
 into a CUDA graph, the whole step is one launch.
+
+Steps are also asynchronous: a request's next input token may be "row r of the step
+before", gathered on the device, so the engine launches step i+1 before it has read step
+i's tokens and the device never waits for the host between steps.
 
 What makes the graphs valid across steps: every tensor the step reads or writes keeps
 its address. vkv's K/V tensors never move (``step()`` maps and reclaims physical pages
@@ -16,6 +20,7 @@ repeat row 0 and read nothing (see ``DecodeBatch``).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -24,8 +29,19 @@ import torch
 from .kv_stores import DecodeBatch, KvStore
 from .model import LlamaModel
 
-# Rows of a bucket's input buffer.
-TOKENS, POSITIONS, SLOTS, WRITE_ROWS, SEQ_LENS = range(5)
+# Rows of a bucket's input buffer. FEED: the previous step's row whose output token this
+# row feeds in, or -1 for the token in TOKENS.
+TOKENS, POSITIONS, SLOTS, WRITE_ROWS, SEQ_LENS, FEED = range(6)
+RING = 2  # host buffers per bucket: one being copied to the device, one being written
+
+
+@dataclass
+class Launched:
+    """A decode step in flight."""
+    rows: int
+    tokens: torch.Tensor                        # its output tokens on the device (bucket rows)
+    host: Optional[torch.Tensor] = None         # pinned copy the step fills when it is done
+    events: Optional[tuple] = None              # (start, end) CUDA events around it
 
 
 def buckets_for(max_rows: int) -> List[int]:
@@ -48,10 +64,18 @@ class DecodeRunner:
         self.model, self.store, self.graphs = model, store, graphs
         self.buckets = buckets_for(max_rows)
         self.capture_seconds = 0.0
-        self._inputs: Dict[int, torch.Tensor] = {}    # bucket -> [5, bucket] int64 on the device
-        self._host: Dict[int, torch.Tensor] = {}      # bucket -> the same in (pinned) host memory
+        self._inputs: Dict[int, torch.Tensor] = {}    # bucket -> [6, bucket] int64 on the device
+        self._host: Dict[int, List[torch.Tensor]] = {}  # bucket -> RING of the same in pinned host memory
         self._outputs: Dict[int, tuple] = {}          # bucket -> (next tokens, hidden states)
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self._previous: Optional[Launched] = None
+        self._launches = 0
+        self._events = None
+        if model.device.type == "cuda":
+            self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                            for _ in range(RING)]
+        if graphs:
+            self._host_tokens = [torch.zeros(self.buckets[-1], dtype=torch.int64, pin_memory=True) for _ in range(RING)]
 
     # -- the engine's call ---------------------------------------------------------------
 
@@ -60,21 +84,55 @@ class DecodeRunner:
         once it is written). Synchronizes with the device."""
         return self.wait(self.launch(slots, tokens, lens))
 
-    def launch(self, slots: Sequence[int], tokens: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
+    def launch(self, slots: Sequence[int], tokens: Sequence[int], lens: Sequence[int],
+               feed: Optional[Sequence[int]] = None) -> Launched:
         """Enqueues a decode step and returns at once (on a GPU); ``wait`` gives its tokens.
-        Until then the host may do work that does not need them. One step at a time."""
+        ``feed[i]`` >= 0: row i's input is that row's output of the step launched before
+        this one (tokens[i] is ignored), so that step need not have been waited for."""
+        rows = len(slots)
+        ring = self._launches % RING
+        self._launches += 1
+        events = self._events[ring] if self._events else None
         if not self.graphs:
-            return self.model.decode(self.store, DecodeBatch.of(slots, tokens, lens, self.model.device))
+            if feed is not None and any(f >= 0 for f in feed):
+                previous = self._previous.tokens.tolist()
+                tokens = [previous[f] if f >= 0 else t for t, f in zip(tokens, feed)]
+            if events:
+                events[0].record()
+            out = self.model.decode(self.store, DecodeBatch.of(slots, tokens, lens, self.model.device))
+            if events:
+                events[1].record()
+            self._previous = Launched(rows, out, None, events)
+            return self._previous
         if not self._graphs:
             self.capture()
-        bucket = self.bucket(len(slots))
-        self.load(bucket, slots, tokens, lens)
+        bucket = self.bucket(rows)
+        start, end = events
+        start.record()
+        self.load(bucket, slots, tokens, lens, feed, ring)
+        inputs = self._inputs[bucket]
+        if feed is not None and any(f >= 0 for f in feed):
+            fed = self._previous.tokens[inputs[FEED].clamp(min=0)]
+            torch.where(inputs[FEED] >= 0, fed, inputs[TOKENS], out=inputs[TOKENS])
         self._graphs[bucket].replay()
-        return self._outputs[bucket][0][:len(slots)]
+        out = self._outputs[bucket][0]
+        host = self._host_tokens[ring][:bucket]
+        host.copy_(out, non_blocking=True)
+        end.record()
+        self._previous = Launched(rows, out, host, (start, end))
+        return self._previous
 
-    def wait(self, launched: torch.Tensor) -> List[int]:
-        """The tokens of a launched step (synchronizes)."""
-        return launched.tolist()
+    def wait(self, launched: Launched) -> List[int]:
+        """The tokens of a launched step (waits for that step, not for later ones)."""
+        if launched.host is None:
+            return launched.tokens[:launched.rows].tolist()
+        launched.events[1].synchronize()
+        return launched.host[:launched.rows].tolist()
+
+    @staticmethod
+    def device_ms(launched: Launched) -> float:
+        """Device time of a waited-for step (0 where not measured)."""
+        return launched.events[0].elapsed_time(launched.events[1]) if launched.events else 0.0
 
     @property
     def captured(self) -> bool:
@@ -88,21 +146,27 @@ class DecodeRunner:
 
     # -- buffers, capture, replay --------------------------------------------------------
 
-    def load(self, bucket: int, slots: Sequence[int], tokens: Sequence[int], lens: Sequence[int]) -> None:
-        """Writes a step's rows into bucket's input buffer (padding rows repeat row 0)."""
+    def load(self, bucket: int, slots: Sequence[int], tokens: Sequence[int], lens: Sequence[int],
+             feed: Optional[Sequence[int]] = None, ring: int = 0) -> None:
+        """Writes a step's rows into bucket's input buffer (padding rows repeat row 0),
+        through host buffer ``ring``."""
         if bucket not in self._inputs:
             self._allocate(bucket)
         rows = len(slots)
-        host = self._host[bucket].numpy()
+        buffer = self._host[bucket][ring % len(self._host[bucket])]
+        host = buffer.numpy()
         host[TOKENS, :rows], host[TOKENS, rows:] = tokens, tokens[0]
         host[SLOTS, :rows], host[SLOTS, rows:] = slots, slots[0]
         host[SEQ_LENS, :rows], host[SEQ_LENS, rows:] = lens, 0
         host[POSITIONS, :rows], host[POSITIONS, rows:] = host[SEQ_LENS, :rows] - 1, lens[0] - 1
         host[WRITE_ROWS, :rows], host[WRITE_ROWS, rows:] = np.arange(rows), 0
-        # Pinned: asynchronous. The host buffer is rewritten only after the step's
-        # tokens came back, so the copy has long finished.
-        if self._inputs[bucket] is not self._host[bucket]:
-            self._inputs[bucket].copy_(self._host[bucket], non_blocking=True)
+        host[FEED] = -1
+        if feed is not None:
+            host[FEED, :rows] = feed
+        # Pinned and asynchronous: the engine reuses this host buffer RING launches later,
+        # after it waited for the step in between, so this copy has finished by then.
+        if self._inputs[bucket] is not buffer:
+            self._inputs[bucket].copy_(buffer, non_blocking=True)
 
     def forward(self, bucket: int):
         """One decode step over bucket's input buffer, run eagerly: (next tokens, hidden
@@ -111,8 +175,7 @@ class DecodeRunner:
             buffer = self._inputs[bucket]
             host_slots = host_lens = None
             if buffer.device.type == "cpu":  # the CPU kernels loop over the rows on the host
-                host = self._host[bucket].numpy()
-                host_slots, host_lens = host[SLOTS].tolist(), host[SEQ_LENS].tolist()
+                host_slots, host_lens = buffer[SLOTS].tolist(), buffer[SEQ_LENS].tolist()
             batch = DecodeBatch(buffer[SLOTS], buffer[TOKENS], buffer[POSITIONS], buffer[SEQ_LENS].to(torch.int32),
                                 buffer[WRITE_ROWS], host_slots, host_lens)
             hidden = self.model.decode_hidden(self.store, batch)
@@ -156,11 +219,12 @@ class DecodeRunner:
         self._outputs.clear()
 
     def _allocate(self, bucket: int) -> None:
-        cuda = self.model.device.type == "cuda"
-        self._host[bucket] = torch.zeros((5, bucket), dtype=torch.int64, pin_memory=cuda)
-        self._inputs[bucket] = torch.zeros((5, bucket), dtype=torch.int64, device=self.model.device)
-        if not cuda:  # on a CPU the "device" buffer is the host buffer
-            self._inputs[bucket] = self._host[bucket]
+        if self.model.device.type == "cuda":
+            self._host[bucket] = [torch.zeros((6, bucket), dtype=torch.int64, pin_memory=True) for _ in range(RING)]
+            self._inputs[bucket] = torch.zeros((6, bucket), dtype=torch.int64, device=self.model.device)
+        else:  # on a CPU the "device" buffer is the host buffer
+            self._inputs[bucket] = torch.zeros((6, bucket), dtype=torch.int64)
+            self._host[bucket] = [self._inputs[bucket]]
 
 
-__all__ = ["DecodeRunner", "buckets_for"]
+__all__ = ["DecodeRunner", "Launched", "buckets_for"]

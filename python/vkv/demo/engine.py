@@ -86,7 +86,10 @@ class RunResult:
         ttft = np.array([r.first_token_at - r.arrival for r in done]) * 1e3
         tpot = np.array([(r.finished_at - r.first_token_at) / max(1, r.output_len - 1) for r in done]) * 1e3
         reserve = np.array(self.reserve_us or [0.0])
-        decode = np.array([ms for ms in self.decode_ms if ms > 0] or [np.nan])
+        # A decode step's time: device time on a GPU (its wall time spans the host's work on
+        # the next step, which overlaps it), wall time elsewhere.
+        decode = np.array([ms for ms in (self.gpu_decode_ms if self.gpu_timed else self.decode_ms) if ms > 0]
+                          or [np.nan])
         gpu_busy_s = (np.sum(self.gpu_decode_ms) + np.sum(self.gpu_prefill_ms)) / 1e3
         return {
             "requests": len(done), "output_tokens": self.emitted, "seconds": self.seconds,
@@ -155,8 +158,8 @@ class Engine:
         self.prefixes: Dict[tuple, int] = {}  # system prompt tokens -> its prefix slot
         self.decoder = DecodeRunner(model, store, store.max_slots, graphs=cuda_graphs)
         self._events = None
-        if model.device.type == "cuda":  # prefill start/end, decode start/end
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        if model.device.type == "cuda":  # prefill start/end (the decoder times its steps)
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
     def _prefix_slot(self, request: Request, lens: Dict[int, int], result: RunResult):
         """The pinned slot holding request's system prompt, prefilled on first use; None
@@ -235,9 +238,9 @@ class Engine:
         return [greedy[r.id] for r in admitted]
 
     def run(self, trace: List[Request], show_progress: bool = True) -> RunResult:
-        """Serves the trace to completion. A decode step's tokens are collected only when
-        needed (next step's inputs, a preemption): until then the host frees the finished,
-        admits, maps and prefills while the device decodes."""
+        """Serves the trace to completion. Decode steps run one ahead of the host: step i+1
+        is launched (its requests' tokens fed from step i on the device) before step i's
+        tokens are read, and the host frees, admits, maps and prefills meanwhile."""
         store, model = self.store, self.model
         waiting = collections.deque(sorted(trace, key=lambda r: r.arrival))
         running: List[Request] = []
@@ -247,40 +250,27 @@ class Engine:
             result.capture_seconds = self.decoder.capture_seconds
         progress = Progress(store.name, len(trace), show_progress)
         done = 0
-        pending = None  # the decode step in flight: (its requests, its launched tokens, launch time)
+        pending = None  # the decode step in flight: (its requests, Launched, iteration, launch time)
+        awaiting: Dict[int, int] = {}  # id(request) -> its row in the step in flight (its next token)
         self._synchronize()
         start = time.perf_counter()
 
         def clock() -> float:
             return time.perf_counter() - start
 
-        collected = None  # tokens collected, not yet appended to their requests' outputs
-
-        def collect() -> None:
-            """Waits for the decode step in flight and feeds its tokens to its requests; the
-            rest (outputs, finish times) is ``settle``'s, off the critical path."""
-            nonlocal pending, collected
-            if pending is None:
+        def collect(step) -> None:
+            """Waits for a launched decode step and hands its tokens to its requests."""
+            if step is None:
                 return
-            requests, launched, began = pending
-            pending = None
+            requests, launched, iteration, began = step
             tokens = self.decoder.wait(launched)
             now = clock()
-            result.decode_ms[-1] += (time.perf_counter() - began) * 1e3
-            result.gpu_decode_ms[-1] += self._device_ms(2)
+            result.decode_ms[iteration] = (time.perf_counter() - began) * 1e3
+            result.gpu_decode_ms[iteration] = self.decoder.device_ms(launched)
             for request, token in zip(requests, tokens):
                 request.next_token = token
-            collected = (requests, tokens, now)
-
-        def settle() -> None:
-            nonlocal collected
-            if collected is None:
-                return
-            requests, tokens, now = collected
-            collected = None
-            for request, token in zip(requests, tokens):
                 request.tokens.append(token)
-                if request.emitted >= request.output_len:
+                if len(request.tokens) >= request.output_len:  # its last token (it may be counted for a later step)
                     request.finished_at = now
 
         while waiting or running:
@@ -326,8 +316,8 @@ class Engine:
 
             # 2. room for the decode tokens: preempt the youngest while there is none
             while running and not self._reserve(lens, result):
-                collect()  # the victim's last token becomes part of its prompt
-                settle()
+                collect(pending)  # the victim's last token becomes part of its prompt
+                pending, awaiting = None, {}
                 victim = running.pop()
                 del lens[victim.slot]
                 store.free(victim.slot)
@@ -362,32 +352,29 @@ class Engine:
                 result.prefill_ms[-1] = (time.perf_counter() - began) * 1e3
                 result.gpu_prefill_ms[-1] = self._device_ms(0)
 
-            # 4. one decode step for the running requests: their inputs are the tokens of
-            # the step in flight. Between collecting those and launching this step the
-            # device idles: only what needs the tokens happens there.
-            slots, seq_lens = [r.slot for r in running], [r.seq_len for r in running]
-            collect()
+            # 4. one decode step for the running requests, launched behind the one in flight
+            # (whose tokens it takes on the device), then that one's tokens are read.
             result.decode_ms.append(0.0)
             result.gpu_decode_ms.append(0.0)
             result.decode_rows.append(len(running))
+            previous = pending
+            pending = None
             if running:
                 began = time.perf_counter()
-                self._record(2)
-                launched = self.decoder.launch(slots, [r.next_token for r in running], seq_lens)
-                self._record(3)
-                pending = (list(running), launched, began)
-                in_flight = {id(r) for r in running}
-                settle()
+                launched = self.decoder.launch([r.slot for r in running], [r.next_token for r in running],
+                                               [r.seq_len for r in running], [awaiting.get(id(r), -1) for r in running])
+                pending = (list(running), launched, len(result.decode_ms) - 1, began)
+                held, token_bytes = store.held_bytes(), sum(r.seq_len for r in running) * store.bytes_per_token
+                result.waste.append(max(0.0, 1.0 - token_bytes / held) if held else 0.0)
+                result.held.append(held)
+                result.logical.append(token_bytes)
                 for request in running:
                     request.generated += 1
                     request.emitted += 1
                 result.emitted += len(running)
-                held, token_bytes = store.held_bytes(), sum(seq_lens) * store.bytes_per_token
-                result.waste.append(max(0.0, 1.0 - token_bytes / held) if held else 0.0)
-                result.held.append(held)
-                result.logical.append(token_bytes)
-            else:
-                settle()
+            collect(previous)
+            awaiting = {id(r): row for row, r in enumerate(running)} if pending else {}
+            if pending is None:
                 self._synchronize()
             running.extend(admitted)
             running.extend(forked)
@@ -395,20 +382,19 @@ class Engine:
             result.peak_running = max(result.peak_running, len(running))
 
             # 5. free the finished (their last token may still be in flight: freeing is
-            # ordered after it on the device, and it is collected before the next step)
+            # ordered after it on the device, and it is collected with its step)
             now = clock()
             finished = [r for r in running if r.emitted >= r.output_len]
             for request in finished:
                 store.free(request.slot)
-                if pending is None or id(request) not in in_flight:
+                if id(request) not in awaiting:
                     request.finished_at = now
             if finished:
                 running = [r for r in running if r.emitted < r.output_len]
                 done += len(finished)
             progress.update(done, len(running), result.emitted)
 
-        collect()
-        settle()
+        collect(pending)
         result.seconds = clock()
         for slot in self.pinned:
             store.free(slot)
