@@ -212,7 +212,8 @@ def main(argv=None) -> int:
         print()
     print(table(summaries))
     print(f"\nTTFT: arrival to first token; TPOT: time per output token after the first; KV waste: share of the KV "
-          f"memory held for running requests that holds no token; decode step: wall time of one decode iteration; "
+          f"memory held for running requests that holds no token; decode step: one decode step's device time on a "
+          f"GPU (wall time on a CPU); "
           f"GPU busy: device time of prefill passes and decode steps (CUDA events) over wall time; step(): the "
           f"store's per-iteration bookkeeping (vkv: KVCache.step); same tokens: requests generating exactly "
           f"{reference}'s tokens.")

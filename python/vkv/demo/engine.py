@@ -28,7 +28,11 @@ from typing import Dict, List
 
 import numpy as np
 import torch
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError:  # a declared dependency, but vkv installs with --no-deps: run without a bar
+    tqdm = None
 
 from .decode_runner import DecodeRunner
 from .kv_stores import KvStore, pages_note
@@ -125,20 +129,23 @@ class Progress:
     """A tqdm bar on stderr: requests done, with running requests and tokens/s beside it."""
 
     def __init__(self, label: str, total: int, enabled: bool = True) -> None:
-        self.bar = tqdm(total=total, desc=f"  {label}", unit="req", disable=not enabled, leave=True,
-                        mininterval=0.5, dynamic_ncols=True, file=sys.stderr)
+        self.bar = None
+        if tqdm is not None:
+            self.bar = tqdm(total=total, desc=f"  {label}", unit="req", disable=not enabled, leave=True,
+                            mininterval=0.5, dynamic_ncols=True, file=sys.stderr)
         self.done = 0
         self.start = time.perf_counter()
 
     def update(self, done: int, running: int, emitted: int) -> None:
-        if done > self.done:
+        if self.bar is not None and done > self.done:
             self.bar.update(done - self.done)
             self.done = done
             rate = emitted / max(1e-9, time.perf_counter() - self.start)
             self.bar.set_postfix_str(f"{running} running, {rate:.0f} tok/s", refresh=False)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def first_token(request: Request, greedy: int, vocab: int) -> int:
