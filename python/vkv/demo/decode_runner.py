@@ -217,6 +217,7 @@ class DecodeRunner:
         """Drops the graphs and their memory."""
         self._graphs.clear()
         self._outputs.clear()
+        self._previous = None
 
     def _allocate(self, bucket: int) -> None:
         if self.model.device.type == "cuda":
