@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from vkv.demo.__main__ import main
+from vkv.demo.__main__ import main, parse_args
+from vkv.demo.decode_runner import DecodeRunner, buckets_for
 from vkv.demo.engine import Engine
-from vkv.demo.kv_stores import PagedStore, StaticStore, VkvStore, make_store
+from vkv.demo.kv_stores import DecodeBatch, PagedStore, StaticStore, VkvStore, make_store
 from vkv.demo.model import SHAPES, LlamaModel
-from vkv.demo.workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_trace
+from vkv.demo.report import table
+from vkv.demo.workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace
 
 from conftest import DEVICES
 
@@ -170,3 +172,156 @@ def test_sharing_cli_prints_savings(capsys, tmp_path):
     assert status == 0
     assert "| parallel sampling n=3 | shared |" in printed and "sharing saves" in printed
     assert (tmp_path / "sharing_small_cpu.json").exists()
+
+
+def test_a_store_that_finishes_nothing_is_reported_not_crashed(capsys):
+    """What a GPU's 2 MiB pages did to the small preset's 4 MiB budget: a vkv per-layer
+    request needs 2 x 4 regions of a page each, so every request was rejected and the
+    summary took a percentile of nothing."""
+    status = main(["--device", "cpu", "--requests", "4", "--no-progress", "--page-size-kib", "2048",
+                   "--kv-budget-mib", "4", "--stores", "vkv-per-layer", "static"])
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert "| vkv per-layer | finished nothing: 4 requests rejected" in printed
+    assert "| static | " in printed
+
+
+def test_summary_of_a_run_that_finished_nothing_says_so():
+    trace = small_trace(count=3)
+    for request in trace:
+        request.prompt_len, request.prompt = 200, [1] * 200
+    store, result = serve("vkv-interleaved", "cpu", budget_bytes=64 << 10, trace=trace)  # 32 tokens
+    summary = result.summary()
+    store.close()
+    assert summary["requests"] == 0 and summary["rejected"] == 3
+    assert all(math.isnan(summary[key]) for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"))
+    assert "finished nothing: 3 requests rejected" in table({"vkv interleaved": summary})
+
+
+def test_the_small_preset_on_a_gpu_fits_every_store():
+    """On a GPU the small preset gets a budget of whole 2 MiB pages where each store holds
+    requests; run here on the host backend with 2 MiB pages."""
+    args = parse_args(["--device", "cuda"])
+    assert args.page_size_kib == 0 and args.kv_budget_mib == 64
+    assert parse_args(["--device", "cuda", "--kv-budget-mib", "8"]).kv_budget_mib == 8  # the user's value wins
+    assert parse_args(["--device", "cpu"]).kv_budget_mib == 4
+    trace = make_trace(6, math.inf, args.max_context, SHAPE.vocab, seed=1, scale=args.length_scale)
+    for kind in ("vkv-per-layer", "vkv-interleaved"):
+        model = LlamaModel(SHAPE, torch.device("cpu"), torch.float32, args.max_context)
+        store = make_store(kind, SHAPE, torch.float32, torch.device("cpu"), args.max_context,
+                           args.kv_budget_mib << 20, args.max_slots, None, page_size=2 << 20)
+        result = Engine(model, store, args.max_prefill_tokens).run(copy.deepcopy(trace), show_progress=False)
+        store.close()
+        assert result.rejected == 0
+        assert_all_served(result)
+
+
+@pytest.mark.parametrize("module", ["vkv.demo", "vkv.demo.sharing", "vkv.demo.tp"])
+@pytest.mark.parametrize("option", [["--model", "llama"], ["--device", "gpu"]])
+def test_bad_cli_values_give_an_error_listing_the_choices(module, option, capsys):
+    import importlib
+
+    parse = importlib.import_module(module if module != "vkv.demo" else "vkv.demo.__main__").parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse(option)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"invalid choice: '{option[1]}'" in error
+    assert ("llama3-8b" if option[0] == "--model" else "cuda") in error
+
+
+def test_bad_store_name_lists_the_stores(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--stores", "pagedish"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "invalid choice: 'pagedish'" in error and "vkv-interleaved" in error and "paged-<tokens>" in error
+
+
+def test_buckets_cover_every_batch_size():
+    assert buckets_for(256)[:5] == [1, 2, 4, 8, 16] and buckets_for(256)[-1] == 256
+    assert buckets_for(3) == [1, 2, 3] and buckets_for(30)[-1] == 30
+    runner_buckets = buckets_for(100)
+    for rows in range(1, 101):
+        assert min(b for b in runner_buckets if b >= rows) - rows < 8
+
+
+@pytest.mark.parametrize("kind", ["vkv-interleaved", "vkv-per-layer", "paged-16", "static"])
+def test_a_padded_bucket_decodes_what_the_exact_batch_does(kind):
+    """The rows of a CUDA-graph bucket beyond the batch repeat row 0 and attend to
+    nothing: the real rows' tokens and hidden states equal those of the exact batch, and
+    the padding writes nothing anywhere but row 0's own token."""
+    torch.manual_seed(0)
+    model = LlamaModel(SHAPE, torch.device("cpu"), torch.float32, MAX_CONTEXT)
+    store = make_store(kind, SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, 64 << 20, 16, None,
+                       page_size=16 << 10)
+    prompts = [[(7 * i + j) % SHAPE.vocab for j in range(n)] for i, n in enumerate((5, 17, 40))]
+    slots = [store.alloc() for _ in prompts]
+    assert store.reserve({slot: len(p) + 1 for slot, p in zip(slots, prompts)})
+    first = model.prefill_batch(store, slots, prompts)
+    lens = [len(p) + 1 for p in prompts]
+    runner = DecodeRunner(model, store, store.max_slots)
+    with torch.inference_mode():
+        exact_hidden = model.decode_hidden(store, DecodeBatch.of(slots, first, lens, model.device)).clone()
+    exact_tokens = runner.step(slots, first, lens)
+    bucket = runner.bucket(len(slots))
+    assert bucket == 4
+    runner.load(bucket, slots, first, lens)
+    tokens, hidden = runner.forward(bucket)
+    assert tokens[:3].tolist() == exact_tokens
+    assert torch.equal(hidden[:3], exact_hidden)
+    store.close()
+
+
+def test_batched_prefill_writes_what_one_prompt_at_a_time_does():
+    model = LlamaModel(SHAPE, torch.device("cpu"), torch.float32, MAX_CONTEXT)
+    prompts = [[(3 * i + j) % SHAPE.vocab for j in range(n)] for i, n in enumerate((9, 33, 2))]
+    caches, firsts = [], []
+    for batched in (True, False):
+        store = make_store("static", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, 8 << 20, 8, None)
+        slots = [store.alloc() for _ in prompts]
+        if batched:
+            firsts.append(model.prefill_batch(store, slots, prompts))
+        else:
+            firsts.append([model.prefill(store, s, torch.tensor(p)) for s, p in zip(slots, prompts)])
+        caches.append([(k[:3, :40].clone(), v[:3, :40].clone()) for k, v in zip(store.keys, store.values)])
+    assert firsts[0] == firsts[1]
+    for (k0, v0), (k1, v1) in zip(*caches):
+        torch.testing.assert_close(k0, k1)
+        torch.testing.assert_close(v0, v1)
+
+
+def test_a_preempted_request_recomputes_the_tokens_it_had():
+    """Preemption by recompute puts what a request generated back into its prompt: its
+    output equals that of a run without preemption."""
+    trace = small_trace(count=16, seed=5)
+    tight_store, tight = serve("vkv-interleaved", "cpu", budget_bytes=512 << 10, trace=trace)
+    ample_store, ample = serve("vkv-interleaved", "cpu", budget_bytes=64 << 20, trace=trace)
+    tight_store.close()
+    ample_store.close()
+    assert tight.preemptions > 0 and ample.preemptions == 0
+    preempted = [i for i, r in enumerate(tight.requests) if r.preemptions]
+    same = sum(tight.requests[i].tokens == ample.requests[i].tokens for i in preempted)
+    assert same >= 0.9 * len(preempted), f"{same} of {len(preempted)} preempted requests kept their tokens"
+
+
+def test_prefill_decode_trace_has_the_asked_ratio_and_fits():
+    trace = make_prefill_decode_trace(50, 100, 16384, 1000, seed=2)
+    for request in trace:
+        assert request.prompt_len + request.output_len <= 16384
+        assert abs(request.output_len - request.prompt_len / 100) <= 0.5
+        assert request.prompt_len >= 16384 * 100 // 101 // 2 and len(request.prompt) == request.prompt_len
+
+
+def test_cli_long_preset_reports_makespan_per_ratio(capsys, tmp_path):
+    status = main(["--preset", "long", "--device", "cpu", "--model", "tiny", "--requests", "2", "--max-context", "512",
+                   "--kv-budget-mib", "16", "--page-size-kib", "32", "--pd-ratios", "50", "10", "--no-progress",
+                   "--stores", "vkv-interleaved", "paged-16", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert "makespan s, P:D 50" in printed and "| paged-16 |" in printed
+    import json
+
+    results = json.loads((tmp_path / "serving_long_cpu.json").read_text())
+    for run in results["runs"].values():
+        assert set(run["summary"]["makespan_s_by_trace"]) == {"P:D 50", "P:D 10"}
+        assert run["summary"]["throughput_tok_s"] > 0 and run["summary"]["same_tokens_pct"] == 100

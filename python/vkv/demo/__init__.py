@@ -1,10 +1,12 @@
 """A continuous-batching serving demo on vkv, against paged and static KV caches.
 
-    python -m vkv.demo                       # small run on the default device, ~1 minute on a CPU
-    python -m vkv.demo --model llama3-8b --kv-budget-gib 8 --requests 600   # the H100 run
+    python -m vkv.demo                          # small run on the default device, <1 minute on a CPU
+    python -m vkv.demo --preset h100 --out benchmarks/results   # Llama-3-8B shape on an H100
+    python -m vkv.demo --preset long --out benchmarks/results   # long prompts: makespan per P:D ratio
 
-Modules: ``model`` (a Llama-architecture decoder with random weights), ``workload`` (a
-seeded ShareGPT-like trace), ``kv_stores`` (the KV caches under comparison), ``engine``
-(vAttention's Algorithm 1: alloc_reqid, step, forward, free_reqid; preemption by
-recompute), ``report`` (tables and plots).
+Modules: ``model`` (a Llama-architecture decoder with random weights), ``workload`` (seeded
+traces: ShareGPT-like, long prompts at a prefill:decode ratio), ``kv_stores`` (the KV caches
+under comparison), ``decode_runner`` (decode steps, replayed from CUDA graphs on a GPU),
+``engine`` (vAttention's Algorithm 1: alloc_reqid, step, forward, free_reqid; batched
+prefill; preemption by recompute), ``report`` (tables and plots).
 """

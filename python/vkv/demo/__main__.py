@@ -1,8 +1,11 @@
 """python -m vkv.demo: one seeded trace served by the same engine on each KV cache, at the
 same KV memory budget; prints the comparison table, writes JSON and plots.
 
-  python -m vkv.demo                                   # small: tiny model, ~1 minute on a CPU
+  python -m vkv.demo                                   # small: tiny model, <1 minute on a CPU
   python -m vkv.demo --preset h100 --out benchmarks/results    # Llama-3-8B shape on an H100
+  python -m vkv.demo --preset long --out benchmarks/results    # long prompts: makespan per P:D ratio
+
+On a GPU, decode steps are replayed from CUDA graphs (--no-cuda-graphs: eager PyTorch).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import copy
 import datetime
 import math
 import platform
+import re
 import sys
 import time
 
@@ -19,66 +23,118 @@ import torch
 
 import vkv
 
-from .engine import Engine
+from .engine import Engine, RunResult
 from .kv_stores import make_store
 from .model import SHAPES, LlamaModel
-from .report import save, table
-from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_trace
+from .report import makespan_table, save, table
+from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
 
-# Small enough for a laptop CPU in under a minute; the page size keeps the H100's
-# proportions: 16 tokens per page interleaved, many more per page per layer.
+# small: a laptop CPU in under a minute; the page size keeps the H100's proportions (16
+# tokens per page interleaved, many more per page per layer). h100: the ShareGPT-like
+# trace on the Llama-3-8B shape. long: vAttention's makespan workloads, prompts of 8K-16K
+# tokens decoding prompt/500, /100 and /50 tokens.
 PRESETS = {
     "small": dict(model="tiny", requests=32, rate=math.inf, kv_budget_mib=4, max_context=1024, length_scale=0.25,
-                  page_size_kib=32, max_slots=32, max_prefill_tokens=1024),
+                  page_size_kib=32, max_slots=32, max_prefill_tokens=1024, pd_ratios=[]),
     "h100": dict(model="llama3-8b", requests=256, rate=math.inf, kv_budget_mib=8192, max_context=2048,
-                 length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192),
+                 length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192, pd_ratios=[]),
+    "long": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=32768, max_context=16384,
+                 length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50]),
 }
+# On a GPU pages are the device's 2 MiB: the small preset's 4 MiB would be 2 pages, and a
+# vkv per-layer request (2 x 4 regions, a page each at least) could never fit.
+GPU_PRESETS = {"small": dict(page_size_kib=0, kv_budget_mib=64)}
+CHOICES = {"model": sorted(SHAPES)}
+
+
+def store_kind(value: str) -> str:
+    """argparse type of --stores: a known store or paged-<tokens per page>."""
+    if value in STORES or re.fullmatch(r"paged-[1-9][0-9]*", value):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(STORES)} or paged-<tokens>)")
+
+
+def device_name(value: str) -> str:
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", value):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, cpu, cuda, cuda:N)")
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m vkv.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
-    parser.add_argument("--stores", nargs="+", default=STORES, help=f"KV caches to compare (default: {STORES})")
-    return parse_with_presets(parser, PRESETS, argv)
+    parser.add_argument("--device", type=device_name, default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
+    parser.add_argument("--stores", nargs="+", type=store_kind, default=STORES,
+                        help=f"KV caches to compare (default: {' '.join(STORES)}; any paged-<tokens>)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a GPU, replay decode steps from CUDA graphs (default: on)")
+    return parse_with_presets(parser, PRESETS, argv, GPU_PRESETS)
 
 
-def parse_with_presets(parser, presets, argv):
+def parse_with_presets(parser, presets, argv, gpu_presets=None):
     """Adds --seed, --out, --no-progress and an option per preset key (a list value takes
-    several), parses, and fills what was not given from the chosen --preset."""
-    for key, value in presets["small"].items():
+    several; CHOICES lists the valid values of some), parses, resolves --device and fills
+    what was not given from the chosen --preset (and its GPU_PRESETS entry on a GPU)."""
+    keys = {}
+    for preset in presets.values():
+        for key, value in preset.items():
+            keys.setdefault(key, value)
+    for key, value in keys.items():
+        flag = f"--{key.replace('_', '-')}"
         if isinstance(value, list):
-            parser.add_argument(f"--{key.replace('_', '-')}", type=int, nargs="+", default=None,
-                                help="(default: the preset's value)")
+            parser.add_argument(flag, type=int, nargs="*", default=None, help="(default: the preset's value)")
             continue
         kind = float if isinstance(value, float) else (str if isinstance(value, str) else int)
-        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None, help="(default: the preset's value)")
+        parser.add_argument(flag, type=kind, default=None, choices=CHOICES.get(key),
+                            help="(default: the preset's value)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for JSON and plots (default: nothing written)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    for key, value in presets[args.preset].items():
+    args.device = resolve_device(args.device)
+    defaults = dict(presets[args.preset])
+    if args.device.type == "cuda":
+        defaults.update((gpu_presets or {}).get(args.preset, {}))
+    for key in keys:
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, defaults.get(key, keys[key] if not isinstance(keys[key], list) else []))
     return args
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name) -> torch.device:
+    if isinstance(name, torch.device):
+        return name
     return torch.device(("cuda" if vkv.cuda_available() else "cpu") if name == "auto" else name)
+
+
+def traces(args, vocab):
+    """(label, trace) per trace the run serves: the ShareGPT-like trace, or one per P:D ratio."""
+    if not args.pd_ratios:
+        return [("sharegpt", make_trace(args.requests, args.rate, args.max_context, vocab, args.seed,
+                                        args.length_scale))]
+    return [(f"P:D {ratio}", make_prefill_decode_trace(args.requests, ratio, args.max_context, vocab, args.seed))
+            for ratio in args.pd_ratios]
+
+
+def same_tokens_pct(tokens, reference) -> float:
+    return 100.0 * sum(a == b for a, b in zip(tokens, reference)) / max(1, len(reference))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    if device.type == "cuda" and "--page-size-kib" not in (argv or sys.argv):
-        args.page_size_kib = 0  # a GPU's pages are 2 MB: the small preset's host page size does not apply
+    device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    graphs = args.cuda_graphs and device.type == "cuda"
     shape = SHAPES[args.model]
     budget = args.kv_budget_mib << 20
     torch.manual_seed(args.seed)
+    if device.type == "cpu" and shape.hidden <= 1024:
+        # The tiny model's ops are too small to split across threads, and spinning worker
+        # threads make it crawl on a busy machine.
+        torch.set_num_threads(1)
     if device.type == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -86,59 +142,105 @@ def main(argv=None) -> int:
     else:  # compiling Flex on a CPU takes longer than the whole small demo
         from torch.nn.attention.flex_attention import flex_attention as flex
 
-    trace = make_trace(args.requests, args.rate, args.max_context, shape.vocab, args.seed, args.length_scale)
+    workloads = traces(args, shape.vocab)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
     print(f"vkv serving demo: {shape.name} ({shape.num_layers} layers, {shape.num_heads}/{shape.num_kv_heads} heads, "
-          f"random weights) on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.machine()}), "
-          f"{dtype}")
-    print(f"trace: {len(trace)} requests, prompts {sum(r.prompt_len for r in trace) / len(trace):.0f} / outputs "
-          f"{sum(r.output_len for r in trace) / len(trace):.0f} tokens on average (ShareGPT-like: "
-          f"{SHAREGPT_MEAN_PROMPT}/{SHAREGPT_MEAN_OUTPUT} x {args.length_scale}), arrival rate {args.rate}/s; "
-          f"KV budget {budget / 2**20:.0f} MiB = {budget // shape.kv_bytes_per_token(dtype)} tokens")
+          f"random weights) on {device} ({machine}), {dtype}, decode "
+          f"{'CUDA graphs' if graphs else 'eager'}")
+    for label, trace in workloads:
+        print(f"trace{'' if label == 'sharegpt' else ' ' + label}: {len(trace)} requests, prompts "
+              f"{sum(r.prompt_len for r in trace) / len(trace):.0f} / outputs "
+              f"{sum(r.output_len for r in trace) / len(trace):.0f} tokens on average"
+              + (f" (ShareGPT-like: {SHAREGPT_MEAN_PROMPT}/{SHAREGPT_MEAN_OUTPUT} x {args.length_scale}), arrival "
+                 f"rate {args.rate}/s" if label == "sharegpt" else ", all at once"))
+    print(f"KV budget {budget / 2**20:.0f} MiB = {budget // shape.kv_bytes_per_token(dtype)} tokens")
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
-    runs, summaries, failures = {}, {}, {}
+    runs, summaries, failures, tokens = {}, {}, {}, {}
     for kind in args.stores:
-        store = None
+        store = engine = None
         try:
             store = make_store(kind, shape, dtype, device, args.max_context, budget, args.max_slots, flex,
                                page_size=args.page_size_kib << 10)
-            engine = Engine(model, store, args.max_prefill_tokens)
-            warmup = make_trace(4, math.inf, args.max_context, shape.vocab, seed=args.seed + 1,
+            engine = Engine(model, store, args.max_prefill_tokens, cuda_graphs=graphs)
+            warmup = make_trace(4, math.inf, min(args.max_context, 2048), shape.vocab, seed=args.seed + 1,
                                 scale=args.length_scale)
-            engine.run(warmup, show_progress=False)  # compiles, warms caches; not measured
-            result = engine.run(copy.deepcopy(trace), show_progress=not args.no_progress)
+            capture = engine.run(warmup, show_progress=False).capture_seconds  # compiles, captures; not measured
+            results = [(label, engine.run(copy.deepcopy(trace), show_progress=not args.no_progress))
+                       for label, trace in workloads]
         except Exception as error:  # one store failing must not hide the others' results
             print(f"  {kind}: failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             failures[kind] = f"{type(error).__name__}: {error}"
             continue
         finally:
+            if engine is not None:
+                engine.decoder.release()
             if store is not None:
                 store.close()
             store = engine = None
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-        summaries[result.store] = result.summary()
-        runs[result.store] = {"summary": summaries[result.store], "running": result.running, "waste": result.waste,
-                              "pages": result.pages}
+        name = results[0][1].store
+        tokens[name] = [r.tokens for _, result in results for r in result.requests]
+        per_trace = {label: {"summary": result.summary(), "running": result.running,
+                             "decode_rows": result.decode_rows, "decode_ms": result.decode_ms,
+                             "gpu_decode_ms": result.gpu_decode_ms, "prefill_ms": result.prefill_ms,
+                             "gpu_prefill_ms": result.gpu_prefill_ms}
+                     for label, result in results}
+        for (label, result), entry in zip(results, per_trace.values()):
+            entry["summary"]["capture_seconds"] = capture
+            if result.summary()["requests"] == 0:
+                print(f"  {name}{'' if label == 'sharegpt' else ', ' + label}: finished nothing: "
+                      f"{result.rejected} of {len(result.requests)} requests rejected (each larger than the KV budget)")
+        if len(results) == 1:
+            result = results[0][1]
+            runs[name] = {**per_trace["sharegpt"], "waste": result.waste, "pages": result.pages}
+        else:
+            merged = RunResult.merge([result for _, result in results]).summary()
+            merged.update(capture_seconds=capture,
+                          makespan_s_by_trace={label: entry["summary"]["seconds"] for label, entry in per_trace.items()})
+            runs[name] = {"summary": merged, "traces": per_trace, "pages": results[0][1].pages}
+        summaries[name] = runs[name]["summary"]
 
+    reference = next(iter(tokens), None)
+    for name in summaries:
+        summaries[name]["same_tokens_pct"] = same_tokens_pct(tokens[name], tokens[reference])
     print()
+    if args.pd_ratios:
+        print(makespan_table(runs, args.pd_ratios))
+        print()
     print(table(summaries))
-    print("\nTTFT: arrival to first token; TPOT: time per output token after the first; KV waste: share of the KV "
-          "memory held for running requests that holds no token; step(): the store's per-iteration bookkeeping "
-          "(vkv: KVCache.step).")
+    print(f"\nTTFT: arrival to first token; TPOT: time per output token after the first; KV waste: share of the KV "
+          f"memory held for running requests that holds no token; decode step: one decode step's device time on a "
+          f"GPU (wall time on a CPU); "
+          f"GPU busy: device time of prefill passes and decode steps (CUDA events) over wall time; step(): the "
+          f"store's per-iteration bookkeeping (vkv: KVCache.step); same tokens: requests generating exactly "
+          f"{reference}'s tokens.")
     if args.out:
-        results = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "kv_budget_bytes": budget,
-                              "device": str(device), "dtype": str(dtype)},
-                   "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
-                   "torch": torch.__version__, "command": " ".join(["python -m vkv.demo"] + sys.argv[1:]),
+        results = {"config": {**{k: v for k, v in vars(args).items() if k not in ("out", "device")},
+                              "kv_budget_bytes": budget, "device": str(device), "dtype": str(dtype),
+                              "cuda_graphs": graphs},
+                   "machine": machine, "torch": torch.__version__,
+                   "driver": torch.version.cuda and _driver_version(),
+                   "command": " ".join(["python -m vkv.demo"] + (argv if argv is not None else sys.argv[1:])),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "runs": runs,
                    "failures": failures}
-        tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[1].lower()
+        tag = "cpu" if device.type == "cpu" else machine.split()[1].lower()
         stem = f"serving_{tag}" if args.preset == tag else f"serving_{args.preset}_{tag}"
         for path in save(results, args.out, stem):
             print(f"wrote {path}")
     return 1 if failures else 0
+
+
+def _driver_version() -> str:
+    try:
+        import subprocess
+
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except Exception:  # no nvidia-smi: the JSON says so
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ Each iteration: admit arrived requests first-come first-served while a slot is f
 prefill token budget lasts and the store can back their prompts; make room for every
 running request's next token, preempting the most recently admitted request (to be
 recomputed later, as vLLM does) while the store cannot; a request that does not fit even
-alone is rejected; prefill the admitted prompts; run
-one decode step for the others; free the finished. The GPU is synchronized once per
-iteration (the engine needs the sampled tokens), so the timestamps are real.
+alone is rejected; prefill the admitted prompts, all in one pass; run one decode step
+for the others (on a GPU replayed from a CUDA graph, ``decode_runner.py``); free the
+finished. The GPU is synchronized once per iteration (the engine needs the sampled
+tokens), so the timestamps are real.
 
 With ``share`` and a store that can (vkv), requests share KV memory instead of copying
 it: the samples of one prompt (parallel sampling) are forked from their leader right
@@ -19,6 +20,7 @@ give the same tokens (a preempted request's recomputation depends on when it hap
 from __future__ import annotations
 
 import collections
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,12 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+try:
+    from tqdm import tqdm
+except ImportError:  # a declared dependency, but vkv installs with --no-deps: run without a bar
+    tqdm = None
+
+from .decode_runner import DecodeRunner
 from .kv_stores import KvStore, pages_note
 from .model import LlamaModel
 from .workload import Request
@@ -50,17 +58,49 @@ class RunResult:
     rejected: int = 0                                         # larger than the whole budget
     emitted: int = 0
     pages: str = ""                                           # how the store cut its memory
+    # Where the time went, per iteration (ms; 0 where the phase did not run). Host: wall
+    # time of the phase; device: time between CUDA events around its GPU work.
+    decode_rows: List[int] = field(default_factory=list)
+    decode_ms: List[float] = field(default_factory=list)
+    prefill_ms: List[float] = field(default_factory=list)
+    gpu_decode_ms: List[float] = field(default_factory=list)
+    gpu_prefill_ms: List[float] = field(default_factory=list)
+    capture_seconds: float = 0.0                              # CUDA-graph capture, before the clock
+    gpu_timed: bool = False                                   # device times measured (on a GPU)
+
+    @staticmethod
+    def merge(results: List["RunResult"]) -> "RunResult":
+        """Several traces served one after the other as one run: requests (each timed from
+        its own trace's start), seconds, tokens and per-iteration lists put together."""
+        merged = RunResult(results[0].store, [r for result in results for r in result.requests],
+                           sum(result.seconds for result in results), pages=results[0].pages,
+                           gpu_timed=results[0].gpu_timed)
+        for name, value in list(vars(merged).items()):
+            if name in ("store", "requests", "seconds", "pages", "gpu_timed"):
+                continue
+            parts = [getattr(result, name) for result in results]
+            setattr(merged, name, max(parts) if name == "peak_running" else
+                    (sum(parts, []) if isinstance(value, list) else sum(parts)))
+        return merged
 
     def summary(self) -> Dict[str, float]:
+        """Headline numbers. Latency statistics are NaN when no request finished (all
+        rejected): ``requests`` 0 and ``rejected`` say why."""
         done = [r for r in self.requests if np.isfinite(r.finished_at)]
         ttft = np.array([r.first_token_at - r.arrival for r in done]) * 1e3
         tpot = np.array([(r.finished_at - r.first_token_at) / max(1, r.output_len - 1) for r in done]) * 1e3
         reserve = np.array(self.reserve_us or [0.0])
+        # A decode step's time: device time on a GPU (its wall time spans the host's work on
+        # the next step, which overlaps it), wall time elsewhere.
+        decode = np.array([ms for ms in (self.gpu_decode_ms if self.gpu_timed else self.decode_ms) if ms > 0]
+                          or [np.nan])
+        gpu_busy_s = (np.sum(self.gpu_decode_ms) + np.sum(self.gpu_prefill_ms)) / 1e3
         return {
             "requests": len(done), "output_tokens": self.emitted, "seconds": self.seconds,
-            "throughput_tok_s": self.emitted / self.seconds,
-            "ttft_mean_ms": float(ttft.mean()), "ttft_p99_ms": float(np.percentile(ttft, 99)),
-            "tpot_mean_ms": float(tpot.mean()), "tpot_p99_ms": float(np.percentile(tpot, 99)),
+            "throughput_tok_s": self.emitted / self.seconds if self.seconds > 0 else 0.0,
+            "makespan_s": self.seconds,
+            "ttft_mean_ms": _stat(ttft, "mean"), "ttft_p50_ms": _stat(ttft, 50), "ttft_p99_ms": _stat(ttft, 99),
+            "tpot_mean_ms": _stat(tpot, "mean"), "tpot_p50_ms": _stat(tpot, 50), "tpot_p99_ms": _stat(tpot, 99),
             "peak_running": self.peak_running, "mean_running": float(np.mean(self.running or [0])),
             "kv_waste_pct": 100 * float(np.mean(self.waste or [0.0])),
             "preemptions": self.preemptions, "rejected": self.rejected, "iterations": self.iterations,
@@ -69,30 +109,43 @@ class RunResult:
             "held_per_token_byte": float(np.sum(self.held) / max(1, np.sum(self.logical))),
             "held_mib_mean": float(np.mean(self.held or [0])) / 2**20,
             "prefill_tokens": self.prefill_tokens, "shared_requests": self.shared_requests,
+            "decode_step_ms_mean": float(np.mean(decode)), "decode_step_ms_p50": float(np.percentile(decode, 50)),
+            "decode_seconds": float(np.sum(self.decode_ms)) / 1e3, "prefill_seconds": float(np.sum(self.prefill_ms)) / 1e3,
+            # GPU busy: device time of the prefill passes and decode steps over wall time
+            # (0 without a GPU). The rest is the engine: scheduling, step(), copies, launches.
+            "gpu_busy_seconds": float(gpu_busy_s),
+            "gpu_busy_pct": 100 * float(gpu_busy_s / self.seconds) if self.gpu_timed and self.seconds > 0 else math.nan,
+            "capture_seconds": self.capture_seconds,
         }
 
 
+def _stat(values: np.ndarray, which) -> float:
+    if not len(values):
+        return float("nan")
+    return float(values.mean()) if which == "mean" else float(np.percentile(values, which))
+
+
 class Progress:
-    """One self-rewriting line on stderr: a bar, requests done, running, tokens/s."""
+    """A tqdm bar on stderr: requests done, with running requests and tokens/s beside it."""
 
     def __init__(self, label: str, total: int, enabled: bool = True) -> None:
-        self.label, self.total, self.enabled = label, total, enabled
-        self.start = self.last = time.perf_counter()
+        self.bar = None
+        if tqdm is not None:
+            self.bar = tqdm(total=total, desc=f"  {label}", unit="req", disable=not enabled, leave=True,
+                            mininterval=0.5, dynamic_ncols=True, file=sys.stderr)
+        self.done = 0
+        self.start = time.perf_counter()
 
-    def update(self, done: int, running: int, emitted: int, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self.last < 0.25 and not force):
-            return
-        self.last = now
-        filled = int(24 * done / max(1, self.total))
-        rate = emitted / max(1e-9, now - self.start)
-        sys.stderr.write(f"\r  {self.label:<16} [{'#' * filled}{'.' * (24 - filled)}] {done}/{self.total} done, "
-                         f"{running:3d} running, {rate:7.0f} tok/s, {now - self.start:5.1f} s")
-        sys.stderr.flush()
+    def update(self, done: int, running: int, emitted: int) -> None:
+        if self.bar is not None and done > self.done:
+            self.bar.update(done - self.done)
+            self.done = done
+            rate = emitted / max(1e-9, time.perf_counter() - self.start)
+            self.bar.set_postfix_str(f"{running} running, {rate:.0f} tok/s", refresh=False)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+        if self.bar is not None:
+            self.bar.close()
 
 
 def first_token(request: Request, greedy: int, vocab: int) -> int:
@@ -102,10 +155,18 @@ def first_token(request: Request, greedy: int, vocab: int) -> int:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, store: KvStore, max_prefill_tokens: int, share: bool = False) -> None:
+    """Serves traces on one store. ``cuda_graphs``: decode steps replayed from CUDA graphs
+    (captured at the first run, before its clock starts). Not thread-safe."""
+
+    def __init__(self, model: LlamaModel, store: KvStore, max_prefill_tokens: int, share: bool = False,
+                 cuda_graphs: bool = False) -> None:
         self.model, self.store, self.max_prefill_tokens, self.share = model, store, max_prefill_tokens, share
         self.pinned: Dict[int, int] = {}      # prefix slot -> its tokens, held for the whole run
         self.prefixes: Dict[tuple, int] = {}  # system prompt tokens -> its prefix slot
+        self.decoder = DecodeRunner(model, store, store.max_slots, graphs=cuda_graphs)
+        self._events = None
+        if model.device.type == "cuda":  # prefill start/end (the decoder times its steps)
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
     def _prefix_slot(self, request: Request, lens: Dict[int, int], result: RunResult):
         """The pinned slot holding request's system prompt, prefilled on first use; None
@@ -158,21 +219,69 @@ class Engine:
         result.reserve_us[-1] += (time.perf_counter() - start) * 1e6
         return ok
 
+    def _record(self, index: int) -> None:
+        if self._events is not None:
+            self._events[index].record()
+
+    def _device_ms(self, first: int) -> float:
+        """Device time between events first and first + 1 (both done: the engine synchronized)."""
+        return self._events[first].elapsed_time(self._events[first + 1]) if self._events is not None else 0.0
+
+    def _prefill(self, admitted: List[Request], result: RunResult) -> List[int]:
+        """The first token (greedy) of every admitted request: fresh prompts in one pass,
+        prompts continuing a shared prefix one by one."""
+        greedy: Dict[int, int] = {}
+        fresh = [r for r in admitted if not r.cached]
+        if fresh:
+            tokens = self.model.prefill_batch(self.store, [r.slot for r in fresh], [r.prompt for r in fresh])
+            greedy.update(zip((r.id for r in fresh), tokens))
+            result.prefill_tokens += sum(r.prompt_len for r in fresh)
+        for request in admitted:
+            if request.cached:
+                tokens = torch.tensor(request.prompt[request.cached:], device=self.model.device)
+                greedy[request.id] = self.model.prefill(self.store, request.slot, tokens, start=request.cached)
+                result.prefill_tokens += len(tokens)
+                result.shared_requests += 1
+        return [greedy[r.id] for r in admitted]
+
     def run(self, trace: List[Request], show_progress: bool = True) -> RunResult:
+        """Serves the trace to completion. Decode steps run one ahead of the host: step i+1
+        is launched (its requests' tokens fed from step i on the device) before step i's
+        tokens are read, and the host frees, admits, maps and prefills meanwhile."""
         store, model = self.store, self.model
         waiting = collections.deque(sorted(trace, key=lambda r: r.arrival))
         running: List[Request] = []
-        result = RunResult(store.name, trace, 0.0, pages=pages_note(store))
+        result = RunResult(store.name, trace, 0.0, pages=pages_note(store), gpu_timed=self._events is not None)
+        if self.decoder.graphs and not self.decoder.captured:
+            self.decoder.capture()
+            result.capture_seconds = self.decoder.capture_seconds
         progress = Progress(store.name, len(trace), show_progress)
         done = 0
+        pending = None  # the decode step in flight: (its requests, Launched, iteration, launch time)
+        awaiting: Dict[int, int] = {}  # id(request) -> its row in the step in flight (its next token)
         self._synchronize()
         start = time.perf_counter()
 
         def clock() -> float:
             return time.perf_counter() - start
 
+        def collect(step) -> None:
+            """Waits for a launched decode step and hands its tokens to its requests."""
+            if step is None:
+                return
+            requests, launched, iteration, began = step
+            tokens = self.decoder.wait(launched)
+            now = clock()
+            result.decode_ms[iteration] = (time.perf_counter() - began) * 1e3
+            result.gpu_decode_ms[iteration] = self.decoder.device_ms(launched)
+            for request, token in zip(requests, tokens):
+                request.next_token = token
+                request.tokens.append(token)
+                if len(request.tokens) >= request.output_len:  # its last token (it may be counted for a later step)
+                    request.finished_at = now
+
         while waiting or running:
-            if not running and waiting[0].arrival > clock():
+            if not running and pending is None and waiting[0].arrival > clock():
                 time.sleep(waiting[0].arrival - clock())  # idle until the next arrival
             result.iterations += 1
             result.reserve_us.append(0.0)
@@ -214,69 +323,89 @@ class Engine:
 
             # 2. room for the decode tokens: preempt the youngest while there is none
             while running and not self._reserve(lens, result):
+                collect(pending)  # the victim's last token becomes part of its prompt
+                pending, awaiting = None, {}
                 victim = running.pop()
                 del lens[victim.slot]
                 store.free(victim.slot)
-                # Recompute later: what it generated becomes part of its prompt.
-                victim.prompt.extend([victim.next_token] * victim.generated)
+                # Recompute later: the tokens it generated since its last prefill become
+                # part of its prompt (the last of them has no K/V yet either way).
+                victim.prompt.extend(victim.tokens[len(victim.tokens) - victim.generated:])
                 victim.prompt_len += victim.generated
                 victim.generated, victim.slot = 0, -1
                 victim.preemptions += 1
                 result.preemptions += 1
                 waiting.appendleft(victim)
 
-            # 3. prefill, 4. decode
+            # 3. prefill, all admitted prompts in one pass (queued behind the decode in flight)
             forked: List[Request] = []
-            for request in admitted:
-                tokens = torch.tensor(request.prompt[request.cached:], device=model.device)
-                greedy = model.prefill(store, request.slot, tokens, start=request.cached)
-                result.prefill_tokens += len(tokens)
-                result.shared_requests += 1 if request.cached else 0
-                request.next_token = first_token(request, greedy, model.shape.vocab)
-                if self.share and request.group >= 0:
-                    forked += self._fork_samples(request, waiting, greedy, result, clock)
-                request.generated = 1
-                request.emitted += 1
-                request.tokens.append(request.next_token)
-                if np.isnan(request.first_token_at):
-                    request.first_token_at = clock()
-                result.emitted += 1
+            result.prefill_ms.append(0.0)
+            result.gpu_prefill_ms.append(0.0)
+            if admitted:
+                began = time.perf_counter()
+                self._record(0)
+                greedy = self._prefill(admitted, result)
+                self._record(1)
+                for request, token in zip(admitted, greedy):
+                    request.next_token = first_token(request, token, model.shape.vocab)
+                    if self.share and request.group >= 0:
+                        forked += self._fork_samples(request, waiting, token, result, clock)
+                    request.generated = 1
+                    request.emitted += 1
+                    request.tokens.append(request.next_token)
+                    if np.isnan(request.first_token_at):
+                        request.first_token_at = clock()
+                    result.emitted += 1
+                result.prefill_ms[-1] = (time.perf_counter() - began) * 1e3
+                result.gpu_prefill_ms[-1] = self._device_ms(0)
+
+            # 4. one decode step for the running requests, launched behind the one in flight
+            # (whose tokens it takes on the device), then that one's tokens are read.
+            result.decode_ms.append(0.0)
+            result.gpu_decode_ms.append(0.0)
+            result.decode_rows.append(len(running))
+            previous = pending
+            pending = None
             if running:
+                began = time.perf_counter()
+                launched = self.decoder.launch([r.slot for r in running], [r.next_token for r in running],
+                                               [r.seq_len for r in running], [awaiting.get(id(r), -1) for r in running])
+                pending = (list(running), launched, len(result.decode_ms) - 1, began)
                 held, token_bytes = store.held_bytes(), sum(r.seq_len for r in running) * store.bytes_per_token
                 result.waste.append(max(0.0, 1.0 - token_bytes / held) if held else 0.0)
                 result.held.append(held)
                 result.logical.append(token_bytes)
-                batch = store.prepare_decode([r.slot for r in running], [r.next_token for r in running],
-                                             [r.seq_len for r in running])
-                next_tokens = model.decode(store, batch).tolist()  # synchronizes
-                for row, index in enumerate(batch.order):
-                    request = running[index]
-                    request.next_token = next_tokens[row]
+                for request in running:
                     request.generated += 1
                     request.emitted += 1
-                    request.tokens.append(request.next_token)
                 result.emitted += len(running)
-            else:
+            collect(previous)
+            awaiting = {id(r): row for row, r in enumerate(running)} if pending else {}
+            if pending is None:
                 self._synchronize()
             running.extend(admitted)
             running.extend(forked)
             result.running.append(len(running))
             result.peak_running = max(result.peak_running, len(running))
 
-            # 5. free the finished
+            # 5. free the finished (their last token may still be in flight: freeing is
+            # ordered after it on the device, and it is collected with its step)
             now = clock()
-            for request in [r for r in running if r.emitted >= r.output_len]:
+            finished = [r for r in running if r.emitted >= r.output_len]
+            for request in finished:
                 store.free(request.slot)
-                request.finished_at = now
-                running.remove(request)
-                done += 1
+                if id(request) not in awaiting:
+                    request.finished_at = now
+            if finished:
+                running = [r for r in running if r.emitted < r.output_len]
+                done += len(finished)
             progress.update(done, len(running), result.emitted)
 
+        collect(pending)
         result.seconds = clock()
         for slot in self.pinned:
             store.free(slot)
         self.pinned.clear()
         self.prefixes.clear()
-        progress.update(done, 0, result.emitted, force=True)
         progress.close()
         return result

@@ -14,7 +14,7 @@ store needs a kernel that follows its page table: compiled FlexAttention.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -26,18 +26,40 @@ import vkv
 
 @dataclass
 class DecodeBatch:
-    """One decode iteration's requests, as tensors the kernels take."""
-    slots: List[int]
-    slots_t: torch.Tensor       # [B] int64
-    tokens: torch.Tensor        # [B] the token each request feeds in
-    positions: torch.Tensor     # [B] where its K/V go (seq_len - 1)
-    lens: List[int]             # K/V tokens each request attends to, the new one included
-    order: np.ndarray           # row i is the caller's request order[i]
-    extra: dict                 # what a store prepared for its kernel
+    """One decode iteration's rows, as device tensors the kernels take.
+
+    A CUDA-graph bucket has more rows than requests. Padding rows repeat row 0's slot,
+    token and position, compute row 0's K/V again (``write_rows`` points them at row 0,
+    so they write the same bytes to the same place) and attend to nothing
+    (``seq_lens`` 0): they read and write only memory row 0 already owns.
+    """
+    slots: torch.Tensor                    # [B] int64
+    tokens: torch.Tensor                   # [B] the token each row feeds in
+    positions: torch.Tensor                # [B] where its K/V go (seq_len - 1)
+    seq_lens: torch.Tensor                 # [B] int32 K/V tokens each row attends to; 0: padding
+    write_rows: Optional[torch.Tensor]     # [B] the row whose K/V each row writes; None: no padding
+    host_slots: Optional[List[int]] = None  # the real rows on the host: for the CPU kernels
+    host_lens: Optional[List[int]] = None
+    extra: dict = field(default_factory=dict)  # what a store prepared for its kernel (device tensors)
+
+    @staticmethod
+    def of(slots: Sequence[int], tokens: Sequence[int], lens: Sequence[int], device: torch.device) -> "DecodeBatch":
+        """An exact batch (no padding rows), rows in the caller's order."""
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(list(values), device=device, dtype=dtype)
+
+        return DecodeBatch(tensor(slots), tensor(tokens), tensor(n - 1 for n in lens), tensor(lens, torch.int32),
+                           None, [int(s) for s in slots], [int(n) for n in lens])
 
 
 class KvStore:
-    """What the engine asks of a KV cache. Not thread-safe: one engine drives one store."""
+    """What the engine asks of a KV cache; ``max_slots`` requests at most. Not thread-safe:
+    one engine drives one store.
+
+    Device-side calls (``write_kv``, ``begin_decode``, ``decode_attention``) are pure
+    tensor work on device tensors, so a CUDA graph can capture them; everything that
+    changes which memory backs which token (``alloc``, ``free``, ``reserve``) is host work
+    done between replays."""
 
     name = "?"
 
@@ -63,9 +85,17 @@ class KvStore:
         """KV memory held for allocated requests (what waste is measured against)."""
         raise NotImplementedError
 
-    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
-        """K/V of prompt tokens [start, start + len(k))."""
+    def write_kv(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """K/V [T, kv_heads, head_dim] of T tokens, token i at (slots[i], positions[i]): one
+        scatter per tensor for a whole batch of prompts or decode rows."""
         raise NotImplementedError
+
+    def write_prompt(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """K/V of one slot's prompt tokens [start, start + len(k))."""
+        count = k.shape[0]
+        self.write_kv(layer, torch.full((count,), slot, device=self.device, dtype=torch.int64),
+                      torch.arange(start, start + count, device=self.device), k, v)
 
     # Sharing (vkv only): a store that cannot share says so, and the engine copies.
     def fork(self, slot: int) -> Optional[int]:
@@ -80,25 +110,22 @@ class KvStore:
         """Keys and values [tokens, kv_heads, head_dim] of a slot's first tokens."""
         raise NotImplementedError
 
-    def write_tokens(self, layer: int, batch: DecodeBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise NotImplementedError
+    def begin_decode(self, batch: DecodeBatch) -> None:
+        """Per-step kernel metadata derived on the device from the batch (inside a graph)."""
 
     def decode_attention(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def prepare_decode(self, slots: Sequence[int], tokens: Sequence[int], lens: Sequence[int]) -> DecodeBatch:
-        order = np.argsort(slots, kind="stable")  # ascending slots: varlen offsets must not decrease
-        slots = [int(slots[i]) for i in order]
-        lens = [int(lens[i]) for i in order]
-        batch = DecodeBatch(slots, self._tensor(slots), self._tensor([tokens[i] for i in order]),
-                            self._tensor([n - 1 for n in lens]), lens, order, {})
-        return batch
 
     def close(self) -> None:
         pass
 
     def _tensor(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, device=self.device, dtype=dtype)
+        """Host values on the device without waiting for it: on a GPU through pinned memory,
+        so that bookkeeping done while a decode step runs does not stall on it."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
 
 class ContiguousStore(KvStore):
@@ -107,17 +134,19 @@ class ContiguousStore(KvStore):
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
 
-    def write_prompt(self, layer, slot, k, v, start=0):
-        self.keys[layer][slot, start:start + k.shape[0]] = k
-        self.values[layer][slot, start:start + v.shape[0]] = v
+    def _init_views(self) -> None:
+        """Per layer, the cache seen as one token sequence (for FlashAttention's varlen
+        kernel): made once, since the addresses never change."""
+        self.tokens_per_slot = self._tokens_per_slot(self.keys[0])
+        self._flat = [(self._as_one_sequence(k), self._as_one_sequence(v)) for k, v in zip(self.keys, self.values)]
+
+    def write_kv(self, layer, slots, positions, k, v):
+        index = (slots, positions)
+        self.keys[layer].index_put_(index, k)
+        self.values[layer].index_put_(index, v)
 
     def cached_kv(self, layer, slot, tokens):
         return self.keys[layer][slot, :tokens], self.values[layer][slot, :tokens]
-
-    def write_tokens(self, layer, batch, k, v):
-        index = (batch.slots_t, batch.positions)
-        self.keys[layer].index_put_(index, k)
-        self.values[layer].index_put_(index, v)
 
     def _as_one_sequence(self, cache: torch.Tensor) -> torch.Tensor:
         """[slots, max_context, heads, dim] seen as [slots * tokens_per_slot, heads, dim]:
@@ -129,29 +158,30 @@ class ContiguousStore(KvStore):
             raise ValueError(f"slot stride {cache.stride(0)} is not a whole number of tokens ({cache.stride(1)})")
         return cache.stride(0) // cache.stride(1)
 
-    def prepare_decode(self, slots, tokens, lens):
-        batch = super().prepare_decode(slots, tokens, lens)
+    def begin_decode(self, batch):
         if self.device.type == "cuda":
-            per_slot = self._tokens_per_slot(self.keys[0])
-            starts = [slot * per_slot for slot in batch.slots]
-            cu_k = starts + [starts[-1] + batch.lens[-1]]
-            batch.extra.update(cu_q=torch.arange(len(slots) + 1, device=self.device, dtype=torch.int32),
-                               cu_k=self._tensor(cu_k, torch.int32), seqused_k=self._tensor(batch.lens, torch.int32),
-                               max_k=max(batch.lens))
-        return batch
+            # Row b's keys start at slot * tokens_per_slot of the flat sequence; only
+            # seq_lens[b] of them are read (0 for padding rows: nothing).
+            rows = batch.slots.shape[0]
+            batch.extra["cu_q"] = torch.arange(rows + 1, device=self.device, dtype=torch.int32)
+            batch.extra["cu_k"] = torch.cat([batch.slots * self.tokens_per_slot, batch.slots[:1]]).to(torch.int32)
 
     def decode_attention(self, layer, batch, q):
-        keys, values = self.keys[layer], self.values[layer]
         if self.device.type == "cuda":
-            # FlashAttention-2 varlen over the whole cache seen as one token sequence: request
-            # b's keys start at slot * max_context, and only seqused_k[b] of them are read.
-            flat_k, flat_v = self._as_one_sequence(keys), self._as_one_sequence(values)
+            # FlashAttention-2 varlen with per-request lengths (seqused_k) over the whole
+            # cache. max_k is the context limit, not this step's longest request: a
+            # graph-captured kernel keeps its launch shape, and eager runs match it.
+            flat_k, flat_v = self._flat[layer]
             e = batch.extra
             return torch.ops.aten._flash_attention_forward(
-                q, flat_k, flat_v, e["cu_q"], e["cu_k"], 1, e["max_k"], 0.0, False, False,
-                seqused_k=e["seqused_k"])[0]
+                q, flat_k, flat_v, e["cu_q"], e["cu_k"], 1, self.max_context, 0.0, False, False,
+                seqused_k=batch.seq_lens)[0]
+        keys, values = self.keys[layer], self.values[layer]
         outputs = []
-        for row, (slot, n) in enumerate(zip(batch.slots, batch.lens)):
+        for row, (slot, n) in enumerate(zip(batch.host_slots, batch.host_lens)):
+            if n == 0:  # a padding row
+                outputs.append(torch.zeros_like(q[row]))
+                continue
             outputs.append(F.scaled_dot_product_attention(
                 q[row, :, None], keys[slot, :n].transpose(0, 1), values[slot, :n].transpose(0, 1),
                 enable_gqa=True)[:, 0])
@@ -168,7 +198,9 @@ class VkvStore(ContiguousStore):
         self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, max_batch_size=max_slots,
                                  max_context_len=max_context, device=device, layout=layout,
                                  memory_budget=budget_bytes, page_size=page_size)
+        self.max_slots = max_slots
         self.keys, self.values = self.cache.kv_tensors()
+        self._init_views()
         self._lens = np.zeros(max_slots, dtype=np.int64)
 
     def alloc(self):
@@ -206,7 +238,7 @@ class VkvStore(ContiguousStore):
             return False
 
     def close(self):
-        self.keys = self.values = []
+        self.keys = self.values = self._flat = []
         self.cache.close()
 
 
@@ -217,13 +249,14 @@ class StaticStore(ContiguousStore):
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
-        self.slots = budget_bytes // (max_context * self.bytes_per_token)
+        self.slots = self.max_slots = budget_bytes // (max_context * self.bytes_per_token)
         if self.slots < 1:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no request of max_context = "
                              f"{max_context} tokens ({max_context * self.bytes_per_token} bytes)")
         shape = (self.slots, max_context, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self._init_views()
         self._free = list(range(self.slots - 1, -1, -1))
 
     def alloc(self):
@@ -242,17 +275,28 @@ class StaticStore(ContiguousStore):
 class PagedStore(KvStore):
     """Pages of ``page_tokens`` tokens from one pool per layer, a page table per request,
     attention by FlexAttention through the table (torch's PagedAttention). Pages are
-    handed out from a shuffled free list, as in a server that has run for a while."""
+    handed out from a shuffled free list, as in a server that has run for a while.
+
+    On a GPU the decode step is graph-capturable: one BlockMask is built at the start
+    over persistent tensors (each slot's pages in logical order, and its page count)
+    that ``reserve`` and ``begin_decode`` update in place, so the compiled Flex kernel
+    sees the same tensors every step. (PyTorch's bundled FlashAttention-2 has a paged
+    mode too, but only for pages of a multiple of 256 tokens.)"""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
                  max_slots: int, page_tokens: int, flex: Callable) -> None:
         from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import BlockMask
 
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
         self.name = f"paged-{page_tokens}"
         self.page_tokens, self.max_slots, self.flex = page_tokens, max_slots, flex
         self.num_pages = budget_bytes // (page_tokens * self.bytes_per_token)
+        if self.num_pages < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_tokens} tokens "
+                             f"({page_tokens * self.bytes_per_token} bytes)")
         self.pages_per_slot = -(-max_context // page_tokens)
+        # The table's page_table and physical_to_logical (what its mask_mod reads).
         self.table = PagedAttention(self.num_pages, page_tokens, max_slots, device=str(device))
         pool = (1, num_kv_heads, self.num_pages * page_tokens, head_dim)
         self.k_pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
@@ -261,9 +305,14 @@ class PagedStore(KvStore):
         random.Random(0).shuffle(self._free_pages)
         self._pages: Dict[int, List[int]] = {}
         self._free_slots = list(range(max_slots - 1, -1, -1))
-        # One mask function for the whole run (a new closure every step would recompile).
+        # Every slot is a row of Flex's query batch (rows without pages cost nothing): one
+        # compiled kernel for the whole run instead of one per batch size.
         self._kv_len = torch.zeros(max_slots, device=device, dtype=torch.int64)
-        self._mask_mod = self.table.get_mask_mod(None, self._kv_len)
+        num_blocks = torch.zeros(max_slots, 1, 1, device=device, dtype=torch.int32)
+        page_lists = torch.zeros(max_slots, 1, 1, self.pages_per_slot, device=device, dtype=torch.int32)
+        self.block_mask = BlockMask.from_kv_blocks(
+            num_blocks, page_lists, BLOCK_SIZE=(page_tokens, page_tokens),
+            mask_mod=self.table.get_mask_mod(None, self._kv_len), seq_lengths=(1, self.num_pages * page_tokens))
 
     def alloc(self):
         if not self._free_slots:
@@ -277,8 +326,7 @@ class PagedStore(KvStore):
         self._free_pages.extend(pages)
         if pages:
             self.table.page_table[slot] = -1
-            self.table.physical_to_logical[slot, torch.tensor(pages, device=self.device)] = -1
-            self.table.capacity[slot] = 0
+            self.table.physical_to_logical[slot, self._tensor(pages)] = -1
         self._free_slots.append(slot)
 
     def reserve(self, lens):
@@ -293,57 +341,52 @@ class PagedStore(KvStore):
                 physical.append(self._free_pages.pop())
                 self._pages[slot].append(physical[-1])
         if rows:  # one update of the device-side tables per call, not one per page
-            rows_t, logical_t, physical_t = self._tensor(rows), self._tensor(logical), self._tensor(physical)
+            rows_t, logical_t, physical_t = self._tensor([rows, logical, physical]).unbind()
             self.table.page_table[rows_t, logical_t] = physical_t
             self.table.physical_to_logical[rows_t, physical_t] = logical_t
+            self.block_mask.kv_indices[rows_t, 0, 0, logical_t] = physical_t.to(torch.int32)
         return True
 
     def held_bytes(self):
         return (self.num_pages - len(self._free_pages)) * self.page_tokens * self.bytes_per_token
 
+    def write_kv(self, layer, slots, positions, k, v):
+        page = self.table.page_table[slots, positions // self.page_tokens]
+        address = page * self.page_tokens + positions % self.page_tokens
+        self.k_pools[layer][0, :, address] = k.transpose(0, 1)
+        self.v_pools[layer][0, :, address] = v.transpose(0, 1)
+
     def write_prompt(self, layer, slot, k, v, start=0):
         if start:
             raise NotImplementedError("the paged store shares no prefix: prompts start at 0")
-        count = k.shape[0]
-        self.table.assign(torch.tensor([slot], device=self.device), torch.arange(count, device=self.device)[None],
-                          k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.k_pools[layer], self.v_pools[layer])
+        super().write_prompt(layer, slot, k, v)
 
-    def write_tokens(self, layer, batch, k, v):
-        self.table.assign(batch.slots_t, batch.positions[:, None], k[:, :, None], v[:, :, None],
-                          self.k_pools[layer], self.v_pools[layer])
-
-    def prepare_decode(self, slots, tokens, lens):
-        from torch.nn.attention.flex_attention import BlockMask
-
-        batch = super().prepare_decode(slots, tokens, lens)
-        # Every slot is a row of the query batch (empty rows cost nothing): one compiled
-        # kernel for the whole run instead of one per batch size.
-        blocks = torch.zeros(self.max_slots, 1, 1, dtype=torch.int32)
-        indices = torch.zeros(self.max_slots, 1, 1, self.num_pages, dtype=torch.int32)
-        kv_len = torch.zeros(self.max_slots, dtype=torch.int64)
-        for slot, n in zip(batch.slots, batch.lens):
-            pages = self._pages[slot][: -(-n // self.page_tokens)]
-            blocks[slot] = len(pages)
-            indices[slot, 0, 0, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            kv_len[slot] = n
-        self._kv_len.copy_(kv_len)
-        batch.extra["block_mask"] = BlockMask.from_kv_blocks(
-            blocks.to(self.device), indices.to(self.device), BLOCK_SIZE=(self.page_tokens, self.page_tokens),
-            mask_mod=self._mask_mod, seq_lengths=(1, self.num_pages * self.page_tokens))
-        return batch
+    def begin_decode(self, batch):
+        if self.device.type != "cuda":
+            return
+        # Padding rows repeat row 0's slot and position: they write row 0's values again.
+        self._kv_len.zero_()
+        self._kv_len.index_put_((batch.slots,), batch.positions + 1)
+        self.block_mask.kv_num_blocks.copy_(
+            torch.div(self._kv_len + self.page_tokens - 1, self.page_tokens, rounding_mode="floor").view(-1, 1, 1))
 
     def decode_attention(self, layer, batch, q):
         if self.device.type != "cuda":  # Flex's CPU path is a dense reference: gather instead
             return self._gathered_attention(layer, batch, q)
-        queries = q.new_zeros(self.max_slots, q.shape[1], 1, q.shape[2])
-        queries[batch.slots_t] = q[:, :, None]
-        out = self.flex(queries, self.k_pools[layer], self.v_pools[layer], block_mask=batch.extra["block_mask"],
+        if "queries" not in batch.extra:  # one [slots, heads, 1, dim] buffer for every layer of the step
+            batch.extra["queries"] = q.new_zeros(self.max_slots, q.shape[1], 1, q.shape[2])
+        queries = batch.extra["queries"]
+        queries[batch.slots] = q[:, :, None]
+        out = self.flex(queries, self.k_pools[layer], self.v_pools[layer], block_mask=self.block_mask,
                         enable_gqa=True)
-        return out[batch.slots_t, :, 0]
+        return out[batch.slots, :, 0]
 
     def _gathered_attention(self, layer, batch, q):
         outputs = []
-        for row, (slot, n) in enumerate(zip(batch.slots, batch.lens)):
+        for row, (slot, n) in enumerate(zip(batch.host_slots, batch.host_lens)):
+            if n == 0:  # a padding row
+                outputs.append(torch.zeros_like(q[row]))
+                continue
             pages = torch.tensor(self._pages[slot], device=self.device)
             index = (pages[:, None] * self.page_tokens + torch.arange(self.page_tokens, device=self.device)).flatten()[:n]
             outputs.append(F.scaled_dot_product_attention(

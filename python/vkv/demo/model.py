@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import List, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -111,25 +113,45 @@ class LlamaModel:
     # -- pieces ------------------------------------------------------------------------
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + 1e-5)).to(x.dtype) * weight
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=1e-5)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]; rotates pairs (first half, second half)."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        first, second = x.chunk(2, dim=-1)
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    def _rotary(self, positions: torch.Tensor):
+        """cos and sin [tokens, 1, head_dim / 2] of the positions: looked up once per forward."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
-    def _qkv(self, layer: dict, x: torch.Tensor, positions: torch.Tensor):
-        d = self.shape.head_dim
-        q, k, v = (x @ layer["qkv"].T).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = self._rope(q.view(-1, self.heads, d), positions)
-        k = self._rope(k.view(-1, self.kv_heads, d), positions)
-        return q, k, v.view(-1, self.kv_heads, d)
+    def _qkv(self, layer: dict, x: torch.Tensor, rotary, write_rows=None):
+        """q [T, heads, d], k and v [T, kv_heads, d]; q and k rotated together (pairs: first
+        half, second half), written straight into one output (4 kernels, no concatenation).
+        ``write_rows``: take each row's projection from that row (the padding rows of a
+        CUDA-graph bucket copy row 0, so they write row 0's bytes)."""
+        d, heads, kv_heads = self.shape.head_dim, self.heads, self.kv_heads
+        qkv = x @ layer["qkv"].T
+        if write_rows is not None:
+            qkv = qkv.index_select(0, write_rows)
+        qk = qkv[:, :(heads + kv_heads) * d].view(-1, heads + kv_heads, d)
+        cos, sin = rotary
+        first, second = qk.chunk(2, dim=-1)
+        rotated = torch.empty_like(qk)
+        rotated_first, rotated_second = rotated.chunk(2, dim=-1)
+        torch.mul(first, cos, out=rotated_first).addcmul_(second, sin, value=-1)
+        torch.mul(second, cos, out=rotated_second).addcmul_(first, sin)
+        return rotated[:, :heads], rotated[:, heads:], qkv[:, (heads + kv_heads) * d:].view(-1, kv_heads, d)
 
-    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+    def _add_projection(self, x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x + inputs @ weight.T: one GEMM accumulating into x where nothing is reduced
+        across ranks; tensor parallel, the partial product is all-reduced first."""
+        if self.group is None:
+            return x.addmm_(inputs, weight.T)
+        return x + self._reduce(inputs @ weight.T)
+
+    def _mlp_input(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
-        return self._reduce((F.silu(gate) * up) @ layer["down"].T)
+        return F.silu(gate) * up
+
+    def _block_end(self, layer: dict, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer after attention: output projection, residual, MLP, residual."""
+        x = self._add_projection(x, attention.reshape(x.shape[0], -1), layer["out"])
+        return self._add_projection(x, self._mlp_input(layer, self._rms_norm(x, layer["norm2"])), layer["down"])
 
     def _next_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self._rms_norm(hidden, self.final_norm) @ self.lm_head.T).argmax(-1)
@@ -141,46 +163,83 @@ class LlamaModel:
         """Run one prompt (token ids [T]) at positions [start, start + T), write its K/V
         into ``slot``; the next token id. With ``start`` > 0 the slot already holds the
         first ``start`` tokens' K/V (a shared prefix) and the prompt attends to them too."""
+        if not start:
+            return self.prefill_batch(store, [slot], [tokens.tolist()])[0]
         count = tokens.numel()
         positions = torch.arange(start, start + count, device=self.device)
         # Token i sees keys [0, start + i]: causal, aligned to the last key.
-        mask = (torch.arange(start + count, device=self.device)[None] <= positions[:, None]) if start else None
+        mask = torch.arange(start + count, device=self.device)[None] <= positions[:, None]
+        rotary = self._rotary(positions)
         x = self.embedding[tokens]
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), positions)
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), rotary)
             store.write_prompt(index, slot, k, v, start)
-            if start:
-                k, v = store.cached_kv(index, slot, start + count)
-            # A fresh prompt attends to its own K/V: the same kernel for every KV store.
+            k, v = store.cached_kv(index, slot, start + count)
             attention = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=not start, enable_gqa=True)[0].transpose(0, 1)
-            x = x + self._reduce(attention.reshape(x.shape[0], -1) @ layer["out"].T)
-            x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
+                attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+            x = self._block_end(layer, x, attention)
         return int(self._next_tokens(x[-1:])[0])
+
+    @torch.inference_mode()
+    def prefill_batch(self, store, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> List[int]:
+        """Fresh prompts (token ids, one list each) of several slots in one pass: their
+        tokens concatenated, each layer's K/V written for all of them in one scatter per
+        tensor, causal attention within each prompt (FlashAttention-2 varlen on a GPU);
+        the next token id of each."""
+        lengths = np.array([len(p) for p in prompts])
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        host = np.empty((3, ends[-1]), dtype=np.int64)  # tokens, positions, slots: one copy to the device
+        host[0] = np.concatenate(prompts)
+        host[1] = np.arange(ends[-1]) - np.repeat(starts, lengths)
+        host[2] = np.repeat(slots, lengths)
+        tokens, positions, token_slots = torch.from_numpy(host).to(self.device).unbind()
+        cu = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(self.device)
+        max_len = int(lengths.max())
+        rotary = self._rotary(positions)
+        x = self.embedding[tokens]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), rotary)
+            store.write_kv(index, token_slots, positions, k, v)
+            if self.device.type == "cuda":
+                attention = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True,
+                                                                    False)[0]
+            else:  # the same computation, one prompt at a time
+                attention = torch.cat([F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+                    is_causal=True, enable_gqa=True)[0].transpose(0, 1) for a, b in zip(starts, ends)])
+            x = self._block_end(layer, x, attention)
+        return self._next_tokens(x[torch.as_tensor(ends - 1, device=self.device)]).tolist()
 
     @torch.inference_mode()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] of one whole sequence, no KV cache: a teacher-forced check."""
         positions = torch.arange(tokens.numel(), device=self.device)
+        rotary = self._rotary(positions)
         x = self.embedding[tokens]
         for layer in self.layers:
-            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), positions)
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), rotary)
             attention = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-            x = x + self._reduce(attention.reshape(x.shape[0], -1) @ layer["out"].T)
-            x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
+            x = self._block_end(layer, x, attention)
         return (self._rms_norm(x, self.final_norm) @ self.lm_head.T).float()
 
     @torch.inference_mode()
     def decode(self, store, batch) -> torch.Tensor:
-        """One token for each running request; ``batch`` is the store's DecodeBatch."""
+        """One token for each row of ``batch`` (the store's DecodeBatch): pure device work
+        on the batch's tensors, so a CUDA graph can capture it."""
+        return self._next_tokens(self.decode_hidden(store, batch))
+
+    def decode_hidden(self, store, batch) -> torch.Tensor:
+        """The last layer's hidden states [rows, hidden] of a decode step."""
+        store.begin_decode(batch)
+        rotary = self._rotary(batch.positions)
         x = self.embedding[batch.tokens]
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), batch.positions)
-            store.write_tokens(index, batch, k, v)
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), rotary, batch.write_rows)
+            store.write_kv(index, batch.slots, batch.positions, k, v)
             attention = store.decode_attention(index, batch, q)
-            x = x + self._reduce(attention.reshape(x.shape[0], -1) @ layer["out"].T)
-            x = x + self._mlp(layer, self._rms_norm(x, layer["norm2"]))
-        return self._next_tokens(x)
+            x = self._block_end(layer, x, attention)
+        return x

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .__main__ import parse_with_presets, resolve_device
+from .__main__ import device_name, parse_with_presets
 from .engine import Engine
 from .kv_stores import make_store
 from .model import SHAPES, LlamaModel
@@ -35,6 +35,8 @@ PRESETS = {
                  kv_budget_mib=4096, max_context=4096, length_scale=1.0, page_size_kib=0, max_slots=256,
                  max_prefill_tokens=8192),
 }
+# On a GPU pages are the device's 2 MiB: the small preset's 2 MiB would be one page.
+GPU_PRESETS = {"small": dict(page_size_kib=0, kv_budget_mib=64)}
 
 COLUMNS = [("throughput_tok_s", "tok/s", "{:.0f}"), ("seconds", "seconds", "{:.1f}"),
            ("peak_running", "peak reqs", "{:d}"), ("mean_running", "mean reqs", "{:.1f}"),
@@ -47,10 +49,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m vkv.demo.sharing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
     parser.add_argument("--scenarios", nargs="+", default=["parallel-sampling", "system-prompt"],
                         choices=["parallel-sampling", "system-prompt"])
-    return parse_with_presets(parser, PRESETS, argv)
+    return parse_with_presets(parser, PRESETS, argv, GPU_PRESETS)
 
 
 def traces(args, vocab):
@@ -118,9 +120,7 @@ def plot(results, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    if device.type == "cuda" and "--page-size-kib" not in (argv or sys.argv):
-        args.page_size_kib = 0
+    device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = SHAPES[args.model]
     budget = args.kv_budget_mib << 20
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         print(f"{workload}: sharing saves {numbers['memory_saved_pct']:.1f}% of KV memory per token and "
               f"{numbers['prefill_saved_pct']:.1f}% of prefill tokens; throughput x{numbers['throughput_ratio']:.2f}")
     if args.out:
-        results = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "machine": machine,
+        results = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "device")}, "machine": machine,
                    "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
                    "command": " ".join(["python -m vkv.demo.sharing"] + (argv if argv is not None else sys.argv[1:])),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -93,3 +93,18 @@ def make_system_prompt_trace(count: int, system_prompt_len: int, max_context: in
         request.prompt_len += system_prompt_len
         request.prefix_len = system_prompt_len
     return trace
+
+
+def make_prefill_decode_trace(count: int, ratio: float, max_context: int, vocab: int, seed: int = 0,
+                              min_prompt: int = 0) -> List[Request]:
+    """``count`` requests arriving at once with long prompts, each decoding prompt / ``ratio``
+    tokens: the vAttention paper's makespan workloads (prefill:decode ratios 500, 100, 50).
+    Prompts are uniform in [min_prompt, the longest that fits max_context with its output];
+    min_prompt 0 means half of that."""
+    longest = int(max_context * ratio / (ratio + 1))
+    shortest = min(longest, min_prompt or longest // 2)
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(shortest, longest + 1, count)
+    return [Request(id=i, arrival=0.0, prompt_len=int(p), output_len=max(2, int(round(p / ratio))),
+                    prompt=rng.integers(0, vocab, int(p)).tolist())
+            for i, p in enumerate(prompts)]

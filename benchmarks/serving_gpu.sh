@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The serving demo's GPU evidence in one call: build, the CUDA-graph test (plain and under
+# compute-sanitizer memcheck), the default demo (what scripts/demo.sh runs), a decode-step
+# profile and the benchmark presets. Logs go to OUT_DIR, JSON and plots to OUT_DIR/results.
+#   benchmarks/serving_gpu.sh OUT_DIR [STAGE...]
+# Stages run in the order given (default: build test sanitize default profile h100 long);
+#   h100-quick: the h100 preset on vkv-interleaved and static only (a smoke run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: benchmarks/serving_gpu.sh OUT_DIR [STAGE...]}"
+shift
+stages="${*:-build test sanitize default profile h100 long}"
+mkdir -p "$out/results"
+src="$PWD"
+export PYTHONUNBUFFERED=1
+status=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...: runs in /tmp (the installed package, not the source tree)
+  local name="$1" limit="$2"
+  shift 2
+  echo "=== $name ($(date +%T))"
+  (cd /tmp && timeout "$limit" "$@") > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$out/$name.log"
+  echo "=== $name: exit $rc ($(date +%T))"
+  [ $rc -eq 0 ] || status=1
+}
+
+python_info() {
+  (cd /tmp && python3 -c 'import torch, vkv
+print("torch", torch.__version__, "cuda", torch.version.cuda, "vkv", vkv.__file__)
+print(torch.ops.aten._flash_attention_forward.default._schema)') 2>&1 | tee "$out/torch.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+for stage in $stages; do
+  case "$stage" in
+    build)
+      echo "=== build ($(date +%T))"
+      python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING | tail -5
+      python_info ;;
+    test)
+      step test 200 python3 -m pytest "$src/tests/python/test_demo_cuda_graphs.py" -q -p no:cacheprovider -rs ;;
+    sanitize)
+      step memcheck_demo_graphs 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest "$src/tests/python/test_demo_cuda_graphs.py" -q -p no:cacheprovider -k vkv ;;
+    default)
+      step demo_default 120 python3 -m vkv.demo --no-progress ;;
+    profile)
+      step serving_step_profile 200 python3 "$src/benchmarks/serving_step_profile.py" --out "$out/results" ;;
+    h100-quick)
+      step serving_h100_quick 150 python3 -m vkv.demo --preset h100 --stores vkv-interleaved static --no-progress ;;
+    h100)
+      step serving_h100 400 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" ;;
+    long)  # vkv per-layer serves these prompts as vkv interleaved does (see serving_long in docs)
+      step serving_long_h100 400 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
+        --stores vkv-interleaved paged-16 paged-128 static ;;
+    eager)  # today's engine without CUDA graphs, same lease: what the graphs bring
+      step serving_h100_eager 200 python3 -m vkv.demo --preset h100 --stores vkv-interleaved --no-cuda-graphs \
+        --no-progress --out "$out/eager" ;;
+    *)
+      echo "unknown stage $stage"
+      status=1 ;;
+  esac
+done
+exit $status
