@@ -113,17 +113,9 @@ bool KvCache::Impl::cover_in_background(std::unique_lock<std::mutex>& lock, std:
   const std::size_t from = std::max(slot.mapped(), slot.backed_end);
   slot.busy_from = from;  // nobody maps there meanwhile; the range is unmapped, so nothing reads it
   lock.unlock();
-  const std::size_t bytes = (until - from) * layout_.page_bytes();
-  std::size_t region = 0;
   try {
-    for (; region < layout_.num_regions(); ++region) backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
+    back_regions_with_zeros(slot_index, from, until);
   } catch (...) {
-    for (std::size_t r = 0; r < region; ++r) {
-      try {
-        backend_->unmap(page_address(r, slot_index, from), bytes);
-      } catch (...) {
-      }
-    }
     lock.lock();
     slot.busy_from = detail::kNotBusy;
     background_done_.notify_all();

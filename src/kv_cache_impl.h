@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "mapper.h"
@@ -153,8 +154,12 @@ class KvCache::Impl {
   // back. Backend calls only, all or nothing; the caller keeps the books.
   void map_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles, std::size_t count);
   void unmap_real(std::size_t slot, std::size_t region, std::size_t first, std::size_t count);
-  // Backs pages [backed_end, until) of every region of a slot with zeros.
+  // Backs pages [backed_end, until) of every region of a slot with zeros (the books too).
   void back_with_zeros(std::size_t slot, std::size_t until);
+  // Backend calls only, all or nothing: pages [from, until) of every region of a slot,
+  // which must be unmapped, backed with zeros. Nothing reads an unmapped range, so
+  // undoing a region needs no wait.
+  void back_regions_with_zeros(std::size_t slot, std::size_t from, std::size_t until);
   void zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream);
   // Before an engine call changes the mappings of `slot` from page `first` on: waits for
   // the work in flight that may read them (after ReadWindows::close_current()).
@@ -178,6 +183,13 @@ class KvCache::Impl {
   std::size_t pages_set_budget_keeps() const;
   void shrink_to_budget();
   std::size_t obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens);
+  // Maps `to_map` pages a call will claim (`claims`) without claiming them, and makes
+  // `to_free` more free in the pool (a copy-on-write's pages): the pages missing (0 when
+  // none), or nothing when it waited for the mapper and the caller must plan again.
+  std::optional<std::size_t> map_unclaimed(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& claims,
+                                           std::size_t to_map, std::size_t to_free, Stream stream, const char* call);
+  void expect_valid_fork(std::size_t src) const;
+  void expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const;
 
   // ---- the mapper's work (background_planner.cpp, background_units.cpp) ------------
   BackgroundUnit next_background_unit(bool settle_events);

@@ -13,6 +13,7 @@
 // repeat theirs with the same messages, so that a bad argument fails before agreement.
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <unordered_map>
 
 #include "read_windows.h"
@@ -37,39 +38,45 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
       background_done_.wait(lock);
       continue;
     }
-    const std::vector<std::size_t>& claims = step.claims;
-    const std::size_t to_map = step.to_map;
-    const std::size_t to_copy = step.copies.size() * regions;
+    const std::optional<std::size_t> missing =
+        map_unclaimed(lock, step.claims, step.to_map, step.copies.size() * regions, stream, "step");
+    if (!missing) continue;  // the mapper moved pages meanwhile: plan again
     Preparation plan;
-    plan.copied_pages = to_copy / regions;
-    const std::size_t missing = to_map + to_copy;
-    if (missing == 0) return plan;
-    const std::size_t obtainable = obtainable_pages(claims);
-    if (missing <= obtainable) {
-      try {
-        detail::UndoLog undo(stream_waiter(stream));
-        if (to_map > 0) map_missing(claims, {}, to_map, stream, undo, "step");
-        // The copies' pages wait in the pool: step() takes them without creating any.
-        if (to_copy > 0)
-          for (const Page& page : obtain_pages(to_copy, claims)) pool_.give_back(page);
-        undo.commit();
-        step_stats_.units += to_map;
-        step_stats_.nanoseconds += static_cast<std::uint64_t>(
-            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
-        return plan;
-      } catch (const OutOfMemory& error) {  // the device, not the budget, ran out
-        if (!background_busy()) {
-          plan.missing_pages = std::max<std::size_t>(error.missing_pages(), 1);
-          return plan;
-        }
-      }
-    } else if (!background_busy()) {
-      plan.missing_pages = missing - obtainable;
-      return plan;
+    plan.copied_pages = step.copies.size();
+    plan.missing_pages = *missing;
+    if (*missing == 0) {
+      step_stats_.units += step.to_map;
+      step_stats_.nanoseconds += static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
     }
-    // Pages the mapper is moving are not lost: decide once it has put them down.
-    background_done_.wait(lock, [&] { return !background_busy(); });
+    return plan;
   }
+}
+
+std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mutex>& lock,
+                                                        const std::vector<std::size_t>& claims, std::size_t to_map,
+                                                        std::size_t to_free, Stream stream, const char* call) {
+  const std::size_t missing = to_map + to_free;
+  if (missing == 0) return 0;
+  const std::size_t obtainable = obtainable_pages(claims);
+  if (missing <= obtainable) {
+    try {
+      detail::UndoLog undo(stream_waiter(stream));
+      if (to_map > 0) map_missing(claims, {}, to_map, stream, undo, call);
+      // The copies' pages wait in the pool: the call takes them without creating any.
+      if (to_free > 0)
+        for (const Page& page : obtain_pages(to_free, claims)) pool_.give_back(page);
+      undo.commit();
+      return 0;
+    } catch (const OutOfMemory& error) {  // the device, not the budget, ran out
+      if (!background_busy()) return std::max<std::size_t>(error.missing_pages(), 1);
+    }
+  } else if (!background_busy()) {
+    return missing - obtainable;
+  }
+  // Pages the mapper is moving are not lost: decide once it has put them down.
+  background_done_.wait(lock, [&] { return !background_busy(); });
+  return std::nullopt;
 }
 
 KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stream stream) {
@@ -87,27 +94,12 @@ KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stre
     }
     std::vector<std::size_t> claims = slots_.claims();
     claims[slot_index] = layout_.pages_for_tokens(swapped_tokens(slot));
+    const std::size_t to_map = claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * regions : 0;
+    const std::optional<std::size_t> missing = map_unclaimed(lock, claims, to_map, 0, stream, "swap_in");
+    if (!missing) continue;
     Preparation plan;
-    const std::size_t missing = claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * regions : 0;
-    if (missing == 0) return plan;
-    const std::size_t obtainable = obtainable_pages(claims);
-    if (missing <= obtainable) {
-      try {
-        detail::UndoLog undo(stream_waiter(stream));
-        map_missing(claims, {}, missing, stream, undo, "swap_in");
-        undo.commit();
-        return plan;
-      } catch (const OutOfMemory& error) {
-        if (!background_busy()) {
-          plan.missing_pages = std::max<std::size_t>(error.missing_pages(), 1);
-          return plan;
-        }
-      }
-    } else if (!background_busy()) {
-      plan.missing_pages = missing - obtainable;
-      return plan;
-    }
-    background_done_.wait(lock, [&] { return !background_busy(); });
+    plan.missing_pages = *missing;
+    return plan;
   }
 }
 
@@ -116,8 +108,7 @@ KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(src);
   for (;;) {
-    VKV_EXPECTS(slots_[src].allocated, "fork: slot ", src, " is not allocated");
-    VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
+    expect_valid_fork(src);
     Preparation plan;
     plan.slot = slots_.next_to_allocate();
     VKV_EXPECTS(plan.slot < slots_.size(), "no free slot: all max_batch_size = ", slots_.size(),
@@ -137,15 +128,7 @@ KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::s
   expect_slot_in_range(src);
   expect_slot_in_range(dst);
   for (;;) {
-    VKV_EXPECTS(src != dst, "share_prefix: src and dst are both slot ", src);
-    for (std::size_t slot : {src, dst}) {
-      VKV_EXPECTS(slots_[slot].allocated, "share_prefix: slot ", slot, " is not allocated");
-      VKV_EXPECTS(!slots_[slot].swapped, "share_prefix: slot ", slot, " is swapped out (swap_in() first)");
-    }
-    VKV_EXPECTS(tokens <= slots_[src].seq_len, "share_prefix: tokens = ", tokens, " exceeds src slot ", src,
-                "'s seq_len = ", slots_[src].seq_len);
-    VKV_EXPECTS(slots_[dst].claimed == 0, "share_prefix: dst slot ", dst, " already holds tokens (seq_len ",
-                slots_[dst].seq_len, "); share into a slot fresh from alloc_reqid()");
+    expect_valid_share(src, dst, tokens);
     if (slots_[dst].busy()) {
       wait_not_busy(lock, dst);
       continue;

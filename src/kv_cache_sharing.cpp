@@ -11,14 +11,28 @@
 
 namespace vkv {
 
+void KvCache::Impl::expect_valid_fork(std::size_t src) const {
+  VKV_EXPECTS(slots_[src].allocated, "fork: slot ", src, " is not allocated");
+  VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
+}
+
+void KvCache::Impl::expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const {
+  VKV_EXPECTS(src != dst, "share_prefix: src and dst are both slot ", src);
+  for (std::size_t slot : {src, dst}) {
+    VKV_EXPECTS(slots_[slot].allocated, "share_prefix: slot ", slot, " is not allocated");
+    VKV_EXPECTS(!slots_[slot].swapped, "share_prefix: slot ", slot, " is swapped out (swap_in() first)");
+  }
+  VKV_EXPECTS(tokens <= slots_[src].seq_len, "share_prefix: tokens = ", tokens, " exceeds src slot ", src,
+              "'s seq_len = ", slots_[src].seq_len);
+  VKV_EXPECTS(slots_[dst].claimed == 0, "share_prefix: dst slot ", dst, " already holds tokens (seq_len ",
+              slots_[dst].seq_len, "); share into a slot fresh from alloc_reqid()");
+}
+
 std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(src);
-  auto expect_source = [&] {
-    VKV_EXPECTS(slots_[src].allocated, "fork: slot ", src, " is not allocated");
-    VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
-  };
+  auto expect_source = [&] { expect_valid_fork(src); };
   expect_source();
   detail::UndoLog undo(stream_waiter(stream));
   const std::size_t dst = slots_.next_to_allocate();
@@ -44,17 +58,7 @@ void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t t
   std::unique_lock<std::mutex> lock(mutex_);
   expect_slot_in_range(src);
   expect_slot_in_range(dst);
-  auto expect_valid = [&] {
-    VKV_EXPECTS(src != dst, "share_prefix: src and dst are both slot ", src);
-    for (std::size_t slot : {src, dst}) {
-      VKV_EXPECTS(slots_[slot].allocated, "share_prefix: slot ", slot, " is not allocated");
-      VKV_EXPECTS(!slots_[slot].swapped, "share_prefix: slot ", slot, " is swapped out (swap_in() first)");
-    }
-    VKV_EXPECTS(tokens <= slots_[src].seq_len, "share_prefix: tokens = ", tokens, " exceeds src slot ", src,
-                "'s seq_len = ", slots_[src].seq_len);
-    VKV_EXPECTS(slots_[dst].claimed == 0, "share_prefix: dst slot ", dst, " already holds tokens (seq_len ",
-                slots_[dst].seq_len, "); share into a slot fresh from alloc_reqid()");
-  };
+  auto expect_valid = [&] { expect_valid_share(src, dst, tokens); };
   settle(lock, dst, layout_.num_regions(), 0, expect_valid);  // room for a partial page
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   detail::UndoLog undo(stream_waiter(stream));

@@ -115,20 +115,26 @@ void KvCache::Impl::back_with_zeros(std::size_t slot_index, std::size_t until) {
   Slot& slot = slots_[slot_index];
   const std::size_t from = std::max(slot.mapped(), slot.backed_end);
   if (until <= from) return;
+  back_regions_with_zeros(slot_index, from, until);
+  slot.backed_end = until;
+}
+
+void KvCache::Impl::back_regions_with_zeros(std::size_t slot_index, std::size_t from, std::size_t until) {
   const std::size_t bytes = (until - from) * layout_.page_bytes();
   std::size_t region = 0;
   try {
-    for (; region < layout_.num_regions(); ++region) backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
+    for (; region < layout_.num_regions(); ++region)
+      backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
   } catch (...) {
     for (std::size_t r = 0; r < region; ++r) {
       try {
-        backend_->unmap(page_address(r, slot_index, from), bytes);  // nothing reads a range just backed
+        backend_->unmap(page_address(r, slot_index, from), bytes);
       } catch (...) {
+        // Already failing; report the first error.
       }
     }
     throw;
   }
-  slot.backed_end = until;
 }
 
 void KvCache::Impl::order_after_readers(std::size_t slot_index, std::size_t first) {
