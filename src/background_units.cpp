@@ -1,14 +1,26 @@
 // KvCache: the mapper's units of work, planned under the lock, their slow backend
 // calls made without it (the slot's pages at or past busy_from are the mapper's meanwhile).
 #include <algorithm>
-#include <chrono>
-
-#include "format.h"
 #include "kv_cache_impl.h"
-#include "undo_log.h"
-#include "vkv/error.h"
 
 namespace vkv {
+
+class KvCache::Impl::UnitExit {
+ public:
+  UnitExit(Impl& cache, std::unique_lock<std::mutex>& lock, std::size_t slot) : cache_(cache), lock_(lock), slot_(slot) {}
+  ~UnitExit() {
+    if (!lock_.owns_lock()) lock_.lock();
+    if (slot_ < cache_.slots_.size()) cache_.slots_[slot_].busy_from = detail::kNotBusy;
+    cache_.background_done_.notify_all();
+  }
+  UnitExit(const UnitExit&) = delete;
+  UnitExit& operator=(const UnitExit&) = delete;
+
+ private:
+  Impl& cache_;
+  std::unique_lock<std::mutex>& lock_;
+  std::size_t slot_;  // slots_.size() for a unit that works on no slot
+};
 
 bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t target) {
   Slot& slot = slots_[slot_index];
@@ -24,6 +36,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   in_flight_pages_ += count;
   slot.busy_from = first;
   lock.unlock();
+  const UnitExit exit(*this, lock, slot_index);
 
   // Pages at or past busy_from, and backed_end, belong to this thread until it is cleared.
   std::size_t created = 0;
@@ -61,8 +74,6 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     for (const Page& page : pages) pool_.give_back({page.handle, false});  // a zero-fill may have begun
     pool_.end_create(to_create, created);
     in_flight_pages_ -= count;
-    slot.busy_from = detail::kNotBusy;
-    background_done_.notify_all();
     throw;
   }
   lock.lock();
@@ -70,8 +81,6 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);
   if (config_.zero_page) slot.backed_end = std::max(slot.backed_end, first + per_region);
   in_flight_pages_ -= count;
-  slot.busy_from = detail::kNotBusy;
-  background_done_.notify_all();
   return true;
 }
 
@@ -81,20 +90,12 @@ bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std
   const std::size_t keep = mapped - pages;
   slot.busy_from = keep;
   lock.unlock();
+  const UnitExit exit(*this, lock, slot_index);
   std::size_t region = 0;
   try {
     for (; region < layout_.num_regions(); ++region) unmap_real(slot_index, region, keep, pages);
   } catch (...) {
-    for (std::size_t r = 0; r < region; ++r) {
-      try {
-        map_real(slot_index, r, keep, slot.pages[r].data() + keep, pages);
-      } catch (...) {
-        // Already failing; report the first error.
-      }
-    }
-    lock.lock();
-    slot.busy_from = detail::kNotBusy;
-    background_done_.notify_all();
+    remap_unmapped_regions(slot_index, region, keep, pages);
     throw;
   }
   lock.lock();
@@ -103,8 +104,6 @@ bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std
     for (std::size_t i = keep; i < mapped; ++i) pool_.give_back({handles[i], true});
     handles.resize(keep);
   }
-  slot.busy_from = detail::kNotBusy;
-  background_done_.notify_all();
   return true;
 }
 
@@ -113,18 +112,10 @@ bool KvCache::Impl::cover_in_background(std::unique_lock<std::mutex>& lock, std:
   const std::size_t from = std::max(slot.mapped(), slot.backed_end);
   slot.busy_from = from;  // nobody maps there meanwhile; the range is unmapped, so nothing reads it
   lock.unlock();
-  try {
-    back_regions_with_zeros(slot_index, from, until);
-  } catch (...) {
-    lock.lock();
-    slot.busy_from = detail::kNotBusy;
-    background_done_.notify_all();
-    throw;
-  }
+  const UnitExit exit(*this, lock, slot_index);
+  back_regions_with_zeros(slot_index, from, until);
   lock.lock();
   slot.backed_end = until;
-  slot.busy_from = detail::kNotBusy;
-  background_done_.notify_all();
   return true;
 }
 
@@ -133,22 +124,21 @@ bool KvCache::Impl::create_in_background(std::unique_lock<std::mutex>& lock, std
   if (reserved == 0) return false;
   in_flight_pages_ += reserved;
   lock.unlock();
+  const UnitExit exit(*this, lock, slots_.size());
   std::vector<Page> created;
-  try {
-    while (created.size() < reserved) created.push_back(pool_.new_page());
-  } catch (...) {
+  auto publish = [&] {  // whatever was created goes to the pool, also when the device ran out
     lock.lock();
     for (const Page& page : created) pool_.give_back(page);
     pool_.end_create(reserved, created.size());
     in_flight_pages_ -= reserved;
-    background_done_.notify_all();
+  };
+  try {
+    while (created.size() < reserved) created.push_back(pool_.new_page());
+  } catch (...) {
+    publish();
     throw;
   }
-  lock.lock();
-  for (const Page& page : created) pool_.give_back(page);
-  pool_.end_create(reserved, created.size());
-  in_flight_pages_ -= reserved;
-  background_done_.notify_all();
+  publish();
   return true;
 }
 

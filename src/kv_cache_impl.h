@@ -172,6 +172,9 @@ class KvCache::Impl {
   std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& floors);
   void reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors);
   void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
+  // Maps back pages [keep, keep + count) of regions [0, regions) of a slot, whose unmap
+  // succeeded before another region's failed; errors are dropped (the first one propagates).
+  void remap_unmapped_regions(std::size_t slot, std::size_t regions, std::size_t keep, std::size_t count) noexcept;
 
   // ---- sharing, swapping, elastic memory, preparation ------------------------------
   void copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
@@ -192,6 +195,9 @@ class KvCache::Impl {
   void expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const;
 
   // ---- the mapper's work (background_planner.cpp, background_units.cpp) ------------
+  // A unit's exit, however it leaves (done or thrown): the lock held again, its slot no
+  // longer busy, waiters told. Constructed with the lock released.
+  class UnitExit;
   BackgroundUnit next_background_unit(bool settle_events);
   bool background_work();
   bool background_busy() const noexcept;

@@ -38,12 +38,7 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   const std::size_t dst = slots_.next_to_allocate();
   const std::size_t kept_at_free = dst < slots_.size() ? slots_[dst].kept_at_free : 0;
   allocate_slot(lock, dst, stream);
-  undo.push([this, dst, kept_at_free] {
-    Slot& slot = slots_[dst];
-    slot.allocated = false;
-    slot.seq_len = slot.claimed = 0;
-    slot.kept_at_free = kept_at_free;
-  });
+  undo.push([this, dst, kept_at_free] { slots_.unmark_allocated(dst, kept_at_free); });
   // The mapper may be mapping ahead into the slot handed out next; room for a partial page.
   settle(lock, dst, layout_.num_regions(), 0, expect_source);
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it

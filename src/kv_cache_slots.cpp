@@ -22,10 +22,7 @@ std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool con
   auto allocate = [&](std::size_t slot) {
     const std::size_t kept_at_free = slots_[slot].kept_at_free;
     allocated.push_back(allocate_slot(lock, slot, stream));
-    undo.push([this, slot, kept_at_free] {
-      slots_[slot].allocated = false;
-      slots_[slot].kept_at_free = kept_at_free;
-    });
+    undo.push([this, slot, kept_at_free] { slots_.unmark_allocated(slot, kept_at_free); });
   };
   if (!contiguous) {
     for (std::size_t i = 0; i < count; ++i) allocate(slots_.next_to_allocate());

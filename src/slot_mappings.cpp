@@ -50,14 +50,7 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
   try {
     for (; region < slot.pages.size(); ++region) unmap_real(slot_index, region, keep, mapped - keep);
   } catch (...) {
-    // Put back what this call unmapped, so every region keeps the same pages.
-    for (std::size_t r = 0; r < region; ++r) {
-      try {
-        map_real(slot_index, r, keep, slot.pages[r].data() + keep, mapped - keep);
-      } catch (...) {
-        // Already failing; report the first error.
-      }
-    }
+    remap_unmapped_regions(slot_index, region, keep, mapped - keep);  // every region keeps the same pages
     throw;
   }
   VKV_ASSERT(!slot.busy());  // a busy slot's pages are the mapper's until it is done
@@ -68,6 +61,17 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
     for (std::size_t i = keep; i < mapped; ++i)
       if (sharing_.drop_mapping(pages[i])) into.push_back({pages[i], clean});
     pages.resize(keep);
+  }
+}
+
+void KvCache::Impl::remap_unmapped_regions(std::size_t slot_index, std::size_t regions, std::size_t keep,
+                                           std::size_t count) noexcept {
+  for (std::size_t r = 0; r < regions; ++r) {
+    try {
+      map_real(slot_index, r, keep, slots_[slot_index].pages[r].data() + keep, count);
+    } catch (...) {
+      // Already failing; the first error is the one that propagates.
+    }
   }
 }
 

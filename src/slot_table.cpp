@@ -40,6 +40,14 @@ void SlotTable::mark_allocated(std::size_t slot, std::uint64_t steps_so_far) noe
   entry.kept_at_free = 0;
 }
 
+void SlotTable::unmark_allocated(std::size_t slot, std::size_t kept_at_free) noexcept {
+  Slot& entry = slots_[slot];
+  entry.allocated = false;
+  entry.seq_len = 0;
+  entry.claimed = 0;
+  entry.kept_at_free = kept_at_free;
+}
+
 void SlotTable::mark_freed(std::size_t slot, std::size_t kept) noexcept {
   Slot& entry = slots_[slot];
   entry.kept_at_free = kept;

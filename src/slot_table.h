@@ -74,6 +74,8 @@ class SlotTable {
 
   /// The books of an allocation (the caller ordered its stream after the zero-fill).
   void mark_allocated(std::size_t slot, std::uint64_t steps_so_far) noexcept;
+  /// Undoes mark_allocated() of a call that failed: free again, preferred as before.
+  void unmark_allocated(std::size_t slot, std::size_t kept_at_free) noexcept;
   /// The books of a free: `kept` pages stay for the next owner's preference.
   void mark_freed(std::size_t slot, std::size_t kept) noexcept;
 
