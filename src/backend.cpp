@@ -38,6 +38,24 @@ void Backend::synchronize(Stream stream) {
   destroy_event(event);
 }
 
+void Backend::check_zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride) const {
+  const std::size_t page = page_bytes();
+  VKV_EXPECTS(bytes % page == 0, "zero_strided: bytes = ", bytes, " is not a multiple of the page size ", page);
+  VKV_EXPECTS(stride % page == 0, "zero_strided: stride = ", stride, " is not a multiple of the page size ", page);
+  if (count <= 1 || bytes == 0) return;
+  VKV_EXPECTS(stride >= bytes, "zero_strided: stride = ", stride, " is below bytes = ", bytes,
+              ": the ", count, " ranges would overlap");
+  constexpr Address kHighest = ~Address{0};  // the last range's end, first + (count - 1) * stride + bytes, must not wrap
+  VKV_EXPECTS(first <= kHighest - bytes && count - 1 <= (kHighest - first - bytes) / stride, "zero_strided: count = ", count,
+              " ranges of stride ", stride, " from 0x", std::hex, first, std::dec, " run past the address space");
+}
+
+void Backend::zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) {
+  check_zero_strided(first, bytes, count, stride);
+  if (bytes == 0) return;
+  for (std::size_t i = 0; i < count; ++i) zero(first + i * stride, bytes, stream);
+}
+
 Address Backend::allocate_host(std::size_t bytes) {
   void* memory = std::malloc(bytes == 0 ? 1 : bytes);
   if (memory == nullptr)

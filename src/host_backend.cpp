@@ -175,6 +175,27 @@ void HostBackend::zero(Address address, std::size_t bytes, Stream) {
   work();
 }
 
+void HostBackend::zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream) {
+  check_zero_strided(first, bytes, count, stride);
+  if (bytes == 0 || count == 0) return;
+  auto work = [first, bytes, count, stride] {
+    for (std::size_t i = 0; i < count; ++i) std::memset(as_pointer(first + i * stride), 0, bytes);
+  };
+  if (!stream_) return work();
+  stream_->enqueue([this, first, bytes, count, stride, work] {
+    std::lock_guard<std::mutex> lock(*mapping_mutex_);
+    for (std::size_t i = 0; i < count; ++i) {
+      const Address range = first + i * stride;
+      if (!page_states_->usable(range, range + bytes, State::real, State::real)) {
+        stream_->fault(detail::concat("zero_strided of range ", i, " of ", count, " (", bytes, " bytes at 0x",
+                                      std::hex, range, ") ran after its pages were unmapped"));
+        return;
+      }
+    }
+    work();
+  });
+}
+
 void HostBackend::copy(Address destination, Address source, std::size_t bytes, Stream) {
   if (bytes == 0) return;
   auto work = [destination, source, bytes] { std::memmove(as_pointer(destination), as_pointer(source), bytes); };

@@ -63,6 +63,10 @@ void StatisticsBackend::back_with_zeros(Address address, std::size_t bytes) {
 void StatisticsBackend::zero(Address address, std::size_t bytes, Stream stream) {
   timed(zero_, bytes, [&] { upstream_->zero(address, bytes, stream); });
 }
+void StatisticsBackend::zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride,
+                                     Stream stream) {
+  timed(zero_, bytes * count, [&] { upstream_->zero_strided(first, bytes, count, stride, stream); });
+}
 void StatisticsBackend::copy(Address destination, Address source, std::size_t bytes, Stream stream) {
   timed(copy_, bytes, [&] { upstream_->copy(destination, source, bytes, stream); });
 }

@@ -91,6 +91,16 @@ class Backend {
   // ---- device work, ordered on streams ----------------------------------------------
   /// Enqueues a zero-fill of mapped memory on `stream`.
   virtual void zero(Address address, std::size_t bytes, Stream stream) = 0;
+  /// Enqueues zero-fills of `count` ranges of `bytes` each on `stream`, the i-th at
+  /// `first + i * stride`: every region of a slot in one call. `first` is where a mapped
+  /// page starts, `bytes` and `stride` are multiples of page_bytes(), `stride` >= `bytes`
+  /// when count > 1 (the ranges do not overlap), and every range is mapped read-write when
+  /// the call is made. Ordered like
+  /// zero(); `count` or `bytes` 0 enqueues nothing. By default: one zero() per range; the
+  /// CUDA backend launches one kernel for them all. All or nothing on bad arguments:
+  /// @throws InvalidArgument (naming the value and the limit) before enqueuing anything;
+  ///         DriverError as zero().
+  virtual void zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream);
   /// Enqueues a copy on `stream`. Either side may also be host memory from allocate_host().
   virtual void copy(Address destination, Address source, std::size_t bytes, Stream stream) = 0;
   /// A stream of the backend's own that does not wait for the legacy default stream
@@ -120,6 +130,11 @@ class Backend {
   virtual Address allocate_host(std::size_t bytes);
   /// Frees allocate_host() memory; no copy may still be using it.
   virtual void free_host(Address address, std::size_t bytes) noexcept;
+
+ protected:
+  /// The checks zero_strided() makes before it enqueues anything; implementations that
+  /// override it call this first. @throws InvalidArgument.
+  void check_zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride) const;
 };
 
 /// The backend a Device names: CUDA when kind is cuda, or automatic with a device present.

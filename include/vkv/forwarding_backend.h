@@ -36,6 +36,9 @@ class ForwardingBackend : public Backend {
   BackendTraits traits() const noexcept override { return upstream_->traits(); }
   std::uint64_t cleanup_failures() const noexcept override { return upstream_->cleanup_failures(); }
   void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }
+  void zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) override {
+    upstream_->zero_strided(first, bytes, count, stride, stream);
+  }
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
     upstream_->copy(destination, source, bytes, stream);
   }

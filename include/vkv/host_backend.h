@@ -74,6 +74,8 @@ class HostBackend final : public Backend {
   BackendTraits traits() const noexcept override { return {/*fresh_pages_are_zero=*/true, /*zero_backing_is_bulk=*/true}; }
   std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
+  /// One task in deferred mode, as one kernel launch: it checks every range when it runs.
+  void zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) override;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
   Event record_event(Stream stream) override;
   bool event_done(Event event) override;

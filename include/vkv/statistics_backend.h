@@ -26,6 +26,8 @@ class StatisticsBackend final : public ForwardingBackend {
   void unmap(Address address, std::size_t bytes) override;
   void back_with_zeros(Address address, std::size_t bytes) override;
   void zero(Address address, std::size_t bytes, Stream stream) override;
+  /// Counted as one zero() call of bytes * count.
+  void zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) override;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
   Event record_event(Stream stream) override;
   bool event_done(Event event) override;

@@ -25,7 +25,7 @@ struct BackendStats {
   CallStats map;      ///< units: pages (map + access of a run counts as one call)
   CallStats unmap;    ///< units: pages (real or zero-backed)
   CallStats zero_backing;  ///< back_with_zeros(); units: pages
-  CallStats zero;     ///< units: bytes
+  CallStats zero;     ///< zero() and zero_strided(), one call each; units: bytes
   CallStats copy;     ///< units: bytes
   CallStats event;    ///< record, query, wait, stream-wait; units: calls
   /// Release calls that failed (logged with VKV_LOG=debug); counted with or without the

@@ -224,6 +224,10 @@ class FaultInjectingBackend final : public ForwardingBackend {
     maybe_fail("zero");
     upstream_->zero(address, bytes, stream);
   }
+  void zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) override {
+    maybe_fail("zero_strided");
+    upstream_->zero_strided(first, bytes, count, stride, stream);
+  }
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
     maybe_fail("copy");
     upstream_->copy(destination, source, bytes, stream);
