@@ -1,10 +1,12 @@
 // CudaBackend: CUDA driver VMM implementation of the backend interface.
 #include "vkv/cuda_backend.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
 #include "cuda_driver.h"
+#include "cuda_kernels.h"
 #include "log.h"
 #include "vkv/error.h"
 
@@ -14,6 +16,12 @@ namespace {
 CUcontext as_context(void* context) { return static_cast<CUcontext>(context); }
 CUstream as_stream(Stream stream) { return reinterpret_cast<CUstream>(stream); }
 CUevent as_event(Event event) { return reinterpret_cast<CUevent>(event); }
+
+// The zero-fill kernel's launch shape: 256 threads a block, enough blocks to hold every
+// multiprocessor full (8 x 256 = 2048 threads), each storing 16 bytes a turn.
+constexpr unsigned kZeroFillThreads = 256;
+constexpr unsigned kZeroFillBlocksPerMultiprocessor = 8;
+constexpr unsigned kMaxGridY = 65535;
 
 CUmemAllocationProp page_properties(int device) {
   CUmemAllocationProp properties{};
@@ -77,6 +85,14 @@ CudaBackend::CudaBackend(int device, std::size_t page_bytes) : device_(device) {
 
 CudaBackend::~CudaBackend() {
   // Tolerates a driver already shut down at process exit (the failures are counted).
+  if (zero_fill_.module != nullptr) {
+    try {
+      ContextScope scope(*this);  // a module belongs to the context it was loaded in
+      note_cleanup(cuda::driver().cuModuleUnload(static_cast<CUmodule>(zero_fill_.module)), "cuModuleUnload");
+    } catch (const std::exception&) {
+      note_cleanup(CUDA_ERROR_DEINITIALIZED, "cuModuleUnload (its context could not be made current)");
+    }
+  }
   if (zero_page_ != 0)
     note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(zero_page_)), "cuMemRelease");
   note_cleanup(cuda::driver().cuDevicePrimaryCtxRelease(device_handle_), "cuDevicePrimaryCtxRelease");
@@ -206,6 +222,61 @@ void CudaBackend::back_with_zeros(Address address, std::size_t bytes) {
 void CudaBackend::zero(Address address, std::size_t bytes, Stream stream) {
   ContextScope scope(*this);
   VKV_CU_TRY(cuMemsetD8Async, address, 0, bytes, as_stream(stream));
+}
+
+CudaBackend::ZeroFillKernel CudaBackend::load_zero_fill_kernel() noexcept {
+#ifdef VKV_CUDA_KERNELS
+  try {
+    ContextScope scope(*this);
+    const cuda::Driver& driver = cuda::driver();
+    int multiprocessors = 0;
+    VKV_CU_TRY(cuDeviceGetAttribute, &multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_handle_);
+    CUmodule module = nullptr;
+    VKV_CU_TRY(cuModuleLoadData, &module, cuda::zero_fill_fatbin);
+    CUfunction function = nullptr;
+    const CUresult found = driver.cuModuleGetFunction(&function, module, "vkv_zero_strided");
+    if (found != CUDA_SUCCESS) {
+      note_cleanup(driver.cuModuleUnload(module), "cuModuleUnload");
+      cuda::check(found, "cuModuleGetFunction(vkv_zero_strided)");
+    }
+    return {module, function, static_cast<unsigned>(std::max(multiprocessors, 1)) * kZeroFillBlocksPerMultiprocessor};
+  } catch (const std::exception& error) {
+    detail::log_debug(std::string("the zero-fill kernel did not load (") + error.what() +
+                      "): zero_strided() enqueues one memset per range");
+    return {};
+  }
+#else
+  detail::log_debug("built without CUDA kernels (VKV_CUDA_KERNELS): zero_strided() enqueues one memset per range");
+  return {};
+#endif
+}
+
+const CudaBackend::ZeroFillKernel& CudaBackend::zero_fill_kernel() noexcept {
+  std::call_once(zero_fill_once_, [this] { zero_fill_ = load_zero_fill_kernel(); });
+  return zero_fill_;
+}
+
+bool CudaBackend::has_zero_fill_kernel() noexcept { return zero_fill_kernel().function != nullptr; }
+
+void CudaBackend::zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride,
+                               Stream stream) {
+  check_zero_strided(first, bytes, count, stride);
+  // Reservations are page-aligned here: so are mapped pages, and the kernel's 16-byte stores.
+  VKV_EXPECTS(first % page_bytes_ == 0, "zero_strided: first = 0x", std::hex, first, std::dec,
+              " is not where a page starts (a multiple of the page size ", page_bytes_, ")");
+  if (bytes == 0 || count == 0) return;
+  const ZeroFillKernel& kernel = zero_fill_kernel();
+  if (kernel.function == nullptr) return Backend::zero_strided(first, bytes, count, stride, stream);
+  // blockIdx.y picks ranges, x covers one range grid-stride: together about `blocks`.
+  const auto grid_y = static_cast<unsigned>(std::min<std::size_t>(count, kMaxGridY));
+  const std::size_t blocks_per_range = (bytes / 16 + kZeroFillThreads - 1) / kZeroFillThreads;
+  const auto grid_x = static_cast<unsigned>(
+      std::min<std::size_t>(blocks_per_range, std::max<std::size_t>(1, kernel.blocks / grid_y)));
+  unsigned long long first_argument = first, bytes_argument = bytes, count_argument = count, stride_argument = stride;
+  void* arguments[] = {&first_argument, &bytes_argument, &count_argument, &stride_argument};
+  ContextScope scope(*this);
+  VKV_CU_TRY(cuLaunchKernel, static_cast<CUfunction>(kernel.function), grid_x, grid_y, 1, kZeroFillThreads, 1, 1, 0,
+             as_stream(stream), arguments, nullptr);
 }
 
 void CudaBackend::copy(Address destination, Address source, std::size_t bytes, Stream stream) {

@@ -23,7 +23,8 @@
   X(cuMemUnmap) X(cuMemSetAccess) X(cuMemsetD8Async) X(cuMemcpyAsync) X(cuEventCreate)  \
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)               \
   X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize) \
-  X(cuStreamCreate) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuLaunchHostFunc)
+  X(cuStreamCreate) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuLaunchHostFunc) \
+  X(cuDeviceGetAttribute) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel)
 
 namespace vkv::cuda {
 

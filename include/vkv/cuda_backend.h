@@ -7,6 +7,9 @@
 // restores the caller's context afterwards, so any thread may call. Zero backing maps
 // one 2 MiB page of zeros, created on first use, read-only at every address it backs;
 // it costs about as much per page as mapping a real one (the access setting dominates).
+// zero_strided() is one launch of a kernel embedded in the library (csrc/cuda/zero_fill.cu),
+// loaded into the primary context on first use; without it (a build without nvcc, or a
+// module that does not load) it is one driver memset per range.
 // Thread-safety: all calls are thread-safe.
 #pragma once
 
@@ -53,6 +56,13 @@ class CudaBackend final : public Backend {
   void back_with_zeros(Address address, std::size_t bytes) override;
   std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
+  /// One kernel launch for all the ranges (see has_zero_fill_kernel()): it checks nothing
+  /// when enqueued, so the ranges need only be mapped by the time it runs.
+  void zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) override;
+  /// True when zero_strided() launches the zero-fill kernel; false when this build has no
+  /// CUDA kernels (VKV_CUDA_KERNELS) or the module would not load (VKV_LOG=debug says why),
+  /// and zero_strided() is one memset per range. Loads the kernel on the first call.
+  bool has_zero_fill_kernel() noexcept;
   void copy(Address destination, Address source, std::size_t bytes, Stream stream) override;
   Address allocate_host(std::size_t bytes) override;
   void free_host(Address address, std::size_t bytes) noexcept override;
@@ -72,6 +82,14 @@ class CudaBackend final : public Backend {
   void note_cleanup(int result, const char* call) const noexcept;
   // The one page of zeros back_with_zeros() maps everywhere; created on first use.
   PageHandle zero_page();
+  // csrc/cuda/zero_fill.cu's kernel in the primary context; function null where it cannot load.
+  struct ZeroFillKernel {
+    void* module = nullptr;    // CUmodule, unloaded by the destructor
+    void* function = nullptr;  // CUfunction
+    unsigned blocks = 0;       // blocks per launch that fill the device
+  };
+  const ZeroFillKernel& zero_fill_kernel() noexcept;  // loads it once
+  ZeroFillKernel load_zero_fill_kernel() noexcept;
 
   int device_;
   int device_handle_ = 0;      // CUdevice
@@ -79,6 +97,8 @@ class CudaBackend final : public Backend {
   std::size_t page_bytes_ = 0;
   std::mutex zero_page_mutex_;
   PageHandle zero_page_ = 0;   // 0 until created
+  std::once_flag zero_fill_once_;
+  ZeroFillKernel zero_fill_;   // set once, under zero_fill_once_
   mutable std::atomic<std::uint64_t> cleanup_failures_{0};
 };
 

@@ -176,5 +176,21 @@ TEST(ZeroStrided, TheFaultInjectorCanFailIt) {
   expect_only_ranges_zeroed(*injector, memory, 0, 0, 0, 1);  // nothing zeroed
 }
 
+#ifdef VKV_WITH_CUDA
+TEST(ZeroStrided, CudaRunsItAsOneKernelLaunchWhereTheBuildHasKernels) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device on this machine";
+  CudaBackend backend(0);
+#ifdef VKV_CUDA_KERNELS
+  EXPECT_TRUE(backend.has_zero_fill_kernel()) << "the embedded zero-fill kernel did not load (VKV_LOG=debug says why)";
+#else
+  EXPECT_FALSE(backend.has_zero_fill_kernel());
+#endif
+  // The kernel's 16-byte stores need ranges that start where pages do.
+  FilledPages memory(backend, 2);
+  EXPECT_THROW(backend.zero_strided(memory.base() + 16, backend.page_bytes(), 1, 0, 0), InvalidArgument);
+  expect_only_ranges_zeroed(backend, memory, 0, 0, 0, 1);
+}
+#endif
+
 }  // namespace
 }  // namespace vkv
