@@ -243,40 +243,42 @@ def main() -> None:
         parser.error("--vattention runs on CUDA only")
     work = trace(args.quick)
     result = {"benchmark": "arrivals", "machine": machine(args.device), "trace": work, "runs": []}
+    stem = os.path.join(args.out, f"arrivals_{device_tag(args.device)}{'_quick' if args.quick else ''}")
+
+    def record(entry: dict) -> None:
+        """Adds one system's run and rewrites the JSON, so that what ran survives a later crash or timeout."""
+        result["runs"].append(entry)
+        if "error" in entry:
+            progress(f"{entry['system']}: failed: {entry['error']}")
+        else:
+            progress(f"{entry['system']}: step() all p50/p99/max {entry['all_us']['p50']:.0f}/"
+                     f"{entry['all_us']['p99']:.0f}/{entry['all_us']['max']:.0f} us; decode-only p99 "
+                     f"{entry['decode_only_us']['p99']:.0f}; with an arrival p99 {entry['with_arrival_us']['p99']:.0f}; "
+                     f"free p50 {entry['free_us']['p50']:.0f} us, alloc p50 {entry['alloc_us']['p50']:.0f} us")
+        write_json(result, stem + ".json")
+
     workload = Workload(args.device, 7.0 if args.device == "cuda" else 1.0)
     if "arrivals" in args.only:
         for layout in ("interleaved", "per_layer"):
             system = VkvSystem(layout, args.device, work)
-            result["runs"].append(run(system, work, workload))
+            record(run(system, work, workload))
             system.close()
         if args.vattention:
-            log_path = os.path.join(args.out, "vattention_build.log")
             try:
-                path = load_vattention(args.vattention, log_path)
+                path = load_vattention(args.vattention, os.path.join(args.out, "vattention_build.log"))
             except (RuntimeError, ValueError, subprocess.CalledProcessError) as error:
-                progress(f"vAttention not run: {error}")
-                result["runs"].append({"system": "vattention", "error": str(error)})
+                record({"system": "vattention", "error": str(error)})
                 path = None
             if path:
                 result["vattention"] = {"checkout": os.path.abspath(args.vattention), "module": path,
                                         "patch": os.path.relpath(vattention_build.PATCH, os.path.dirname(__file__))}
                 for asynchronous in (True, False):
-                    result["runs"].append(run_vattention(path, asynchronous, work))
-        for entry in result["runs"]:
-            if "error" in entry:
-                progress(f"{entry['system']}: failed: {entry['error']}")
-                continue
-            progress(f"{entry['system']}: step() all p50/p99/max {entry['all_us']['p50']:.0f}/"
-                     f"{entry['all_us']['p99']:.0f}/{entry['all_us']['max']:.0f} us; decode-only p99 "
-                     f"{entry['decode_only_us']['p99']:.0f}; with an arrival p99 {entry['with_arrival_us']['p99']:.0f}; "
-                     f"free p50 {entry['free_us']['p50']:.0f} us, alloc p50 {entry['alloc_us']['p50']:.0f} us")
+                    record(run_vattention(path, asynchronous, work))
     if "prompt" in args.only:
         result["prompt_mapping"] = prompt_bandwidth(args.device, args.quick)
-    stem = os.path.join(args.out, f"arrivals_{device_tag(args.device)}{'_quick' if args.quick else ''}")
     write_json(result, stem + ".json")
     if any("error" not in entry for entry in result["runs"]):
         plot(result, stem + ".png")
-
 
 if __name__ == "__main__":
     main()
