@@ -16,20 +16,22 @@ latency per iteration.
   python benchmarks/arrivals_bench.py --vattention ../vattention --out benchmarks/results
   python benchmarks/arrivals_bench.py --device cpu --quick --out /tmp/r          # smoke test anywhere
 
-vAttention: the folder of a microsoft/vattention checkout; its `vattention` extension is
-built there (pip install, against the torch installed) unless it imports already. Its
-step_async() needs the CUDA context current in the thread it spawns to run at all on
-CUDA 13 (see ../shared/peers/vattention-api.md): this script makes the primary context
-current in the caller, which its thread inherits only where the build does so itself; a
-build that crashes there is reported, not hidden.
+vAttention: the folder of a microsoft/vattention checkout (its `vattention/` subfolder is
+enough). The script copies it to a build folder, applies benchmarks/vattention/build.patch
+(its README says why each hunk exists: notably step_async()'s thread makes the CUDA context
+current, without which it crashes on CUDA 13), builds the extension against the torch
+installed (`setup.py build_ext --inplace`, no download; log in OUT/vattention_build.log) and
+runs each vAttention mode in its own process, so that its exit(1) on a driver error or a crash
+is reported in the JSON instead of taking vkv's numbers with it.
 """
 
 from __future__ import annotations
 
-import importlib
+import json
+import multiprocessing
 import os
 import subprocess
-import sys
+import tempfile
 import time
 
 import numpy as np
@@ -37,6 +39,7 @@ import torch
 
 import vkv
 from alloc_bench import Workload
+import vattention_build
 from common import argument_parser, device_tag, machine, percentiles, progress, progress_bar, write_json
 
 SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
@@ -86,7 +89,10 @@ class VkvSystem:
 
 
 class VattentionSystem:
-    """The public vAttention module, through the calls its engine makes."""
+    """The public vAttention module, driven as its engine (sarathi-lean's vATTNCacheEngine) does:
+    init_kvcache, then reserve_physical_pages(budget); alloc_new_batch_idx(prompt) per arrival;
+    step_async(seq_lens), or step(seq_lens, True) in its synchronous mode, before each forward;
+    free_batch_idx(id) and seq_lens[id] = 0 when a request finishes."""
 
     def __init__(self, module, asynchronous: bool, work: dict) -> None:
         self.name = f"vattention {'step_async' if asynchronous else 'step'}"
@@ -115,9 +121,6 @@ class VattentionSystem:
 
     def grow(self) -> None:
         self.seq_lens = [n + 1 if n else 0 for n in self.seq_lens]
-
-    def close(self) -> None:
-        self.module.cleanup()
 
 
 def run(system, work: dict, workload: Workload) -> dict:
@@ -168,17 +171,46 @@ def prompt_bandwidth(device: str, quick: bool) -> list:
     return rows
 
 
-def load_vattention(folder: str):
-    """Imports the vattention extension, building it from `folder` first if needed."""
+def load_vattention(folder: str, log_path: str) -> str:
+    """Builds the vattention extension from the checkout `folder` (patched, see
+    benchmarks/vattention/README.md) and checks that it imports; returns the module's path."""
+    progress(f"building vAttention from {folder} (log: {log_path}) ...")
+    path = vattention_build.build(folder, log_path)
+    vattention_build.load(path)
+    progress(f"vAttention built: {path}")
+    return path
+
+
+def _vattention_process(path: str, asynchronous: bool, work: dict, out: str) -> None:
+    """One vAttention mode in a process of its own (the module holds one cache per process
+    and calls exit(1) on any driver error); writes its timings, or the exception, to `out`."""
+    name = f"vattention {'step_async' if asynchronous else 'step'}"
     try:
-        return importlib.import_module("vattention")
-    except ImportError:
-        pass
-    source = os.path.join(folder, "vattention")
-    progress(f"building vAttention from {source} (pip install --no-build-isolation) ...")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", source],
-                   check=True)
-    return importlib.import_module("vattention")
+        workload = Workload("cuda", 7.0)  # also makes torch's CUDA context current, as init_kvcache requires
+        result = run(VattentionSystem(vattention_build.load(path), asynchronous, work), work, workload)
+    except Exception as error:
+        result = {"system": name, "error": repr(error)}
+    with open(out, "w") as file:
+        json.dump(result, file)
+    # No cleanup(), no interpreter shutdown: the module's globals (a py::object among them) and its
+    # detached step_async thread outlive Python's finalization; the process's exit releases the GPU.
+    os._exit(0)
+
+
+def run_vattention(path: str, asynchronous: bool, work: dict) -> dict:
+    """Runs one vAttention mode in a spawned process; a crash is reported, not fatal."""
+    name = f"vattention {'step_async' if asynchronous else 'step'}"
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "run.json")
+        process = multiprocessing.get_context("spawn").Process(target=_vattention_process,
+                                                               args=(path, asynchronous, work, out))
+        process.start()
+        process.join()
+        if os.path.exists(out):
+            with open(out) as file:
+                return json.load(file)
+    return {"system": name, "error": f"its process died with exit code {process.exitcode}"
+                                      f"{' (signal %d)' % -process.exitcode if process.exitcode < 0 else ''}"}
 
 
 def plot(result: dict, path: str) -> None:
@@ -190,7 +222,7 @@ def plot(result: dict, path: str) -> None:
     except ImportError:
         return
     figure, axis = plt.subplots(figsize=(11, 4))
-    for run in result["runs"]:
+    for run in (entry for entry in result["runs"] if "error" not in entry):
         label = f"{run['system']}: p99 {run['all_us']['p99']:.0f} us, max {run['all_us']['max']:.0f} us"
         axis.plot(run["step_us"], lw=0.7, alpha=0.85, label=label)
     axis.set_yscale("log")
@@ -211,37 +243,42 @@ def main() -> None:
         parser.error("--vattention runs on CUDA only")
     work = trace(args.quick)
     result = {"benchmark": "arrivals", "machine": machine(args.device), "trace": work, "runs": []}
-    workload = Workload(args.device, 7.0 if args.device == "cuda" else 1.0)
-    if "arrivals" in args.only:
-        for layout in ("interleaved", "per_layer"):
-            system = VkvSystem(layout, args.device, work)
-            result["runs"].append(run(system, work, workload))
-            system.close()
-        if args.vattention:
-            module = load_vattention(args.vattention)
-            for asynchronous in (True, False):
-                try:
-                    system = VattentionSystem(module, asynchronous, work)
-                    result["runs"].append(run(system, work, workload))
-                    system.close()
-                except Exception as error:  # reported in the JSON, not hidden
-                    result["runs"].append({"system": f"vattention {'step_async' if asynchronous else 'step'}",
-                                           "error": repr(error)})
-        for entry in result["runs"]:
-            if "error" in entry:
-                progress(f"{entry['system']}: failed: {entry['error']}")
-                continue
+    stem = os.path.join(args.out, f"arrivals_{device_tag(args.device)}{'_quick' if args.quick else ''}")
+
+    def record(entry: dict) -> None:
+        """Adds one system's run and rewrites the JSON, so that what ran survives a later crash or timeout."""
+        result["runs"].append(entry)
+        if "error" in entry:
+            progress(f"{entry['system']}: failed: {entry['error']}")
+        else:
             progress(f"{entry['system']}: step() all p50/p99/max {entry['all_us']['p50']:.0f}/"
                      f"{entry['all_us']['p99']:.0f}/{entry['all_us']['max']:.0f} us; decode-only p99 "
                      f"{entry['decode_only_us']['p99']:.0f}; with an arrival p99 {entry['with_arrival_us']['p99']:.0f}; "
                      f"free p50 {entry['free_us']['p50']:.0f} us, alloc p50 {entry['alloc_us']['p50']:.0f} us")
+        write_json(result, stem + ".json")
+
+    workload = Workload(args.device, 7.0 if args.device == "cuda" else 1.0)
+    if "arrivals" in args.only:
+        for layout in ("interleaved", "per_layer"):
+            system = VkvSystem(layout, args.device, work)
+            record(run(system, work, workload))
+            system.close()
+        if args.vattention:
+            try:
+                path = load_vattention(args.vattention, os.path.join(args.out, "vattention_build.log"))
+            except (RuntimeError, ValueError, subprocess.CalledProcessError) as error:
+                record({"system": "vattention", "error": str(error)})
+                path = None
+            if path:
+                result["vattention"] = {"checkout": os.path.abspath(args.vattention), "module": path,
+                                        "patch": os.path.relpath(vattention_build.PATCH, os.path.dirname(__file__))}
+                for asynchronous in (True, False):
+                    record(run_vattention(path, asynchronous, work))
     if "prompt" in args.only:
         result["prompt_mapping"] = prompt_bandwidth(args.device, args.quick)
-    stem = os.path.join(args.out, f"arrivals_{device_tag(args.device)}{'_quick' if args.quick else ''}")
     write_json(result, stem + ".json")
-    if result["runs"]:
+    if any("error" not in entry for entry in result["runs"]):
         plot(result, stem + ".png")
-
 
 if __name__ == "__main__":
     main()

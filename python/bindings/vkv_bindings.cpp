@@ -62,11 +62,11 @@ struct PythonField<std::size_t> {
     const py::int_ number = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
     if (!number) throw py::error_already_set();
     if (PyObject_RichCompareBool(number.ptr(), py::int_(0).ptr(), Py_LT) == 1)
-      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(number)), " must be >= 0"));
+      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(py::handle(number))), " must be >= 0"));
     const unsigned long long result = PyLong_AsUnsignedLongLong(number.ptr());
     if (PyErr_Occurred()) {
       PyErr_Clear();
-      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(number)), " does not fit 64 bits"));
+      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(py::handle(number))), " does not fit 64 bits"));
     }
     return static_cast<std::size_t>(result);
   }
