@@ -44,10 +44,10 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
       return {BackgroundUnit::Kind::grow, s, target};
   }
   // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
-  const std::size_t eager_tokens = config_.eager_tokens == kAdaptive ? prompt_estimate_ : config_.eager_tokens;
+  const std::size_t eager = eager_tokens();
   const std::size_t next = slots_.next_to_allocate();
-  if (can_grow && eager_tokens > 0 && next < slots_.size() && !slots_[next].busy()) {
-    const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(std::min(config_.max_context_len, eager_tokens)));
+  if (can_grow && eager > 0 && next < slots_.size() && !slots_[next].busy()) {
+    const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(eager));
     if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(slots_[next])))
       return {BackgroundUnit::Kind::grow, next, target};
   }

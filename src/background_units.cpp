@@ -53,8 +53,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     // Published pages must read as zeros to whoever gets them, on any stream.
     if (std::any_of(pages.begin(), pages.end(), [](const Page& page) { return !page.clean; })) {
       zero_filling = true;
-      for (std::size_t r = 0; r < regions; ++r)
-        zero_fresh_pages(page_address(r, slot_index, first), &pages[r * per_region], per_region, background_stream_);
+      zero_fresh_regions(slot_index, first, pages.data(), per_region, background_stream_);
       backend_->synchronize(background_stream_);
     }
   } catch (...) {

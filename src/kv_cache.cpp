@@ -59,6 +59,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
               "): lower max_batch_size or max_context_len");
   watermark_pages_ = config.reclaim_watermark_pages != 0 ? config.reclaim_watermark_pages : pool_.budget_pages() / 32;
   pool_.precreate(config.precreate_pages);
+  slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
   detail::UndoLog undo;
   if (config.background_mapping) {
     background_stream_ = backend_->create_stream();
@@ -218,8 +219,9 @@ void KvCache::Impl::zero_claimed_pages(std::size_t slot_index, Stream stream) {
   Slot& slot = slots_[slot_index];
   if (slot.claimed == 0) return;
   if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
-  for (std::size_t r = 0; r < layout_.num_regions(); ++r)
-    backend_->zero(page_address(r, slot_index, 0), slot.claimed * layout_.page_bytes(), stream);
+  // One launch for every region (CUDA: one kernel; a memset each costs ~3 us to enqueue).
+  backend_->zero_strided(page_address(0, slot_index, 0), slot.claimed * layout_.page_bytes(), layout_.num_regions(),
+                         layout_.region_bytes(), stream);
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
   slot.free_event = event;

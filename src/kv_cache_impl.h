@@ -34,6 +34,7 @@
 #include "mapper.h"
 #include "page_pool.h"
 #include "page_sharing.h"
+#include "prompt_history.h"
 #include "read_windows.h"
 #include "slot_table.h"
 #include "vkv/kv_cache.h"
@@ -141,6 +142,9 @@ class KvCache::Impl {
   void step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
                    std::chrono::steady_clock::time_point start);
   void expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const;
+  // Tokens eager allocation maps in the eager slot: config.eager_tokens, or the prompt
+  // history's estimate when adaptive; never past max_context_len.
+  std::size_t eager_tokens() const noexcept;
   std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
   void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
   void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
@@ -161,6 +165,9 @@ class KvCache::Impl {
   // undoing a region needs no wait.
   void back_regions_with_zeros(std::size_t slot, std::size_t from, std::size_t until);
   void zero_fresh_pages(Address address, const Page* pages, std::size_t count, Stream stream);
+  // Zero-fills pages [first, first + count) of every region of a slot, just mapped from
+  // `pages` (region r's at pages[r * count]): one launch when none is known clean.
+  void zero_fresh_regions(std::size_t slot, std::size_t first, const Page* pages, std::size_t count, Stream stream);
   // Before an engine call changes the mappings of `slot` from page `first` on: waits for
   // the work in flight that may read them (after ReadWindows::close_current()).
   void order_after_readers(std::size_t slot, std::size_t first);
@@ -215,7 +222,7 @@ class KvCache::Impl {
   detail::SlotTable slots_;
   detail::PageSharing sharing_;
   std::vector<detail::HostCopy> host_frees_;  // host memory to free once `ready` completes
-  std::size_t prompt_estimate_ = 0;           // recent prompt lengths, for adaptive eager allocation
+  detail::PromptHistory prompts_;             // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;           // taken by the mapper: neither in the pool nor in a slot
   Stream background_stream_ = 0;

@@ -37,8 +37,9 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   detail::UndoLog undo(stream_waiter(stream));
   const std::size_t dst = slots_.next_to_allocate();
   const std::size_t kept_at_free = dst < slots_.size() ? slots_[dst].kept_at_free : 0;
+  const std::size_t eager_slot = slots_.eager_slot();
   allocate_slot(lock, dst, stream);
-  undo.push([this, dst, kept_at_free] { slots_.unmark_allocated(dst, kept_at_free); });
+  undo.push([this, dst, kept_at_free, eager_slot] { slots_.unmark_allocated(dst, kept_at_free, eager_slot); });
   // The mapper may be mapping ahead into the slot handed out next; room for a partial page.
   settle(lock, dst, layout_.num_regions(), 0, expect_source);
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it

@@ -20,9 +20,9 @@ std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool con
   std::vector<std::size_t> allocated;
   detail::UndoLog undo;  // all or nothing: a slot that fails to allocate frees the ones before it
   auto allocate = [&](std::size_t slot) {
-    const std::size_t kept_at_free = slots_[slot].kept_at_free;
+    const std::size_t kept_at_free = slots_[slot].kept_at_free, eager_slot = slots_.eager_slot();
     allocated.push_back(allocate_slot(lock, slot, stream));
-    undo.push([this, slot, kept_at_free] { slots_.unmark_allocated(slot, kept_at_free); });
+    undo.push([this, slot, kept_at_free, eager_slot] { slots_.unmark_allocated(slot, kept_at_free, eager_slot); });
   };
   if (!contiguous) {
     for (std::size_t i = 0; i < count; ++i) allocate(slots_.next_to_allocate());

@@ -33,6 +33,11 @@ void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size
   }
 }
 
+std::size_t KvCache::Impl::eager_tokens() const noexcept {
+  const std::size_t tokens = config_.eager_tokens == kAdaptive ? prompts_.estimate() : config_.eager_tokens;
+  return std::min(tokens, config_.max_context_len);
+}
+
 KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, std::size_t count,
                                                  std::size_t horizon) const {
   StepPlan plan;
@@ -89,14 +94,18 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       background_done_.wait(lock, [&] { return !background_busy(); });
     }
   }
+  bool prefilled = false;
   for (std::size_t s = 0; s < count; ++s) {
     Slot& slot = slots_[s];
-    if (slot.claimed == 0 && seq_lens[s] > 0)  // a prefill: what the next one may need
-      prompt_estimate_ = prompt_estimate_ == 0 ? seq_lens[s] : (3 * prompt_estimate_ + seq_lens[s]) / 4;
+    if (slot.claimed == 0 && seq_lens[s] > 0) {  // a prefill: what the next one may need
+      prompts_.record(seq_lens[s]);
+      prefilled = true;
+    }
     slot.seq_len = seq_lens[s];
     slot.claimed = plan.claims[s];
     VKV_ASSERT(slot.claimed <= slot.mapped());
   }
+  if (prefilled) slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
   if (config_.zero_page) read_windows_.end_step(horizon);
   // A wake-up costs a system call and may put the mapper on this core: only with work.
   if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
@@ -165,8 +174,8 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
   if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
 
   struct Fresh {
-    Address address;
-    std::size_t first;  // index into pages
+    std::size_t slot, first_page;
+    std::size_t first;  // index into pages: region r's run starts at first + r * count
     std::size_t count;
   };
   std::vector<Fresh> fresh;
@@ -177,12 +186,12 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
     const std::size_t mapped = slot.mapped();
     if (claims[s] <= mapped) continue;
     const std::size_t count = claims[s] - mapped;
+    fresh.push_back({s, mapped, next, count});
     for (std::size_t r = 0; r < regions; ++r) {
       handles.clear();
       for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[next + i].handle);
       map_real(s, r, mapped, handles.data(), count);
       slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
-      fresh.push_back({page_address(r, s, mapped), next, count});
       next += count;
       undo.push_remap([this, s, r, mapped] {
         std::vector<PageHandle>& list = slots_[s].pages[r];
@@ -199,7 +208,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
   }
   VKV_ASSERT(next == pages.size());  // every page obtained found its place
   if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
-  for (const Fresh& run : fresh) zero_fresh_pages(run.address, &pages[run.first], run.count, stream);
+  for (const Fresh& run : fresh) zero_fresh_regions(run.slot, run.first_page, &pages[run.first], run.count, stream);
   unused.commit();
 }
 

@@ -177,6 +177,20 @@ void KvCache::Impl::zero_fresh_pages(Address address, const Page* pages, std::si
   }
 }
 
+void KvCache::Impl::zero_fresh_regions(std::size_t slot, std::size_t first, const Page* pages, std::size_t count,
+                                       Stream stream) {
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t page = layout_.page_bytes();
+  const std::size_t unclean =
+      static_cast<std::size_t>(std::count_if(pages, pages + regions * count, [](const Page& p) { return !p.clean; }));
+  if (unclean == regions * count) {
+    backend_->zero_strided(page_address(0, slot, first), count * page, regions, layout_.region_bytes(), stream);
+    return;
+  }
+  if (unclean == 0) return;
+  for (std::size_t r = 0; r < regions; ++r) zero_fresh_pages(page_address(r, slot, first), &pages[r * count], count, stream);
+}
+
 void KvCache::Impl::wait_free_event(Slot& slot) {
   if (slot.free_event == 0) return;
   backend_->wait_event(slot.free_event);

@@ -13,6 +13,12 @@ SlotTable::SlotTable(std::size_t slots, std::size_t regions) : slots_(slots) {
 }
 
 std::size_t SlotTable::next_to_allocate() const noexcept {
+  const std::size_t best = most_kept();
+  if (eager_pages_ == 0 || !is_free(eager_slot_) || best == eager_slot_) return best;
+  return slots_[best].kept_at_free >= eager_pages_ ? best : eager_slot_;
+}
+
+std::size_t SlotTable::most_kept() const noexcept {
   std::size_t best = slots_.size();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     if (!slots_[s].allocated && (best == slots_.size() || slots_[s].kept_at_free > slots_[best].kept_at_free))
@@ -38,14 +44,16 @@ void SlotTable::mark_allocated(std::size_t slot, std::uint64_t steps_so_far) noe
   entry.seq_len = 0;
   entry.claimed = 0;
   entry.kept_at_free = 0;
+  if (!is_free(eager_slot_)) eager_slot_ = most_kept();
 }
 
-void SlotTable::unmark_allocated(std::size_t slot, std::size_t kept_at_free) noexcept {
+void SlotTable::unmark_allocated(std::size_t slot, std::size_t kept_at_free, std::size_t eager_slot) noexcept {
   Slot& entry = slots_[slot];
   entry.allocated = false;
   entry.seq_len = 0;
   entry.claimed = 0;
   entry.kept_at_free = kept_at_free;
+  eager_slot_ = eager_slot;
 }
 
 void SlotTable::mark_freed(std::size_t slot, std::size_t kept) noexcept {
@@ -55,6 +63,7 @@ void SlotTable::mark_freed(std::size_t slot, std::size_t kept) noexcept {
   entry.seq_len = 0;
   entry.claimed = 0;
   entry.freed_at = ++frees_;
+  if (!is_free(eager_slot_)) eager_slot_ = most_kept();
 }
 
 void SlotTable::check(const KvLayout& layout, bool zero_page) const {

@@ -66,16 +66,26 @@ class SlotTable {
   std::vector<Slot>::const_iterator end() const noexcept { return slots_.end(); }
 
   /// The free slot alloc_reqid() hands out next: the one that kept the most pages when
-  /// freed, lowest index on ties; size() when none is free.
+  /// freed, lowest index on ties; size() when none is free. With eager allocation on
+  /// (set_eager_pages() > 0), the eager slot instead, unless a freed slot kept at least
+  /// as many pages as eager allocation maps. Depends on the calls made alone, never on
+  /// what the mapper has done yet: tensor-parallel ranks agree on it.
   std::size_t next_to_allocate() const noexcept;
+  /// The slot the mapper maps the next prefill's pages into. It stays the same across
+  /// frees (a request that leaves does not take the pages mapped for the next one) and
+  /// moves on when it is allocated: to the freed slot that kept the most pages.
+  std::size_t eager_slot() const noexcept { return eager_slot_; }
+  /// Pages per region eager allocation maps in the eager slot (0: off).
+  void set_eager_pages(std::size_t pages) noexcept { eager_pages_ = pages; }
   std::size_t free_count() const noexcept;
   /// What each slot claims now.
   std::vector<std::size_t> claims() const;
 
   /// The books of an allocation (the caller ordered its stream after the zero-fill).
   void mark_allocated(std::size_t slot, std::uint64_t steps_so_far) noexcept;
-  /// Undoes mark_allocated() of a call that failed: free again, preferred as before.
-  void unmark_allocated(std::size_t slot, std::size_t kept_at_free) noexcept;
+  /// Undoes mark_allocated() of a call that failed: free again, preferred as before
+  /// (`eager_slot` is what eager_slot() said before it).
+  void unmark_allocated(std::size_t slot, std::size_t kept_at_free, std::size_t eager_slot) noexcept;
   /// The books of a free: `kept` pages stay for the next owner's preference.
   void mark_freed(std::size_t slot, std::size_t kept) noexcept;
 
@@ -83,8 +93,14 @@ class SlotTable {
   void check(const KvLayout& layout, bool zero_page) const;
 
  private:
+  // The free slot that kept the most pages, lowest index on ties; size() when none is free.
+  std::size_t most_kept() const noexcept;
+  bool is_free(std::size_t slot) const noexcept { return slot < slots_.size() && !slots_[slot].allocated; }
+
   std::vector<Slot> slots_;
   std::uint64_t frees_ = 0;  // free_reqid() calls so far: each free's freed_at
+  std::size_t eager_slot_ = 0;
+  std::size_t eager_pages_ = 0;
 };
 
 }  // namespace vkv::detail

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <optional>
 #ifdef VKV_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -292,6 +293,24 @@ std::uintptr_t current_stream(const KvCache& cache) {
 #endif
 }
 
+// alloc_reqid/free_reqid are on every arrival's path: the stream comes from c10 (as in
+// step()) unless the caller names one, not from a Python torch.cuda.current_stream().
+std::uintptr_t stream_or_current(const KvCache& cache, const std::optional<std::uintptr_t>& stream) {
+  return stream ? *stream : current_stream(cache);
+}
+
+std::size_t alloc_reqid(KvCache& cache, std::optional<std::uintptr_t> stream) {
+  const std::uintptr_t resolved = stream_or_current(cache, stream);
+  py::gil_scoped_release release;
+  return cache.alloc_reqid(resolved);
+}
+
+void free_reqid(KvCache& cache, std::size_t slot, std::optional<std::uintptr_t> stream) {
+  const std::uintptr_t resolved = stream_or_current(cache, stream);
+  py::gil_scoped_release release;
+  cache.free_reqid(slot, resolved);
+}
+
 void step(KvCache& cache, py::handle seq_lens) {
   const std::vector<std::size_t> lengths = read_seq_lens(seq_lens);
   const std::uintptr_t stream = current_stream(cache);
@@ -414,8 +433,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("slot", &KvCache::Preparation::slot);
   py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache")
       .def(py::init(&make_cache), arg("config"))
-      .def("alloc_reqid", &KvCache::alloc_reqid, arg("stream") = 0, unlocked)
-      .def("free_reqid", &KvCache::free_reqid, arg("slot"), arg("stream") = 0, unlocked)
+      .def("alloc_reqid", &alloc_reqid, arg("stream") = py::none())
+      .def("free_reqid", &free_reqid, arg("slot"), arg("stream") = py::none())
       .def("step", &step, arg("seq_lens"))
       .def("step_slots", &step_slots, arg("slots"), arg("seq_lens"))
       .def("alloc_reqids", &alloc_reqids, arg("count"), arg("contiguous"))

@@ -121,7 +121,7 @@ class KVCache:
         Raises:
             ValueError: every slot is allocated.
         """
-        return self._live()._core.alloc_reqid(self._stream())
+        return self._live()._core.alloc_reqid()
 
     def free_reqid(self, slot: int) -> None:
         """Free ``slot``: its pages are zero-filled on the current stream and kept for reuse.
@@ -129,7 +129,7 @@ class KVCache:
         Raises:
             ValueError: slot out of range or not allocated (double free).
         """
-        self._live()._core.free_reqid(self._slot(slot), self._stream())
+        self._live()._core.free_reqid(self._slot(slot))
 
     def alloc_reqids(self, count: int, contiguous: bool = False) -> List[int]:
         """``count`` free slots at once, all or none.

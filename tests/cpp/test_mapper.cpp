@@ -91,6 +91,26 @@ TEST_P(MapperTest, AdaptiveEagerAllocationFollowsPromptLengths) {
   EXPECT_EQ(cache.mapped_pages(1), 2u);
 }
 
+TEST_P(MapperTest, ALeavingRequestDoesNotTakeThePagesMappedForTheNextPrompt) {
+  config_.eager_tokens = kAdaptive;
+  KvCache cache(config_, backend_);
+  const KvLayout& layout = cache.layout();
+  const std::size_t a = cache.alloc_reqid(), b = cache.alloc_reqid();
+  cache.step(lens({{a, layout.tokens_in_pages(3)}, {b, 1}}));  // prompts of 3 pages and 1 page
+  cache.map_ahead_now();
+  const std::size_t eager = 2;  // the slot handed out next when the mapper planned
+  ASSERT_EQ(cache.mapped_pages(eager), 3u) << "a high quantile of the prompts: the longer one";
+  cache.free_reqid(b);  // kept 1 page: fewer than the eager slot maps
+  EXPECT_EQ(cache.alloc_reqid(), eager) << "the next request gets the pages mapped for it";
+  const auto maps = cache.stats().backend.map.calls;
+  cache.step(lens({{a, layout.tokens_in_pages(3)}, {eager, layout.tokens_in_pages(3)}}));
+  EXPECT_EQ(cache.stats().backend.map.calls, maps) << "its prompt found every page mapped";
+  cache.free_reqid(a);  // kept 3 pages: as many as eager allocation maps...
+  cache.map_ahead_now();
+  EXPECT_EQ(cache.alloc_reqid(), a) << "...so it goes out next, and nothing new was mapped for it";
+  cache.check_invariants();
+}
+
 TEST_P(MapperTest, WatermarkReclaimsFreedSlotsOnlyOnceTheirReadersAreDone) {
   auto events = std::make_shared<testing::ControlledEventBackend>(backend_);
   const KvLayout probe(config_, backend_->page_bytes());
