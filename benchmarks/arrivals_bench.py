@@ -84,6 +84,9 @@ class VkvSystem:
     def grow(self) -> None:
         self.seq_lens[self.seq_lens > 0] += 1
 
+    def stats(self) -> dict:
+        return self.cache.stats()
+
     def close(self) -> None:
         self.cache.close()
 
@@ -149,7 +152,8 @@ def run(system, work: dict, workload: Workload) -> dict:
         workload.synchronize()  # the engine waits for the sampled tokens
     return {"system": system.name, "step_us": step_us.round(2).tolist(), "arrival": arrival.tolist(),
             "decode_only_us": percentiles(step_us[~arrival]), "with_arrival_us": percentiles(step_us[arrival]),
-            "all_us": percentiles(step_us), "free_us": percentiles(free_us), "alloc_us": percentiles(alloc_us)}
+            "all_us": percentiles(step_us), "free_us": percentiles(free_us), "alloc_us": percentiles(alloc_us),
+            "stats": system.stats() if hasattr(system, "stats") else None}
 
 
 def prompt_bandwidth(device: str, quick: bool) -> list:

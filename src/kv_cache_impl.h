@@ -86,8 +86,8 @@ class KvCache::Impl {
  private:
   using Slot = detail::Slot;
   // Most pages one background unit maps or unmaps: bounds how long step() can wait for
-  // the mapper on a slot (about 1 ms on an H100).
-  static constexpr std::size_t kPagesPerBackgroundUnit = 32;
+  // the mapper on a slot (about 0.5 ms on an H100).
+  static constexpr std::size_t kPagesPerBackgroundUnit = 16;
   // Most pages one unit backs with zeros (~37 us each on an H100): about 2.4 ms.
   static constexpr std::size_t kPagesPerCoverUnit = 64;
   // Page `page` (of every region) of slot `slot`.

@@ -1,9 +1,10 @@
 // PromptHistory: how long recent prompts were, for sizing the pages mapped ahead of the
 // next prefill (eager allocation).
 //
-// The estimate is a high quantile of the last `window` prompt lengths, not their mean: a
-// prompt longer than the pages mapped for it pays the driver (~30 us a 2 MB page) inside
-// step(), so an estimate that covers most prompts is worth the free memory it holds.
+// The estimate is a high quantile of the last `window` prompt lengths (by default the
+// 99th percentile of 64: the longest), not their mean: a prompt longer than the pages
+// mapped for it pays the driver (~30 us a 2 MB page) inside step(), so an estimate that
+// covers nearly every prompt is worth the free memory it holds.
 //
 // Thread-safety: not thread-safe; its owner (KvCache) serializes every call.
 #pragma once
@@ -16,7 +17,7 @@ namespace vkv::detail {
 class PromptHistory {
  public:
   /// Keeps the last `window` (> 0) lengths; estimate() is their `quantile` (0..1].
-  explicit PromptHistory(std::size_t window = 64, double quantile = 0.95);
+  explicit PromptHistory(std::size_t window = 64, double quantile = 0.99);
 
   /// Records one prompt of `tokens` tokens (0 is ignored).
   void record(std::size_t tokens);
