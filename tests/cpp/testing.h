@@ -98,7 +98,11 @@ class ControlledEventBackend final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
 
+  // Completes every event recorded so far, and the device work behind them: a test that
+  // says the readers are done must not let the cache unmap under a zero-fill still queued
+  // (on CUDA that is an illegal address; memcheck's slow kernels make it likely).
   void complete_all() {
+    upstream_->synchronize_device();
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [event, done] : done_) done = true;
   }
