@@ -95,6 +95,7 @@ CudaBackend::~CudaBackend() {
   }
   if (zero_page_ != 0)
     note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(zero_page_)), "cuMemRelease");
+  for (void* event : spare_events_) note_cleanup(cuda::driver().cuEventDestroy(static_cast<CUevent>(event)), "cuEventDestroy");
   note_cleanup(cuda::driver().cuDevicePrimaryCtxRelease(device_handle_), "cuDevicePrimaryCtxRelease");
 }
 
@@ -316,10 +317,17 @@ void CudaBackend::free_host(Address address, std::size_t) noexcept {
 Event CudaBackend::record_event(Stream stream) {
   ContextScope scope(*this);
   CUevent event = nullptr;
-  VKV_CU_TRY(cuEventCreate, &event, CU_EVENT_DISABLE_TIMING);
+  {
+    std::lock_guard<std::mutex> lock(spare_events_mutex_);
+    if (!spare_events_.empty()) {
+      event = static_cast<CUevent>(spare_events_.back());
+      spare_events_.pop_back();
+    }
+  }
+  if (event == nullptr) VKV_CU_TRY(cuEventCreate, &event, CU_EVENT_DISABLE_TIMING);
   CUresult result = cuda::driver().cuEventRecord(event, as_stream(stream));
   if (result != CUDA_SUCCESS) {
-    note_cleanup(cuda::driver().cuEventDestroy(event), "cuEventDestroy");
+    destroy_event(reinterpret_cast<Event>(event));
     cuda::check(result, "cuEventRecord");
   }
   return reinterpret_cast<Event>(event);
@@ -344,6 +352,18 @@ void CudaBackend::stream_wait_event(Stream stream, Event event) {
 }
 
 void CudaBackend::destroy_event(Event event) noexcept {
+  // A stream that waits for it already waits for the record it saw: recording it again
+  // later changes nothing for that wait.
+  constexpr std::size_t kMostSpareEvents = 256;
+  try {
+    std::lock_guard<std::mutex> lock(spare_events_mutex_);
+    if (spare_events_.size() < kMostSpareEvents) {
+      spare_events_.push_back(as_event(event));
+      return;
+    }
+  } catch (const std::exception&) {
+    // No room to keep it: destroy it.
+  }
   note_cleanup(cuda::driver().cuEventDestroy(as_event(event)), "cuEventDestroy");
 }
 

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <functional>
 #include <mutex>
+#include <vector>
 
 #include "vkv/backend.h"
 
@@ -97,6 +98,11 @@ class CudaBackend final : public Backend {
   std::size_t page_bytes_ = 0;
   std::mutex zero_page_mutex_;
   PageHandle zero_page_ = 0;   // 0 until created
+  // Events destroy_event() handed back, recorded again by record_event(): free_reqid()
+  // records one per call, and every driver call it saves is one fewer to queue behind
+  // the mapper's (the driver serializes them).
+  std::mutex spare_events_mutex_;
+  std::vector<void*> spare_events_;  // CUevent
   std::once_flag zero_fill_once_;
   ZeroFillKernel zero_fill_;   // set once, under zero_fill_once_
   mutable std::atomic<std::uint64_t> cleanup_failures_{0};
