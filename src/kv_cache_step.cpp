@@ -1,11 +1,10 @@
 // KvCache: step(), and mapping every page a call needs that is not mapped yet.
 #include <algorithm>
 #include <chrono>
-
 #include <unordered_map>
 
-#include "internal_assert.h"
 #include "format.h"
+#include "internal_assert.h"
 #include "kv_cache_impl.h"
 #include "undo_log.h"
 #include "vkv/error.h"
@@ -148,9 +147,6 @@ void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std
                     missing - obtainable, page);
 }
 
-// Maps every slot up to claims[s] pages per region and gives `copies` private copies of
-// the shared pages they name, with `missing` pages in all. Each backend step registers
-// its undo in `undo`; the caller commits.
 std::function<void()> KvCache::Impl::stream_waiter(Stream stream) {
   return [this, stream] { backend_->synchronize(stream); };
 }

@@ -182,7 +182,7 @@ void KvCache::Impl::zero_fresh_regions(std::size_t slot, std::size_t first, cons
   const std::size_t regions = layout_.num_regions();
   const std::size_t page = layout_.page_bytes();
   const std::size_t unclean =
-      static_cast<std::size_t>(std::count_if(pages, pages + regions * count, [](const Page& p) { return !p.clean; }));
+      static_cast<std::size_t>(std::count_if(pages, pages + regions * count, [](const Page& fresh) { return !fresh.clean; }));
   if (unclean == regions * count) {
     backend_->zero_strided(page_address(0, slot, first), count * page, regions, layout_.region_bytes(), stream);
     return;
