@@ -46,6 +46,10 @@ struct BackendTraits {
   /// where it costs per page (CUDA: ~37 us a page): the cache then backs lazily, slot by
   /// slot, off the hot path.
   bool zero_backing_is_bulk = false;
+  /// create_large_page() and map_large() work: several pages in one physical allocation,
+  /// mapped with one call (CUDA: one cuMemMap and one cuMemSetAccess; ~10x the bytes per
+  /// second of mapping page by page, `shared/probes`).
+  bool large_pages = false;
 };
 
 class Backend {
@@ -74,11 +78,21 @@ class Backend {
   /// Creates one physical page (zeros if traits().fresh_pages_are_zero, else unspecified).
   /// @throws DriverError / OutOfMemory.
   virtual PageHandle create_page() = 0;
-  /// Releases a page that is mapped nowhere.
+  /// Creates a large page: `pages` (>= 2) pages in one physical allocation. It is mapped
+  /// only whole, with map_large(), and unmapped only whole; release_page() releases it.
+  /// Contents as create_page(). By default: @throws InvalidArgument (no large pages,
+  /// traits().large_pages is false). @throws InvalidArgument for `pages` < 2, DriverError /
+  /// OutOfMemory (naming `pages` as the shortfall).
+  virtual PageHandle create_large_page(std::size_t pages);
+  /// Releases a page or a large page that is mapped nowhere.
   virtual void release_page(PageHandle page) noexcept = 0;
   /// Maps `count` pages side by side starting at `address` and makes them readable and
   /// writable. All or nothing: on failure nothing stays mapped. @throws DriverError.
   virtual void map(Address address, const PageHandle* pages, std::size_t count) = 0;
+  /// Maps the large page `page`, created with `pages` pages, over [address, address +
+  /// pages * page_bytes()), readable and writable; unmap() takes that whole range back.
+  /// All or nothing. By default: @throws InvalidArgument (no large pages). @throws DriverError.
+  virtual void map_large(Address address, PageHandle page, std::size_t pages);
   /// Unmaps [address, address + bytes); the range must consist of whole mapped pages,
   /// real or zero-backed. Effective at once: the caller has made sure no device work
   /// still reads it.
