@@ -63,10 +63,11 @@ def trace(quick: bool, seed: int = 0) -> dict:
 class VkvSystem:
     """vkv through its Python API."""
 
-    def __init__(self, layout: str, device: str, work: dict) -> None:
-        self.name = f"vkv {layout}"
+    def __init__(self, layout: str, device: str, work: dict, large_page_size: int = 0) -> None:
+        self.name = f"vkv {layout}" + (f" large {large_page_size >> 20} MiB" if large_page_size else "")
         self.cache = vkv.KVCache(**SHAPE, max_batch_size=work["max_batch"], max_context_len=work["max_context"],
-                                 device=device, layout=layout, memory_budget=work["budget"], page_size=PAGE)
+                                 device=device, layout=layout, memory_budget=work["budget"], page_size=PAGE,
+                                 large_page_size=large_page_size)
         self.seq_lens = np.zeros(work["max_batch"], dtype=np.int64)
 
     def alloc(self, prompt: int) -> int:
@@ -156,22 +157,40 @@ def run(system, work: dict, workload: Workload) -> dict:
             "stats": system.stats() if hasattr(system, "stats") else None}
 
 
-def prompt_bandwidth(device: str, quick: bool) -> list:
-    """GB/s of mapping one 4K-token prompt in step() (pages created up front), per layout."""
+# (layout, large_page_size) pairs the prompt-mapping rate is measured for: 2 MiB pages
+# (created up front), and large pages of each size (created in step(), as they would be).
+PROMPT_CASES = [("interleaved", 0), ("interleaved", 16 << 20), ("interleaved", 32 << 20), ("interleaved", 128 << 20),
+                ("interleaved", 512 << 20), ("per_layer", 0), ("per_layer", 8 << 20)]
+
+
+def prompt_bandwidth(device: str, quick: bool, repeats: int = 5) -> list:
+    """GB/s of mapping one 4K-token prompt in step(), per layout and large page size: the
+    median of `repeats` fresh caches."""
     tokens = 4096 if not quick else 512
     rows = []
-    for layout in ("interleaved", "per_layer"):
-        cache = vkv.KVCache(**SHAPE, max_batch_size=2, max_context_len=tokens, device=device, layout=layout,
-                            background_mapping=False, eager_tokens=0, page_size=PAGE,
-                            precreate_pages=256 if not quick else 64)
-        slot = cache.alloc_reqid()
-        start = time.perf_counter()
-        cache.step([tokens if s == slot else 0 for s in range(2)])
-        seconds = time.perf_counter() - start
-        gigabytes = cache.stats()["pages_mapped"] * PAGE / 1e9
-        rows.append({"layout": layout, "tokens": tokens, "GB": gigabytes, "seconds": seconds, "GBps": gigabytes / seconds})
-        progress(f"prompt mapping {layout}: {gigabytes:.2f} GB in {seconds * 1e3:.2f} ms = {gigabytes / seconds:.0f} GB/s")
-        cache.close()
+    for layout, large in PROMPT_CASES:
+        if quick and large > (32 << 20):
+            continue
+        times = []
+        for _ in range(repeats):
+            cache = vkv.KVCache(**SHAPE, max_batch_size=2, max_context_len=tokens, device=device, layout=layout,
+                                background_mapping=False, eager_tokens=0, page_size=PAGE,
+                                precreate_pages=(256 if not quick else 64) if large == 0 else 0,
+                                large_page_size=large)
+            slot = cache.alloc_reqid()
+            start = time.perf_counter()
+            cache.step([tokens if s == slot else 0 for s in range(2)])
+            times.append(time.perf_counter() - start)
+            stats = cache.stats()
+            cache.close()
+        seconds = float(np.median(times))
+        gigabytes = stats["pages_mapped"] * PAGE / 1e9
+        rows.append({"layout": layout, "large_page_size": large, "tokens": tokens, "GB": gigabytes,
+                     "seconds": seconds, "seconds_all": times, "GBps": gigabytes / seconds,
+                     "large_pages": stats["large_pages"], "map_calls": stats["backend"]["map"]["calls"]})
+        progress(f"prompt mapping {layout}, large pages {large >> 20} MiB: {gigabytes:.2f} GB in "
+                 f"{seconds * 1e3:.2f} ms = {gigabytes / seconds:.0f} GB/s ({stats['large_pages']} large pages, "
+                 f"{stats['backend']['map']['calls']} map calls)")
     return rows
 
 
@@ -242,6 +261,8 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     parser = argument_parser(__doc__, ("arrivals", "prompt"))
     parser.add_argument("--vattention", metavar="FOLDER", help="a microsoft/vattention checkout: run it beside vkv")
+    parser.add_argument("--large-page-size", type=int, default=128 << 20, metavar="BYTES",
+                        help="also run vkv interleaved with large pages of this size (0: not)")
     args = parser.parse_args()
     if args.vattention and args.device != "cuda":
         parser.error("--vattention runs on CUDA only")
@@ -263,8 +284,11 @@ def main() -> None:
 
     workload = Workload(args.device, 7.0 if args.device == "cuda" else 1.0)
     if "arrivals" in args.only:
-        for layout in ("interleaved", "per_layer"):
-            system = VkvSystem(layout, args.device, work)
+        systems = [("interleaved", 0), ("per_layer", 0)]
+        if args.large_page_size:
+            systems.insert(1, ("interleaved", args.large_page_size))
+        for layout, large in systems:
+            system = VkvSystem(layout, args.device, work, large)
             record(run(system, work, workload))
             system.close()
         if args.vattention:

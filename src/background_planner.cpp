@@ -59,8 +59,9 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
     const std::size_t victim = detail::choose_victim(slots_, std::vector<std::size_t>(slots_.size(), 0),
                                                      detail::VictimKinds::freed_only, next);
     if (victim < slots_.size() && readers_done(slots_[victim])) {
-      const std::size_t pages = std::min(slots_[victim].mapped(), (watermark_pages_ - obtainable + regions - 1) / regions);
-      return {BackgroundUnit::Kind::shrink, victim, pages};
+      const std::size_t mapped = slots_[victim].mapped();
+      const std::size_t pages = std::min(mapped, (watermark_pages_ - obtainable + regions - 1) / regions);
+      return {BackgroundUnit::Kind::shrink, victim, mapped - round_down_to_whole(slots_[victim], mapped - pages)};
     }
   }
   // 4. With zero backing, pages in reach of work in flight are swapped by step() itself:

@@ -26,13 +26,41 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   Slot& slot = slots_[slot_index];
   const std::size_t regions = layout_.num_regions();
   const std::size_t first = slot.mapped();
-  // Only from memory nobody else has: mapping ahead never takes pages from another slot.
-  const std::size_t per_region = std::min({target - first, pool_.obtainable_pages() / regions,
-                                           std::max<std::size_t>(1, kPagesPerBackgroundUnit / regions)});
-  if (per_region == 0) return false;
+  const std::size_t span = pool_.large_page_pages();
+  // A large page per region where a whole span lies ahead, else single pages, and only
+  // from memory nobody else has: mapping ahead never takes pages from another slot.
+  std::vector<Page> large;  // one per region
+  std::size_t large_to_create = 0;
+  std::size_t per_region = 0;
+  if (span > 0 && first % span == 0 && target - first >= span) {
+    large = pool_.take_free_large(regions);
+    large_to_create = regions - large.size();
+    const std::size_t reserved = pool_.begin_create(large_to_create * span);
+    if (reserved == large_to_create * span) {
+      per_region = span;
+    } else {
+      pool_.end_create(reserved, 0);
+      for (const Page& page : large) pool_.give_back(page);
+      large.clear();
+      large_to_create = 0;
+    }
+  }
+  std::vector<Page> pages;  // region after region; a large page once per page it covers
+  std::size_t to_create = 0;
+  if (per_region == 0) {
+    per_region = std::min({target - first, pool_.obtainable_pages() / regions,
+                           std::max<std::size_t>(1, kPagesPerBackgroundUnit / regions)});
+    if (span > 0) {  // leave a whole span ahead to a large page
+      const std::size_t boundary = (first / span + 1) * span;
+      if (boundary + span <= target) per_region = std::min(per_region, boundary - first);
+    }
+    if (per_region == 0) return false;
+    pool_.make_room_for_singles(per_region * regions);
+    pages = pool_.take_free(per_region * regions);
+    to_create = pool_.begin_create(per_region * regions - pages.size());
+  }
   const std::size_t count = per_region * regions;
-  std::vector<Page> pages = pool_.take_free(count);
-  const std::size_t to_create = pool_.begin_create(count - pages.size());
+  const bool large_unit = !large.empty() || large_to_create > 0;
   in_flight_pages_ += count;
   slot.busy_from = first;
   lock.unlock();
@@ -44,6 +72,8 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   bool zero_filling = false;
   try {
     for (; created < to_create; ++created) pages.push_back(pool_.new_page());
+    for (; created < large_to_create; ++created) large.push_back(pool_.new_large_page());
+    for (const Page& page : large) pages.insert(pages.end(), span, page);
     std::vector<PageHandle> handles(per_region);
     for (; regions_mapped < regions; ++regions_mapped) {
       const Page* run = &pages[regions_mapped * per_region];
@@ -70,12 +100,19 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
       }
     }
     lock.lock();
-    for (const Page& page : pages) pool_.give_back({page.handle, false});  // a zero-fill may have begun
-    pool_.end_create(to_create, created);
+    if (large_unit) {
+      for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
+      for (const Page& page : large) pool_.give_back({page.handle, false});  // a zero-fill may have begun
+      pool_.end_create(large_to_create * span, created * span);
+    } else {
+      for (const Page& page : pages) pool_.give_back({page.handle, false});
+      pool_.end_create(to_create, created);
+    }
     in_flight_pages_ -= count;
     throw;
   }
   lock.lock();
+  for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
   for (std::size_t r = 0; r < regions; ++r)
     for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);
   if (config_.zero_page) slot.backed_end = std::max(slot.backed_end, first + per_region);
@@ -100,7 +137,9 @@ bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std
   lock.lock();
   // Unclaimed (step() waits for a busy slot before claiming past busy_from): clean.
   for (std::vector<PageHandle>& handles : slot.pages) {
-    for (std::size_t i = keep; i < mapped; ++i) pool_.give_back({handles[i], true});
+    std::vector<Page> unmapped;
+    drop_mappings(handles, keep, mapped, /*clean=*/true, unmapped);
+    for (const Page& page : unmapped) pool_.give_back(page);
     handles.resize(keep);
   }
   return true;

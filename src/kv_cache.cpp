@@ -39,6 +39,18 @@ std::size_t budget_pages(const CacheConfig& config, const KvLayout& layout, cons
   return std::min(all_pages, affordable);
 }
 
+// Pages per large page (0: none), checked against the backend's page size and abilities.
+std::size_t large_page_pages(const CacheConfig& config, const Backend& backend) {
+  if (config.large_page_size == 0) return 0;
+  const std::size_t page = backend.page_bytes();
+  VKV_EXPECTS(config.large_page_size % page == 0 && config.large_page_size >= 2 * page, "large_page_size = ",
+              config.large_page_size, " must be a multiple of the page size ", page, " and at least two pages (",
+              2 * page, " bytes), or 0 (off)");
+  VKV_EXPECTS(backend.traits().large_pages, "large_page_size = ", config.large_page_size, " but backend '",
+              backend.name(), "' has no large pages: set it to 0");
+  return config.large_page_size / page;
+}
+
 }  // namespace
 
 KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
@@ -46,7 +58,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       backend_(backend_stack(config, std::move(backend))),
       statistics_(dynamic_cast<StatisticsBackend*>(backend_.get())),
       layout_(config, backend_->page_bytes()),
-      pool_(*backend_, budget_pages(config, layout_, *backend_)),
+      pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_)),
       slots_(config.max_batch_size, layout_.num_regions()),
       read_windows_(*backend_),
       fork_generation_(detail::fork_generation()) {
@@ -110,8 +122,9 @@ KvCache::Impl::~Impl() {
         for (std::size_t r = 0; r < layout_.num_regions(); ++r)
           backend_->unmap(page_address(r, s, 0), backed * layout_.page_bytes());
       for (std::vector<PageHandle>& pages : slot.pages) {
-        for (PageHandle page : pages)
-          if (sharing_.drop_mapping(page)) pool_.give_back({page, false});
+        std::vector<Page> unmapped;
+        drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
+        for (const Page& page : unmapped) pool_.give_back(page);
         pages.clear();
       }
     } catch (...) {

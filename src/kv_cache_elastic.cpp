@@ -11,7 +11,8 @@ namespace vkv {
 std::size_t KvCache::Impl::pages_set_budget_keeps() const {
   std::size_t pages = 0;  // claimed, or (zero_page) in reach of work in flight: neither can go now
   for (std::size_t s = 0; s < slots_.size(); ++s)
-    pages += std::min(slots_[s].mapped(), first_reclaimable_without_waiting(s)) * layout_.num_regions();
+    pages += std::min(slots_[s].mapped(), round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s))) *
+             layout_.num_regions();
   return pages - sharing_.duplicate_mappings();  // shared pages lie below their slots' claims
 }
 
@@ -52,7 +53,8 @@ std::size_t KvCache::Impl::trim() {
   free_finished_host_copies(/*wait=*/false);
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     std::vector<Page> pages;
-    unmap_tail(s, first_reclaimable_without_waiting(s), pages);  // waits for a freed slot's last readers
+    // Waits for a freed slot's last readers; large pages go whole.
+    unmap_tail(s, round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s)), pages);
     for (const Page& page : pages) pool_.give_back(page);
   }
   return pool_.trim(0) * layout_.page_bytes();

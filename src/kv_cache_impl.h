@@ -150,6 +150,9 @@ class KvCache::Impl {
   void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
   void map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies, std::size_t missing,
                    Stream stream, detail::UndoLog& undo, const char* call);
+  std::vector<std::vector<Page>> take_large_pages(const std::vector<std::size_t>& claims);
+  std::vector<Page> lay_out_grant(const std::vector<std::size_t>& claims, const std::vector<std::vector<Page>>& large,
+                                  const std::vector<Page>& singles, std::size_t copies) const;
   // Undo log for an engine call on `stream`: undoing a mapping waits for the call's device work.
   std::function<void()> stream_waiter(Stream stream);
 
@@ -157,6 +160,9 @@ class KvCache::Impl {
   // Real pages at pages [first, first + count) of one region, replacing zero backing; and
   // back. Backend calls only, all or nothing; the caller keeps the books.
   void map_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles, std::size_t count);
+  // Maps `count` handles side by side at `address` (a large page as its run of equal
+  // handles, with one call). All or nothing.
+  void map_handles(Address address, const PageHandle* handles, std::size_t count);
   void unmap_real(std::size_t slot, std::size_t region, std::size_t first, std::size_t count);
   // Backs pages [backed_end, until) of every region of a slot with zeros (the books too).
   void back_with_zeros(std::size_t slot, std::size_t until);
@@ -178,7 +184,19 @@ class KvCache::Impl {
   void wait_free_event(Slot& slot);
   std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& floors);
   void reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors);
+  // Unmaps pages [keep, mapped) of every region of a slot (`keep` splits no large page):
+  // those mapped nowhere else go into `into`.
   void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
+  // One slot address less maps each page or large page of pages[from, to); those mapped
+  // nowhere else now go into `into`.
+  void drop_mappings(const std::vector<PageHandle>& pages, std::size_t from, std::size_t to, bool clean,
+                     std::vector<Page>& into);
+  // Gives pages[0, count) back to the pool, a large page (a run of equal handles) once.
+  void give_back_pages(const Page* pages, std::size_t count);
+  // Large pages are unmapped whole: the start of the one covering page `page` of a slot
+  // without starting there, else `page`; and the end of that one, else `page`.
+  std::size_t round_down_to_whole(const Slot& slot, std::size_t page) const noexcept;
+  std::size_t round_up_to_whole(const Slot& slot, std::size_t page) const noexcept;
   // Maps back pages [keep, keep + count) of regions [0, regions) of a slot, whose unmap
   // succeeded before another region's failed; errors are dropped (the first one propagates).
   void remap_unmapped_regions(std::size_t slot, std::size_t regions, std::size_t keep, std::size_t count) noexcept;
@@ -187,12 +205,21 @@ class KvCache::Impl {
   void copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
                      Stream stream, detail::UndoLog& undo);
   void share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, detail::UndoLog& undo);
+  // What share_into(src, dst, tokens) does with pages (per region): src's [0, aliased)
+  // mapped at dst, dst's [0, replaced) given up, `fresh` pages from the pool for src's
+  // [aliased, full) and, without a kept page of dst's there, the partly filled page.
+  struct ShareShape {
+    std::size_t full = 0, partial_bytes = 0, aliased = 0, replaced = 0, fresh = 0;
+    bool keeps_tail = false;  // dst keeps its pages [replaced, mapped), the partly filled one first
+  };
+  ShareShape share_shape(std::size_t src, std::size_t dst, std::size_t tokens) const;
   void free_finished_host_copies(bool wait);
   // Pages set_budget() cannot release now: what allocated slots claim, and (zero_page)
   // pages work in flight may read.
   std::size_t pages_set_budget_keeps() const;
   void shrink_to_budget();
-  std::size_t obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens);
+  std::size_t obtain_share_pages(std::unique_lock<std::mutex>& lock, std::size_t src, std::size_t dst,
+                                 std::size_t tokens);
   // Maps `to_map` pages a call will claim (`claims`) without claiming them, and makes
   // `to_free` more free in the pool (a copy-on-write's pages): the pages missing (0 when
   // none), or nothing when it waited for the mapper and the caller must plan again.

@@ -55,7 +55,8 @@ CacheStats KvCache::Impl::stats() const {
   }
   // Shared pages lie below their slots' claims: each extra mapping is a claimed one.
   const std::size_t duplicates = sharing_.duplicate_mappings();
-  stats.pages_shared = sharing_.size();
+  stats.pages_shared = sharing_.shared_pages();
+  stats.large_pages = pool_.large_pages();
   stats.pages_mapped = stats.page_mappings - duplicates;
   stats.pages_in_use = claimed_mappings - duplicates;
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
@@ -78,10 +79,25 @@ void KvCache::Impl::check_invariants() const {
   for (const Slot& slot : slots_)
     for (const auto& pages : slot.pages)
       for (PageHandle page : pages) physical += sharing_.is_shared(page) ? 0 : 1;
-  physical += sharing_.size();
+  physical += sharing_.shared_pages();
   expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_,
          "created pages = free + mapped + in flight in the mapper");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");
+  // Large pages: whole, at whole spans, the same in every region of a slot, known to the pool.
+  const std::size_t span = pool_.large_page_pages();
+  for (const Slot& slot : slots_) {
+    for (const auto& pages : slot.pages) {
+      for (std::size_t i = 0, end = 0; i < pages.size(); i = end) {
+        end = detail::run_end(pages.data(), i, pages.size(), [](PageHandle page) { return page; });
+        const bool large = end - i > 1;
+        expect(large == pool_.is_large(pages[i]), "a run of equal pages in a slot is a large page of the pool's");
+        expect(!large || (end - i == span && i % span == 0), "a large page lies whole at a whole span");
+        const std::vector<PageHandle>& front = slot.pages.front();
+        expect(large == (i + 1 < front.size() && front[i] == front[i + 1]),
+               "a slot maps a large page at the same span in every region");
+      }
+    }
+  }
 }
 
 }  // namespace vkv

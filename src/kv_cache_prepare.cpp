@@ -117,7 +117,7 @@ KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
       wait_not_busy(lock, plan.slot);
       continue;
     }
-    plan.missing_pages = obtain_partial_page(lock, plan.slot, slots_[src].seq_len);
+    plan.missing_pages = obtain_share_pages(lock, src, plan.slot, slots_[src].seq_len);
     return plan;
   }
 }
@@ -134,7 +134,7 @@ KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::s
       continue;
     }
     Preparation plan;
-    plan.missing_pages = obtain_partial_page(lock, dst, tokens);
+    plan.missing_pages = obtain_share_pages(lock, src, dst, tokens);
     return plan;
   }
 }
@@ -150,29 +150,29 @@ KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
   return plan;
 }
 
-// Sharing `tokens` tokens into dst copies a partly filled page into a page of dst's
-// own: one it keeps mapped there, or a fresh one per region. Makes the fresh ones free
-// in the pool (created, or unmapped from where no slot claims them); returns the
-// shortfall.
-std::size_t KvCache::Impl::obtain_partial_page(std::unique_lock<std::mutex>& lock, std::size_t dst, std::size_t tokens) {
-  const std::size_t page = layout_.page_bytes();
-  const std::size_t regions = layout_.num_regions();
-  const std::size_t shared_bytes = tokens * layout_.token_bytes();
-  if (shared_bytes % page == 0) return 0;
+// Sharing `tokens` tokens into dst copies a partly filled page into a page of dst's own
+// (one it keeps mapped there, or a fresh one per region), and the pages of a large page
+// of src's that `tokens` ends inside of (share_shape()). Makes the fresh ones free in the
+// pool (created, or unmapped from where no slot claims them); returns the shortfall.
+std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock, std::size_t src, std::size_t dst,
+                                              std::size_t tokens) {
   for (;;) {
-    if (slots_[dst].mapped() > shared_bytes / page) return 0;
+    const ShareShape shape = share_shape(src, dst, tokens);
+    const std::size_t needed = shape.fresh * layout_.num_regions();
+    if (needed == 0) return 0;
     // No stream to wait on here: pages work in flight may read stay where they are.
-    const std::vector<std::size_t> claims = reclaimable_floors();
+    std::vector<std::size_t> claims = reclaimable_floors();
+    if (shape.keeps_tail) claims[dst] = slots_[dst].mapped();
     const std::size_t obtainable = obtainable_pages(claims);
-    if (obtainable >= regions) {
+    if (obtainable >= needed) {
       try {
-        for (const Page& fresh : obtain_pages(regions, claims)) pool_.give_back(fresh);
+        for (const Page& fresh : obtain_pages(needed, claims)) pool_.give_back(fresh);
         return 0;
       } catch (const OutOfMemory& error) {
         if (!background_busy()) return std::max<std::size_t>(error.missing_pages(), 1);
       }
     } else if (!background_busy()) {
-      return regions - obtainable;
+      return needed - obtainable;
     }
     background_done_.wait(lock, [&] { return !background_busy(); });
   }

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "format.h"
+#include "internal_assert.h"
 #include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
@@ -40,8 +41,8 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   const std::size_t eager_slot = slots_.eager_slot();
   allocate_slot(lock, dst, stream);
   undo.push([this, dst, kept_at_free, eager_slot] { slots_.unmark_allocated(dst, kept_at_free, eager_slot); });
-  // The mapper may be mapping ahead into the slot handed out next; room for a partial page.
-  settle(lock, dst, layout_.num_regions(), 0, expect_source);
+  // The mapper may be mapping ahead into the slot handed out next; room for dst's own pages.
+  settle(lock, dst, share_shape(src, dst, slots_[src].seq_len).fresh * layout_.num_regions(), 0, expect_source);
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   share_into(src, dst, slots_[src].seq_len, stream, undo);
   undo.commit();
@@ -55,79 +56,110 @@ void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t t
   expect_slot_in_range(src);
   expect_slot_in_range(dst);
   auto expect_valid = [&] { expect_valid_share(src, dst, tokens); };
-  settle(lock, dst, layout_.num_regions(), 0, expect_valid);  // room for a partial page
+  expect_valid();
+  settle(lock, dst, share_shape(src, dst, tokens).fresh * layout_.num_regions(), 0, expect_valid);  // room for dst's own pages
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   detail::UndoLog undo(stream_waiter(stream));
   share_into(src, dst, tokens, stream, undo);
   undo.commit();
 }
 
-// dst's pages [0, full) become src's; page `full`, where `tokens` ends inside a page,
-// is dst's own (kept, or fresh from the pool) and receives a copy of src's bytes of
-// tokens below `tokens` only: src's later tokens may belong to another request.
+KvCache::Impl::ShareShape KvCache::Impl::share_shape(std::size_t src, std::size_t dst, std::size_t tokens) const {
+  const Slot& to = slots_[dst];
+  const std::size_t page_bytes = layout_.page_bytes();
+  ShareShape shape;
+  shape.full = tokens * layout_.token_bytes() / page_bytes;
+  shape.partial_bytes = tokens * layout_.token_bytes() - shape.full * page_bytes;
+  shape.aliased = round_down_to_whole(slots_[src], shape.full);
+  const std::size_t mapped = to.mapped();
+  shape.replaced = round_down_to_whole(to, shape.full) == shape.full ? std::min(mapped, shape.full) : mapped;
+  shape.keeps_tail = mapped > shape.replaced;
+  shape.fresh = shape.full - shape.aliased + (shape.partial_bytes > 0 && !shape.keeps_tail ? 1 : 0);
+  return shape;
+}
+
+// Pages [0, aliased) of dst become src's, a large page whole; pages [aliased, full), in a
+// large page of src that goes on past `full`, are dst's own fresh copies. Page `full`,
+// where `tokens` ends inside a page, is dst's own too (kept, or fresh from the pool) and
+// receives a copy of src's bytes of tokens below `tokens` only: src's later tokens may
+// belong to another request.
 void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream,
                          detail::UndoLog& undo) {
   Slot& from = slots_[src];
   Slot& to = slots_[dst];
   const std::size_t page_bytes = layout_.page_bytes();
   const std::size_t regions = layout_.num_regions();
-  const std::size_t shared_bytes = tokens * layout_.token_bytes();
-  const std::size_t full = shared_bytes / page_bytes;
-  const std::size_t partial_bytes = shared_bytes - full * page_bytes;
+  ShareShape shape = share_shape(src, dst, tokens);
 
-  std::vector<Page> fresh;  // one per region, for the partial page when dst has none there
-  if (partial_bytes > 0 && to.mapped() <= full) {
-    // dst's own kept pages count as obtainable: all of them are about to be replaced.
-    const std::vector<std::size_t> claims = slots_.claims();
-    expect_obtainable(regions, claims, "sharing a partly filled page");
-    fresh = obtain_pages(regions, claims);
+  std::vector<Page> fresh;  // shape.fresh per region, region after region
+  if (shape.fresh > 0) {
+    // dst's own kept pages count as obtainable where all of them are about to be replaced.
+    std::vector<std::size_t> claims = slots_.claims();
+    if (shape.keeps_tail) claims[dst] = to.mapped();
+    expect_obtainable(shape.fresh * regions, claims, "sharing a partly filled page");
+    fresh = obtain_pages(shape.fresh * regions, claims);
     undo.push([this, fresh] {
       for (const Page& page : fresh) pool_.give_back(page);
     });
+    shape = share_shape(src, dst, tokens);  // after reclamation, which may have taken dst's
+    VKV_ASSERT(shape.fresh * regions == fresh.size());
   }
-  const std::size_t mapped = to.mapped();  // after reclamation, which may have taken dst's
+  const std::size_t mapped = to.mapped();
+  const std::size_t full = shape.full;
+  const std::size_t aliased = shape.aliased;
+  const std::size_t replaced = shape.replaced;
   wait_free_event(to);          // the previous owner's zero-fill still writes the pages replaced
   order_after_readers(dst, 0);  // and reads of dst in flight (zero_page)
 
-  const std::size_t replaced = std::min(mapped, full);
+  std::vector<PageHandle> fresh_handles(shape.fresh);
   for (std::size_t r = 0; r < regions; ++r) {
     if (replaced > 0) {
       unmap_real(dst, r, 0, replaced);
       undo.push_remap([this, dst, r, replaced] { map_real(dst, r, 0, slots_[dst].pages[r].data(), replaced); });
     }
-    if (full > 0) {
-      map_real(dst, r, 0, from.pages[r].data(), full);
-      undo.push_remap([this, dst, r, full] { unmap_real(dst, r, 0, full); });
+    if (aliased > 0) {
+      map_real(dst, r, 0, from.pages[r].data(), aliased);
+      undo.push_remap([this, dst, r, aliased] { unmap_real(dst, r, 0, aliased); });
     }
-    if (partial_bytes == 0) continue;
-    const Address partial = page_address(r, dst, full);
-    if (!fresh.empty()) {
-      map_real(dst, r, full, &fresh[r].handle, 1);
-      undo.push_remap([this, dst, r, full] { unmap_real(dst, r, full, 1); });
+    if (shape.fresh > 0) {
+      const Page* own = &fresh[r * shape.fresh];
+      for (std::size_t i = 0; i < shape.fresh; ++i) fresh_handles[i] = own[i].handle;
+      map_real(dst, r, aliased, fresh_handles.data(), shape.fresh);
+      undo.push_remap([this, dst, r, aliased, count = shape.fresh] { unmap_real(dst, r, aliased, count); });
       undo.enqueued_device_work();
-      zero_fresh_pages(partial, &fresh[r], 1, stream);
+      if (full > aliased)  // whole pages of src's tokens
+        backend_->copy(page_address(r, dst, aliased), page_address(r, src, aliased), (full - aliased) * page_bytes,
+                       stream);
+      if (!shape.keeps_tail && shape.partial_bytes > 0) zero_fresh_pages(page_address(r, dst, full), &own[full - aliased], 1, stream);
     }
+    if (shape.partial_bytes == 0) continue;
     undo.enqueued_device_work();
-    backend_->copy(partial, page_address(r, src, full), partial_bytes, stream);
+    backend_->copy(page_address(r, dst, full), page_address(r, src, full), shape.partial_bytes, stream);
   }
 
   // Every backend call succeeded: the bookkeeping follows.
   for (std::size_t r = 0; r < regions; ++r) {
     std::vector<PageHandle>& pages = to.pages[r];
-    for (std::size_t i = 0; i < replaced; ++i) pool_.give_back({pages[i], true});  // zeroed at free, waited for
-    std::vector<PageHandle> now(from.pages[r].begin(), from.pages[r].begin() + static_cast<std::ptrdiff_t>(full));
-    if (mapped > full) now.insert(now.end(), pages.begin() + static_cast<std::ptrdiff_t>(full), pages.end());
-    if (!fresh.empty()) now.push_back(fresh[r].handle);
+    std::vector<Page> unmapped;
+    drop_mappings(pages, 0, replaced, /*clean=*/true, unmapped);  // zeroed at free, waited for
+    for (const Page& page : unmapped) pool_.give_back(page);
+    std::vector<PageHandle> now(from.pages[r].begin(), from.pages[r].begin() + static_cast<std::ptrdiff_t>(aliased));
+    for (std::size_t i = 0; i < shape.fresh; ++i) now.push_back(fresh[r * shape.fresh + i].handle);
+    if (mapped > replaced) now.insert(now.end(), pages.begin() + static_cast<std::ptrdiff_t>(replaced), pages.end());
     pages = std::move(now);
-    for (std::size_t i = 0; i < full; ++i) sharing_.add_mapping(pages[i]);
+    for (std::size_t i = 0, end = 0; i < aliased; i = end) {
+      end = detail::run_end(pages.data(), i, aliased, [](PageHandle page) { return page; });
+      sharing_.add_mapping(pages[i], end - i);
+    }
   }
   to.seq_len = tokens;
   to.claimed = layout_.pages_for_tokens(tokens);
 }
 
 // Gives each slot in `copies` a private copy of the shared page it names, from
-// pages[next...]. The copy comes from another slot mapping the same page (an allocated
-// one, whose claimed pages nothing unmaps under the lock).
+// pages[next...]; a shared large page is copied whole, into single pages, its pages
+// following each other in `copies`. The copy comes from another slot mapping the same
+// page (an allocated one, whose claimed pages nothing unmaps under the lock).
 void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
                             Stream stream, detail::UndoLog& undo) {
   // The writer's earlier kernels may still read the shared page through its address.
@@ -141,7 +173,11 @@ void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std:
   backend_->destroy_event(readers);
 
   const std::size_t page_bytes = layout_.page_bytes();
-  for (const PageRef& ref : copies) {
+  auto identity = [](PageHandle page) { return page; };
+  for (std::size_t c = 0; c < copies.size();) {
+    const PageRef ref = copies[c];
+    const std::vector<PageHandle>& writer = slots_[ref.slot].pages.front();
+    const std::size_t count = detail::run_end(writer.data(), ref.page, writer.size(), identity) - ref.page;
     for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
       const PageHandle shared = slots_[ref.slot].pages[r][ref.page];
       std::size_t holder = 0;
@@ -149,28 +185,33 @@ void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std:
                                          slots_[holder].pages[r][ref.page] != shared))
         ++holder;
       if (holder == slots_.size()) throw Error("internal: a shared page has no other slot mapping it");
-      const PageHandle fresh = pages[next].handle;
+      std::vector<PageHandle> fresh(count);
+      for (std::size_t i = 0; i < count; ++i) fresh[i] = pages[next + i].handle;
+      const std::vector<PageHandle> shared_run(count, shared);
       const Address address = page_address(r, ref.slot, ref.page);
-      backend_->unmap(address, page_bytes);
+      backend_->unmap(address, count * page_bytes);
       try {
-        backend_->map(address, &fresh, 1);
+        backend_->map(address, fresh.data(), count);
       } catch (...) {
-        backend_->map(address, &shared, 1);
+        map_handles(address, shared_run.data(), count);
         throw;
       }
-      ++next;
-      slots_[ref.slot].pages[r][ref.page] = fresh;
+      next += count;
+      std::vector<PageHandle>& list = slots_[ref.slot].pages[r];
+      std::copy(fresh.begin(), fresh.end(), list.begin() + static_cast<std::ptrdiff_t>(ref.page));
       sharing_.drop_mapping(shared);
-      undo.push_remap([this, ref, r, address, shared, fresh, page_bytes] {
-        backend_->unmap(address, page_bytes);
-        backend_->map(address, &shared, 1);
-        slots_[ref.slot].pages[r][ref.page] = shared;
-        sharing_.add_mapping(shared);
-        pool_.give_back({fresh, false});
+      undo.push_remap([this, ref, r, address, shared_run, fresh, page_bytes] {
+        backend_->unmap(address, shared_run.size() * page_bytes);
+        map_handles(address, shared_run.data(), shared_run.size());
+        std::vector<PageHandle>& pages_now = slots_[ref.slot].pages[r];
+        std::copy(shared_run.begin(), shared_run.end(), pages_now.begin() + static_cast<std::ptrdiff_t>(ref.page));
+        sharing_.add_mapping(shared_run.front(), shared_run.size());
+        for (PageHandle page : fresh) pool_.give_back({page, false});
       });
       undo.enqueued_device_work();
-      backend_->copy(address, page_address(r, holder, ref.page), page_bytes, stream);
+      backend_->copy(address, page_address(r, holder, ref.page), count * page_bytes, stream);
     }
+    c += count;
   }
 }
 

@@ -1,6 +1,7 @@
 // KvCache: step(), and mapping every page a call needs that is not mapped yet.
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <unordered_map>
 
 #include "format.h"
@@ -49,11 +50,16 @@ KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, st
     if (plan.claims[s] > slot.mapped()) plan.to_map += (plan.claims[s] - slot.mapped()) * regions;
     if (!sharing_.empty() && seq_lens[s] > slot.seq_len) {
       // Tokens [seq_len, new seq_len) are about to be written: a shared page there is copied.
+      // A shared large page is copied whole.
+      const std::vector<PageHandle>& pages = slot.pages.front();
       const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
-      for (std::size_t page = slot.seq_len * layout_.token_bytes() / layout_.page_bytes(); page < end; ++page) {
-        const PageHandle handle = slot.pages.front()[page];
-        if (!sharing_.is_shared(handle) || copies_of[handle]++ == sharing_.mappings(handle) - 1) continue;
-        plan.copies.push_back({s, page});
+      std::size_t page = round_down_to_whole(slot, slot.seq_len * layout_.token_bytes() / layout_.page_bytes());
+      while (page < end) {
+        const std::size_t run = detail::run_end(pages.data(), page, pages.size(), [](PageHandle handle) { return handle; });
+        const PageHandle handle = pages[page];
+        if (sharing_.is_shared(handle) && copies_of[handle]++ != sharing_.mappings(handle) - 1)
+          for (std::size_t i = page; i < run; ++i) plan.copies.push_back({s, i});
+        page = run;
       }
     }
     // The mapper is mapping (or unmapping) pages this slot needs, or pages the new horizon
@@ -117,7 +123,8 @@ std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& clai
   std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const std::size_t mapped = slots_[s].mapped();
-    if (!slots_[s].busy() && mapped > claims[s]) unclaimed += mapped - claims[s];
+    const std::size_t floor = round_up_to_whole(slots_[s], claims[s]);  // large pages go whole
+    if (!slots_[s].busy() && mapped > floor) unclaimed += mapped - floor;
   }
   return pool_.obtainable_pages() + unclaimed * layout_.num_regions();
 }
@@ -151,6 +158,69 @@ std::function<void()> KvCache::Impl::stream_waiter(Stream stream) {
   return [this, stream] { backend_->synchronize(stream); };
 }
 
+// Large pages for the whole large-page spans slots grow into (claims[s] beyond what they
+// map), in every region of a span or in none, as far as the pool has them without
+// reclaiming: [slot] -> `regions` pages per span, the slot's first spans in order.
+std::vector<std::vector<Page>> KvCache::Impl::take_large_pages(const std::vector<std::size_t>& claims) {
+  std::vector<std::vector<Page>> large(slots_.size());
+  const std::size_t span = pool_.large_page_pages();
+  if (span == 0) return large;
+  const std::size_t regions = layout_.num_regions();
+  try {
+    for (std::size_t s = 0; s < slots_.size(); ++s) {
+      for (std::size_t first = (slots_[s].mapped() + span - 1) / span * span; first + span <= claims[s];
+           first += span) {
+        const std::size_t taken = large[s].size();
+        while (large[s].size() < taken + regions) {
+          std::optional<Page> page = pool_.take_large();
+          if (!page) {
+            for (std::size_t i = taken; i < large[s].size(); ++i) pool_.give_back(large[s][i]);
+            large[s].resize(taken);
+            return large;
+          }
+          large[s].push_back(*page);
+        }
+      }
+    }
+  } catch (...) {
+    for (const std::vector<Page>& pages : large)
+      for (const Page& page : pages) pool_.give_back(page);
+    throw;
+  }
+  return large;
+}
+
+// The pages of a grant in the order map_missing() uses them: `copies` single pages first,
+// then slot by slot, region by region, each slot's large pages at its first whole spans
+// (one entry per page they cover), single pages around them.
+std::vector<Page> KvCache::Impl::lay_out_grant(const std::vector<std::size_t>& claims,
+                                               const std::vector<std::vector<Page>>& large,
+                                               const std::vector<Page>& singles, std::size_t copies) const {
+  std::vector<Page> pages(singles.begin(), singles.begin() + static_cast<std::ptrdiff_t>(copies));
+  std::size_t next_single = copies;
+  const std::size_t span = pool_.large_page_pages();
+  const std::size_t regions = layout_.num_regions();
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const std::size_t mapped = slots_[s].mapped();
+    if (claims[s] <= mapped) continue;
+    const std::size_t spans = large[s].size() / regions;
+    const std::size_t first_span = span == 0 ? mapped : (mapped + span - 1) / span * span;
+    for (std::size_t r = 0; r < regions; ++r) {
+      for (std::size_t page = mapped; page < claims[s];) {
+        if (page >= first_span && page < first_span + spans * span) {
+          pages.insert(pages.end(), span, large[s][(page - first_span) / span * regions + r]);
+          page += span;
+        } else {
+          pages.push_back(singles[next_single++]);
+          page += 1;
+        }
+      }
+    }
+  }
+  VKV_ASSERT(next_single == singles.size());
+  return pages;
+}
+
 // Maps every slot up to claims[s] pages per region and gives `copies` private copies of
 // the shared pages they name, with `missing` pages in all. Each backend step registers
 // its undo in `undo`; the caller commits. Every mapping is made before any zero-fill is
@@ -161,12 +231,25 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
   expect_obtainable(missing, claims, call);
   for (std::size_t s = 0; s < slots_.size(); ++s)
     if (claims[s] > slots_[s].mapped()) order_after_readers(s, slots_[s].mapped());
-  std::vector<Page> pages = obtain_pages(missing, claims);
-  std::size_t next = 0;  // pages[next...] are not mapped yet
+  const std::size_t regions = layout_.num_regions();
+  std::vector<Page> pages;  // every page in the order it is used
+  std::size_t next = 0;     // pages[next...] are not mapped yet
   detail::UndoLog unused;
-  unused.push([&] {
-    for (std::size_t i = next; i < pages.size(); ++i) pool_.give_back(pages[i]);
-  });
+  unused.push([&] { give_back_pages(pages.data() + next, pages.size() - next); });
+  {
+    const std::vector<std::vector<Page>> large = take_large_pages(claims);
+    std::size_t large_total = 0;
+    for (const std::vector<Page>& taken : large) large_total += taken.size() * pool_.large_page_pages();
+    std::vector<Page> singles;
+    try {
+      singles = obtain_pages(missing - large_total, claims);
+    } catch (...) {
+      for (const std::vector<Page>& taken : large)
+        for (const Page& page : taken) pool_.give_back(page);
+      throw;
+    }
+    pages = lay_out_grant(claims, large, singles, copies.size() * layout_.num_regions());
+  }
   if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
 
   struct Fresh {
@@ -175,7 +258,6 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
     std::size_t count;
   };
   std::vector<Fresh> fresh;
-  const std::size_t regions = layout_.num_regions();
   std::vector<PageHandle> handles;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
@@ -192,7 +274,9 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       undo.push_remap([this, s, r, mapped] {
         std::vector<PageHandle>& list = slots_[s].pages[r];
         unmap_real(s, r, mapped, list.size() - mapped);
-        for (std::size_t i = mapped; i < list.size(); ++i) pool_.give_back({list[i], false});
+        std::vector<Page> unmapped;
+        drop_mappings(list, mapped, list.size(), /*clean=*/false, unmapped);
+        for (const Page& page : unmapped) pool_.give_back(page);
         list.resize(mapped);
       });
     }

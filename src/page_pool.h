@@ -7,10 +7,17 @@
 // pages are not (unless the backend says they are: memfd pages), and the cache
 // zero-fills them before a slot can read them.
 //
+// Large pages (large_page_pages() > 0): one physical allocation of that many pages,
+// which the cache maps only whole (Backend::map_large). The pool counts them in pages
+// like the others; take() releases free large pages when single pages must be created
+// and the budget has no room left, and take_large() never splits anything.
+//
 // Thread-safety: not thread-safe; its owner (KvCache) serializes every call.
 #pragma once
 
 #include <cstddef>
+#include <optional>
+#include <unordered_set>
 #include <vector>
 
 #include "vkv/backend.h"
@@ -22,10 +29,12 @@ struct Page {
   bool clean = false;  ///< known to hold zeros
 };
 
+
 class PagePool {
  public:
-  /// Creates nothing yet. `backend` must outlive the pool.
-  PagePool(Backend& backend, std::size_t budget_pages);
+  /// Creates nothing yet. `backend` must outlive the pool. `large_page_pages` 0: no large
+  /// pages; otherwise (>= 2) the pages of each, and the backend must have them.
+  PagePool(Backend& backend, std::size_t budget_pages, std::size_t large_page_pages = 0);
   /// Releases every free page. Pages still handed out are the owner's to give back first.
   ~PagePool();
   PagePool(const PagePool&) = delete;
@@ -35,20 +44,42 @@ class PagePool {
   /// A new budget; created pages above it stay until the owner releases them (trim()).
   void set_budget(std::size_t pages) noexcept { budget_pages_ = pages; }
   std::size_t created_pages() const noexcept { return created_pages_; }
-  std::size_t free_pages() const noexcept { return free_.size(); }
-  std::size_t handed_out_pages() const noexcept { return created_pages_ - free_.size(); }
+  std::size_t large_page_pages() const noexcept { return large_page_pages_; }
+  /// Free pages, a free large page counting as its pages.
+  std::size_t free_pages() const noexcept { return free_.size() + free_large_.size() * large_page_pages_; }
+  std::size_t free_large_pages() const noexcept { return free_large_.size(); }
+  /// Large pages in existence (free or handed out).
+  std::size_t large_pages() const noexcept { return large_.size(); }
+  bool is_large(PageHandle handle) const { return large_.count(handle) != 0; }
+  std::size_t handed_out_pages() const noexcept { return created_pages_ - free_pages(); }
   /// Pages take() can hand out now: the free ones plus those the budget still allows creating.
   std::size_t obtainable_pages() const noexcept;
 
-  /// Hands out `count` pages, free ones first, then newly created ones. All or nothing.
-  /// @throws OutOfMemory naming the shortfall (budget or device); the pool is unchanged.
+  /// Hands out `count` single pages, free ones first, then newly created ones (releasing
+  /// free large pages first where the budget has no room for them). All or nothing.
+  /// @throws OutOfMemory naming the shortfall (budget or device); the pool can hand out
+  /// as many pages as before (a large page released to make room may be gone).
   std::vector<Page> take(std::size_t count);
+  /// A free large page, or a new one where the budget has room; nothing (and no change)
+  /// when neither, or when the device has no memory for one. @throws DriverError.
+  std::optional<Page> take_large();
+  /// Releases free large pages until `count` single pages can be had from the free ones
+  /// and the budget's room (as far as there are large pages to release).
+  void make_room_for_singles(std::size_t count) noexcept;
   /// A page just created by the backend, clean where the backend's fresh pages are zeros.
   /// Touches no pool state (the owner may call it without its lock, between
   /// begin_create() and end_create()). @throws as Backend::create_page().
   Page new_page() const { return {backend_.create_page(), backend_.traits().fresh_pages_are_zero}; }
-  /// Hands out up to `count` free pages; creates none (no backend call).
+  /// A large page just created by the backend, as new_page(); the owner calls
+  /// adopt_large() for it with its lock held before handing it on.
+  Page new_large_page() const {
+    return {backend_.create_large_page(large_page_pages_), backend_.traits().fresh_pages_are_zero};
+  }
+  void adopt_large(PageHandle handle) { large_.insert(handle); }
+  /// Hands out up to `count` free single pages; creates none (no backend call).
   std::vector<Page> take_free(std::size_t count);
+  /// Hands out up to `count` free large pages; creates none.
+  std::vector<Page> take_free_large(std::size_t count);
   /// Counts up to `count` pages as created before they are (at most what the budget
   /// allows), so that the owner can create them outside its lock. Returns how many.
   std::size_t begin_create(std::size_t count) noexcept;
@@ -56,24 +87,35 @@ class PagePool {
   void end_create(std::size_t reserved, std::size_t made) noexcept;
   /// Takes back a page that is mapped nowhere.
   void give_back(Page page);
-  /// Creates pages until `count` are free, so that creation leaves the hot path.
+  /// Creates single pages until `count` are free, so that creation leaves the hot path.
   /// @throws InvalidArgument when that exceeds the budget; OutOfMemory from the device
   ///         (the pages created before it stay free in the pool).
   void precreate(std::size_t count);
-  /// Releases free pages to the backend until at most `keep` remain. Returns how many went.
+  /// Releases free pages to the backend until at most `keep` remain (single pages first;
+  /// a large page goes whole, so fewer may remain). Returns how many pages went.
   std::size_t trim(std::size_t keep) noexcept;
   /// Forgets every page without releasing it: a forked child must not release pages
   /// that belong to its parent (the host backend's page file is shared).
   void abandon() noexcept {
     free_.clear();
+    free_large_.clear();
+    large_.clear();
     created_pages_ = 0;
   }
 
  private:
   Backend& backend_;
   std::size_t budget_pages_;
+  std::size_t creatable_pages() const noexcept {
+    return budget_pages_ > created_pages_ ? budget_pages_ - created_pages_ : 0;
+  }
+  void release_large(Page page) noexcept;
+
+  std::size_t large_page_pages_;
   std::size_t created_pages_ = 0;
-  std::vector<Page> free_;  // LIFO: the most recently used page goes out first
+  std::vector<Page> free_;        // LIFO: the most recently used page goes out first
+  std::vector<Page> free_large_;  // the same, for large pages
+  std::unordered_set<PageHandle> large_;  // every large page in existence
 };
 
 }  // namespace vkv

@@ -6,6 +6,9 @@
 // their claim; freeing or swapping out a slot drops its shared pages at once. So pages
 // that can be reclaimed are never shared, and the rest of the page accounting holds.
 //
+// A large page is shared whole or not at all, and counted once per slot address, like a
+// page; it weighs its pages in shared_pages() and duplicate_mappings().
+//
 // Invariants (check()): a page's count equals the slot addresses mapping it; a counted
 // page is mapped at least twice; a page is shared in every region of a slot or in none.
 //
@@ -22,15 +25,15 @@ namespace vkv::detail {
 class PageSharing {
  public:
   bool empty() const noexcept { return shares_.empty(); }
-  /// Distinct pages mapped more than once.
-  std::size_t size() const noexcept { return shares_.size(); }
+  /// Pages mapped more than once (a large page counts its pages).
+  std::size_t shared_pages() const noexcept;
   bool is_shared(PageHandle page) const { return shares_.count(page) != 0; }
   /// Slot addresses mapping `page` (1 for a page mapped once).
   std::size_t mappings(PageHandle page) const;
   /// True when `slot` maps any shared page (checked in its first region: all or none).
   bool holds_shared(const Slot& slot) const;
-  /// One more slot maps `page`.
-  void add_mapping(PageHandle page);
+  /// One more slot maps `page`, which covers `pages` pages (more than 1: a large page).
+  void add_mapping(PageHandle page, std::size_t pages = 1);
   /// One slot less maps `page`; true when that was its last mapping (it may go back to the pool).
   bool drop_mapping(PageHandle page);
   /// Extra mappings beyond one per page: what page_mappings counts over pages_mapped.
@@ -40,7 +43,11 @@ class PageSharing {
   void check(const SlotTable& slots) const;
 
  private:
-  std::unordered_map<PageHandle, std::size_t> shares_;  // mappings of pages mapped more than once
+  struct Share {
+    std::size_t mappings = 2;  // slot addresses
+    std::size_t pages = 1;     // pages it covers
+  };
+  std::unordered_map<PageHandle, Share> shares_;  // pages mapped more than once
 };
 
 }  // namespace vkv::detail

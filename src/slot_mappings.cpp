@@ -17,7 +17,22 @@ namespace vkv {
 std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vector<std::size_t>& floors) {
   std::vector<Page> pages = pool_.take(std::min(count, pool_.obtainable_pages()));
   try {
-    while (pages.size() < count) reclaim_coldest(pages, count - pages.size(), floors);
+    while (pages.size() < count) {
+      std::vector<Page> reclaimed;
+      reclaim_coldest(reclaimed, count - pages.size(), floors);
+      // Single pages serve as they are; a large page serves as room for single ones.
+      for (std::size_t i = 0; i < reclaimed.size(); ++i) {
+        if (pool_.is_large(reclaimed[i].handle)) {
+          pool_.give_back(reclaimed[i]);
+        } else {
+          pages.push_back(reclaimed[i]);
+        }
+      }
+      if (pages.size() < count) {
+        std::vector<Page> more = pool_.take(std::min(count - pages.size(), pool_.obtainable_pages()));
+        pages.insert(pages.end(), more.begin(), more.end());
+      }
+    }
   } catch (...) {
     for (const Page& page : pages) pool_.give_back(page);
     throw;
@@ -31,20 +46,25 @@ std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vect
 }
 
 void KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors) {
-  const std::size_t victim =
-      detail::choose_victim(slots_, floors, detail::VictimKinds::surplus_then_freed, /*exclude=*/slots_.size());
+  // Large pages go whole: a slot keeps the one its floor falls in.
+  std::vector<std::size_t> whole_floors(floors.size());
+  for (std::size_t s = 0; s < floors.size(); ++s) whole_floors[s] = round_up_to_whole(slots_[s], floors[s]);
+  const std::size_t victim = detail::choose_victim(slots_, whole_floors, detail::VictimKinds::surplus_then_freed,
+                                                   /*exclude=*/slots_.size());
   if (victim == slots_.size()) throw Error("internal: reclamation found no unclaimed mapped page");
   const std::size_t regions = layout_.num_regions();
   const std::size_t mapped = slots_[victim].mapped();
-  const std::size_t per_region = std::min(mapped - floors[victim], (wanted + regions - 1) / regions);
-  order_after_readers(victim, mapped - per_region);
-  unmap_tail(victim, mapped - per_region, into);
+  const std::size_t per_region = std::min(mapped - whole_floors[victim], (wanted + regions - 1) / regions);
+  const std::size_t keep = round_down_to_whole(slots_[victim], mapped - per_region);
+  order_after_readers(victim, keep);
+  unmap_tail(victim, keep, into);
 }
 
 void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<Page>& into) {
   Slot& slot = slots_[slot_index];
   const std::size_t mapped = slot.mapped();
   if (mapped <= keep) return;
+  VKV_ASSERT(round_down_to_whole(slot, keep) == keep);  // large pages go whole
   wait_free_event(slot);  // the driver's unmap does not wait for kernels still reading
   std::size_t region = 0;
   try {
@@ -58,10 +78,33 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
   // above: clean. A shared page stays with its other slots.
   const bool clean = keep >= slot.claimed;
   for (std::vector<PageHandle>& pages : slot.pages) {
-    for (std::size_t i = keep; i < mapped; ++i)
-      if (sharing_.drop_mapping(pages[i])) into.push_back({pages[i], clean});
+    drop_mappings(pages, keep, mapped, clean, into);
     pages.resize(keep);
   }
+}
+
+void KvCache::Impl::drop_mappings(const std::vector<PageHandle>& pages, std::size_t from, std::size_t to, bool clean,
+                                  std::vector<Page>& into) {
+  for (std::size_t i = from; i < to; i = detail::run_end(pages.data(), i, to, [](PageHandle page) { return page; }))
+    if (sharing_.drop_mapping(pages[i])) into.push_back({pages[i], clean});
+}
+
+void KvCache::Impl::give_back_pages(const Page* pages, std::size_t count) {
+  for (std::size_t i = 0; i < count; i = detail::run_end(pages, i, count, [](const Page& page) { return page.handle; }))
+    pool_.give_back(pages[i]);
+}
+
+std::size_t KvCache::Impl::round_down_to_whole(const Slot& slot, std::size_t page) const noexcept {
+  const std::size_t large = pool_.large_page_pages();
+  if (large == 0 || page >= slot.mapped() || page % large == 0) return page;
+  const std::size_t start = page - page % large;
+  const std::vector<PageHandle>& pages = slot.pages.front();  // the same large pages in every region
+  return pages[start] == pages[start + 1] ? start : page;
+}
+
+std::size_t KvCache::Impl::round_up_to_whole(const Slot& slot, std::size_t page) const noexcept {
+  const std::size_t start = round_down_to_whole(slot, page);
+  return start == page ? page : start + pool_.large_page_pages();
 }
 
 void KvCache::Impl::remap_unmapped_regions(std::size_t slot_index, std::size_t regions, std::size_t keep,
@@ -84,10 +127,35 @@ void KvCache::Impl::map_real(std::size_t slot_index, std::size_t region, std::si
       config_.zero_page && slot.backed_end > first ? std::min(count, slot.backed_end - first) : 0;
   if (zero_backed > 0) backend_->unmap(address, zero_backed * page);
   try {
-    backend_->map(address, handles, count);
+    map_handles(address, handles, count);
   } catch (...) {
     try {
       if (zero_backed > 0) backend_->back_with_zeros(address, zero_backed * page);
+    } catch (...) {
+      // Already failing; report the first error.
+    }
+    throw;
+  }
+}
+
+void KvCache::Impl::map_handles(Address address, const PageHandle* handles, std::size_t count) {
+  const std::size_t page = layout_.page_bytes();
+  auto identity = [](PageHandle handle) { return handle; };
+  std::size_t mapped = 0;
+  try {
+    while (mapped < count) {
+      std::size_t end = detail::run_end(handles, mapped, count, identity);
+      if (end - mapped > 1) {
+        backend_->map_large(address + mapped * page, handles[mapped], end - mapped);
+      } else {  // single pages up to the next large page: one call
+        while (end < count && detail::run_end(handles, end, count, identity) == end + 1) ++end;
+        backend_->map(address + mapped * page, handles + mapped, end - mapped);
+      }
+      mapped = end;
+    }
+  } catch (...) {
+    try {
+      if (mapped > 0) backend_->unmap(address, mapped * page);  // just mapped: nothing reads them yet
     } catch (...) {
       // Already failing; report the first error.
     }
@@ -107,7 +175,7 @@ void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::
     backend_->back_with_zeros(address, zero_backed * page);
   } catch (...) {
     try {
-      backend_->map(address, slot.pages[region].data() + first, count);
+      map_handles(address, slot.pages[region].data() + first, count);
     } catch (...) {
       // Already failing; report the first error.
     }

@@ -19,6 +19,17 @@
 
 namespace vkv::detail {
 
+/// A slot's books hold a large page as one entry per page it covers, equal handles in a
+/// row (a single page appears at most once in a region), so per-page loops still count
+/// pages; code that hands pages on (to the pool, to the sharing counts) visits each run
+/// once. The end of the run that starts at `first`, before `end`.
+template <typename Entry, typename HandleOf>
+std::size_t run_end(const Entry* entries, std::size_t first, std::size_t end, HandleOf handle_of) {
+  std::size_t last = first + 1;
+  while (last < end && handle_of(entries[last]) == handle_of(entries[first])) ++last;
+  return last;
+}
+
 /// KvCache::Impl's marker for a slot no background unit is working on.
 inline constexpr std::size_t kNotBusy = static_cast<std::size_t>(-1);
 

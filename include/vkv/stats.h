@@ -50,6 +50,7 @@ struct CacheStats {
   /// a later step() puts them out of reach.
   std::size_t pages_in_reach = 0;
   std::size_t pages_shared = 0;    ///< mapped in more than one slot (fork, share_prefix)
+  std::size_t large_pages = 0;     ///< large pages in existence (config.large_page_size), each counted in pages too
   std::size_t page_mappings = 0;   ///< page-sized runs of slot addresses backed; >= pages_mapped
   std::size_t active_slots = 0;
   std::size_t tokens_in_use = 0;   ///< sum of the last step's seq_lens

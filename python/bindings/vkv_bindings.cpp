@@ -376,6 +376,7 @@ py::dict stats(const KvCache& cache) {
   out["bytes_mapped"] = stats.bytes_mapped();
   out["bytes_in_use"] = stats.bytes_in_use();
   out["pages_shared"] = stats.pages_shared;
+  out["large_pages"] = stats.large_pages;
   out["page_mappings"] = stats.page_mappings;
   out["bytes_saved_by_sharing"] = stats.bytes_saved_by_sharing();
   out["active_slots"] = stats.active_slots;

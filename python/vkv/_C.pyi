@@ -35,6 +35,7 @@ class CacheConfig:
         device: str = 'auto',
         memory_budget: int = 0,
         precreate_pages: int = 0,
+        large_page_size: int = 0,
         zero_page: bool = False,
         background_mapping: bool = True,
         lookahead_tokens: int = 32,
@@ -70,6 +71,8 @@ class CacheConfig:
     """most physical memory in bytes; 0 = enough for every slot, at most 90% of the free device memory"""
     precreate_pages: int
     """physical pages created up front, so that step() does not create them"""
+    large_page_size: int
+    """bytes per large page (a multiple of page_size, >= 2 pages): a prompt's whole spans of that size get one physical allocation, mapped in one call (~10x faster on a GPU) but reclaimed, shared and copied only whole; 0 = off"""
     zero_page: bool
     """pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads touch unmapped memory"""
     background_mapping: bool

@@ -157,7 +157,8 @@ std::vector<Step> workload() {
   };
 }
 
-class FaultInjectionTest : public ::testing::TestWithParam<std::tuple<testing::BackendKind, LayoutKind>> {};
+// Parameters: backend, layout, and whether prompts get large pages (of two pages).
+class FaultInjectionTest : public ::testing::TestWithParam<std::tuple<testing::BackendKind, LayoutKind, bool>> {};
 
 TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
   const testing::BackendKind kind = std::get<0>(GetParam());
@@ -169,6 +170,7 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
   CacheConfig config = testing::small_config(std::get<1>(GetParam()), testing::make_test_backend(kind, &unused)->page_bytes());
   config.memory_budget = 0;
   config.zero_page = true;  // undo puts zero backing back too
+  if (std::get<2>(GetParam())) config.large_page_size = 2 * testing::make_test_backend(kind, &unused)->page_bytes();
   const std::vector<Step> steps = workload();
   std::size_t total_calls = 0;
   std::size_t failures_seen = 0;
@@ -231,9 +233,10 @@ INSTANTIATE_TEST_SUITE_P(
     AllBackendsAndLayouts, FaultInjectionTest,
     ::testing::Combine(::testing::Values(testing::BackendKind::host, testing::BackendKind::host_deferred,
                                          testing::BackendKind::cuda),
-                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
+                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved), ::testing::Bool()),
     [](const auto& info) {
-      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
+      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param)) +
+             (std::get<2>(info.param) ? "_large" : "");
     });
 
 }  // namespace

@@ -84,5 +84,50 @@ TEST_F(PagePoolTest, DestructionReleasesEveryFreePage) {
   EXPECT_EQ(backend_.stats().create.units, backend_.stats().release.units);
 }
 
+// Large pages count as their pages against the budget, and go back to the free list of their kind.
+TEST_F(PagePoolTest, LargePagesCountTheirPagesAndAreReusedWhole) {
+  PagePool pool(backend_, 8, /*large_page_pages=*/4);
+  std::optional<Page> large = pool.take_large();
+  ASSERT_TRUE(large);
+  EXPECT_TRUE(pool.is_large(large->handle));
+  EXPECT_EQ(pool.created_pages(), 4u);
+  EXPECT_EQ(pool.obtainable_pages(), 4u);
+  EXPECT_EQ(pool.large_pages(), 1u);
+  pool.give_back(*large);
+  EXPECT_EQ(pool.free_pages(), 4u);
+  EXPECT_EQ(pool.free_large_pages(), 1u);
+  const auto creates = backend_.stats().create.calls;
+  std::optional<Page> again = pool.take_large();
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->handle, large->handle) << "a free large page goes out before a new one is made";
+  EXPECT_EQ(backend_.stats().create.calls, creates);
+  std::optional<Page> second = pool.take_large();
+  ASSERT_TRUE(second);
+  EXPECT_FALSE(pool.take_large()) << "no room left in the budget: nothing, and no change";
+  EXPECT_EQ(pool.created_pages(), 8u);
+  pool.give_back(*again);
+  pool.give_back(*second);
+}
+
+// Single pages wanted, the budget full of free large pages: they make room, one at a time.
+TEST_F(PagePoolTest, TakingSinglePagesReleasesFreeLargePagesForRoom) {
+  PagePool pool(backend_, 8, /*large_page_pages=*/4);
+  std::optional<Page> a = pool.take_large();
+  std::optional<Page> b = pool.take_large();
+  pool.give_back(*a);
+  pool.give_back(*b);
+  EXPECT_EQ(pool.obtainable_pages(), 8u);
+  std::vector<Page> singles = pool.take(3);
+  EXPECT_EQ(singles.size(), 3u);
+  EXPECT_EQ(pool.free_large_pages(), 1u) << "one large page released, not both";
+  EXPECT_EQ(pool.created_pages(), 7u);
+  EXPECT_EQ(pool.obtainable_pages(), 5u);
+  for (const Page& page : singles) EXPECT_FALSE(pool.is_large(page.handle));
+  for (const Page& page : singles) pool.give_back(page);
+  EXPECT_EQ(pool.trim(0), 7u) << "trim releases single and large pages, the large ones whole";
+  EXPECT_EQ(pool.created_pages(), 0u);
+  EXPECT_EQ(pool.large_pages(), 0u);
+}
+
 }  // namespace
 }  // namespace vkv

@@ -294,7 +294,8 @@ def test_an_unknown_keyword_is_refused_naming_the_valid_ones():
 
 def test_every_keyword_option_reaches_the_core():
     page = HOST_PAGE
-    options = dict(layers_per_group=2, page_size=page, memory_budget=8 * page, precreate_pages=1, zero_page=False,
+    options = dict(layers_per_group=2, page_size=page, memory_budget=8 * page, precreate_pages=1, large_page_size=2 * page,
+                   zero_page=False,
                    background_mapping=False, lookahead_tokens=7, eager_tokens=5, deferred_reclamation=False,
                    reclaim_watermark_pages=3, backend_statistics=False)
     keywords = [p.name for p in inspect.signature(vkv.KVCache).parameters.values() if p.kind == p.KEYWORD_ONLY]

@@ -268,7 +268,9 @@ def test_a_padded_bucket_decodes_what_the_exact_batch_does(kind):
     runner.load(bucket, slots, first, lens)
     tokens, hidden = runner.forward(bucket)
     assert tokens[:3].tolist() == exact_tokens
-    assert torch.equal(hidden[:3], exact_hidden)
+    # A CPU GEMM may block 3 rows and 4 differently (last bits differ on some CPUs); leaked
+    # padding would differ by far more.
+    torch.testing.assert_close(hidden[:3], exact_hidden, rtol=1e-5, atol=1e-5)
     store.close()
 
 
