@@ -33,8 +33,18 @@ vkv::CallStats minus(const vkv::CallStats& after, const vkv::CallStats& before) 
 }
 
 vkv::BackendStats minus(const vkv::BackendStats& a, const vkv::BackendStats& b) {
-  return {minus(a.reserve, b.reserve), minus(a.create, b.create), minus(a.release, b.release), minus(a.map, b.map),
-          minus(a.unmap, b.unmap),     minus(a.zero, b.zero),     minus(a.copy, b.copy),       minus(a.event, b.event)};
+  vkv::BackendStats delta;
+  delta.reserve = minus(a.reserve, b.reserve);
+  delta.create = minus(a.create, b.create);
+  delta.release = minus(a.release, b.release);
+  delta.map = minus(a.map, b.map);
+  delta.unmap = minus(a.unmap, b.unmap);
+  delta.zero_backing = minus(a.zero_backing, b.zero_backing);
+  delta.zero = minus(a.zero, b.zero);
+  delta.copy = minus(a.copy, b.copy);
+  delta.event = minus(a.event, b.event);
+  delta.cleanup_failures = a.cleanup_failures - b.cleanup_failures;
+  return delta;
 }
 
 // Large pages (or runs of single pages) of `run_pages` pages each, `total_pages` in all,
