@@ -50,6 +50,25 @@ void Backend::check_zero_strided(Address first, std::size_t bytes, std::size_t c
               " ranges of stride ", stride, " from 0x", std::hex, first, std::dec, " run past the address space");
 }
 
+void Backend::check_large_page(const char* call, std::size_t pages) const {
+  VKV_EXPECTS(pages >= 2, call, ": pages = ", pages, " is below 2: a large page holds at least 2 pages");
+  const std::size_t most = max_reservation_bytes() / page_bytes();  // it could never be mapped whole
+  VKV_EXPECTS(pages <= most, call, ": pages = ", pages, " is above ", most,
+              ", the pages of the largest reservation");
+}
+
+PageHandle Backend::create_large_page(std::size_t pages) {
+  check_large_page("create_large_page", pages);
+  throw InvalidArgument("create_large_page: the " + name() +
+                        " backend has no large pages (traits().large_pages is false): create pages one by one");
+}
+
+void Backend::map_large(Address, PageHandle, std::size_t pages) {
+  check_large_page("map_large", pages);
+  throw InvalidArgument("map_large: the " + name() +
+                        " backend has no large pages (traits().large_pages is false): map pages with map()");
+}
+
 void Backend::zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) {
   check_zero_strided(first, bytes, count, stride);
   if (bytes == 0) return;

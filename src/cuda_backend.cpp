@@ -108,6 +108,12 @@ void CudaBackend::note_cleanup(int result, const char* call) const noexcept {
 
 std::string CudaBackend::name() const { return "cuda:" + std::to_string(device_); }
 
+BackendTraits CudaBackend::traits() const noexcept {
+  BackendTraits traits;
+  traits.large_pages = true;
+  return traits;
+}
+
 std::size_t CudaBackend::available_memory_bytes() const {
   ContextScope scope(*this);
   std::size_t free_bytes = 0;
@@ -140,6 +146,21 @@ PageHandle CudaBackend::create_page() {
   return static_cast<PageHandle>(page);
 }
 
+PageHandle CudaBackend::create_large_page(std::size_t pages) {
+  check_large_page("create_large_page", pages);
+  ContextScope scope(*this);
+  const CUmemAllocationProp properties = page_properties(device_);
+  const std::size_t bytes = pages * page_bytes_;  // a multiple of the granularity, as page_bytes_ is
+  CUmemGenericAllocationHandle page = 0;
+  CUresult result = cuda::driver().cuMemCreate(&page, bytes, &properties, 0);
+  if (result == CUDA_ERROR_OUT_OF_MEMORY)
+    throw OutOfMemory("cuMemCreate failed: the device has no free memory for a large page of " +
+                          std::to_string(pages) + " pages (" + std::to_string(bytes) + " bytes)",
+                      pages, page_bytes_);
+  cuda::check(result, "cuMemCreate");
+  return static_cast<PageHandle>(page);
+}
+
 void CudaBackend::release_page(PageHandle page) noexcept {
   note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page)), "cuMemRelease");
 }
@@ -163,6 +184,23 @@ void CudaBackend::map(Address address, const PageHandle* pages, std::size_t coun
   } catch (...) {
     if (mapped > 0) note_cleanup(driver.cuMemUnmap(address, mapped * page_bytes_), "cuMemUnmap");
     throw;
+  }
+}
+
+void CudaBackend::map_large(Address address, PageHandle page, std::size_t pages) {
+  check_large_page("map_large", pages);
+  ContextScope scope(*this);
+  const cuda::Driver& driver = cuda::driver();
+  const std::size_t bytes = pages * page_bytes_;
+  VKV_CU_TRY(cuMemMap, address, bytes, 0, static_cast<CUmemGenericAllocationHandle>(page), 0);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUresult result = driver.cuMemSetAccess(address, bytes, &access, 1);
+  if (result != CUDA_SUCCESS) {
+    note_cleanup(driver.cuMemUnmap(address, bytes), "cuMemUnmap");  // all or nothing
+    cuda::check(result, "cuMemSetAccess");
   }
 }
 

@@ -102,19 +102,38 @@ PageHandle HostBackend::create_page() {
   return file_pages_++;
 }
 
+PageHandle HostBackend::create_large_page(std::size_t pages) {
+  check_large_page("create_large_page", pages);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (ftruncate(page_file_, static_cast<off_t>((file_pages_ + pages) * page_bytes_)) != 0)
+    throw_errno("ftruncate(memfd)");
+  const PageHandle page = file_pages_;
+  large_pages_.emplace(page, pages);  // if it throws, the file is only longer than it needs to be
+  file_pages_ += pages;
+  return page;
+}
+
 void HostBackend::release_page(PageHandle page) noexcept {
+  std::size_t pages = 1;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (const auto large = large_pages_.find(page); large != large_pages_.end()) {
+      pages = large->second;
+      large_pages_.erase(large);
+    }
+  }
   // Punching a hole returns the page's memory to the system and makes it read as zeros,
-  // so the slot can be handed out again as a fresh page.
+  // so the slots can be handed out again as fresh pages.
   if (fallocate(page_file_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(page * page_bytes_),
-                static_cast<off_t>(page_bytes_)) != 0) {
+                static_cast<off_t>(pages * page_bytes_)) != 0) {
     // Its bytes may survive: never reuse it (fresh pages must read as zeros).
     cleanup_failures_.fetch_add(1);
-    detail::log_debug(detail::concat("punching out page ", page, " failed (", std::strerror(errno),
-                                     "): its file slot is not reused"));
+    detail::log_debug(detail::concat("punching out page ", page, " (", pages, " file slots) failed (",
+                                     std::strerror(errno), "): its file slots are not reused"));
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  released_.push_back(page);
+  for (std::size_t i = 0; i < pages; ++i) released_.push_back(page + i);
 }
 
 void HostBackend::map(Address address, const PageHandle* pages, std::size_t count) {
@@ -134,6 +153,31 @@ void HostBackend::map(Address address, const PageHandle* pages, std::size_t coun
     throw_errno(message, code);
   }
   if (page_states_) page_states_->set(address, address + count * page_bytes_, State::real);
+}
+
+void HostBackend::map_large(Address address, PageHandle page, std::size_t pages) {
+  check_large_page("map_large", pages);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto large = large_pages_.find(page);
+    VKV_EXPECTS(large != large_pages_.end(), "map_large: page ", page, " is not a large page");
+    // A different count would map its neighbours' slices, or only part of it.
+    VKV_EXPECTS(large->second == pages, "map_large: pages = ", pages, " but large page ", page, " has ",
+                large->second, " pages: it is mapped only whole");
+  }
+  std::unique_lock<std::mutex> lock;
+  if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
+  const std::size_t bytes = pages * page_bytes_;
+  if (!remap(address, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, page_file_, page * page_bytes_) ||
+      madvise(as_pointer(address), bytes, MADV_DONTFORK) != 0) {
+    // All or nothing: put the reserved range back, and report the first error.
+    const int code = errno;
+    std::string message = "mmap(MAP_FIXED | MAP_SHARED) of a large page of " + std::to_string(pages) + " pages";
+    if (!remap(address, bytes, kReservedProtection, kAnonymousFixed, -1, 0))
+      message += detail::concat(" (and putting its range back failed too: ", std::strerror(errno), ")");
+    throw_errno(message, code);
+  }
+  if (page_states_) page_states_->set(address, address + bytes, State::real);
 }
 
 void HostBackend::unmap(Address address, std::size_t bytes) {

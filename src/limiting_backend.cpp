@@ -26,8 +26,34 @@ PageHandle LimitingBackend::create_page() {
   }
 }
 
+PageHandle LimitingBackend::create_large_page(std::size_t pages) {
+  check_large_page("create_large_page", pages);  // bounds `pages`, so the count cannot wrap
+  const std::size_t before = pages_.fetch_add(pages);
+  const std::size_t limit = max_pages_.load();
+  if (before + pages > limit) {
+    pages_.fetch_sub(pages);
+    throw OutOfMemory("the limiting adaptor allows " + std::to_string(limit) + " pages of " +
+                          std::to_string(page_bytes()) + " bytes, " + std::to_string(before) +
+                          " exist, and a large page of " + std::to_string(pages) + " pages would pass the limit",
+                      before + pages - limit, page_bytes());
+  }
+  try {
+    const PageHandle page = upstream_->create_large_page(pages);
+    try {
+      large_pages_.remember(page, pages);
+    } catch (...) {
+      upstream_->release_page(page);
+      throw;
+    }
+    return page;
+  } catch (...) {
+    pages_.fetch_sub(pages);
+    throw;
+  }
+}
+
 void LimitingBackend::release_page(PageHandle page) noexcept {
-  pages_.fetch_sub(1);
+  pages_.fetch_sub(large_pages_.forget(page));
   upstream_->release_page(page);
 }
 

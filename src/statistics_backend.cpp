@@ -48,11 +48,24 @@ Address StatisticsBackend::reserve(std::size_t bytes) {
 PageHandle StatisticsBackend::create_page() {
   return timed(create_, 1, [&] { return upstream_->create_page(); });
 }
+PageHandle StatisticsBackend::create_large_page(std::size_t pages) {
+  const PageHandle page = timed(create_, pages, [&] { return upstream_->create_large_page(pages); });
+  try {
+    large_pages_.remember(page, pages);
+  } catch (...) {
+    upstream_->release_page(page);
+    throw;
+  }
+  return page;
+}
 void StatisticsBackend::release_page(PageHandle page) noexcept {
-  timed(release_, 1, [&] { upstream_->release_page(page); });
+  timed(release_, large_pages_.forget(page), [&] { upstream_->release_page(page); });
 }
 void StatisticsBackend::map(Address address, const PageHandle* pages, std::size_t count) {
   timed(map_, count, [&] { upstream_->map(address, pages, count); });
+}
+void StatisticsBackend::map_large(Address address, PageHandle page, std::size_t pages) {
+  timed(map_, pages, [&] { upstream_->map_large(address, page, pages); });
 }
 void StatisticsBackend::unmap(Address address, std::size_t bytes) {
   timed(unmap_, bytes / page_bytes(), [&] { upstream_->unmap(address, bytes); });

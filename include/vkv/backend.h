@@ -149,6 +149,9 @@ class Backend {
   /// The checks zero_strided() makes before it enqueues anything; implementations that
   /// override it call this first. @throws InvalidArgument.
   void check_zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride) const;
+  /// The check create_large_page() and map_large() make of `pages` (`call` names which):
+  /// at least 2, and no larger than the largest reservation. @throws InvalidArgument.
+  void check_large_page(const char* call, std::size_t pages) const;
 };
 
 /// The backend a Device names: CUDA when kind is cuda, or automatic with a device present.

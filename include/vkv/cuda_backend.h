@@ -51,10 +51,16 @@ class CudaBackend final : public Backend {
   Address reserve(std::size_t bytes) override;
   void free_reservation(Address base, std::size_t bytes) noexcept override;
   PageHandle create_page() override;
+  /// One cuMemCreate of `pages` pages. @throws OutOfMemory (`pages` missing) when the device
+  /// has too little free memory.
+  PageHandle create_large_page(std::size_t pages) override;
   void release_page(PageHandle page) noexcept override;
   void map(Address address, const PageHandle* pages, std::size_t count) override;
+  /// One cuMemMap and one cuMemSetAccess over the whole large page.
+  void map_large(Address address, PageHandle page, std::size_t pages) override;
   void unmap(Address address, std::size_t bytes) override;
   void back_with_zeros(Address address, std::size_t bytes) override;
+  BackendTraits traits() const noexcept override;
   std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
   /// One kernel launch for all the ranges (see has_zero_fill_kernel()): it checks nothing

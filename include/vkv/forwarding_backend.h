@@ -27,9 +27,13 @@ class ForwardingBackend : public Backend {
   Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
   void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
   PageHandle create_page() override { return upstream_->create_page(); }
+  PageHandle create_large_page(std::size_t pages) override { return upstream_->create_large_page(pages); }
   void release_page(PageHandle page) noexcept override { upstream_->release_page(page); }
   void map(Address address, const PageHandle* pages, std::size_t count) override {
     upstream_->map(address, pages, count);
+  }
+  void map_large(Address address, PageHandle page, std::size_t pages) override {
+    upstream_->map_large(address, page, pages);
   }
   void unmap(Address address, std::size_t bytes) override { upstream_->unmap(address, bytes); }
   void back_with_zeros(Address address, std::size_t bytes) override { upstream_->back_with_zeros(address, bytes); }

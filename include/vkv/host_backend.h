@@ -5,6 +5,8 @@
 // two addresses shows the same bytes. Unmapping puts PROT_NONE back; zero backing is a
 // private read-only anonymous mapping (the kernel's zero page: reads 0, writes SIGSEGV);
 // releasing a page punches a hole in the memfd so its memory returns to the system.
+// A large page is that many slices side by side, appended to the file and mapped with one
+// mmap; released, its slices are reused one by one as single pages.
 // Mappings carry MADV_DONTFORK: a child made by fork() does not share the cache's pages.
 //
 // Device work (zero, copy) runs synchronously by default, so every event is complete when
@@ -21,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "vkv/backend.h"
@@ -66,12 +69,18 @@ class HostBackend final : public Backend {
   Address reserve(std::size_t bytes) override;
   void free_reservation(Address base, std::size_t bytes) noexcept override;
   PageHandle create_page() override;
+  /// Always new slices at the end of the file: released ones are rarely side by side.
+  PageHandle create_large_page(std::size_t pages) override;
   void release_page(PageHandle page) noexcept override;
   void map(Address address, const PageHandle* pages, std::size_t count) override;
+  /// @throws InvalidArgument when `page` is not a large page of `pages` pages.
+  void map_large(Address address, PageHandle page, std::size_t pages) override;
   void unmap(Address address, std::size_t bytes) override;
   void back_with_zeros(Address address, std::size_t bytes) override;
   /// memfd pages are zero when created and when reused (a released page's hole was punched).
-  BackendTraits traits() const noexcept override { return {/*fresh_pages_are_zero=*/true, /*zero_backing_is_bulk=*/true}; }
+  BackendTraits traits() const noexcept override {
+    return {/*fresh_pages_are_zero=*/true, /*zero_backing_is_bulk=*/true, /*large_pages=*/true};
+  }
   std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
   /// One task in deferred mode, as one kernel launch: it checks every range when it runs.
@@ -95,9 +104,10 @@ class HostBackend final : public Backend {
 
   std::size_t page_bytes_;
   int page_file_;                       // memfd; page handle h lives at offset h * page_bytes_
-  std::mutex mutex_;                    // guards the two members below
-  std::size_t file_pages_ = 0;          // handles ever handed out
-  std::vector<PageHandle> released_;    // handles whose memory was given back, reused first
+  std::mutex mutex_;                    // guards the three members below
+  std::size_t file_pages_ = 0;          // file slices ever handed out
+  std::vector<PageHandle> released_;    // single-page handles whose memory was given back, reused first
+  std::unordered_map<PageHandle, std::size_t> large_pages_;  // large page (its first slice) -> its pages
   Event next_event_ = 1;                // synchronous mode's events (all complete)
   std::atomic<std::uint64_t> cleanup_failures_{0};
   // Deferred mode only. mapping_mutex_ is held by every mapping change and by a queued

@@ -2,8 +2,10 @@
 // limiting_resource_adaptor): create_page() beyond the limit fails with OutOfMemory, as
 // a device that ran out would. Stack it under a cache to leave memory to the framework
 // whatever the cache's budget says, or to test shortage handling on a big device.
+// A large page counts as the pages it holds.
 //
-// Thread-safety: thread-safe (an atomic count); forwards to a thread-safe backend.
+// Thread-safety: thread-safe (an atomic count; the sizes of large pages under a mutex);
+// forwards to a thread-safe backend.
 #pragma once
 
 #include <atomic>
@@ -11,6 +13,7 @@
 #include <memory>
 
 #include "vkv/forwarding_backend.h"
+#include "vkv/large_page_sizes.h"
 
 namespace vkv {
 
@@ -27,11 +30,16 @@ class LimitingBackend final : public ForwardingBackend {
 
   /// @throws OutOfMemory (one page missing) at the limit; as the upstream otherwise.
   PageHandle create_page() override;
+  /// @throws OutOfMemory (the pages missing) when `pages` more would pass the limit; as the
+  /// upstream otherwise.
+  PageHandle create_large_page(std::size_t pages) override;
+  /// Gives back the pages `page` holds: 1, or a large page's.
   void release_page(PageHandle page) noexcept override;
 
  private:
   std::atomic<std::size_t> max_pages_;
   std::atomic<std::size_t> pages_{0};
+  detail::LargePageSizes large_pages_;
 };
 
 }  // namespace vkv

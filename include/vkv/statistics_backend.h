@@ -1,12 +1,14 @@
 // A backend adaptor that counts every call and the time spent in it (as RMM's
 // statistics_resource_adaptor), so that no backend carries its own bookkeeping.
-// Thread-safety: thread-safe (relaxed atomic counters); forwards to a thread-safe backend.
+// Thread-safety: thread-safe (relaxed atomic counters; the sizes of large pages under a
+// mutex); forwards to a thread-safe backend.
 #pragma once
 
 #include <atomic>
 #include <memory>
 
 #include "vkv/forwarding_backend.h"
+#include "vkv/large_page_sizes.h"
 #include "vkv/stats.h"
 
 namespace vkv {
@@ -21,8 +23,13 @@ class StatisticsBackend final : public ForwardingBackend {
 
   Address reserve(std::size_t bytes) override;
   PageHandle create_page() override;
+  /// Counted as one create call of `pages` pages.
+  PageHandle create_large_page(std::size_t pages) override;
+  /// Counts the pages `page` holds: 1, or a large page's.
   void release_page(PageHandle page) noexcept override;
   void map(Address address, const PageHandle* pages, std::size_t count) override;
+  /// Counted as one map call of `pages` pages.
+  void map_large(Address address, PageHandle page, std::size_t pages) override;
   void unmap(Address address, std::size_t bytes) override;
   void back_with_zeros(Address address, std::size_t bytes) override;
   void zero(Address address, std::size_t bytes, Stream stream) override;
@@ -44,6 +51,7 @@ class StatisticsBackend final : public ForwardingBackend {
   decltype(auto) timed(Counter& counter, std::uint64_t units, Call&& call);
 
   Counter reserve_, create_, release_, map_, unmap_, zero_backing_, zero_, copy_, event_;
+  detail::LargePageSizes large_pages_;  // for release_page()'s units
 };
 
 }  // namespace vkv

@@ -20,9 +20,9 @@ struct CallStats {
 
 struct BackendStats {
   CallStats reserve;  ///< units: bytes
-  CallStats create;   ///< units: pages
-  CallStats release;  ///< units: pages
-  CallStats map;      ///< units: pages (map + access of a run counts as one call)
+  CallStats create;   ///< units: pages (a large page: all of its pages, in one call)
+  CallStats release;  ///< units: pages (a large page: all of its pages)
+  CallStats map;      ///< units: pages (map + access of a run, or of a large page, counts as one call)
   CallStats unmap;    ///< units: pages (real or zero-backed)
   CallStats zero_backing;  ///< back_with_zeros(); units: pages
   CallStats zero;     ///< zero() and zero_strided(), one call each; units: bytes

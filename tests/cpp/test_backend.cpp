@@ -84,6 +84,116 @@ TEST_P(BackendTest, ReportsItsLimits) {
   EXPECT_GT(backend->available_memory_bytes(), 0u);
 }
 
+// ---- large pages ----------------------------------------------------------------------
+
+TEST_P(BackendTest, ALargePageIsWritableAndShowsTheSameBytesAtASecondAddress) {
+  VKV_BACKEND_OR_SKIP(backend, GetParam());
+  ASSERT_TRUE(backend->traits().large_pages);
+  const std::size_t page = backend->page_bytes();
+  const Address base = backend->reserve(8 * page);
+  const PageHandle large = backend->create_large_page(4);
+  backend->map_large(base, large, 4);
+  backend->map_large(base + 4 * page, large, 4);
+  std::vector<std::uint8_t> pattern(4 * page);
+  for (std::size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::uint8_t>(i * 13 + 5);
+  testing::write_bytes(*backend, base, pattern);
+  EXPECT_EQ(testing::read_bytes(*backend, base + 4 * page, 4 * page), pattern);
+  backend->unmap(base, 8 * page);  // both mappings in one call
+  backend->release_page(large);
+  backend->free_reservation(base, 8 * page);
+}
+
+TEST_P(BackendTest, FreshLargePagesReadAsZerosWhereFreshPagesDo) {
+  VKV_BACKEND_OR_SKIP(backend, GetParam());
+  if (!backend->traits().fresh_pages_are_zero) GTEST_SKIP() << backend->name() << ": fresh pages are unspecified";
+  const std::size_t page = backend->page_bytes();
+  const Address base = backend->reserve(3 * page);
+  const PageHandle large = backend->create_large_page(3);
+  backend->map_large(base, large, 3);
+  EXPECT_TRUE(testing::all_zero(testing::read_bytes(*backend, base, 3 * page)));
+  backend->unmap(base, 3 * page);
+  backend->release_page(large);
+  backend->free_reservation(base, 3 * page);
+}
+
+TEST_P(BackendTest, OneUnmapTakesBackALargePageAndTheSinglePagesBesideIt) {
+  VKV_BACKEND_OR_SKIP(backend, GetParam());
+  const std::size_t page = backend->page_bytes();
+  const Address base = backend->reserve(6 * page);
+  const PageHandle singles[2] = {backend->create_page(), backend->create_page()};
+  const PageHandle large = backend->create_large_page(4);
+  backend->map(base, &singles[0], 1);
+  backend->map_large(base + page, large, 4);
+  backend->map(base + 5 * page, &singles[1], 1);
+  testing::fill_bytes(*backend, base, 6 * page, 0x6c);
+  backend->unmap(base, 6 * page);
+  // Mapping there again works only where nothing is mapped (CUDA refuses otherwise), and
+  // the large page kept its bytes.
+  backend->map_large(base, large, 4);
+  backend->map(base + 4 * page, singles, 2);
+  EXPECT_EQ(testing::read_bytes(*backend, base, 6 * page), std::vector<std::uint8_t>(6 * page, 0x6c));
+  backend->unmap(base, 6 * page);
+  backend->release_page(large);
+  for (PageHandle handle : singles) backend->release_page(handle);
+  backend->free_reservation(base, 6 * page);
+}
+
+TEST_P(BackendTest, ALargePageOfFewerThanTwoPagesIsRefused) {
+  VKV_BACKEND_OR_SKIP(backend, GetParam());
+  EXPECT_THROW(backend->create_large_page(0), InvalidArgument);
+  EXPECT_THROW(backend->create_large_page(1), InvalidArgument);
+  const Address base = backend->reserve(backend->page_bytes());
+  const PageHandle single = backend->create_page();
+  EXPECT_THROW(backend->map_large(base, single, 1), InvalidArgument);
+  backend->release_page(single);
+  backend->free_reservation(base, backend->page_bytes());
+}
+
+TEST_P(BackendTest, TheLimitingAdaptorCountsALargePageAsItsPages) {
+  VKV_BACKEND_OR_SKIP(backend, GetParam());
+  auto limited = std::make_shared<LimitingBackend>(backend, 6);
+  const PageHandle single = limited->create_page();
+  const PageHandle large = limited->create_large_page(4);
+  EXPECT_EQ(limited->pages(), 5u);
+  try {
+    limited->create_large_page(3);
+    FAIL() << "a large page of 3 pages passed a limit of 6 with 5 in existence";
+  } catch (const OutOfMemory& error) {
+    EXPECT_EQ(error.missing_pages(), 2u);
+  }
+  EXPECT_EQ(limited->pages(), 5u) << "the refused large page counts nothing";
+  limited->release_page(large);
+  EXPECT_EQ(limited->pages(), 1u) << "the large page gave back its 4 pages";
+  const PageHandle again = limited->create_large_page(5);
+  EXPECT_EQ(limited->pages(), 6u);
+  limited->release_page(again);
+  limited->release_page(single);
+  EXPECT_EQ(limited->pages(), 0u);
+}
+
+TEST_P(BackendTest, TheStatisticsAdaptorCountsALargePageAsItsPagesInOneCall) {
+  VKV_BACKEND_OR_SKIP(backend, GetParam());
+  auto statistics = std::make_shared<StatisticsBackend>(backend);
+  const std::size_t page = statistics->page_bytes();
+  const Address base = statistics->reserve(5 * page);
+  const PageHandle single = statistics->create_page();
+  const PageHandle large = statistics->create_large_page(4);
+  statistics->map_large(base, large, 4);
+  statistics->map(base + 4 * page, &single, 1);
+  statistics->unmap(base, 5 * page);
+  statistics->release_page(large);
+  statistics->release_page(single);
+  statistics->free_reservation(base, 5 * page);
+  const BackendStats stats = statistics->stats();
+  EXPECT_EQ(stats.create.calls, 2u);
+  EXPECT_EQ(stats.create.units, 5u);
+  EXPECT_EQ(stats.map.calls, 2u);
+  EXPECT_EQ(stats.map.units, 5u);
+  EXPECT_EQ(stats.unmap.units, 5u);
+  EXPECT_EQ(stats.release.calls, 2u);
+  EXPECT_EQ(stats.release.units, 5u);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendTest, ::testing::Values(BackendKind::host, BackendKind::host_deferred, BackendKind::cuda),
                          [](const auto& info) { return testing::backend_label(info.param); });
 
@@ -119,6 +229,40 @@ TEST(HostBackend, ReleasedPagesAreReusedAndComeBackZeroed) {
   backend.unmap(base, backend.page_bytes());
   backend.release_page(again);
   backend.free_reservation(base, backend.page_bytes());
+}
+
+TEST(HostBackend, AReleasedLargePageIsReusedAsSinglePagesThatReadAsZeros) {
+  HostBackend backend(testing::kHostTestPageBytes);
+  const std::size_t page = backend.page_bytes();
+  const Address base = backend.reserve(4 * page);
+  const PageHandle large = backend.create_large_page(4);
+  backend.map_large(base, large, 4);
+  testing::fill_bytes(backend, base, 4 * page, 0x21);
+  backend.unmap(base, 4 * page);
+  backend.release_page(large);
+  std::vector<PageHandle> singles;
+  for (int i = 0; i < 4; ++i) singles.push_back(backend.create_page());
+  std::sort(singles.begin(), singles.end());
+  EXPECT_EQ(singles, (std::vector<PageHandle>{large, large + 1, large + 2, large + 3}));  // its file slots...
+  backend.map(base, singles.data(), 4);
+  EXPECT_TRUE(testing::all_zero(testing::read_bytes(backend, base, 4 * page)));  // ...punched out
+  backend.unmap(base, 4 * page);
+  for (PageHandle handle : singles) backend.release_page(handle);
+  backend.free_reservation(base, 4 * page);
+}
+
+TEST(HostBackend, MapsALargePageOnlyWholeAndOnlyAsOne) {
+  HostBackend backend(testing::kHostTestPageBytes);
+  const std::size_t page = backend.page_bytes();
+  const Address base = backend.reserve(4 * page);
+  const PageHandle large = backend.create_large_page(4);
+  const PageHandle single = backend.create_page();
+  EXPECT_THROW(backend.map_large(base, large, 3), InvalidArgument);  // would map only part of it
+  EXPECT_THROW(backend.map_large(base, single, 2), InvalidArgument);  // would map a neighbour
+  EXPECT_DEATH(*reinterpret_cast<volatile char*>(base) = 1, "") << "a refused map_large mapped something";
+  backend.release_page(single);
+  backend.release_page(large);
+  backend.free_reservation(base, 4 * page);
 }
 
 TEST(CudaBackend, IsRefusedClearlyWithoutADevice) {
@@ -165,6 +309,51 @@ TEST(Adaptors, ALimitBelowTheBudgetIsAShortageTheCacheSurvives) {
   EXPECT_EQ(cache.mapped_pages(slot), 4u);
   EXPECT_EQ(cache.stats().backend.map.calls, 0u);
   cache.check_invariants();
+}
+
+// A backend that keeps Backend's own create_large_page() and map_large().
+class WithoutLargePages final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  BackendTraits traits() const noexcept override {
+    BackendTraits traits = upstream_->traits();
+    traits.large_pages = false;
+    return traits;
+  }
+  PageHandle create_large_page(std::size_t pages) override { return Backend::create_large_page(pages); }
+  void map_large(Address address, PageHandle page, std::size_t pages) override {
+    Backend::map_large(address, page, pages);
+  }
+};
+
+TEST(Adaptors, ABackendWithoutLargePagesRefusesThemNamingItself) {
+  WithoutLargePages backend(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  try {
+    backend.create_large_page(4);
+    FAIL() << "the default create_large_page() created one";
+  } catch (const InvalidArgument& error) {
+    EXPECT_NE(std::string(error.what()).find("host backend has no large pages"), std::string::npos) << error.what();
+  }
+  EXPECT_THROW(backend.map_large(0, 0, 4), InvalidArgument);
+  EXPECT_THROW(backend.create_large_page(1), InvalidArgument);
+}
+
+TEST(Adaptors, TheFaultInjectorFailsLargePagesAsPages) {
+  auto injector = std::make_shared<testing::FaultInjectingBackend>(
+      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  const std::size_t page = injector->page_bytes();
+  const Address base = injector->reserve(2 * page);
+  injector->fail_at = injector->calls + 1;
+  EXPECT_THROW(injector->create_large_page(2), DriverError);
+  EXPECT_EQ(injector->injected, "create_large_page");
+  const PageHandle large = injector->create_large_page(2);
+  injector->fail_at = injector->calls + 1;
+  EXPECT_THROW(injector->map_large(base, large, 2), DriverError);
+  EXPECT_EQ(injector->injected, "map_large");
+  injector->release_page(large);
+  injector->free_reservation(base, 2 * page);
+  EXPECT_EQ(injector->held["pages"], 0);
+  EXPECT_EQ(injector->held["reservations"], 0);
 }
 
 }  // namespace

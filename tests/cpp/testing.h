@@ -170,7 +170,7 @@ class ControlledEventBackend final : public ForwardingBackend {
   Event next_ = 1;
 };
 
-/// map() fails with DriverError while `fail_maps` is set.
+/// map() and map_large() fail with DriverError while `fail_maps` is set.
 class FailingMapBackend final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
@@ -179,6 +179,10 @@ class FailingMapBackend final : public ForwardingBackend {
   void map(Address address, const PageHandle* pages, std::size_t count) override {
     if (fail_maps) throw DriverError("map (injected)", 2, "injected failure");
     upstream_->map(address, pages, count);
+  }
+  void map_large(Address address, PageHandle page, std::size_t pages) override {
+    if (fail_maps) throw DriverError("map_large (injected)", 2, "injected failure");
+    upstream_->map_large(address, page, pages);
   }
 };
 
@@ -208,6 +212,12 @@ class FaultInjectingBackend final : public ForwardingBackend {
     held["pages"] += 1;
     return page;
   }
+  PageHandle create_large_page(std::size_t pages) override {
+    maybe_fail("create_large_page");
+    const PageHandle page = upstream_->create_large_page(pages);
+    held["pages"] += 1;  // handles: release_page() gives back one
+    return page;
+  }
   void release_page(PageHandle page) noexcept override {
     held["pages"] -= 1;
     upstream_->release_page(page);
@@ -215,6 +225,10 @@ class FaultInjectingBackend final : public ForwardingBackend {
   void map(Address address, const PageHandle* pages, std::size_t count) override {
     maybe_fail("map");
     upstream_->map(address, pages, count);
+  }
+  void map_large(Address address, PageHandle page, std::size_t pages) override {
+    maybe_fail("map_large");
+    upstream_->map_large(address, page, pages);
   }
   void unmap(Address address, std::size_t bytes) override {
     maybe_fail("unmap");
