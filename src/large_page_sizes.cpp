@@ -1,5 +1,5 @@
 // LargePageSizes: a map under a mutex, skipped while it is empty.
-#include "vkv/large_page_sizes.h"
+#include "large_page_sizes.h"
 
 namespace vkv::detail {
 

@@ -3,12 +3,16 @@
 
 #include <string>
 
+#include "large_page_sizes.h"
 #include "vkv/error.h"
 
 namespace vkv {
 
 LimitingBackend::LimitingBackend(std::shared_ptr<Backend> upstream, std::size_t max_pages)
-    : ForwardingBackend(std::move(upstream)), max_pages_(max_pages) {}
+    : ForwardingBackend(std::move(upstream)), max_pages_(max_pages),
+      large_pages_(std::make_unique<detail::LargePageSizes>()) {}
+
+LimitingBackend::~LimitingBackend() = default;
 
 PageHandle LimitingBackend::create_page() {
   // Count first, so that two threads cannot both take the last page.
@@ -40,7 +44,7 @@ PageHandle LimitingBackend::create_large_page(std::size_t pages) {
   try {
     const PageHandle page = upstream_->create_large_page(pages);
     try {
-      large_pages_.remember(page, pages);
+      large_pages_->remember(page, pages);
     } catch (...) {
       upstream_->release_page(page);
       throw;
@@ -53,7 +57,7 @@ PageHandle LimitingBackend::create_large_page(std::size_t pages) {
 }
 
 void LimitingBackend::release_page(PageHandle page) noexcept {
-  pages_.fetch_sub(large_pages_.forget(page));
+  pages_.fetch_sub(large_pages_->forget(page));
   upstream_->release_page(page);
 }
 

@@ -1,11 +1,16 @@
 // StatisticsBackend: forwards every call and counts it.
 #include "vkv/statistics_backend.h"
 
+#include "large_page_sizes.h"
+
 #include <chrono>
 
 namespace vkv {
 
-StatisticsBackend::StatisticsBackend(std::shared_ptr<Backend> upstream) : ForwardingBackend(std::move(upstream)) {}
+StatisticsBackend::StatisticsBackend(std::shared_ptr<Backend> upstream)
+    : ForwardingBackend(std::move(upstream)), large_pages_(std::make_unique<detail::LargePageSizes>()) {}
+
+StatisticsBackend::~StatisticsBackend() = default;
 
 CallStats StatisticsBackend::Counter::snapshot() const noexcept {
   return {calls.load(std::memory_order_relaxed), units.load(std::memory_order_relaxed),
@@ -51,7 +56,7 @@ PageHandle StatisticsBackend::create_page() {
 PageHandle StatisticsBackend::create_large_page(std::size_t pages) {
   const PageHandle page = timed(create_, pages, [&] { return upstream_->create_large_page(pages); });
   try {
-    large_pages_.remember(page, pages);
+    large_pages_->remember(page, pages);
   } catch (...) {
     upstream_->release_page(page);
     throw;
@@ -59,7 +64,7 @@ PageHandle StatisticsBackend::create_large_page(std::size_t pages) {
   return page;
 }
 void StatisticsBackend::release_page(PageHandle page) noexcept {
-  timed(release_, large_pages_.forget(page), [&] { upstream_->release_page(page); });
+  timed(release_, large_pages_->forget(page), [&] { upstream_->release_page(page); });
 }
 void StatisticsBackend::map(Address address, const PageHandle* pages, std::size_t count) {
   timed(map_, count, [&] { upstream_->map(address, pages, count); });

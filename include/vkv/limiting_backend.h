@@ -13,14 +13,17 @@
 #include <memory>
 
 #include "vkv/forwarding_backend.h"
-#include "vkv/large_page_sizes.h"
 
 namespace vkv {
+namespace detail {
+class LargePageSizes;
+}
 
 class LimitingBackend final : public ForwardingBackend {
  public:
   /// @throws InvalidArgument when `upstream` is null.
   LimitingBackend(std::shared_ptr<Backend> upstream, std::size_t max_pages);
+  ~LimitingBackend() override;
 
   std::size_t max_pages() const noexcept { return max_pages_.load(); }
   /// A new limit; pages above it stay until released (later creations fail).
@@ -39,7 +42,7 @@ class LimitingBackend final : public ForwardingBackend {
  private:
   std::atomic<std::size_t> max_pages_;
   std::atomic<std::size_t> pages_{0};
-  detail::LargePageSizes large_pages_;
+  std::unique_ptr<detail::LargePageSizes> large_pages_;
 };
 
 }  // namespace vkv

@@ -8,15 +8,18 @@
 #include <memory>
 
 #include "vkv/forwarding_backend.h"
-#include "vkv/large_page_sizes.h"
 #include "vkv/stats.h"
 
 namespace vkv {
+namespace detail {
+class LargePageSizes;
+}
 
 class StatisticsBackend final : public ForwardingBackend {
  public:
   /// @throws InvalidArgument when `upstream` is null.
   explicit StatisticsBackend(std::shared_ptr<Backend> upstream);
+  ~StatisticsBackend() override;
 
   /// A snapshot of the counters.
   BackendStats stats() const noexcept;
@@ -51,7 +54,7 @@ class StatisticsBackend final : public ForwardingBackend {
   decltype(auto) timed(Counter& counter, std::uint64_t units, Call&& call);
 
   Counter reserve_, create_, release_, map_, unmap_, zero_backing_, zero_, copy_, event_;
-  detail::LargePageSizes large_pages_;  // for release_page()'s units
+  std::unique_ptr<detail::LargePageSizes> large_pages_;  // for release_page()'s units
 };
 
 }  // namespace vkv

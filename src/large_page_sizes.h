@@ -1,6 +1,7 @@
 // How many pages each live large page holds, for the backend adaptors that count pages:
 // release_page() gets only a handle, and a large page gives back all of its pages.
 //
+// Internal (held through a pointer by the public adaptors).
 // Thread-safety: thread-safe; forget() takes no lock while no large page is remembered,
 // so adaptors over single pages only stay lock-free.
 #pragma once
