@@ -92,20 +92,37 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     } catch (...) {
       // A dead context runs nothing any more.
     }
+    // A region whose unmapping fails too keeps its pages mapped: they stay out of the pool
+    // for good (stranded, still counted as created) rather than be mapped twice.
+    std::vector<bool> still_mapped(regions, false);
+    std::vector<PageHandle> handles(per_region);
     for (std::size_t r = 0; r < regions_mapped; ++r) {
+      for (std::size_t i = 0; i < per_region; ++i) handles[i] = pages[r * per_region + i].handle;
       try {
-        unmap_real(slot_index, r, first, per_region);
+        unmap_real(slot_index, r, first, handles.data(), per_region);
       } catch (...) {
-        // Already failing; report the first error.
+        still_mapped[r] = true;  // already failing: the first error is the one reported
       }
     }
     lock.lock();
     if (large_unit) {
       for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
-      for (const Page& page : large) pool_.give_back({page.handle, false});  // a zero-fill may have begun
+      for (std::size_t r = 0; r < large.size(); ++r) {
+        if (still_mapped[r]) {
+          stranded_pages_ += span;
+        } else {
+          pool_.give_back({large[r].handle, false});  // a zero-fill may have begun
+        }
+      }
       pool_.end_create(large_to_create * span, created * span);
     } else {
-      for (const Page& page : pages) pool_.give_back({page.handle, false});
+      for (std::size_t i = 0; i < pages.size(); ++i) {
+        if (still_mapped[i / per_region]) {
+          ++stranded_pages_;
+        } else {
+          pool_.give_back({pages[i].handle, false});
+        }
+      }
       pool_.end_create(to_create, created);
     }
     in_flight_pages_ -= count;
@@ -129,7 +146,8 @@ bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std
   const UnitExit exit(*this, lock, slot_index);
   std::size_t region = 0;
   try {
-    for (; region < layout_.num_regions(); ++region) unmap_real(slot_index, region, keep, pages);
+    for (; region < layout_.num_regions(); ++region)
+      unmap_real(slot_index, region, keep, slot.pages[region].data() + keep, pages);
   } catch (...) {
     remap_unmapped_regions(slot_index, region, keep, pages);
     throw;

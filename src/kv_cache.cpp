@@ -251,8 +251,13 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   slot.free_event = event;
   std::vector<Page> pages;
   unmap_tail(slot_index, 0, pages);
-  for (const Page& page : pages) pool_.give_back(page);
-  if (return_to_device) pool_.trim(pool_.free_pages() - pages.size());
+  for (const Page& page : pages) {
+    if (return_to_device) {
+      pool_.release(page);
+    } else {
+      pool_.give_back(page);
+    }
+  }
 }
 
 

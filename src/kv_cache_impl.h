@@ -158,12 +158,14 @@ class KvCache::Impl {
 
   // ---- a slot's mappings and reclamation (slot_mappings.cpp) -----------------------
   // Real pages at pages [first, first + count) of one region, replacing zero backing; and
-  // back. Backend calls only, all or nothing; the caller keeps the books.
+  // back (`handles`: the pages mapped there, mapped again if backing with zeros fails).
+  // Backend calls only, all or nothing; the caller keeps the books.
   void map_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles, std::size_t count);
   // Maps `count` handles side by side at `address` (a large page as its run of equal
   // handles, with one call). All or nothing.
   void map_handles(Address address, const PageHandle* handles, std::size_t count);
-  void unmap_real(std::size_t slot, std::size_t region, std::size_t first, std::size_t count);
+  void unmap_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles,
+                  std::size_t count);
   // Backs pages [backed_end, until) of every region of a slot with zeros (the books too).
   void back_with_zeros(std::size_t slot, std::size_t until);
   // Backend calls only, all or nothing: pages [from, until) of every region of a slot,
@@ -252,6 +254,7 @@ class KvCache::Impl {
   detail::PromptHistory prompts_;             // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;           // taken by the mapper: neither in the pool nor in a slot
+  std::size_t stranded_pages_ = 0;            // left mapped where undoing a failed unit failed too
   Stream background_stream_ = 0;
   CallStats step_stats_;
   detail::ReadWindows read_windows_;

@@ -80,8 +80,8 @@ void KvCache::Impl::check_invariants() const {
     for (const auto& pages : slot.pages)
       for (PageHandle page : pages) physical += sharing_.is_shared(page) ? 0 : 1;
   physical += sharing_.shared_pages();
-  expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_,
-         "created pages = free + mapped + in flight in the mapper");
+  expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_ + stranded_pages_,
+         "created pages = free + mapped + in flight in the mapper + stranded by a double failure");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");
   // Large pages: whole, at whole spans, the same in every region of a slot, known to the pool.
   const std::size_t span = pool_.large_page_pages();

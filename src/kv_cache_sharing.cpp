@@ -2,6 +2,8 @@
 // copy-on-write that keeps shared tokens read-only. The counts are PageSharing's
 // (page_sharing.h, where the rules that keep sharing simple are written).
 #include <algorithm>
+#include <set>
+#include <utility>
 
 #include "format.h"
 #include "internal_assert.h"
@@ -96,7 +98,7 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
     // dst's own kept pages count as obtainable where all of them are about to be replaced.
     std::vector<std::size_t> claims = slots_.claims();
     if (shape.keeps_tail) claims[dst] = to.mapped();
-    expect_obtainable(shape.fresh * regions, claims, "sharing a partly filled page");
+    expect_obtainable(shape.fresh * regions, claims, "copying the pages a shared prefix ends in");
     fresh = obtain_pages(shape.fresh * regions, claims);
     undo.push([this, fresh] {
       for (const Page& page : fresh) pool_.give_back(page);
@@ -114,18 +116,22 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
   std::vector<PageHandle> fresh_handles(shape.fresh);
   for (std::size_t r = 0; r < regions; ++r) {
     if (replaced > 0) {
-      unmap_real(dst, r, 0, replaced);
+      unmap_real(dst, r, 0, to.pages[r].data(), replaced);
       undo.push_remap([this, dst, r, replaced] { map_real(dst, r, 0, slots_[dst].pages[r].data(), replaced); });
     }
     if (aliased > 0) {
       map_real(dst, r, 0, from.pages[r].data(), aliased);
-      undo.push_remap([this, dst, r, aliased] { unmap_real(dst, r, 0, aliased); });
+      undo.push_remap([this, src, dst, r, aliased] {
+        unmap_real(dst, r, 0, slots_[src].pages[r].data(), aliased);
+      });
     }
     if (shape.fresh > 0) {
       const Page* own = &fresh[r * shape.fresh];
       for (std::size_t i = 0; i < shape.fresh; ++i) fresh_handles[i] = own[i].handle;
       map_real(dst, r, aliased, fresh_handles.data(), shape.fresh);
-      undo.push_remap([this, dst, r, aliased, count = shape.fresh] { unmap_real(dst, r, aliased, count); });
+      undo.push_remap([this, dst, r, aliased, own = fresh_handles] {
+        unmap_real(dst, r, aliased, own.data(), own.size());
+      });
       undo.enqueued_device_work();
       if (full > aliased)  // whole pages of src's tokens
         backend_->copy(page_address(r, dst, aliased), page_address(r, src, aliased), (full - aliased) * page_bytes,
@@ -159,7 +165,8 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
 // Gives each slot in `copies` a private copy of the shared page it names, from
 // pages[next...]; a shared large page is copied whole, into single pages, its pages
 // following each other in `copies`. The copy comes from another slot mapping the same
-// page (an allocated one, whose claimed pages nothing unmaps under the lock).
+// page that keeps it (an allocated one, whose claimed pages nothing unmaps under the
+// lock): never from one copied later in this loop, which unmaps it under the queued copy.
 void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
                             Stream stream, detail::UndoLog& undo) {
   // The writer's earlier kernels may still read the shared page through its address.
@@ -174,6 +181,8 @@ void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std:
 
   const std::size_t page_bytes = layout_.page_bytes();
   auto identity = [](PageHandle page) { return page; };
+  std::set<std::pair<std::size_t, std::size_t>> copied;  // (slot, page)
+  for (const PageRef& ref : copies) copied.emplace(ref.slot, ref.page);
   for (std::size_t c = 0; c < copies.size();) {
     const PageRef ref = copies[c];
     const std::vector<PageHandle>& writer = slots_[ref.slot].pages.front();
@@ -181,8 +190,9 @@ void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std:
     for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
       const PageHandle shared = slots_[ref.slot].pages[r][ref.page];
       std::size_t holder = 0;
-      while (holder < slots_.size() && (holder == ref.slot || slots_[holder].mapped() <= ref.page ||
-                                         slots_[holder].pages[r][ref.page] != shared))
+      while (holder < slots_.size() && (slots_[holder].mapped() <= ref.page ||
+                                         slots_[holder].pages[r][ref.page] != shared ||
+                                         copied.count({holder, ref.page}) != 0))
         ++holder;
       if (holder == slots_.size()) throw Error("internal: a shared page has no other slot mapping it");
       std::vector<PageHandle> fresh(count);

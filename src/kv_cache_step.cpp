@@ -243,12 +243,13 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
     std::vector<Page> singles;
     try {
       singles = obtain_pages(missing - large_total, claims);
+      pages = lay_out_grant(claims, large, singles, copies.size() * regions);
     } catch (...) {
       for (const std::vector<Page>& taken : large)
         for (const Page& page : taken) pool_.give_back(page);
+      for (const Page& page : singles) pool_.give_back(page);
       throw;
     }
-    pages = lay_out_grant(claims, large, singles, copies.size() * layout_.num_regions());
   }
   if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
 
@@ -273,7 +274,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       next += count;
       undo.push_remap([this, s, r, mapped] {
         std::vector<PageHandle>& list = slots_[s].pages[r];
-        unmap_real(s, r, mapped, list.size() - mapped);
+        unmap_real(s, r, mapped, list.data() + mapped, list.size() - mapped);
         std::vector<Page> unmapped;
         drop_mappings(list, mapped, list.size(), /*clean=*/false, unmapped);
         for (const Page& page : unmapped) pool_.give_back(page);

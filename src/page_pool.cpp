@@ -104,6 +104,15 @@ void PagePool::give_back(Page page) {
   }
 }
 
+void PagePool::release(Page page) noexcept {
+  if (is_large(page.handle)) {
+    release_large(page);
+  } else {
+    backend_.release_page(page.handle);
+    --created_pages_;
+  }
+}
+
 void PagePool::precreate(std::size_t count) {
   VKV_EXPECTS(count <= budget_pages_, "precreate_pages = ", count, " exceeds the budget of ", budget_pages_,
               " pages");

@@ -87,6 +87,9 @@ class PagePool {
   void end_create(std::size_t reserved, std::size_t made) noexcept;
   /// Takes back a page that is mapped nowhere.
   void give_back(Page page);
+  /// Releases a handed-out page that is mapped nowhere to the backend (a large page whole):
+  /// the owner's way to free at once instead of giving back.
+  void release(Page page) noexcept;
   /// Creates single pages until `count` are free, so that creation leaves the hot path.
   /// @throws InvalidArgument when that exceeds the budget; OutOfMemory from the device
   ///         (the pages created before it stay free in the pool).

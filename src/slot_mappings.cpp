@@ -68,7 +68,8 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
   wait_free_event(slot);  // the driver's unmap does not wait for kernels still reading
   std::size_t region = 0;
   try {
-    for (; region < slot.pages.size(); ++region) unmap_real(slot_index, region, keep, mapped - keep);
+    for (; region < slot.pages.size(); ++region)
+      unmap_real(slot_index, region, keep, slot.pages[region].data() + keep, mapped - keep);
   } catch (...) {
     remap_unmapped_regions(slot_index, region, keep, mapped - keep);  // every region keeps the same pages
     throw;
@@ -163,7 +164,8 @@ void KvCache::Impl::map_handles(Address address, const PageHandle* handles, std:
   }
 }
 
-void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::size_t first, std::size_t count) {
+void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::size_t first,
+                               const PageHandle* handles, std::size_t count) {
   const Slot& slot = slots_[slot_index];
   const std::size_t page = layout_.page_bytes();
   const Address address = page_address(region, slot_index, first);
@@ -175,7 +177,7 @@ void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::
     backend_->back_with_zeros(address, zero_backed * page);
   } catch (...) {
     try {
-      map_handles(address, slot.pages[region].data() + first, count);
+      map_handles(address, handles, count);
     } catch (...) {
       // Already failing; report the first error.
     }

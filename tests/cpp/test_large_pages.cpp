@@ -76,6 +76,22 @@ TEST_P(LargePagesTest, ReclamationTakesLargePagesWholeAndMakesSinglePagesFromThe
   cache->check_invariants();
 }
 
+// A cache that frees at once gives large pages back to the device whole, as single ones.
+TEST_P(LargePagesTest, WithoutDeferredReclamationFreedLargePagesGoBackToTheDevice) {
+  config_.deferred_reclamation = false;
+  auto cache = make_cache();
+  const std::size_t slot = cache->alloc_reqid();
+  cache->step(lens({{slot, 2 * span_tokens() + 1}}));  // two large pages and a single one per region
+  ASSERT_EQ(cache->stats().large_pages, 2 * regions());
+  cache->free_reqid(slot);
+  const CacheStats stats = cache->stats();
+  EXPECT_EQ(stats.pages_created, 0u);
+  EXPECT_EQ(stats.pages_free, 0u);
+  EXPECT_EQ(stats.large_pages, 0u);
+  EXPECT_EQ(stats.backend.release.units, (2 * kSpan + 1) * regions());
+  cache->check_invariants();
+}
+
 // A claim that ends inside a large page keeps all of it: trim() gives back the rest.
 TEST_P(LargePagesTest, TrimKeepsTheLargePageAClaimEndsIn) {
   auto cache = make_cache();

@@ -3,6 +3,7 @@
 // model-based test (test_model_based.cpp) also runs with the real thread.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <tuple>
@@ -169,6 +170,72 @@ TEST_P(MapperTest, AnErrorOnTheMapperThreadSurfacesOnTheNextCall) {
   failing->fail_maps = false;
   cache.check_invariants();  // the failed unit left nothing half done
   EXPECT_EQ(cache.stats().pages_mapped, 0u);
+}
+
+// The Nth map call fails, and from then on every unmap until heal(): a failed unit whose
+// undo fails too.
+class FailsTwiceBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::size_t maps() const noexcept { return maps_; }
+  void fail_map(std::size_t nth) noexcept { fail_map_at_ = nth; }
+  void heal() noexcept {
+    fail_map_at_ = 0;
+    failing_unmaps_ = false;
+  }
+
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    count_map();
+    upstream_->map(address, pages, count);
+  }
+  void map_large(Address address, PageHandle page, std::size_t pages) override {
+    count_map();
+    upstream_->map_large(address, page, pages);
+  }
+  void unmap(Address address, std::size_t bytes) override {
+    if (failing_unmaps_) throw DriverError("unmap (injected)", 1, "injected failure");
+    upstream_->unmap(address, bytes);
+  }
+
+ private:
+  void count_map() {
+    if (++maps_ != fail_map_at_) return;
+    failing_unmaps_ = true;
+    throw DriverError("map (injected)", 2, "injected failure");
+  }
+  std::size_t maps_ = 0;
+  std::size_t fail_map_at_ = 0;
+  bool failing_unmaps_ = false;
+};
+
+// A unit that fails to map its second region, then fails to unmap its first, leaves those
+// pages mapped where they are and out of the pool: handed to another request, that
+// request's tokens would show at the first slot's addresses.
+TEST_P(MapperTest, PagesAFailedUnitCannotUnmapAreNeverHandedOutAgain) {
+  if (config_.layout == LayoutKind::interleaved) config_.layers_per_group = 2;  // two regions
+  const KvLayout layout(config_, backend_->page_bytes());
+  config_.lookahead_tokens = layout.tokens_in_pages(2);
+  auto failing = std::make_shared<FailsTwiceBackend>(backend_);
+  KvCache cache(config_, failing);
+  const std::size_t first = cache.alloc_reqid();
+  cache.step(lens({{first, layout.tokens_in_pages(1)}}));
+  failing->fail_map(failing->maps() + 2);  // the unit's second region
+  EXPECT_THROW(cache.map_ahead_now(), DriverError);
+  failing->heal();
+  EXPECT_EQ(cache.mapped_pages(first), 1u);
+  cache.check_invariants();
+
+  const std::size_t second = cache.alloc_reqid();
+  cache.step(lens({{first, layout.tokens_in_pages(1)}, {second, layout.tokens_in_pages(2)}}));
+  const std::size_t page_bytes = layout.page_bytes();
+  for (std::size_t r = 0; r < layout.num_regions(); ++r)
+    testing::fill_bytes(cache.backend(), cache.base() + layout.page_offset(r, second, 0), 2 * page_bytes, 0xAB);
+  // The first region of `first` still maps the unit's pages past its first page.
+  const auto stranded = testing::read_bytes(cache.backend(), cache.base() + layout.page_offset(0, first, 1),
+                                            2 * page_bytes);
+  EXPECT_EQ(std::count(stranded.begin(), stranded.end(), std::uint8_t{0xAB}), 0)
+      << "a page still mapped at the first slot's addresses went to the second";
+  cache.check_invariants();
 }
 
 TEST_P(MapperTest, TheThreadMapsAheadOnItsOwnAndStopsOnRequest) {

@@ -2,6 +2,9 @@
 // layouts on every backend (CUDA skips without a device).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+
 #include "testing.h"
 
 namespace vkv {
@@ -10,6 +13,19 @@ namespace {
 using testing::mark;
 
 class SharingTest : public testing::CacheTest {};
+
+// Holds every copy back on its stream while `delay` is set, so that a copy is still queued
+// when the call that queued it goes on to its next backend call.
+class DelayedCopyBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::atomic<bool> delay{false};
+
+  void copy(Address destination, Address source, std::size_t bytes, Stream stream) override {
+    if (delay) testing::hold_stream(*upstream_, stream, std::chrono::milliseconds(20));
+    upstream_->copy(destination, source, bytes, stream);
+  }
+};
 
 TEST_P(SharingTest, ForkSharesFullPagesAndCopiesThePartialOne) {
   auto cache = make_cache();
@@ -81,6 +97,33 @@ TEST_P(SharingTest, WritingIntoASharedPageAfterARollbackCopiesIt) {
   // Growing back over the third page, still shared, copies it too.
   cache->step(lens({{src, tokens}, {dst, tokens}}));
   EXPECT_EQ(cache->stats().pages_shared, 1 * regions);
+  cache->check_invariants();
+}
+
+// Three slots share a page and two of them write into it in one step: each copy comes
+// from the slot that keeps the page, never from one that the same step gives its own
+// copy next (that unmaps the page under the copy still queued to read it).
+TEST_P(SharingTest, CopyOnWriteReadsOnlyFromTheSlotThatKeepsThePage) {
+  auto delayed = std::make_shared<DelayedCopyBackend>(backend_);
+  backend_ = delayed;
+  auto cache = make_cache();
+  const std::size_t tokens = 2 * tokens_per_page();
+  const std::size_t first = cache->alloc_reqid();
+  cache->step(lens({{first, tokens}}));
+  write_tokens(*cache, first, 0, tokens, mark(1));
+  const std::size_t second = cache->fork(first);
+  const std::size_t third = cache->fork(first);
+  ASSERT_LT(second, third);  // the slot copied second lies between the first and the keeper
+
+  const std::size_t rollback = tokens_per_page() + 2;  // into the second page
+  cache->step(lens({{first, rollback}, {second, rollback}, {third, tokens}}));
+  delayed->delay = true;
+  cache->step(lens({{first, rollback + 1}, {second, rollback + 1}, {third, tokens}}));
+  delayed->delay = false;
+
+  for (std::size_t slot : {first, second}) expect_tokens(*cache, slot, 0, rollback, mark(1));
+  expect_tokens(*cache, third, 0, tokens, mark(1));
+  EXPECT_EQ(cache->stats().pages_shared, regions()) << "the first page is still shared by all three";
   cache->check_invariants();
 }
 
@@ -165,7 +208,7 @@ TEST_P(SharingTest, ForkWithoutRoomForThePartialPageFailsAndLeavesNoSlotBehind) 
   cache->check_invariants();
 }
 
-INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharingTest, testing::host_and_cuda_with_both_layouts(),
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharingTest, testing::every_backend_with_both_layouts(),
                          testing::backend_and_layout_name);
 
 }  // namespace

@@ -328,6 +328,13 @@ inline auto host_and_cuda_with_both_layouts() {
                             ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved));
 }
 
+/// As above, and the host backend running its device work on a worker thread: for suites
+/// whose device work must be ordered against mapping changes.
+inline auto every_backend_with_both_layouts() {
+  return ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::host_deferred, BackendKind::cuda),
+                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved));
+}
+
 inline std::string backend_and_layout_name(const ::testing::TestParamInfo<BackendAndLayout>& info) {
   return backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
 }
