@@ -1,6 +1,8 @@
 // KvCache: the mapper's units of work, planned under the lock, their slow backend
 // calls made without it (the slot's pages at or past busy_from are the mapper's meanwhile).
 #include <algorithm>
+#include <iterator>
+
 #include "kv_cache_impl.h"
 
 namespace vkv {
@@ -23,6 +25,7 @@ class KvCache::Impl::UnitExit {
 };
 
 bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t target) {
+  if (!stranded_.empty()) unmap_stranded();  // before mapping past the slot's books
   Slot& slot = slots_[slot_index];
   const std::size_t regions = layout_.num_regions();
   const std::size_t first = slot.mapped();
@@ -92,39 +95,34 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     } catch (...) {
       // A dead context runs nothing any more.
     }
-    // A region whose unmapping fails too keeps its pages mapped: they stay out of the pool
-    // for good (stranded, still counted as created) rather than be mapped twice.
-    std::vector<bool> still_mapped(regions, false);
-    std::vector<PageHandle> handles(per_region);
+    // A region whose unmapping fails too keeps its pages mapped: they are stranded, out of
+    // the pool until unmapping them succeeds, rather than mapped twice.
+    std::vector<Stranded> stranded;
     for (std::size_t r = 0; r < regions_mapped; ++r) {
+      std::vector<PageHandle> handles(per_region);
       for (std::size_t i = 0; i < per_region; ++i) handles[i] = pages[r * per_region + i].handle;
       try {
         unmap_real(slot_index, r, first, handles.data(), per_region);
       } catch (...) {
-        still_mapped[r] = true;  // already failing: the first error is the one reported
+        stranded.push_back({slot_index, r, first, std::move(handles)});  // the first error is reported
       }
     }
+    auto is_stranded = [&stranded](std::size_t region) {
+      return std::any_of(stranded.begin(), stranded.end(), [region](const Stranded& s) { return s.region == region; });
+    };
     lock.lock();
     if (large_unit) {
       for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
-      for (std::size_t r = 0; r < large.size(); ++r) {
-        if (still_mapped[r]) {
-          stranded_pages_ += span;
-        } else {
-          pool_.give_back({large[r].handle, false});  // a zero-fill may have begun
-        }
-      }
+      for (std::size_t r = 0; r < large.size(); ++r)
+        if (!is_stranded(r)) pool_.give_back({large[r].handle, false});  // a zero-fill may have begun
       pool_.end_create(large_to_create * span, created * span);
     } else {
-      for (std::size_t i = 0; i < pages.size(); ++i) {
-        if (still_mapped[i / per_region]) {
-          ++stranded_pages_;
-        } else {
-          pool_.give_back({pages[i].handle, false});
-        }
-      }
+      for (std::size_t i = 0; i < pages.size(); ++i)
+        if (!is_stranded(i / per_region)) pool_.give_back({pages[i].handle, false});
       pool_.end_create(to_create, created);
     }
+    stranded_.insert(stranded_.end(), std::make_move_iterator(stranded.begin()),
+                     std::make_move_iterator(stranded.end()));
     in_flight_pages_ -= count;
     throw;
   }

@@ -111,6 +111,7 @@ KvCache::Impl::~Impl() {
   } catch (...) {
     // A dead context has no running kernels left to fault.
   }
+  unmap_stranded();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
     if (slot.swapped) host_frees_.push_back(slot.swap);

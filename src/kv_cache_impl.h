@@ -166,6 +166,9 @@ class KvCache::Impl {
   void map_handles(Address address, const PageHandle* handles, std::size_t count);
   void unmap_real(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* handles,
                   std::size_t count);
+  // Tries again to unmap stranded_ pages (of slots the mapper is not working on) and gives
+  // back those it could; before anything maps past a slot's books. Caller holds the lock.
+  void unmap_stranded() noexcept;
   // Backs pages [backed_end, until) of every region of a slot with zeros (the books too).
   void back_with_zeros(std::size_t slot, std::size_t until);
   // Backend calls only, all or nothing: pages [from, until) of every region of a slot,
@@ -254,7 +257,13 @@ class KvCache::Impl {
   detail::PromptHistory prompts_;             // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;           // taken by the mapper: neither in the pool nor in a slot
-  std::size_t stranded_pages_ = 0;            // left mapped where undoing a failed unit failed too
+  // Pages a failed mapper unit could not unmap (its undo failed too): mapped past their
+  // slot's books, out of the pool until unmap_stranded() succeeds.
+  struct Stranded {
+    std::size_t slot, region, first;
+    std::vector<PageHandle> handles;  // a large page once per page it covers
+  };
+  std::vector<Stranded> stranded_;
   Stream background_stream_ = 0;
   CallStats step_stats_;
   detail::ReadWindows read_windows_;

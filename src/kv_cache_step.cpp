@@ -228,6 +228,7 @@ std::vector<Page> KvCache::Impl::lay_out_grant(const std::vector<std::size_t>& c
 // for it (the undo log's stream waiter).
 void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies,
                           std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
+  if (!stranded_.empty()) unmap_stranded();  // before mapping past slots' books; pages for the pool
   expect_obtainable(missing, claims, call);
   for (std::size_t s = 0; s < slots_.size(); ++s)
     if (claims[s] > slots_[s].mapped()) order_after_readers(s, slots_[s].mapped());

@@ -185,6 +185,24 @@ void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::
   }
 }
 
+void KvCache::Impl::unmap_stranded() noexcept {
+  auto unmap_and_give_back = [this](const Stranded& range) {
+    if (slots_[range.slot].busy()) return false;  // the mapper's range: try again later
+    try {
+      order_after_readers(range.slot, range.first);  // padded reads of zero-backed addresses read them
+      unmap_real(range.slot, range.region, range.first, range.handles.data(), range.handles.size());
+    } catch (...) {
+      return false;  // still failing: try again later
+    }
+    const std::size_t count = range.handles.size();
+    auto identity = [](PageHandle page) { return page; };
+    for (std::size_t i = 0; i < count; i = detail::run_end(range.handles.data(), i, count, identity))
+      pool_.give_back({range.handles[i], false});  // a large page once
+    return true;
+  };
+  stranded_.erase(std::remove_if(stranded_.begin(), stranded_.end(), unmap_and_give_back), stranded_.end());
+}
+
 void KvCache::Impl::back_with_zeros(std::size_t slot_index, std::size_t until) {
   Slot& slot = slots_[slot_index];
   const std::size_t from = std::max(slot.mapped(), slot.backed_end);
