@@ -63,11 +63,11 @@ def trace(quick: bool, seed: int = 0) -> dict:
 class VkvSystem:
     """vkv through its Python API."""
 
-    def __init__(self, layout: str, device: str, work: dict, large_page_size: int = 0) -> None:
+    def __init__(self, layout: str, device: str, work: dict, large_page_size: int = 0, **options) -> None:
         self.name = f"vkv {layout}" + (f" large {large_page_size >> 20} MiB" if large_page_size else "")
         self.cache = vkv.KVCache(**SHAPE, max_batch_size=work["max_batch"], max_context_len=work["max_context"],
                                  device=device, layout=layout, memory_budget=work["budget"], page_size=PAGE,
-                                 large_page_size=large_page_size)
+                                 large_page_size=large_page_size, **options)
         self.seq_lens = np.zeros(work["max_batch"], dtype=np.int64)
 
     def alloc(self, prompt: int) -> int:
