@@ -126,9 +126,8 @@ void PagePool::precreate(std::size_t count) {
 std::size_t PagePool::trim(std::size_t keep) noexcept {
   std::size_t released = 0;
   while (free_pages() > keep && !free_.empty()) {
-    backend_.release_page(free_.back().handle);
+    release(free_.back());
     free_.pop_back();
-    --created_pages_;
     ++released;
   }
   while (free_pages() > keep) {
