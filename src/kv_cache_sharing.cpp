@@ -100,8 +100,8 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
     if (shape.keeps_tail) claims[dst] = to.mapped();
     expect_obtainable(shape.fresh * regions, claims, "copying the pages a shared prefix ends in");
     fresh = obtain_pages(shape.fresh * regions, claims);
-    undo.push([this, fresh] {
-      for (const Page& page : fresh) pool_.give_back(page);
+    undo.push([this, fresh] {  // the copies below may have written them
+      for (const Page& page : fresh) pool_.give_back({page.handle, /*clean=*/false});
     });
     shape = share_shape(src, dst, tokens);  // after reclamation, which may have taken dst's
     VKV_ASSERT(shape.fresh * regions == fresh.size());
@@ -139,8 +139,12 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
       if (!shape.keeps_tail && shape.partial_bytes > 0) zero_fresh_pages(page_address(r, dst, full), &own[full - aliased], 1, stream);
     }
     if (shape.partial_bytes == 0) continue;
+    const Address partial = page_address(r, dst, full);
     undo.enqueued_device_work();
-    backend_->copy(page_address(r, dst, full), page_address(r, src, full), shape.partial_bytes, stream);
+    backend_->copy(partial, page_address(r, src, full), shape.partial_bytes, stream);
+    // A page dst keeps held zeros (it claimed nothing) and stays mapped if the call fails.
+    if (shape.keeps_tail)
+      undo.push_enqueue([this, partial, page_bytes, stream] { backend_->zero(partial, page_bytes, stream); });
   }
 
   // Every backend call succeeded: the bookkeeping follows.

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <string>
 
 #include "testing.h"
 
@@ -170,6 +171,52 @@ TEST_P(SharingTest, ShareIntoASlotWithKeptPagesReplacesThem) {
   expect_tokens(*cache, dst, 0, tokens_per_page() + 1, mark(3));
   EXPECT_LE(cache->stats().pages_created, created + layout_->num_regions());
   cache->check_invariants();
+}
+
+// Whichever backend call of share_prefix() fails, none of src's bytes stay where they do
+// not belong: in dst (which claims nothing again; the partly filled page may be one dst
+// kept from its previous owner, or a fresh one) or in the pages a new request gets.
+TEST_P(SharingTest, AFailedShareLeavesNoneOfTheSourcesBytesBehind) {
+  const auto zeros = [](std::size_t) { return std::uint8_t{0}; };
+  for (const bool kept : {false, true}) {
+    SCOPED_TRACE(kept ? "dst kept pages" : "dst gets fresh pages");
+    std::size_t share_calls = 0;  // fallible backend calls share_prefix() makes, from the run without failure
+    for (std::size_t fail_at = 0; fail_at == 0 || fail_at <= share_calls; ++fail_at) {
+      SCOPED_TRACE("failing call " + std::to_string(fail_at));
+      auto faults = std::make_shared<testing::FaultInjectingBackend>(backend_);
+      KvCache cache(config_, faults);
+      const std::size_t src = cache.alloc_reqid();
+      cache.step(lens({{src, 2 * tokens_per_page() + 5}}));
+      write_tokens(cache, src, 0, 2 * tokens_per_page() + 5, mark(70));
+      if (kept) {  // a previous owner leaves 3 pages in the slot dst gets
+        const std::size_t previous = cache.alloc_reqid();
+        cache.step(lens({{src, 2 * tokens_per_page() + 5}, {previous, tokens(3)}}));
+        write_tokens(cache, previous, 0, tokens(3), mark(80));
+        cache.free_reqid(previous);
+      }
+      const std::size_t dst = cache.alloc_reqid();
+      ASSERT_EQ(cache.mapped_pages(dst), kept ? 3u : 0u);
+      const std::size_t before = faults->calls;
+      faults->fail_at = fail_at == 0 ? 0 : before + fail_at;
+      try {
+        cache.share_prefix(src, dst, tokens_per_page() + 3);
+      } catch (const DriverError&) {
+        ASSERT_GT(fail_at, 0u);
+      }
+      if (fail_at == 0) {
+        share_calls = faults->calls - before;
+        continue;
+      }
+      cache.check_invariants();
+      EXPECT_EQ(cache.seq_lens()[dst], 0u);
+      expect_tokens(cache, src, 0, 2 * tokens_per_page() + 5, mark(70));
+      expect_tokens(cache, dst, 0, tokens(cache.mapped_pages(dst)), zeros);
+      const std::size_t next = cache.alloc_reqid();
+      cache.step(lens({{src, 2 * tokens_per_page() + 5}, {next, tokens(layout_->pages_per_slot())}}));
+      expect_tokens(cache, next, 0, tokens(layout_->pages_per_slot()), zeros);
+    }
+    EXPECT_GT(share_calls, 2u);
+  }
 }
 
 TEST_P(SharingTest, ForkAndShareRejectBadCallsWithoutEffect) {
