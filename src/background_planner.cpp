@@ -20,15 +20,20 @@ std::size_t KvCache::Impl::map_ahead_now() {
 
 // The next unit of background work, most urgent first. With `settle_events`, a freed
 // slot's completed event is retired (so its pages may go); without, the plan is a cheap,
-// side-effect-free guess that step() uses to decide whether to wake the mapper at all.
+// side-effect-free guess that step() uses to decide whether to wake the mapper at all:
+// it counts on events being done (the mapper finds out), since free_reqid() and
+// alloc_reqid() no longer wake it. A slot whose zero-fill is still deferred is not
+// touched: no event follows its last owner's work yet.
 KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_events) {
   const std::size_t max_pages = layout_.pages_per_slot();
   const std::size_t regions = layout_.num_regions();
   const bool can_grow = pool_.obtainable_pages() >= regions;  // ahead mapping uses free memory only
   // A freed slot's pages may still be read by its last owner's work: only after its event.
   auto readers_done = [&](Slot& slot) {
+    if (slot.deferred_fill != 0) return false;  // the next step() enqueues it and wakes the mapper
     if (slot.free_event == 0) return true;
-    if (!settle_events || !backend_->event_done(slot.free_event)) return false;  // later: API calls wake the mapper
+    if (!settle_events) return true;
+    if (!backend_->event_done(slot.free_event)) return false;  // later: the next step() wakes the mapper
     backend_->destroy_event(slot.free_event);
     slot.free_event = 0;
     return true;

@@ -114,6 +114,7 @@ KvCache::Impl::~Impl() {
   unmap_stranded();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
+    slot.deferred_fill = 0;  // its pages go back to the device: nobody reads them again
     if (slot.swapped) host_frees_.push_back(slot.swap);
     try {
       wait_free_event(slot);
@@ -167,9 +168,9 @@ void KvCache::Impl::rethrow_background_error() {
 std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  const std::size_t slot = allocate_slot(lock, slots_.next_to_allocate(), stream);
-  if (mapper_) mapper_->wake();  // the next slot to keep a prefill's pages in has changed
-  return slot;
+  // The slot to map the next prefill's pages in may have changed: the next step() wakes
+  // the mapper for it, here a wake-up would only make the mapper's driver calls meet ours.
+  return allocate_slot(lock, slots_.next_to_allocate(), stream);
 }
 
 void KvCache::Impl::wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot) {
@@ -195,8 +196,9 @@ std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std
     wait_not_busy(lock, best);
     back_with_zeros(best, layout_.pages_per_slot());
   }
-  // The new owner's work must not overtake the zero-fill enqueued at free_reqid(). The
-  // event stays: reclaiming this slot's surplus pages later waits for it on the host.
+  // The new owner's work must not overtake the zero-fill of the previous owner's tokens.
+  // The event stays: reclaiming this slot's surplus pages later waits for it on the host.
+  enqueue_fill(best);
   if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
   slots_.mark_allocated(best, read_windows_.steps());
   return best;
@@ -215,30 +217,17 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   if (!keeps_pages) {
     wait_not_busy(lock, slot_index);
     drop_all_pages(slot_index, stream, /*return_to_device=*/!config_.deferred_reclamation);
-  } else {
-    zero_claimed_pages(slot_index, stream);
   }
+  // Nothing can fail from here on: the pages kept are zero-filled on `stream` by the next
+  // call that needs them (kv_cache_fill.cpp), and nothing the mapper could do changed.
+  if (keeps_pages) defer_fill(slot_index, stream);
   if (slot.swapped) {
     host_frees_.push_back(slot.swap);
     slot.swap = {};
     slot.swapped = false;
   }
   slots_.mark_freed(slot_index, keeps_pages ? slot.claimed : 0);
-  if (mapper_) mapper_->wake();
-}
-
-// Zero-fills the pages a slot's owner wrote (beyond `claimed` they hold zeros already)
-// and records the event its pages' reclamation will wait for.
-void KvCache::Impl::zero_claimed_pages(std::size_t slot_index, Stream stream) {
-  Slot& slot = slots_[slot_index];
-  if (slot.claimed == 0) return;
-  if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
-  // One launch for every region (CUDA: one kernel; a memset each costs ~3 us to enqueue).
-  backend_->zero_strided(page_address(0, slot_index, 0), slot.claimed * layout_.page_bytes(), layout_.num_regions(),
-                         layout_.region_bytes(), stream);
-  const Event event = backend_->record_event(stream);
-  if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
-  slot.free_event = event;
+  if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
 }
 
 // Waits for the slot's last readers (work on `stream` so far), then unmaps every page
@@ -247,6 +236,10 @@ void KvCache::Impl::zero_claimed_pages(std::size_t slot_index, Stream stream) {
 void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool return_to_device) {
   Slot& slot = slots_[slot_index];
   if (slot.mapped() == 0) return;
+  if (slot.deferred_fill != 0) {  // a swapped-out slot freed without deferred reclamation
+    enqueue_fill(slot_index);
+    wait_free_event(slot);        // the pages go back clean
+  }
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
   slot.free_event = event;

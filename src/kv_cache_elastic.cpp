@@ -51,6 +51,7 @@ std::size_t KvCache::Impl::trim() {
   std::unique_lock<std::mutex> lock(mutex_);
   background_done_.wait(lock, [&] { return !background_busy(); });
   free_finished_host_copies(/*wait=*/false);
+  enqueue_deferred_fills();  // before unmapping those pages
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     std::vector<Page> pages;
     // Waits for a freed slot's last readers; large pages go whole.

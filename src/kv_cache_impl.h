@@ -12,6 +12,7 @@
 // changes the parts under one mutex; a call that fails undoes what it did (undo_log.h),
 // in stream order. The methods live in the files named after what they do:
 // kv_cache.cpp (construction, alloc, free, the public forwarders), kv_cache_step.cpp,
+// kv_cache_fill.cpp (the zero-fill free_reqid() and swap_out() leave to later calls),
 // slot_mappings.cpp (mapping and unmapping a slot's pages, reclamation),
 // background_planner.cpp and background_units.cpp (the mapper's work),
 // kv_cache_sharing.cpp, kv_cache_swap.cpp, kv_cache_elastic.cpp, kv_cache_prepare.cpp,
@@ -123,8 +124,18 @@ class KvCache::Impl {
   void settle(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages, std::size_t claim,
               const std::function<void()>& expect_valid);
   std::size_t allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t slot, Stream stream);
-  void zero_claimed_pages(std::size_t slot, Stream stream);
   void drop_all_pages(std::size_t slot, Stream stream, bool return_to_device);
+
+  // ---- zero-fills deferred from free_reqid() and swap_out() (kv_cache_fill.cpp) ----
+  // The owner leaving `slot` may have written its claimed pages: their zero-fill on
+  // `stream` is due before anyone else reads, maps over or reclaims them. No backend call.
+  void defer_fill(std::size_t slot, Stream stream);
+  // Enqueues `slot`'s deferred zero-fill, if any, and records free_event behind it; on
+  // failure it stays deferred.
+  void enqueue_fill(std::size_t slot);
+  // enqueue_fill() for every slot: at the start of step() and prepare_step(), and before
+  // anything reclaims pages (reclaim_coldest, trim).
+  void enqueue_deferred_fills();
 
   // ---- step and mapping what is missing (kv_cache_step.cpp) ------------------------
   // What step(seq_lens) must do: the claims it leaves, the shared pages slots are about
@@ -257,6 +268,7 @@ class KvCache::Impl {
   detail::PromptHistory prompts_;             // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;           // taken by the mapper: neither in the pool nor in a slot
+  std::size_t deferred_fills_ = 0;            // slots whose deferred_fill is not 0
   // Pages a failed mapper unit could not unmap (its undo failed too): mapped past their
   // slot's books, out of the pool until unmap_stranded() succeeds.
   struct Stranded {

@@ -47,8 +47,7 @@ std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool con
     for (std::size_t s = best; s < best + count; ++s) allocate(s);
   }
   undo.commit();
-  if (mapper_) mapper_->wake();  // the next slot to keep a prefill's pages in has changed
-  return allocated;
+  return allocated;  // the next step() wakes the mapper for the next slot's pages (alloc_reqid())
 }
 
 std::vector<std::size_t> KvCache::Impl::seq_lens() const {

@@ -74,6 +74,9 @@ KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, st
 void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
                                 Stream stream, std::chrono::steady_clock::time_point start) {
   expect_valid_seq_lens(seq_lens, count);
+  // Zero-fills left by free_reqid() and swap_out(): enqueued here at the latest, before
+  // this step reclaims those pages and before the iteration's kernels.
+  enqueue_deferred_fills();
   // The work enqueued since the last step() ends its read window here (zero_page).
   if (config_.zero_page) read_windows_.begin_step(stream);
   // What the iteration's kernels may read in every allocated slot: a padded batch's length.

@@ -50,13 +50,12 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
     copy.ready = backend_->record_event(stream);
     undo.push([this, ready = copy.ready] { backend_->destroy_event(ready); });
   }
-  // From here on only the pages change hands; the tokens are safe in `copy`.
-  if (sharing_.holds_shared(slot)) {
-    drop_all_pages(slot_index, stream, /*return_to_device=*/false);
-  } else {
-    zero_claimed_pages(slot_index, stream);  // behind the copy on the stream
-  }
+  // From here on only the pages change hands; the tokens are safe in `copy`. Nothing
+  // that could still fail clears them: the zero-fill comes after the last fallible call.
+  const bool shares = sharing_.holds_shared(slot);
+  if (shares) drop_all_pages(slot_index, stream, /*return_to_device=*/false);
   undo.commit();
+  if (!shares) defer_fill(slot_index, stream);  // behind the copy on the stream (kv_cache_fill.cpp)
   slot.swapped = true;
   slot.swap = copy;
   slot.seq_len = 0;
@@ -76,6 +75,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   const std::size_t claim = layout_.pages_for_tokens(swapped_tokens(slots_[slot_index]));
   settle(lock, slot_index, claim * layout_.num_regions(), claim, expect_valid);
   free_finished_host_copies(/*wait=*/false);
+  enqueue_fill(slot_index);  // before the copy back
   if (config_.zero_page) read_windows_.close_current(stream);  // undo and reclamation may wait for it
 
   Slot& slot = slots_[slot_index];

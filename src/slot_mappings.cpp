@@ -46,6 +46,7 @@ std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vect
 }
 
 void KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors) {
+  enqueue_deferred_fills();  // the victim's pages are zero-filled before they go
   // Large pages go whole: a slot keeps the one its floor falls in.
   std::vector<std::size_t> whole_floors(floors.size());
   for (std::size_t s = 0; s < floors.size(); ++s) whole_floors[s] = round_up_to_whole(slots_[s], floors[s]);
@@ -187,7 +188,8 @@ void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::
 
 void KvCache::Impl::unmap_stranded() noexcept {
   auto unmap_and_give_back = [this](const Stranded& range) {
-    if (slots_[range.slot].busy()) return false;  // the mapper's range: try again later
+    // The mapper's range, or one whose readers no event follows yet: try again later.
+    if (slots_[range.slot].busy() || slots_[range.slot].deferred_fill != 0) return false;
     try {
       order_after_readers(range.slot, range.first);  // padded reads of zero-backed addresses read them
       unmap_real(range.slot, range.region, range.first, range.handles.data(), range.handles.size());
@@ -280,6 +282,7 @@ void KvCache::Impl::zero_fresh_regions(std::size_t slot, std::size_t first, cons
 }
 
 void KvCache::Impl::wait_free_event(Slot& slot) {
+  VKV_ASSERT(slot.deferred_fill == 0);  // else no event follows the last owner's work yet
   if (slot.free_event == 0) return;
   backend_->wait_event(slot.free_event);
   backend_->destroy_event(slot.free_event);

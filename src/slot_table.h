@@ -5,7 +5,8 @@
 // Invariants (check()): a slot maps the same number of pages in every region; a free
 // slot claims nothing and is not swapped out; a swapped-out slot claims nothing; a
 // slot's seq_len is claimed and its claim is mapped; zero backing covers an allocated
-// slot to its end.
+// slot to its end; only a free or swapped-out slot has a deferred zero-fill, of pages
+// it maps.
 //
 // Internal. Thread-safety: none; the cache serializes every call under its mutex.
 #pragma once
@@ -51,7 +52,12 @@ struct Slot {
   // on); pages from backed_end on are not mapped.
   std::size_t backed_end = 0;
   std::uint64_t allocated_at = 0;               // steps done when it was allocated (ReadWindows)
-  Event free_event = 0;                         // behind the zero-fill at free_reqid(); 0 once waited for
+  Event free_event = 0;                         // behind the slot's last zero-fill; 0 once waited for
+  // Pages [0, deferred_fill) of every region hold the tokens of an owner who left
+  // (free_reqid, swap_out) until their zero-fill, deferred to the next call that needs
+  // it, is enqueued on fill_stream (kv_cache_fill.cpp); 0 once it is.
+  std::size_t deferred_fill = 0;
+  Stream fill_stream = 0;
   std::uint64_t freed_at = 0;                   // free order, for least-recently-freed reclamation
   std::size_t kept_at_free = 0;                 // claimed when freed: alloc_reqid()'s preference
   // While the mapper maps or unmaps pages [busy_from, ...) of this slot outside the lock,

@@ -4,11 +4,12 @@
 //   alloc_reqid()      a free slot, preferring one that kept its pages
 //   step(seq_lens)     back seq_lens[s] tokens of every allocated slot s, or throw
 //                      OutOfMemory with no effect at all
-//   free_reqid(slot)   the slot's pages are zero-filled on the stream and kept
-//                      mapped for the next owner (deferred reclamation)
+//   free_reqid(slot)   the slot's pages are kept mapped for the next owner (deferred
+//                      reclamation) and zero-filled on the stream before anyone else
+//                      can read them
 // Addresses never move: views computed from base() and layout() stay valid for the
 // cache's life, mapped or not. Pages of freed slots are unmapped (reclaimed) only when
-// memory runs low, and only after the event recorded at free_reqid() has completed,
+// memory runs low, and only after the event behind their zero-fill has completed,
 // since the driver's unmap does not wait for running kernels.
 //
 // Beyond the paper: fork() and share_prefix() map one physical page at several slots'
@@ -72,13 +73,18 @@ class KvCache {
   /// Hands out a free slot: the one that held the most pages when it was freed, lowest
   /// index on ties, so the same call sequence gives the same slots on every
   /// tensor-parallel rank whatever the mapper did meanwhile. Later work on `stream` is
-  /// ordered after the zero-fill of the slot's pages.
-  /// @throws InvalidArgument when every slot is allocated; an error of the mapper thread.
+  /// ordered after the zero-fill of the slot's pages (enqueued here if the previous
+  /// owner's free_reqid() left it to a later call).
+  /// @throws InvalidArgument when every slot is allocated; DriverError; an error of the
+  ///         mapper thread.
   std::size_t alloc_reqid(Stream stream = 0);
 
-  /// Frees an allocated slot: enqueues a zero-fill of the pages its seq_lens reached on
-  /// `stream` and records an event behind it; the pages stay mapped for the next owner
-  /// (or go back to the driver, with deferred_reclamation off).
+  /// Frees an allocated slot; its pages stay mapped for the next owner (or go back to the
+  /// driver, with deferred_reclamation off). The zero-fill of the pages its seq_lens
+  /// reached is enqueued on `stream`, behind the work enqueued there so far, by the next
+  /// call that needs it: alloc_reqid() handing this slot out, step() (the next one at the
+  /// latest; and prepare_step()), or any call that reclaims these pages. So free_reqid()
+  /// itself makes no device call, and `stream` must stay valid until that next call.
   /// Contract: an owner writes only tokens below the seq_len it gave step().
   /// @throws InvalidArgument for a slot out of range or not allocated (double free).
   void free_reqid(std::size_t slot, Stream stream = 0);
@@ -155,12 +161,15 @@ class KvCache {
   // ---- swapping ---------------------------------------------------------------------
 
   /// Copies slot's seq_len tokens to page-locked host memory on `stream` and gives its
-  /// pages up: zero-filled behind the copy and left for step() to reclaim, as a freed
-  /// slot's (pages it shares with other slots are dropped at once, which waits on the
-  /// host for the copy). The slot stays allocated, swapped out: step() must give it 0
-  /// until swap_in(); free_reqid() discards the copy.
+  /// pages up: left for step() to reclaim and zero-filled behind the copy, as a freed
+  /// slot's (free_reqid(): by the next call that needs it), so that nothing after the
+  /// copy can fail and leave the slot with its tokens cleared (pages it shares with other
+  /// slots are dropped at once, which waits on the host for the copy). The slot stays
+  /// allocated, swapped out: step() must give it 0 until swap_in(); free_reqid()
+  /// discards the copy.
   /// @throws InvalidArgument for a slot out of range, free or already swapped out;
-  ///         OutOfMemory when host memory runs out (no effect).
+  ///         OutOfMemory when host memory runs out; DriverError (all with no effect: the
+  ///         slot keeps its tokens).
   void swap_out(std::size_t slot, Stream stream = 0);
   /// Maps the pages a swapped-out slot needs and copies its tokens back on `stream`,
   /// after the swap_out() copy; seq_len is what it was. The host memory is freed once

@@ -268,11 +268,11 @@ TEST(KvCacheReclamation, UnmapsAFreedSlotOnlyAfterItsEventCompleted) {
   seq_lens[a] = layout.tokens_in_pages(4);
   cache.step(seq_lens);
   const std::size_t b = cache.alloc_reqid();
-  cache.free_reqid(a);  // event pending: a's readers may still run
+  cache.free_reqid(a);  // a's readers may still run; its zero-fill waits for the next step()
   seq_lens[a] = 0;
-  EXPECT_EQ(events->pending(), 1u);
+  EXPECT_EQ(events->pending(), 0u);
   seq_lens[b] = layout.tokens_in_pages(2);
-  cache.step(seq_lens);  // needs two of a's pages
+  cache.step(seq_lens);  // needs two of a's pages: enqueues the fill, waits for its event
   EXPECT_EQ(events->waits(), 1u);
   const auto pending = events->pending_at_each_unmap();
   ASSERT_FALSE(pending.empty());
@@ -291,12 +291,17 @@ TEST(KvCacheReclamation, AllocOrdersTheNewOwnerAfterTheZeroFill) {
   seq_lens[slot] = 10;
   cache.step(seq_lens);
   cache.free_reqid(slot);
+  EXPECT_EQ(events->pending(), 0u);       // the zero-fill waits for the call that needs it...
+  EXPECT_EQ(cache.alloc_reqid(), slot);   // ...this one, handing the pages to a new owner
   EXPECT_EQ(events->pending(), 1u);
-  EXPECT_EQ(cache.alloc_reqid(), slot);
   EXPECT_EQ(events->stream_waits(), 1u);  // the new owner's stream waits for the zero-fill...
   EXPECT_EQ(events->waits(), 0u);         // ...without blocking the caller
-  cache.free_reqid(slot);                 // freed again before the first zero-fill completed
+  cache.step(seq_lens);                   // the new owner claims the pages again
+  cache.free_reqid(slot);                 // and leaves before the first zero-fill completed
+  seq_lens[slot] = 0;
+  cache.step(seq_lens);                   // enqueues the second, after the first
   EXPECT_EQ(events->pending(), 1u);       // one event, behind both zero-fills
+  EXPECT_EQ(events->stream_waits(), 2u);
 }
 
 }  // namespace

@@ -123,6 +123,8 @@ TEST_P(MapperTest, WatermarkReclaimsFreedSlotsOnlyOnceTheirReadersAreDone) {
   cache.step(lens({{a, probe.tokens_in_pages(3)}, {b, 1}}));
   cache.free_reqid(b);  // freed first: its page is the least recently freed...
   cache.free_reqid(a);  // ...but `a` (more pages kept) is what alloc_reqid() hands out next
+  EXPECT_EQ(cache.map_ahead_now(), 0u) << "b's zero-fill is not even enqueued: its page must stay";
+  cache.step(lens({}));  // enqueues the zero-fills free_reqid() deferred
   EXPECT_EQ(cache.map_ahead_now(), 0u) << "b's readers may still run: its page must stay";
   events->complete_all();
   EXPECT_EQ(cache.map_ahead_now(), 1u);  // b's page goes back to the pool

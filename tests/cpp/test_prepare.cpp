@@ -33,6 +33,21 @@ TEST_P(PrepareTest, APreparedStepMapsWithoutClaimingAndTheStepMakesNoBackendCall
   cache->check_invariants();
 }
 
+TEST_P(PrepareTest, APreparedStepLeavesTheStepNoDeferredZeroFill) {
+  auto cache = make_cache();
+  const std::size_t a = cache->alloc_reqid(), b = cache->alloc_reqid();
+  cache->step(lens({{a, tokens(2)}, {b, tokens(1)}}));
+  cache->free_reqid(a);  // its zero-fill waits for the next call that needs it
+  const auto seq_lens = lens({{b, tokens(1)}});
+  EXPECT_EQ(cache->prepare_step(seq_lens.data(), seq_lens.size()).missing_pages, 0u);
+  const BackendStats before = cache->stats().backend;
+  cache->step(seq_lens);  // after agreement: must not fail, so makes no backend call
+  const BackendStats after = cache->stats().backend;
+  EXPECT_EQ(after.zero.calls, before.zero.calls);
+  EXPECT_EQ(after.event.calls, before.event.calls);
+  cache->check_invariants();
+}
+
 TEST_P(PrepareTest, AShortageIsReturnedWithTheCountStepWouldThrowAndNothingChanges) {
   auto cache = make_cache(4);
   const std::size_t a = cache->alloc_reqid();

@@ -58,6 +58,7 @@ TEST_P(ZeroPageTest, ReadsBeyondTheTokensReadZerosWhilePagesComeAndGo) {
   expect_zeros_from(cache, a, 2);
   expect_zeros_from(cache, b, 1);
   cache.free_reqid(a);
+  cache.step(lens({{b, 1}}));      // enqueues a's zero-fill, deferred from free_reqid()
   expect_zeros_from(cache, a, 0);  // zero-filled for the next owner, zero-backed beyond
   cache.step(lens({{b, layout.tokens_in_pages(3)}}));  // takes a's pages: reclaimed, zero-backed again
   EXPECT_EQ(cache.mapped_pages(a), 0u);

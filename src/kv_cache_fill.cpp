@@ -1,0 +1,48 @@
+// KvCache: the zero-fill of the pages an owner leaves behind (free_reqid, swap_out),
+// deferred to the next call that needs it.
+//
+// free_reqid() and swap_out() make no driver call for it: on a GPU a launch and an event
+// cost 6-8 us on their own and several times that while the mapper thread makes driver
+// calls. The fill is enqueued on the stream the leaving call named, behind the owner's
+// last work, by the first of: alloc_reqid() handing that slot out, the next step(), and
+// every call that may read, map over or reclaim another slot's pages (fork,
+// share_prefix, swap_in, set_budget, trim, the prepare_ calls). Until then the slot's
+// pages are nobody's: the mapper leaves such a slot alone, and unmap_tail() and
+// wait_free_event() assert that nothing reaches one. Then free_event follows the fill,
+// as it did when free_reqid() enqueued it itself.
+#include "internal_assert.h"
+#include "kv_cache_impl.h"
+
+namespace vkv {
+
+void KvCache::Impl::defer_fill(std::size_t slot_index, Stream stream) {
+  Slot& slot = slots_[slot_index];
+  if (slot.claimed == 0) return;  // beyond its claim a slot's pages hold zeros already
+  VKV_ASSERT(slot.deferred_fill == 0);
+  slot.deferred_fill = slot.claimed;
+  slot.fill_stream = stream;
+  ++deferred_fills_;
+}
+
+void KvCache::Impl::enqueue_fill(std::size_t slot_index) {
+  Slot& slot = slots_[slot_index];
+  if (slot.deferred_fill == 0) return;
+  const Stream stream = slot.fill_stream;
+  // After an earlier fill of these pages, which may run on another stream.
+  if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+  // One launch for every region (CUDA: one kernel; a memset each costs ~3 us to enqueue).
+  backend_->zero_strided(page_address(0, slot_index, 0), slot.deferred_fill * layout_.page_bytes(),
+                         layout_.num_regions(), layout_.region_bytes(), stream);
+  // A failure from here on leaves the fill deferred: enqueued again, it writes zeros twice.
+  const Event event = backend_->record_event(stream);
+  if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
+  slot.free_event = event;
+  slot.deferred_fill = 0;
+  --deferred_fills_;
+}
+
+void KvCache::Impl::enqueue_deferred_fills() {
+  for (std::size_t s = 0; s < slots_.size() && deferred_fills_ > 0; ++s) enqueue_fill(s);
+}
+
+}  // namespace vkv
