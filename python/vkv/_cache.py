@@ -48,7 +48,9 @@ class KVCache:
     names (``alloc_reqid()``, ``free_reqid()``), their parameters and messages say slot.
 
     Device work (zero-fill of freed and fresh pages) is enqueued on
-    ``torch.cuda.current_stream()`` of the cache's device at the time of each call.
+    ``torch.cuda.current_stream()`` of the cache's device at the time of each call; a
+    freed slot's zero-fill on the stream current at ``free_reqid()``, by the next call
+    that needs it.
 
     Thread-safety: every method is thread-safe (one lock in the C++ core serializes
     them, taken with the GIL released). Slot ids are shared state: two threads driving
@@ -124,7 +126,9 @@ class KVCache:
         return self._live()._core.alloc_reqid()
 
     def free_reqid(self, slot: int) -> None:
-        """Free ``slot``: its pages are zero-filled on the current stream and kept for reuse.
+        """Free ``slot``: its pages are kept for reuse, zero-filled on the current stream
+        before anyone else can read them (by the next call that needs it: ``alloc_reqid()``
+        of this slot, the next ``step()``, reclamation; this call makes no device call).
 
         Raises:
             ValueError: slot out of range or not allocated (double free).
