@@ -226,7 +226,10 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
     slot.swap = {};
     slot.swapped = false;
   }
-  slots_.mark_freed(slot_index, keeps_pages ? slot.claimed : 0);
+  // What alloc_reqid() prefers follows the calls alone, not the pages: whether a slot
+  // holds shared pages depends, with large pages, on what each rank's pool had.
+  const bool keeps_claim = config_.deferred_reclamation && !slot.shared_a_page;
+  slots_.mark_freed(slot_index, keeps_claim ? slot.claimed : 0);
   if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
 }
 

@@ -1,6 +1,7 @@
 // KvCache: inspection (stats, slot state) and the invariants the parts must keep together.
 #include <algorithm>
 #include <chrono>
+#include <string>
 
 #include "format.h"
 #include "kv_cache_impl.h"
@@ -75,6 +76,9 @@ void KvCache::Impl::check_invariants() const {
   auto expect = [](bool holds, const std::string& what) {
     if (!holds) throw Error("vkv invariant broken: " + what);
   };
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    expect(!sharing_.holds_shared(slots_[s]) || slots_[s].shared_a_page,
+           "slot " + std::to_string(s) + " holds shared pages only after a fork or share_prefix shared a page of it");
   std::size_t physical = 0;  // distinct pages mapped in some slot
   for (const Slot& slot : slots_)
     for (const auto& pages : slot.pages)

@@ -164,6 +164,7 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
   }
   to.seq_len = tokens;
   to.claimed = layout_.pages_for_tokens(tokens);
+  if (full > 0) from.shared_a_page = to.shared_a_page = true;  // also where large pages made it a copy
 }
 
 // Gives each slot in `copies` a private copy of the shared page it names, from

@@ -60,6 +60,10 @@ struct Slot {
   Stream fill_stream = 0;
   std::uint64_t freed_at = 0;                   // free order, for least-recently-freed reclamation
   std::size_t kept_at_free = 0;                 // claimed when freed: alloc_reqid()'s preference
+  // A fork() or share_prefix() since alloc_reqid() put a whole page of this slot's tokens
+  // at another slot too. Logical: with large pages that page may have been copied, not
+  // shared, depending on the pool (so on the rank); the slot choice follows this instead.
+  bool shared_a_page = false;
   // While the mapper maps or unmaps pages [busy_from, ...) of this slot outside the lock,
   // kNotBusy otherwise. Nobody else touches the slot's pages at or past it.
   std::size_t busy_from = kNotBusy;
@@ -83,7 +87,7 @@ class SlotTable {
   std::vector<Slot>::const_iterator end() const noexcept { return slots_.end(); }
 
   /// The free slot alloc_reqid() hands out next: the one that kept the most pages when
-  /// freed, lowest index on ties; size() when none is free. With eager allocation on
+  /// freed (mark_freed()'s `kept`), lowest index on ties; size() when none is free. With eager allocation on
   /// (set_eager_pages() > 0), the eager slot instead, unless a freed slot kept at least
   /// as many pages as eager allocation maps. Depends on the calls made alone, never on
   /// what the mapper has done yet: tensor-parallel ranks agree on it.

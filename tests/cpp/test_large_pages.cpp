@@ -3,6 +3,8 @@
 // Both layouts on every backend (CUDA skips without a device).
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "testing.h"
 
 namespace vkv {
@@ -128,6 +130,36 @@ TEST_P(LargePagesTest, ForkSharesWholeLargePagesAndCopiesTheRest) {
   cache->check_invariants();
   write_tokens(*cache, other, 0, 1, [](std::size_t) { return 99; });
   expect_tokens(*cache, src, 0, 1, mark(1));
+}
+
+// Tensor-parallel ranks agree on slots because choices follow the calls alone. Whether a
+// prompt got large pages follows the pool (a budget sized by each GPU's free memory, a
+// mapper that got further on one rank), and with it whether a prefix is shared or
+// copied: the slot handed out next must not follow that.
+TEST_P(LargePagesTest, TheSlotHandedOutNextDoesNotDependOnWhetherThePoolHadLargePages) {
+  std::size_t next[2];
+  for (const bool room_for_large : {true, false}) {
+    CacheConfig config = config_;
+    config.eager_tokens = 0;  // the pages slots kept decide
+    if (!room_for_large) {    // every page of the budget created up front, single
+      config.memory_budget = 5 * regions() * backend_->page_bytes();
+      config.precreate_pages = 5 * regions();
+    }
+    std::string unused;
+    KvCache cache(config, testing::make_test_backend(std::get<0>(GetParam()), &unused));
+    const std::size_t src = cache.alloc_reqid(), other = cache.alloc_reqid();
+    cache.step(lens({{src, span_tokens()}, {other, 1}}));
+    EXPECT_EQ(cache.stats().large_pages, room_for_large ? regions() : 0u);
+    const std::size_t dst = cache.alloc_reqid();
+    cache.share_prefix(src, dst, tokens_per_page() + 3);  // a whole page: shared, or copied out of a large page
+    EXPECT_EQ(cache.stats().pages_shared, room_for_large ? 0u : regions());
+    cache.free_reqid(other);  // kept a page
+    cache.free_reqid(dst);    // kept two, or none where it shared them
+    next[room_for_large ? 0 : 1] = cache.alloc_reqid();
+    EXPECT_EQ(next[room_for_large ? 0 : 1], other) << "a slot that shared a page is not preferred";
+    cache.check_invariants();
+  }
+  EXPECT_EQ(next[0], next[1]);
 }
 
 // Rolled back into a shared large page and grown again: the writer gets a private copy
