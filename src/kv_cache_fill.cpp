@@ -4,12 +4,12 @@
 // free_reqid() and swap_out() make no driver call for it: on a GPU a launch and an event
 // cost 6-8 us on their own and several times that while the mapper thread makes driver
 // calls. The fill is enqueued on the stream the leaving call named, behind the owner's
-// last work, by the first of: alloc_reqid() handing that slot out, the next step(), and
-// every call that may read, map over or reclaim another slot's pages (fork,
-// share_prefix, swap_in, set_budget, trim, the prepare_ calls). Until then the slot's
-// pages are nobody's: the mapper leaves such a slot alone, and unmap_tail() and
-// wait_free_event() assert that nothing reaches one. Then free_event follows the fill,
-// as it did when free_reqid() enqueued it itself.
+// last work, by the first of: alloc_reqid() handing that slot out (fork() too), swap_in()
+// of that slot, the next step() or prepare_step() (every deferred fill), and reclamation
+// (reclaim_coldest(), whoever calls it; trim()). Until then the slot's pages are
+// nobody's: the mapper leaves such a slot alone, and wait_free_event() asserts that
+// nothing waits for its readers (no event follows them yet). Then free_event follows the
+// fill, as it did when free_reqid() enqueued it itself.
 #include "internal_assert.h"
 #include "kv_cache_impl.h"
 
