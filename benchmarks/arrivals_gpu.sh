@@ -3,7 +3,8 @@
 # step() p99, the burst of 32 prompts mapped by one step(), with and without large pages)
 # for this tree and, where git can give it, for BASE beside it on the same GPU; then the
 # CUDA C++ suites and compute-sanitizer memcheck over the suites that order zero-fills,
-# copies and unmaps (deferred fill, swap, sharing, fault injection). vAttention runs too
+# copies and unmaps (deferred fill, swap, sharing, fault injection), and the Python tests
+# of zero-fill on torch's streams, zero-page reads and sharing. vAttention runs too
 # when a checkout sits at ../.vattention (arrivals_bench.py --vattention). Everything lands
 # in OUT_DIR/results.tar.gz (logs, JSON, plots) and OUT_DIR/summary.txt.
 #   benchmarks/arrivals_gpu.sh OUT_DIR [BASE]     # BASE: a commit, default 94b8553
@@ -54,6 +55,12 @@ VKV_FAULT_EVERY=7 timeout $(( $(left) > 170 ? 150 : $(left) - 20 )) \
   ctest --test-dir build-gpu --output-on-failure -j6 -R "cuda|Cuda" > "$work/logs/ctest_cuda.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*" "$work/logs/ctest_cuda.log" | tail -6
 grep -q "100% tests passed" "$work/logs/ctest_cuda.log" || status=1
+# The Python tests of zero-fill on torch's streams and of zero-page reads, on the GPU.
+(cd /tmp && timeout 90 python3 -m pytest "$OLDPWD/tests/python/test_gpu.py::test_zero_fill_follows_the_current_stream" \
+  "$OLDPWD/tests/python/test_zero_page.py" "$OLDPWD/tests/python/test_sharing.py" -q -p no:cacheprovider 2>&1) \
+  > "$work/logs/pytest_gpu.log"
+tail -1 "$work/logs/pytest_gpu.log"
+grep -qE "[0-9]+ passed" "$work/logs/pytest_gpu.log" && ! grep -qE "[0-9]+ (failed|error)" "$work/logs/pytest_gpu.log" || status=1
 VKV_FAULT_EVERY=11 timeout $(( $(left) - 5 )) compute-sanitizer --tool memcheck --error-exitcode 3 \
   build-gpu/tests/cpp/vkv_tests --gtest_filter='*DeferredFill*cuda*:*SwapTest*cuda*:*AFailedShare*cuda*:*KvCacheTest*cuda*:*FaultInjection*cuda_interleaved*' \
   > "$work/logs/memcheck_cpp.log" 2>&1 || { echo "memcheck: exit $? (124: ran out of time)"; status=1; }
@@ -70,6 +77,7 @@ fi
   echo "== baseline $base"; grep -E "burst" "$work/logs/arrivals_base.log" 2>/dev/null || echo "not run"
   echo "== vattention"; grep -E "burst" "$work/logs/arrivals_vattention.log" 2>/dev/null || echo "not run"
   echo "== ctest (CUDA)"; grep -E "tests passed|Failed" "$work/logs/ctest_cuda.log" | tail -4
+  echo "== pytest (GPU subset)"; tail -1 "$work/logs/pytest_gpu.log"
   echo "== memcheck"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$work/logs/memcheck_cpp.log" | tail -3
   echo "status $status, ${SECONDS}s"
 } > "$out/summary.txt"
