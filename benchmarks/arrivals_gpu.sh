@@ -15,7 +15,8 @@ base="${2:-94b8553}"
 work="$out/results"
 mkdir -p "$work/logs" "$work/new" "$work/base"
 deadline=$((SECONDS + ${VKV_GPU_SECONDS:-520}))
-left() { echo $((deadline - SECONDS > 10 ? deadline - SECONDS : 10)); }
+# Seconds a step may take: at most $1, and what is left before the deadline (at least 1).
+budget() { local left=$((deadline - SECONDS)); left=$((left < $1 ? left : $1)); echo $((left > 1 ? left : 1)); }
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$work/gpu.txt"
 
@@ -41,33 +42,33 @@ echo "builds done at ${SECONDS}s"
 
 # Timings first, once every build is done: the trace's times are host-side.
 wait $cpp || { echo "C++ build failed"; status=1; }
-PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/arrivals_bench.py --out "$work/new" \
+PYTHONUNBUFFERED=1 timeout "$(budget 150)" python3 benchmarks/arrivals_bench.py --out "$work/new" \
   > "$work/logs/arrivals_new.log" 2>&1 || status=1
 grep -E "burst|prompt mapping" "$work/logs/arrivals_new.log"
 if [ -n "$baseline" ]; then
-  PYTHONPATH=/tmp/vkv-base PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/arrivals_bench.py --only arrivals \
+  PYTHONPATH=/tmp/vkv-base PYTHONUNBUFFERED=1 timeout "$(budget 100)" python3 benchmarks/arrivals_bench.py --only arrivals \
     --out "$work/base" > "$work/logs/arrivals_base.log" 2>&1 || echo "baseline run failed"
   grep -E "burst|vkv_module" "$work/logs/arrivals_base.log"
 fi
 
 # The CUDA C++ suites (fault injection every 7th call, as gpu_reliability.sh).
-VKV_FAULT_EVERY=7 timeout $(( $(left) > 170 ? 150 : $(left) - 20 )) \
+VKV_FAULT_EVERY=7 timeout "$(budget 150)" \
   ctest --test-dir build-gpu --output-on-failure -j6 -R "cuda|Cuda" > "$work/logs/ctest_cuda.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*" "$work/logs/ctest_cuda.log" | tail -6
 grep -q "100% tests passed" "$work/logs/ctest_cuda.log" || status=1
 # The Python tests of zero-fill on torch's streams and of zero-page reads, on the GPU.
-(cd /tmp && timeout 90 python3 -m pytest "$OLDPWD/tests/python/test_gpu.py::test_zero_fill_follows_the_current_stream" \
+(cd /tmp && timeout "$(budget 90)" python3 -m pytest "$OLDPWD/tests/python/test_gpu.py::test_zero_fill_follows_the_current_stream" \
   "$OLDPWD/tests/python/test_zero_page.py" "$OLDPWD/tests/python/test_sharing.py" -q -p no:cacheprovider 2>&1) \
   > "$work/logs/pytest_gpu.log"
 tail -1 "$work/logs/pytest_gpu.log"
 grep -qE "[0-9]+ passed" "$work/logs/pytest_gpu.log" && ! grep -qE "[0-9]+ (failed|error)" "$work/logs/pytest_gpu.log" || status=1
-VKV_FAULT_EVERY=11 timeout $(( $(left) - 5 )) compute-sanitizer --tool memcheck --error-exitcode 3 \
+VKV_FAULT_EVERY=11 timeout "$(budget 600)" compute-sanitizer --tool memcheck --error-exitcode 3 \
   build-gpu/tests/cpp/vkv_tests --gtest_filter='*DeferredFill*cuda*:*SwapTest*cuda*:*AFailedShare*cuda*:*KvCacheTest*cuda*:*FaultInjection*cuda_interleaved*' \
   > "$work/logs/memcheck_cpp.log" 2>&1 || { echo "memcheck: exit $? (124: ran out of time)"; status=1; }
 grep -E "ERROR SUMMARY|PASSED|FAILED|tests ran" "$work/logs/memcheck_cpp.log" | tail -4
 
-if [ -d ../.vattention ] && [ "$(left)" -gt 130 ]; then
-  PYTHONUNBUFFERED=1 timeout $(( $(left) - 5 )) python3 benchmarks/arrivals_bench.py --only arrivals \
+if [ -d ../.vattention ] && [ "$(budget 600)" -gt 130 ]; then
+  PYTHONUNBUFFERED=1 timeout "$(budget 600)" python3 benchmarks/arrivals_bench.py --only arrivals \
     --vattention ../.vattention --large-page-size 0 --out "$work/vattention" > "$work/logs/arrivals_vattention.log" 2>&1
 fi
 
