@@ -2,6 +2,7 @@
 // when the cache runs short, and giving pages back when they ask. The books and the
 // watcher thread are BudgetMembership's; what to give and how is decided here.
 #include <algorithm>
+#include <chrono>
 
 #include "fork_guard.h"
 #include "kv_cache_impl.h"
@@ -10,6 +11,7 @@
 namespace vkv {
 
 void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages) {
+  const auto start = std::chrono::steady_clock::now();
   lock.unlock();
   try {
     membership_->ask(pages);
@@ -19,8 +21,11 @@ void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::s
   }
   lock.lock();
   membership_->claim_reserved();
+  budget_asks_.calls += 1;
+  budget_asks_.nanoseconds += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
   try {
-    pool_.add_free(membership_->claimed_pages());
+    budget_asks_.units += pool_.add_free(membership_->claimed_pages());
   } catch (const OutOfMemory&) {
     // The device itself is short (memory outside the budget): the call will say so.
   }

@@ -391,6 +391,7 @@ py::dict stats(const KvCache& cache) {
   out["swapped_slots"] = stats.swapped_slots;
   out["swapped_bytes"] = stats.swapped_bytes;
   out["step"] = call_stats(stats.step);
+  out["budget_asks"] = call_stats(stats.budget_asks);
   py::dict backend;
   backend["reserve"] = call_stats(stats.backend.reserve);
   backend["create"] = call_stats(stats.backend.create);
