@@ -131,6 +131,17 @@ std::uint32_t BudgetLedger::ask(std::size_t member, std::size_t bytes) {
   return request;
 }
 
+std::size_t BudgetLedger::others_cached(std::size_t member) const noexcept {
+  std::uint64_t cached = 0;
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+    const std::uint64_t in_use = row.in_use.load(std::memory_order_relaxed);
+    if (i != member && row.pid.load(std::memory_order_relaxed) != 0 && held > in_use) cached += held - in_use;
+  }
+  return cached;
+}
+
 bool BudgetLedger::ask_settled(std::size_t member, std::uint32_t request) {
   Lock lock(*this);
   reap_locked();

@@ -30,13 +30,14 @@
 
 namespace vkv::detail {
 
-/// One member's row; pid 0 marks a free row.
+/// One member's row; pid 0 marks a free row. Written under the mutex; the atomics are also
+/// read without it (others_cached()).
 struct BudgetMemberRecord {
-  std::int32_t pid;
+  std::atomic<std::int32_t> pid;
   std::uint64_t start_time;   ///< with pid: the process (ProcessIdentity)
   std::uint64_t page_bytes;
   char command[16];           ///< the process's name, for people reading stats
-  std::uint64_t held;         ///< bytes of pages created and not released, plus claimed reservation
+  std::atomic<std::uint64_t> held;  ///< bytes of pages created and not released, plus claimed reservation
   std::uint64_t wanted;       ///< bytes it asks the others for; 0 = not asking
   std::uint64_t pledged;      ///< bytes it promised to give back and has not released yet
   std::uint32_t answered;     ///< the last request number it answered
@@ -119,6 +120,9 @@ class BudgetLedger {
 
   /// Asks the other members for `bytes`; returns the request's number.
   std::uint32_t ask(std::size_t member, std::size_t bytes);
+  /// Bytes the other live members hold and their requests do not claim (as of their last
+  /// published call): what asking could bring at most. Lock-free reads; a hint.
+  std::size_t others_cached(std::size_t member) const noexcept;
   /// Whether the asker should stop waiting: the reservation covers what it wants, or every
   /// other live member answered `request` and no pledge is outstanding. Reaps dead members.
   bool ask_settled(std::size_t member, std::uint32_t request);

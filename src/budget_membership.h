@@ -59,6 +59,8 @@ class BudgetMembership final : public PageAccount {
   void give(std::size_t pages) noexcept override;
 
   // ---- running short -----------------------------------------------------------------
+  /// Whether asking could bring anything: the others hold pages their requests do not claim.
+  bool others_may_give() const noexcept { return ledger_.others_cached(member_) > 0; }
   /// Asks the others for `pages` and waits (kAskTimeout at most) until what they gave
   /// covers it or they all answered; the caller holds no lock the watcher or the mapper
   /// takes. Then claim_reserved() takes what was given. @throws Error (a broken budget).

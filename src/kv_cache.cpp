@@ -197,7 +197,7 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
-  if (pages > 0 && membership_) {
+  if (pages > 0 && membership_ && membership_->others_may_give()) {
     const std::size_t short_by = pages_short(pages, slot, claim);
     if (short_by > 0) ask_shared_budget(lock, short_by);
   }

@@ -98,7 +98,7 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       // Pages the mapper is moving are not lost: decide once it has put them down.
       if (background_busy()) {
         background_done_.wait(lock, [&] { return !background_busy(); });
-      } else if (membership_ && !asked) {
+      } else if (!asked && membership_ && membership_->others_may_give()) {
         asked = true;
         ask_shared_budget(lock, shortage.missing_pages());
         expect_valid_seq_lens(seq_lens, count);  // other threads may have freed slots meanwhile
