@@ -46,8 +46,9 @@ std::size_t KvCache::Impl::cached_bytes_for_budget() const {
 
 void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   if (detail::fork_generation() != fork_generation_) return;
-  std::unique_lock<std::mutex> lock(mutex_);
-  background_done_.wait(lock, [&] { return !background_busy(); });  // pages in flight are the mapper's
+  // Pages the mapper is moving are in no slot's books nor in the pool: they are left alone,
+  // and so is a slot it works on (choose_victim() skips busy slots). No wait for it.
+  std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t page = layout_.page_bytes();
   const std::size_t wanted = (bytes + page - 1) / page;
   std::size_t released = pool_.trim(pool_.free_pages() - std::min(pool_.free_pages(), wanted));
