@@ -249,6 +249,46 @@ TEST_P(SharedBudgetCacheTest, WithTheMapperOnMappingAheadStaysWithinTheBudget) {
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetCacheTest, testing::every_backend_with_both_layouts(),
                          testing::backend_and_layout_name);
 
+// A child process that runs `body`, then waits to be killed (with SIGKILL, at the latest
+// when this object goes: a failed assertion leaves no process behind). Make it before
+// the test starts any thread (fork() copies only the caller).
+class MemberProcess {
+ public:
+  template <typename Body>
+  explicit MemberProcess(Body body) {
+    int ready[2];
+    if (pipe(ready) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      body();
+      const char byte = 1;
+      static_cast<void>(write(ready[1], &byte, 1));
+      pause();
+      _exit(0);
+    }
+    close(ready[1]);  // a child that dies before writing ends the read
+    char byte = 0;
+    started_ = read(ready[0], &byte, 1) == 1;
+    close(ready[0]);
+  }
+  ~MemberProcess() { kill(); }
+  MemberProcess(const MemberProcess&) = delete;
+  MemberProcess& operator=(const MemberProcess&) = delete;
+
+  bool started() const { return started_; }
+  pid_t pid() const { return pid_; }
+  void kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = 0;
+  }
+
+ private:
+  pid_t pid_ = 0;
+  bool started_ = false;
+};
+
 // A member killed with SIGKILL: the budget counts its pages back; the survivors go on.
 // The child joins before the parent starts any thread (fork() copies only the caller).
 TEST(SharedBudgetTest, AKilledMemberIsCountedBack) {
@@ -257,28 +297,18 @@ TEST(SharedBudgetTest, AKilledMemberIsCountedBack) {
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
   config.device = host();
   config.shared_budget = name.str();
-  int ready[2];
-  ASSERT_EQ(pipe(ready), 0);
-  const pid_t child = fork();
-  if (child == 0) {
-    KvCache cache(config);
+  MemberProcess child([&] {
+    auto* cache = new KvCache(config);  // lives until the process is killed
     std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
-    seq_lens[cache.alloc_reqid()] = config.max_context_len;
-    cache.step(seq_lens);
-    const char byte = 1;
-    static_cast<void>(write(ready[1], &byte, 1));
-    pause();
-    _exit(0);
-  }
-  close(ready[1]);  // a child that fails before writing ends the read
-  char byte = 0;
-  ASSERT_EQ(read(ready[0], &byte, 1), 1);
+    seq_lens[cache->alloc_reqid()] = config.max_context_len;
+    cache->step(seq_lens);
+  });
+  ASSERT_TRUE(child.started());
   SharedBudgetStats stats = budget.stats();
   ASSERT_EQ(stats.members.size(), 1u);
-  EXPECT_EQ(stats.members[0].pid, child);
+  EXPECT_EQ(stats.members[0].pid, child.pid());
   EXPECT_GT(stats.used_bytes, 0u);
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  child.kill();
   stats = budget.stats();
   EXPECT_TRUE(stats.members.empty());
   EXPECT_EQ(stats.used_bytes, 0u);
@@ -286,36 +316,26 @@ TEST(SharedBudgetTest, AKilledMemberIsCountedBack) {
   std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
   seq_lens[survivor.alloc_reqid()] = config.max_context_len;
   survivor.step(seq_lens);
-  close(ready[0]);
 }
 
 // A member killed while it holds the budget's lock blocks nobody: the next locker repairs.
 TEST(SharedBudgetTest, AMemberKilledHoldingTheLockBlocksNobody) {
   BudgetName name;
   SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
-  int ready[2];
-  ASSERT_EQ(pipe(ready), 0);
-  const pid_t child = fork();
-  if (child == 0) {
+  MemberProcess child([&] {
     detail::SharedMapping object = detail::open_budget_object(name.str());
     detail::BudgetLedger ledger(*static_cast<detail::BudgetSegment*>(object.data()));
-    const std::size_t row = ledger.join(1 << 20);
-    ledger.acquire(row, 8 << 20);
+    ledger.acquire(ledger.join(1 << 20), 8 << 20);
     static_cast<detail::BudgetSegment*>(object.data())->mutex.lock();
-    const char byte = 1;
-    static_cast<void>(write(ready[1], &byte, 1));
-    pause();
-    _exit(0);
-  }
-  close(ready[1]);  // a child that fails before writing ends the read
-  char byte = 0;
-  ASSERT_EQ(read(ready[0], &byte, 1), 1);
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+    // Stays mapped until the process dies: the kernel marks a robust mutex's owner dead
+    // through the dying thread's list, at the mutex's address in that process.
+    static_cast<void>(new detail::SharedMapping(std::move(object)));
+  });
+  ASSERT_TRUE(child.started());
+  child.kill();
   const SharedBudgetStats stats = budget.stats();  // would hang on a plain mutex
   EXPECT_TRUE(stats.members.empty());
   EXPECT_EQ(stats.used_bytes, 0u);
-  close(ready[0]);
 }
 
 }  // namespace
