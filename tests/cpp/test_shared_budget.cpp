@@ -249,6 +249,40 @@ TEST_P(SharedBudgetCacheTest, WithTheMapperOnMappingAheadStaysWithinTheBudget) {
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetCacheTest, testing::every_backend_with_both_layouts(),
                          testing::backend_and_layout_name);
 
+// Members need not look alike: another model shape, layout and page size draw from the
+// same bytes, and pages given back by one serve the other.
+TEST(SharedBudgetTest, MembersOfDifferentShapesAndPageSizesShareTheBytes) {
+  BudgetName name;
+  const std::size_t small_page = testing::kHostTestPageBytes;
+  SharedBudget budget = SharedBudget::create(name.str(), 32 * small_page, host());
+  CacheConfig first = testing::small_config(LayoutKind::interleaved, small_page);
+  first.device = host();
+  first.page_size = small_page;
+  first.shared_budget = name.str();
+  CacheConfig second = testing::small_config(LayoutKind::per_layer, 2 * small_page);
+  second.device = host();
+  second.num_layers = 2;
+  second.page_size = 2 * small_page;
+  second.shared_budget = name.str();
+  KvCache a(first);
+  KvCache b(second);
+  std::vector<std::size_t> lens_a(first.max_batch_size, 0);
+  const std::size_t slot_a = a.alloc_reqid();
+  lens_a[slot_a] = 24 * a.layout().tokens_in_pages(1);  // 24 of the 32 small pages
+  a.step(lens_a);
+  a.free_reqid(slot_a);
+  lens_a[slot_a] = 0;
+  std::vector<std::size_t> lens_b(second.max_batch_size, 0);
+  lens_b[b.alloc_reqid()] = b.layout().tokens_in_pages(3);  // 3 pages in each of 4 regions: 24 small pages' bytes
+  b.step(lens_b);
+  const SharedBudgetStats stats = budget.stats();
+  EXPECT_EQ(stats.used_bytes, a.stats().bytes_created() + b.stats().bytes_created());
+  EXPECT_LE(stats.used_bytes, stats.capacity_bytes);
+  EXPECT_EQ(b.stats().bytes_in_use(), 12 * 2 * small_page);
+  a.check_invariants();
+  b.check_invariants();
+}
+
 // A child process that runs `body`, then waits to be killed (with SIGKILL, at the latest
 // when this object goes: a failed assertion leaves no process behind). Make it before
 // the test starts any thread (fork() copies only the caller).
