@@ -1,6 +1,8 @@
 // HostAllReduce: the segment's layout, joining it, and one round of the reduction.
 #include "vkv/host_all_reduce.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <new>
 #include <vector>
@@ -16,9 +18,13 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kMagic = 0x31726168766b76;  // "vkvhar1": a vkv host all-reduce, layout 1
 constexpr std::size_t kMaxRanks = 4096;
 constexpr std::size_t kMaxCapacity = std::size_t{1} << 20;
-// Ranks reach an agreement within microseconds of each other when they run in lockstep;
-// a rank spins this long before it sleeps (a futex wake-up costs tens of microseconds).
-constexpr auto kSpin = std::chrono::microseconds(50);
+// Ranks in lockstep arrive within microseconds of each other: a rank spins on the CPU
+// this long first,
+constexpr auto kSpinOnCpu = std::chrono::microseconds(5);
+// then yields the CPU between checks (where ranks outnumber free cores, the rank it waits
+// for may need this one) until this long has passed, and only then sleeps: a futex
+// wake-up costs tens of microseconds, more from a deep idle state.
+constexpr auto kSpin = std::chrono::microseconds(200);
 // A sleeping rank wakes at least this often to see whether the ranks it waits for live.
 constexpr auto kLivenessInterval = std::chrono::milliseconds(20);
 
@@ -135,8 +141,11 @@ struct HostAllReduce::Segment {
   void wait_for(std::uint64_t target, std::chrono::nanoseconds timeout) {
     const Clock::time_point start = Clock::now();
     std::size_t missing = first_missing(target);
-    while (missing < ranks && Clock::now() - start < kSpin) {
-      cpu_relax();
+    for (Clock::duration spun{}; missing < ranks && spun < kSpin; spun = Clock::now() - start) {
+      if (spun < kSpinOnCpu)
+        cpu_relax();
+      else
+        sched_yield();
       missing = first_missing(target, missing);
     }
     const Clock::time_point deadline = start + timeout;
