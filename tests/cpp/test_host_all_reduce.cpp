@@ -31,6 +31,19 @@ std::int64_t contribution(std::size_t rank, std::size_t ranks, std::uint64_t rou
   return rank == winner ? base + 7 : base - static_cast<std::int64_t>(rank) - 1;
 }
 
+// The message of the `Exception` that `call` throws; "" when it throws none.
+template <typename Exception, typename Call>
+std::string message_of(Call call) {
+  try {
+    call();
+  } catch (const Exception& error) {
+    return error.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 // The number of values of a round: varies, the same on every rank.
 std::size_t count_of(std::uint64_t round, std::size_t capacity) { return 1 + round % capacity; }
 
@@ -125,15 +138,9 @@ TEST(HostAllReduceTest, ARankThatExitedIsNamed) {
   std::int64_t value = 0;
   first.reduce_max(&value, 1, seconds(60));
   EXPECT_EQ(value, 1);
-  try {
-    first.reduce_max(&value, 1, seconds(600));  // would hang without the liveness check
-    FAIL() << "a round completed without rank 1";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    EXPECT_NE(message.find("rank 1 (pid " + std::to_string(child) + ") exited while rank 0 waited"),
-              std::string::npos)
-        << message;
-  }
+  const std::string message =  // would hang without the liveness check
+      message_of<Error>([&] { first.reduce_max(&value, 1, seconds(600)); });
+  EXPECT_TRUE(contains(message, "rank 1 (pid " + std::to_string(child) + ") exited while rank 0 waited")) << message;
   EXPECT_THROW(first.reduce_max(&value, 1, seconds(1)), Error);  // out of use since
   waitpid(child, nullptr, 0);
 }
@@ -144,21 +151,11 @@ TEST(HostAllReduceTest, ARankThatNeverComesTimesOut) {
   HostAllReduce first = HostAllReduce::create(name, 2, 1);
   HostAllReduce second = HostAllReduce::join(name, 1);  // alive, never reduces
   std::int64_t value = 0;
-  try {
-    first.reduce_max(&value, 1, milliseconds(30));
-    FAIL() << "a round completed without rank 1";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    EXPECT_NE(message.find("rank 1 (pid " + std::to_string(getpid()) + ") did not arrive at round 1"),
-              std::string::npos)
-        << message;
-  }
-  try {
-    first.reduce_max(&value, 1, seconds(1));
-    FAIL() << "a segment out of step was used again";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("out of use"), std::string::npos) << error.what();
-  }
+  const std::string timed_out = message_of<Error>([&] { first.reduce_max(&value, 1, milliseconds(30)); });
+  EXPECT_TRUE(contains(timed_out, "rank 1 (pid " + std::to_string(getpid()) + ") did not arrive at round 1"))
+      << timed_out;
+  const std::string refused = message_of<Error>([&] { first.reduce_max(&value, 1, seconds(1)); });
+  EXPECT_TRUE(contains(refused, "out of use")) << refused;  // the rounds are out of step
 }
 
 TEST(HostAllReduceTest, MisuseIsRefusedNamingTheValues) {
@@ -172,34 +169,22 @@ TEST(HostAllReduceTest, MisuseIsRefusedNamingTheValues) {
   EXPECT_THROW(HostAllReduce::join(name, 2), InvalidArgument);       // out of range
   HostAllReduce second = HostAllReduce::join(name, 1);
   std::int64_t values[4] = {};
-  try {
-    first.reduce_max(values, 4, seconds(1));
-    FAIL() << "4 values fit a capacity of 3";
-  } catch (const InvalidArgument& error) {
-    EXPECT_NE(std::string(error.what()).find("4 values exceed its capacity of 3"), std::string::npos) << error.what();
-  }
+  const std::string too_many = message_of<InvalidArgument>([&] { first.reduce_max(values, 4, seconds(1)); });
+  EXPECT_TRUE(contains(too_many, "4 values exceed its capacity of 3")) << too_many;
   // Counts that differ: both ranks raise, and the next round works.
   std::string messages[2];
   std::thread other([&] {
     std::int64_t mine[3] = {};
-    try {
-      second.reduce_max(mine, 3, seconds(60));
-    } catch (const InvalidArgument& error) {
-      messages[1] = error.what();
-    }
+    messages[1] = message_of<InvalidArgument>([&] { second.reduce_max(mine, 3, seconds(60)); });
     mine[0] = 9;
     second.reduce_max(mine, 1, seconds(60));
   });
-  try {
-    first.reduce_max(values, 2, seconds(60));
-  } catch (const InvalidArgument& error) {
-    messages[0] = error.what();
-  }
+  messages[0] = message_of<InvalidArgument>([&] { first.reduce_max(values, 2, seconds(60)); });
   values[0] = 1;
   first.reduce_max(values, 1, seconds(60));
   other.join();
   for (const std::string& message : messages)
-    EXPECT_NE(message.find("every rank must pass the same count"), std::string::npos) << message;
+    EXPECT_TRUE(contains(message, "every rank must pass the same count")) << message;
   EXPECT_EQ(values[0], 9);
 }
 
