@@ -101,9 +101,12 @@ struct HostAllReduce::Segment {
   }
 
   // The first rank that has not published `target` yet, or ranks when all have.
+  // Sequentially consistent (free on x86 and ARM): a sleeper raises `sleepers` and then
+  // reads the rounds, an arrival publishes its round and then reads `sleepers`, and one
+  // of the two must see the other's write.
   std::size_t first_missing(std::uint64_t target, std::size_t from = 0) const {
     for (std::size_t other = from; other < ranks; ++other)
-      if (members[other].round.load(std::memory_order_acquire) < target) return other;
+      if (members[other].round.load() < target) return other;
     return ranks;
   }
 

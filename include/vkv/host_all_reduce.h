@@ -27,6 +27,8 @@
 
 namespace vkv {
 
+/// One rank's handle on the segment. Thread-safety: not thread-safe (one thread per rank
+/// calls it); the static calls are thread-safe.
 class HostAllReduce {
  public:
   /// Creates segment `name` (/dev/shm/<name>, mode 0600) for `ranks` ranks of at most
