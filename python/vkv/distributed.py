@@ -86,7 +86,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.distributed as dist
 
-from . import _host_all_reduce
+from . import _C, _host_all_reduce
 from ._cache import KVCache, SeqLens
 from ._errors import DriverError, OutOfMemory
 
@@ -133,7 +133,7 @@ class TensorParallelCache:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._agreement = _agreement_group(group)  # gloo: the fallback, and reports when a call fails
-        self._host: Optional[Any] = None  # the shared-memory all-reduce, when every rank is on this host
+        self._host: Optional[_C.HostAllReduce] = None  # the shared-memory all-reduce: every rank on this host
         if shared_memory:
             # Every all-reduce: 4 + 2 per compared value; at most seq_lens and its length (debug).
             capacity = 4 + 2 * max(cache.max_batch_size + 1, 3)
