@@ -43,6 +43,7 @@ class CacheConfig:
         deferred_reclamation: bool = True,
         reclaim_watermark_pages: int = 0,
         backend_statistics: bool = True,
+        shared_budget: str = '',
     ) -> None: ...
     @staticmethod
     def fields() -> List[Tuple[str, str, Any, str]]: ...
@@ -87,6 +88,8 @@ class CacheConfig:
     """the mapper unmaps freed slots' pages into the pool while fewer are free; 0 = budget / 32"""
     backend_statistics: bool
     """count every backend call and its time (stats()['backend'])"""
+    shared_budget: str
+    """name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the device; '' = none. memory_budget, when set, caps this cache within it"""
 # -- end of generated part --
 
 class KvCache:
@@ -134,6 +137,20 @@ class KvCache:
     def num_regions(self) -> int: ...
     @property
     def reserved_bytes(self) -> int: ...
+
+class SharedBudget:
+    """A shared budget (include/vkv/shared_budget.h); use vkv.SharedBudget."""
+
+    @staticmethod
+    def create(name: str, bytes: int, device: str, mode: int) -> SharedBudget: ...
+    @staticmethod
+    def open(name: str) -> SharedBudget: ...
+    @staticmethod
+    def remove(name: str) -> bool: ...
+    @property
+    def name(self) -> str: ...
+    def resize(self, bytes: int, wait_ms: int) -> Dict[str, Any]: ...
+    def stats(self) -> Dict[str, Any]: ...
 
 class HostAllReduce:
     """MAX all-reduce of int64 lists among the processes of one host (include/vkv/host_all_reduce.h)."""

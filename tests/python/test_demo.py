@@ -2,6 +2,7 @@
 preemption under a tight budget loses nothing, and the CLI prints its comparison."""
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -327,3 +328,33 @@ def test_cli_long_preset_reports_makespan_per_ratio(capsys, tmp_path):
     for run in results["runs"].values():
         assert set(run["summary"]["makespan_s_by_trace"]) == {"P:D 50", "P:D 10"}
         assert run["summary"]["throughput_tok_s"] > 0 and run["summary"]["same_tokens_pct"] == 100
+
+
+def test_two_engines_share_one_budget_and_a_killed_one_loses_nothing(capsys, tmp_path):
+    from vkv.demo import multi
+
+    assert multi.main(["--device", "cpu", "--phases", "shared", "kill", "--bursts", "1", "--requests-per-burst",
+                       "8", "8", "--period", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| shared | A | tiny |" in printed and "| shared | B | tiny-b |" in printed
+    results = json.loads((tmp_path / "multi_engine_small_cpu.json").read_text())
+    killed = results["phases"]["kill"]["kill"]["B"]["killed"]
+    assert killed["lost_bytes"] == 0
+    # B is counted out by the first stats() after its death; A may have finished by then.
+    assert killed["pid"] in [m["pid"] for m in killed["before"]["members"]]
+    assert killed["pid"] not in [m["pid"] for m in killed["after"]["members"]]
+    assert results["left_after"]["used_bytes"] == 0 and results["left_after"]["members"] == []
+    for engine in ("A", "B"):
+        summary = results["phases"]["shared"]["shared"][engine]["summary"]
+        assert summary["requests"] == 8 and summary["rejected"] == 0
+
+
+def test_bursty_trace_puts_each_burst_in_its_window():
+    from vkv.demo.workload import make_bursty_trace
+
+    trace = make_bursty_trace(3, 5, 0.5, 4.0, 2.0, 1024, 100, seed=1)
+    assert len(trace) == 15
+    for burst in range(3):
+        arrivals = [r.arrival for r in trace[burst * 5:(burst + 1) * 5]]
+        assert all(2.0 + 4.0 * burst <= a < 2.5 + 4.0 * burst for a in arrivals)
+        assert arrivals == sorted(arrivals)

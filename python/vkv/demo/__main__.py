@@ -85,7 +85,8 @@ def parse_with_presets(parser, presets, argv, gpu_presets=None):
     for key, value in keys.items():
         flag = f"--{key.replace('_', '-')}"
         if isinstance(value, list):
-            parser.add_argument(flag, type=int, nargs="*", default=None, help="(default: the preset's value)")
+            parser.add_argument(flag, type=type(value[0]) if value else int, nargs="*", default=None,
+                                help="(default: the preset's value)")
             continue
         kind = float if isinstance(value, float) else (str if isinstance(value, str) else int)
         parser.add_argument(flag, type=kind, default=None, choices=CHOICES.get(key),

@@ -192,12 +192,14 @@ class VkvStore(ContiguousStore):
     """vkv: the engine's lens go to KVCache.step(), which maps what they need."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
-                 max_slots: int, layout: str, page_size: int = 0) -> None:
+                 max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "") -> None:
+        """``shared_budget``: a vkv.SharedBudget's name to draw pages from (budget_bytes None:
+        no cap of its own)."""
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
         self.name = f"vkv {layout.replace('_', '-')}"
         self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, max_batch_size=max_slots,
                                  max_context_len=max_context, device=device, layout=layout,
-                                 memory_budget=budget_bytes, page_size=page_size)
+                                 memory_budget=budget_bytes, page_size=page_size, shared_budget=shared_budget)
         self.max_slots = max_slots
         self.keys, self.values = self.cache.kv_tensors()
         self._init_views()
