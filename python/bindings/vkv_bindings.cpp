@@ -3,7 +3,8 @@
 // Thin on purpose: defaults and conversions that are easier in Python live in
 // python/vkv/_parameters.py. This file binds CacheConfig from its one field list
 // (VKV_CACHE_CONFIG_FIELDS), wraps the cache, translates errors, and makes the one tensor
-// over the reservation whose storage keeps the cache alive.
+// over the reservation whose storage keeps the cache alive. It also binds HostAllReduce,
+// through which vkv.distributed's ranks on one host agree.
 //
 // Locks: every call releases the GIL before it takes the cache's mutex, and nothing in
 // vkv takes the GIL while holding that mutex, so the two cannot deadlock.
@@ -11,10 +12,12 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <vkv/host_all_reduce.h>
 #include <vkv/vkv.h>
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <optional>
 #ifdef VKV_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -484,6 +487,36 @@ py::tuple view(const KvCache& cache, std::size_t layer, bool value) {
                         std::vector<int64_t>(view.strides.begin(), view.strides.end()));
 }
 
+// -- vkv._C.HostAllReduce: vkv.distributed's agreement among ranks of one host ------------
+
+void bind_host_all_reduce(py::module_& m) {
+  using vkv::HostAllReduce;
+  using py::arg;
+  const auto unlocked = py::call_guard<py::gil_scoped_release>();
+  py::class_<HostAllReduce>(m, "HostAllReduce",
+                            "MAX all-reduce of int64 lists among the processes of one host, through shared memory "
+                            "(include/vkv/host_all_reduce.h). One thread per rank.")
+      .def_static("create", &HostAllReduce::create, arg("name"), arg("ranks"), arg("capacity"), unlocked)
+      .def_static("join", &HostAllReduce::join, arg("name"), arg("rank"), unlocked)
+      .def_static("unlink", &HostAllReduce::unlink, arg("name"), unlocked)
+      .def("peers_visible", &HostAllReduce::peers_visible, unlocked)
+      .def(
+          "reduce_max",
+          [](HostAllReduce& self, std::vector<std::int64_t> values, double timeout_seconds) {
+            {
+              py::gil_scoped_release release;  // it waits for the other ranks
+              self.reduce_max(values.data(), values.size(),
+                              std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::duration<double>(timeout_seconds)));
+            }
+            return values;
+          },
+          arg("values"), arg("timeout_seconds"))
+      .def_property_readonly("rank", &HostAllReduce::rank)
+      .def_property_readonly("ranks", &HostAllReduce::ranks)
+      .def_property_readonly("capacity", &HostAllReduce::capacity);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -558,4 +591,6 @@ PYBIND11_MODULE(_C, m) {
       .def("pages_for_tokens", [](const KvCache& cache, std::size_t tokens) {
         return cache.layout().pages_for_tokens(tokens);
       }, arg("tokens"));
+
+  bind_host_all_reduce(m);
 }
