@@ -1,14 +1,15 @@
 """The KV caches the demo compares, behind one small interface the model and engine use.
 
-  VkvStore      vkv: contiguous virtual memory per request, pages mapped by step()
-  StaticStore   every request gets max_context tokens up front (Orca / FasterTransformer)
-  PagedStore    vLLM-style pages of N tokens with FlexAttention's PagedAttention
+  VkvStore         vkv: contiguous virtual memory per request, pages mapped by step()
+  StaticStore      every request gets max_context tokens up front (Orca / FasterTransformer)
+  PagedStore       vLLM-style pages of N tokens with FlexAttention's PagedAttention
+  FlashInferStore  pages of N tokens with FlashInfer's paged kernels (flashinfer_store.py)
 
 All get the same KV memory budget. vkv and static hand plain [slots, max_context, heads,
 head_dim] tensors to an unmodified kernel: on a GPU, PyTorch's bundled FlashAttention-2
 (varlen forward with per-request lengths, ``seqused_k``: it reads only the tokens each
 request has, never a page vkv has not mapped); on a CPU, SDPA per request. The paged
-store needs a kernel that follows its page table: compiled FlexAttention.
+stores need kernels that follow their page tables: compiled FlexAttention, or FlashInfer's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import vkv
+
+
+class StoreUnavailable(RuntimeError):
+    """A store this machine cannot run (its kernels need a GPU or a package that is not
+    installed): the demo skips it and says why."""
 
 
 @dataclass
@@ -110,11 +116,33 @@ class KvStore:
         """Keys and values [tokens, kv_heads, head_dim] of a slot's first tokens."""
         raise NotImplementedError
 
+    def plan_decode(self, rows: int, slots: Sequence[int], lens: Sequence[int], graph: bool) -> None:
+        """Host work the store's decode kernels need before a step of ``rows`` rows is
+        enqueued (FlashInfer's plan): the real rows are ``slots`` with ``lens`` tokens, rows
+        beyond them are padding; ``graph``: the step is replayed from a CUDA graph of
+        ``rows`` rows. Most stores need none."""
+
     def begin_decode(self, batch: DecodeBatch) -> None:
         """Per-step kernel metadata derived on the device from the batch (inside a graph)."""
 
     def decode_attention(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def begin_prefill(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Host work before a batch of fresh prompts is prefilled (their pages are reserved)."""
+
+    def prefill_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cu: torch.Tensor, max_len: int, spans: Sequence[tuple]) -> torch.Tensor:
+        """Causal attention of a batch of fresh prompts, each within itself, after their K/V
+        were written: q [T, heads, d], k/v [T, kv_heads, d] the prompts' own keys and values
+        concatenated, ``cu`` their int32 offsets on the device, ``spans`` their (start, end)
+        on the host. FlashAttention-2 varlen on the fresh K/V on a GPU, the same for every
+        store that does not read its own memory instead; SDPA per prompt elsewhere."""
+        if self.device.type == "cuda":
+            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False)[0]
+        return torch.cat([F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+            is_causal=True, enable_gqa=True)[0].transpose(0, 1) for a, b in spans])
 
     def close(self) -> None:
         pass
@@ -400,25 +428,33 @@ class PagedStore(KvStore):
 
 def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device, max_context: int,
                budget_bytes: int, max_slots: int, flex: Callable, page_size: int = 0) -> KvStore:
-    """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, static."""
+    """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, flashinfer-<tokens>, static.
+
+    @throws StoreUnavailable where a flashinfer store cannot run (no GPU, no FlashInfer)."""
     common = (model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim, dtype, device, max_context)
     if kind.startswith("vkv-"):
         return VkvStore(*common, budget_bytes, max_slots, kind[4:].replace("-", "_"), page_size)
     if kind.startswith("paged-"):
         return PagedStore(*common, budget_bytes, max_slots, int(kind[6:]), flex)
+    if kind.startswith("flashinfer-"):
+        from .flashinfer_store import FlashInferStore
+
+        return FlashInferStore(*common, budget_bytes, max_slots, int(kind[11:]), model_shape.num_heads)
     if kind == "static":
         return StaticStore(*common, budget_bytes)
-    raise ValueError(f"store = {kind!r} is not one of vkv-interleaved, vkv-per-layer, paged-<tokens>, static")
+    raise ValueError(f"store = {kind!r} is not one of vkv-interleaved, vkv-per-layer, paged-<tokens>, "
+                     f"flashinfer-<tokens>, static")
 
 
 def pages_note(store: KvStore) -> str:
     if isinstance(store, VkvStore):
         return f"{store.cache.page_size >> 10} KiB pages, {store.cache.tokens_per_page} tokens/page/region"
-    if isinstance(store, PagedStore):
+    if hasattr(store, "page_tokens"):
         return f"{store.num_pages} pages of {store.page_tokens} tokens"
     if isinstance(store, StaticStore):
         return f"{store.slots} slots of {store.max_context} tokens"
     return ""
 
 
-__all__ = ["DecodeBatch", "KvStore", "VkvStore", "StaticStore", "PagedStore", "make_store", "pages_note"]
+__all__ = ["DecodeBatch", "KvStore", "StoreUnavailable", "VkvStore", "StaticStore", "PagedStore", "make_store",
+           "pages_note"]
