@@ -18,14 +18,17 @@ tensor-core decode path too; ragged and paged) and FA3 (sm90). They go to
 (`flashinfer.jit.env.get_aot_artifacts`). Anything else still compiles at first use on
 the GPU machine, from the kept headers.
 
-Compiling needs nvcc (13.0 for the H100 image) and a tvm_ffi importable by this
-machine's Python (the shipped one may be for another Python: pass its wheel for this
-Python with --build-tvm-ffi). No GPU is needed: the target is given by
-FLASHINFER_CUDA_ARCH_LIST (9.0a). About 10 minutes on 2 cores.
+Compiling needs nvcc (13.0 for the H100 image), ninja, the packages `import flashinfer`
+imports (torch, nvidia-ml-py, filelock, ...) and a tvm_ffi importable by this machine's
+Python (the shipped one may be for another Python: pass its wheel for this Python with
+--build-tvm-ffi, or install it). No GPU: the target is FLASHINFER_CUDA_ARCH_LIST (9.0a).
+FA3's sources include curand_kernel.h through CUTLASS: where the toolkit has no curand
+headers, point --cuda-include at those of the nvidia-curand wheel. About 45 minutes on
+2 cores, nearly all of it FA3's eight kernel files.
 
-  python benchmarks/flashinfer_pack.py --wheels /tmp/wheels \
+  python benchmarks/flashinfer_pack.py --wheels /tmp/wheels --work /tmp/flashinfer-pack \
       --build-tvm-ffi /tmp/apache_tvm_ffi-0.1.15.post2-cp311-cp311-manylinux_2_28_x86_64.whl \
-      --out .whl/flashinfer-0.7.2.post1-sm90a.tar.xz
+      --cuda-include /tmp/curand/nvidia/cu13/include --out .whl/flashinfer-0.7.2.post1-sm90a.tar.xz
   python benchmarks/flashinfer_pack.py --wheels /tmp/wheels --no-compile --out ...   # no nvcc here
 
 On the GPU machine: `source benchmarks/flashinfer_env.sh` unpacks it and sets the paths.
@@ -77,6 +80,10 @@ print(json.dumps({"modules": {s.name: str(s.jit_library_path) for s in specs},
 
 
 def unpack(wheels: list, site: str) -> None:
+    """The wheels' packages in ``site``, unless an earlier run left them there (their files'
+    times then stay, so ninja finds the kernels it compiled up to date)."""
+    if os.path.isdir(os.path.join(site, "flashinfer")):
+        return
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(site)
@@ -95,41 +102,48 @@ def stub_libcuda(folder: str) -> str:
     return folder
 
 
-def compile_modules(site: str, build_tvm_ffi: str, work: str, jobs: int, build: bool) -> dict:
-    """Generates the attention modules' code and, with ``build``, compiles it with nvcc;
-    returns COMPILE's JSON."""
+def compile_modules(site: str, build_tvm_ffi: str, work: str, jobs: int, build: bool, includes: list) -> dict:
+    """Generates the attention modules' code and, with ``build``, compiles it with nvcc in
+    ``work``/ws (kept: a second run compiles nothing new); returns COMPILE's JSON.
+    ``includes``: more header folders for nvcc (curand's, where the toolkit has none)."""
     build_site = os.path.join(work, "build-site")
-    os.makedirs(build_site, exist_ok=True)
+    shutil.rmtree(build_site, ignore_errors=True)
+    os.makedirs(build_site)
     os.symlink(os.path.join(site, "flashinfer"), os.path.join(build_site, "flashinfer"))
-    if build_tvm_ffi:
+    if build_tvm_ffi:  # else the tvm_ffi this Python has installed
         with zipfile.ZipFile(build_tvm_ffi) as archive:
             archive.extractall(build_site)
-    else:
-        os.symlink(os.path.join(site, "tvm_ffi"), os.path.join(build_site, "tvm_ffi"))
     cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     env = dict(os.environ, PYTHONPATH=build_site, FLASHINFER_CUDA_ARCH_LIST=ARCH_LIST,
-               FLASHINFER_WORKSPACE_BASE=os.path.join(work, "workspace"), FLASHINFER_JIT_PREBUILD_MAX_JOBS=str(jobs),
-               FLASHINFER_EXTRA_LDFLAGS=f"-L{cuda}/lib -L{cuda}/lib64 -L{stub_libcuda(os.path.join(work, 'stubs'))}")
-    result = subprocess.run([sys.executable, "-c", COMPILE, build_site, "build" if build else "generate"], env=env, cwd=work, check=True,
-                            stdout=subprocess.PIPE, text=True)
+               FLASHINFER_WORKSPACE_BASE=os.path.join(work, "ws"), FLASHINFER_JIT_PREBUILD_MAX_JOBS=str(jobs),
+               FLASHINFER_EXTRA_LDFLAGS=f"-L{cuda}/lib -L{cuda}/lib64 -L{stub_libcuda(os.path.join(work, 'stubs'))}",
+               FLASHINFER_EXTRA_CUDAFLAGS=" ".join(f"-isystem {folder}" for folder in includes))
+    result = subprocess.run([sys.executable, "-c", COMPILE, build_site, "build" if build else "generate"], env=env,
+                            cwd=work, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def trim_data(site: str, keep_files: list) -> None:
-    """Leaves in flashinfer/data only KEPT_DATA_FOLDERS, csrc's top-level headers, the files
-    in keep_files (relative to data/) and aot/."""
+def stage(site: str, staged: str, data_files: list, libraries: dict) -> None:
+    """Copies into ``staged`` what travels: site's packages without flashinfer/data, then of
+    data only KEPT_DATA_FOLDERS, csrc's top-level headers and ``data_files`` (relative to
+    data/), and each compiled library as data/aot/<name>/<name>.so."""
+    shutil.rmtree(staged, ignore_errors=True)
     data = os.path.join(site, "flashinfer", "data")
-    kept = os.path.join(site, "kept-data")
-    keep = list(keep_files) + [os.path.relpath(path, data) for path in glob.glob(os.path.join(data, "csrc", "*.h"))
-                               + glob.glob(os.path.join(data, "csrc", "*.cuh"))]
-    for relative in list(KEPT_DATA_FOLDERS) + ["aot"] + keep:
-        source = os.path.join(data, relative)
-        if os.path.exists(source):
-            target = os.path.join(kept, relative)
+    shutil.copytree(site, staged, symlinks=True,
+                    ignore=lambda folder, names: ["data"] if os.path.samefile(folder, os.path.dirname(data)) else [])
+    headers = glob.glob(os.path.join(data, "csrc", "*.h")) + glob.glob(os.path.join(data, "csrc", "*.cuh"))
+    for relative in list(KEPT_DATA_FOLDERS) + list(data_files) + [os.path.relpath(h, data) for h in headers]:
+        source, target = os.path.join(data, relative), os.path.join(staged, "flashinfer", "data", relative)
+        if os.path.isdir(source):
+            shutil.copytree(source, target)
+        elif os.path.exists(source):
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.move(source, target)
-    shutil.rmtree(data)
-    shutil.move(kept, data)
+            shutil.copy2(source, target)
+    for name, library in libraries.items():
+        target = os.path.join(staged, "flashinfer", "data", "aot", name)
+        os.makedirs(target, exist_ok=True)
+        shutil.copy(library, os.path.join(target, f"{name}.so"))
+        print(f"compiled {name}.so ({os.path.getsize(library) >> 10} KiB)")
 
 
 def archive(site: str, out: str) -> None:
@@ -144,7 +158,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wheels", required=True, help="folder with the flashinfer-python and apache-tvm-ffi wheels")
     parser.add_argument("--out", required=True, help="the .tar.xz to write")
-    parser.add_argument("--build-tvm-ffi", default="", help="apache-tvm-ffi wheel for this machine's Python")
+    parser.add_argument("--work", default="", help="working folder, kept for the next run (default: a temporary one)")
+    parser.add_argument("--build-tvm-ffi", default="",
+                        help="apache-tvm-ffi wheel for this machine's Python (default: the installed tvm_ffi)")
+    parser.add_argument("--cuda-include", action="append", default=[],
+                        help="another header folder for nvcc, e.g. nvidia-curand's include (repeatable)")
     parser.add_argument("--no-compile", action="store_true", help="ship sources only: the kernels compile at first use")
     parser.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
     args = parser.parse_args()
@@ -154,17 +172,15 @@ def main() -> None:
     if len(wheels) != 2:
         sys.exit(f"--wheels {args.wheels}: expected one flashinfer_python and one apache_tvm_ffi wheel, found {wheels}")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="flashinfer-pack-") as work:
+    with tempfile.TemporaryDirectory(prefix="flashinfer-pack-") as temporary:
+        work = os.path.abspath(args.work or temporary)
         site = os.path.join(work, "site")
         unpack(wheels, site)
-        built = compile_modules(site, args.build_tvm_ffi, work, args.jobs, build=not args.no_compile)
-        for name, library in built["modules"].items() if not args.no_compile else ():
-            target = os.path.join(site, "flashinfer", "data", "aot", name)
-            os.makedirs(target, exist_ok=True)
-            shutil.copy(library, os.path.join(target, f"{name}.so"))
-            print(f"compiled {name}.so ({os.path.getsize(library) >> 10} KiB)")
-        trim_data(site, built["read"])
-        archive(site, args.out)
+        built = compile_modules(site, args.build_tvm_ffi, work, args.jobs, not args.no_compile, args.cuda_include)
+        staged = os.path.join(work, "staged")
+        stage(site, staged, built["read"], {} if args.no_compile else built["modules"])
+        archive(staged, args.out)
+        shutil.rmtree(staged)
     print(f"wrote {args.out}: {os.path.getsize(args.out) / 2**20:.1f} MiB in {time.perf_counter() - started:.0f} s")
 
 
