@@ -2,15 +2,16 @@
 # from the repository root:  source benchmarks/flashinfer_env.sh [ARCHIVE]
 #
 # Unpacks ARCHIVE (default: the newest .whl/flashinfer-*.tar.xz, made by
-# benchmarks/flashinfer_pack.py) into /tmp/site once per machine, or else installs the
-# flashinfer_python and apache_tvm_ffi wheels found in .whl/ there, and exports
-#   PYTHONPATH                 /tmp/site first
+# benchmarks/flashinfer_pack.py) into $FLASHINFER_SITE (default /tmp/site) once per machine,
+# or else installs the flashinfer_python and apache_tvm_ffi wheels found in .whl/ there, and
+# exports
+#   PYTHONPATH                 $FLASHINFER_SITE first
 #   FLASHINFER_CUDA_ARCH_LIST  9.0a: what the shipped kernels were compiled for (H100)
 #   FLASHINFER_WORKSPACE_BASE  /tmp/flashinfer: kernels compiled at first use are kept
 #                              there, for later calls on the same (warm) machine
 # It returns non-zero, and says why, where neither is found or the import fails.
 
-flashinfer_site=/tmp/site
+flashinfer_site="${FLASHINFER_SITE:-/tmp/site}"
 flashinfer_archive="${1:-$(ls -t .whl/flashinfer-*.tar.xz 2>/dev/null | head -1)}"
 if [ ! -d "$flashinfer_site/flashinfer" ]; then
   mkdir -p "$flashinfer_site"
