@@ -21,26 +21,8 @@ src="$PWD"
 export PYTHONUNBUFFERED=1
 status=0
 
-step() {  # step NAME TIMEOUT_S COMMAND...: from /tmp, so that the installed vkv is imported
-  local name="$1" limit="$2"
-  shift 2
-  echo "=== $name ($(date +%T))"
-  (cd /tmp && timeout "$limit" "$@") > "$out/$name.log" 2>&1
-  local rc=$?
-  tail -20 "$out/$name.log"
-  echo "=== $name: exit $rc ($(date +%T))"
-  [ $rc -eq 0 ] || status=1
-}
-
-install_vkv() {  # once per machine and source tree
-  local stamp
-  stamp=$(tar cf - CMakeLists.txt pyproject.toml include src csrc python 2>/dev/null | sha256sum | cut -c1-16)
-  if [ "$(cat /tmp/vkv-installed 2>/dev/null)" != "$stamp" ]; then
-    echo "=== building vkv ($(date +%T))"
-    python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING | tail -5
-    echo "$stamp" > /tmp/vkv-installed
-  fi
-}
+# shellcheck source=benchmarks/gpu_common.sh
+source benchmarks/gpu_common.sh
 
 pack() {  # pack NAME FOLDER: one file back for a folder
   tar czf "$out/$1.tar.gz" -C "$(dirname "$2")" "$(basename "$2")" && rm -rf "$2"

@@ -82,7 +82,7 @@ def test_a_tight_budget_preempts_and_recomputes_without_losing_requests(kind):
         store.cache.check_invariants()
         assert store.cache.num_free_slots == store.cache.max_batch_size
     if isinstance(store, PagedStore):
-        assert sorted(store._free_pages) == list(range(store.num_pages))
+        assert sorted(store.pages.free_pages) == list(range(store.num_pages))
     store.close()
 
 

@@ -19,13 +19,12 @@ otherwise.
 
 from __future__ import annotations
 
-import random
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 import torch
 
-from .kv_stores import KvStore, StoreUnavailable
+from .kv_stores import KvStore, PageTable, StoreUnavailable
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial outputs)
 
@@ -70,18 +69,10 @@ class FlashInferStore(KvStore):
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
         self.name = f"flashinfer-{page_tokens}"
         self.page_tokens, self.max_slots, self.num_heads = page_tokens, max_slots, num_heads
-        self.num_pages = budget_bytes // (page_tokens * self.bytes_per_token)
-        if self.num_pages < 1:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_tokens} tokens "
-                             f"({page_tokens * self.bytes_per_token} bytes)")
-        self.pages_per_slot = -(-max_context // page_tokens)
+        self.pages = PageTable(budget_bytes, page_tokens * self.bytes_per_token, page_tokens, max_slots, max_context)
+        self.num_pages, self.pages_per_slot = self.pages.num_pages, self.pages.pages_per_slot
         pool = (self.num_pages, 2, page_tokens, num_kv_heads, head_dim)
         self.pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
-        self._free_pages = list(range(self.num_pages))
-        random.Random(0).shuffle(self._free_pages)
-        self._free_slots = list(range(max_slots - 1, -1, -1))
-        self._table = np.zeros((max_slots, self.pages_per_slot), dtype=np.int32)  # host: plans read it
-        self._held = np.zeros(max_slots, dtype=np.int64)                        # pages per slot
         self.page_table = torch.zeros(max_slots, self.pages_per_slot, device=device, dtype=torch.int64)  # writes
 
         # vLLM's rule: the tensor-core kernel pays off above 4 query heads per KV head.
@@ -103,36 +94,18 @@ class FlashInferStore(KvStore):
     # -- memory ------------------------------------------------------------------------
 
     def alloc(self):
-        if not self._free_slots:
-            return None
-        slot = self._free_slots.pop()
-        self._held[slot] = 0
-        return slot
+        return self.pages.alloc()
 
     def free(self, slot):
-        self._free_pages.extend(self._table[slot, :self._held[slot]].tolist())
-        self._held[slot] = 0
-        self._free_slots.append(slot)
+        self.pages.free(slot)
 
     def reserve(self, lens):
-        wanted = {slot: -(-n // self.page_tokens) - int(self._held[slot]) for slot, n in lens.items()}
-        if sum(max(0, w) for w in wanted.values()) > len(self._free_pages):
-            return False
-        rows, columns, pages = [], [], []
-        for slot, count in wanted.items():
-            for _ in range(count):
-                rows.append(slot)
-                columns.append(int(self._held[slot]))
-                pages.append(self._free_pages.pop())
-                self._table[slot, self._held[slot]] = pages[-1]
-                self._held[slot] += 1
-        if rows:  # one update of the device-side table per call, not one per page
-            rows_t, columns_t, pages_t = self._tensor([rows, columns, pages]).unbind()
-            self.page_table[rows_t, columns_t] = pages_t
-        return True
+        def update(slots, logical, physical):
+            self.page_table[slots, logical] = physical
+        return self.pages.reserve(lens, self._tensor, update)
 
     def held_bytes(self):
-        return (self.num_pages - len(self._free_pages)) * self.page_tokens * self.bytes_per_token
+        return self.pages.used_pages * self.page_tokens * self.bytes_per_token
 
     def write_kv(self, layer, slots, positions, k, v):
         pages = self.page_table[slots, positions // self.page_tokens]
@@ -147,7 +120,7 @@ class FlashInferStore(KvStore):
         super().write_prompt(layer, slot, k, v)
 
     def cached_kv(self, layer, slot, tokens):
-        pages = torch.as_tensor(self._table[slot, :-(-tokens // self.page_tokens)], device=self.device)
+        pages = torch.as_tensor(self.pages.pages[slot, :-(-tokens // self.page_tokens)], device=self.device)
         pool = self.pools[layer]
         return (pool[pages, 0].flatten(0, 1)[:tokens], pool[pages, 1].flatten(0, 1)[:tokens])
 
@@ -157,7 +130,7 @@ class FlashInferStore(KvStore):
         """page_lists() in the pinned buffers, once the device took the previous plan's
         copies from them; views of the three."""
         self._planned.synchronize()
-        indptr, indices, last_page_len = page_lists(self._table, slots, lens, rows, self.page_tokens)
+        indptr, indices, last_page_len = page_lists(self.pages.pages, slots, lens, rows, self.page_tokens)
         self._indptr[:len(indptr)].numpy()[:] = indptr
         self._indices[:len(indices)].numpy()[:] = indices
         self._last_page_len[:rows].numpy()[:] = last_page_len

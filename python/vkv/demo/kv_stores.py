@@ -300,6 +300,76 @@ class StaticStore(ContiguousStore):
         return (self.slots - len(self._free)) * self.max_context * self.bytes_per_token
 
 
+class PageTable:
+    """The host side of a paged cache: which pages of a pool each slot holds, in logical
+    order, and which are free. Pages are handed out from a shuffled free list, as in a
+    server that has run for a while. Not thread-safe."""
+
+    def __init__(self, budget_bytes: int, page_bytes: int, page_tokens: int, max_slots: int, max_context: int) -> None:
+        self.num_pages = budget_bytes // page_bytes
+        if self.num_pages < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_tokens} tokens "
+                             f"({page_bytes} bytes)")
+        self.page_tokens = page_tokens
+        self.pages_per_slot = -(-max_context // page_tokens)
+        self.pages = np.zeros((max_slots, self.pages_per_slot), dtype=np.int32)  # slot -> its pages
+        self.held = np.zeros(max_slots, dtype=np.int64)                          # slot -> how many
+        self._free_pages = list(range(self.num_pages))
+        random.Random(0).shuffle(self._free_pages)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    @property
+    def free_pages(self) -> List[int]:
+        """The free pages, in the order they will be handed out last to first (a copy)."""
+        return list(self._free_pages)
+
+    def alloc(self) -> Optional[int]:
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.pop()
+        self.held[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> List[int]:
+        """Frees the slot; the pages it held."""
+        pages = self.pages[slot, :self.held[slot]].tolist()
+        self._free_pages.extend(pages)
+        self.held[slot] = 0
+        self._free_slots.append(slot)
+        return pages
+
+    def grow(self, lens: Dict[int, int]) -> Optional[tuple]:
+        """Pages for lens[slot] tokens of each slot: the (slots, logical, physical) lists of
+        the pages added, or None (and nothing changed) when too few are free."""
+        wanted = {slot: -(-n // self.page_tokens) - int(self.held[slot]) for slot, n in lens.items()}
+        if sum(max(0, w) for w in wanted.values()) > len(self._free_pages):
+            return None
+        slots, logical, physical = [], [], []
+        for slot, count in wanted.items():
+            for _ in range(count):
+                slots.append(slot)
+                logical.append(int(self.held[slot]))
+                physical.append(self._free_pages.pop())
+                self.pages[slot, self.held[slot]] = physical[-1]
+                self.held[slot] += 1
+        return slots, logical, physical
+
+    def reserve(self, lens: Dict[int, int], to_device: Callable, update: Callable) -> bool:
+        """grow(), then update(slots, logical, physical) with the pages added as device
+        tensors (``to_device`` makes them): one update of a store's device-side tables per
+        call, not one per page. False, and nothing changed, when too few pages are free."""
+        added = self.grow(lens)
+        if added is None:
+            return False
+        if added[0]:
+            update(*to_device(list(added)).unbind())
+        return True
+
+
 class PagedStore(KvStore):
     """Pages of ``page_tokens`` tokens from one pool per layer, a page table per request,
     attention by FlexAttention through the table (torch's PagedAttention). Pages are
@@ -319,20 +389,13 @@ class PagedStore(KvStore):
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
         self.name = f"paged-{page_tokens}"
         self.page_tokens, self.max_slots, self.flex = page_tokens, max_slots, flex
-        self.num_pages = budget_bytes // (page_tokens * self.bytes_per_token)
-        if self.num_pages < 1:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_tokens} tokens "
-                             f"({page_tokens * self.bytes_per_token} bytes)")
-        self.pages_per_slot = -(-max_context // page_tokens)
+        self.pages = PageTable(budget_bytes, page_tokens * self.bytes_per_token, page_tokens, max_slots, max_context)
+        self.num_pages, self.pages_per_slot = self.pages.num_pages, self.pages.pages_per_slot
         # The table's page_table and physical_to_logical (what its mask_mod reads).
         self.table = PagedAttention(self.num_pages, page_tokens, max_slots, device=str(device))
         pool = (1, num_kv_heads, self.num_pages * page_tokens, head_dim)
         self.k_pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
-        self._free_pages = list(range(self.num_pages))
-        random.Random(0).shuffle(self._free_pages)
-        self._pages: Dict[int, List[int]] = {}
-        self._free_slots = list(range(max_slots - 1, -1, -1))
         # Every slot is a row of Flex's query batch (rows without pages cost nothing): one
         # compiled kernel for the whole run instead of one per batch size.
         self._kv_len = torch.zeros(max_slots, device=device, dtype=torch.int64)
@@ -343,40 +406,23 @@ class PagedStore(KvStore):
             mask_mod=self.table.get_mask_mod(None, self._kv_len), seq_lengths=(1, self.num_pages * page_tokens))
 
     def alloc(self):
-        if not self._free_slots:
-            return None
-        slot = self._free_slots.pop()
-        self._pages[slot] = []
-        return slot
+        return self.pages.alloc()
 
     def free(self, slot):
-        pages = self._pages.pop(slot)
-        self._free_pages.extend(pages)
+        pages = self.pages.free(slot)
         if pages:
             self.table.page_table[slot] = -1
             self.table.physical_to_logical[slot, self._tensor(pages)] = -1
-        self._free_slots.append(slot)
 
     def reserve(self, lens):
-        wanted = {slot: -(-n // self.page_tokens) - len(self._pages[slot]) for slot, n in lens.items()}
-        if sum(max(0, w) for w in wanted.values()) > len(self._free_pages):
-            return False
-        rows, logical, physical = [], [], []
-        for slot, count in wanted.items():
-            for _ in range(count):
-                rows.append(slot)
-                logical.append(len(self._pages[slot]))
-                physical.append(self._free_pages.pop())
-                self._pages[slot].append(physical[-1])
-        if rows:  # one update of the device-side tables per call, not one per page
-            rows_t, logical_t, physical_t = self._tensor([rows, logical, physical]).unbind()
-            self.table.page_table[rows_t, logical_t] = physical_t
-            self.table.physical_to_logical[rows_t, physical_t] = logical_t
-            self.block_mask.kv_indices[rows_t, 0, 0, logical_t] = physical_t.to(torch.int32)
-        return True
+        def update(slots, logical, physical):
+            self.table.page_table[slots, logical] = physical
+            self.table.physical_to_logical[slots, physical] = logical
+            self.block_mask.kv_indices[slots, 0, 0, logical] = physical.to(torch.int32)
+        return self.pages.reserve(lens, self._tensor, update)
 
     def held_bytes(self):
-        return (self.num_pages - len(self._free_pages)) * self.page_tokens * self.bytes_per_token
+        return self.pages.used_pages * self.page_tokens * self.bytes_per_token
 
     def write_kv(self, layer, slots, positions, k, v):
         page = self.table.page_table[slots, positions // self.page_tokens]
@@ -415,7 +461,7 @@ class PagedStore(KvStore):
             if n == 0:  # a padding row
                 outputs.append(torch.zeros_like(q[row]))
                 continue
-            pages = torch.tensor(self._pages[slot], device=self.device)
+            pages = torch.as_tensor(self.pages.pages[slot, :self.pages.held[slot]], device=self.device)
             index = (pages[:, None] * self.page_tokens + torch.arange(self.page_tokens, device=self.device)).flatten()[:n]
             outputs.append(F.scaled_dot_product_attention(
                 q[row, :, None], self.k_pools[layer][0][:, index], self.v_pools[layer][0][:, index],
@@ -456,5 +502,5 @@ def pages_note(store: KvStore) -> str:
     return ""
 
 
-__all__ = ["DecodeBatch", "KvStore", "StoreUnavailable", "VkvStore", "StaticStore", "PagedStore", "make_store",
-           "pages_note"]
+__all__ = ["DecodeBatch", "KvStore", "StoreUnavailable", "VkvStore", "StaticStore", "PageTable", "PagedStore",
+           "make_store", "pages_note"]
