@@ -4,9 +4,9 @@
 # vkv is built once per machine. Logs and results go to OUT (default: $OUT), folders as
 # .tar.gz (the machine returns 8 files).
 #   benchmarks/gpu_flashinfer.sh PART [OUT]
-# PART  smoke    (~4 min) FlashInfer unpacks and imports; the store's GPU tests; one small
-#                decode and prefill shape per kernel and model; the demo's flashinfer
-#                stores (graphs and eager) and the gpu preset on a few requests
+# PART  smoke    (~4 min) FlashInfer unpacks and imports; the flashinfer store's GPU tests
+#                (eager and graph-replayed decode, prefill); one small decode and prefill
+#                shape per kernel and model; the demo's flashinfer stores on 16 requests
 #       decode   (~6 min) attention_bench --only decode: both models, 4K-64K, batch 1-64
 #       prefill  (~6 min) attention_bench --only prefill append (keeps decode's rows, from
 #                the same warm machine or from benchmarks/results/attention_h100.json)
@@ -40,9 +40,6 @@ case "$part" in
       --flex eager --out "$out/smoke"
     step demo_flashinfer_graphs 200 python3 -m vkv.demo --preset h100 --requests 16 --max-slots 32 --no-progress \
       --stores vkv-interleaved flashinfer-16 flashinfer-128
-    step demo_flashinfer_eager 150 python3 -m vkv.demo --preset h100 --requests 4 --max-slots 8 --no-progress \
-      --no-cuda-graphs --stores flashinfer-16
-    step demo_gpu_preset 120 python3 -m vkv.demo --requests 32 --no-progress --stores vkv-interleaved static
     # Kernels FlashInfer compiled here, not shipped compiled in the archive (empty: none).
     find "$FLASHINFER_WORKSPACE_BASE" -name "*.so" 2>/dev/null | tee "$out/jit_compiled.txt"
     pack smoke "$out/smoke" ;;
