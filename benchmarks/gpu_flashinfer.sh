@@ -51,14 +51,14 @@ case "$part" in
     [ -f "$results/attention_h100.json" ] || cp benchmarks/results/attention_h100.json "$results/" 2>/dev/null
     sections=$([ "$part" = decode ] && echo decode || echo "prefill append")
     # shellcheck disable=SC2086
-    step "attention_$part" 560 "${bench[@]}" --only $sections --out "$results"
+    step "attention_$part" 480 "${bench[@]}" --only $sections --out "$results"
     cp "$results/attention_h100.json" "$out/" ;;
   demo)
     step demo_default 120 python3 -m vkv.demo --no-progress --out "$out/results"
-    step serving_h100 420 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results"
+    step serving_h100 360 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results"
     pack results "$out/results" ;;
   long)
-    step serving_long 500 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
+    step serving_long 420 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
       --stores vkv-interleaved flashinfer-16 flashinfer-128
     pack results "$out/results" ;;
   *)
