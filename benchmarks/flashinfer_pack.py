@@ -49,6 +49,7 @@ import time
 import zipfile
 
 ARCH_LIST = "9.0a"
+STRAYS = ("build_backend.py", "build_utils.py", "b12x")  # the wheel's build-time leftovers, not its packages
 # Include folders of data/ that FlashInfer's nvcc command lines name (flashinfer.jit.env).
 KEPT_DATA_FOLDERS = ("include", "cccl/cub", "cccl/libcudacxx/include", "cccl/thrust", "cutlass/include",
                      "cutlass/tools/util/include", "spdlog/include")
@@ -80,15 +81,19 @@ print(json.dumps({"modules": {s.name: str(s.jit_library_path) for s in specs},
 
 
 def unpack(wheels: list, site: str) -> None:
-    """The wheels' packages in ``site``, unless an earlier run left them there (their files'
-    times then stay, so ninja finds the kernels it compiled up to date)."""
-    if os.path.isdir(os.path.join(site, "flashinfer")):
-        return
+    """The wheels' packages in ``site``, each file with the time the wheel gives it, so that
+    a second run's ninja finds what it compiled up to date; a wheel whose packages are
+    there already is not unpacked again."""
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(site)
-    # Build-time leftovers of the wheel, not part of the package.
-    for stray in ("build_backend.py", "build_utils.py", "b12x"):
+            packages = {name.split("/")[0] for name in archive.namelist() if "/" in name} - set(STRAYS)
+            if all(os.path.exists(os.path.join(site, package)) for package in packages):
+                continue
+            for entry in archive.infolist():
+                path = archive.extract(entry, site)
+                stamp = time.mktime(entry.date_time + (0, 0, -1))
+                os.utime(path, (stamp, stamp))
+    for stray in STRAYS:
         path = os.path.join(site, stray)
         shutil.rmtree(path) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
 
