@@ -82,6 +82,9 @@ class FlashInferStore(KvStore):
         most_pages = self.num_pages + max_slots  # every page, and one per padding row
         self._indptr = torch.zeros(most_rows + 1, dtype=torch.int32, pin_memory=True)
         self._indices = torch.zeros(most_pages, dtype=torch.int32, pin_memory=True)
+        # FlashInfer copies host page indices into its graph buffers synchronously (waiting
+        # for the queued steps); from the device it copies them in stream order.
+        self._indices_on_device = torch.zeros(most_pages, dtype=torch.int32, device=device)
         self._last_page_len = torch.zeros(most_rows, dtype=torch.int32, pin_memory=True)
         self._qo_indptr = torch.zeros(most_rows + 1, dtype=torch.int32, pin_memory=True)
         self._planned = torch.cuda.Event()
@@ -128,13 +131,16 @@ class FlashInferStore(KvStore):
 
     def _page_lists(self, slots: Sequence[int], lens: Sequence[int], rows: int):
         """page_lists() in the pinned buffers, once the device took the previous plan's
-        copies from them; views of the three."""
+        copies from them: indptr and last_page_len there, the indices copied on to the
+        device (without waiting)."""
         self._planned.synchronize()
         indptr, indices, last_page_len = page_lists(self.pages.pages, slots, lens, rows, self.page_tokens)
         self._indptr[:len(indptr)].numpy()[:] = indptr
         self._indices[:len(indices)].numpy()[:] = indices
         self._last_page_len[:rows].numpy()[:] = last_page_len
-        return self._indptr[:len(indptr)], self._indices[:len(indices)], self._last_page_len[:rows]
+        on_device = self._indices_on_device[:len(indices)]
+        on_device.copy_(self._indices[:len(indices)], non_blocking=True)
+        return self._indptr[:len(indptr)], on_device, self._last_page_len[:rows]
 
     def _graph_wrapper(self, rows: int):
         """The CUDA-graph decode wrapper of a bucket, with its fixed buffers."""
