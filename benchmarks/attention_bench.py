@@ -1,29 +1,50 @@
-"""Attention on vkv tensors vs plain tensors vs a paged KV cache: the kernel-side proof.
+"""Attention on vkv tensors vs paged KV caches: the vAttention paper's kernel tables.
 
-For every shape the same K/V values sit in four kinds of storage:
-  plain            torch.empty tensors [B, L, Hkv, D] (what cudaMalloc gives)
-  vkv_per_layer    a vkv cache in the per-layer layout (vAttention's)
-  vkv_interleaved  a vkv cache in the interleaved layout: one layer's keys are a strided view
-                   with every layer of a token between two tokens (see "layers" per row)
-  paged_P          FlexAttention's PagedAttention with P-token pages; each request's pages
-                   are shuffled over the pool, as in a server that has been running a while
-and the kernels run unmodified on each: SDPA with the flash backend forced, SDPA with
-PyTorch's own choice, compiled FlexAttention, and on the paged pool FlexAttention through
-the page table. Each row has its relative error against an fp32 reference computed from
-the same values, and vkv rows say whether the output equals the plain one bit for bit.
+For every shape the same K/V values sit in several kinds of storage:
+  plain               torch.empty tensors [B, L, Hkv, D] (what cudaMalloc gives)
+  vkv_per_layer       a vkv cache in the per-layer layout (vAttention's)
+  vkv_interleaved     a vkv cache in the interleaved layout: one layer's keys are a strided
+                      view with every layer of a token between two tokens; the model's layer
+                      count is halved until the cache fits --vkv-budget-gib (`layers` per row)
+  flex_paged_P        FlexAttention's PagedAttention, P-token pages
+  flashinfer_paged_P  FlashInfer's paged KV cache [pages, 2, P, Hkv, D] (NHD), P-token pages
+Each request's pages are shuffled over the pool, as in a server that has run a while.
+
+Kernels, unmodified, on the contiguous storages (plain, vkv):
+  sdpa_flash, sdpa_default   SDPA with the flash backend forced / PyTorch's own choice
+  flash_varlen               PyTorch's FlashAttention-2 varlen forward with per-request
+                             lengths (aten._flash_attention_forward with seqused_k): what
+                             the serving demo runs on vkv
+  flashinfer_ragged_fa2/fa3  (prefill) FlashInfer's ragged (non-paged) prefill over the same
+                             strided K/V
+and on the paged ones:
+  flex                       FlexAttention through the page table
+  flashinfer_decode          (decode) FlashInfer's batch decode, CUDA cores
+  flashinfer_decode_tc       (decode) the same wrapper on tensor cores (its prefill kernel)
+  flashinfer_prefill_fa2/fa3 (prefill) FlashInfer's paged prefill, FA2 and FA3 (sm90)
+Each row has its relative error against an fp32 reference computed from the same values;
+vkv rows say whether the output equals the plain one bit for bit, and their ratio to plain
+comes from the two timed in alternating rounds. On a GPU each timed batch of calls is queued
+behind a sleeping kernel, so the times are the kernels' own, without Python's launch cost
+(as the paper's harness hides it behind a large GEMM).
+
+Models (bf16, head_dim 128): llama3-8b (32 query / 8 KV heads, 32 layers) and yi-34b
+(56 / 8, 60 layers; GQA group 7, which FlashInfer's CUDA-core decode kernel does not take).
 
 Sections:
-  decode   one query token per request; batch 1-128 x context 1K-32K
-  prefill  one causal prompt of 1K-32K tokens, without and with an already cached prefix
-           (then the last half of the context is new, the first half is cached)
-  append   writing one layer's new K and V into each storage: a decode step's B tokens,
-           and a prefill's T tokens
+  decode   one query token per request; batch 1-64 x context 4K-64K, batch x context
+           <= --max-tokens (1M: 4 GiB of K/V per storage)
+  prefill  one causal prompt of 4K-64K tokens (--cached-prefix: also with its first half
+           already cached)
+  append   writing one layer's new K and V into each storage (Llama-3-8B)
 
-GQA 32 query / 8 KV heads, head_dim 128, bf16 (Llama-3-8B). Every vkv/plain ratio comes
-from the two measured in alternating rounds, so drift of the GPU clock hits both alike.
-Results are written after every shape, so an interrupted run keeps what it measured.
+FlashInfer is optional: where it does not import (CPU, not installed) its kernels are
+skipped with a message. Results are written after every shape, so an interrupted run keeps
+what it measured; a run of some sections keeps the other sections' rows of the file.
 
-  python benchmarks/attention_bench.py --out benchmarks/results      # H100: ~10 minutes
+  source benchmarks/flashinfer_env.sh     # where FlashInfer travels as an archive
+  python benchmarks/attention_bench.py --out benchmarks/results --only decode    # H100: ~4 min
+  python benchmarks/attention_bench.py --out benchmarks/results --only prefill append
   python benchmarks/plot_attention.py benchmarks/results/attention_h100.json
   python benchmarks/attention_bench.py --device cpu --quick --out /tmp/r   # smoke test
 """
@@ -35,6 +56,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -46,28 +68,58 @@ from torch.nn.attention.experimental._paged_attention import PagedAttention
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import vkv
-from common import argument_parser, device_tag, machine, progress, write_json
+from common import argument_parser, device_tag, machine, progress, progress_bar, write_json
 
-QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
-MODEL_LAYERS = 32  # Llama-3-8B: sets the interleaved layout's token stride
-KV_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * DTYPE.itemsize  # one layer's K and V of one token
-PAGE_SIZES = (16, 64, 128)
-STORAGES = ("vkv_per_layer", "vkv_interleaved")
+PAGE_SIZES = (16, 128)
+VKV_LAYOUTS = ("per_layer", "interleaved")
+FLASHINFER_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int  # sets the interleaved layout's token stride
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """One layer's K and V of one token."""
+        return 2 * self.kv_heads * self.head_dim * DTYPE.itemsize
+
+
+MODELS = {"llama3-8b": Model("llama3-8b", 32, 8, 128, 32), "yi-34b": Model("yi-34b", 56, 8, 128, 60)}
 
 
 # -- timing ------------------------------------------------------------------------------
 
 class Timer:
     """Milliseconds per call of several callables, measured in alternating rounds: the
-    median over rounds, and the spread (max - min) / median that says how far to trust it."""
+    median over rounds, and the spread (max - min) / median that says how far to trust it.
+
+    On a GPU each round's calls are enqueued behind a sleeping kernel long enough to cover
+    their launch, so the events time the kernels back to back, not the host."""
 
     def __init__(self, device: str, rounds: int, target_ms: float) -> None:
         self.device, self.rounds, self.target_ms = device, rounds, target_ms
+        self.cycles_per_ms = self._sleep_rate() if device == "cuda" else 0.0
 
-    def _elapsed_ms(self, call: Callable[[], object], repeats: int) -> float:
+    @staticmethod
+    def _sleep_rate() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # loads the kernel
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        return 10_000_000 / start.elapsed_time(end)
+
+    def _elapsed_ms(self, call: Callable[[], object], repeats: int, launch_ms: float = 0.0) -> float:
         if self.device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(min(200.0, 1.5 * launch_ms * repeats + 0.2) * self.cycles_per_ms))
             start.record()
             for _ in range(repeats):
                 call()
@@ -80,30 +132,35 @@ class Timer:
         return (time.perf_counter() - begin) * 1e3 / repeats
 
     def __call__(self, calls: Dict[str, Callable[[], object]]) -> Dict[str, dict]:
-        repeats = {}
+        repeats, launch = {}, {}
         for name, call in calls.items():
             call()  # compiles, autotunes, warms caches
-            one = self._elapsed_ms(call, 1)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+            call()  # the host's cost of enqueueing one call
+            launch[name] = (time.perf_counter() - begin) * 1e3
+            one = self._elapsed_ms(call, 1, launch[name])
             repeats[name] = max(3, min(200, math.ceil(self.target_ms / max(one, 1e-3))))
         samples: Dict[str, List[float]] = {name: [] for name in calls}
         for round_index in range(self.rounds):
             order = list(calls) if round_index % 2 == 0 else list(reversed(calls))
             for name in order:
-                samples[name].append(self._elapsed_ms(calls[name], repeats[name]))
+                samples[name].append(self._elapsed_ms(calls[name], repeats[name], launch[name]))
         return {name: {"ms": float(np.median(values)),
                        "spread": float((max(values) - min(values)) / np.median(values))}
                 for name, values in samples.items()}
 
 
-# -- reference and kernels ------------------------------------------------------------------
+# -- reference and kernels on contiguous K/V -------------------------------------------------
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+def reference(model: Model, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
     """fp32 attention, query i at position prefix + i; q [B, Hq, S, D], k/v [B, L, Hkv, D]."""
     batch, heads, queries, dim = q.shape
     context = k.shape[1]
-    group = heads // KV_HEADS
+    group = heads // model.kv_heads
     out = torch.empty(batch, heads, queries, dim, device=q.device, dtype=torch.float32)
-    batch_chunk = max(1, (1 << 30) // (context * KV_HEADS * dim * 4 * 2))
+    batch_chunk = max(1, (1 << 30) // (context * model.kv_heads * dim * 4 * 2))
     for b0 in range(0, batch, batch_chunk):
         b1 = min(batch, b0 + batch_chunk)
         keys = k[b0:b1].float().permute(0, 2, 3, 1).unsqueeze(2)  # [b, Hkv, 1, D, L]
@@ -111,7 +168,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) ->
         query_chunk = max(1, (1 << 30) // ((b1 - b0) * heads * context * 4))
         for s0 in range(0, queries, query_chunk):
             s1 = min(queries, s0 + query_chunk)
-            query = q[b0:b1, :, s0:s1].float().reshape(b1 - b0, KV_HEADS, group, s1 - s0, dim)
+            query = q[b0:b1, :, s0:s1].float().reshape(b1 - b0, model.kv_heads, group, s1 - s0, dim)
             scores = (query @ keys) / math.sqrt(dim)
             position = torch.arange(s0, s1, device=q.device)[:, None] + prefix
             scores.masked_fill_(torch.arange(context, device=q.device)[None, :] > position, float("-inf"))
@@ -127,6 +184,11 @@ def causal_mask(prefix: int):
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + prefix
     return mask_mod
+
+
+def as_tokens(out: torch.Tensor, batch: int) -> torch.Tensor:
+    """A varlen kernel's output [B * S, Hq, D] as SDPA's [B, Hq, S, D]."""
+    return out.view(batch, -1, *out.shape[1:]).transpose(1, 2)
 
 
 def sdpa_call(backend: Optional[SDPBackend], q, k, v, prefix: int) -> Callable[[], torch.Tensor]:
@@ -147,61 +209,182 @@ def sdpa_call(backend: Optional[SDPBackend], q, k, v, prefix: int) -> Callable[[
     return call
 
 
-class Kernels:
-    """The kernels under test, over one shape's queries; flex compiled once for all shapes."""
+def flash_varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """FlashAttention-2 varlen over [B, L, Hkv, D] storage seen as one token sequence, each
+    request starting at its slot and reading its L tokens (seqused_k); causal, aligned to
+    the last key, when there is more than one query."""
+    batch, _, queries, _ = q.shape
+    context = k.shape[1]
+    if k.stride(0) % k.stride(1):
+        raise ValueError(f"slot stride {k.stride(0)} is not a whole number of tokens ({k.stride(1)})")
+    tokens_per_slot = k.stride(0) // k.stride(1)
+    flat_k = k.as_strided((batch * tokens_per_slot, *k.shape[2:]), k.stride()[1:])
+    flat_v = v.as_strided((batch * tokens_per_slot, *v.shape[2:]), v.stride()[1:])
+    q_tokens = q.transpose(1, 2).reshape(batch * queries, q.shape[1], q.shape[3]).contiguous()
+    cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * queries
+    cu_k = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * tokens_per_slot
+    used = torch.full((batch,), context, device=q.device, dtype=torch.int32)
+    return lambda: as_tokens(torch.ops.aten._flash_attention_forward(
+        q_tokens, flat_k, flat_v, cu_q, cu_k, queries, context, 0.0, queries > 1, False, seqused_k=used)[0], batch)
 
-    def __init__(self, flex: Callable, q: torch.Tensor, prefix: int, context: int) -> None:
-        self.flex, self.q, self.prefix = flex, q, prefix
-        queries = q.shape[2]
-        self.block_mask = None if queries == 1 else create_block_mask(
-            causal_mask(prefix), None, None, queries, context, device=q.device)
+
+class FlashInfer:
+    """FlashInfer's wrappers, where it imports: one workspace for all of them."""
+
+    def __init__(self, device: str) -> None:
+        self.module, self.reason, self._workspace = None, "", None
+        if device != "cuda":
+            self.reason = "FlashInfer runs on CUDA only"
+            return
+        try:
+            import flashinfer
+        except Exception as error:  # not installed, or installed for another torch/CUDA
+            self.reason = f"FlashInfer is not importable ({type(error).__name__}: {error})"
+            return
+        self.module = flashinfer
+
+    @property
+    def version(self) -> str:
+        return self.module.__version__ if self.module else f"skipped: {self.reason}"
+
+    def workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+        return self._workspace
+
+    def ragged_call(self, model: Model, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str):
+        """Causal prefill of one request (batch 1) over its K/V [L, Hkv, D], strides as given."""
+        _, _, queries, _ = q.shape
+        context = k.shape[0]
+        q_tokens = q[0].transpose(0, 1).contiguous()
+        wrapper = self.module.BatchPrefillWithRaggedKVCacheWrapper(self.workspace(), "NHD", backend=backend)
+        wrapper.plan(torch.tensor([0, queries], dtype=torch.int32, device=q.device),
+                     torch.tensor([0, context], dtype=torch.int32, device=q.device),
+                     model.query_heads, model.kv_heads, model.head_dim, causal=True,
+                     q_data_type=DTYPE, kv_data_type=DTYPE)
+        return lambda: as_tokens(wrapper.run(q_tokens, k, v), 1)
+
+
+class Kernels:
+    """The kernels under test on one shape's queries and a contiguous storage."""
+
+    def __init__(self, model: Model, q: torch.Tensor, prefix: int, flashinfer: FlashInfer) -> None:
+        self.model, self.q, self.prefix, self.flashinfer = model, q, prefix, flashinfer
 
     def calls(self, k: torch.Tensor, v: torch.Tensor) -> Dict[str, Callable[[], torch.Tensor]]:
         q, prefix = self.q, self.prefix
-        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
-        return {
-            "sdpa_flash": sdpa_call(SDPBackend.FLASH_ATTENTION, q, k, v, prefix),
-            "sdpa_default": sdpa_call(None, q, k, v, prefix),
-            "flex": lambda: self.flex(q, kt, vt, block_mask=self.block_mask, enable_gqa=True),
-        }
+        calls = {"sdpa_flash": sdpa_call(SDPBackend.FLASH_ATTENTION, q, k, v, prefix),
+                 "sdpa_default": sdpa_call(None, q, k, v, prefix)}
+        if q.device.type == "cuda":
+            calls["flash_varlen"] = flash_varlen_call(q, k, v)
+        if self.flashinfer.module is not None and q.shape[2] > 1 and q.shape[0] == 1:
+            for backend in ("fa2", "fa3"):
+                calls[f"flashinfer_ragged_{backend}"] = self.lazy(
+                    lambda backend=backend: self.flashinfer.ragged_call(self.model, q, k[0], v[0], backend))
+        return calls
+
+    @staticmethod
+    def lazy(make: Callable[[], Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
+        """A call whose setup (FlashInfer's plan) runs at its first call, so that a setup
+        that fails fails that kernel's row only."""
+        made: List[Callable[[], torch.Tensor]] = []
+
+        def call():
+            if not made:
+                made.append(make())
+            return made[0]()
+        return call
 
 
-class PagedKv:
+# -- paged storages -------------------------------------------------------------------------
+
+def shuffled_pages(count: int, seed: int) -> torch.Tensor:
+    """A server that has run a while hands out pages in no particular order."""
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+
+
+class FlexPaged:
     """One layer's K/V in FlexAttention's PagedAttention, filled from plain [B, L, Hkv, D]."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, page: int, seed: int) -> None:
-        batch, context = k.shape[:2]
-        pages_per_request = -(-context // page)
+        batch, context, kv_heads, dim = k.shape
         self.page = page
-        self.num_pages = batch * pages_per_request
+        self.num_pages = batch * -(-context // page)
         self.table = PagedAttention(self.num_pages, page, batch, device=k.device)
-        # A server that has run a while hands out pages in no particular order.
-        order = torch.randperm(self.num_pages, generator=torch.Generator().manual_seed(seed))
-        self.table.empty_pages = order.tolist()
+        self.table.empty_pages = shuffled_pages(self.num_pages, seed).tolist()
         for b in range(batch):
             self.table.reserve(torch.tensor(b, device=k.device), torch.tensor(context, device=k.device))
-        self.k_pool = torch.zeros(1, KV_HEADS, self.num_pages * page, HEAD_DIM, device=k.device, dtype=k.dtype)
+        self.k_pool = torch.zeros(1, kv_heads, self.num_pages * page, dim, device=k.device, dtype=k.dtype)
         self.v_pool = torch.zeros_like(self.k_pool)
         self.batch_idx = torch.arange(batch, device=k.device)
         positions = torch.arange(context, device=k.device).expand(batch, context)
         self.table.assign(self.batch_idx, positions, k.transpose(1, 2), v.transpose(1, 2), self.k_pool, self.v_pool)
 
-    def flex_call(self, flex: Callable, q: torch.Tensor, prefix: int, context: int, kernel_options=None):
+    def flex_call(self, flex: Callable, q: torch.Tensor, prefix: int, context: int):
         batch, _, queries, _ = q.shape
         logical = create_block_mask(causal_mask(prefix), batch, None, queries, context, device=q.device,
                                     BLOCK_SIZE=(128, self.page))
         block_mask = self.table.convert_logical_block_mask(logical)
         score_mod = self.table.get_score_mod(None)
+        # Flex's KV tiles must divide a page: smaller pages force smaller tiles.
+        options = {"BLOCK_N": self.page} if self.page < 64 else None
         return lambda: flex(q, self.k_pool, self.v_pool, block_mask=block_mask, score_mod=score_mod,
-                            enable_gqa=True, kernel_options=kernel_options)
+                            enable_gqa=True, kernel_options=options)
 
 
-# -- storage ------------------------------------------------------------------------------
+class FlashInferPaged:
+    """One layer's K/V in FlashInfer's paged layout [pages, 2, P, Hkv, D] (NHD), filled from
+    plain [B, L, Hkv, D]; request b's j-th page is pages[b, j] of a shuffled order."""
 
-def interleaved_layers(tokens: int, budget_bytes: int) -> int:
+    def __init__(self, flashinfer: FlashInfer, model: Model, k: torch.Tensor, v: torch.Tensor, page: int,
+                 seed: int) -> None:
+        batch, context, kv_heads, dim = k.shape
+        self.flashinfer, self.model, self.page, self.batch, self.context = flashinfer, model, page, batch, context
+        per_request = -(-context // page)
+        pages = shuffled_pages(batch * per_request, seed).to(k.device)
+        self.kv = torch.zeros(batch * per_request, 2, page, kv_heads, dim, device=k.device, dtype=k.dtype)
+        padding = (0, 0, 0, 0, 0, per_request * page - context)
+        self.kv[pages, 0] = F.pad(k, padding).reshape(batch * per_request, page, kv_heads, dim)
+        self.kv[pages, 1] = F.pad(v, padding).reshape(batch * per_request, page, kv_heads, dim)
+        self.indptr = torch.arange(batch + 1, device=k.device, dtype=torch.int32) * per_request
+        self.indices = pages.to(torch.int32)
+        self.last_page_len = torch.full((batch,), context - (per_request - 1) * page, device=k.device,
+                                        dtype=torch.int32)
+
+    def decode_call(self, q: torch.Tensor, tensor_cores: bool) -> Callable[[], torch.Tensor]:
+        m = self.model
+        wrapper = self.flashinfer.module.BatchDecodeWithPagedKVCacheWrapper(
+            self.flashinfer.workspace(), "NHD", use_tensor_cores=tensor_cores)
+        wrapper.plan(self.indptr, self.indices, self.last_page_len, m.query_heads, m.kv_heads, m.head_dim, self.page,
+                     q_data_type=DTYPE, kv_data_type=DTYPE)
+        q_rows = q[:, :, 0].contiguous()
+        return lambda: wrapper.run(q_rows, self.kv)[:, :, None]
+
+    def prefill_call(self, q: torch.Tensor, backend: str) -> Callable[[], torch.Tensor]:
+        m = self.model
+        batch, _, queries, _ = q.shape
+        wrapper = self.flashinfer.module.BatchPrefillWithPagedKVCacheWrapper(
+            self.flashinfer.workspace(), "NHD", backend=backend)
+        qo_indptr = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * queries
+        wrapper.plan(qo_indptr, self.indptr, self.indices, self.last_page_len, m.query_heads, m.kv_heads, m.head_dim,
+                     self.page, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
+        q_tokens = q.transpose(1, 2).reshape(batch * queries, m.query_heads, m.head_dim).contiguous()
+        return lambda: as_tokens(wrapper.run(q_tokens, self.kv), batch)
+
+    def calls(self, q: torch.Tensor) -> Dict[str, Callable[[], torch.Tensor]]:
+        if q.shape[2] == 1:
+            return {"flashinfer_decode": Kernels.lazy(lambda: self.decode_call(q, False)),
+                    "flashinfer_decode_tc": Kernels.lazy(lambda: self.decode_call(q, True))}
+        return {f"flashinfer_prefill_{backend}": Kernels.lazy(lambda backend=backend: self.prefill_call(q, backend))
+                for backend in ("fa2", "fa3")}
+
+
+# -- vkv storage ------------------------------------------------------------------------------
+
+def interleaved_layers(model: Model, tokens: int, budget_bytes: int) -> int:
     """The model's layer count, halved until the interleaved cache fits the budget."""
-    layers = MODEL_LAYERS
-    while layers > 1 and tokens * layers * KV_TOKEN_BYTES > budget_bytes:
+    layers = model.layers
+    while layers > 1 and tokens * layers * model.kv_token_bytes > budget_bytes:
         layers //= 2
     return layers
 
@@ -209,13 +392,13 @@ def interleaved_layers(tokens: int, budget_bytes: int) -> int:
 class VkvStorage:
     """A vkv cache with `batch` requests of `context` tokens, holding k/v in one layer."""
 
-    def __init__(self, layout: str, k: torch.Tensor, v: torch.Tensor, device: str, budget_bytes: int,
+    def __init__(self, model: Model, layout: str, k: torch.Tensor, v: torch.Tensor, device: str, budget_bytes: int,
                  layers_per_group: int = 0) -> None:
         batch, context = k.shape[:2]
         # The per-layer layout's views do not depend on the layer count: map one layer only.
-        self.layers = 1 if layout == "per_layer" else interleaved_layers(batch * context, budget_bytes)
+        self.layers = 1 if layout == "per_layer" else interleaved_layers(model, batch * context, budget_bytes)
         self.layers_per_group = min(layers_per_group, self.layers) if layout == "interleaved" else 0
-        self.cache = vkv.KVCache(self.layers, KV_HEADS, HEAD_DIM, DTYPE, max_batch_size=batch,
+        self.cache = vkv.KVCache(self.layers, model.kv_heads, model.head_dim, DTYPE, max_batch_size=batch,
                                  max_context_len=context, device=device, layout=layout,
                                  layers_per_group=self.layers_per_group,
                                  background_mapping=False, eager_tokens=0)
@@ -257,8 +440,10 @@ def error_text(error: Exception) -> str:
 # -- attention sections ---------------------------------------------------------------------
 
 class AttentionRun:
-    def __init__(self, args, flex: Callable, results: dict, path: str) -> None:
-        self.args, self.flex, self.results, self.path = args, flex, results, path
+    def __init__(self, args, models: List[Model], flex: Callable, flashinfer: FlashInfer, results: dict,
+                 path: str) -> None:
+        self.args, self.models, self.flex, self.flashinfer = args, models, flex, flashinfer
+        self.results, self.path = results, path
         self.timer = Timer(args.device, rounds=args.rounds, target_ms=args.target_ms)
 
     def trace(self, what: str) -> None:
@@ -266,15 +451,28 @@ class AttentionRun:
         if self.args.trace:
             progress(f"  running {what}")
 
-    def shape(self, phase: str, batch: int, context: int, queries: int, prefix: int, label: str) -> None:
+    def timed_row(self, row: dict, call: Callable[[], torch.Tensor], ref: torch.Tensor, name: str) -> dict:
+        """Times one call alone; its error, or its time and relative error, go into row."""
+        try:
+            self.trace(name)
+            out = call()
+            row.update(**self.timer({name: call})[name], rel_err=relative_error(out, ref))
+        except Exception as error:  # a kernel that cannot take this shape: say so, go on
+            row["error"] = error_text(error)
+            forget_failed_compiles()
+        return row
+
+    def shape(self, model: Model, phase: str, batch: int, context: int, queries: int, prefix: int, label: str) -> None:
         device = self.args.device
         generator = torch.Generator(device=device).manual_seed(batch * 100003 + context + queries)
-        k = torch.randn(batch, context, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE, generator=generator)
-        v = torch.randn(batch, context, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE, generator=generator)
-        q = torch.randn(batch, QUERY_HEADS, queries, HEAD_DIM, device=device, dtype=DTYPE, generator=generator)
-        ref = reference(q, k, v, prefix)
-        kernels = Kernels(self.flex, q, prefix, context)
-        base = {"phase": phase, "batch": batch, "context": context, "queries": queries, "prefix": prefix}
+        k = torch.randn(batch, context, model.kv_heads, model.head_dim, device=device, dtype=DTYPE, generator=generator)
+        v = torch.randn(batch, context, model.kv_heads, model.head_dim, device=device, dtype=DTYPE, generator=generator)
+        q = torch.randn(batch, model.query_heads, queries, model.head_dim, device=device, dtype=DTYPE,
+                        generator=generator)
+        ref = reference(model, q, k, v, prefix)
+        kernels = Kernels(model, q, prefix, self.flashinfer)
+        base = {"model": model.name, "phase": phase, "batch": batch, "context": context, "queries": queries,
+                "prefix": prefix}
         rows = []
 
         plain_calls = kernels.calls(k, v)
@@ -283,133 +481,130 @@ class AttentionRun:
             self.trace(f"plain {kernel}")
             try:
                 plain_out[kernel] = call()
-            except Exception as error:  # a kernel that cannot take this shape: say so, go on
+            except Exception as error:
                 rows.append({**base, "kernel": kernel, "storage": "plain", "error": error_text(error)})
-                forget_failed_compiles()
         plain_times: Dict[str, List[float]] = {kernel: [] for kernel in plain_out}
 
-        # The null comparison: a second plain copy of the same values, timed the same way,
-        # shows how far apart two equal storages measure (clocks, placement, noise).
-        k_copy, v_copy = k.clone(), v.clone()
-        for kernel, call in kernels.calls(k_copy, v_copy).items():
-            if kernel in plain_out:
-                times = self.timer({"plain": plain_calls[kernel], "copy": call})
-                plain_times[kernel].append(times["plain"]["ms"])
-                rows.append({**base, "kernel": kernel, "storage": "plain_copy", "ms": times["copy"]["ms"],
-                             "plain_ms": times["plain"]["ms"], "ratio": times["copy"]["ms"] / times["plain"]["ms"],
-                             "spread": max(times["copy"]["spread"], times["plain"]["spread"]),
-                             "bitwise_equal_plain": bool(torch.equal(call(), plain_out[kernel]))})
-        del k_copy, v_copy, call
-
-        for layout in ("per_layer", "interleaved"):
-            storage = VkvStorage(layout, k, v, device, self.args.vkv_budget_gib << 30, self.args.layers_per_group)
+        for layout in VKV_LAYOUTS:
+            storage = VkvStorage(model, layout, k, v, device, self.args.vkv_budget_gib << 30, self.args.layers_per_group)
             for kernel, call in kernels.calls(storage.k, storage.v).items():
-                if kernel not in plain_out:
-                    continue
                 row = {**base, "kernel": kernel, "storage": f"vkv_{layout}", "layers": storage.layers,
                        "layers_per_group": storage.layers_per_group}
                 try:
                     self.trace(f"vkv_{layout} {kernel}")
                     out = call()
-                    times = self.timer({"plain": plain_calls[kernel], "vkv": call})
-                    plain_times[kernel].append(times["plain"]["ms"])
-                    row.update(ms=times["vkv"]["ms"], plain_ms=times["plain"]["ms"],
-                               ratio=times["vkv"]["ms"] / times["plain"]["ms"],
-                               spread=max(times["vkv"]["spread"], times["plain"]["spread"]),
-                               rel_err=relative_error(out, ref), bitwise_equal_plain=bool(torch.equal(out, plain_out[kernel])))
+                    if kernel in plain_out:
+                        times = self.timer({"plain": plain_calls[kernel], "vkv": call})
+                        plain_times[kernel].append(times["plain"]["ms"])
+                        row.update(ms=times["vkv"]["ms"], plain_ms=times["plain"]["ms"],
+                                   ratio=times["vkv"]["ms"] / times["plain"]["ms"],
+                                   spread=max(times["vkv"]["spread"], times["plain"]["spread"]),
+                                   bitwise_equal_plain=bool(torch.equal(out, plain_out[kernel])))
+                    else:  # failed on plain tensors: timed alone
+                        row.update(**self.timer({"vkv": call})["vkv"])
+                    row["rel_err"] = relative_error(out, ref)
                 except Exception as error:
                     row["error"] = error_text(error)
-                    forget_failed_compiles()
                 rows.append(row)
                 del call
             storage.close()
             release_memory(device)
         for kernel, out in plain_out.items():
-            rows.append({**base, "kernel": kernel, "storage": "plain", "ms": float(np.median(plain_times[kernel])),
-                         "rel_err": relative_error(out, ref)})
+            if plain_times[kernel]:
+                rows.append({**base, "kernel": kernel, "storage": "plain", "ms": float(np.median(plain_times[kernel])),
+                             "rel_err": relative_error(out, ref)})
+        del plain_out, plain_calls
 
         for page in PAGE_SIZES:
-            row = {**base, "kernel": "flex_paged", "storage": f"paged_{page}", "page_tokens": page}
+            base_paged = {**base, "page_tokens": page}
             try:
-                self.trace(f"paged_{page}")
-                paged = PagedKv(k, v, page, seed=context + batch)
-                # Flex's KV tiles must divide a page: smaller pages force smaller tiles.
-                options = {"BLOCK_N": page} if page < 64 else None
-                call = paged.flex_call(self.flex, q, prefix, context, options)
-                out = call()
-                row.update(**self.timer({"paged": call})["paged"], rel_err=relative_error(out, ref))
-                del call, paged
+                paged = FlexPaged(k, v, page, seed=context + batch)
+                rows.append(self.timed_row({**base_paged, "kernel": "flex", "storage": f"flex_paged_{page}"},
+                                           paged.flex_call(self.flex, q, prefix, context), ref, f"flex_paged_{page}"))
+                del paged
             except Exception as error:
-                row["error"] = error_text(error)
+                rows.append({**base_paged, "kernel": "flex", "storage": f"flex_paged_{page}", "error": error_text(error)})
                 forget_failed_compiles()
-            rows.append(row)
+            release_memory(device)
+            if self.flashinfer.module is None:
+                continue
+            paged = FlashInferPaged(self.flashinfer, model, k, v, page, seed=context + batch + 1)
+            for kernel, call in paged.calls(q).items():
+                rows.append(self.timed_row({**base_paged, "kernel": kernel, "storage": f"flashinfer_paged_{page}"},
+                                           call, ref, f"flashinfer_paged_{page} {kernel}"))
+            del paged, call
             release_memory(device)
 
         self.results["rows"].extend(rows)
         write_json(self.results, self.path)
         progress(f"{label}: " + summary_line(rows))
-        del k, v, q, ref, plain_out, plain_calls, kernels
+        del k, v, q, ref, kernels
         release_memory(device)
 
 
-def best(rows: List[dict], storages) -> Optional[dict]:
-    candidates = [r for r in rows if r["storage"] in storages and "ms" in r]
+def best(rows: List[dict], storage_prefix: str) -> Optional[dict]:
+    candidates = [r for r in rows if r["storage"].startswith(storage_prefix) and "ms" in r]
     return min(candidates, key=lambda r: r["ms"]) if candidates else None
 
 
 def summary_line(rows: List[dict]) -> str:
     parts = []
-    for kernel in ("sdpa_flash", "sdpa_default", "flex"):
-        ratios = [f"{r['storage'].replace('vkv_', '')} {r['ratio']:.3f}x" for r in rows
-                  if r["kernel"] == kernel and "ratio" in r]
-        plain = [r for r in rows if r["kernel"] == kernel and r["storage"] == "plain" and "ms" in r]
-        if plain:
-            parts.append(f"{kernel} {plain[0]['ms']:.3f} ms ({', '.join(ratios)})")
-    for r in rows:
-        if r["storage"].startswith("paged"):
-            parts.append(f"{r['storage']} " + (f"{r['ms']:.3f} ms" if "ms" in r else "failed"))
-    fastest_vkv, fastest_paged = best(rows, ("vkv_interleaved",)), best(rows, tuple(f"paged_{p}" for p in PAGE_SIZES))
-    if fastest_vkv and fastest_paged:
-        parts.append(f"best vkv {fastest_vkv['kernel']} {fastest_paged['ms'] / fastest_vkv['ms']:.2f}x faster than best paged")
+    fastest_vkv = best(rows, "vkv_interleaved")
+    if fastest_vkv:
+        parts.append(f"vkv {fastest_vkv['kernel']} {fastest_vkv['ms']:.3f} ms")
+    for prefix in ("flashinfer_paged", "flex_paged"):
+        fastest = best(rows, prefix)
+        if fastest:
+            text = f"{fastest['storage']} {fastest['kernel']} {fastest['ms']:.3f} ms"
+            if fastest_vkv:
+                text += f" (vkv {fastest['ms'] / fastest_vkv['ms']:.2f}x)"
+            parts.append(text)
     errors = [f"{r['storage']}/{r['kernel']}: {r['error']}" for r in rows if "error" in r]
     return " | ".join(parts) + ("\n    failed: " + "\n    failed: ".join(errors) if errors else "")
 
 
+def decode_shapes(batches, contexts, max_tokens: int):
+    return [(b, c) for c in contexts for b in batches if b * c <= max_tokens]
+
+
 def decode(run: AttentionRun, quick: bool) -> None:
-    batches, contexts = ((1, 2), (256, 512)) if quick else ((1, 8, 32, 128), (1024, 2048, 4096, 8192, 16384, 32768))
-    batches, contexts = run.args.batches or batches, run.args.contexts or contexts
-    shapes = [(b, c) for b in batches for c in contexts]
-    for index, (batch, context) in enumerate(progress_bar(shapes, "decode shapes")):
-        run.shape("decode", batch, context, 1, context - 1, f"decode B={batch} L={context} ({index + 1}/{len(shapes)})")
+    batches, contexts = ((1, 2), (256, 512)) if quick else ((1, 4, 16, 64), (4096, 16384, 65536))
+    shapes = decode_shapes(run.args.batches or batches, run.args.contexts or contexts, run.args.max_tokens)
+    cells = [(model, b, c) for model in run.models for b, c in shapes]
+    for index, (model, batch, context) in enumerate(progress_bar(cells, "decode shapes")):
+        run.shape(model, "decode", batch, context, 1, context - 1,
+                  f"decode {model.name} B={batch} L={context} ({index + 1}/{len(cells)})")
 
 
 def prefill(run: AttentionRun, quick: bool) -> None:
-    contexts = run.args.contexts or ((128, 256) if quick else (1024, 2048, 4096, 8192, 16384, 32768))
-    shapes = [(c, p) for c in contexts for p in (0, c // 2)]
-    for index, (context, prefix) in enumerate(progress_bar(shapes, "prefill shapes")):
-        run.shape("prefill", 1, context, context - prefix, prefix,
-                  f"prefill L={context} cached prefix {prefix} ({index + 1}/{len(shapes)})")
+    contexts = run.args.contexts or ((128, 256) if quick else (4096, 8192, 16384, 32768, 65536))
+    shapes = [(c, p) for c in contexts for p in ((0, c // 2) if run.args.cached_prefix else (0,))]
+    cells = [(model, c, p) for model in run.models for c, p in shapes]
+    for index, (model, context, prefix) in enumerate(progress_bar(cells, "prefill shapes")):
+        run.shape(model, "prefill", 1, context, context - prefix, prefix,
+                  f"prefill {model.name} L={context} cached prefix {prefix} ({index + 1}/{len(cells)})")
 
 
 # -- append -------------------------------------------------------------------------------
 
 def append(run: AttentionRun, quick: bool) -> None:
     """One layer's new K and V written into each storage (what the model does before attention)."""
-    device, timer = run.args.device, run.timer
+    device, timer, model = run.args.device, run.timer, MODELS["llama3-8b"]
     capacity = 256 if quick else 1024
     cases = [("decode", b, 1) for b in ((1, 4) if quick else (1, 8, 32, 128))]
     cases += [("prefill", 1, t) for t in ((128, 256) if quick else (1024, 4096, 16384))]
     for phase, batch, tokens in progress_bar(cases, "append cases"):
         context = max(capacity, tokens)
         generator = torch.Generator(device=device).manual_seed(batch + tokens)
-        new_k = torch.randn(batch, tokens, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE, generator=generator)
+        new_k = torch.randn(batch, tokens, model.kv_heads, model.head_dim, device=device, dtype=DTYPE,
+                            generator=generator)
         new_v = torch.randn_like(new_k)
         slots = torch.arange(batch, device=device)
         if phase == "decode":  # every request at its own position
             positions = torch.randint(0, context, (batch, 1), device=device, generator=generator)
         else:
             positions = torch.arange(tokens, device=device)[None]
-        base = {"phase": f"append_{phase}", "batch": batch, "tokens": tokens}
+        base = {"model": model.name, "phase": f"append_{phase}", "batch": batch, "tokens": tokens}
         rows = []
 
         def writer(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Callable[[], None]:
@@ -418,18 +613,18 @@ def append(run: AttentionRun, quick: bool) -> None:
                 return lambda: (k_cache.index_put_(index, new_k[:, 0]), v_cache.index_put_(index, new_v[:, 0]))
             return lambda: (k_cache[0, :tokens].copy_(new_k[0]), v_cache[0, :tokens].copy_(new_v[0]))
 
-        plain_k = torch.zeros(batch, context, KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+        plain_k = torch.zeros(batch, context, model.kv_heads, model.head_dim, device=device, dtype=DTYPE)
         plain_v = torch.zeros_like(plain_k)
         calls = {"plain": writer(plain_k, plain_v)}
-        storages = {layout: VkvStorage(layout, plain_k, plain_v, device, run.args.vkv_budget_gib << 30)
-                    for layout in ("per_layer", "interleaved")}
+        storages = {layout: VkvStorage(model, layout, plain_k, plain_v, device, run.args.vkv_budget_gib << 30)
+                    for layout in VKV_LAYOUTS}
         for layout, storage in storages.items():
             calls[f"vkv_{layout}"] = writer(storage.k, storage.v)
         pageds = {}
         for page in PAGE_SIZES:
-            paged = pageds[page] = PagedKv(plain_k, plain_v, page, seed=batch + tokens)
+            paged = pageds[page] = FlexPaged(plain_k, plain_v, page, seed=batch + tokens)
             k_val, v_val = new_k.transpose(1, 2), new_v.transpose(1, 2)
-            calls[f"paged_{page}"] = (lambda p=paged: p.table.assign(
+            calls[f"flex_paged_{page}"] = (lambda p=paged: p.table.assign(
                 slots, positions, k_val, v_val, p.k_pool, p.v_pool))
         times = timer(calls)
         for name, call in calls.items():
@@ -454,48 +649,69 @@ def section_of(row: dict) -> str:
 
 
 def keep_other_sections(results: dict, path: str, sections: List[str]) -> None:
-    """A run of some sections keeps an earlier file's rows of the others (and says so)."""
+    """A run of some sections keeps an earlier file's rows of the others (and says so), when
+    that file measured the same models: rows of an older grid are not mixed in."""
     if not os.path.exists(path):
         return
     with open(path) as source:
         earlier = json.load(source)
+    if earlier.get("models") != results["models"]:
+        progress(f"{path} holds another grid (models {earlier.get('models')}): not keeping its rows")
+        return
     kept = [row for row in earlier.get("rows", []) if section_of(row) not in sections]
     if kept:
         results["rows"] = kept
         results["earlier_runs"] = earlier.get("earlier_runs", []) + [
-            {"machine": earlier["machine"], "sections": sorted({section_of(r) for r in kept})}]
+            {"machine": earlier["machine"], "flashinfer": earlier.get("flashinfer"),
+             "sections": sorted({section_of(r) for r in kept})}]
         progress(f"keeping {len(kept)} rows of other sections from {path}")
 
 
-def main() -> None:
-    parser = argument_parser(__doc__, ("decode", "append", "prefill"))
-    parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default: 1 8 32 128)")
-    parser.add_argument("--contexts", type=int, nargs="*", help="context lengths (default: 1K-32K)")
+def parse_args(argv=None):
+    parser = argument_parser(__doc__, ("decode", "prefill", "append"))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS),
+                        help="(default: all; with --quick llama3-8b)")
+    parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default: 1 4 16 64)")
+    parser.add_argument("--contexts", type=int, nargs="*", help="context lengths (default: 4K-64K)")
+    parser.add_argument("--max-tokens", type=int, default=1 << 20,
+                        help="decode: largest batch x context measured (memory: 4 KiB of K/V per token and storage)")
+    parser.add_argument("--cached-prefix", action="store_true",
+                        help="prefill: also each prompt with its first half already cached")
     parser.add_argument("--layers-per-group", type=int, default=0,
                         help="interleaved layout: layers sharing one region (0 = all)")
     parser.add_argument("--trace", action="store_true", help="print each kernel before it runs")
-    parser.add_argument("--rounds", type=int, default=7, help="alternating timing rounds per kernel pair")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per kernel pair")
     parser.add_argument("--target-ms", type=float, default=10.0, help="time per timing round")
     parser.add_argument("--vkv-budget-gib", type=int, default=40,
                         help="largest interleaved cache: above it the layer count is halved")
     parser.add_argument("--flex", choices=["compiled", "eager"], default="compiled",
                         help="eager: FlexAttention's reference path (slow; for smoke tests)")
     parser.add_argument("--dynamic-shapes", action="store_true",
-                        help="compile flex with dynamic=True: fewer compiles, but slower kernels on strided views")
-    args = parser.parse_args()
+                        help="compile flex with dynamic=True: fewer compiles, maybe slower kernels")
+    args = parser.parse_args(argv)
+    args.models = args.models or (["llama3-8b"] if args.quick else list(MODELS))
+    if args.device == "cpu" and args.flex == "compiled":
+        args.flex = "eager"  # compiling Flex on a CPU takes longer than the whole smoke test
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
     torch._dynamo.config.cache_size_limit = 1024  # room for every shape, stride pattern and page size
     flex = (torch.compile(flex_attention, dynamic=args.dynamic_shapes) if args.flex == "compiled"
             else flex_attention)
+    flashinfer = FlashInfer(args.device)
+    if flashinfer.module is None:
+        progress(f"{flashinfer.reason}: its kernels are skipped")
     results = {"benchmark": "attention", "machine": machine(args.device), "quick": args.quick,
-               "model": {"query_heads": QUERY_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                         "dtype": str(DTYPE), "layers": MODEL_LAYERS},
+               "models": {name: vars(MODELS[name]) for name in args.models}, "dtype": str(DTYPE),
                "flex": args.flex if args.flex == "eager" else f"compiled, dynamic={args.dynamic_shapes}",
+               "flashinfer": flashinfer.version, "timing": "kernels queued behind a sleep: launch cost hidden",
                "rows": []}
     path = os.path.join(args.out, f"attention_{device_tag(args.device)}{'_quick' if args.quick else ''}.json")
     keep_other_sections(results, path, args.only)
-    run = AttentionRun(args, flex, results, path)
+    run = AttentionRun(args, [MODELS[name] for name in args.models], flex, flashinfer, results, path)
     started = time.perf_counter()
     for name in args.only:
         progress(f"{name} ...")

@@ -1,8 +1,9 @@
 """Plots and Markdown tables for attention_bench.py's JSON.
 
   python benchmarks/plot_attention.py benchmarks/results/attention_h100.json
-writes attention_h100_{decode,prefill,parity}.png beside the JSON and prints the tables
-that docs/benchmarks.md quotes.
+writes attention_h100_{decode,prefill,ratios}.png beside the JSON and prints the
+tables that docs/benchmarks.md quotes: per model and cell, the best kernel on vkv against
+the best FlashInfer paged configuration (and the best Flex paged one).
 """
 
 import json
@@ -16,146 +17,192 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-KERNELS = ("sdpa_flash", "sdpa_default", "flex")
 VKV = ("vkv_per_layer", "vkv_interleaved")
-CONTROL = "plain_copy"  # a second torch.empty copy: the null comparison
-KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # one layer's K and V, 8 KV heads, d 128, bf16
-PAGED = ("paged_16", "paged_64", "paged_128")
-STYLE = {"plain": ("k", "-"), "plain_copy": ("tab:gray", "-"), "vkv_per_layer": ("tab:blue", "--"), "vkv_interleaved": ("tab:green", "-"),
-         "paged_16": ("tab:red", ":"), "paged_64": ("tab:orange", ":"), "paged_128": ("tab:purple", ":")}
+PAGED = {"flashinfer_paged": "FlashInfer paged", "flex_paged": "Flex paged"}
+STYLE = {"vkv_interleaved": ("tab:green", "-"), "plain": ("k", ":"),
+         "flashinfer_paged_16": ("tab:red", "--"), "flashinfer_paged_128": ("tab:purple", "--"),
+         "flex_paged_16": ("tab:orange", ":"), "flex_paged_128": ("tab:brown", ":")}
 
 
 def timed(rows):
     return [r for r in rows if "ms" in r]
 
 
-def fastest(rows, storages):
-    candidates = [r for r in timed(rows) if r["storage"] in storages]
+def fastest(rows, storage_prefix):
+    candidates = [r for r in timed(rows) if r["storage"].startswith(storage_prefix)]
     return min(candidates, key=lambda r: r["ms"]) if candidates else None
 
 
-def by_shape(rows, phase):
-    shapes = defaultdict(list)
+def cells(rows, phase):
+    """{(model, batch, context, prefix): rows} of one phase, in grid order."""
+    found = defaultdict(list)
     for row in rows:
         if row["phase"] == phase:
-            shapes[(row["batch"], row["context"], row["prefix"])].append(row)
-    return dict(sorted(shapes.items()))
+            found[(row["model"], row["batch"], row["context"], row["prefix"])].append(row)
+    return dict(sorted(found.items()))
 
 
-def context_label(tokens: int) -> str:
+def tokens_label(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
-def curve(axis, shapes, pick, storage, kernel, label):
-    points = [(context, row["ms"]) for (_, context, _), rows in shapes.items()
-              for row in [pick(rows, storage, kernel)] if row is not None]
-    if points:
-        color, line = STYLE[storage]
-        axis.plot(*zip(*points), color=color, ls=line, marker="o", ms=3, label=label)
+def config(row) -> str:
+    """'flash_varlen', 'flashinfer_decode_tc, 16-token pages'."""
+    return row["kernel"] + (f", {row['page_tokens']}-token pages" if "page_tokens" in row else "")
 
 
-def pick_kernel(rows, storage, kernel):
-    matches = [r for r in timed(rows) if r["storage"] == storage and r["kernel"] == kernel]
-    return matches[0] if matches else None
+def speedup(paged, mine) -> str:
+    return f"**{paged['ms'] / mine['ms']:.2f}x**" if paged and mine else "-"
 
 
-def pick_best(rows, storage, _kernel):
-    return fastest(rows, (storage,))
+def kv_terabytes_per_s(model, row, batch, context) -> str:
+    kv_bytes = batch * context * 2 * model["kv_heads"] * model["head_dim"] * 2
+    return f"{kv_bytes / 1e12 / (row['ms'] / 1e3):.2f}"
 
 
-def time_panels(results, phase, panels, path, title):
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4), squeeze=False)
-    for axis, (panel_title, keep) in zip(axes[0], panels):
-        shapes = {shape: rows for shape, rows in by_shape(results["rows"], phase).items() if keep(shape)}
-        curve(axis, shapes, pick_kernel, "plain", "sdpa_default", "plain, SDPA")
-        curve(axis, shapes, pick_kernel, "vkv_interleaved", "sdpa_default", "vkv interleaved, SDPA")
-        curve(axis, shapes, pick_kernel, "vkv_per_layer", "flex", "vkv per-layer, Flex")
-        for storage in PAGED:
-            curve(axis, shapes, pick_best, storage, None, f"Flex paged, {storage[6:]}-token pages")
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        contexts = sorted({shape[1] for shape in shapes})
-        axis.set_xticks(contexts, [context_label(c) for c in contexts])
-        axis.set_xlabel("context (tokens)")
-        axis.set_title(panel_title)
-        axis.grid(alpha=0.3)
-    axes[0][0].set_ylabel("ms per call")
-    axes[0][-1].legend(fontsize=7)
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=130)
-    plt.close(figure)
+def speedup_table(results, phase):
+    """Per cell: best kernel on vkv (interleaved) vs the best FlashInfer paged configuration
+    and the best Flex paged one; decode adds the K/V bytes read per second (H100: 3.35 TB/s)."""
+    decode = phase == "decode"
+    print(f"| model | {'batch | ' if decode else ''}context | best on vkv | ms | {'TB/s | ' if decode else ''}"
+          f"best FlashInfer paged | ms | vkv faster by | best Flex paged | ms | vkv faster by | max rel. error |")
+    print("|---|" + ("---|" if decode else "") + "---|---|---|" + ("---|" if decode else "") + "---|---|---|---|---|---|---|")
+    for (model, batch, context, prefix), rows in cells(results["rows"], phase).items():
+        mine = fastest(rows, "vkv_interleaved")
+        infer, flex = fastest(rows, "flashinfer_paged"), fastest(rows, "flex_paged")
+        error = max((r["rel_err"] for r in rows if "rel_err" in r), default=float("nan"))
+        shape = results["models"][model]
+        rate = (lambda row: f" {kv_terabytes_per_s(shape, row, batch, context)} |" if row else " - |") if decode \
+            else (lambda row: "")
+        context_text = tokens_label(context) + (f" ({tokens_label(prefix)} cached)" if not decode and prefix else "")
+        print(f"| {model} | {f'{batch} | ' if decode else ''}{context_text} | "
+              + (f"{mine['kernel']} | {mine['ms']:.3f} |{rate(mine)} " if mine else "- | - |" + (" - |" if decode else "") + " ")
+              + (f"{config(infer)} | {infer['ms']:.3f} | " if infer else "- | - | ") + f"{speedup(infer, mine)} | "
+              + (f"{config(flex)} | {flex['ms']:.3f} | " if flex else "- | - | ") + f"{speedup(flex, mine)} | {error:.1e} |")
 
 
-def parity_plot(results, path, where):
-    figure, axis = plt.subplots(figsize=(9, 4))
-    labels = []
-    for index, (kernel, storage) in enumerate((k, s) for k in KERNELS for s in (CONTROL,) + VKV):
-        ratios = [r["ratio"] for r in results["rows"] if r.get("kernel") == kernel and r["storage"] == storage
-                  and "ratio" in r]
-        jitter = np.random.default_rng(index).uniform(-0.15, 0.15, len(ratios))
-        axis.scatter(index + jitter, ratios, s=9, color=STYLE[storage][0], alpha=0.7)
-        labels.append(f"{kernel}\n{storage.replace('vkv_', '')}")
-    axis.axhline(1.0, color="k", lw=0.8)
-    axis.axhline(1.02, color="tab:red", lw=0.8, ls="--", label="goal: 1.02")
-    axis.set_xticks(range(len(labels)), labels, fontsize=8)
-    axis.set_ylabel("time on vkv / time on plain tensors")
-    axis.set_title(f"Same kernel, same values: vkv vs torch.empty ({where}; every decode and prefill shape)")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=130)
-    plt.close(figure)
+def ragged_table(results):
+    """Prefill: FlashInfer's own non-paged (ragged) kernel on vkv's strided K/V, next to its
+    paged kernel and to the best kernel on vkv."""
+    print("| model | context | FlashInfer ragged on vkv | ms | FlashInfer paged | ms | paged / ragged |")
+    print("|---|---|---|---|---|---|---|")
+    for (model, _, context, prefix), rows in cells(results["rows"], "prefill").items():
+        ragged = fastest([r for r in rows if r["kernel"].startswith("flashinfer_ragged")], "vkv_interleaved")
+        infer = fastest(rows, "flashinfer_paged")
+        if ragged or infer:
+            print(f"| {model} | {tokens_label(context)} | " + (f"{ragged['kernel'][18:]} | {ragged['ms']:.3f} | " if ragged else "failed | - | ")
+                  + (f"{config(infer)} | {infer['ms']:.3f} | " if infer else "- | - | ") + f"{speedup(infer, ragged)} |")
 
 
 def parity_table(rows):
-    """Time ratios to plain tensors; kernels under 0.1 ms are as noisy as the null comparison
-    (plain_copy) shows, so the last ratio columns keep only the longer ones."""
+    """Time ratios of vkv to plain tensors, same kernel; kernels under 0.1 ms are noisy."""
     print("| kernel | storage | shapes | median ratio | max ratio | max ratio, kernels >= 0.1 ms | "
           "rows > 1.02 (>= 0.1 ms) | bit-identical output | failed |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for kernel in KERNELS:
-        for storage in (CONTROL,) + VKV:
+    kernels = sorted({r["kernel"] for r in rows if r.get("storage") in VKV and "kernel" in r})
+    for kernel in kernels:
+        for storage in VKV:
             mine = [r for r in rows if r.get("kernel") == kernel and r["storage"] == storage]
             ratios = [r["ratio"] for r in mine if "ratio" in r]
             if not ratios:
                 continue
-            long_ratios = [r["ratio"] for r in mine if "ratio" in r and r["plain_ms"] >= 0.1]
+            long_ratios = [r["ratio"] for r in mine if "ratio" in r and r["plain_ms"] >= 0.1] or [float("nan")]
             identical = sum(bool(r.get("bitwise_equal_plain")) for r in mine)
             print(f"| {kernel} | {storage.replace('vkv_', 'vkv ')} | {len(ratios)} | {np.median(ratios):.3f} | "
                   f"{max(ratios):.3f} | {max(long_ratios):.3f} | {sum(x > 1.02 for x in long_ratios)} of "
                   f"{len(long_ratios)} | {identical}/{len(ratios)} | {sum('error' in r for r in mine)} |")
 
 
-def speedup_table(rows, phase):
-    """Best kernel on vkv (interleaved) vs the best paged configuration, per shape; for decode
-    also the KV bytes read per second, against the H100's 3.35 TB/s."""
-    decode = phase == "decode"
-    print(f"| {'batch' if decode else 'cached prefix'} | context | best on vkv (interleaved) | ms | "
-          f"{'TB/s | ' if decode else ''}best paged | ms | {'TB/s | ' if decode else ''}vkv faster by | max rel. error |")
-    print("|---|---|---|---|" + ("---|---|" if decode else "") + "---|---|---|---|")
-    for (batch, context, prefix), shape_rows in by_shape(rows, phase).items():
-        mine, paged = fastest(shape_rows, ("vkv_interleaved",)), fastest(shape_rows, PAGED)
-        error = max((r["rel_err"] for r in shape_rows if "rel_err" in r), default=float("nan"))
-        terabytes = batch * context * KV_BYTES_PER_TOKEN / 1e12
-        rate = (lambda row: f" {terabytes / (row['ms'] / 1e3):.2f} |") if decode else (lambda row: "")
-        paged_text = (f"{paged['storage'][6:]}-token pages | {paged['ms']:.3f} |{rate(paged)} "
-                      f"**{paged['ms'] / mine['ms']:.2f}x**" if paged
-                      else "failed (see below) | - |" + (" - |" if decode else "") + " -")
-        first = batch if decode else (context_label(prefix) if prefix else "none")
-        print(f"| {first} | {context_label(context)} | {mine['kernel']} | {mine['ms']:.3f} |{rate(mine)} "
-              f"{paged_text} | {error:.1e} |")
-
-
 def append_table(rows):
-    cases = defaultdict(dict)
+    found = defaultdict(dict)
     for row in rows:
         if row["phase"].startswith("append"):
-            cases[(row["phase"][7:], row["batch"], row["tokens"])][row["storage"]] = row["ms"] * 1e3
-    storages = ("plain",) + VKV + PAGED
+            found[(row["phase"][7:], row["batch"], row["tokens"])][row["storage"]] = row["ms"] * 1e3
+    if not found:
+        return
+    storages = list(next(iter(found.values())))
     print("| step | batch | new tokens | " + " | ".join(storages) + " |")
     print("|---|---|---|" + "---|" * len(storages))
-    for (phase, batch, tokens), times in cases.items():
+    for (phase, batch, tokens), times in found.items():
         print(f"| {phase} | {batch} | {tokens} | " + " | ".join(f"{times[s]:.1f}" for s in storages) + " |")
+
+
+def curve(axis, points, storage, label):
+    if points:
+        color, line = STYLE[storage]
+        axis.plot(*zip(*sorted(points)), color=color, ls=line, marker="o", ms=3, label=label)
+
+
+def time_panel(axis, found, title):
+    """ms per call against context: best on vkv, each paged storage at its best kernel."""
+    curve(axis, [(c, fastest(rows, "vkv_interleaved")["ms"]) for (_, _, c, _), rows in found.items()
+                 if fastest(rows, "vkv_interleaved")], "vkv_interleaved", "vkv interleaved, best kernel")
+    for storage in ("flashinfer_paged_16", "flashinfer_paged_128", "flex_paged_16", "flex_paged_128"):
+        points = [(c, fastest([r for r in rows if r["storage"] == storage], storage)["ms"])
+                  for (_, _, c, _), rows in found.items()
+                  if fastest([r for r in rows if r["storage"] == storage], storage)]
+        name, page = storage.rsplit("_", 1)
+        curve(axis, points, storage, f"{PAGED[name]}, {page}-token pages")
+    contexts = sorted({key[2] for key in found})
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xticks(contexts, [tokens_label(c) for c in contexts])
+    axis.set_xlabel("context (tokens)")
+    axis.set_title(title, fontsize=9)
+    axis.grid(alpha=0.3)
+
+
+def time_plots(results, path_stem, where):
+    decode = cells(results["rows"], "decode")
+    models = sorted({key[0] for key in decode})
+    batches = sorted({key[1] for key in decode})
+    if decode:
+        figure, axes = plt.subplots(len(models), len(batches), figsize=(3.8 * len(batches), 3.4 * len(models)),
+                                    squeeze=False)
+        for i, model in enumerate(models):
+            for j, batch in enumerate(batches):
+                time_panel(axes[i][j], {k: v for k, v in decode.items() if k[0] == model and k[1] == batch},
+                           f"{model}, batch {batch}")
+            axes[i][0].set_ylabel("ms per call")
+        axes[0][-1].legend(fontsize=6)
+        figure.suptitle(f"Decode attention, one layer, bf16 ({where})")
+        figure.tight_layout()
+        figure.savefig(path_stem + "_decode.png", dpi=120)
+        plt.close(figure)
+    prefill = cells(results["rows"], "prefill")
+    if prefill:
+        models = sorted({key[0] for key in prefill})
+        figure, axes = plt.subplots(1, len(models), figsize=(4.8 * len(models), 4), squeeze=False)
+        for axis, model in zip(axes[0], models):
+            time_panel(axis, {k: v for k, v in prefill.items() if k[0] == model and k[3] == 0},
+                       f"{model}, causal prompt, batch 1")
+        axes[0][0].set_ylabel("ms per call")
+        axes[0][-1].legend(fontsize=7)
+        figure.suptitle(f"Prefill attention, one layer, bf16 ({where})")
+        figure.tight_layout()
+        figure.savefig(path_stem + "_prefill.png", dpi=120)
+        plt.close(figure)
+
+
+def ratio_plot(results, path, where):
+    """FlashInfer paged best / vkv best per cell: above 1, vkv is faster."""
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, phase in zip(axes, ("decode", "prefill")):
+        labels, values = [], []
+        for (model, batch, context, prefix), rows in cells(results["rows"], phase).items():
+            mine, infer = fastest(rows, "vkv_interleaved"), fastest(rows, "flashinfer_paged")
+            if mine and infer:
+                labels.append(f"{model[:5]} " + (f"B{batch} " if phase == "decode" else "") + tokens_label(context))
+                values.append(infer["ms"] / mine["ms"])
+        axis.bar(range(len(values)), values, color=["tab:green" if v >= 1 else "tab:red" for v in values])
+        axis.axhline(1.0, color="k", lw=0.8)
+        axis.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
+        axis.set_ylabel("FlashInfer paged (best) / vkv (best)")
+        axis.set_title(phase)
+    figure.suptitle(f"vkv's best kernel against FlashInfer's best paged configuration ({where})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def main(path: str) -> None:
@@ -164,30 +211,29 @@ def main(path: str) -> None:
     stem = os.path.splitext(path)[0]
     where = results["machine"].get("gpu", results["machine"].get("cpu", "host"))
     rows = results["rows"]
-    batches = sorted({r["batch"] for r in rows if r["phase"] == "decode"})
-    time_panels(results, "decode", [(f"batch {b}", lambda shape, b=b: shape[0] == b) for b in batches],
-                stem + "_decode.png", f"Decode attention, one layer, GQA 32/8 heads, d 128, bf16 ({where})")
-    time_panels(results, "prefill", [("no cached prefix", lambda shape: shape[2] == 0),
-                                     ("first half cached", lambda shape: shape[2] > 0)],
-                stem + "_prefill.png", f"Causal prefill attention, one layer ({where})")
-    parity_plot(results, stem + "_parity.png", where)
-    print("### parity\n")
+    time_plots(results, stem, where)
+    ratio_plot(results, stem + "_ratios.png", where)
+    print(f"FlashInfer: {results.get('flashinfer')}; {results['machine']}\n")
+    for phase in ("decode", "prefill"):
+        print(f"### {phase}\n")
+        speedup_table(results, phase)
+        print()
+    print("### FlashInfer ragged (non-paged) prefill on vkv\n")
+    ragged_table(results)
+    print("\n### parity: the same kernel on vkv and on plain tensors\n")
     parity_table(rows)
-    print("\n### decode\n")
-    speedup_table(rows, "decode")
-    print("\n### prefill\n")
-    speedup_table(rows, "prefill")
     print("\n### append (us per layer, K and V)\n")
     append_table(rows)
     failures = defaultdict(list)
     for row in rows:
         if "error" in row:
-            failures[(row["storage"], row["kernel"], row["error"][:160])].append(f"{row['batch']}x{row['context']}")
+            failures[(row["storage"], row["kernel"], row["error"][:160])].append(
+                f"{row['model']} {row['batch']}x{tokens_label(row['context'])}")
     if failures:
         print("\n### failed\n")
         for (storage, kernel, error), shapes in failures.items():
             print(f"- {storage} / {kernel} at {', '.join(shapes)}: {error}")
-    print(f"\nplots: {stem}_decode.png, {stem}_prefill.png, {stem}_parity.png")
+    print(f"\nplots: {stem}_decode.png, {stem}_prefill.png, {stem}_ratios.png")
 
 
 if __name__ == "__main__":

@@ -15,16 +15,8 @@ src="$PWD"
 export PYTHONUNBUFFERED=1
 status=0
 
-step() {  # step NAME TIMEOUT_S COMMAND...: runs in /tmp (the installed package, not the source tree)
-  local name="$1" limit="$2"
-  shift 2
-  echo "=== $name ($(date +%T))"
-  (cd /tmp && timeout "$limit" "$@") > "$out/$name.log" 2>&1
-  local rc=$?
-  tail -25 "$out/$name.log"
-  echo "=== $name: exit $rc ($(date +%T))"
-  [ $rc -eq 0 ] || status=1
-}
+# shellcheck source=benchmarks/gpu_common.sh
+source benchmarks/gpu_common.sh
 
 python_info() {
   (cd /tmp && python3 -c 'import torch, vkv

@@ -3,6 +3,7 @@
 
 #include <charconv>
 
+#include "budget_ledger.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -82,6 +83,13 @@ void validate(const CacheConfig& config) {
   VKV_EXPECTS(config.page_size == 0 || (config.page_size & (config.page_size - 1)) == 0,
               "page_size = ", config.page_size, " must be 0 (backend default) or a power of two");
   VKV_EXPECTS(config.device.index >= 0, "device index = ", config.device.index, " must be >= 0");
+  if (!config.shared_budget.empty()) {
+    try {
+      detail::budget_object_name(config.shared_budget);
+    } catch (const InvalidArgument& error) {
+      throw InvalidArgument(detail::concat("shared_budget = '", config.shared_budget, "': ", error.what()));
+    }
+  }
 }
 
 }  // namespace vkv

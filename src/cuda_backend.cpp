@@ -122,6 +122,26 @@ std::size_t CudaBackend::available_memory_bytes() const {
   return free_bytes;
 }
 
+std::size_t CudaBackend::total_memory_bytes() const {
+  std::size_t bytes = 0;
+  VKV_CU_TRY(cuDeviceTotalMem, &bytes, device_handle_);
+  return bytes;
+}
+
+std::string CudaBackend::memory_identity() const {
+  CUuuid uuid{};
+  VKV_CU_TRY(cuDeviceGetUuid, &uuid, device_handle_);
+  static const char* digits = "0123456789abcdef";
+  std::string text = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) text += '-';
+    const auto byte = static_cast<unsigned char>(uuid.bytes[i]);
+    text += digits[byte >> 4];
+    text += digits[byte & 15];
+  }
+  return text;
+}
+
 Address CudaBackend::reserve(std::size_t bytes) {
   ContextScope scope(*this);
   CUdeviceptr base = 0;

@@ -24,7 +24,7 @@
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)               \
   X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize) \
   X(cuStreamCreate) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuLaunchHostFunc) \
-  X(cuDeviceGetAttribute) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel)
+  X(cuDeviceGetAttribute) X(cuDeviceTotalMem) X(cuDeviceGetUuid) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel)
 
 namespace vkv::cuda {
 

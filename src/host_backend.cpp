@@ -51,15 +51,30 @@ HostBackend::~HostBackend() {
   close(page_file_);
 }
 
-std::size_t HostBackend::available_memory_bytes() const {
+namespace {
+
+// A "Name:" line of /proc/meminfo in bytes, 0 when absent.
+std::size_t meminfo_bytes(const std::string& name) {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
   std::size_t kib = 0;
   std::string unit;
   while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
+    if (key == name) return kib * 1024;
   }
+  return 0;
+}
+
+}  // namespace
+
+std::size_t HostBackend::available_memory_bytes() const {
+  if (const std::size_t bytes = meminfo_bytes("MemAvailable:")) return bytes;
   return static_cast<std::size_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+}
+
+std::size_t HostBackend::total_memory_bytes() const {
+  if (const std::size_t bytes = meminfo_bytes("MemTotal:")) return bytes;
+  return static_cast<std::size_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
 }
 
 bool HostBackend::remap(Address address, std::size_t bytes, int protection, int flags, int file,

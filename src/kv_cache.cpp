@@ -33,8 +33,9 @@ std::size_t budget_pages(const CacheConfig& config, const KvLayout& layout, cons
                 page, " bytes)");
     return config.memory_budget / page;
   }
-  // Enough to back everything, but leave 10% of the device to the framework and the kernels.
   const std::size_t all_pages = layout.reserved_bytes() / page;
+  if (!config.shared_budget.empty()) return all_pages;  // the shared budget is the limit
+  // Enough to back everything, but leave 10% of the device to the framework and the kernels.
   const std::size_t affordable = backend.available_memory_bytes() / 10 * 9 / page;
   return std::min(all_pages, affordable);
 }
@@ -51,6 +52,13 @@ std::size_t large_page_pages(const CacheConfig& config, const Backend& backend) 
   return config.large_page_size / page;
 }
 
+// The membership in config.shared_budget, or none.
+std::unique_ptr<detail::BudgetMembership> join_shared_budget(const CacheConfig& config, const Backend& backend,
+                                                             std::size_t page_bytes) {
+  if (config.shared_budget.empty()) return nullptr;
+  return std::make_unique<detail::BudgetMembership>(config.shared_budget, backend, page_bytes);
+}
+
 }  // namespace
 
 KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
@@ -58,7 +66,9 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       backend_(backend_stack(config, std::move(backend))),
       statistics_(dynamic_cast<StatisticsBackend*>(backend_.get())),
       layout_(config, backend_->page_bytes()),
-      pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_)),
+      membership_(join_shared_budget(config, *backend_, layout_.page_bytes())),
+      pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_),
+            membership_.get()),
       slots_(config.max_batch_size, layout_.num_regions()),
       read_windows_(*backend_),
       fork_generation_(detail::fork_generation()) {
@@ -88,6 +98,10 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   }
   undo.commit();
   if (config.background_mapping) mapper_ = std::make_unique<Mapper>([this] { return background_work(); });
+  if (membership_) {
+    membership_->start_watching({[this] { return cached_bytes_for_budget(); },
+                                 [this](std::size_t bytes) { give_back_to_budget(bytes); }});
+  }
 }
 
 KvCache::Impl::~Impl() {
@@ -96,6 +110,7 @@ KvCache::Impl::~Impl() {
     // parent's. Releasing anything here would reach into the parent's memory (the host
     // backend's page file is shared), joining the mapper would wait forever: leave all.
     static_cast<void>(mapper_.release());
+    static_cast<void>(membership_.release());  // the row and the watcher thread are the parent's
     read_windows_.abandon();
     static_cast<void>(new std::shared_ptr<Backend>(backend_));
     pool_.abandon();
@@ -104,6 +119,7 @@ KvCache::Impl::~Impl() {
     new (&background_done_) std::condition_variable();
     return;
   }
+  if (membership_) membership_->stop_watching();  // it calls into the cache
   stop_background();
   std::lock_guard<std::mutex> lock(mutex_);
   try {
@@ -182,6 +198,10 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
+  if (pages > 0 && membership_ && membership_->others_may_give()) {
+    const std::size_t short_by = pages_short(pages, slot, claim);
+    if (short_by > 0) ask_shared_budget(lock, short_by);
+  }
   expect_valid();
   wait_not_busy(lock, slot);  // waiting for pages may have let the mapper start on it
 }
@@ -230,6 +250,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   // holds shared pages depends, with large pages, on what each rank's pool had.
   const bool keeps_claim = config_.deferred_reclamation && !slot.shared_a_page;
   slots_.mark_freed(slot_index, keeps_claim ? slot.claimed : 0);
+  publish_in_use();
   if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
 }
 

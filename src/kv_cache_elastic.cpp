@@ -72,7 +72,7 @@ void KvCache::Impl::shrink_to_budget() {
       continue;
     }
     std::vector<Page> pages;
-    reclaim_coldest(pages, excess, claims);
+    if (!reclaim_coldest(pages, excess, claims)) throw Error("internal: set_budget found no unclaimed mapped page");
     for (const Page& page : pages) pool_.give_back(page);
   }
 }

@@ -1,6 +1,7 @@
 // KvCache::Impl: the parts of a cache and how its calls compose them.
 //
 //   SlotTable     slot_table.h      who is allocated, what each claims and maps, alloc order
+//   BudgetMembership budget_membership.h  a shared budget's account and watcher (optional)
 //   PageSharing   page_sharing.h    pages mapped at several slots (fork, share_prefix)
 //   PagePool      page_pool.h       physical pages: free, created, the budget
 //   ReadWindows   read_windows.h    what device work in flight may still read
@@ -16,7 +17,7 @@
 // slot_mappings.cpp (mapping and unmapping a slot's pages, reclamation),
 // background_planner.cpp and background_units.cpp (the mapper's work),
 // kv_cache_sharing.cpp, kv_cache_swap.cpp, kv_cache_elastic.cpp, kv_cache_prepare.cpp,
-// kv_cache_slots.cpp, kv_cache_inspect.cpp (stats, invariants).
+// kv_cache_slots.cpp, kv_cache_shared_budget.cpp, kv_cache_inspect.cpp (stats, invariants).
 //
 // Lock order: the cache's mutex, then the backend's own locks; the mapper thread takes
 // the same mutex and makes its slow backend calls without it (a busy slot's pages at or
@@ -32,11 +33,13 @@
 #include <optional>
 #include <vector>
 
+#include "budget_membership.h"
 #include "mapper.h"
 #include "page_pool.h"
 #include "page_sharing.h"
 #include "prompt_history.h"
 #include "read_windows.h"
+#include "reclaim_policy.h"
 #include "slot_table.h"
 #include "vkv/kv_cache.h"
 #include "vkv/statistics_backend.h"
@@ -121,6 +124,7 @@ class KvCache::Impl {
   // The opening of fork, share_prefix, swap_out and swap_in: check, wait until `slot` is
   // not busy and (pages > 0) that many pages can be had with it claiming `claim`, check
   // again (the waits let other threads in).
+  // With a shared budget, it asks the other members for what the cache cannot find.
   void settle(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages, std::size_t claim,
               const std::function<void()>& expect_valid);
   std::size_t allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t slot, Stream stream);
@@ -158,6 +162,8 @@ class KvCache::Impl {
   std::size_t eager_tokens() const noexcept;
   std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
   void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
+  // The claims after `slot` claims `claim` pages, and how many of `missing` they leave short.
+  std::size_t pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const;
   void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
   void map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies, std::size_t missing,
                    Stream stream, detail::UndoLog& undo, const char* call);
@@ -199,7 +205,10 @@ class KvCache::Impl {
   std::vector<std::size_t> reclaimable_floors() const;
   void wait_free_event(Slot& slot);
   std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& floors);
-  void reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors);
+  // Unmaps up to `wanted` pages (all regions) of the slot choose_victim(kinds) names into
+  // `into`; false when no slot has a page above its floor.
+  bool reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors,
+                       detail::VictimKinds kinds = detail::VictimKinds::surplus_then_freed);
   // Unmaps pages [keep, mapped) of every region of a slot (`keep` splits no large page):
   // those mapped nowhere else go into `into`.
   void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
@@ -244,6 +253,20 @@ class KvCache::Impl {
   void expect_valid_fork(std::size_t src) const;
   void expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const;
 
+  // ---- a shared budget (kv_cache_shared_budget.cpp) --------------------------------
+  // Pages this cache cannot find itself: asks the budget's other members for them, with
+  // the lock released, and puts what they gave into the pool as free pages. The caller
+  // plans again (the wait let other threads in).
+  void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages);
+  // What the cache could give back without touching a claimed page, in bytes: free pages,
+  // and mapped pages above every slot's floor that the mapper is not working on.
+  std::size_t cached_bytes_for_budget() const;
+  // Releases up to `bytes` to the device: free pages, then freed slots' pages (least
+  // recently freed first), then allocated slots' surplus (the watcher's call).
+  void give_back_to_budget(std::size_t bytes);
+  // Tells the budget what allocated slots claim now (after calls that change claims).
+  void publish_in_use() noexcept;
+
   // ---- the mapper's work (background_planner.cpp, background_units.cpp) ------------
   // A unit's exit, however it leaves (done or thrown): the lock held again, its slot no
   // longer busy, waiters told. Constructed with the lock released.
@@ -260,6 +283,7 @@ class KvCache::Impl {
   std::shared_ptr<Backend> backend_;        // the top of the adaptor stack
   StatisticsBackend* statistics_ = nullptr;  // in that stack when config.backend_statistics
   KvLayout layout_;
+  std::unique_ptr<detail::BudgetMembership> membership_;  // config.shared_budget's; before pool_, which counts against it
   PagePool pool_;
   Address base_ = 0;
   detail::SlotTable slots_;
@@ -278,6 +302,7 @@ class KvCache::Impl {
   std::vector<Stranded> stranded_;
   Stream background_stream_ = 0;
   CallStats step_stats_;
+  CallStats budget_asks_;
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
   mutable std::mutex mutex_;

@@ -62,6 +62,7 @@ CacheStats KvCache::Impl::stats() const {
   stats.pages_in_use = claimed_mappings - duplicates;
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
   stats.step = step_stats_;
+  stats.budget_asks = budget_asks_;
   if (statistics_ != nullptr) stats.backend = statistics_->stats();
   stats.backend.cleanup_failures = backend_->cleanup_failures();
   return stats;
@@ -89,6 +90,10 @@ void KvCache::Impl::check_invariants() const {
   expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_ + stranded,
          "created pages = free + mapped + in flight in the mapper + stranded by a double failure");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");
+  if (membership_) {
+    expect(membership_->held_bytes() == (pool_.created_pages() + membership_->claimed_pages()) * layout_.page_bytes(),
+           "the shared budget counts exactly the pages this cache created");
+  }
   // Large pages: whole, at whole spans, the same in every region of a slot, known to the pool.
   const std::size_t span = pool_.large_page_pages();
   for (const Slot& slot : slots_) {

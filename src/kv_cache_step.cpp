@@ -83,6 +83,7 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   const std::size_t horizon =
       config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
   StepPlan plan;
+  bool asked = false;  // the shared budget's other members, once per call
   for (;;) {
     plan = plan_step(seq_lens, count, horizon);
     if (plan.waits_for_mapper) {
@@ -96,10 +97,17 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       undo.commit();
       step_stats_.units += plan.missing;
       break;
-    } catch (const OutOfMemory&) {
+    } catch (const OutOfMemory& shortage) {
       // Pages the mapper is moving are not lost: decide once it has put them down.
-      if (!background_busy()) throw;
-      background_done_.wait(lock, [&] { return !background_busy(); });
+      if (background_busy()) {
+        background_done_.wait(lock, [&] { return !background_busy(); });
+      } else if (!asked && membership_ && membership_->others_may_give()) {
+        asked = true;
+        ask_shared_budget(lock, shortage.missing_pages());
+        expect_valid_seq_lens(seq_lens, count);  // other threads may have freed slots meanwhile
+      } else {
+        throw;
+      }
     }
   }
   bool prefilled = false;
@@ -115,6 +123,7 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   }
   if (prefilled) slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
   if (config_.zero_page) read_windows_.end_step(horizon);
+  publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
   if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
   step_stats_.calls += 1;
@@ -140,6 +149,13 @@ void KvCache::Impl::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size
     claims[slot] = std::max(claims[slot], claim);
     return !background_busy() || obtainable_pages(claims) >= missing;
   });
+}
+
+std::size_t KvCache::Impl::pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const {
+  std::vector<std::size_t> claims = slots_.claims();
+  claims[slot] = std::max(claims[slot], claim);
+  const std::size_t obtainable = obtainable_pages(claims);
+  return missing > obtainable ? missing - obtainable : 0;
 }
 
 void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const {

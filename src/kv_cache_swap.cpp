@@ -60,6 +60,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   slot.swap = copy;
   slot.seq_len = 0;
   slot.claimed = 0;
+  publish_in_use();
   if (mapper_) mapper_->wake();
 }
 
@@ -109,6 +110,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   slot.swapped = false;
   slot.seq_len = tokens;
   slot.claimed = claims[slot_index];
+  publish_in_use();
   if (mapper_) mapper_->wake();
 }
 

@@ -6,8 +6,8 @@
 
 namespace vkv {
 
-PagePool::PagePool(Backend& backend, std::size_t budget_pages, std::size_t large_page_pages)
-    : backend_(backend), budget_pages_(budget_pages), large_page_pages_(large_page_pages) {
+PagePool::PagePool(Backend& backend, std::size_t budget_pages, std::size_t large_page_pages, PageAccount* account)
+    : backend_(backend), budget_pages_(budget_pages), large_page_pages_(large_page_pages), account_(account) {
   VKV_ASSERT(large_page_pages == 0 || (large_page_pages >= 2 && backend.traits().large_pages));
 }
 
@@ -15,10 +15,40 @@ PagePool::~PagePool() { trim(0); }
 
 std::size_t PagePool::obtainable_pages() const noexcept { return free_pages() + creatable_pages(); }
 
+bool PagePool::count_created(std::size_t count) {
+  if (count == 0) return true;
+  if (account_ != nullptr && !account_->take(count)) return false;
+  created_pages_ += count;
+  return true;
+}
+
+void PagePool::count_released(std::size_t count) noexcept {
+  created_pages_ -= count;
+  if (account_ != nullptr && count > 0) account_->give(count);
+}
+
 void PagePool::release_large(Page page) noexcept {
   backend_.release_page(page.handle);
   large_.erase(page.handle);
-  created_pages_ -= large_page_pages_;
+  count_released(large_page_pages_);
+}
+
+// `count` new pages, counted as created already; on failure none stays and the count is undone.
+std::vector<Page> PagePool::create_pages(std::size_t count) {
+  std::vector<Page> pages;
+  pages.reserve(count);
+  try {
+    while (pages.size() < count) pages.push_back(new_page());
+  } catch (const OutOfMemory& error) {
+    for (const Page& page : pages) backend_.release_page(page.handle);
+    count_released(count);
+    throw OutOfMemory(error.what(), count - pages.size(), backend_.page_bytes());
+  } catch (...) {
+    for (const Page& page : pages) backend_.release_page(page.handle);
+    count_released(count);
+    throw;
+  }
+  return pages;
 }
 
 void PagePool::make_room_for_singles(std::size_t count) noexcept {
@@ -37,19 +67,15 @@ std::vector<Page> PagePool::take(std::size_t count) {
                       count - obtainable, backend_.page_bytes());
   }
   make_room_for_singles(count);
-  std::vector<Page> pages;
-  pages.reserve(count);
   const std::size_t from_free = std::min(count, free_.size());
-  try {
-    while (pages.size() < count - from_free) pages.push_back(new_page());
-  } catch (const OutOfMemory& error) {
-    for (const Page& page : pages) backend_.release_page(page.handle);
-    throw OutOfMemory(error.what(), count - pages.size() - from_free, backend_.page_bytes());
-  } catch (...) {
-    for (const Page& page : pages) backend_.release_page(page.handle);
-    throw;
+  const std::size_t to_create = count - from_free;
+  if (!count_created(to_create)) {
+    throw OutOfMemory(detail::concat("page pool: ", to_create,
+                                     " pages to create, but another member of the shared budget took its room first"),
+                      to_create, backend_.page_bytes());
   }
-  created_pages_ += pages.size();
+  std::vector<Page> pages = create_pages(to_create);
+  pages.reserve(count);
   pages.insert(pages.end(), free_.end() - static_cast<std::ptrdiff_t>(from_free), free_.end());
   free_.resize(free_.size() - from_free);
   return pages;
@@ -62,15 +88,18 @@ std::optional<Page> PagePool::take_large() {
     free_large_.pop_back();
     return page;
   }
-  if (creatable_pages() < large_page_pages_) return std::nullopt;
+  if (creatable_pages() < large_page_pages_ || !count_created(large_page_pages_)) return std::nullopt;
   Page page;
   try {
     page = new_large_page();
   } catch (const OutOfMemory&) {
+    count_released(large_page_pages_);
     return std::nullopt;  // the device is short of one allocation this size: pages will do
+  } catch (...) {
+    count_released(large_page_pages_);
+    throw;
   }
   large_.insert(page.handle);
-  created_pages_ += large_page_pages_;
   return page;
 }
 
@@ -88,13 +117,14 @@ std::vector<Page> PagePool::take_free_large(std::size_t count) {
   return pages;
 }
 
-std::size_t PagePool::begin_create(std::size_t count) noexcept {
-  const std::size_t reserved = std::min(count, creatable_pages());
+std::size_t PagePool::begin_create(std::size_t count) {
+  std::size_t reserved = std::min(count, budget_pages_ > created_pages_ ? budget_pages_ - created_pages_ : 0);
+  if (account_ != nullptr) reserved = account_->take_up_to(reserved);
   created_pages_ += reserved;
   return reserved;
 }
 
-void PagePool::end_create(std::size_t reserved, std::size_t made) noexcept { created_pages_ -= reserved - made; }
+void PagePool::end_create(std::size_t reserved, std::size_t made) noexcept { count_released(reserved - made); }
 
 void PagePool::give_back(Page page) {
   if (is_large(page.handle)) {
@@ -109,8 +139,15 @@ void PagePool::release(Page page) noexcept {
     release_large(page);
   } else {
     backend_.release_page(page.handle);
-    --created_pages_;
+    count_released(1);
   }
+}
+
+std::size_t PagePool::add_free(std::size_t count) {
+  const std::size_t counted = begin_create(count);
+  const std::vector<Page> pages = create_pages(counted);
+  free_.insert(free_.end(), pages.begin(), pages.end());
+  return counted;
 }
 
 void PagePool::precreate(std::size_t count) {
@@ -118,8 +155,12 @@ void PagePool::precreate(std::size_t count) {
               " pages");
   free_.reserve(count);
   while (free_.size() < count && created_pages_ < budget_pages_) {
-    free_.push_back(new_page());
-    ++created_pages_;
+    if (!count_created(1)) {
+      throw OutOfMemory(detail::concat("precreate_pages = ", count, ": the shared budget has room for ", free_.size(),
+                                       " of them"),
+                        count - free_.size(), backend_.page_bytes());
+    }
+    free_.push_back(create_pages(1).front());
   }
 }
 

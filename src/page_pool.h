@@ -12,9 +12,14 @@
 // like the others; take() releases free large pages when single pages must be created
 // and the budget has no room left, and take_large() never splits anything.
 //
+// An account (a shared budget's membership, budget_membership.h) may cap creation beyond
+// the pool's own budget: a page is created only once the account gave it, and the account
+// gets it back when the page is released.
+//
 // Thread-safety: not thread-safe; its owner (KvCache) serializes every call.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <optional>
 #include <unordered_set>
@@ -29,12 +34,28 @@ struct Page {
   bool clean = false;  ///< known to hold zeros
 };
 
+/// Where a pool's pages are counted beyond its own budget: memory others draw from too.
+class PageAccount {
+ public:
+  virtual ~PageAccount() = default;
+  /// Pages take() could have now; a hint: others may take them first.
+  virtual std::size_t available_pages() const noexcept = 0;
+  /// Takes `pages`, all or none. @throws Error when the account cannot be read.
+  virtual bool take(std::size_t pages) = 0;
+  /// Takes as many of `pages` as it can; returns how many. @throws as take().
+  virtual std::size_t take_up_to(std::size_t pages) = 0;
+  /// Returns pages taken before (released, or never created).
+  virtual void give(std::size_t pages) noexcept = 0;
+};
+
 
 class PagePool {
  public:
   /// Creates nothing yet. `backend` must outlive the pool. `large_page_pages` 0: no large
-  /// pages; otherwise (>= 2) the pages of each, and the backend must have them.
-  PagePool(Backend& backend, std::size_t budget_pages, std::size_t large_page_pages = 0);
+  /// pages; otherwise (>= 2) the pages of each, and the backend must have them. `account`
+  /// (may be null) must outlive the pool too.
+  PagePool(Backend& backend, std::size_t budget_pages, std::size_t large_page_pages = 0,
+           PageAccount* account = nullptr);
   /// Releases every free page. Pages still handed out are the owner's to give back first.
   ~PagePool();
   PagePool(const PagePool&) = delete;
@@ -42,6 +63,7 @@ class PagePool {
 
   std::size_t budget_pages() const noexcept { return budget_pages_; }
   /// A new budget; created pages above it stay until the owner releases them (trim()).
+  /// With an account, the account may allow fewer.
   void set_budget(std::size_t pages) noexcept { budget_pages_ = pages; }
   std::size_t created_pages() const noexcept { return created_pages_; }
   std::size_t large_page_pages() const noexcept { return large_page_pages_; }
@@ -81,8 +103,9 @@ class PagePool {
   /// Hands out up to `count` free large pages; creates none.
   std::vector<Page> take_free_large(std::size_t count);
   /// Counts up to `count` pages as created before they are (at most what the budget
-  /// allows), so that the owner can create them outside its lock. Returns how many.
-  std::size_t begin_create(std::size_t count) noexcept;
+  /// and the account allow), so that the owner can create them outside its lock. Returns
+  /// how many. @throws as PageAccount::take().
+  std::size_t begin_create(std::size_t count);
   /// Ends begin_create(reserved) of which `made` pages were created (and are handed out).
   void end_create(std::size_t reserved, std::size_t made) noexcept;
   /// Takes back a page that is mapped nowhere.
@@ -90,6 +113,10 @@ class PagePool {
   /// Releases a handed-out page that is mapped nowhere to the backend (a large page whole):
   /// the owner's way to free at once instead of giving back.
   void release(Page page) noexcept;
+  /// Creates up to `count` single pages into the free list, as far as the budget and the
+  /// account allow (pages a shared budget's members just gave). Returns how many.
+  /// @throws OutOfMemory / DriverError from the device (then none was added).
+  std::size_t add_free(std::size_t count);
   /// Creates single pages until `count` are free, so that creation leaves the hot path.
   /// @throws InvalidArgument when that exceeds the budget; OutOfMemory from the device
   ///         (the pages created before it stay free in the pool).
@@ -104,17 +131,24 @@ class PagePool {
     free_large_.clear();
     large_.clear();
     created_pages_ = 0;
+    account_ = nullptr;
   }
 
  private:
   Backend& backend_;
   std::size_t budget_pages_;
   std::size_t creatable_pages() const noexcept {
-    return budget_pages_ > created_pages_ ? budget_pages_ - created_pages_ : 0;
+    const std::size_t room = budget_pages_ > created_pages_ ? budget_pages_ - created_pages_ : 0;
+    return account_ == nullptr ? room : std::min(room, account_->available_pages());
   }
+  // Counts `count` pages as created, with the account's leave; false (no change) without.
+  bool count_created(std::size_t count);
+  void count_released(std::size_t count) noexcept;
   void release_large(Page page) noexcept;
+  std::vector<Page> create_pages(std::size_t count);
 
   std::size_t large_page_pages_;
+  PageAccount* account_;
   std::size_t created_pages_ = 0;
   std::vector<Page> free_;        // LIFO: the most recently used page goes out first
   std::vector<Page> free_large_;  // the same, for large pages

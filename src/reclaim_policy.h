@@ -3,7 +3,9 @@
 //
 // Coldest first: surplus pages of allocated slots above their floor (their requests
 // may never grow that far), then the least recently freed slot (the most recent is the
-// likeliest to be reused). A slot the mapper is working on is never chosen.
+// likeliest to be reused). A slot the mapper is working on is never chosen. Pages given
+// to another cache (a shared budget) go the other way round: freed slots' first, since
+// surplus pages are what this cache's next iterations grow into.
 //
 // Pure: decides, changes nothing; the cache unmaps (mechanism beside it: unmap_tail()).
 // Thread-safety: none needed.
@@ -18,6 +20,7 @@ namespace vkv::detail {
 
 enum class VictimKinds {
   surplus_then_freed,  ///< allocated slots' pages above their floor first, then freed slots
+  freed_then_surplus,  ///< freed slots first, then allocated slots' pages above their floor
   freed_only,          ///< only freed slots (the mapper never takes from allocated ones)
 };
 

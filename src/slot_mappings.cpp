@@ -19,7 +19,8 @@ std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vect
   try {
     while (pages.size() < count) {
       std::vector<Page> reclaimed;
-      reclaim_coldest(reclaimed, count - pages.size(), floors);
+      if (!reclaim_coldest(reclaimed, count - pages.size(), floors))
+        throw Error("internal: reclamation found no unclaimed mapped page");
       // Single pages serve as they are; a large page serves as room for single ones.
       for (std::size_t i = 0; i < reclaimed.size(); ++i) {
         if (pool_.is_large(reclaimed[i].handle)) {
@@ -45,20 +46,21 @@ std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vect
   return pages;
 }
 
-void KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors) {
+bool KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors,
+                                    detail::VictimKinds kinds) {
   enqueue_deferred_fills();  // the victim's pages are zero-filled before they go
   // Large pages go whole: a slot keeps the one its floor falls in.
   std::vector<std::size_t> whole_floors(floors.size());
   for (std::size_t s = 0; s < floors.size(); ++s) whole_floors[s] = round_up_to_whole(slots_[s], floors[s]);
-  const std::size_t victim = detail::choose_victim(slots_, whole_floors, detail::VictimKinds::surplus_then_freed,
-                                                   /*exclude=*/slots_.size());
-  if (victim == slots_.size()) throw Error("internal: reclamation found no unclaimed mapped page");
+  const std::size_t victim = detail::choose_victim(slots_, whole_floors, kinds, /*exclude=*/slots_.size());
+  if (victim == slots_.size()) return false;
   const std::size_t regions = layout_.num_regions();
   const std::size_t mapped = slots_[victim].mapped();
   const std::size_t per_region = std::min(mapped - whole_floors[victim], (wanted + regions - 1) / regions);
   const std::size_t keep = round_down_to_whole(slots_[victim], mapped - per_region);
   order_after_readers(victim, keep);
   unmap_tail(victim, keep, into);
+  return true;
 }
 
 void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<Page>& into) {

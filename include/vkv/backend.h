@@ -65,6 +65,12 @@ class Backend {
   virtual std::size_t max_reservation_bytes() const noexcept = 0;
   /// Physical memory the backend could still provide (device free memory, host available RAM).
   virtual std::size_t available_memory_bytes() const = 0;
+  /// Physical memory the device has in all (host: RAM). By default: available_memory_bytes().
+  virtual std::size_t total_memory_bytes() const { return available_memory_bytes(); }
+  /// What tells this backend's memory apart from another's, the same in every process on
+  /// the machine: caches that share a budget must agree on it (CUDA: the GPU's UUID,
+  /// whatever CUDA_VISIBLE_DEVICES calls it). By default: name().
+  virtual std::string memory_identity() const { return name(); }
   virtual BackendTraits traits() const noexcept { return {}; }
   /// Release calls that failed (they cannot throw: their callers clean up); each is also
   /// logged with VKV_LOG=debug. A dead context at exit fails them all.

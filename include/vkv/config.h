@@ -76,7 +76,10 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
     "freed slots keep their pages for the next owner; off: free_reqid() waits for the device and gives them back") \
   X(reclaim_watermark_pages, std::size_t, 0,                                                                       \
     "the mapper unmaps freed slots' pages into the pool while fewer are free; 0 = budget / 32")                    \
-  X(backend_statistics, bool, true, "count every backend call and its time (stats()['backend'])")
+  X(backend_statistics, bool, true, "count every backend call and its time (stats()['backend'])")                  \
+  X(shared_budget, std::string, "",                                                                                \
+    "name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the "     \
+    "device; '' = none. memory_budget, when set, caps this cache within it")
 
 /// What a KV cache looks like. Plain data; validate() checks it field by field.
 struct CacheConfig {

@@ -47,6 +47,9 @@ class CudaBackend final : public Backend {
   std::size_t page_bytes() const noexcept override { return page_bytes_; }
   std::size_t max_reservation_bytes() const noexcept override { return kMaxReservationBytes; }
   std::size_t available_memory_bytes() const override;
+  std::size_t total_memory_bytes() const override;
+  /// "GPU-<uuid>", as nvidia-smi -L writes it.
+  std::string memory_identity() const override;
 
   Address reserve(std::size_t bytes) override;
   void free_reservation(Address base, std::size_t bytes) noexcept override;

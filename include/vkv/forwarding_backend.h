@@ -24,6 +24,8 @@ class ForwardingBackend : public Backend {
   std::size_t page_bytes() const noexcept override { return upstream_->page_bytes(); }
   std::size_t max_reservation_bytes() const noexcept override { return upstream_->max_reservation_bytes(); }
   std::size_t available_memory_bytes() const override { return upstream_->available_memory_bytes(); }
+  std::size_t total_memory_bytes() const override { return upstream_->total_memory_bytes(); }
+  std::string memory_identity() const override { return upstream_->memory_identity(); }
   Address reserve(std::size_t bytes) override { return upstream_->reserve(bytes); }
   void free_reservation(Address base, std::size_t bytes) noexcept override { upstream_->free_reservation(base, bytes); }
   PageHandle create_page() override { return upstream_->create_page(); }

@@ -65,6 +65,10 @@ class HostBackend final : public Backend {
   std::size_t page_bytes() const noexcept override { return page_bytes_; }
   std::size_t max_reservation_bytes() const noexcept override { return kMaxReservationBytes; }
   std::size_t available_memory_bytes() const override;
+  /// MemTotal of /proc/meminfo.
+  std::size_t total_memory_bytes() const override;
+  /// "host": every HostBackend on a machine draws from the same RAM.
+  std::string memory_identity() const override { return "host"; }
 
   Address reserve(std::size_t bytes) override;
   void free_reservation(Address base, std::size_t bytes) noexcept override;

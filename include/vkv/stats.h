@@ -57,6 +57,9 @@ struct CacheStats {
   std::size_t swapped_slots = 0;   ///< allocated slots swapped out to host memory
   std::size_t swapped_bytes = 0;   ///< host memory holding them
   CallStats step;                  ///< step() itself, waits included; units: pages it mapped
+  /// Asks to a shared budget's other members (config.shared_budget): units: pages they
+  /// gave; time: waiting for their answers.
+  CallStats budget_asks;
   BackendStats backend;
 
   std::size_t bytes_mapped() const noexcept { return pages_mapped * page_bytes; }

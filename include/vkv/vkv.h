@@ -9,6 +9,7 @@
 #include "vkv/kv_cache.h"
 #include "vkv/layout.h"
 #include "vkv/limiting_backend.h"
+#include "vkv/shared_budget.h"
 #include "vkv/forwarding_backend.h"
 #include "vkv/statistics_backend.h"
 #include "vkv/stats.h"

@@ -3,7 +3,8 @@
 // Thin on purpose: defaults and conversions that are easier in Python live in
 // python/vkv/_parameters.py. This file binds CacheConfig from its one field list
 // (VKV_CACHE_CONFIG_FIELDS), wraps the cache, translates errors, and makes the one tensor
-// over the reservation whose storage keeps the cache alive.
+// over the reservation whose storage keeps the cache alive. It also binds HostAllReduce,
+// through which vkv.distributed's ranks on one host agree.
 //
 // Locks: every call releases the GIL before it takes the cache's mutex, and nothing in
 // vkv takes the GIL while holding that mutex, so the two cannot deadlock.
@@ -11,10 +12,12 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <vkv/host_all_reduce.h>
 #include <vkv/vkv.h>
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <optional>
 #ifdef VKV_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -95,6 +98,13 @@ std::string expect_str(const char* name, py::handle value) {
     throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::repr(value)), " must be a str"));
   return value.cast<std::string>();
 }
+
+template <>
+struct PythonField<std::string> {
+  static constexpr const char* type_name = "str";
+  static py::object to_python(const std::string& text) { return py::str(text); }
+  static std::string from_python(const char* name, py::handle value) { return expect_str(name, value); }
+};
 
 template <>
 struct PythonField<vkv::LayoutKind> {
@@ -384,6 +394,7 @@ py::dict stats(const KvCache& cache) {
   out["swapped_slots"] = stats.swapped_slots;
   out["swapped_bytes"] = stats.swapped_bytes;
   out["step"] = call_stats(stats.step);
+  out["budget_asks"] = call_stats(stats.budget_asks);
   py::dict backend;
   backend["reserve"] = call_stats(stats.backend.reserve);
   backend["create"] = call_stats(stats.backend.create);
@@ -398,10 +409,112 @@ py::dict stats(const KvCache& cache) {
   return out;
 }
 
+// -- vkv.SharedBudget: one amount of a device's memory that caches in several processes draw from --
+
+// Python says 'cpu' where C++ says host.
+std::string python_device(const std::string& device) { return device == "host" ? "cpu" : device; }
+
+py::dict budget_stats(const vkv::SharedBudgetStats& stats) {
+  py::dict out;
+  out["name"] = stats.name;
+  out["device"] = python_device(stats.device);
+  out["capacity_bytes"] = stats.capacity_bytes;
+  out["used_bytes"] = stats.used_bytes;
+  out["free_bytes"] = stats.free_bytes();
+  out["reserved_bytes"] = stats.reserved_bytes;
+  out["device_total_bytes"] = stats.device_total_bytes;
+  py::list members;
+  for (const vkv::SharedBudgetMember& member : stats.members) {
+    py::dict row;
+    const std::size_t page = member.page_bytes == 0 ? 1 : member.page_bytes;
+    row["pid"] = member.pid;
+    row["command"] = member.command;
+    row["page_bytes"] = member.page_bytes;
+    row["pages_held"] = member.held_bytes / page;
+    row["pages_in_use"] = member.in_use_bytes / page;
+    row["pages_cached"] = member.cached_bytes() / page;
+    row["bytes_held"] = member.held_bytes;
+    row["bytes_in_use"] = member.in_use_bytes;
+    row["bytes_wanted"] = member.wanted_bytes;
+    members.append(row);
+  }
+  out["members"] = members;
+  return out;
+}
+
+vkv::Device budget_device(const std::string& device) {
+  return PythonField<vkv::Device>::from_python("device", py::str(device));
+}
+
+void bind_shared_budget(py::module_& m) {
+  using py::arg;
+  py::class_<vkv::SharedBudget>(m, "SharedBudget", "A shared budget (include/vkv/shared_budget.h); use vkv.SharedBudget.")
+      .def_static(
+          "create",
+          [](const std::string& name, std::size_t bytes, const std::string& device, unsigned mode) {
+            const vkv::Device parsed = budget_device(device);
+            py::gil_scoped_release release;
+            return vkv::SharedBudget::create(name, bytes, parsed, mode);
+          },
+          arg("name"), arg("bytes"), arg("device"), arg("mode"))
+      .def_static("open", &vkv::SharedBudget::open, arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def_static("remove", &vkv::SharedBudget::remove, arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("name", &vkv::SharedBudget::name)
+      .def(
+          "resize",
+          [](vkv::SharedBudget& budget, std::size_t bytes, unsigned wait_ms) {
+            vkv::SharedBudgetStats stats;
+            {
+              py::gil_scoped_release release;
+              stats = budget.resize(bytes, wait_ms);
+            }
+            return budget_stats(stats);
+          },
+          arg("bytes"), arg("wait_ms"))
+      .def("stats", [](const vkv::SharedBudget& budget) {
+        vkv::SharedBudgetStats stats;
+        {
+          py::gil_scoped_release release;
+          stats = budget.stats();
+        }
+        return budget_stats(stats);
+      });
+}
+
 py::tuple view(const KvCache& cache, std::size_t layer, bool value) {
   const vkv::TensorView view = value ? cache.layout().value_view(layer) : cache.layout().key_view(layer);
   return py::make_tuple(view.offset_bytes, std::vector<int64_t>(view.shape.begin(), view.shape.end()),
                         std::vector<int64_t>(view.strides.begin(), view.strides.end()));
+}
+
+// -- vkv._C.HostAllReduce: vkv.distributed's agreement among ranks of one host ------------
+
+void bind_host_all_reduce(py::module_& m) {
+  using vkv::HostAllReduce;
+  using py::arg;
+  const auto unlocked = py::call_guard<py::gil_scoped_release>();
+  py::class_<HostAllReduce>(m, "HostAllReduce",
+                            "MAX all-reduce of int64 lists among the processes of one host, through shared memory "
+                            "(include/vkv/host_all_reduce.h). One thread per rank.")
+      .def_static("create", &HostAllReduce::create, arg("name"), arg("ranks"), arg("capacity"), unlocked)
+      .def_static("join", &HostAllReduce::join, arg("name"), arg("rank"), unlocked)
+      .def_static("unlink", &HostAllReduce::unlink, arg("name"), unlocked)
+      .def("peers_visible", &HostAllReduce::peers_visible, unlocked)
+      .def(
+          "reduce_max",
+          [](HostAllReduce& self, std::vector<std::int64_t> values, double timeout_seconds) {
+            {
+              py::gil_scoped_release release;  // it waits for the other ranks
+              self.reduce_max(values.data(), values.size(),
+                              std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::duration<double>(timeout_seconds)));
+            }
+            return values;
+          },
+          arg("values"), arg("timeout_seconds"))
+      .def_property_readonly("rank", &HostAllReduce::rank)
+      .def_property_readonly("ranks", &HostAllReduce::ranks)
+      .def_property_readonly("capacity", &HostAllReduce::capacity);
 }
 
 }  // namespace
@@ -412,6 +525,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &vkv::cuda_available, "True when the CUDA driver loads and sees a device.");
   m.def("reservation_tensor", &reservation_tensor, py::arg("cache"), py::arg("device"));
   m.attr("ADAPTIVE") = vkv::kAdaptive;
+  bind_shared_budget(m);
 
   using py::arg;
   py::class_<vkv::CacheConfig> config(m, "CacheConfig",
@@ -477,4 +591,6 @@ PYBIND11_MODULE(_C, m) {
       .def("pages_for_tokens", [](const KvCache& cache, std::size_t tokens) {
         return cache.layout().pages_for_tokens(tokens);
       }, arg("tokens"));
+
+  bind_host_all_reduce(m);
 }

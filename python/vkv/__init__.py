@@ -18,6 +18,7 @@ from . import distributed  # vkv.distributed.TensorParallelCache, reachable afte
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
 from ._cache import KVCache
 from ._errors import DriverError, OutOfMemory
+from ._shared_budget import SharedBudget
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ def cuda_available() -> bool:
 
 __all__ = [
     "KVCache",
+    "SharedBudget",
     "OutOfMemory",
     "DriverError",
     "cuda_available",

@@ -8,7 +8,7 @@ their outcomes; ``TensorParallelCache`` makes the outcomes the same on every ran
     import torch.distributed as dist, vkv, vkv.distributed
     dist.init_process_group("nccl")
     cache = vkv.KVCache(..., num_kv_heads=total_kv_heads // dist.get_world_size(), device=f"cuda:{local_rank}")
-    tp = vkv.distributed.TensorParallelCache(cache)
+    tp = vkv.distributed.TensorParallelCache(cache)   # tp.agreement: "shared_memory" on one host
     slot = tp.alloc_reqid(); tp.step(seq_lens); tp.free_reqid(slot)
 
 The guarantee. Every state-changing call (``alloc_reqid``, ``free_reqid``, ``step``,
@@ -48,19 +48,31 @@ their old budget back and every rank raises; ``trim`` changes no logical state a
 just raises; after any other call every rank raises and the wrapper is *broken*:
 every later state-changing call raises ``RuntimeError`` on every rank at once, with no
 collective (close the caches and build new ones). The same happens when the ranks'
-results disagree (different slots: their caches were already apart).
+results disagree (different slots: their caches were already apart). Through shared
+memory (below), a rank that exits (SIGKILL included) while the others wait for it to
+agree, or does not come within the group's timeout, breaks the wrapper on the ranks
+that waited: they raise ``RuntimeError`` naming its rank and pid.
 
 A commit that fails only because the background mapper's error surfaced (it is raised
 by the next call on that rank) is retried once, since a failed call changes nothing;
 the error is then raised on every rank by the next call that agrees before acting
 (``step``, ``fork``, ``share_prefix``, ``swap_in``, ``set_budget``).
 
-Costs: per call one all-reduce of ``4 + 2 * (ints compared)`` int64s; two for ``fork``,
-``share_prefix``, ``swap_in``, ``set_budget`` and a copying ``step``. They run on a CPU
-(gloo) group: ``group`` itself when it has gloo, else a gloo group over its ranks made
-once here, so the agreement never waits for the device. ``debug=True`` also compares
-every ``step``'s ``seq_lens`` (in the same all-reduce) and ``free_reqid``'s slot before
-freeing (one more).
+Costs: per call one all-reduce (MAX) of ``4 + 2 * (ints compared)`` int64s; two for
+``fork``, ``share_prefix``, ``swap_in``, ``set_budget`` and a copying ``step``. None
+waits for the device. When every rank of the group is on this host (found out once, at
+construction: same boot of the same machine, and a shared segment every rank could open)
+the all-reduce goes through shared memory (``include/vkv/host_all_reduce.h``): each rank
+writes its row and waits for the others' rows, spinning briefly and then on a futex, in
+C++ with the GIL released: microseconds, not the gloo all-reduce's millisecond
+(``docs/benchmarks.md``). The segment's name is removed once every rank has opened it,
+so nothing is left in /dev/shm. Across hosts, or with ``shared_memory=False``, the
+all-reduce runs on a CPU (gloo) group: ``group`` itself when it has gloo, else a gloo
+group over its ranks made once here. The reports gathered after a failure always go
+over gloo. ``debug=True`` also compares every ``step``'s ``seq_lens`` (in the same
+all-reduce) and ``free_reqid``'s slot before freeing (one more). None of the all-reduces
+can be skipped without weakening the guarantee: only asking tells a rank whether another
+fell short or failed.
 
 Thread-safety: as ``KVCache``; every state-changing call is collective: make them in
 the same order on every rank, from one engine thread per rank, and through this
@@ -74,6 +86,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.distributed as dist
 
+from . import _C, _host_all_reduce
 from ._cache import KVCache, SeqLens
 from ._errors import DriverError, OutOfMemory
 
@@ -95,14 +108,20 @@ class TensorParallelCache:
 
     Attribute reads other than those below (``key()``, ``stats()``, ``page_size``...)
     go to the rank's own cache.
+
+    ``agreement``: how the ranks agree, ``"shared_memory"`` (every rank on this host) or
+    ``"gloo"``.
     """
 
-    def __init__(self, cache: KVCache, group: Optional[Any] = None, debug: bool = False) -> None:
+    def __init__(self, cache: KVCache, group: Optional[Any] = None, debug: bool = False,
+                 shared_memory: bool = True) -> None:
         """Wrap this rank's ``cache``; collective: every rank of ``group`` must call it.
 
         Args:
             group: the tensor-parallel process group; None = the default group.
             debug: also compare every ``step``'s ``seq_lens`` across ranks.
+            shared_memory: when every rank is on this host, agree through a shared-memory
+                segment (microseconds) instead of the gloo group (about a millisecond).
 
         Raises:
             RuntimeError: torch.distributed is not initialized.
@@ -113,7 +132,14 @@ class TensorParallelCache:
         self.cache, self.group, self.debug = cache, group, debug
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._agreement = _agreement_group(group)
+        self._agreement = _agreement_group(group)  # gloo: the fallback, and reports when a call fails
+        self._host: Optional[_C.HostAllReduce] = None  # the shared-memory all-reduce: every rank on this host
+        if shared_memory:
+            # Every all-reduce: 4 + 2 per compared value; at most seq_lens and its length (debug).
+            capacity = 4 + 2 * max(cache.max_batch_size + 1, 3)
+            self._host = _host_all_reduce.open_on_this_host(self._agreement, capacity)
+        self.agreement = "shared_memory" if self._host is not None else "gloo"
+        self._timeout_s = _host_all_reduce.group_timeout_seconds(self._agreement)
         self._broken: Optional[str] = None  # set on every rank at once: every later call raises
         self._pending: Optional[Exception] = None  # this rank's error, for every rank at the next agreement
         self._diverged: Optional[str] = None  # this rank's cache no longer matches the others'
@@ -204,7 +230,8 @@ class TensorParallelCache:
         needs the same size on every rank, whatever each was given."""
         size = self.cache.max_batch_size
         try:
-            values = [int(n) for n in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
+            given = seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens
+            values = [n if type(n) is int else int(n) for n in given]  # noqa: E721 (the common case, cheaply)
         except (TypeError, ValueError):
             return [-1] + [0] * size  # step() itself raises the error, on this rank's preparation
         return [len(values)] + (values + [0] * size)[:size]
@@ -232,7 +259,7 @@ class TensorParallelCache:
             compared = list(compared) + [plan.slot if plan is not None else 0]
         missing = plan.missing_pages if plan is not None else 0
         copies = plan is not None and plan.copied_pages > 0
-        outcome = self._all_reduce(missing, error, copies, compared)
+        outcome = self._all_reduce(what, missing, error, copies, compared)
         if outcome.diverged or outcome.failed or outcome.disagree:
             reports = self._gather(error, compared)
             if outcome.diverged:
@@ -266,7 +293,7 @@ class TensorParallelCache:
                  restore: Optional[Callable[[], Any]] = None, changes_state: bool = True) -> None:
         """Step 4: one all-reduce of the commit's outcome; raises on every rank if any
         rank failed (breaking the wrapper where the ranks' states now differ)."""
-        outcome = self._all_reduce(0, error, False, compared)
+        outcome = self._all_reduce(what, 0, error, False, compared)
         if not (outcome.diverged or outcome.failed or outcome.disagree):
             return
         reports = self._gather(error, compared)
@@ -283,7 +310,7 @@ class TensorParallelCache:
                         restore()
                     except Exception as caught:  # noqa: BLE001
                         undo_error = caught
-                if not self._all_reduce(0, undo_error, False, ()).failed:
+                if not self._all_reduce(what, 0, undo_error, False, ()).failed:
                     raise self._decisive(what, reports, "; the other ranks undid it: nothing changed") from error
             self._break(what, reports, error)
         self._break(what, reports, error, f"ranks disagree on {what}: {_listing(reports)}")
@@ -303,15 +330,26 @@ class TensorParallelCache:
 
     # -- collectives ----------------------------------------------------------------------
 
-    def _all_reduce(self, missing: int, error: Optional[Exception], flag: bool, compared: Sequence[Any]) -> _Outcome:
-        status = [missing, int(error is not None), int(self._diverged is not None), int(flag)]
-        for value in compared:
-            value = _as_int64(value)
-            status += [value, -value]  # MAX of both: the largest and the smallest
-        tensor = torch.tensor(status, dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._agreement)
-        reduced = tensor.tolist()
-        disagree = any(high != -low for high, low in zip(reduced[4::2], reduced[5::2]))
+    def _all_reduce(self, what: str, missing: int, error: Optional[Exception], flag: bool,
+                    compared: Sequence[Any]) -> _Outcome:
+        values = [value if type(value) is int and -_INT64_SAFE < value < _INT64_SAFE else _as_int64(value)  # noqa: E721
+                  for value in compared]
+        # MAX of each value and of its negation: the largest and the smallest.
+        status = [missing, int(error is not None), int(self._diverged is not None), int(flag), *values,
+                  *[-value for value in values]]
+        if self._host is not None:
+            try:
+                reduced = self._host.reduce_max(status, self._timeout_s)
+            except (RuntimeError, ValueError) as failure:  # a rank exited, or did not come in time
+                self._broken = f"{what} could not be agreed on: {failure}"
+                raise RuntimeError(f"vkv.distributed: {self._broken}; this TensorParallelCache refuses every "
+                                   "later call (close the caches and build new ones)") from failure
+        else:
+            tensor = torch.tensor(status, dtype=torch.int64)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._agreement)
+            reduced = tensor.tolist()
+        count = len(values)
+        disagree = reduced[4:4 + count] != [-low for low in reduced[4 + count:]]
         return _Outcome(reduced[0], bool(reduced[1]), bool(reduced[2]), bool(reduced[3]), disagree)
 
     def _gather(self, error: Optional[Exception], compared: Sequence[Any]) -> List[Dict[str, Any]]:
@@ -335,13 +373,16 @@ class TensorParallelCache:
 _SEVERITY = {"DriverError": 0, "OutOfMemory": 2, "ValueError": 3, "TypeError": 3}  # anything else: 1
 
 
+_INT64_SAFE = 2**62  # compared values and their negations fit an int64 within this
+
+
 def _as_int64(value: Any) -> int:
     """A compared value as an int64; what is none (a failed call's slot) or no int counts as -1."""
     try:
         number = int(value)
     except (TypeError, ValueError):
         return -1
-    return number if -(2**62) < number < 2**62 else -1
+    return number if -_INT64_SAFE < number < _INT64_SAFE else -1
 
 
 def _describe(error: Optional[Exception]) -> Optional[tuple]:

@@ -2,6 +2,7 @@
 
 import gc
 import inspect
+import os
 
 import numpy as np
 import pytest
@@ -294,10 +295,11 @@ def test_an_unknown_keyword_is_refused_naming_the_valid_ones():
 
 def test_every_keyword_option_reaches_the_core():
     page = HOST_PAGE
+    budget = vkv.SharedBudget.create(f"test-api-{os.getpid()}", 64 * page, device="cpu")
     options = dict(layers_per_group=2, page_size=page, memory_budget=8 * page, precreate_pages=1, large_page_size=2 * page,
                    zero_page=False,
                    background_mapping=False, lookahead_tokens=7, eager_tokens=5, deferred_reclamation=False,
-                   reclaim_watermark_pages=3, backend_statistics=False)
+                   reclaim_watermark_pages=3, backend_statistics=False, shared_budget=budget.name)
     keywords = [p.name for p in inspect.signature(vkv.KVCache).parameters.values() if p.kind == p.KEYWORD_ONLY]
     assert sorted(options) == sorted(keywords), "a new config field: give it a value here"
     with vkv.KVCache(4, 2, 64, torch.float16, 4, 4096, "cpu", "interleaved", **options) as cache:
@@ -305,6 +307,7 @@ def test_every_keyword_option_reaches_the_core():
         for name, value in options.items():
             assert getattr(config, name) == value, name
         assert (config.dtype_bytes, config.device, config.layout) == (2, "cpu", "interleaved")
+    budget.remove()
     with small_cache() as cache:  # the Python defaults: None for memory_budget and eager_tokens
         assert (cache._core.config.memory_budget, cache._core.config.eager_tokens) == (0, vkv._C.ADAPTIVE)
 

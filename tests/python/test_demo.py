@@ -2,6 +2,7 @@
 preemption under a tight budget loses nothing, and the CLI prints its comparison."""
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -82,7 +83,7 @@ def test_a_tight_budget_preempts_and_recomputes_without_losing_requests(kind):
         store.cache.check_invariants()
         assert store.cache.num_free_slots == store.cache.max_batch_size
     if isinstance(store, PagedStore):
-        assert sorted(store._free_pages) == list(range(store.num_pages))
+        assert sorted(store.pages.free_pages) == list(range(store.num_pages))
     store.close()
 
 
@@ -201,9 +202,9 @@ def test_summary_of_a_run_that_finished_nothing_says_so():
 def test_the_small_preset_on_a_gpu_fits_every_store():
     """On a GPU the small preset gets a budget of whole 2 MiB pages where each store holds
     requests; run here on the host backend with 2 MiB pages."""
-    args = parse_args(["--device", "cuda"])
+    args = parse_args(["--preset", "small", "--device", "cuda"])
     assert args.page_size_kib == 0 and args.kv_budget_mib == 64
-    assert parse_args(["--device", "cuda", "--kv-budget-mib", "8"]).kv_budget_mib == 8  # the user's value wins
+    assert parse_args(["--preset", "small", "--device", "cuda", "--kv-budget-mib", "8"]).kv_budget_mib == 8  # the user's value wins
     assert parse_args(["--device", "cpu"]).kv_budget_mib == 4
     trace = make_trace(6, math.inf, args.max_context, SHAPE.vocab, seed=1, scale=args.length_scale)
     for kind in ("vkv-per-layer", "vkv-interleaved"):
@@ -327,3 +328,104 @@ def test_cli_long_preset_reports_makespan_per_ratio(capsys, tmp_path):
     for run in results["runs"].values():
         assert set(run["summary"]["makespan_s_by_trace"]) == {"P:D 50", "P:D 10"}
         assert run["summary"]["throughput_tok_s"] > 0 and run["summary"]["same_tokens_pct"] == 100
+
+
+def test_two_engines_share_one_budget_and_a_killed_one_loses_nothing(capsys, tmp_path):
+    from vkv.demo import multi
+
+    assert multi.main(["--device", "cpu", "--phases", "shared", "kill", "--bursts", "1", "--requests-per-burst",
+                       "8", "8", "--period", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| shared | A | tiny |" in printed and "| shared | B | tiny-b |" in printed
+    results = json.loads((tmp_path / "multi_engine_small_cpu.json").read_text())
+    killed = results["phases"]["kill"]["kill"]["B"]["killed"]
+    assert killed["lost_bytes"] == 0
+    # B is counted out by the first stats() after its death; A may have finished by then.
+    assert killed["pid"] in [m["pid"] for m in killed["before"]["members"]]
+    assert killed["pid"] not in [m["pid"] for m in killed["after"]["members"]]
+    assert results["left_after"]["used_bytes"] == 0 and results["left_after"]["members"] == []
+    for engine in ("A", "B"):
+        summary = results["phases"]["shared"]["shared"][engine]["summary"]
+        assert summary["requests"] == 8 and summary["rejected"] == 0
+
+
+def test_bursty_trace_puts_each_burst_in_its_window():
+    from vkv.demo.workload import make_bursty_trace
+
+    trace = make_bursty_trace(3, 5, 0.5, 4.0, 2.0, 1024, 100, seed=1)
+    assert len(trace) == 15
+    for burst in range(3):
+        arrivals = [r.arrival for r in trace[burst * 5:(burst + 1) * 5]]
+        assert all(2.0 + 4.0 * burst <= a < 2.5 + 4.0 * burst for a in arrivals)
+        assert arrivals == sorted(arrivals)
+
+
+def test_without_a_preset_a_gpu_runs_the_gpu_preset_and_a_cpu_the_small_one(monkeypatch):
+    """python -m vkv.demo on a machine with a GPU serves a GPU-sized workload."""
+    import vkv
+
+    monkeypatch.setattr(vkv, "cuda_available", lambda: True)
+    on_gpu = parse_args([])
+    assert on_gpu.device.type == "cuda" and on_gpu.preset == "gpu"
+    assert on_gpu.model == "llama3.2-1b" and on_gpu.kv_budget_mib == 1024 and on_gpu.page_size_kib == 0
+    assert on_gpu.stores == ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
+    monkeypatch.setattr(vkv, "cuda_available", lambda: False)
+    on_cpu = parse_args([])
+    assert on_cpu.device.type == "cpu" and on_cpu.preset == "small" and on_cpu.model == "tiny"
+    assert parse_args(["--device", "cuda"]).preset == "gpu"  # the device asked for decides
+    assert parse_args(["--device", "cpu", "--preset", "gpu"]).preset == "gpu"  # an explicit preset wins
+
+
+def test_the_gpu_preset_is_under_memory_pressure():
+    """The gpu preset's KV budget holds 16 requests of max_context: a static reservation
+    runs 16 at a time, while the trace's requests at their full lengths need 1.5x the budget."""
+    args = parse_args(["--device", "cpu", "--preset", "gpu"])
+    shape = SHAPES[args.model]
+    per_request = args.max_context * shape.kv_bytes_per_token(torch.bfloat16)
+    assert (args.kv_budget_mib << 20) // per_request == 16
+    trace = make_trace(args.requests, args.rate, args.max_context, shape.vocab, seed=0, scale=args.length_scale)
+    demand = sum(r.prompt_len + r.output_len for r in trace) * shape.kv_bytes_per_token(torch.bfloat16)
+    assert demand > 1.5 * (args.kv_budget_mib << 20)
+
+
+def test_the_long_presets_compare_flashinfer_by_default_and_the_store_names_parse():
+    for preset in ("h100", "long"):
+        assert parse_args(["--device", "cpu", "--preset", preset]).stores[-2:] == ["flashinfer-16", "flashinfer-128"]
+    assert parse_args(["--stores", "flashinfer-64", "paged-32"]).stores == ["flashinfer-64", "paged-32"]
+    with pytest.raises(SystemExit):
+        parse_args(["--stores", "flashinfer-"])
+
+
+def test_a_flashinfer_store_is_unavailable_without_a_gpu_or_flashinfer(monkeypatch):
+    from vkv.demo.kv_stores import StoreUnavailable
+
+    with pytest.raises(StoreUnavailable, match="CUDA only"):
+        make_store("flashinfer-16", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, 64 << 20, 16, None)
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", None)  # import flashinfer fails
+    with pytest.raises(StoreUnavailable, match="FlashInfer is not importable.*flashinfer_env.sh"):
+        make_store("flashinfer-16", SHAPE, torch.bfloat16, torch.device("cuda"), MAX_CONTEXT, 64 << 20, 16, None)
+
+
+def test_the_cli_skips_a_store_it_cannot_run_and_compares_the_others(capsys, tmp_path):
+    assert main(["--device", "cpu", "--requests", "6", "--stores", "vkv-interleaved", "flashinfer-16",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "flashinfer-16: skipped: FlashInfer's kernels run on CUDA only" in out
+    assert "| vkv interleaved |" in out and "| flashinfer-16 |" not in out
+    import json
+
+    saved = json.loads((tmp_path / "serving_small_cpu.json").read_text())
+    assert set(saved["runs"]) == {"vkv interleaved"} and "flashinfer-16" in saved["skipped"]
+
+
+def test_flashinfer_page_lists_cover_each_request_and_pad_with_one_token():
+    from vkv.demo.flashinfer_store import page_lists
+
+    table = np.arange(40, dtype=np.int32).reshape(4, 10)
+    indptr, indices, last = page_lists(table, slots=[2, 0], lens=[17, 16], rows=4, page_tokens=8)
+    assert indptr.tolist() == [0, 3, 5, 6, 7]              # 3 pages, 2 pages, then one per padding row
+    assert indices.tolist() == [20, 21, 22, 0, 1, 20, 20]  # slot 2's pages, slot 0's, row 0's first page twice
+    assert last.tolist() == [1, 8, 1, 1]                   # 17 = 2 * 8 + 1, 16 = 8 + 8, padding reads one token
+    assert all(a.dtype == np.int32 for a in (indptr, indices, last))
+    with pytest.raises(ValueError, match="rows = 1 must hold the 2 requests"):
+        page_lists(table, slots=[2, 0], lens=[17, 16], rows=1, page_tokens=8)

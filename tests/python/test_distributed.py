@@ -1,13 +1,18 @@
 """vkv.distributed: every state-changing call agrees across tensor-parallel ranks or raises
-the same error on all, leaving them in the same state (two gloo processes, host backend);
-the core's prepare calls it rests on; several caches on several devices in one process.
+the same error on all, leaving them in the same state (two gloo processes, host backend),
+whether the ranks agree through shared memory (one host, the default) or over gloo; a
+rank killed mid-agreement is named by the survivor, which does not hang; the core's
+prepare calls it rests on; several caches on several devices in one process.
 
-Starting processes is slow, so one spawn runs every two-rank scenario in turn (fresh
-caches each) and records what each rank saw; the tests compare the records. A collective
-that waits longer than COLLECTIVE_TIMEOUT fails its scenario, and the spawn as a whole
-has a deadline: a hang fails the tests instead of blocking CI.
+Starting processes is slow, so one spawn per way of agreeing runs every two-rank scenario
+in turn (fresh caches each) and records what each rank saw; the tests compare the
+records. A collective that waits longer than COLLECTIVE_TIMEOUT fails its scenario, and
+the spawn as a whole has a deadline: a hang fails the tests instead of blocking CI.
 """
 
+import multiprocessing
+import os
+import signal
 import time
 from datetime import timedelta
 
@@ -24,6 +29,8 @@ SPAWN_DEADLINE_S = 240
 TOKENS_PER_PAGE = 32  # small_cache on the host: 2 KiB per token (interleaved), 64 KiB pages
 
 needs_distributed = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+AGREEMENTS = ["shared_memory", "gloo"]
+AGREEMENT = {"shared_memory": True}  # in each rank's process: how its wrappers agree
 
 
 # -- helpers the scenarios share -------------------------------------------------------------
@@ -98,7 +105,12 @@ def fail_on(rank, wanted_rank, method, times=None):
 def tensor_parallel(cache, **options):
     import vkv.distributed
 
-    return vkv.distributed.TensorParallelCache(cache, **options)
+    return vkv.distributed.TensorParallelCache(cache, shared_memory=AGREEMENT["shared_memory"], **options)
+
+
+def shared_segments(rank0_pid):
+    """The /dev/shm objects of the wrappers whose rank 0 is that process."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"vkv-tp-{rank0_pid}-")]
 
 
 # -- the scenarios (run on both ranks; each returns what its rank saw) ----------------------
@@ -302,7 +314,16 @@ def an_nccl_group_gets_a_gloo_group_to_agree_on(rank):
         vkv.distributed._AGREEMENT_GROUPS.clear()
 
 
+def how_the_ranks_agree(rank):
+    with small_cache(memory_budget=64 * HOST_PAGE) as cache:
+        tp = tensor_parallel(cache)
+        slot = tp.alloc_reqid()
+        tp.step(seq_lens(cache, {slot: 100}))
+        return tp.agreement, slot, after(tp)
+
+
 SCENARIOS = [
+    how_the_ranks_agree,
     ranks_that_agree,
     budgets_differ_and_a_step_falls_short,
     fork_falls_short_on_one_rank,
@@ -322,7 +343,9 @@ SCENARIOS = [
 ]
 
 
-def _rank_main(rank, world_size, init_file, results):
+def _rank_main(rank, world_size, init_file, agreement, results):
+    AGREEMENT["shared_memory"] = agreement == "shared_memory"
+    results[("pid", rank)] = os.getpid()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
     try:
@@ -335,12 +358,12 @@ def _rank_main(rank, world_size, init_file, results):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """{scenario name: (what rank 0 saw, what rank 1 saw)}."""
+@pytest.fixture(scope="module", params=AGREEMENTS)
+def two_ranks(request, tmp_path_factory):
+    """{scenario name: (what rank 0 saw, what rank 1 saw)}, and "agreement" and "rank 0 pid"."""
     results = mp.Manager().dict()
     init_file = tmp_path_factory.mktemp("tensor_parallel") / "init"
-    context = mp.spawn(_rank_main, args=(2, str(init_file), results), nprocs=2, join=False)
+    context = mp.spawn(_rank_main, args=(2, str(init_file), request.param, results), nprocs=2, join=False)
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
@@ -348,8 +371,49 @@ def two_ranks(tmp_path_factory):
                 process.kill()
             pytest.fail(f"the two ranks did not finish in {SPAWN_DEADLINE_S} s: a collective hangs")
     results = dict(results)
-    return {scenario.__name__: (results.get((scenario.__name__, 0)), results.get((scenario.__name__, 1)))
-            for scenario in SCENARIOS}
+    return {"agreement": request.param, "rank 0 pid": results.get(("pid", 0)),
+            **{scenario.__name__: (results.get((scenario.__name__, 0)), results.get((scenario.__name__, 1)))
+               for scenario in SCENARIOS}}
+
+
+def _killed_peer_main(rank, init_file, results):
+    """Rank 1 is SIGKILLed while rank 0 waits for it to agree on a step."""
+    results[("pid", rank)] = os.getpid()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=COLLECTIVE_TIMEOUT)
+    with small_cache(memory_budget=64 * HOST_PAGE) as cache:
+        tp = tensor_parallel(cache)
+        slot = tp.alloc_reqid()
+        tp.step(seq_lens(cache, {slot: 100}))
+        if rank == 1:
+            while "rank 0 steps" not in results:
+                time.sleep(0.01)
+            time.sleep(0.1)  # rank 0 is inside the agreement by now (or arrives after: the same error)
+            os.kill(os.getpid(), signal.SIGKILL)
+        results["agreement"] = tp.agreement
+        results["rank 0 steps"] = True
+        results["step"] = attempt(lambda: tp.step(seq_lens(cache, {slot: 200})))
+        results["next call"] = attempt(tp.alloc_reqid)
+        results["tokens"] = cache.stats()["tokens_in_use"]
+
+
+@pytest.fixture(scope="module")
+def a_rank_killed(tmp_path_factory):
+    """What rank 0 saw of rank 1's death, and the ranks' pids and exit codes."""
+    results = mp.Manager().dict()
+    init_file = tmp_path_factory.mktemp("killed") / "init"
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_killed_peer_main, args=(rank, str(init_file), results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    for process in ranks:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [process.is_alive() for process in ranks]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    return dict(results), [process.exitcode for process in ranks], hung
 
 
 def same_on_both(two_ranks, scenario):
@@ -359,6 +423,14 @@ def same_on_both(two_ranks, scenario):
 
 
 # -- the tests ---------------------------------------------------------------------------------
+
+
+@needs_distributed
+def test_ranks_on_one_host_agree_through_shared_memory_unless_told_not_to(two_ranks):
+    agreement, slot, (state, _) = same_on_both(two_ranks, "how_the_ranks_agree")
+    assert agreement == two_ranks["agreement"]  # shared_memory by default; gloo with shared_memory=False
+    assert slot == 0 and state["tokens_in_use"] == 100
+    assert shared_segments(two_ranks["rank 0 pid"]) == []  # each removed once both ranks opened it
 
 
 @needs_distributed
@@ -477,6 +549,20 @@ def test_debug_mode_catches_ranks_that_disagree_on_seq_lens(two_ranks):
 def test_a_group_without_gloo_gets_a_gloo_group_for_the_agreement(two_ranks):
     made, size, slot, _ = same_on_both(two_ranks, "an_nccl_group_gets_a_gloo_group_to_agree_on")
     assert made and size == 2 and slot == 0
+
+
+@needs_distributed
+def test_a_rank_killed_mid_agreement_is_named_by_the_survivor_which_does_not_hang(a_rank_killed):
+    results, exit_codes, hung = a_rank_killed
+    assert hung == [False, False], "rank 0 still waits for the killed rank"
+    assert exit_codes == [0, -signal.SIGKILL]
+    assert results["agreement"] == "shared_memory"
+    kind, message = results["step"]
+    assert kind == "RuntimeError" and f"rank 1 (pid {results[('pid', 1)]}) exited" in message, message
+    assert "refuses every later call" in message
+    assert results["next call"][0] == "RuntimeError" and "broken" in results["next call"][1]
+    assert results["tokens"] == 100  # the step that could not agree claimed nothing
+    assert shared_segments(results[("pid", 0)]) == []
 
 
 # -- the core's prepare calls, on one cache -----------------------------------------------------

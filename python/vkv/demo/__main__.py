@@ -1,11 +1,14 @@
 """python -m vkv.demo: one seeded trace served by the same engine on each KV cache, at the
 same KV memory budget; prints the comparison table, writes JSON and plots.
 
-  python -m vkv.demo                                   # small: tiny model, <1 minute on a CPU
+  python -m vkv.demo                 # on a CPU: small (tiny model, <1 minute); on a GPU: gpu
   python -m vkv.demo --preset h100 --out benchmarks/results    # Llama-3-8B shape on an H100
   python -m vkv.demo --preset long --out benchmarks/results    # long prompts: makespan per P:D ratio
 
-On a GPU, decode steps are replayed from CUDA graphs (--no-cuda-graphs: eager PyTorch).
+The gpu preset (Llama-3.2-1B shape, 128 ShareGPT-like requests in 1 GiB of KV, under a
+minute on an H100) shows the memory pressure vkv is for; h100 and long also compare
+FlashInfer's paged kernels (flashinfer-<tokens> stores; skipped where FlashInfer is not
+installed). On a GPU, decode steps are replayed from CUDA graphs (--no-cuda-graphs: eager).
 """
 
 from __future__ import annotations
@@ -24,25 +27,35 @@ import torch
 import vkv
 
 from .engine import Engine, RunResult
-from .kv_stores import make_store
+from .kv_stores import StoreUnavailable, make_store
 from .model import SHAPES, LlamaModel
 from .report import makespan_table, save, table
 from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
+FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128"]
 
 # small: a laptop CPU in under a minute; the page size keeps the H100's proportions (16
-# tokens per page interleaved, many more per page per layer). h100: the ShareGPT-like
-# trace on the Llama-3-8B shape. long: vAttention's makespan workloads, prompts of 8K-16K
-# tokens decoding prompt/500, /100 and /50 tokens.
+# tokens per page interleaved, many more per page per layer). gpu: what a GPU runs by
+# default, under a minute on an H100: a 1B model (2 ms decode steps) and a KV budget that
+# holds 16 requests of max_context, so the caches differ by how many requests they fit.
+# h100: the ShareGPT-like trace on the Llama-3-8B shape. long: vAttention's makespan
+# workloads, prompts of 8K-16K tokens decoding prompt/500, /100 and /50 tokens.
 PRESETS = {
     "small": dict(model="tiny", requests=32, rate=math.inf, kv_budget_mib=4, max_context=1024, length_scale=0.25,
                   page_size_kib=32, max_slots=32, max_prefill_tokens=1024, pd_ratios=[]),
+    "gpu": dict(model="llama3.2-1b", requests=128, rate=math.inf, kv_budget_mib=1024, max_context=2048,
+                length_scale=1.0, page_size_kib=0, max_slots=128, max_prefill_tokens=8192, pd_ratios=[]),
     "h100": dict(model="llama3-8b", requests=256, rate=math.inf, kv_budget_mib=8192, max_context=2048,
                  length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192, pd_ratios=[]),
     "long": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=32768, max_context=16384,
                  length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50]),
 }
+# The stores a preset compares when --stores is not given.
+PRESET_STORES = {"small": STORES, "gpu": STORES, "h100": STORES + FLASHINFER_STORES,
+                 "long": STORES + FLASHINFER_STORES}
+# Without --preset: the first of these for the device --device resolves to.
+DEFAULT_PRESETS = {"cpu": "small", "cuda": "gpu"}
 # On a GPU pages are the device's 2 MiB: the small preset's 4 MiB would be 2 pages, and a
 # vkv per-layer request (2 x 4 regions, a page each at least) could never fit.
 GPU_PRESETS = {"small": dict(page_size_kib=0, kv_budget_mib=64)}
@@ -50,10 +63,11 @@ CHOICES = {"model": sorted(SHAPES)}
 
 
 def store_kind(value: str) -> str:
-    """argparse type of --stores: a known store or paged-<tokens per page>."""
-    if value in STORES or re.fullmatch(r"paged-[1-9][0-9]*", value):
+    """argparse type of --stores: a known store, paged-<tokens per page> or flashinfer-<tokens per page>."""
+    if value in STORES or re.fullmatch(r"(paged|flashinfer)-[1-9][0-9]*", value):
         return value
-    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(STORES)} or paged-<tokens>)")
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(STORES)}, paged-<tokens> "
+                                     f"or flashinfer-<tokens>)")
 
 
 def device_name(value: str) -> str:
@@ -65,19 +79,24 @@ def device_name(value: str) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m vkv.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="(default: small on a CPU, gpu on a GPU)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
-    parser.add_argument("--stores", nargs="+", type=store_kind, default=STORES,
-                        help=f"KV caches to compare (default: {' '.join(STORES)}; any paged-<tokens>)")
+    parser.add_argument("--stores", nargs="+", type=store_kind, default=None,
+                        help=f"KV caches to compare (default: {' '.join(STORES)}, and for h100 and long "
+                             f"{' '.join(FLASHINFER_STORES)}; any paged-<tokens> or flashinfer-<tokens>)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a GPU, replay decode steps from CUDA graphs (default: on)")
-    return parse_with_presets(parser, PRESETS, argv, GPU_PRESETS)
+    args = parse_with_presets(parser, PRESETS, argv, GPU_PRESETS, DEFAULT_PRESETS)
+    args.stores = args.stores or PRESET_STORES[args.preset]
+    return args
 
 
-def parse_with_presets(parser, presets, argv, gpu_presets=None):
+def parse_with_presets(parser, presets, argv, gpu_presets=None, default_presets=None):
     """Adds --seed, --out, --no-progress and an option per preset key (a list value takes
     several; CHOICES lists the valid values of some), parses, resolves --device and fills
-    what was not given from the chosen --preset (and its GPU_PRESETS entry on a GPU)."""
+    what was not given from the chosen --preset (without one: default_presets[device type])
+    and its GPU_PRESETS entry on a GPU."""
     keys = {}
     for preset in presets.values():
         for key, value in preset.items():
@@ -85,7 +104,8 @@ def parse_with_presets(parser, presets, argv, gpu_presets=None):
     for key, value in keys.items():
         flag = f"--{key.replace('_', '-')}"
         if isinstance(value, list):
-            parser.add_argument(flag, type=int, nargs="*", default=None, help="(default: the preset's value)")
+            parser.add_argument(flag, type=type(value[0]) if value else int, nargs="*", default=None,
+                                help="(default: the preset's value)")
             continue
         kind = float if isinstance(value, float) else (str if isinstance(value, str) else int)
         parser.add_argument(flag, type=kind, default=None, choices=CHOICES.get(key),
@@ -95,6 +115,8 @@ def parse_with_presets(parser, presets, argv, gpu_presets=None):
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     args.device = resolve_device(args.device)
+    if args.preset is None:
+        args.preset = (default_presets or {}).get(args.device.type, "small")
     defaults = dict(presets[args.preset])
     if args.device.type == "cuda":
         defaults.update((gpu_presets or {}).get(args.preset, {}))
@@ -156,14 +178,20 @@ def main(argv=None) -> int:
     print(f"KV budget {budget / 2**20:.0f} MiB = {budget // shape.kv_bytes_per_token(dtype)} tokens")
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
-    runs, summaries, failures, tokens = {}, {}, {}, {}
+    runs, summaries, failures, skipped, tokens = {}, {}, {}, {}, {}
     for kind in args.stores:
         store = engine = None
         try:
-            store = make_store(kind, shape, dtype, device, args.max_context, budget, args.max_slots, flex,
-                               page_size=args.page_size_kib << 10)
+            try:
+                store = make_store(kind, shape, dtype, device, args.max_context, budget, args.max_slots, flex,
+                                   page_size=args.page_size_kib << 10)
+            except StoreUnavailable as reason:  # this machine cannot run it: say so, compare the others
+                print(f"  {kind}: skipped: {reason}")
+                skipped[kind] = str(reason)
+                continue
             engine = Engine(model, store, args.max_prefill_tokens, cuda_graphs=graphs)
-            warmup = make_trace(4, math.inf, min(args.max_context, 2048), shape.vocab, seed=args.seed + 1,
+            # Short outputs: the warm-up only has to compile, capture and load kernels.
+            warmup = make_trace(4, math.inf, min(args.max_context, 512), shape.vocab, seed=args.seed + 1,
                                 scale=args.length_scale)
             capture = engine.run(warmup, show_progress=False).capture_seconds  # compiles, captures; not measured
             results = [(label, engine.run(copy.deepcopy(trace), show_progress=not args.no_progress))
@@ -225,7 +253,7 @@ def main(argv=None) -> int:
                    "driver": torch.version.cuda and _driver_version(),
                    "command": " ".join(["python -m vkv.demo"] + (argv if argv is not None else sys.argv[1:])),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "runs": runs,
-                   "failures": failures}
+                   "failures": failures, "skipped": skipped}
         tag = "cpu" if device.type == "cpu" else machine.split()[1].lower()
         stem = f"serving_{tag}" if args.preset == tag else f"serving_{args.preset}_{tag}"
         for path in save(results, args.out, stem):

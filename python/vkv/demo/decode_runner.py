@@ -11,9 +11,10 @@ i's tokens and the device never waits for the host between steps.
 What makes the graphs valid across steps: every tensor the step reads or writes keeps
 its address. vkv's K/V tensors never move (``step()`` maps and reclaims physical pages
 under fixed virtual addresses, on the host, between replays); the static cache's tensors
-and the paged cache's pools and tables are allocated once. What changes per step —
+and the paged caches' pools and tables are allocated once. What changes per step —
 tokens, positions, slots, lengths — goes into one input buffer per bucket before its
-replay. A bucket holds at least as many rows as the step has requests: padding rows
+replay, and a store whose kernels need host planning (FlashInfer) plans into its own
+fixed buffers then (``KvStore.plan_decode``). A bucket holds at least as many rows as the step has requests: padding rows
 repeat row 0 and read nothing (see ``DecodeBatch``).
 """
 
@@ -97,6 +98,7 @@ class DecodeRunner:
             if feed is not None and any(f >= 0 for f in feed):
                 previous = self._previous.tokens.tolist()
                 tokens = [previous[f] if f >= 0 else t for t, f in zip(tokens, feed)]
+            self.store.plan_decode(rows, slots, lens, graph=False)
             if events:
                 events[0].record()
             out = self.model.decode(self.store, DecodeBatch.of(slots, tokens, lens, self.model.device))
@@ -110,6 +112,7 @@ class DecodeRunner:
         start, end = events
         start.record()
         self.load(bucket, slots, tokens, lens, feed, ring)
+        self.store.plan_decode(bucket, slots, lens, graph=True)
         inputs = self._inputs[bucket]
         if feed is not None and any(f >= 0 for f in feed):
             fed = self._previous.tokens[inputs[FEED].clamp(min=0)]
@@ -199,6 +202,7 @@ class DecodeRunner:
         try:
             for bucket in sorted(self.buckets, reverse=True):
                 self.load(bucket, [slot], [0], [1])
+                self.store.plan_decode(bucket, [slot], [1], graph=True)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up: cuBLAS handles, Flex compilation
                     self.forward(bucket)

@@ -1,14 +1,15 @@
 """The KV caches the demo compares, behind one small interface the model and engine use.
 
-  VkvStore      vkv: contiguous virtual memory per request, pages mapped by step()
-  StaticStore   every request gets max_context tokens up front (Orca / FasterTransformer)
-  PagedStore    vLLM-style pages of N tokens with FlexAttention's PagedAttention
+  VkvStore         vkv: contiguous virtual memory per request, pages mapped by step()
+  StaticStore      every request gets max_context tokens up front (Orca / FasterTransformer)
+  PagedStore       vLLM-style pages of N tokens with FlexAttention's PagedAttention
+  FlashInferStore  pages of N tokens with FlashInfer's paged kernels (flashinfer_store.py)
 
 All get the same KV memory budget. vkv and static hand plain [slots, max_context, heads,
 head_dim] tensors to an unmodified kernel: on a GPU, PyTorch's bundled FlashAttention-2
 (varlen forward with per-request lengths, ``seqused_k``: it reads only the tokens each
 request has, never a page vkv has not mapped); on a CPU, SDPA per request. The paged
-store needs a kernel that follows its page table: compiled FlexAttention.
+stores need kernels that follow their page tables: compiled FlexAttention, or FlashInfer's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import vkv
+
+
+class StoreUnavailable(RuntimeError):
+    """A store this machine cannot run (its kernels need a GPU or a package that is not
+    installed): the demo skips it and says why."""
 
 
 @dataclass
@@ -110,11 +116,33 @@ class KvStore:
         """Keys and values [tokens, kv_heads, head_dim] of a slot's first tokens."""
         raise NotImplementedError
 
+    def plan_decode(self, rows: int, slots: Sequence[int], lens: Sequence[int], graph: bool) -> None:
+        """Host work the store's decode kernels need before a step of ``rows`` rows is
+        enqueued (FlashInfer's plan): the real rows are ``slots`` with ``lens`` tokens, rows
+        beyond them are padding; ``graph``: the step is replayed from a CUDA graph of
+        ``rows`` rows. Most stores need none."""
+
     def begin_decode(self, batch: DecodeBatch) -> None:
         """Per-step kernel metadata derived on the device from the batch (inside a graph)."""
 
     def decode_attention(self, layer: int, batch: DecodeBatch, q: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def begin_prefill(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Host work before a batch of fresh prompts is prefilled (their pages are reserved)."""
+
+    def prefill_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cu: torch.Tensor, max_len: int, spans: Sequence[tuple]) -> torch.Tensor:
+        """Causal attention of a batch of fresh prompts, each within itself, after their K/V
+        were written: q [T, heads, d], k/v [T, kv_heads, d] the prompts' own keys and values
+        concatenated, ``cu`` their int32 offsets on the device, ``spans`` their (start, end)
+        on the host. FlashAttention-2 varlen on the fresh K/V on a GPU, the same for every
+        store that does not read its own memory instead; SDPA per prompt elsewhere."""
+        if self.device.type == "cuda":
+            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False)[0]
+        return torch.cat([F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+            is_causal=True, enable_gqa=True)[0].transpose(0, 1) for a, b in spans])
 
     def close(self) -> None:
         pass
@@ -192,12 +220,14 @@ class VkvStore(ContiguousStore):
     """vkv: the engine's lens go to KVCache.step(), which maps what they need."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
-                 max_slots: int, layout: str, page_size: int = 0) -> None:
+                 max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "") -> None:
+        """``shared_budget``: a vkv.SharedBudget's name to draw pages from (budget_bytes None:
+        no cap of its own)."""
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
         self.name = f"vkv {layout.replace('_', '-')}"
         self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, max_batch_size=max_slots,
                                  max_context_len=max_context, device=device, layout=layout,
-                                 memory_budget=budget_bytes, page_size=page_size)
+                                 memory_budget=budget_bytes, page_size=page_size, shared_budget=shared_budget)
         self.max_slots = max_slots
         self.keys, self.values = self.cache.kv_tensors()
         self._init_views()
@@ -272,6 +302,76 @@ class StaticStore(ContiguousStore):
         return (self.slots - len(self._free)) * self.max_context * self.bytes_per_token
 
 
+class PageTable:
+    """The host side of a paged cache: which pages of a pool each slot holds, in logical
+    order, and which are free. Pages are handed out from a shuffled free list, as in a
+    server that has run for a while. Not thread-safe."""
+
+    def __init__(self, budget_bytes: int, page_bytes: int, page_tokens: int, max_slots: int, max_context: int) -> None:
+        self.num_pages = budget_bytes // page_bytes
+        if self.num_pages < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_tokens} tokens "
+                             f"({page_bytes} bytes)")
+        self.page_tokens = page_tokens
+        self.pages_per_slot = -(-max_context // page_tokens)
+        self.pages = np.zeros((max_slots, self.pages_per_slot), dtype=np.int32)  # slot -> its pages
+        self.held = np.zeros(max_slots, dtype=np.int64)                          # slot -> how many
+        self._free_pages = list(range(self.num_pages))
+        random.Random(0).shuffle(self._free_pages)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    @property
+    def free_pages(self) -> List[int]:
+        """The free pages, in the order they will be handed out last to first (a copy)."""
+        return list(self._free_pages)
+
+    def alloc(self) -> Optional[int]:
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.pop()
+        self.held[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> List[int]:
+        """Frees the slot; the pages it held."""
+        pages = self.pages[slot, :self.held[slot]].tolist()
+        self._free_pages.extend(pages)
+        self.held[slot] = 0
+        self._free_slots.append(slot)
+        return pages
+
+    def grow(self, lens: Dict[int, int]) -> Optional[tuple]:
+        """Pages for lens[slot] tokens of each slot: the (slots, logical, physical) lists of
+        the pages added, or None (and nothing changed) when too few are free."""
+        wanted = {slot: -(-n // self.page_tokens) - int(self.held[slot]) for slot, n in lens.items()}
+        if sum(max(0, w) for w in wanted.values()) > len(self._free_pages):
+            return None
+        slots, logical, physical = [], [], []
+        for slot, count in wanted.items():
+            for _ in range(count):
+                slots.append(slot)
+                logical.append(int(self.held[slot]))
+                physical.append(self._free_pages.pop())
+                self.pages[slot, self.held[slot]] = physical[-1]
+                self.held[slot] += 1
+        return slots, logical, physical
+
+    def reserve(self, lens: Dict[int, int], to_device: Callable, update: Callable) -> bool:
+        """grow(), then update(slots, logical, physical) with the pages added as device
+        tensors (``to_device`` makes them): one update of a store's device-side tables per
+        call, not one per page. False, and nothing changed, when too few pages are free."""
+        added = self.grow(lens)
+        if added is None:
+            return False
+        if added[0]:
+            update(*to_device(list(added)).unbind())
+        return True
+
+
 class PagedStore(KvStore):
     """Pages of ``page_tokens`` tokens from one pool per layer, a page table per request,
     attention by FlexAttention through the table (torch's PagedAttention). Pages are
@@ -291,20 +391,13 @@ class PagedStore(KvStore):
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
         self.name = f"paged-{page_tokens}"
         self.page_tokens, self.max_slots, self.flex = page_tokens, max_slots, flex
-        self.num_pages = budget_bytes // (page_tokens * self.bytes_per_token)
-        if self.num_pages < 1:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_tokens} tokens "
-                             f"({page_tokens * self.bytes_per_token} bytes)")
-        self.pages_per_slot = -(-max_context // page_tokens)
+        self.pages = PageTable(budget_bytes, page_tokens * self.bytes_per_token, page_tokens, max_slots, max_context)
+        self.num_pages, self.pages_per_slot = self.pages.num_pages, self.pages.pages_per_slot
         # The table's page_table and physical_to_logical (what its mask_mod reads).
         self.table = PagedAttention(self.num_pages, page_tokens, max_slots, device=str(device))
         pool = (1, num_kv_heads, self.num_pages * page_tokens, head_dim)
         self.k_pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
-        self._free_pages = list(range(self.num_pages))
-        random.Random(0).shuffle(self._free_pages)
-        self._pages: Dict[int, List[int]] = {}
-        self._free_slots = list(range(max_slots - 1, -1, -1))
         # Every slot is a row of Flex's query batch (rows without pages cost nothing): one
         # compiled kernel for the whole run instead of one per batch size.
         self._kv_len = torch.zeros(max_slots, device=device, dtype=torch.int64)
@@ -315,40 +408,23 @@ class PagedStore(KvStore):
             mask_mod=self.table.get_mask_mod(None, self._kv_len), seq_lengths=(1, self.num_pages * page_tokens))
 
     def alloc(self):
-        if not self._free_slots:
-            return None
-        slot = self._free_slots.pop()
-        self._pages[slot] = []
-        return slot
+        return self.pages.alloc()
 
     def free(self, slot):
-        pages = self._pages.pop(slot)
-        self._free_pages.extend(pages)
+        pages = self.pages.free(slot)
         if pages:
             self.table.page_table[slot] = -1
             self.table.physical_to_logical[slot, self._tensor(pages)] = -1
-        self._free_slots.append(slot)
 
     def reserve(self, lens):
-        wanted = {slot: -(-n // self.page_tokens) - len(self._pages[slot]) for slot, n in lens.items()}
-        if sum(max(0, w) for w in wanted.values()) > len(self._free_pages):
-            return False
-        rows, logical, physical = [], [], []
-        for slot, count in wanted.items():
-            for _ in range(count):
-                rows.append(slot)
-                logical.append(len(self._pages[slot]))
-                physical.append(self._free_pages.pop())
-                self._pages[slot].append(physical[-1])
-        if rows:  # one update of the device-side tables per call, not one per page
-            rows_t, logical_t, physical_t = self._tensor([rows, logical, physical]).unbind()
-            self.table.page_table[rows_t, logical_t] = physical_t
-            self.table.physical_to_logical[rows_t, physical_t] = logical_t
-            self.block_mask.kv_indices[rows_t, 0, 0, logical_t] = physical_t.to(torch.int32)
-        return True
+        def update(slots, logical, physical):
+            self.table.page_table[slots, logical] = physical
+            self.table.physical_to_logical[slots, physical] = logical
+            self.block_mask.kv_indices[slots, 0, 0, logical] = physical.to(torch.int32)
+        return self.pages.reserve(lens, self._tensor, update)
 
     def held_bytes(self):
-        return (self.num_pages - len(self._free_pages)) * self.page_tokens * self.bytes_per_token
+        return self.pages.used_pages * self.page_tokens * self.bytes_per_token
 
     def write_kv(self, layer, slots, positions, k, v):
         page = self.table.page_table[slots, positions // self.page_tokens]
@@ -387,7 +463,7 @@ class PagedStore(KvStore):
             if n == 0:  # a padding row
                 outputs.append(torch.zeros_like(q[row]))
                 continue
-            pages = torch.tensor(self._pages[slot], device=self.device)
+            pages = torch.as_tensor(self.pages.pages[slot, :self.pages.held[slot]], device=self.device)
             index = (pages[:, None] * self.page_tokens + torch.arange(self.page_tokens, device=self.device)).flatten()[:n]
             outputs.append(F.scaled_dot_product_attention(
                 q[row, :, None], self.k_pools[layer][0][:, index], self.v_pools[layer][0][:, index],
@@ -400,25 +476,33 @@ class PagedStore(KvStore):
 
 def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device, max_context: int,
                budget_bytes: int, max_slots: int, flex: Callable, page_size: int = 0) -> KvStore:
-    """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, static."""
+    """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, flashinfer-<tokens>, static.
+
+    @throws StoreUnavailable where a flashinfer store cannot run (no GPU, no FlashInfer)."""
     common = (model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim, dtype, device, max_context)
     if kind.startswith("vkv-"):
         return VkvStore(*common, budget_bytes, max_slots, kind[4:].replace("-", "_"), page_size)
     if kind.startswith("paged-"):
         return PagedStore(*common, budget_bytes, max_slots, int(kind[6:]), flex)
+    if kind.startswith("flashinfer-"):
+        from .flashinfer_store import FlashInferStore
+
+        return FlashInferStore(*common, budget_bytes, max_slots, int(kind[11:]), model_shape.num_heads)
     if kind == "static":
         return StaticStore(*common, budget_bytes)
-    raise ValueError(f"store = {kind!r} is not one of vkv-interleaved, vkv-per-layer, paged-<tokens>, static")
+    raise ValueError(f"store = {kind!r} is not one of vkv-interleaved, vkv-per-layer, paged-<tokens>, "
+                     f"flashinfer-<tokens>, static")
 
 
 def pages_note(store: KvStore) -> str:
     if isinstance(store, VkvStore):
         return f"{store.cache.page_size >> 10} KiB pages, {store.cache.tokens_per_page} tokens/page/region"
-    if isinstance(store, PagedStore):
+    if hasattr(store, "page_tokens"):
         return f"{store.num_pages} pages of {store.page_tokens} tokens"
     if isinstance(store, StaticStore):
         return f"{store.slots} slots of {store.max_context} tokens"
     return ""
 
 
-__all__ = ["DecodeBatch", "KvStore", "VkvStore", "StaticStore", "PagedStore", "make_store", "pages_note"]
+__all__ = ["DecodeBatch", "KvStore", "StoreUnavailable", "VkvStore", "StaticStore", "PageTable", "PagedStore",
+           "make_store", "pages_note"]

@@ -40,8 +40,12 @@ class ModelShape:
 SHAPES = {
     "llama3-8b": ModelShape("llama3-8b", num_layers=32, hidden=4096, intermediate=14336, num_heads=32,
                             num_kv_heads=8, vocab=128256),
+    "llama3.2-1b": ModelShape("llama3.2-1b", num_layers=16, hidden=2048, intermediate=8192, num_heads=32,
+                              num_kv_heads=8, vocab=128256),
     "tiny": ModelShape("tiny", num_layers=4, hidden=256, intermediate=688, num_heads=8, num_kv_heads=2,
                        vocab=1024),
+    "tiny-b": ModelShape("tiny-b", num_layers=2, hidden=128, intermediate=344, num_heads=4, num_kv_heads=2,
+                         vocab=1024),  # a second small shape (the multi-engine demo's other engine)
 }
 
 
@@ -185,8 +189,8 @@ class LlamaModel:
     def prefill_batch(self, store, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> List[int]:
         """Fresh prompts (token ids, one list each) of several slots in one pass: their
         tokens concatenated, each layer's K/V written for all of them in one scatter per
-        tensor, causal attention within each prompt (FlashAttention-2 varlen on a GPU);
-        the next token id of each."""
+        tensor, causal attention within each prompt (the store's prefill_attention:
+        FlashAttention-2 varlen on a GPU); the next token id of each."""
         lengths = np.array([len(p) for p in prompts])
         ends = np.cumsum(lengths)
         starts = ends - lengths
@@ -197,18 +201,14 @@ class LlamaModel:
         tokens, positions, token_slots = torch.from_numpy(host).to(self.device).unbind()
         cu = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)).to(self.device)
         max_len = int(lengths.max())
+        spans = list(zip(starts.tolist(), ends.tolist()))
+        store.begin_prefill(slots, lengths.tolist())
         rotary = self._rotary(positions)
         x = self.embedding[tokens]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), rotary)
             store.write_kv(index, token_slots, positions, k, v)
-            if self.device.type == "cuda":
-                attention = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True,
-                                                                    False)[0]
-            else:  # the same computation, one prompt at a time
-                attention = torch.cat([F.scaled_dot_product_attention(
-                    q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
-                    is_causal=True, enable_gqa=True)[0].transpose(0, 1) for a, b in zip(starts, ends)])
+            attention = store.prefill_attention(index, q, k, v, cu, max_len, spans)
             x = self._block_end(layer, x, attention)
         return self._next_tokens(x[torch.as_tensor(ends - 1, device=self.device)]).tolist()
 

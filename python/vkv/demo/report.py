@@ -68,12 +68,18 @@ def makespan_table(runs: Dict[str, dict], ratios: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
+def save_json(results: dict, out_dir: str, stem: str) -> str:
+    """<out_dir>/<stem>.json; returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}.json")
+    with open(path, "w") as out:
+        json.dump(results, out, indent=1)
+    return path
+
+
 def save(results: dict, out_dir: str, stem: str) -> List[str]:
     """results.json and, when matplotlib is there, plots; returns the paths written."""
-    os.makedirs(out_dir, exist_ok=True)
-    written = [os.path.join(out_dir, f"{stem}.json")]
-    with open(written[0], "w") as out:
-        json.dump(results, out, indent=1)
+    written = [save_json(results, out_dir, stem)]
     try:
         import matplotlib
 

@@ -5,9 +5,12 @@
 
 Rank 0 first serves the trace alone with the whole model (the reference); then every
 rank serves it with its share of the heads, its cache driven through
-``vkv.distributed.TensorParallelCache`` (every call agreed by all-reduce: a shortage or
-failure on one rank raises on all; slot ids and, in debug mode, seq_lens compared). Reports whether the generated tokens match the
-reference and each rank's step() latency.
+``vkv.distributed.TensorParallelCache`` (every call agreed on by the ranks, through shared
+memory on one host: a shortage or failure on one rank raises on all; slot ids and, in
+debug mode, seq_lens compared). On a GPU both runs replay their decode steps from CUDA
+graphs (``decode_runner.py``; the tensor-parallel all-reduces are captured too), so
+tok/s measures the allocator rather than kernel launches. Reports whether the generated
+tokens match the reference and each rank's throughput and step() latency.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--teacher-forced", type=int, default=8,
                         help="reference sequences run through both models position by position")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a GPU, replay decode steps from CUDA graphs (default: on)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
@@ -64,15 +69,20 @@ def top2(logits: torch.Tensor):
 
 
 def serve(model, shape, device, dtype, args, trace, tensor_parallel: bool):
+    """The trace served on one vkv cache (through TensorParallelCache when tensor_parallel):
+    (the run's result, how the ranks agreed or None)."""
     store = make_store("vkv-interleaved", shape, dtype, device, args.max_context, args.kv_budget_mib << 20,
                        args.max_slots, None, page_size=0 if device.type == "cuda" else 16 << 10)
+    agreement = None
     if tensor_parallel:
         store.cache = vkv.distributed.TensorParallelCache(store.cache, debug=True)
+        agreement = store.cache.agreement
     try:
-        result = Engine(model, store, max_prefill_tokens=8192).run(copy.deepcopy(trace), show_progress=False)
+        engine = Engine(model, store, max_prefill_tokens=8192, cuda_graphs=args.cuda_graphs and device.type == "cuda")
+        result = engine.run(copy.deepcopy(trace), show_progress=False)  # captures first, off the clock
     finally:
         store.close()
-    return result
+    return result, agreement
 
 
 def main(argv=None) -> int:
@@ -91,7 +101,7 @@ def main(argv=None) -> int:
     reference, sequences, expected = None, [None] * args.teacher_forced, None
     if rank == 0:
         model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
-        reference = serve(model, shape, device, dtype, args, trace, tensor_parallel=False)
+        reference, _ = serve(model, shape, device, dtype, args, trace, tensor_parallel=False)
         sequences = [r.prompt + r.tokens[:-1] for r in reference.requests[:args.teacher_forced]]
         expected = [top2(model.logits(torch.tensor(s, device=device))) for s in sequences]
         del model
@@ -102,13 +112,14 @@ def main(argv=None) -> int:
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed).shard(rank, world, dist.group.WORLD)
     local_shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)  # what its cache holds
-    result = serve(model, local_shape, device, dtype, args, trace, tensor_parallel=True)
+    result, agreement = serve(model, local_shape, device, dtype, args, trace, tensor_parallel=True)
     # Teacher-forced: the same token sequences through both models, position by position.
     sharded = [model.logits(torch.tensor(s, device=device)).argmax(-1).cpu() for s in sequences]
     step_us = np.array(result.reserve_us)
     mine = {"rank": rank, "device": str(device), "step_us_p50": float(np.percentile(step_us, 50)),
             "step_us_p99": float(np.percentile(step_us, 99)), "iterations": result.iterations,
-            "throughput_tok_s": result.summary()["throughput_tok_s"], "tokens": [r.tokens for r in result.requests]}
+            "throughput_tok_s": result.summary()["throughput_tok_s"], "agreement": agreement,
+            "tokens": [r.tokens for r in result.requests]}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     status = 0
@@ -116,15 +127,16 @@ def main(argv=None) -> int:
         tokens = [r.tokens for r in reference.requests]
         same = sum(a == b for a, b in zip(everyone[0]["tokens"], tokens))
         ranks_agree = all(entry["tokens"] == everyone[0]["tokens"] for entry in everyone)
-        print(f"{shape.name}, {world}-way tensor parallel on {device.type} ({dist.get_backend()}), "
+        graphs = "CUDA graphs" if gpu and args.cuda_graphs else "eager"
+        print(f"{shape.name}, {world}-way tensor parallel on {device.type} ({dist.get_backend()}, decode {graphs}), "
               f"{len(trace)} requests: ranks agree on every token: {ranks_agree}; "
               f"{same}/{len(trace)} requests generate exactly the 1-rank reference's tokens")
         print(f"1 rank: {reference.summary()['throughput_tok_s']:.0f} tok/s, step() p50 "
               f"{np.percentile(reference.reserve_us, 50):.0f} us, p99 {np.percentile(reference.reserve_us, 99):.0f} us")
         for entry in everyone:
             print(f"rank {entry['rank']} ({entry['device']}): {entry['throughput_tok_s']:.0f} tok/s, step() p50 "
-                  f"{entry['step_us_p50']:.0f} us, p99 {entry['step_us_p99']:.0f} us (all-reduce of the "
-                  f"shortage included), {entry['iterations']} iterations")
+                  f"{entry['step_us_p50']:.0f} us, p99 {entry['step_us_p99']:.0f} us (the ranks' agreement "
+                  f"included, through {entry['agreement']}), {entry['iterations']} iterations")
         agree = torch.cat([tp == ref_top for tp, (ref_top, _) in zip(sharded, expected)])
         margins = torch.cat([margin for _, margin in expected])
         worst_margin = float(margins[~agree].max()) if (~agree).any() else 0.0

@@ -108,3 +108,17 @@ def make_prefill_decode_trace(count: int, ratio: float, max_context: int, vocab:
     return [Request(id=i, arrival=0.0, prompt_len=int(p), output_len=max(2, int(round(p / ratio))),
                     prompt=rng.integers(0, vocab, int(p)).tolist())
             for i, p in enumerate(prompts)]
+
+
+def make_bursty_trace(bursts: int, per_burst: int, burst_seconds: float, period: float, offset: float,
+                      max_context: int, vocab: int, seed: int = 0, scale: float = 1.0) -> List[Request]:
+    """ShareGPT-like requests in ``bursts`` bursts of ``per_burst``: burst k's requests arrive
+    uniformly over [offset + k * period, + burst_seconds), and nothing in between (an
+    engine whose load comes and goes, beside another whose load does the opposite)."""
+    trace = make_trace(bursts * per_burst, math.inf, max_context, vocab, seed, scale)
+    rng = np.random.default_rng(seed + 3)
+    for burst in range(bursts):
+        arrivals = np.sort(rng.uniform(0.0, burst_seconds, per_burst)) + offset + burst * period
+        for request, arrival in zip(trace[burst * per_burst:(burst + 1) * per_burst], arrivals):
+            request.arrival = float(arrival)
+    return trace

@@ -1,0 +1,23 @@
+# Shell helpers of the GPU runners (serving_gpu.sh, gpu_flashinfer.sh); source it from the
+# repository root after setting `out` (the log folder) and `status=0`.
+
+step() {  # step NAME TIMEOUT_S COMMAND...: from /tmp, so that the installed vkv is imported
+  local name="$1" limit="$2"
+  shift 2
+  echo "=== $name ($(date +%T))"
+  (cd /tmp && timeout "$limit" "$@") > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$out/$name.log"
+  echo "=== $name: exit $rc ($(date +%T))"
+  [ $rc -eq 0 ] || status=1
+}
+
+install_vkv() {  # pip-installs this tree once per machine and source tree
+  local stamp
+  stamp=$(tar cf - CMakeLists.txt pyproject.toml include src csrc python 2>/dev/null | sha256sum | cut -c1-16)
+  if [ "$(cat /tmp/vkv-installed 2>/dev/null)" != "$stamp" ]; then
+    echo "=== building vkv ($(date +%T))"
+    python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING | tail -5
+    echo "$stamp" > /tmp/vkv-installed
+  fi
+}

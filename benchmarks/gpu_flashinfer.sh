@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 25's GPU runs, one part per call of the lent machine (10 minutes each): vkv against
+# FlashInfer's paged kernels. FlashInfer comes from .whl/ (benchmarks/flashinfer_env.sh);
+# vkv is built once per machine. Logs and results go to OUT (default: $OUT), folders as
+# .tar.gz (the machine returns 8 files).
+#   benchmarks/gpu_flashinfer.sh PART [OUT]
+# PART  smoke    (~4 min) FlashInfer unpacks and imports; the flashinfer store's GPU tests
+#                (eager and graph-replayed decode, prefill); one small decode and prefill
+#                shape per kernel and model; the demo's flashinfer stores on 16 requests
+#       decode   (~6 min) attention_bench --only decode: both models, 4K-64K, batch 1-64
+#       prefill  (~6 min) attention_bench --only prefill append (keeps decode's rows, from
+#                the same warm machine or from benchmarks/results/attention_h100.json)
+#       demo     (~6 min) python -m vkv.demo (the gpu preset) and --preset h100, all stores
+#       long     (~4 min) --preset long: vkv interleaved against both flashinfer stores
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part="${1:?usage: benchmarks/gpu_flashinfer.sh smoke|decode|prefill|demo|long [OUT]}"
+out="${2:-${OUT:?no OUT given and \$OUT unset}}"
+mkdir -p "$out"
+src="$PWD"
+export PYTHONUNBUFFERED=1
+status=0
+
+# shellcheck source=benchmarks/gpu_common.sh
+source benchmarks/gpu_common.sh
+
+pack() {  # pack NAME FOLDER: one file back for a folder
+  tar czf "$out/$1.tar.gz" -C "$(dirname "$2")" "$(basename "$2")" && rm -rf "$2"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+install_vkv
+# shellcheck source=benchmarks/flashinfer_env.sh
+source benchmarks/flashinfer_env.sh || exit 1
+bench=(python3 "$src/benchmarks/attention_bench.py")
+case "$part" in
+  smoke)
+    step pytest_flashinfer_store 240 python3 -m pytest "$src/tests/python/test_flashinfer_store.py" -q -p no:cacheprovider -rs
+    step bench_smoke 300 "${bench[@]}" --only decode prefill --batches 2 --contexts 4096 --rounds 1 --target-ms 1 \
+      --flex eager --out "$out/smoke"
+    step demo_flashinfer_graphs 200 python3 -m vkv.demo --preset h100 --requests 16 --max-slots 32 --no-progress \
+      --stores vkv-interleaved flashinfer-16 flashinfer-128
+    # Kernels FlashInfer compiled here, not shipped compiled in the archive (empty: none).
+    find "$FLASHINFER_WORKSPACE_BASE" -name "*.so" 2>/dev/null | tee "$out/jit_compiled.txt"
+    pack smoke "$out/smoke" ;;
+  decode|prefill)
+    # Outside the tree, which each call copies anew: a warm machine keeps decode's rows for
+    # prefill's call; on a fresh one, the tree's benchmarks/results file is the start.
+    results=/tmp/attention-results
+    mkdir -p "$results"
+    [ -f "$results/attention_h100.json" ] || cp benchmarks/results/attention_h100.json "$results/" 2>/dev/null
+    sections=$([ "$part" = decode ] && echo decode || echo "prefill append")
+    # shellcheck disable=SC2086
+    step "attention_$part" 480 "${bench[@]}" --only $sections --out "$results"
+    cp "$results/attention_h100.json" "$out/" ;;
+  demo)
+    step demo_default 120 python3 -m vkv.demo --no-progress --out "$out/results"
+    step serving_h100 360 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results"
+    pack results "$out/results" ;;
+  long)
+    step serving_long 420 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
+      --stores vkv-interleaved flashinfer-16 flashinfer-128
+    pack results "$out/results" ;;
+  *)
+    echo "unknown part $part"
+    exit 2 ;;
+esac
+exit $status

@@ -1,0 +1,100 @@
+// A shared budget: one amount of a device's memory that the KV caches of several engines
+// on one machine draw their pages from, across processes, adjustable while they run.
+//
+//   SharedBudget::create("llm", 40 << 30, Device::parse("cuda:0"));  // once, by anyone
+//   CacheConfig config = ...; config.shared_budget = "llm";          // in every engine
+//   KvCache cache(config);                                           // joins it
+//
+// A member cache creates a page only when the budget has room. When it runs short, it
+// first reclaims its own unclaimed pages (as without a shared budget), then asks the
+// other members to give back pages no request claims — deferred-reclamation pages, pages
+// mapped ahead, free pages — which each member releases from a thread of its own, and
+// only then throws OutOfMemory. No member ever gives up a page an allocated slot claims.
+// A member killed at any point (SIGKILL included) costs nothing: the device frees its
+// memory with the process, and the budget counts its bytes back as soon as a member or a
+// SharedBudget notices the process is gone.
+//
+// The budget is a named POSIX shared-memory object (/dev/shm/vkv-budget-<name>); it
+// lives until remove() (or a reboot), whoever created it. No daemon runs.
+//
+// Thread-safety: every call is thread-safe and process-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vkv/config.h"
+
+namespace vkv {
+
+/// One member of a shared budget, as stats() sees it.
+struct SharedBudgetMember {
+  std::int32_t pid = 0;
+  std::string command;           ///< the process's name
+  std::size_t page_bytes = 0;
+  std::size_t held_bytes = 0;    ///< physical pages the member created and holds
+  std::size_t in_use_bytes = 0;  ///< of those, claimed by its allocated slots (published after each call)
+  std::size_t wanted_bytes = 0;  ///< what it is asking the others for now; 0 = not asking
+
+  /// Held and claimed by nobody: what the member gives back when asked.
+  std::size_t cached_bytes() const noexcept { return held_bytes > in_use_bytes ? held_bytes - in_use_bytes : 0; }
+};
+
+/// A shared budget's state; members whose process is gone are counted out first.
+struct SharedBudgetStats {
+  std::string name;
+  std::string device;                ///< the device named at creation ("cuda:0", "cpu")
+  std::size_t capacity_bytes = 0;
+  std::size_t used_bytes = 0;        ///< held by members, plus given back for askers and not taken yet
+  std::size_t reserved_bytes = 0;    ///< of used: given back for askers, not taken yet
+  std::size_t device_total_bytes = 0;
+  std::vector<SharedBudgetMember> members;
+
+  std::size_t free_bytes() const noexcept { return capacity_bytes > used_bytes ? capacity_bytes - used_bytes : 0; }
+};
+
+class SharedBudget {
+ public:
+  /// Names: 1-200 characters of [A-Za-z0-9._-].
+  static constexpr std::size_t kMaxNameLength = 200;
+  /// Default permission bits: the creating user's processes only.
+  static constexpr unsigned kDefaultMode = 0600;
+
+  /// Creates a budget of `bytes` over `device` ("auto" resolves as for a cache).
+  /// `mode`: who may join (permission bits of the shared object, e.g. 0660 for a group).
+  /// @throws InvalidArgument for a bad name, a budget of 0 or larger than the device's
+  ///         memory (naming both), a name that exists already, or permission denied.
+  static SharedBudget create(const std::string& name, std::size_t bytes, const Device& device = Device{},
+                             unsigned mode = kDefaultMode);
+  /// Opens an existing budget. @throws InvalidArgument for a bad or unknown name,
+  ///         permission denied, or an object that is not a vkv budget of this version.
+  static SharedBudget open(const std::string& name);
+  /// Removes the name: no cache can join any more; caches already in it keep working, and
+  /// the memory goes when the last of them closes. Returns false when there was none.
+  /// @throws InvalidArgument for a bad name or permission denied.
+  static bool remove(const std::string& name);
+
+  SharedBudget(SharedBudget&&) noexcept;
+  SharedBudget& operator=(SharedBudget&&) noexcept;
+  ~SharedBudget();
+
+  const std::string& name() const noexcept;
+  /// Sets the capacity. Growing takes effect at once. Shrinking below what the members
+  /// hold asks them to give back the excess from unclaimed pages (each member releases
+  /// from its own thread) and waits up to `wait_ms` for their answers; pages requests
+  /// claim stay until the requests finish, and meanwhile no member creates a page. Returns
+  /// the stats after it.
+  /// @throws InvalidArgument for 0 bytes or more than the device's memory.
+  SharedBudgetStats resize(std::size_t bytes, unsigned wait_ms = 1000);
+  SharedBudgetStats stats() const;
+
+ private:
+  struct State;
+  explicit SharedBudget(std::unique_ptr<State> state) noexcept;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace vkv

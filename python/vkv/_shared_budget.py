@@ -1,0 +1,104 @@
+"""vkv.SharedBudget: one amount of a device's memory that the KV caches of several engines
+(in any processes on the machine) draw their pages from, resizable while they run.
+
+    vkv.SharedBudget.create("llm", 40 << 30, device="cuda:0")     # once, by anyone
+    cache = vkv.KVCache(..., device="cuda:0", shared_budget="llm")  # in each engine
+
+A cache that runs short first reclaims its own unclaimed pages, then asks the other
+members to give back theirs (deferred-reclamation pages, pages mapped ahead, free pages;
+never a page a request claims), and only then raises ``vkv.OutOfMemory``. A member
+killed with SIGKILL costs nothing: its pages are counted back once its process is gone.
+``python -m vkv.budget`` does the same from a shell; docs/multi_engine.md shows it all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Union
+
+import torch
+
+from . import _C
+
+
+def _device_text(device: Union[str, torch.device]) -> str:
+    return str(device) if isinstance(device, torch.device) else device
+
+
+class SharedBudget:
+    """A handle on a shared budget. The budget itself is a named shared-memory object
+    (``/dev/shm/vkv-budget-<name>``): it lives until ``remove()`` or a reboot, whatever
+    happens to the handle or to the process that created it.
+
+    Thread-safety: every method is thread- and process-safe; none holds the GIL while it
+    waits.
+    """
+
+    def __init__(self, handle: Any) -> None:  # use create() or open()
+        self._handle = handle
+
+    @classmethod
+    def create(cls, name: str, bytes: int, device: Union[str, torch.device] = "auto",  # noqa: A002
+               mode: int = 0o600) -> "SharedBudget":
+        """Creates the budget ``name`` of ``bytes`` over ``device``.
+
+        Args:
+            name: 1-200 characters of letters, digits, '.', '_' and '-'.
+            bytes: the capacity; at most the device's memory.
+            device: 'auto' (a GPU if present), 'cpu', 'cuda' or 'cuda:N'; members must be on it.
+            mode: permission bits: who may join (0o600: this user; 0o660: its group too).
+
+        Raises:
+            ValueError: a bad name, 0 bytes or more than the device has (naming both), a
+                name that exists already, or permission denied.
+        """
+        return cls(_C.SharedBudget.create(name, bytes, _device_text(device), mode))
+
+    @classmethod
+    def open(cls, name: str) -> "SharedBudget":
+        """Opens an existing budget. Raises ValueError when there is none (or no permission)."""
+        return cls(_C.SharedBudget.open(name))
+
+    @staticmethod
+    def remove_name(name: str) -> bool:
+        """Removes the budget ``name`` without opening it; False when there was none."""
+        return _C.SharedBudget.remove(name)
+
+    @property
+    def name(self) -> str:
+        return self._handle.name
+
+    def resize(self, bytes: int, wait: float = 1.0) -> Dict[str, Any]:  # noqa: A002
+        """Sets the capacity to ``bytes``. Shrinking below what the members hold asks them
+        to give back the excess from unclaimed pages and waits up to ``wait`` seconds for
+        their answers; pages that requests claim stay until those requests finish, and
+        meanwhile no member creates a page. Returns ``stats()`` after it.
+
+        Raises:
+            ValueError: 0 bytes, or more than the device's memory.
+        """
+        if wait < 0:
+            raise ValueError(f"wait = {wait} must be >= 0 seconds")
+        return self._handle.resize(bytes, int(wait * 1000))
+
+    def stats(self) -> Dict[str, Any]:
+        """The budget and its members (members whose process is gone are counted out first):
+        ``capacity_bytes``, ``used_bytes``, ``free_bytes``, ``reserved_bytes`` (given back
+        for a member that asked, not taken yet), ``device``, ``device_total_bytes`` and
+        ``members``: per member ``pid``, ``command``, ``page_bytes``, ``pages_held``,
+        ``pages_in_use`` (claimed by its requests, as of its last call), ``pages_cached``
+        (held, claimed by none: what it gives back when asked), ``bytes_*`` of the same."""
+        return self._handle.stats()
+
+    def remove(self) -> bool:
+        """Removes the name: no cache can join any more; caches in it keep working, and the
+        shared object goes when the last of them closes. False when it was gone already."""
+        return _C.SharedBudget.remove(self.name)
+
+    def __repr__(self) -> str:
+        stats = self.stats()
+        return (f"SharedBudget(name={stats['name']!r}, device={stats['device']!r}, "
+                f"capacity_bytes={stats['capacity_bytes']}, used_bytes={stats['used_bytes']}, "
+                f"members={len(stats['members'])})")
+
+
+__all__ = ["SharedBudget"]

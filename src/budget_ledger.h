@@ -1,0 +1,178 @@
+// The books of a shared budget: how many bytes of one device's memory each member
+// (a KvCache, in any process on the machine) holds, under one capacity. They live in a
+// named shared-memory object (shared_memory.h), guarded by a robust mutex, so that a
+// member killed at any point costs nothing: its bytes are counted back as soon as anyone
+// notices that its process is gone (reap()).
+//
+// A member's bytes: `held`, the pages it created and has not released (and bytes it
+// claimed ahead of creating pages, see claim_reserved()). used = sum of held + reserved.
+//
+// Asking, when a member runs short: ask() posts what it wants and bumps `requests`;
+// every other member's watcher wakes, pledge()s what it can give back without touching
+// a claimed page (deferred-reclamation pages, pages mapped ahead, free pages) and
+// releases it. Released bytes go to `reserved` while someone asks (so a third member
+// cannot take them first), to the free capacity otherwise. The asker waits until the
+// reservation covers what it wants or every live member has answered, then takes the
+// reservation with claim_reserved(). A capacity lowered below `used` (resize) asks the
+// same way for the excess.
+//
+// Internal. Thread- and process-safety: every call locks the segment's robust mutex,
+// except the read-only used()/capacity() hints and the member's own published counter.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shared_memory.h"
+
+namespace vkv::detail {
+
+/// One member's row; pid 0 marks a free row. Written under the mutex; the atomics are also
+/// read without it (others_cached()).
+struct BudgetMemberRecord {
+  std::atomic<std::int32_t> pid;
+  std::uint64_t start_time;   ///< with pid: the process (ProcessIdentity)
+  std::uint64_t page_bytes;
+  char command[16];           ///< the process's name, for people reading stats
+  std::atomic<std::uint64_t> held;  ///< bytes of pages created and not released, plus claimed reservation
+  std::uint64_t wanted;       ///< bytes it asks the others for; 0 = not asking
+  std::uint64_t pledged;      ///< bytes it promised to give back and has not released yet
+  std::uint32_t answered;     ///< the last request number it answered
+  std::atomic<std::uint64_t> in_use;  ///< bytes its allocated slots claim; published by the member alone
+};
+
+/// The shared object's layout. Plain data; zero-filled at creation.
+struct BudgetSegment {
+  static constexpr std::uint64_t kMagic = 0x766b762d62756467ull;  // "vkv-budg"
+  static constexpr std::uint32_t kVersion = 1;
+  static constexpr std::size_t kMaxMembers = 64;
+
+  std::atomic<std::uint64_t> magic;  ///< written last at creation: the object is ready
+  std::uint32_t version;
+  RobustMutex mutex;
+  std::atomic<std::uint64_t> capacity;
+  std::atomic<std::uint64_t> used;   ///< sum of held + reserved; written under the mutex
+  std::uint64_t reserved;            ///< released for askers, not taken yet
+  std::atomic<std::uint32_t> requests;  ///< futex: bumped when a member asks or the capacity falls below used
+  std::atomic<std::uint32_t> releases;  ///< futex: bumped when bytes come back or a member answered
+  std::uint64_t device_total;
+  char device[48];      ///< the backend's name when created ("cuda:0", "host")
+  char identity[64];    ///< Backend::memory_identity(): members must have the same
+  BudgetMemberRecord members[kMaxMembers];
+};
+
+/// What stats() reports of one member.
+struct BudgetMemberView {
+  std::int32_t pid = 0;
+  std::string command;
+  std::size_t page_bytes = 0;
+  std::size_t held_bytes = 0;
+  std::size_t in_use_bytes = 0;
+  std::size_t wanted_bytes = 0;
+};
+
+/// What stats() reports of the whole budget.
+struct BudgetView {
+  std::size_t capacity_bytes = 0;
+  std::size_t used_bytes = 0;
+  std::size_t reserved_bytes = 0;
+  std::size_t device_total_bytes = 0;
+  std::string device;
+  std::vector<BudgetMemberView> members;
+};
+
+/// "shared budget 'name'", for messages.
+std::string budget_description(const std::string& name);
+/// The shared object's name of a budget: "vkv-budget-<name>".
+/// @throws InvalidArgument for a name that is empty, longer than SharedBudget::kMaxNameLength
+///         or has characters other than [A-Za-z0-9._-].
+std::string budget_object_name(const std::string& name);
+/// Maps an existing budget's object and checks that it is one, of this version.
+/// @throws InvalidArgument (unknown name, permission, not a budget).
+SharedMapping open_budget_object(const std::string& name);
+
+/// The operations on a BudgetSegment; each locks its mutex. Member indices come from join().
+class BudgetLedger {
+ public:
+  /// `segment` must stay mapped while the ledger is used.
+  explicit BudgetLedger(BudgetSegment& segment) noexcept : segment_(segment) {}
+
+  /// Lays out a zero-filled segment (the creator, before anyone else maps it).
+  static void initialize(BudgetSegment& segment, std::size_t capacity, std::size_t device_total,
+                         const std::string& device, const std::string& identity);
+
+  /// A row for the calling process. @throws InvalidArgument when all rows are taken by live
+  /// members. (Every call but the noexcept ones may throw Error when the mutex is broken.)
+  std::size_t join(std::size_t page_bytes);
+  /// Gives the row up; bytes it still holds are counted back.
+  void leave(std::size_t member) noexcept;
+
+  /// Takes `bytes` from the free capacity, all or nothing.
+  bool acquire(std::size_t member, std::size_t bytes);
+  /// Takes as much of `bytes` as is free, in whole `unit`s; returns how much.
+  std::size_t acquire_up_to(std::size_t member, std::size_t bytes, std::size_t unit);
+  /// Returns bytes: to the askers' reservation while someone asks and the capacity allows,
+  /// else to the free capacity.
+  void release(std::size_t member, std::size_t bytes) noexcept;
+
+  /// Asks the other members for `bytes`; returns the request's number.
+  std::uint32_t ask(std::size_t member, std::size_t bytes);
+  /// Bytes the other live members hold and their requests do not claim (as of their last
+  /// published call): what asking could bring at most. Lock-free reads; a hint.
+  std::size_t others_cached(std::size_t member) const noexcept;
+  /// Whether the asker should stop waiting: the reservation covers what it wants, or every
+  /// other live member answered `request` and no pledge is outstanding. Reaps dead members.
+  bool ask_settled(std::size_t member, std::uint32_t request);
+  /// Every live member but `except` has answered `request`, and no pledge is outstanding.
+  bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers);
+  /// Ends the member's ask and moves up to what it wanted from the reservation into its
+  /// `held`; returns those bytes (the caller creates pages from them or releases them).
+  std::size_t claim_reserved(std::size_t member) noexcept;
+
+  /// What the other members ask for and no one has pledged yet, plus any excess over the
+  /// capacity: the member pledges up to `can_give` of it and returns its pledge.
+  std::size_t pledge(std::size_t member, std::size_t can_give);
+  /// The member has given back what it could of its pledge for `request`.
+  void answered(std::size_t member, std::uint32_t request) noexcept;
+
+  /// Publishes the bytes the member's allocated slots claim (lock-free; for stats()).
+  void publish_in_use(std::size_t member, std::size_t bytes) noexcept {
+    segment_.members[member].in_use.store(bytes, std::memory_order_relaxed);
+  }
+  /// Bytes free now, without locking: a hint that may be stale when read.
+  std::size_t free_hint() const noexcept {
+    const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+    const std::uint64_t used = segment_.used.load(std::memory_order_relaxed);
+    return capacity > used ? capacity - used : 0;
+  }
+  std::size_t held(std::size_t member);
+  /// The last request the member answered (at joining: the last one before it joined).
+  std::uint32_t last_answered(std::size_t member);
+
+  /// Sets the capacity; when it falls below used, members are asked to give back the excess.
+  void resize(std::size_t capacity);
+  /// Counts back the bytes of members whose process is gone. Returns how many it found.
+  std::size_t reap();
+  BudgetView view();
+
+  BudgetSegment& segment() const noexcept { return segment_; }
+
+ private:
+  class Lock;  // the mutex, and repairs after an owner that died holding it
+  // Each with the mutex held.
+  std::size_t reap_locked() noexcept;
+  bool all_answered_locked(std::uint32_t request, std::size_t except) const noexcept;
+  void clear_row(BudgetMemberRecord& row) noexcept;
+  void return_bytes(std::size_t bytes) noexcept;
+  void fit_reservation() noexcept;
+  std::uint64_t wanted_total() const noexcept;
+  std::uint64_t excess() const noexcept;
+  void wake_releases() noexcept;
+
+  BudgetSegment& segment_;
+};
+
+}  // namespace vkv::detail

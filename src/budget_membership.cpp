@@ -1,0 +1,143 @@
+// BudgetMembership: a cache's row in a shared budget, its page account and its watcher.
+#include "budget_membership.h"
+
+#include <cstring>
+
+#include "format.h"
+#include "log.h"
+#include "vkv/error.h"
+
+namespace vkv::detail {
+namespace {
+
+// The budget's object, with errors in the words of the config field that named it.
+SharedMapping open_for_member(const std::string& name) {
+  try {
+    return open_budget_object(name);
+  } catch (const InvalidArgument& error) {
+    throw InvalidArgument(concat("shared_budget = '", name, "': ", error.what(),
+                                 " (vkv.SharedBudget.create, or python -m vkv.budget create)"));
+  }
+}
+
+}  // namespace
+
+BudgetMembership::BudgetMembership(const std::string& name, const Backend& backend, std::size_t page_bytes)
+    : name_(name),
+      mapping_(open_for_member(name)),
+      ledger_(*static_cast<BudgetSegment*>(mapping_.data())),
+      page_bytes_(page_bytes) {
+  const BudgetSegment& segment = ledger_.segment();
+  const std::string identity = backend.memory_identity();
+  const std::string budget_identity(segment.identity, strnlen(segment.identity, sizeof(segment.identity)));
+  VKV_EXPECTS(identity == budget_identity, "shared_budget = '", name, "' is over ", segment.device, " (",
+              budget_identity, ") but this cache is on ", backend.name(), " (", identity,
+              "): a budget counts one device's memory");
+  member_ = ledger_.join(page_bytes);
+}
+
+BudgetMembership::~BudgetMembership() {
+  stop_watching();
+  ledger_.leave(member_);
+}
+
+void BudgetMembership::start_watching(Callbacks callbacks) {
+  callbacks_ = std::move(callbacks);
+  // Every request after joining is this member's to answer, also one made before the
+  // thread runs its first line.
+  const std::uint32_t answered = ledger_.last_answered(member_);
+  watcher_ = std::thread([this, answered] { watch(answered); });
+}
+
+void BudgetMembership::stop_watching() noexcept {
+  if (!watcher_.joinable()) return;
+  stopping_.store(true);
+  futex_wake_all(ledger_.segment().requests);  // the others see no new request and sleep on
+  watcher_.join();
+}
+
+std::size_t BudgetMembership::available_pages() const noexcept {
+  return claimed_pages_.load(std::memory_order_relaxed) + ledger_.free_hint() / page_bytes_;
+}
+
+// What the others gave for this member comes first: nobody else may use it.
+std::size_t BudgetMembership::take_claimed(std::size_t pages) noexcept {
+  std::size_t claimed = claimed_pages_.load();
+  while (!claimed_pages_.compare_exchange_weak(claimed, claimed - std::min(claimed, pages))) {
+  }
+  return std::min(claimed, pages);
+}
+
+bool BudgetMembership::take(std::size_t pages) {
+  const std::size_t claimed = take_claimed(pages);
+  try {
+    if (claimed == pages || ledger_.acquire(member_, (pages - claimed) * page_bytes_)) return true;
+  } catch (...) {
+    claimed_pages_.fetch_add(claimed);
+    throw;
+  }
+  claimed_pages_.fetch_add(claimed);
+  return false;
+}
+
+std::size_t BudgetMembership::take_up_to(std::size_t pages) {
+  const std::size_t claimed = take_claimed(pages);
+  try {
+    return claimed + ledger_.acquire_up_to(member_, (pages - claimed) * page_bytes_, page_bytes_) / page_bytes_;
+  } catch (...) {
+    claimed_pages_.fetch_add(claimed);
+    throw;
+  }
+}
+
+void BudgetMembership::give(std::size_t pages) noexcept { ledger_.release(member_, pages * page_bytes_); }
+
+void BudgetMembership::ask(std::size_t pages) {
+  const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_);
+  BudgetSegment& segment = ledger_.segment();
+  const auto deadline = std::chrono::steady_clock::now() + kAskTimeout;
+  for (;;) {
+    const std::uint32_t releases = segment.releases.load();
+    if (ledger_.ask_settled(member_, request)) break;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      log_debug(concat("shared budget '", name_, "': members did not answer within ", kAskTimeout.count(), " ms"));
+      break;
+    }
+    futex_wait(segment.releases, releases, deadline - now);
+  }
+}
+
+void BudgetMembership::claim_reserved() noexcept {
+  claimed_pages_.fetch_add(ledger_.claim_reserved(member_) / page_bytes_);
+}
+
+void BudgetMembership::release_claimed() noexcept {
+  const std::size_t pages = claimed_pages_.exchange(0);
+  if (pages > 0) give(pages);
+}
+
+void BudgetMembership::watch(std::uint32_t seen) noexcept {
+  const BudgetSegment& segment = ledger_.segment();
+  while (!stopping_.load()) {
+    const std::uint32_t request = segment.requests.load();
+    if (request == seen) {
+      futex_wait(segment.requests, seen, std::chrono::seconds(1));
+      continue;
+    }
+    seen = request;
+    answer(request);
+  }
+}
+
+void BudgetMembership::answer(std::uint32_t request) noexcept {
+  try {
+    const std::size_t pledged = ledger_.pledge(member_, callbacks_.cached_bytes());
+    if (pledged > 0) callbacks_.give_back(pledged);
+  } catch (const std::exception& error) {
+    log_debug(concat("shared budget '", name_, "': giving pages back failed: ", error.what()));
+  }
+  ledger_.answered(member_, request);
+}
+
+}  // namespace vkv::detail

@@ -1,0 +1,96 @@
+// A KvCache's membership in a shared budget (vkv/shared_budget.h): the account its page
+// pool creates pages against, the asking when the cache runs short, and the watcher
+// thread that gives pages back when another member asks.
+//
+//   creating pages    take()/take_up_to() draw from what the others reserved for this
+//                     member (claimed by claim_reserved()), then from the free capacity
+//   running short     ask() posts the shortfall and waits, with no cache lock held, until
+//                     the others answered; claim_reserved() then takes what they gave
+//   being asked       the watcher wakes on the budget's request counter, pledges what
+//                     the cache can give (Callbacks::cached_bytes) and has the cache give
+//                     it (Callbacks::give_back: free pages, then unclaimed mapped pages)
+//
+// Internal. Thread-safety: thread-safe. The cache calls take/give/claim/release with its
+// mutex held; the watcher calls the callbacks, which take that mutex, with no lock held.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "budget_ledger.h"
+#include "page_pool.h"
+#include "shared_memory.h"
+#include "vkv/backend.h"
+
+namespace vkv::detail {
+
+class BudgetMembership final : public PageAccount {
+ public:
+  /// What the watcher asks of the cache.
+  struct Callbacks {
+    std::function<std::size_t()> cached_bytes;        ///< what it could give back now
+    std::function<void(std::size_t)> give_back;       ///< release up to that many bytes
+  };
+  /// How long an asker waits for the others' answers at most (a member that never
+  /// answers, e.g. a stopped process, costs no more).
+  static constexpr std::chrono::milliseconds kAskTimeout{200};
+
+  /// Opens the budget `name` and joins it. @throws InvalidArgument for an unknown budget,
+  /// one over another device than `backend`'s, or pages of another size than it can count.
+  BudgetMembership(const std::string& name, const Backend& backend, std::size_t page_bytes);
+  /// Stops the watcher and leaves: what this member still holds is counted back.
+  ~BudgetMembership() override;
+  BudgetMembership(const BudgetMembership&) = delete;
+  BudgetMembership& operator=(const BudgetMembership&) = delete;
+
+  const std::string& name() const noexcept { return name_; }
+  /// Starts the watcher; once, when the cache can answer.
+  void start_watching(Callbacks callbacks);
+  void stop_watching() noexcept;
+
+  // ---- PageAccount -----------------------------------------------------------------
+  std::size_t available_pages() const noexcept override;
+  bool take(std::size_t pages) override;
+  std::size_t take_up_to(std::size_t pages) override;
+  void give(std::size_t pages) noexcept override;
+
+  // ---- running short -----------------------------------------------------------------
+  /// Whether asking could bring anything: the others hold pages their requests do not claim.
+  bool others_may_give() const noexcept { return ledger_.others_cached(member_) > 0; }
+  /// Asks the others for `pages` and waits (kAskTimeout at most) until what they gave
+  /// covers it or they all answered; the caller holds no lock the watcher or the mapper
+  /// takes. Then claim_reserved() takes what was given. @throws Error (a broken budget).
+  void ask(std::size_t pages);
+  /// Ends the ask: what the others gave becomes this member's to create pages from.
+  void claim_reserved() noexcept;
+  /// Returns what was claimed and not used (end of the call that asked).
+  void release_claimed() noexcept;
+
+  /// Bytes this member's allocated slots claim, for the budget's stats.
+  void publish_in_use(std::size_t bytes) noexcept { ledger_.publish_in_use(member_, bytes); }
+  /// Bytes this member holds in the books (pages it created and claimed reservation).
+  std::size_t held_bytes() { return ledger_.held(member_); }
+  /// Pages claimed from the others and not created yet.
+  std::size_t claimed_pages() const noexcept { return claimed_pages_.load(std::memory_order_relaxed); }
+
+ private:
+  std::size_t take_claimed(std::size_t pages) noexcept;
+  void watch(std::uint32_t seen) noexcept;
+  void answer(std::uint32_t request) noexcept;
+
+  std::string name_;
+  SharedMapping mapping_;
+  BudgetLedger ledger_;
+  std::size_t page_bytes_;
+  std::size_t member_ = 0;
+  std::atomic<std::size_t> claimed_pages_{0};  // held in the books, not yet pages
+  Callbacks callbacks_;
+  std::atomic<bool> stopping_{false};
+  std::thread watcher_;
+};
+
+}  // namespace vkv::detail

@@ -1,0 +1,134 @@
+// SharedBudget: creating, opening, resizing and reading a shared budget's object. The
+// books themselves are BudgetLedger's; a cache's membership is BudgetMembership's.
+#include "vkv/shared_budget.h"
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <thread>
+
+#include "budget_ledger.h"
+#include "format.h"
+#include "vkv/backend.h"
+#include "vkv/error.h"
+
+namespace vkv {
+namespace detail {
+
+std::string budget_description(const std::string& name) { return "shared budget '" + name + "'"; }
+
+std::string budget_object_name(const std::string& name) {
+  VKV_EXPECTS(!name.empty() && name.size() <= SharedBudget::kMaxNameLength, "shared budget name '", name,
+              "' must have 1 to ", SharedBudget::kMaxNameLength, " characters (it has ", name.size(), ")");
+  const auto allowed = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'; };
+  VKV_EXPECTS(std::all_of(name.begin(), name.end(), allowed), "shared budget name '", name,
+              "' may hold only letters, digits, '.', '_' and '-'");
+  return "vkv-budget-" + name;
+}
+
+SharedMapping open_budget_object(const std::string& name) {
+  const std::string what = budget_description(name);
+  SharedMapping mapping = SharedMapping::open(budget_object_name(name), sizeof(BudgetSegment), what);
+  auto& segment = *static_cast<BudgetSegment*>(mapping.data());
+  // The creator writes the magic number last; give a creator that is just finishing a moment.
+  for (int tries = 0; segment.magic.load(std::memory_order_acquire) != BudgetSegment::kMagic; ++tries) {
+    VKV_EXPECTS(tries < 100, what, " is not a vkv shared budget (or its creator died while creating it: remove it)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  VKV_EXPECTS(segment.version == BudgetSegment::kVersion, what, " has layout version ", segment.version,
+              ", this vkv reads version ", BudgetSegment::kVersion, ": use the same vkv in every member");
+  return mapping;
+}
+
+}  // namespace detail
+
+namespace {
+
+SharedBudgetStats to_stats(const std::string& name, const detail::BudgetView& view) {
+  SharedBudgetStats stats;
+  stats.name = name;
+  stats.device = view.device;
+  stats.capacity_bytes = view.capacity_bytes;
+  stats.used_bytes = view.used_bytes;
+  stats.reserved_bytes = view.reserved_bytes;
+  stats.device_total_bytes = view.device_total_bytes;
+  for (const detail::BudgetMemberView& member : view.members)
+    stats.members.push_back({member.pid, member.command, member.page_bytes, member.held_bytes, member.in_use_bytes,
+                             member.wanted_bytes});
+  return stats;
+}
+
+void expect_valid_capacity(const std::string& name, std::size_t bytes, std::size_t device_total,
+                           const std::string& device) {
+  VKV_EXPECTS(bytes > 0, detail::budget_description(name), ": bytes = 0; a budget needs at least one page");
+  VKV_EXPECTS(bytes <= device_total, detail::budget_description(name), ": bytes = ", bytes, " (",
+              detail::format_bytes(bytes), ") exceeds the memory of ", device, ", ", device_total, " bytes (",
+              detail::format_bytes(device_total), ")");
+}
+
+}  // namespace
+
+struct SharedBudget::State {
+  std::string name;
+  detail::SharedMapping mapping;
+  detail::BudgetLedger ledger;
+
+  State(std::string budget_name, detail::SharedMapping object)
+      : name(std::move(budget_name)),
+        mapping(std::move(object)),
+        ledger(*static_cast<detail::BudgetSegment*>(mapping.data())) {}
+};
+
+SharedBudget::SharedBudget(std::unique_ptr<State> state) noexcept : state_(std::move(state)) {}
+SharedBudget::SharedBudget(SharedBudget&&) noexcept = default;
+SharedBudget& SharedBudget::operator=(SharedBudget&&) noexcept = default;
+SharedBudget::~SharedBudget() = default;
+
+SharedBudget SharedBudget::create(const std::string& name, std::size_t bytes, const Device& device, unsigned mode) {
+  const std::string object = detail::budget_object_name(name);
+  const std::shared_ptr<Backend> backend = make_backend(device);
+  const std::size_t total = backend->total_memory_bytes();
+  expect_valid_capacity(name, bytes, total, backend->name());
+  const std::string what = detail::budget_description(name);
+  detail::SharedMapping mapping = detail::SharedMapping::create(object, sizeof(detail::BudgetSegment), mode, what);
+  try {
+    detail::BudgetLedger::initialize(*static_cast<detail::BudgetSegment*>(mapping.data()), bytes, total,
+                                     backend->name(), backend->memory_identity());
+  } catch (...) {
+    detail::SharedMapping::unlink(object, what);
+    throw;
+  }
+  return SharedBudget(std::make_unique<State>(name, std::move(mapping)));
+}
+
+SharedBudget SharedBudget::open(const std::string& name) {
+  return SharedBudget(std::make_unique<State>(name, detail::open_budget_object(name)));
+}
+
+bool SharedBudget::remove(const std::string& name) {
+  return detail::SharedMapping::unlink(detail::budget_object_name(name), detail::budget_description(name));
+}
+
+const std::string& SharedBudget::name() const noexcept { return state_->name; }
+
+SharedBudgetStats SharedBudget::resize(std::size_t bytes, unsigned wait_ms) {
+  detail::BudgetSegment& segment = state_->ledger.segment();
+  expect_valid_capacity(state_->name, bytes, segment.device_total, segment.device);
+  state_->ledger.resize(bytes);
+  // Members answer from their own threads; wait until they are under it or all answered.
+  const std::uint32_t request = segment.requests.load();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+  for (;;) {
+    const std::uint32_t releases = segment.releases.load();
+    const detail::BudgetView view = state_->ledger.view();
+    if (view.used_bytes <= view.capacity_bytes) break;
+    const auto now = std::chrono::steady_clock::now();
+    if (state_->ledger.all_answered(request) || now >= deadline) break;
+    detail::futex_wait(segment.releases, releases, deadline - now);
+  }
+  return stats();
+}
+
+SharedBudgetStats SharedBudget::stats() const { return to_stats(state_->name, state_->ledger.view()); }
+
+}  // namespace vkv

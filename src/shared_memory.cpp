@@ -1,0 +1,215 @@
+// Shared memory, a robust mutex, futexes and process liveness on Linux.
+#include "shared_memory.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "vkv/error.h"
+
+namespace vkv::detail {
+namespace {
+
+std::string errno_text(int error) { return std::strerror(error); }
+
+// "owner uid 1000, mode 0600" for a permission error's message; "" when it cannot be read.
+std::string owner_and_mode(const std::string& name) {
+  struct stat status {};
+  if (stat(("/dev/shm/" + name).c_str(), &status) != 0) return "";
+  std::ostringstream text;
+  text << " (owner uid " << status.st_uid << ", mode 0" << std::oct << (status.st_mode & 0777) << std::dec
+       << "; this process runs as uid " << geteuid() << ")";
+  return text.str();
+}
+
+void* map_shared(int file, std::size_t bytes, const std::string& what) {
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, file, 0);
+  if (data == MAP_FAILED) throw Error(concat(what, ": mmap of ", bytes, " bytes failed: ", errno_text(errno)));
+  return data;
+}
+
+}  // namespace
+
+SharedMapping SharedMapping::create(const std::string& name, std::size_t bytes, unsigned mode,
+                                    const std::string& what) {
+  const std::string path = "/" + name;
+  const int file = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, mode & 0777);
+  if (file < 0) {
+    const int error = errno;
+    VKV_EXPECTS(error != EEXIST, what, " exists already: open it, or remove it first");
+    VKV_EXPECTS(error != EACCES, what, " cannot be created: permission denied", owner_and_mode(name));
+    throw Error(concat(what, ": shm_open(", path, ") failed: ", errno_text(error)));
+  }
+  // The umask may have cleared bits of `mode`: set them exactly.
+  if (fchmod(file, mode & 0777) != 0 || ftruncate(file, static_cast<off_t>(bytes)) != 0) {
+    const int error = errno;
+    close(file);
+    shm_unlink(path.c_str());
+    throw Error(concat(what, ": sizing ", path, " to ", bytes, " bytes failed: ", errno_text(error)));
+  }
+  void* data = nullptr;
+  try {
+    data = map_shared(file, bytes, what);
+  } catch (...) {
+    close(file);
+    shm_unlink(path.c_str());
+    throw;
+  }
+  close(file);
+  return SharedMapping(data, bytes);
+}
+
+SharedMapping SharedMapping::open(const std::string& name, std::size_t min_bytes, const std::string& what) {
+  const std::string path = "/" + name;
+  const int file = shm_open(path.c_str(), O_RDWR, 0);
+  if (file < 0) {
+    const int error = errno;
+    VKV_EXPECTS(error != ENOENT, what, " does not exist (no /dev/shm", path, "): create it first");
+    VKV_EXPECTS(error != EACCES, what, " cannot be opened: permission denied", owner_and_mode(name));
+    throw Error(concat(what, ": shm_open(", path, ") failed: ", errno_text(error)));
+  }
+  struct stat status {};
+  if (fstat(file, &status) != 0) {
+    const int error = errno;
+    close(file);
+    throw Error(concat(what, ": fstat failed: ", errno_text(error)));
+  }
+  const auto bytes = static_cast<std::size_t>(status.st_size);
+  if (bytes < min_bytes) {
+    close(file);
+    throw InvalidArgument(concat(what, " is ", bytes, " bytes, less than the ", min_bytes,
+                                 " this version of vkv expects: it is not a vkv object, or another version's"));
+  }
+  void* data = nullptr;
+  try {
+    data = map_shared(file, bytes, what);
+  } catch (...) {
+    close(file);
+    throw;
+  }
+  close(file);
+  return SharedMapping(data, bytes);
+}
+
+bool SharedMapping::unlink(const std::string& name, const std::string& what) {
+  if (shm_unlink(("/" + name).c_str()) == 0) return true;
+  const int error = errno;
+  if (error == ENOENT) return false;
+  VKV_EXPECTS(error != EACCES, what, " cannot be removed: permission denied", owner_and_mode(name));
+  throw Error(concat(what, ": shm_unlink failed: ", errno_text(error)));
+}
+
+SharedMapping::SharedMapping(SharedMapping&& other) noexcept : data_(other.data_), size_(other.size_) {
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+
+SharedMapping& SharedMapping::operator=(SharedMapping&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) munmap(data_, size_);
+    data_ = other.data_;
+    size_ = other.size_;
+    other.data_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+SharedMapping::~SharedMapping() {
+  if (data_ != nullptr) munmap(data_, size_);
+}
+
+void RobustMutex::init() {
+  pthread_mutexattr_t attributes;
+  pthread_mutexattr_init(&attributes);
+  pthread_mutexattr_setpshared(&attributes, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attributes, PTHREAD_MUTEX_ROBUST);
+  const int result = pthread_mutex_init(&mutex_, &attributes);
+  pthread_mutexattr_destroy(&attributes);
+  if (result != 0) throw Error(concat("pthread_mutex_init (robust, process-shared) failed: ", errno_text(result)));
+}
+
+bool RobustMutex::lock() {
+  const int result = pthread_mutex_lock(&mutex_);
+  if (result == 0) return false;
+  if (result == EOWNERDEAD) {
+    pthread_mutex_consistent(&mutex_);
+    return true;
+  }
+  throw Error(concat("pthread_mutex_lock of a shared mutex failed: ", errno_text(result)));
+}
+
+void RobustMutex::unlock() noexcept { pthread_mutex_unlock(&mutex_); }
+
+void futex_wait(const std::atomic<std::uint32_t>& word, std::uint32_t expected,
+                std::chrono::nanoseconds timeout) noexcept {
+  static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t), "a futex is a plain 32-bit word");
+  if (timeout.count() <= 0) return;
+  timespec relative{};
+  relative.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  relative.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  // Not FUTEX_PRIVATE_FLAG: the word may be shared with other processes.
+  syscall(SYS_futex, reinterpret_cast<const std::uint32_t*>(&word), FUTEX_WAIT, expected, &relative, nullptr, 0);
+}
+
+void futex_wake_all(const std::atomic<std::uint32_t>& word) noexcept {
+  syscall(SYS_futex, reinterpret_cast<const std::uint32_t*>(&word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+namespace {
+
+// Field 22 (start time) and field 3 (state) of /proc/<pid>/stat; false when unreadable.
+bool read_stat(std::int32_t pid, std::uint64_t& start_time, char& state) {
+  std::ifstream file("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(file, line)) return false;
+  // The command (field 2) is in parentheses and may hold spaces: read after the last ')'.
+  const std::size_t close = line.rfind(')');
+  if (close == std::string::npos) return false;
+  std::istringstream rest(line.substr(close + 1));
+  rest >> state;  // field 3
+  std::string skipped;
+  for (int field = 4; field < 22; ++field) rest >> skipped;
+  rest >> start_time;
+  return static_cast<bool>(rest);
+}
+
+}  // namespace
+
+ProcessIdentity ProcessIdentity::self() {
+  ProcessIdentity identity;
+  identity.pid = static_cast<std::int32_t>(getpid());
+  char state = 0;
+  if (!read_stat(identity.pid, identity.start_time, state))
+    throw Error("cannot read /proc/self/stat: vkv's shared objects need Linux's /proc");
+  return identity;
+}
+
+bool ProcessIdentity::alive() const noexcept {
+  if (pid <= 0) return false;
+  std::uint64_t started = 0;
+  char state = 0;
+  try {
+    if (!read_stat(pid, started, state)) return false;
+  } catch (...) {
+    return true;  // cannot tell (out of memory): keep its share rather than count it twice
+  }
+  return started == start_time && state != 'Z' && state != 'X';
+}
+
+std::string ProcessIdentity::command() const {
+  std::ifstream file("/proc/" + std::to_string(pid) + "/comm");
+  std::string name;
+  std::getline(file, name);
+  return name;
+}
+
+}  // namespace vkv::detail

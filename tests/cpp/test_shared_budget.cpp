@@ -1,0 +1,376 @@
+// Shared budgets: caches draw pages from one capacity, a cache short of pages gets the
+// others' unclaimed ones, nobody loses a claimed page, and a member that dies (SIGKILL
+// included) is counted back. Host backends run it all; CUDA where there is a device.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include "budget_ledger.h"
+#include "testing.h"
+#include "vkv/shared_budget.h"
+
+namespace vkv {
+namespace {
+
+// A budget name no other test (or test process) uses; removed when the test ends.
+class BudgetName {
+ public:
+  BudgetName() {
+    static std::atomic<int> counter{0};
+    name_ = "test-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+    SharedBudget::remove(name_);
+  }
+  ~BudgetName() { SharedBudget::remove(name_); }
+  const std::string& str() const { return name_; }
+
+ private:
+  std::string name_;
+};
+
+Device host() { return Device{Device::Kind::host, 0}; }
+
+std::string error_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "(no error)";
+}
+
+TEST(SharedBudgetTest, CreateOpenRemoveAndStats) {
+  BudgetName name;
+  SharedBudget created = SharedBudget::create(name.str(), 64 << 20, host());
+  SharedBudget opened = SharedBudget::open(name.str());
+  const SharedBudgetStats stats = opened.stats();
+  EXPECT_EQ(stats.name, name.str());
+  EXPECT_EQ(stats.device, "host");
+  EXPECT_EQ(stats.capacity_bytes, std::size_t{64} << 20);
+  EXPECT_EQ(stats.used_bytes, 0u);
+  EXPECT_TRUE(stats.members.empty());
+  EXPECT_EQ(created.resize(32 << 20).capacity_bytes, std::size_t{32} << 20);
+  EXPECT_EQ(opened.stats().capacity_bytes, std::size_t{32} << 20);  // one object, seen by both
+  EXPECT_TRUE(SharedBudget::remove(name.str()));
+  EXPECT_FALSE(SharedBudget::remove(name.str()));
+  EXPECT_EQ(opened.stats().capacity_bytes, std::size_t{32} << 20);  // still mapped where open
+}
+
+TEST(SharedBudgetTest, BadInputIsRefusedWithTheValueAndTheLimit) {
+  BudgetName name;
+  EXPECT_NE(error_of([&] { SharedBudget::open(name.str()); }).find("does not exist"), std::string::npos);
+  EXPECT_NE(error_of([] { SharedBudget::create("bad/name", 1 << 20, host()); }).find("only letters"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { SharedBudget::create("", 1 << 20, host()); }).find("1 to 200 characters"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { SharedBudget::create(name.str(), 0, host()); }).find("bytes = 0"), std::string::npos);
+  const std::size_t huge = std::size_t{1} << 60;
+  const std::string too_large = error_of([&] { SharedBudget::create(name.str(), huge, host()); });
+  EXPECT_NE(too_large.find(std::to_string(huge)), std::string::npos) << too_large;
+  EXPECT_NE(too_large.find("exceeds the memory of host"), std::string::npos) << too_large;
+  SharedBudget budget = SharedBudget::create(name.str(), 1 << 20, host());
+  EXPECT_NE(error_of([&] { SharedBudget::create(name.str(), 1 << 20, host()); }).find("exists already"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { budget.resize(huge); }).find("exceeds the memory"), std::string::npos);
+  EXPECT_EQ(budget.stats().capacity_bytes, std::size_t{1} << 20);  // the failed resize changed nothing
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.device = host();
+  config.shared_budget = "no-such-budget";
+  EXPECT_NE(error_of([&] { KvCache cache(config); }).find("shared_budget = 'no-such-budget': shared budget 'no-such-budget' does not exist"), std::string::npos);
+}
+
+// The same memory under another name: a cache on it may not join a budget of the host's.
+class RenamedMemory final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::string memory_identity() const override { return "GPU-elsewhere"; }
+};
+
+TEST(SharedBudgetTest, ACacheOnAnotherDeviceCannotJoin) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.shared_budget = name.str();
+  const std::string error = error_of([&] {
+    KvCache cache(config, std::make_shared<RenamedMemory>(std::make_shared<HostBackend>(testing::kHostTestPageBytes)));
+  });
+  EXPECT_NE(error.find("is over host (host) but this cache is on host (GPU-elsewhere)"), std::string::npos) << error;
+  EXPECT_TRUE(budget.stats().members.empty());
+}
+
+// Two caches on the test's backend, in one budget of `pages_per_region` pages per region.
+class SharedBudgetCacheTest : public testing::CacheTest {
+ protected:
+  void SetUp() override {
+    CacheTest::SetUp();
+    if (IsSkipped()) return;
+    const Device device = std::get<0>(GetParam()) == testing::BackendKind::cuda ? Device{Device::Kind::cuda, 0} : host();
+    budget_ = std::make_unique<SharedBudget>(SharedBudget::create(name_.str(), budget_bytes(8), device));
+  }
+  void TearDown() override { budget_.reset(); }
+
+  std::size_t budget_bytes(std::size_t pages_per_region) const {
+    return pages_per_region * regions() * layout_->page_bytes();
+  }
+  std::unique_ptr<KvCache> member() const {
+    CacheConfig config = config_;
+    config.shared_budget = name_.str();
+    std::string why_not;
+    return std::make_unique<KvCache>(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  }
+  void expect_books_add_up(std::initializer_list<KvCache*> caches) const {
+    const SharedBudgetStats stats = budget_->stats();
+    std::size_t created = 0;
+    for (KvCache* cache : caches) {
+      cache->check_invariants();
+      created += cache->stats().bytes_created();
+    }
+    EXPECT_EQ(stats.used_bytes, created);
+    EXPECT_LE(stats.used_bytes, stats.capacity_bytes);
+  }
+
+  BudgetName name_;
+  std::unique_ptr<SharedBudget> budget_;
+};
+
+TEST_P(SharedBudgetCacheTest, MembersDrawFromOneCapacity) {
+  auto a = member();
+  auto b = member();
+  EXPECT_EQ(budget_->stats().members.size(), 2u);
+  const std::size_t slot_a = a->alloc_reqid();
+  a->step(lens({{slot_a, tokens(6)}}));
+  const std::size_t slot_b = b->alloc_reqid();
+  try {
+    b->step(lens({{slot_b, tokens(3)}}));  // 6 + 3 > 8 pages per region, and a claims its 6
+    FAIL() << "two members held more than the budget";
+  } catch (const OutOfMemory& error) {
+    EXPECT_EQ(error.missing_pages(), regions());
+  }
+  EXPECT_EQ(b->stats().pages_in_use, 0u);  // no effect
+  b->step(lens({{slot_b, tokens(2)}}));
+  expect_books_add_up({a.get(), b.get()});
+  const SharedBudgetStats stats = budget_->stats();
+  ASSERT_EQ(stats.members.size(), 2u);
+  EXPECT_EQ(stats.members[0].in_use_bytes, budget_bytes(6));
+  EXPECT_EQ(stats.members[1].in_use_bytes, budget_bytes(2));
+}
+
+TEST_P(SharedBudgetCacheTest, AMemberShortOfPagesGetsTheOthersUnclaimedOnes) {
+  auto a = member();
+  auto b = member();
+  const std::size_t first = a->alloc_reqid();
+  const std::size_t second = a->alloc_reqid();
+  a->step(lens({{first, tokens(3)}, {second, tokens(5)}}));
+  write_tokens(*a, first, 0, tokens(3), testing::mark(7));
+  a->free_reqid(second);  // 5 pages per region cached (deferred reclamation)
+  const std::size_t slot = b->alloc_reqid();
+  b->step(lens({{slot, tokens(5)}}));  // a gives its cached pages back
+  EXPECT_EQ(a->stats().pages_created, 3 * regions());
+  EXPECT_EQ(b->stats().pages_in_use, 5 * regions());
+  expect_tokens(*a, first, 0, tokens(3), testing::mark(7));  // a's request keeps its tokens
+  expect_books_add_up({a.get(), b.get()});
+}
+
+TEST_P(SharedBudgetCacheTest, ClaimedPagesAreNeverGivenAway) {
+  auto a = member();
+  auto b = member();
+  const std::size_t held = a->alloc_reqid();
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{held, tokens(5)}, {freed, tokens(2)}}));
+  write_tokens(*a, held, 0, tokens(5), testing::mark(3));
+  a->free_reqid(freed);
+  const std::size_t slot = b->alloc_reqid();
+  try {
+    b->step(lens({{slot, tokens(4)}}));  // 1 page per region free, 2 cached in a: 1 short
+    FAIL() << "a member got pages a request claims";
+  } catch (const OutOfMemory& error) {
+    EXPECT_EQ(error.missing_pages(), regions());
+  }
+  EXPECT_EQ(b->stats().pages_in_use, 0u);
+  EXPECT_EQ(a->stats().pages_in_use, 5 * regions());
+  expect_tokens(*a, held, 0, tokens(5), testing::mark(3));
+  b->step(lens({{slot, tokens(3)}}));  // what can be had is had
+  expect_books_add_up({a.get(), b.get()});
+}
+
+TEST_P(SharedBudgetCacheTest, ShrinkingAsksMembersForTheExcess) {
+  auto a = member();
+  const std::size_t held = a->alloc_reqid();
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{held, tokens(2)}, {freed, tokens(5)}}));
+  a->free_reqid(freed);
+  const SharedBudgetStats stats = budget_->resize(budget_bytes(4));
+  EXPECT_EQ(stats.capacity_bytes, budget_bytes(4));
+  EXPECT_LE(stats.used_bytes, budget_bytes(4));
+  EXPECT_LE(a->stats().pages_created, 4 * regions());
+  EXPECT_EQ(a->stats().pages_in_use, 2 * regions());
+  // Below what is claimed: the member keeps its claim, creates nothing until under it.
+  const SharedBudgetStats below = budget_->resize(budget_bytes(1));
+  EXPECT_EQ(below.used_bytes, budget_bytes(2));
+  EXPECT_THROW(a->step(lens({{held, tokens(3)}})), OutOfMemory);
+  budget_->resize(budget_bytes(8));
+  a->step(lens({{held, tokens(3)}}));
+  expect_books_add_up({a.get()});
+}
+
+TEST_P(SharedBudgetCacheTest, ALeavingMemberGivesEverythingBack) {
+  {
+    auto a = member();
+    a->step(lens({{a->alloc_reqid(), tokens(4)}}));
+    EXPECT_EQ(budget_->stats().used_bytes, budget_bytes(4));
+  }
+  const SharedBudgetStats stats = budget_->stats();
+  EXPECT_EQ(stats.used_bytes, 0u);
+  EXPECT_TRUE(stats.members.empty());
+}
+
+TEST_P(SharedBudgetCacheTest, WithTheMapperOnMappingAheadStaysWithinTheBudget) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  config.background_mapping = true;
+  std::string why_not;
+  KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  KvCache b(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  for (int round = 0; round < 20; ++round) {
+    KvCache& busy = round % 2 == 0 ? a : b;
+    const std::size_t slot = busy.alloc_reqid();
+    busy.step(lens({{slot, tokens(6)}}));
+    busy.map_ahead_now();
+    busy.free_reqid(slot);
+    EXPECT_LE(budget_->stats().used_bytes, budget_bytes(8));
+  }
+  a.stop_background();
+  b.stop_background();
+  expect_books_add_up({&a, &b});
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetCacheTest, testing::every_backend_with_both_layouts(),
+                         testing::backend_and_layout_name);
+
+// Members need not look alike: another model shape, layout and page size draw from the
+// same bytes, and pages given back by one serve the other.
+TEST(SharedBudgetTest, MembersOfDifferentShapesAndPageSizesShareTheBytes) {
+  BudgetName name;
+  const std::size_t small_page = testing::kHostTestPageBytes;
+  SharedBudget budget = SharedBudget::create(name.str(), 32 * small_page, host());
+  CacheConfig first = testing::small_config(LayoutKind::interleaved, small_page);
+  first.device = host();
+  first.page_size = small_page;
+  first.shared_budget = name.str();
+  CacheConfig second = testing::small_config(LayoutKind::per_layer, 2 * small_page);
+  second.device = host();
+  second.num_layers = 2;
+  second.page_size = 2 * small_page;
+  second.shared_budget = name.str();
+  KvCache a(first);
+  KvCache b(second);
+  std::vector<std::size_t> lens_a(first.max_batch_size, 0);
+  const std::size_t slot_a = a.alloc_reqid();
+  lens_a[slot_a] = 24 * a.layout().tokens_in_pages(1);  // 24 of the 32 small pages
+  a.step(lens_a);
+  a.free_reqid(slot_a);
+  lens_a[slot_a] = 0;
+  std::vector<std::size_t> lens_b(second.max_batch_size, 0);
+  lens_b[b.alloc_reqid()] = b.layout().tokens_in_pages(3);  // 3 pages in each of 4 regions: 24 small pages' bytes
+  b.step(lens_b);
+  const SharedBudgetStats stats = budget.stats();
+  EXPECT_EQ(stats.used_bytes, a.stats().bytes_created() + b.stats().bytes_created());
+  EXPECT_LE(stats.used_bytes, stats.capacity_bytes);
+  EXPECT_EQ(b.stats().bytes_in_use(), 12 * 2 * small_page);
+  a.check_invariants();
+  b.check_invariants();
+}
+
+// A child process that runs `body`, then waits to be killed (with SIGKILL, at the latest
+// when this object goes: a failed assertion leaves no process behind). Make it before
+// the test starts any thread (fork() copies only the caller).
+class MemberProcess {
+ public:
+  template <typename Body>
+  explicit MemberProcess(Body body) {
+    int ready[2];
+    if (pipe(ready) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      body();
+      const char byte = 1;
+      static_cast<void>(write(ready[1], &byte, 1));
+      pause();
+      _exit(0);
+    }
+    close(ready[1]);  // a child that dies before writing ends the read
+    char byte = 0;
+    started_ = read(ready[0], &byte, 1) == 1;
+    close(ready[0]);
+  }
+  ~MemberProcess() { kill(); }
+  MemberProcess(const MemberProcess&) = delete;
+  MemberProcess& operator=(const MemberProcess&) = delete;
+
+  bool started() const { return started_; }
+  pid_t pid() const { return pid_; }
+  void kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = 0;
+  }
+
+ private:
+  pid_t pid_ = 0;
+  bool started_ = false;
+};
+
+// A member killed with SIGKILL: the budget counts its pages back; the survivors go on.
+// The child joins before the parent starts any thread (fork() copies only the caller).
+TEST(SharedBudgetTest, AKilledMemberIsCountedBack) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.device = host();
+  config.shared_budget = name.str();
+  MemberProcess child([&] {
+    auto* cache = new KvCache(config);  // lives until the process is killed
+    std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+    seq_lens[cache->alloc_reqid()] = config.max_context_len;
+    cache->step(seq_lens);
+  });
+  ASSERT_TRUE(child.started());
+  SharedBudgetStats stats = budget.stats();
+  ASSERT_EQ(stats.members.size(), 1u);
+  EXPECT_EQ(stats.members[0].pid, child.pid());
+  EXPECT_GT(stats.used_bytes, 0u);
+  child.kill();
+  stats = budget.stats();
+  EXPECT_TRUE(stats.members.empty());
+  EXPECT_EQ(stats.used_bytes, 0u);
+  KvCache survivor(config);  // the whole capacity is there for the next member
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+  seq_lens[survivor.alloc_reqid()] = config.max_context_len;
+  survivor.step(seq_lens);
+}
+
+// A member killed while it holds the budget's lock blocks nobody: the next locker repairs.
+TEST(SharedBudgetTest, AMemberKilledHoldingTheLockBlocksNobody) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  MemberProcess child([&] {
+    detail::SharedMapping object = detail::open_budget_object(name.str());
+    detail::BudgetLedger ledger(*static_cast<detail::BudgetSegment*>(object.data()));
+    ledger.acquire(ledger.join(1 << 20), 8 << 20);
+    static_cast<detail::BudgetSegment*>(object.data())->mutex.lock();
+    // Stays mapped until the process dies: the kernel marks a robust mutex's owner dead
+    // through the dying thread's list, at the mutex's address in that process.
+    static_cast<void>(new detail::SharedMapping(std::move(object)));
+  });
+  ASSERT_TRUE(child.started());
+  child.kill();
+  const SharedBudgetStats stats = budget.stats();  // would hang on a plain mutex
+  EXPECT_TRUE(stats.members.empty());
+  EXPECT_EQ(stats.used_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace vkv

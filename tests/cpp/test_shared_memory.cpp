@@ -1,0 +1,119 @@
+// The cross-process primitives: named shared memory, the robust mutex, futexes, liveness.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <new>
+#include <thread>
+
+#include "shared_memory.h"
+#include "vkv/error.h"
+
+namespace vkv::detail {
+namespace {
+
+std::string unique_name(const char* what) {
+  return std::string("vkv-test-") + what + "-" + std::to_string(getpid());
+}
+
+// Runs `body` in a child process and returns its pid once it has exited (not yet reaped).
+template <typename Body>
+pid_t run_child_and_wait_for_exit(Body body) {
+  const pid_t child = fork();
+  if (child == 0) {
+    body();
+    _exit(0);
+  }
+  siginfo_t info{};
+  waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT);  // a zombie: exited, not reaped
+  return child;
+}
+
+TEST(SharedMappingTest, CreateOpenAndUnlinkName) {
+  const std::string name = unique_name("mapping");
+  SharedMapping::unlink(name, "test object");
+  {
+    SharedMapping created = SharedMapping::create(name, 4096, 0600, "test object");
+    static_cast<char*>(created.data())[10] = 42;
+    SharedMapping opened = SharedMapping::open(name, 4096, "test object");
+    EXPECT_EQ(opened.size(), 4096u);
+    EXPECT_EQ(static_cast<char*>(opened.data())[10], 42);  // the same bytes
+    EXPECT_EQ(static_cast<char*>(opened.data())[11], 0);   // zero-filled
+  }
+  EXPECT_TRUE(SharedMapping::unlink(name, "test object"));
+  EXPECT_FALSE(SharedMapping::unlink(name, "test object"));
+}
+
+TEST(SharedMappingTest, ErrorsNameTheObject) {
+  const std::string name = unique_name("errors");
+  SharedMapping::unlink(name, "test object");
+  try {
+    SharedMapping::open(name, 1, "shared budget 'x'");
+    FAIL() << "opened an object that does not exist";
+  } catch (const InvalidArgument& error) {
+    EXPECT_NE(std::string(error.what()).find("shared budget 'x' does not exist"), std::string::npos) << error.what();
+  }
+  SharedMapping first = SharedMapping::create(name, 4096, 0600, "test object");
+  EXPECT_THROW(SharedMapping::create(name, 4096, 0600, "test object"), InvalidArgument);  // exists
+  try {
+    SharedMapping::open(name, 8192, "test object");
+    FAIL() << "opened an object shorter than asked";
+  } catch (const InvalidArgument& error) {
+    EXPECT_NE(std::string(error.what()).find("4096 bytes, less than the 8192"), std::string::npos) << error.what();
+  }
+  SharedMapping::unlink(name, "test object");
+}
+
+TEST(RobustMutexTest, TheNextLockerLearnsThatTheOwnerDied) {
+  const std::string name = unique_name("mutex");
+  SharedMapping::unlink(name, "test object");
+  SharedMapping memory = SharedMapping::create(name, sizeof(RobustMutex), 0600, "test object");
+  SharedMapping::unlink(name, "test object");
+  auto* mutex = new (memory.data()) RobustMutex;
+  mutex->init();
+  const pid_t child = run_child_and_wait_for_exit([&] { mutex->lock(); });  // dies holding it
+  EXPECT_TRUE(mutex->lock());
+  mutex->unlock();
+  EXPECT_FALSE(mutex->lock());  // consistent again
+  mutex->unlock();
+  waitpid(child, nullptr, 0);
+}
+
+TEST(ProcessIdentityTest, ADeadProcessIsNotAlive) {
+  const ProcessIdentity self = ProcessIdentity::self();
+  EXPECT_TRUE(self.alive());
+  EXPECT_FALSE(self.command().empty());
+  ProcessIdentity reused = self;
+  reused.start_time += 1;  // the same pid, another process
+  EXPECT_FALSE(reused.alive());
+  SharedMapping::unlink(unique_name("identity"), "test object");
+  SharedMapping memory = SharedMapping::create(unique_name("identity"), sizeof(ProcessIdentity), 0600, "test object");
+  SharedMapping::unlink(unique_name("identity"), "test object");
+  auto* identity = static_cast<ProcessIdentity*>(memory.data());
+  const pid_t child = run_child_and_wait_for_exit([&] { *identity = ProcessIdentity::self(); });
+  EXPECT_EQ(identity->pid, child);
+  EXPECT_FALSE(identity->alive());  // a zombie counts as gone
+  waitpid(child, nullptr, 0);
+  EXPECT_FALSE(identity->alive());
+}
+
+TEST(FutexTest, WakeEndsAWaitAndATimeoutEndsItToo) {
+  std::atomic<std::uint32_t> word{0};
+  const auto begin = std::chrono::steady_clock::now();
+  futex_wait(word, 0, std::chrono::milliseconds(20));
+  EXPECT_GE(std::chrono::steady_clock::now() - begin, std::chrono::milliseconds(15));
+  futex_wait(word, 1, std::chrono::seconds(10));  // the word differs: returns at once
+  std::thread waker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    word.store(1);
+    futex_wake_all(word);
+  });
+  while (word.load() == 0) futex_wait(word, 0, std::chrono::seconds(10));
+  EXPECT_EQ(word.load(), 1u);
+  waker.join();
+}
+
+}  // namespace
+}  // namespace vkv::detail

@@ -1,0 +1,48 @@
+"""benchmarks/attention_bench.py on the CPU: its grid, its arguments, and FlashInfer's
+kernels skipped with a reason where FlashInfer cannot run (no timings are asserted)."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+attention_bench = pytest.importorskip("attention_bench")
+
+
+def test_decode_grid_stops_at_the_token_cap():
+    shapes = attention_bench.decode_shapes((1, 4, 16, 64), (4096, 16384, 65536), 1 << 20)
+    assert (64, 16384) in shapes and (16, 65536) in shapes
+    assert (64, 65536) not in shapes  # 4M tokens: 16 GiB of K/V per storage
+    assert all(b * c <= 1 << 20 for b, c in shapes)
+
+
+def test_arguments_default_to_both_models_and_quick_to_one():
+    args = attention_bench.parse_args(["--device", "cpu"])
+    assert args.models == ["llama3-8b", "yi-34b"] and args.only == ["decode", "prefill", "append"]
+    assert args.flex == "eager"  # compiling Flex on a CPU is slower than the smoke test
+    assert attention_bench.parse_args(["--device", "cpu", "--quick"]).models == ["llama3-8b"]
+    yi = attention_bench.MODELS["yi-34b"]
+    assert (yi.query_heads // yi.kv_heads, yi.layers) == (7, 60)
+
+
+def test_the_interleaved_cache_drops_layers_to_fit_its_budget():
+    llama = attention_bench.MODELS["llama3-8b"]
+    assert attention_bench.interleaved_layers(llama, 1 << 20, 40 << 30) == 8  # 4 KiB x 32 layers x 1M = 128 GiB
+    assert attention_bench.interleaved_layers(llama, 4096, 40 << 30) == 32
+
+
+def test_a_cpu_run_measures_vkv_and_flex_and_skips_flashinfer_with_its_reason(tmp_path):
+    args = attention_bench.parse_args(["--device", "cpu", "--quick", "--rounds", "1", "--target-ms", "0.1",
+                                       "--out", str(tmp_path)])
+    flashinfer = attention_bench.FlashInfer("cpu")
+    assert flashinfer.module is None and flashinfer.version == "skipped: FlashInfer runs on CUDA only"
+    results = {"rows": []}
+    run = attention_bench.AttentionRun(args, [attention_bench.MODELS["llama3-8b"]],
+                                       attention_bench.flex_attention, flashinfer, results, str(tmp_path / "r.json"))
+    run.shape(run.models[0], "decode", 2, 128, 1, 127, "decode")
+    storages = {row["storage"] for row in results["rows"]}
+    assert storages == {"plain", "vkv_per_layer", "vkv_interleaved", "flex_paged_16", "flex_paged_128"}
+    assert not [row for row in results["rows"] if "error" in row]
+    assert all(row["rel_err"] < 1e-2 for row in results["rows"])
+    assert all(row["bitwise_equal_plain"] for row in results["rows"] if row["storage"].startswith("vkv"))

@@ -1,0 +1,208 @@
+"""vkv.SharedBudget and python -m vkv.budget: caches in several processes draw pages from
+one budget, a cache short of pages gets the others' unclaimed ones, claimed pages are never
+given away, resizing works under load, and a member killed with SIGKILL is counted back.
+Members run as separate processes (budget_member.py) on the host backend."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import vkv
+import vkv.budget
+from conftest import HOST_PAGE, small_cache
+
+MEMBER = Path(__file__).with_name("budget_member.py")
+TOKENS_PER_PAGE = 32  # small_cache / budget_member: 2 KiB per token (interleaved), 64 KiB pages
+REPLY_TIMEOUT_S = 60
+
+
+@pytest.fixture
+def budget():
+    name = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    created = vkv.SharedBudget.create(name, 16 * HOST_PAGE, device="cpu")
+    yield created
+    vkv.SharedBudget.remove_name(name)
+
+
+class Member:
+    """A cache in another process, in the budget, that does what the test tells it."""
+
+    def __init__(self, budget_name, mapper=False):
+        command = [sys.executable, str(MEMBER), budget_name] + (["--mapper"] if mapper else [])
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pid = self._reply()["pid"]
+
+    def _reply(self):
+        line = self.process.stdout.readline()
+        assert line, f"member {self.process.pid} exited with {self.process.wait(REPLY_TIMEOUT_S)}"
+        return json.loads(line)
+
+    def __call__(self, op, **arguments):
+        self.process.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
+        self.process.stdin.flush()
+        return self._reply()
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.process.stdin.flush()
+        assert self.process.wait(REPLY_TIMEOUT_S) == 0
+
+
+def pages(count):
+    return count * TOKENS_PER_PAGE
+
+
+def local_member(budget):
+    return small_cache(shared_budget=budget.name)
+
+
+def test_create_open_resize_remove(budget):
+    opened = vkv.SharedBudget.open(budget.name)
+    stats = opened.stats()
+    assert (stats["name"], stats["device"], stats["capacity_bytes"]) == (budget.name, "cpu", 16 * HOST_PAGE)
+    assert stats["used_bytes"] == 0 and stats["members"] == []
+    assert budget.resize(8 * HOST_PAGE)["capacity_bytes"] == 8 * HOST_PAGE
+    assert opened.stats()["capacity_bytes"] == 8 * HOST_PAGE
+    assert budget.remove() is True
+    assert vkv.SharedBudget.remove_name(budget.name) is False
+
+
+def test_bad_input_names_the_value_and_the_limit(budget):
+    with pytest.raises(ValueError, match="exists already"):
+        vkv.SharedBudget.create(budget.name, HOST_PAGE, device="cpu")
+    with pytest.raises(ValueError, match="does not exist"):
+        vkv.SharedBudget.open(budget.name + "-missing")
+    with pytest.raises(ValueError, match=r"bytes = 1152921504606846976 .* exceeds the memory of host"):
+        vkv.SharedBudget.create(budget.name + "-huge", 1 << 60, device="cpu")
+    with pytest.raises(ValueError, match="only letters, digits"):
+        vkv.SharedBudget.create("a/b", HOST_PAGE, device="cpu")
+    with pytest.raises(ValueError, match="is not a device"):
+        vkv.SharedBudget.create(budget.name + "-x", HOST_PAGE, device="tpu")
+    with pytest.raises(ValueError, match="shared_budget = 'no-such-budget'"):
+        small_cache(shared_budget="no-such-budget")
+    with pytest.raises(ValueError, match="wait = -1"):
+        budget.resize(HOST_PAGE, wait=-1)
+    assert budget.stats()["capacity_bytes"] == 16 * HOST_PAGE  # nothing changed
+
+
+def test_a_member_short_of_pages_gets_another_process_cached_pages(budget):
+    other = Member(budget.name)
+    try:
+        kept, freed = other("alloc")["slot"], other("alloc")["slot"]
+        assert other("step", lens={kept: pages(4), freed: pages(10)}) == {"ok": True}
+        other("write", slot=kept, tokens=pages(4), value=7)
+        other("free", slot=freed)  # 10 pages cached in the other process
+        with local_member(budget) as cache:
+            slot = cache.alloc_reqid()
+            cache.step([pages(10) if s == slot else 0 for s in range(cache.max_batch_size)])
+            cache.check_invariants()
+            stats = budget.stats()
+            rows = {row["pid"]: row for row in stats["members"]}
+            # It gave back what was missing (10 - 2 free), no more.
+            assert rows[other.pid]["pages_held"] == 6 and rows[other.pid]["pages_in_use"] == 4
+            assert rows[os.getpid()]["pages_in_use"] == 10
+            assert stats["used_bytes"] <= stats["capacity_bytes"]
+        assert other("check", slot=kept, tokens=pages(4), value=7) == {"ok": True}  # its request kept its keys
+    finally:
+        other.close()
+
+
+def test_claimed_pages_are_never_given_away(budget):
+    other = Member(budget.name)
+    try:
+        slot = other("alloc")["slot"]
+        assert other("step", lens={slot: pages(12)}) == {"ok": True}
+        other("write", slot=slot, tokens=pages(12), value=3)
+        with local_member(budget) as cache:
+            mine = cache.alloc_reqid()
+            with pytest.raises(vkv.OutOfMemory) as shortage:
+                cache.step([pages(6) if s == mine else 0 for s in range(cache.max_batch_size)])
+            assert shortage.value.missing_pages == 2  # 16 - 12 claimed = 4 of 6
+            assert cache.stats()["pages_in_use"] == 0  # no effect
+            cache.step([pages(4) if s == mine else 0 for s in range(cache.max_batch_size)])
+        assert other("check", slot=slot, tokens=pages(12), value=3) == {"ok": True}
+        assert other("stats")["pages_in_use"] == 12
+    finally:
+        other.close()
+
+
+def test_a_member_killed_with_sigkill_is_counted_back(budget):
+    other = Member(budget.name, mapper=True)
+    slot = other("alloc")["slot"]
+    assert other("step", lens={slot: pages(14)}) == {"ok": True}
+    assert budget.stats()["used_bytes"] >= 14 * HOST_PAGE
+    os.kill(other.pid, signal.SIGKILL)
+    assert other.process.wait(REPLY_TIMEOUT_S) == -signal.SIGKILL
+    stats = budget.stats()
+    assert stats["members"] == [] and stats["used_bytes"] == 0
+    with local_member(budget) as cache:  # the whole capacity is there again
+        cache.step([pages(16)] + [0] * (cache.max_batch_size - 1)) if cache.alloc_reqid() == 0 else None
+        assert cache.stats()["pages_in_use"] == 16
+
+
+def test_resizing_under_load_keeps_every_member_consistent(budget):
+    busy = [Member(budget.name, mapper=True) for _ in range(2)]
+    try:
+        for member in busy:  # both start at once; the test resizes meanwhile
+            member.process.stdin.write(json.dumps({"op": "churn", "iterations": 3000}) + "\n")
+            member.process.stdin.flush()
+        for capacity in (12, 6, 20, 8, 16):
+            stats = budget.resize(capacity * HOST_PAGE, wait=0.2)
+            assert stats["capacity_bytes"] == capacity * HOST_PAGE
+        results = [member._reply() for member in busy]
+        for result in results:
+            assert result["errors"] == [], result["errors"]
+            assert result["shortages"] > 0  # it ran under pressure: preempting, asking the other
+        stats = budget.stats()
+        assert stats["used_bytes"] <= stats["capacity_bytes"]
+        held = sum(member("stats")["pages_created"] for member in busy)
+        assert stats["used_bytes"] == held * HOST_PAGE  # the books match what the members hold
+    finally:
+        for member in busy:
+            member.close()
+    assert budget.stats()["used_bytes"] == 0
+
+
+def test_budget_command_line(budget, capsys):
+    assert vkv.budget.main(["show", budget.name]) == 0
+    assert f"shared budget '{budget.name}' on cpu: 1.00 MiB" in capsys.readouterr().out
+    with local_member(budget) as cache:
+        cache.step([pages(3)] + [0] * 3) if cache.alloc_reqid() == 0 else None
+        assert vkv.budget.main(["show", budget.name, "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["members"][0]["pid"] == os.getpid()
+        assert shown["members"][0]["pages_in_use"] == 3
+        assert vkv.budget.main(["show", budget.name]) == 0
+        table = capsys.readouterr().out
+        assert "pid" in table and str(os.getpid()) in table and "192.00 KiB" in table
+    assert vkv.budget.main(["resize", budget.name, "512KiB"]) == 0
+    assert "512.00 KiB" in capsys.readouterr().out
+    assert vkv.budget.main(["remove", budget.name]) == 0
+    assert vkv.budget.main(["show", budget.name]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert vkv.budget.main(["remove", budget.name]) == 1
+    name = budget.name + "-cli"
+    try:
+        assert vkv.budget.main(["create", name, "2MiB", "--device", "cpu"]) == 0
+        assert "2.00 MiB" in capsys.readouterr().out
+    finally:
+        vkv.SharedBudget.remove_name(name)
+
+
+@pytest.mark.parametrize("text, size", [("1048576", 1 << 20), ("40GiB", 40 << 30), ("1.5 MiB", 3 << 19),
+                                        ("2GB", 2 * 10**9), ("512k", 512 << 10)])
+def test_sizes_read_as_people_write_them(text, size):
+    assert vkv.budget.parse_size(text) == size
+
+
+def test_a_size_without_a_known_unit_is_refused():
+    with pytest.raises(SystemExit):
+        vkv.budget.parse_args(["create", "x", "10 parsecs"])
