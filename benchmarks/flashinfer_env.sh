@@ -1,7 +1,9 @@
 # FlashInfer for the benchmarks and the demo on a machine that cannot download it. Source it
-# from the repository root:  source benchmarks/flashinfer_env.sh [ARCHIVE]
+# from the repository root:  [FLASHINFER_ARCHIVE=...] source benchmarks/flashinfer_env.sh
+# (an environment variable, not an argument: a script sourced without arguments sees its
+# caller's).
 #
-# Unpacks ARCHIVE (default: the newest .whl/flashinfer-*.tar.xz, made by
+# Unpacks $FLASHINFER_ARCHIVE (default: the newest .whl/flashinfer-*.tar.xz, made by
 # benchmarks/flashinfer_pack.py) into $FLASHINFER_SITE (default /tmp/site-flashinfer: a
 # folder of its own, so that packages other runs put in /tmp/site do not mix in), once per
 # machine and archive, or else installs the flashinfer_python and apache_tvm_ffi wheels found
@@ -13,7 +15,7 @@
 # It returns non-zero, and says why, where neither is found or the import fails.
 
 flashinfer_site="${FLASHINFER_SITE:-/tmp/site-flashinfer}"
-flashinfer_archive="${1:-$(ls -t .whl/flashinfer-*.tar.xz 2>/dev/null | head -1)}"
+flashinfer_archive="${FLASHINFER_ARCHIVE:-$(ls -t .whl/flashinfer-*.tar.xz 2>/dev/null | head -1)}"
 if [ -n "$flashinfer_archive" ] && [ -f "$flashinfer_archive" ]; then
   flashinfer_unpacked="$(basename "$flashinfer_archive") $(stat -c %s "$flashinfer_archive")"
   if [ "$(cat "$flashinfer_site/.unpacked" 2>/dev/null)" != "$flashinfer_unpacked" ]; then
