@@ -216,10 +216,11 @@ std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std
     wait_not_busy(lock, best);
     back_with_zeros(best, layout_.pages_per_slot());
   }
-  // The new owner's work must not overtake the zero-fill of the previous owner's tokens.
-  // The event stays: reclaiming this slot's surplus pages later waits for it on the host.
-  enqueue_fill(best);
-  if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+  // The new owner's work must not overtake the zero-fill of the previous owner's tokens. A
+  // fill still deferred is enqueued by the owner's first call that touches the slot's pages
+  // (kv_cache_fill.cpp), which orders its stream after it; one enqueued already is waited
+  // for here. The event stays: reclaiming this slot's surplus pages later waits for it.
+  if (slot.deferred_fill == 0 && slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
   slots_.mark_allocated(best, read_windows_.steps());
   return best;
 }

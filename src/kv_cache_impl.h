@@ -135,11 +135,12 @@ class KvCache::Impl {
   // `stream` is due before anyone else reads, maps over or reclaims them. No backend call.
   void defer_fill(std::size_t slot, Stream stream);
   // Enqueues `slot`'s deferred zero-fill, if any, and records free_event behind it; on
-  // failure it stays deferred.
-  void enqueue_fill(std::size_t slot);
-  // enqueue_fill() for every slot: at the start of step() and prepare_step(), and before
-  // anything reclaims pages (reclaim_coldest, trim).
-  void enqueue_deferred_fills();
+  // failure it stays deferred. For an allocated slot (its new owner's first call that
+  // touches its pages), `consumer`'s later work is ordered after the fill.
+  void enqueue_fill(std::size_t slot, std::optional<Stream> consumer = std::nullopt);
+  // enqueue_fill() for every slot: at the start of step() and prepare_step() (`consumer`:
+  // their stream), and before anything reclaims pages (reclaim_coldest, trim).
+  void enqueue_deferred_fills(std::optional<Stream> consumer = std::nullopt);
 
   // ---- step and mapping what is missing (kv_cache_step.cpp) ------------------------
   // What step(seq_lens) must do: the claims it leaves, the shared pages slots are about

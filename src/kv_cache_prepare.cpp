@@ -28,7 +28,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   expect_valid_seq_lens(seq_lens, count);
-  enqueue_deferred_fills();  // the step() that follows agreement then makes no backend call
+  enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
   const std::size_t regions = layout_.num_regions();
   if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
   const std::size_t horizon =

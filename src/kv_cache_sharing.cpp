@@ -45,6 +45,7 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   undo.push([this, dst, kept_at_free, eager_slot] { slots_.unmark_allocated(dst, kept_at_free, eager_slot); });
   // The mapper may be mapping ahead into the slot handed out next; room for dst's own pages.
   settle(lock, dst, share_shape(src, dst, slots_[src].seq_len).fresh * layout_.num_regions(), 0, expect_source);
+  enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   share_into(src, dst, slots_[src].seq_len, stream, undo);
   undo.commit();
@@ -61,6 +62,7 @@ void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t t
   auto expect_valid = [&] { expect_valid_share(src, dst, tokens); };
   expect_valid();
   settle(lock, dst, share_shape(src, dst, tokens).fresh * layout_.num_regions(), 0, expect_valid);  // room for dst's own pages
+  enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   detail::UndoLog undo(stream_waiter(stream));
   share_into(src, dst, tokens, stream, undo);

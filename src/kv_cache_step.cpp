@@ -76,7 +76,7 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   expect_valid_seq_lens(seq_lens, count);
   // Zero-fills left by free_reqid() and swap_out(): enqueued here at the latest, before
   // this step reclaims those pages and before the iteration's kernels.
-  enqueue_deferred_fills();
+  enqueue_deferred_fills(stream);
   // The work enqueued since the last step() ends its read window here (zero_page).
   if (config_.zero_page) read_windows_.begin_step(stream);
   // What the iteration's kernels may read in every allocated slot: a padded batch's length.

@@ -91,8 +91,8 @@ void SlotTable::check(const KvLayout& layout, bool zero_page) const {
     expect(slot.backed_end <= layout.pages_per_slot(), where + ": zero backing stays inside the slot");
     expect(!zero_page || !slot.allocated || slot.backed_end == layout.pages_per_slot(),
            where + ": an allocated slot reads as zeros to its end");
-    expect(slot.deferred_fill == 0 || !slot.allocated || slot.swapped,
-           where + ": only a free or swapped-out slot has a deferred zero-fill");
+    expect(slot.deferred_fill == 0 || !slot.allocated || slot.swapped || slot.claimed == 0,
+           where + ": only a slot without tokens (free, swapped out, or not stepped yet) has a deferred zero-fill");
     expect(slot.deferred_fill <= mapped, where + ": a deferred zero-fill covers mapped pages");
   }
 }

@@ -5,8 +5,8 @@
 // Invariants (check()): a slot maps the same number of pages in every region; a free
 // slot claims nothing and is not swapped out; a swapped-out slot claims nothing; a
 // slot's seq_len is claimed and its claim is mapped; zero backing covers an allocated
-// slot to its end; only a free or swapped-out slot has a deferred zero-fill, of pages
-// it maps.
+// slot to its end; only a slot without tokens (free, swapped out, or allocated and not
+// stepped yet) has a deferred zero-fill, of pages it maps.
 //
 // Internal. Thread-safety: none; the cache serializes every call under its mutex.
 #pragma once

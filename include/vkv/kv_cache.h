@@ -72,9 +72,10 @@ class KvCache {
 
   /// Hands out a free slot: the one that held the most pages when it was freed, lowest
   /// index on ties, so the same call sequence gives the same slots on every
-  /// tensor-parallel rank whatever the mapper did meanwhile. Later work on `stream` is
-  /// ordered after the zero-fill of the slot's pages (enqueued here if the previous
-  /// owner's free_reqid() left it to a later call).
+  /// tensor-parallel rank whatever the mapper did meanwhile. Makes no device call: the new
+  /// owner's work is ordered after the zero-fill of the previous owner's tokens by its first
+  /// call that touches the slot's pages (step(), share_prefix(), fork()), which enqueues
+  /// that fill if free_reqid() left it for later; or here, on `stream`, when it is enqueued.
   /// @throws InvalidArgument when every slot is allocated; DriverError; an error of the
   ///         mapper thread.
   std::size_t alloc_reqid(Stream stream = 0);
@@ -82,8 +83,8 @@ class KvCache {
   /// Frees an allocated slot; its pages stay mapped for the next owner (or go back to the
   /// driver, with deferred_reclamation off). The zero-fill of the pages its seq_lens
   /// reached is enqueued on `stream`, behind the work enqueued there so far, by the next
-  /// call that needs it: alloc_reqid() handing this slot out, step() (the next one at the
-  /// latest; and prepare_step()), or any call that reclaims these pages. So free_reqid()
+  /// call that needs it: step() (the next one at the latest; and prepare_step()),
+  /// share_prefix() or fork() into this slot, or any call that reclaims these pages. So free_reqid()
   /// itself makes no device call, and `stream` must stay valid until that next call.
   /// Contract: an owner writes only tokens below the seq_len it gave step().
   /// @throws InvalidArgument for a slot out of range or not allocated (double free).

@@ -42,6 +42,44 @@ TEST_P(DeferredFillTest, FreeAndSwapOutMakeNoCallForTheZeroFill) {
   cache->check_invariants();
 }
 
+// A new owner touches its slot's pages only from its first step() on: alloc_reqid() makes
+// no device call, and the first call that touches the pages enqueues the fill before.
+TEST_P(DeferredFillTest, AllocReqidMakesNoCallAndTheNewOwnersFirstCallFillsFirst) {
+  auto cache = make_cache();
+  const std::size_t a = cache->alloc_reqid(), src = cache->alloc_reqid();
+  cache->step(lens({{a, tokens(3)}, {src, tokens(2)}}));
+  write_tokens(*cache, a, 0, tokens(3), mark(50));
+  write_tokens(*cache, src, 0, tokens(2), mark(60));
+  hold();
+  cache->free_reqid(a);
+  const CacheStats before = cache->stats();
+  const std::size_t next = cache->alloc_reqid();
+  ASSERT_EQ(next, a);
+  EXPECT_EQ(zero_fills(*cache), before.backend.zero.calls);
+  EXPECT_EQ(event_calls(*cache), before.backend.event.calls);
+  cache->check_invariants();  // allocated, not stepped, its fill still deferred
+  // share_prefix() into it: the previous owner's tokens go first, then the shared prefix.
+  cache->share_prefix(src, next, tokens(1) + 3);
+  EXPECT_EQ(zero_fills(*cache), before.backend.zero.calls + 1);
+  cache->step(lens({{src, tokens(2)}, {next, tokens(3)}}));
+  expect_tokens(*cache, next, 0, tokens(1) + 3, mark(60));
+  expect_tokens(*cache, next, tokens(1) + 3, tokens(3), [](std::size_t) { return std::uint8_t{0}; });
+  // A slot handed out with its fill deferred and freed again before any step: the one
+  // fill stays deferred, and the next step() enqueues it once.
+  const std::size_t c = cache->alloc_reqid();
+  cache->step(lens({{src, tokens(2)}, {next, tokens(3)}, {c, tokens(3)}}));
+  cache->free_reqid(c);
+  const std::size_t again = cache->alloc_reqid();
+  ASSERT_EQ(again, c);
+  cache->free_reqid(again);
+  cache->check_invariants();
+  const std::uint64_t fills = zero_fills(*cache);
+  cache->step(lens({{src, tokens(2)}, {next, tokens(3)}}));
+  EXPECT_EQ(zero_fills(*cache), fills + 1);
+  EXPECT_NO_THROW(backend_->synchronize(0));
+  cache->check_invariants();
+}
+
 TEST_P(DeferredFillTest, TheNextOwnerReadsZerosAndKeepsWhatItWrites) {
   auto cache = make_cache();
   const std::size_t a = cache->alloc_reqid();
