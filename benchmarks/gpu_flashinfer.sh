@@ -68,9 +68,9 @@ case "$part" in
       --stores vkv-interleaved flashinfer-16 flashinfer-128 vkv-interleaved-fi
     pack results "$out/results" ;;
   vkvfi)
-    step pytest_vkv_flashinfer 150 python3 -m pytest "$src/tests/python/test_vkv_flashinfer.py" \
+    step pytest_vkv_flashinfer 120 python3 -m pytest "$src/tests/python/test_vkv_flashinfer.py" \
       "$src/tests/python/test_flashinfer_store.py" -q -p no:cacheprovider -rs
-    step attention_vkvfi 180 "${bench[@]}" --only decode --cells 1x16384 1x65536 16x16384 64x16384 \
+    step attention_vkvfi 150 "${bench[@]}" --only decode --cells 1x16384 1x65536 16x16384 64x16384 \
       --out "$out/attention"
     step serving_vkvfi 280 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" \
       --stores vkv-interleaved vkv-interleaved-fi flashinfer-16 flashinfer-128
