@@ -17,6 +17,15 @@ Kernels, unmodified, on the contiguous storages (plain, vkv):
                              the serving demo runs on vkv
   flashinfer_ragged_fa2/fa3  (prefill) FlashInfer's ragged (non-paged) prefill over the same
                              strided K/V
+  flashinfer_decode[_tc]_one_page
+                             (decode) FlashInfer's paged batch decode (CUDA cores / tensor
+                             cores) reading the storage as it is, no page table: each
+                             request's slot is one page of L tokens (indices = slots, indptr
+                             a range, last_page_len = L), strides as given
+  flashinfer_decode[_tc]_128_token_pages
+                             (decode) the same with each slot cut into 128-token pages that
+                             follow each other: FlashInfer splits a request's keys across
+                             thread blocks only at page boundaries
 and on the paged ones:
   flex                       FlexAttention through the page table
   flashinfer_decode          (decode) FlashInfer's batch decode, CUDA cores
@@ -44,6 +53,7 @@ what it measured; a run of some sections keeps the other sections' rows of the f
 
   source benchmarks/flashinfer_env.sh     # where FlashInfer travels as an archive
   python benchmarks/attention_bench.py --out benchmarks/results --only decode    # H100: ~4 min
+  python benchmarks/attention_bench.py --out /tmp/r --only decode --cells 1x65536 64x16384   # some cells
   python benchmarks/attention_bench.py --out benchmarks/results --only prefill append
   python benchmarks/plot_attention.py benchmarks/results/attention_h100.json
   python benchmarks/attention_bench.py --device cpu --quick --out /tmp/r   # smoke test
@@ -51,10 +61,12 @@ what it measured; a run of some sections keeps the other sections' rows of the f
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -264,6 +276,32 @@ class FlashInfer:
                      q_data_type=DTYPE, kv_data_type=DTYPE)
         return lambda: as_tokens(wrapper.run(q_tokens, k, v), 1)
 
+    def slot_decode_call(self, model: Model, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_tokens: int,
+                         tensor_cores: bool) -> Callable[[], torch.Tensor]:
+        """FlashInfer's paged decode over [B, L, Hkv, D] storage with no page table: each
+        request's slot is one page (page_tokens 0) or pages of page_tokens that follow each
+        other in it (the serving demo's vkv-*-fi stores; ``slot_pages``)."""
+        from vkv.demo.flashinfer_store import page_lists, slot_page_table, slot_pages
+
+        batch, context = k.shape[:2]
+        (k_pages, pages_per_slot), (v_pages, _) = slot_pages(k, page_tokens), slot_pages(v, page_tokens)
+        page_size = page_tokens or context
+        indptr, indices, last_page_len = (torch.from_numpy(a).to(q.device) for a in page_lists(
+            slot_page_table(batch, pages_per_slot), range(batch), [context] * batch, batch, page_size))
+        wrapper = self.module.BatchDecodeWithPagedKVCacheWrapper(self.workspace(), "NHD",
+                                                                 use_tensor_cores=tensor_cores)
+        wrapper.plan(indptr, indices, last_page_len, model.query_heads, model.kv_heads, model.head_dim, page_size,
+                     q_data_type=DTYPE, kv_data_type=DTYPE)
+        q_rows = q[:, :, 0].contiguous()
+        return lambda: wrapper.run(q_rows, (k_pages, v_pages))[:, :, None]
+
+
+# FlashInfer's paged decode on contiguous storage: kernel name -> (page_tokens, tensor cores);
+# page_tokens 0: one page per request.
+SLOT_DECODE_KERNELS = {"flashinfer_decode_one_page": (0, False), "flashinfer_decode_tc_one_page": (0, True),
+                       "flashinfer_decode_128_token_pages": (128, False),
+                       "flashinfer_decode_tc_128_token_pages": (128, True)}
+
 
 class Kernels:
     """The kernels under test on one shape's queries and a contiguous storage."""
@@ -277,6 +315,11 @@ class Kernels:
                  "sdpa_default": sdpa_call(None, q, k, v, prefix)}
         if q.device.type == "cuda":
             calls["flash_varlen"] = flash_varlen_call(q, k, v)
+        if self.flashinfer.module is not None and q.shape[2] == 1:
+            for name, (page_tokens, tensor_cores) in SLOT_DECODE_KERNELS.items():
+                calls[name] = self.lazy(lambda page_tokens=page_tokens, tensor_cores=tensor_cores:
+                                        self.flashinfer.slot_decode_call(self.model, q, k, v, page_tokens,
+                                                                         tensor_cores))
         if self.flashinfer.module is not None and q.shape[2] > 1 and q.shape[0] == 1:
             for backend in ("fa2", "fa3"):
                 calls[f"flashinfer_ragged_{backend}"] = self.lazy(
@@ -563,13 +606,22 @@ def summary_line(rows: List[dict]) -> str:
     return " | ".join(parts) + ("\n    failed: " + "\n    failed: ".join(errors) if errors else "")
 
 
+def decode_cell(value: str) -> tuple:
+    """argparse type of --cells: 'BATCHxCONTEXT' -> (batch, context)."""
+    match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", value)
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid cell {value!r}: BATCHxCONTEXT, e.g. 16x16384")
+    return int(match[1]), int(match[2])
+
+
 def decode_shapes(batches, contexts, max_tokens: int):
     return [(b, c) for c in contexts for b in batches if b * c <= max_tokens]
 
 
 def decode(run: AttentionRun, quick: bool) -> None:
     batches, contexts = ((1, 2), (256, 512)) if quick else ((1, 4, 16, 64), (4096, 16384, 65536))
-    shapes = decode_shapes(run.args.batches or batches, run.args.contexts or contexts, run.args.max_tokens)
+    shapes = run.args.cells or decode_shapes(run.args.batches or batches, run.args.contexts or contexts,
+                                             run.args.max_tokens)
     cells = [(model, b, c) for model in run.models for b, c in shapes]
     for index, (model, batch, context) in enumerate(progress_bar(cells, "decode shapes")):
         run.shape(model, "decode", batch, context, 1, context - 1,
@@ -673,6 +725,8 @@ def parse_args(argv=None):
                         help="(default: all; with --quick llama3-8b)")
     parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default: 1 4 16 64)")
     parser.add_argument("--contexts", type=int, nargs="*", help="context lengths (default: 4K-64K)")
+    parser.add_argument("--cells", type=decode_cell, nargs="+",
+                        help="decode: only these BATCHxCONTEXT cells, e.g. 1x65536 64x16384 (instead of the grid)")
     parser.add_argument("--max-tokens", type=int, default=1 << 20,
                         help="decode: largest batch x context measured (memory: 4 KiB of K/V per token and storage)")
     parser.add_argument("--cached-prefix", action="store_true",

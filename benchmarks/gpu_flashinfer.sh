@@ -11,10 +11,16 @@
 #       prefill  (~6 min) attention_bench --only prefill append (keeps decode's rows, from
 #                the same warm machine or from benchmarks/results/attention_h100.json)
 #       demo     (~6 min) python -m vkv.demo (the gpu preset) and --preset h100, all stores
-#       long     (~4 min) --preset long: vkv interleaved against both flashinfer stores
+#       long     (~5 min) --preset long: vkv interleaved against both flashinfer stores and
+#                vkv-interleaved-fi (FlashInfer's kernels on vkv's memory)
+#       vkvfi    (~7 min) FlashInfer's kernels on vkv's memory: the vkv-*-fi stores' GPU tests
+#                (and the flashinfer store's); attention_bench decode on 4 cells per model
+#                (one page per request and 128-token pages, both layouts, against FlashInfer
+#                paged); --preset h100 with vkv interleaved, vkv-interleaved-fi and both
+#                flashinfer stores
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: benchmarks/gpu_flashinfer.sh smoke|decode|prefill|demo|long [OUT]}"
+part="${1:?usage: benchmarks/gpu_flashinfer.sh smoke|decode|prefill|demo|long|vkvfi [OUT]}"
 out="${2:-${OUT:?no OUT given and \$OUT unset}}"
 mkdir -p "$out"
 src="$PWD"
@@ -58,8 +64,17 @@ case "$part" in
     step serving_h100 360 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results"
     pack results "$out/results" ;;
   long)
-    step serving_long 420 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
-      --stores vkv-interleaved flashinfer-16 flashinfer-128
+    step serving_long 480 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
+      --stores vkv-interleaved flashinfer-16 flashinfer-128 vkv-interleaved-fi
+    pack results "$out/results" ;;
+  vkvfi)
+    step pytest_vkv_flashinfer 120 python3 -m pytest "$src/tests/python/test_vkv_flashinfer.py" \
+      "$src/tests/python/test_flashinfer_store.py" -q -p no:cacheprovider -rs
+    step attention_vkvfi 150 "${bench[@]}" --only decode --cells 1x16384 1x65536 16x16384 64x16384 \
+      --out "$out/attention"
+    step serving_vkvfi 280 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" \
+      --stores vkv-interleaved vkv-interleaved-fi flashinfer-16 flashinfer-128
+    pack attention "$out/attention"
     pack results "$out/results" ;;
   *)
     echo "unknown part $part"

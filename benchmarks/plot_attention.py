@@ -94,6 +94,27 @@ def ragged_table(results):
                   + (f"{config(infer)} | {infer['ms']:.3f} | " if infer else "- | - | ") + f"{speedup(infer, ragged)} |")
 
 
+def slot_decode_table(results):
+    """Decode: FlashInfer's paged decode on vkv's memory with no page table (one page per
+    request; 128-token pages cut from each slot), per layout, against FlashInfer paged."""
+    variants = (("one_page", "one page"), ("128_token_pages", "128-token pages"))
+    heads = [f"{layout.replace('vkv_', '')}, {label}" for layout in VKV for _, label in variants]
+    print("| model | batch | context | " + " | ".join(f"{head} | ms" for head in heads)
+          + " | best FlashInfer paged | ms | paged / best on vkv |")
+    print("|---|---|---|" + "---|---|" * len(heads) + "---|---|---|")
+    for (model, batch, context, _), rows in cells(results["rows"], "decode").items():
+        found = [fastest([r for r in rows if r["kernel"].startswith("flashinfer_decode")
+                          and r["kernel"].endswith(suffix)], layout) for layout in VKV for suffix, _ in variants]
+        if not any(found):
+            continue
+        infer = fastest(rows, "flashinfer_paged")
+        mine = min((r for r in found if r), key=lambda r: r["ms"])
+        kernel = (lambda r: "tensor cores" if "_tc_" in r["kernel"] else "CUDA cores")
+        print(f"| {model} | {batch} | {tokens_label(context)} | "
+              + "".join(f"{kernel(r)} | {r['ms']:.3f} | " if r else "failed | - | " for r in found)
+              + (f"{config(infer)} | {infer['ms']:.3f} | " if infer else "- | - | ") + f"{speedup(infer, mine)} |")
+
+
 def parity_table(rows):
     """Time ratios of vkv to plain tensors, same kernel; kernels under 0.1 ms are noisy."""
     print("| kernel | storage | shapes | median ratio | max ratio | max ratio, kernels >= 0.1 ms | "
@@ -220,6 +241,8 @@ def main(path: str) -> None:
         print()
     print("### FlashInfer ragged (non-paged) prefill on vkv\n")
     ragged_table(results)
+    print("\n### FlashInfer paged decode on vkv (no page table)\n")
+    slot_decode_table(results)
     print("\n### parity: the same kernel on vkv and on plain tensors\n")
     parity_table(rows)
     print("\n### append (us per layer, K and V)\n")

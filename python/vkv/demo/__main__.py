@@ -7,8 +7,9 @@ same KV memory budget; prints the comparison table, writes JSON and plots.
 
 The gpu preset (Llama-3.2-1B shape, 128 ShareGPT-like requests in 1 GiB of KV, under a
 minute on an H100) shows the memory pressure vkv is for; h100 and long also compare
-FlashInfer's paged kernels (flashinfer-<tokens> stores; skipped where FlashInfer is not
-installed). On a GPU, decode steps are replayed from CUDA graphs (--no-cuda-graphs: eager).
+FlashInfer's paged kernels (flashinfer-<tokens> stores) and the same kernels on vkv's memory
+(vkv-interleaved-fi: one page per request, no page table); skipped where FlashInfer is not
+installed. On a GPU, decode steps are replayed from CUDA graphs (--no-cuda-graphs: eager).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from .report import makespan_table, save, table
 from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
-FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128"]
+# FlashInfer's kernels: on its paged cache, and on vkv's memory (one page per request).
+FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi"]
 
 # small: a laptop CPU in under a minute; the page size keeps the H100's proportions (16
 # tokens per page interleaved, many more per page per layer). gpu: what a GPU runs by
@@ -63,11 +65,13 @@ CHOICES = {"model": sorted(SHAPES)}
 
 
 def store_kind(value: str) -> str:
-    """argparse type of --stores: a known store, paged-<tokens per page> or flashinfer-<tokens per page>."""
-    if value in STORES or re.fullmatch(r"(paged|flashinfer)-[1-9][0-9]*", value):
+    """argparse type of --stores: a known store, paged-<tokens per page>, flashinfer-<tokens
+    per page>, or vkv-<layout>-fi[-<tokens per page>] (vkv's memory, FlashInfer's kernels)."""
+    if value in STORES or re.fullmatch(r"(paged|flashinfer)-[1-9][0-9]*", value) \
+            or re.fullmatch(r"vkv-(interleaved|per-layer)-fi(-[1-9][0-9]*)?", value):
         return value
-    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(STORES)}, paged-<tokens> "
-                                     f"or flashinfer-<tokens>)")
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(STORES)}, paged-<tokens>, "
+                                     f"flashinfer-<tokens> or vkv-interleaved-fi, vkv-per-layer-fi[-<tokens>])")
 
 
 def device_name(value: str) -> str:
@@ -84,7 +88,8 @@ def parse_args(argv):
     parser.add_argument("--device", type=device_name, default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
     parser.add_argument("--stores", nargs="+", type=store_kind, default=None,
                         help=f"KV caches to compare (default: {' '.join(STORES)}, and for h100 and long "
-                             f"{' '.join(FLASHINFER_STORES)}; any paged-<tokens> or flashinfer-<tokens>)")
+                             f"{' '.join(FLASHINFER_STORES)}; any paged-<tokens> or flashinfer-<tokens>; "
+                             f"vkv-<layout>-fi-<tokens>: FlashInfer's decode on vkv with slots cut into pages)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a GPU, replay decode steps from CUDA graphs (default: on)")
     args = parse_with_presets(parser, PRESETS, argv, GPU_PRESETS, DEFAULT_PRESETS)

@@ -1,32 +1,53 @@
-"""A paged KV cache served by FlashInfer's kernels: the paged baseline vLLM and SGLang use.
+"""FlashInfer's kernels in the demo: a paged KV cache they serve (the paged baseline vLLM
+and SGLang use), and vkv's own contiguous memory served by the same kernels.
 
-Pages of ``page_tokens`` tokens from one pool per layer, ``[pages, 2, page_tokens,
-kv_heads, head_dim]`` (FlashInfer's NHD layout: a page's keys and values side by side), a
-page table per request, pages handed out from a shuffled free list as ``PagedStore`` does.
-Decode runs ``BatchDecodeWithPagedKVCacheWrapper``, prefill
-``BatchPrefillWithPagedKVCacheWrapper`` over the pages the prompts were just written to.
+  FlashInferStore     pages of ``page_tokens`` tokens from one pool per layer, ``[pages, 2,
+                      page_tokens, kv_heads, head_dim]`` (FlashInfer's NHD layout: a page's
+                      keys and values side by side), a page table per request, pages handed
+                      out from a shuffled free list as ``PagedStore`` does. Decode by
+                      ``BatchDecodeWithPagedKVCacheWrapper``, prefill by
+                      ``BatchPrefillWithPagedKVCacheWrapper`` over the pages the prompts were
+                      just written to.
+  VkvFlashInferStore  vkv's allocation (``VkvStore``: pages mapped by ``step()``), decode by
+                      the same paged decode kernel reading vkv's tensors with no page table:
+                      each request's slot is one page of ``max_context`` tokens (``indices``
+                      the slots, ``indptr`` a range, ``last_page_len`` the lengths), or cut
+                      into pages of ``page_tokens`` that follow each other in the slot;
+                      prefill by ``BatchPrefillWithRaggedKVCacheWrapper`` (FA3 on sm90) on
+                      the prompts' fresh K/V, as the other stores run FlashAttention-2.
+
+FlashInfer reads the page, token and head strides of the K and V tensors it is given
+(``paged_kv_t``; the two must have equal strides), so vkv's interleaved views, whose token
+stride spans every layer's K and V, are taken as they are. Its strides are 32-bit: a
+page's stride must stay under 2**32 elements (``slot_pages`` checks).
 
 FlashInfer plans on the host (the split of the work, copied into its buffers) before its
 kernels run. Under CUDA graphs its decode wrapper takes fixed buffers and a fixed batch
-size, so the store keeps one wrapper per graph bucket and plans it before each replay
+size, so each store keeps one wrapper per graph bucket and plans it before each replay
 (``plan_decode``), as vLLM does. A plan's inputs go through pinned memory, and each plan
 waits until the device has taken the previous one's (an event), so planning step i+1
-while step i is queued never overwrites what step i still has to copy.
+while step i is queued never overwrites what step i still has to copy
+(``FlashInferKernels`` holds all of it for both stores).
 
-Needs a GPU and ``flashinfer-python`` (the ``benchmarks`` extra); ``StoreUnavailable``
+Its decode planner splits a request's keys only at page boundaries: with one page per
+request a request is never split across thread blocks, which costs parallelism where few
+requests are long (pages of ``page_tokens`` restore the split).
+
+Both need a GPU and ``flashinfer-python`` (the ``benchmarks`` extra); ``StoreUnavailable``
 otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .kv_stores import KvStore, PageTable, StoreUnavailable
+from .kv_stores import KvStore, PageTable, StoreUnavailable, VkvStore
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial outputs)
+STRIDE_LIMIT = 1 << 32       # paged_kv_t keeps its strides (in elements) as uint32_t
 
 
 def import_flashinfer():
@@ -58,28 +79,56 @@ def page_lists(table: np.ndarray, slots: Sequence[int], lens: Sequence[int], row
     return indptr, indices, last_page_len
 
 
-class FlashInferStore(KvStore):
-    """Paged KV with FlashInfer's decode and prefill kernels. Not thread-safe."""
+def slot_page_table(slots: int, pages_per_slot: int) -> np.ndarray:
+    """The page table of ``slot_pages``' view: slot s holds pages s * pages_per_slot onwards,
+    in order (computed, never updated: vkv's memory is contiguous per slot)."""
+    return np.arange(slots * pages_per_slot, dtype=np.int32).reshape(slots, pages_per_slot)
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
-                 max_slots: int, page_tokens: int, num_heads: int) -> None:
-        if torch.device(device).type != "cuda":
-            raise StoreUnavailable(f"FlashInfer's kernels run on CUDA only, not on {device}")
-        self.flashinfer = import_flashinfer()
-        super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
-        self.name = f"flashinfer-{page_tokens}"
-        self.page_tokens, self.max_slots, self.num_heads = page_tokens, max_slots, num_heads
-        self.pages = PageTable(budget_bytes, page_tokens * self.bytes_per_token, page_tokens, max_slots, max_context)
-        self.num_pages, self.pages_per_slot = self.pages.num_pages, self.pages.pages_per_slot
-        pool = (self.num_pages, 2, page_tokens, num_kv_heads, head_dim)
-        self.pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.page_table = torch.zeros(max_slots, self.pages_per_slot, device=device, dtype=torch.int64)  # writes
 
+def slot_pages(cache: torch.Tensor, page_tokens: int = 0) -> Tuple[torch.Tensor, int]:
+    """A ``[slots, max_context, kv_heads, head_dim]`` tensor whose slots are contiguous
+    ranges of tokens (vkv's, either layout; plain tensors) seen as FlashInfer's paged NHD
+    cache ``[pages, page_tokens, kv_heads, head_dim]``, no copy: (view, pages per slot).
+
+    ``page_tokens`` 0: one page per slot, the tensor itself (page size max_context; its
+    page stride is the slot's). Otherwise each slot cut into pages of ``page_tokens``
+    tokens, which must divide the slot's stride in tokens (vkv rounds slots up to whole
+    2 MiB pages: a power of two up to the tokens of one does).
+
+    @throws ValueError if a stride is not a whole number of tokens, or a page's stride
+    reaches 2**32 elements (FlashInfer keeps strides in 32 bits)."""
+    if cache.stride(0) % cache.stride(1):
+        raise ValueError(f"slot stride {cache.stride(0)} is not a whole number of tokens ({cache.stride(1)})")
+    tokens_per_slot = cache.stride(0) // cache.stride(1)
+    if page_tokens:
+        if tokens_per_slot % page_tokens:
+            raise ValueError(f"page_tokens = {page_tokens} does not divide a slot's {tokens_per_slot} tokens")
+        pages_per_slot = tokens_per_slot // page_tokens
+        cache = cache.as_strided((cache.shape[0] * pages_per_slot, page_tokens, *cache.shape[2:]),
+                                 (page_tokens * cache.stride(1), *cache.stride()[1:]))
+    else:
+        pages_per_slot = 1
+    if max(cache.stride()) >= STRIDE_LIMIT:
+        raise ValueError(f"a page's stride of {cache.stride(0)} elements reaches FlashInfer's 32-bit limit "
+                         f"({STRIDE_LIMIT}); use pages of fewer tokens (page_tokens)")
+    return cache, pages_per_slot
+
+
+class FlashInferKernels:
+    """FlashInfer's decode and prefill wrappers of one store, the workspace they share and
+    the pinned buffers their plans go through. Not thread-safe: one store drives it.
+
+    ``most_pages``: the most page indices of a plan; ``graph_pages(rows)``: of a plan of a
+    graph bucket of ``rows`` rows (the size of that bucket's fixed index buffer)."""
+
+    def __init__(self, flashinfer, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int, most_rows: int, most_pages: int, graph_pages: Callable[[int], int]) -> None:
+        self.flashinfer, self.device, self.dtype = flashinfer, device, dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.graph_pages = graph_pages
         # vLLM's rule: the tensor-core kernel pays off above 4 query heads per KV head.
         self.tensor_cores = num_heads // num_kv_heads > 4
-        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        most_rows = max_slots + 1
-        most_pages = self.num_pages + max_slots  # every page, and one per padding row
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._indptr = torch.zeros(most_rows + 1, dtype=torch.int32, pin_memory=True)
         self._indices = torch.zeros(most_pages, dtype=torch.int32, pin_memory=True)
         # FlashInfer copies host page indices into its graph buffers synchronously (waiting
@@ -92,7 +141,119 @@ class FlashInferStore(KvStore):
         self._graph_wrappers: Dict[int, object] = {}
         self._eager_wrapper = None
         self._decode_wrapper = None
-        self._prefill_wrapper = None
+        self._paged_prefill_wrapper = None
+        self._ragged_prefill_wrapper = None
+
+    def page_lists(self, table: np.ndarray, slots: Sequence[int], lens: Sequence[int], rows: int, page_tokens: int):
+        """page_lists() in the pinned buffers, once the device took the previous plan's
+        copies from them: indptr and last_page_len there, the indices copied on to the
+        device (without waiting)."""
+        self._planned.synchronize()
+        indptr, indices, last_page_len = page_lists(table, slots, lens, rows, page_tokens)
+        self._indptr[:len(indptr)].numpy()[:] = indptr
+        self._indices[:len(indices)].numpy()[:] = indices
+        self._last_page_len[:rows].numpy()[:] = last_page_len
+        on_device = self._indices_on_device[:len(indices)]
+        on_device.copy_(self._indices[:len(indices)], non_blocking=True)
+        return self._indptr[:len(indptr)], on_device, self._last_page_len[:rows]
+
+    def _graph_wrapper(self, rows: int):
+        """The CUDA-graph decode wrapper of a bucket, with its fixed buffers."""
+        if rows not in self._graph_wrappers:
+            self._graph_wrappers[rows] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(rows + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(self.graph_pages(rows), dtype=torch.int32, device=self.device),
+                paged_kv_last_page_len_buffer=torch.zeros(rows, dtype=torch.int32, device=self.device))
+        return self._graph_wrappers[rows]
+
+    def plan_decode(self, rows: int, graph: bool, table: np.ndarray, slots: Sequence[int], lens: Sequence[int],
+                    page_tokens: int) -> None:
+        """Plans the decode of ``rows`` rows (KvStore.plan_decode) whose pages are in
+        ``table``; ``decode`` runs it for each layer."""
+        if graph:
+            wrapper = self._graph_wrapper(rows)
+        else:
+            if self._eager_wrapper is None:
+                self._eager_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
+            wrapper = self._eager_wrapper
+        indptr, indices, last_page_len = self.page_lists(table, slots, lens, rows, page_tokens)
+        wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
+                     page_tokens, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+        self._planned.record()
+        self._decode_wrapper = wrapper
+
+    def decode(self, q: torch.Tensor, kv) -> torch.Tensor:
+        """The planned decode over one layer's paged K/V (one tensor [pages, 2, ...], or a
+        (keys, values) pair of [pages, page_tokens, kv_heads, head_dim] views)."""
+        return self._decode_wrapper.run(q.contiguous(), kv)
+
+    def plan_paged_prefill(self, table: np.ndarray, slots: Sequence[int], lengths: Sequence[int],
+                           page_tokens: int) -> None:
+        """Plans causal prefill of fresh prompts read from their pages in ``table``."""
+        if self._paged_prefill_wrapper is None:
+            self._paged_prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        indptr, indices, last_page_len = self.page_lists(table, slots, lengths, len(slots), page_tokens)
+        qo_indptr = self._prompt_offsets(lengths)
+        self._paged_prefill_wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_heads,
+                                         self.num_kv_heads, self.head_dim, page_tokens, causal=True,
+                                         q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+        self._planned.record()
+
+    def paged_prefill(self, q: torch.Tensor, kv) -> torch.Tensor:
+        return self._paged_prefill_wrapper.run(q.contiguous(), kv)
+
+    def plan_ragged_prefill(self, lengths: Sequence[int]) -> None:
+        """Plans causal prefill of fresh prompts, each over its own keys and values passed
+        to ``ragged_prefill`` (no cache read): FA3 on sm90, FA2 elsewhere."""
+        if self._ragged_prefill_wrapper is None:
+            backend = "fa3" if torch.cuda.get_device_capability(self.device) == (9, 0) else "fa2"
+            self._ragged_prefill_wrapper = self.flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self.workspace, "NHD", backend=backend)
+        self._planned.synchronize()
+        offsets = self._prompt_offsets(lengths)
+        self._ragged_prefill_wrapper.plan(offsets, offsets, self.num_heads, self.num_kv_heads, self.head_dim,
+                                          causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
+                                          non_blocking=True)
+        self._planned.record()
+
+    def ragged_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._ragged_prefill_wrapper.run(q.contiguous(), k, v)
+
+    def _prompt_offsets(self, lengths: Sequence[int]) -> torch.Tensor:
+        """The prompts' token offsets [len + 1] in the pinned buffer (after page_lists or a
+        wait for the previous plan)."""
+        count = len(lengths)
+        self._qo_indptr[:count + 1].numpy()[:] = np.concatenate([[0], np.cumsum(lengths)])
+        return self._qo_indptr[:count + 1]
+
+    def close(self) -> None:
+        self._graph_wrappers.clear()
+        self._eager_wrapper = self._decode_wrapper = None
+        self._paged_prefill_wrapper = self._ragged_prefill_wrapper = None
+
+
+class FlashInferStore(KvStore):
+    """Paged KV with FlashInfer's decode and prefill kernels. Not thread-safe."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
+                 max_slots: int, page_tokens: int, num_heads: int) -> None:
+        if torch.device(device).type != "cuda":
+            raise StoreUnavailable(f"FlashInfer's kernels run on CUDA only, not on {device}")
+        flashinfer = import_flashinfer()
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
+        self.name = f"flashinfer-{page_tokens}"
+        self.page_tokens, self.max_slots, self.num_heads = page_tokens, max_slots, num_heads
+        self.pages = PageTable(budget_bytes, page_tokens * self.bytes_per_token, page_tokens, max_slots, max_context)
+        self.num_pages, self.pages_per_slot = self.pages.num_pages, self.pages.pages_per_slot
+        pool = (self.num_pages, 2, page_tokens, num_kv_heads, head_dim)
+        self.pools = [torch.zeros(pool, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.page_table = torch.zeros(max_slots, self.pages_per_slot, device=device, dtype=torch.int64)  # writes
+        # Every page, and one per padding row; a bucket's plan the same.
+        self.kernels = FlashInferKernels(flashinfer, self.device, dtype, num_heads, num_kv_heads, head_dim,
+                                         most_rows=max_slots + 1, most_pages=self.num_pages + max_slots,
+                                         graph_pages=lambda rows: self.num_pages + rows)
 
     # -- memory ------------------------------------------------------------------------
 
@@ -127,65 +288,75 @@ class FlashInferStore(KvStore):
         pool = self.pools[layer]
         return (pool[pages, 0].flatten(0, 1)[:tokens], pool[pages, 1].flatten(0, 1)[:tokens])
 
-    # -- planning ----------------------------------------------------------------------
-
-    def _page_lists(self, slots: Sequence[int], lens: Sequence[int], rows: int):
-        """page_lists() in the pinned buffers, once the device took the previous plan's
-        copies from them: indptr and last_page_len there, the indices copied on to the
-        device (without waiting)."""
-        self._planned.synchronize()
-        indptr, indices, last_page_len = page_lists(self.pages.pages, slots, lens, rows, self.page_tokens)
-        self._indptr[:len(indptr)].numpy()[:] = indptr
-        self._indices[:len(indices)].numpy()[:] = indices
-        self._last_page_len[:rows].numpy()[:] = last_page_len
-        on_device = self._indices_on_device[:len(indices)]
-        on_device.copy_(self._indices[:len(indices)], non_blocking=True)
-        return self._indptr[:len(indptr)], on_device, self._last_page_len[:rows]
-
-    def _graph_wrapper(self, rows: int):
-        """The CUDA-graph decode wrapper of a bucket, with its fixed buffers."""
-        if rows not in self._graph_wrappers:
-            self._graph_wrappers[rows] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(rows + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=torch.zeros(self.num_pages + rows, dtype=torch.int32, device=self.device),
-                paged_kv_last_page_len_buffer=torch.zeros(rows, dtype=torch.int32, device=self.device))
-        return self._graph_wrappers[rows]
+    # -- kernels -----------------------------------------------------------------------
 
     def plan_decode(self, rows, slots, lens, graph):
-        if graph:
-            wrapper = self._graph_wrapper(rows)
-        else:
-            if self._eager_wrapper is None:
-                self._eager_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=self.tensor_cores)
-            wrapper = self._eager_wrapper
-        indptr, indices, last_page_len = self._page_lists(slots, lens, rows)
-        wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.page_tokens, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
-        self._planned.record()
-        self._decode_wrapper = wrapper
+        self.kernels.plan_decode(rows, graph, self.pages.pages, slots, lens, self.page_tokens)
 
     def decode_attention(self, layer, batch, q):
-        return self._decode_wrapper.run(q.contiguous(), self.pools[layer])
+        return self.kernels.decode(q, self.pools[layer])
 
     def begin_prefill(self, slots, lengths):
-        if self._prefill_wrapper is None:
-            self._prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        indptr, indices, last_page_len = self._page_lists(slots, lengths, len(slots))
-        self._qo_indptr[:len(slots) + 1].numpy()[:] = np.concatenate([[0], np.cumsum(lengths)])
-        self._prefill_wrapper.plan(self._qo_indptr[:len(slots) + 1], indptr, indices, last_page_len, self.num_heads,
-                                   self.num_kv_heads, self.head_dim, self.page_tokens, causal=True,
-                                   q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
-        self._planned.record()
+        self.kernels.plan_paged_prefill(self.pages.pages, slots, lengths, self.page_tokens)
 
     def prefill_attention(self, layer, q, k, v, cu, max_len, spans):
-        return self._prefill_wrapper.run(q.contiguous(), self.pools[layer])
+        return self.kernels.paged_prefill(q, self.pools[layer])
 
     def close(self):
         self.pools = []
-        self._graph_wrappers.clear()
-        self._eager_wrapper = self._decode_wrapper = self._prefill_wrapper = None
+        self.kernels.close()
 
 
-__all__ = ["FlashInferStore", "import_flashinfer", "page_lists"]
+class VkvFlashInferStore(VkvStore):
+    """vkv's memory (``VkvStore``) with FlashInfer's kernels: paged decode over the slots
+    seen as pages (``slot_pages``: one page per request where ``page_tokens`` is 0), no
+    page table kept; ragged prefill on the fresh K/V. Not thread-safe.
+
+    @throws StoreUnavailable without CUDA or FlashInfer, or where a page's stride exceeds
+    FlashInfer's 32-bit strides (long contexts in the interleaved layout: pages of
+    ``page_tokens`` then)."""
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
+                 max_slots: int, layout: str, num_heads: int, page_tokens: int = 0, page_size: int = 0) -> None:
+        if torch.device(device).type != "cuda":
+            raise StoreUnavailable(f"FlashInfer's kernels run on CUDA only, not on {device}")
+        flashinfer = import_flashinfer()
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes, max_slots,
+                         layout, page_size)
+        self.name += "-fi" + (f"-{page_tokens}" if page_tokens else "")  # vkv interleaved-fi
+        try:
+            paged = [(slot_pages(k, page_tokens), slot_pages(v, page_tokens)) for k, v in zip(self.keys, self.values)]
+        except ValueError as error:
+            super().close()
+            raise StoreUnavailable(f"{self.name}: {error}") from error
+        self.pages_per_slot = paged[0][0][1]
+        self.page_tokens = page_tokens or max_context  # the page size FlashInfer plans with
+        self.paged_kv = [(k, v) for (k, _), (v, _) in paged]
+        self.table = slot_page_table(max_slots, self.pages_per_slot)
+        self.kernels = FlashInferKernels(flashinfer, self.device, dtype, num_heads, num_kv_heads, head_dim,
+                                         most_rows=max_slots + 1, most_pages=(max_slots + 1) * self.pages_per_slot,
+                                         graph_pages=lambda rows: rows * self.pages_per_slot)
+
+    def plan_decode(self, rows, slots, lens, graph):
+        self.kernels.plan_decode(rows, graph, self.table, slots, lens, self.page_tokens)
+
+    def begin_decode(self, batch):
+        pass  # the plan holds what the kernel needs
+
+    def decode_attention(self, layer, batch, q):
+        return self.kernels.decode(q, self.paged_kv[layer])
+
+    def begin_prefill(self, slots, lengths):
+        self.kernels.plan_ragged_prefill(lengths)
+
+    def prefill_attention(self, layer, q, k, v, cu, max_len, spans):
+        return self.kernels.ragged_prefill(q, k, v)
+
+    def close(self):
+        self.paged_kv = []
+        self.kernels.close()
+        super().close()
+
+
+__all__ = ["FlashInferKernels", "FlashInferStore", "VkvFlashInferStore", "import_flashinfer", "page_lists",
+           "slot_page_table", "slot_pages"]
