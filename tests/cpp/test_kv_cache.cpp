@@ -280,7 +280,7 @@ TEST(KvCacheReclamation, UnmapsAFreedSlotOnlyAfterItsEventCompleted) {
   cache.check_invariants();
 }
 
-TEST(KvCacheReclamation, AllocOrdersTheNewOwnerAfterTheZeroFill) {
+TEST(KvCacheReclamation, TheNewOwnersFirstStepOrdersItAfterTheZeroFill) {
   auto events = std::make_shared<testing::ControlledEventBackend>(
       std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   CacheConfig config = testing::small_config(LayoutKind::per_layer, testing::kHostTestPageBytes);
@@ -291,17 +291,30 @@ TEST(KvCacheReclamation, AllocOrdersTheNewOwnerAfterTheZeroFill) {
   seq_lens[slot] = 10;
   cache.step(seq_lens);
   cache.free_reqid(slot);
-  EXPECT_EQ(events->pending(), 0u);       // the zero-fill waits for the call that needs it...
-  EXPECT_EQ(cache.alloc_reqid(), slot);   // ...this one, handing the pages to a new owner
+  EXPECT_EQ(events->pending(), 0u);       // the zero-fill waits for the call that needs it:
+  EXPECT_EQ(cache.alloc_reqid(), slot);   // not this one, which hands the pages to a new owner
+  EXPECT_EQ(events->pending(), 0u);       // that touches nothing before its first step(),
+  cache.step(seq_lens);                   // which enqueues it ahead of the owner's kernels
   EXPECT_EQ(events->pending(), 1u);
-  EXPECT_EQ(events->stream_waits(), 1u);  // the new owner's stream waits for the zero-fill...
-  EXPECT_EQ(events->waits(), 0u);         // ...without blocking the caller
-  cache.step(seq_lens);                   // the new owner claims the pages again
-  cache.free_reqid(slot);                 // and leaves before the first zero-fill completed
+  EXPECT_EQ(events->stream_waits(), 0u);  // on the step's own stream: ordered without a wait
+  EXPECT_EQ(events->waits(), 0u);         // and without blocking the caller
+  cache.free_reqid(slot);                 // the owner leaves before the first zero-fill completed
   seq_lens[slot] = 0;
   cache.step(seq_lens);                   // enqueues the second, after the first
   EXPECT_EQ(events->pending(), 1u);       // one event, behind both zero-fills
-  EXPECT_EQ(events->stream_waits(), 2u);
+  EXPECT_EQ(events->stream_waits(), 1u);
+  // Freed on one stream, stepped on another: the step's stream waits for the fill.
+  const Stream other = 42;  // the host backend runs all work on one stream: any id will do
+  EXPECT_EQ(cache.alloc_reqid(), slot);
+  seq_lens[slot] = 10;
+  cache.step(seq_lens);
+  cache.free_reqid(slot, other);
+  EXPECT_EQ(cache.alloc_reqid(), slot);
+  const std::size_t waits = events->stream_waits();
+  cache.step(seq_lens, /*stream=*/0);
+  EXPECT_EQ(events->stream_waits(), waits + 2);  // the fill after the last one, the step after the fill
+  EXPECT_EQ(events->waits(), 0u);
+  events->complete_all();
 }
 
 }  // namespace

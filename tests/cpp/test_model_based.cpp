@@ -275,9 +275,8 @@ class Driver {
     ASSERT_LT(slot, slots());
     ASSERT_FALSE(model().allocated[slot]) << "handed out an allocated slot";
     model().allocated[slot] = true;
-    // Pages it inherits from a previous owner read as zeros. (With the mapper running,
-    // pages past what step() claimed may be moving: an owner reads only what it claimed.)
-    if (!background()) check_fresh_pages_read_zeros(subject_, slot, 0, cache().mapped_pages(slot));
+    // Pages it inherits from a previous owner read as zeros from its first step() on, its
+    // first access (step() checks what it claims; the fill may still be deferred here).
   }
 
   void free_one() {  // swapped-out slots included

@@ -210,6 +210,9 @@ TEST_P(SharingTest, AFailedShareLeavesNoneOfTheSourcesBytesBehind) {
       cache.check_invariants();
       EXPECT_EQ(cache.seq_lens()[dst], 0u);
       expect_tokens(cache, src, 0, 2 * tokens_per_page() + 5, mark(70));
+      // dst's owner reads its pages from its first step() on: by then no byte of src's, nor
+      // of the previous owner's (whose fill the failed call may have left deferred).
+      cache.step(lens({{src, 2 * tokens_per_page() + 5}}));
       expect_tokens(cache, dst, 0, tokens(cache.mapped_pages(dst)), zeros);
       const std::size_t next = cache.alloc_reqid();
       cache.step(lens({{src, 2 * tokens_per_page() + 5}, {next, tokens(layout_->pages_per_slot())}}));
