@@ -10,7 +10,7 @@
 # in .whl/ there, and exports
 #   PYTHONPATH                 $FLASHINFER_SITE first
 #   FLASHINFER_CUDA_ARCH_LIST  9.0a: what the shipped kernels were compiled for (H100)
-#   FLASHINFER_WORKSPACE_BASE  /tmp/flashinfer: kernels compiled at first use are kept
+#   FLASHINFER_WORKSPACE_BASE  /tmp/flashinfer-workspace: kernels compiled at first use are kept
 #                              there, for later calls on the same (warm) machine
 # It returns non-zero, and says why, where neither is found or the import fails.
 
@@ -36,5 +36,6 @@ else
 fi &&
 export PYTHONPATH="$flashinfer_site${PYTHONPATH:+:$PYTHONPATH}" &&
 export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0a}" &&
-export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}" &&
+# (Not /tmp/flashinfer: tests run from /tmp, where that folder would import as `flashinfer`.)
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-workspace}" &&
 python3 -c 'import flashinfer, os; print("flashinfer_env: flashinfer", flashinfer.__version__, "from", os.path.dirname(flashinfer.__file__))'

@@ -127,8 +127,9 @@ class KVCache:
 
     def free_reqid(self, slot: int) -> None:
         """Free ``slot``: its pages are kept for reuse, zero-filled on the current stream
-        before anyone else can read them (by the next call that needs it: ``alloc_reqid()``
-        of this slot, the next ``step()``, reclamation; this call makes no device call).
+        before anyone else can read them (by the next call that needs it: the next
+        ``step()``, ``share_prefix()``/``fork()`` into the slot, reclamation; neither this
+        call nor ``alloc_reqid()`` makes a device call for it).
 
         Raises:
             ValueError: slot out of range or not allocated (double free).

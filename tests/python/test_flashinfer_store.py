@@ -3,12 +3,11 @@ over the same keys and values gathered from its pages, planned eagerly or replay
 CUDA graph re-planned between replays. Skips without CUDA or FlashInfer (on a GPU machine
 that cannot download it: source benchmarks/flashinfer_env.sh first)."""
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from vkv.demo.flashinfer_store import flashinfer_missing
 from vkv.demo.kv_stores import make_store
 from vkv.demo.model import ModelShape
 
@@ -18,8 +17,7 @@ from conftest import needs_cuda
 SHAPE = ModelShape("test-128", num_layers=2, hidden=1024, intermediate=2048, num_heads=8, num_kv_heads=2, vocab=1024)
 MAX_CONTEXT, SLOTS = 512, 8
 
-pytestmark = [needs_cuda, pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                                             reason="FlashInfer is not installed")]
+pytestmark = [needs_cuda, pytest.mark.skipif(flashinfer_missing() is not None, reason=str(flashinfer_missing()))]
 
 
 def store_with(lens, page_tokens):

@@ -8,7 +8,6 @@ with FlashInfer: decode equals attention over the same keys and values and the p
 flashinfer store's output, eagerly and replayed from a CUDA graph re-planned between
 replays, in both layouts; ragged prefill equals FlashAttention-2 varlen."""
 
-import importlib.util
 import pathlib
 import sys
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 import vkv
 from vkv.demo.__main__ import main, parse_args
-from vkv.demo.flashinfer_store import STRIDE_LIMIT, page_lists, slot_page_table, slot_pages
+from vkv.demo.flashinfer_store import STRIDE_LIMIT, flashinfer_missing, page_lists, slot_page_table, slot_pages
 from vkv.demo.kv_stores import StoreUnavailable, make_store
 from vkv.demo.model import ModelShape
 
@@ -30,8 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks
 SHAPE = ModelShape("test-128", num_layers=2, hidden=1024, intermediate=2048, num_heads=8, num_kv_heads=2, vocab=1024)
 MAX_CONTEXT, SLOTS = 512, 8
 
-needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                                      reason="FlashInfer is not installed")
+needs_flashinfer = pytest.mark.skipif(flashinfer_missing() is not None, reason=str(flashinfer_missing()))
 
 
 def read_back(paged: torch.Tensor, indptr, indices, last_page_len, row: int) -> torch.Tensor:

@@ -58,7 +58,20 @@ def import_flashinfer():
         raise StoreUnavailable(f"FlashInfer is not importable ({type(error).__name__}: {error}); install the "
                                f"'benchmarks' extra (flashinfer-python) or source benchmarks/flashinfer_env.sh") \
             from error
+    if not hasattr(flashinfer, "BatchDecodeWithPagedKVCacheWrapper"):  # a folder named flashinfer in the path
+        raise StoreUnavailable(f"'flashinfer' imports from {list(getattr(flashinfer, '__path__', []))} but is not "
+                               "FlashInfer (no BatchDecodeWithPagedKVCacheWrapper): install the 'benchmarks' extra "
+                               "or source benchmarks/flashinfer_env.sh")
     return flashinfer
+
+
+def flashinfer_missing():
+    """Why FlashInfer cannot be used here (a message), or None when it can."""
+    try:
+        import_flashinfer()
+    except StoreUnavailable as error:
+        return str(error)
+    return None
 
 
 def page_lists(table: np.ndarray, slots: Sequence[int], lens: Sequence[int], rows: int, page_tokens: int):
