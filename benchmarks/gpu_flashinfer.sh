@@ -65,7 +65,7 @@ case "$part" in
     pack results "$out/results" ;;
   long)
     step serving_long 480 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
-      --stores vkv-interleaved flashinfer-16 flashinfer-128 vkv-interleaved-fi
+      --stores vkv-interleaved flashinfer-16 flashinfer-128 vkv-interleaved-fi-128
     pack results "$out/results" ;;
   vkvfi)
     step pytest_vkv_flashinfer 120 python3 -m pytest "$src/tests/python/test_vkv_flashinfer.py" \
@@ -73,7 +73,7 @@ case "$part" in
     step attention_vkvfi 150 "${bench[@]}" --only decode --cells 1x16384 1x65536 16x16384 64x16384 \
       --out "$out/attention"
     step serving_vkvfi 280 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" \
-      --stores vkv-interleaved vkv-interleaved-fi flashinfer-16 flashinfer-128
+      --stores vkv-interleaved vkv-interleaved-fi-128 flashinfer-16 flashinfer-128
     pack attention "$out/attention"
     pack results "$out/results" ;;
   *)

@@ -391,7 +391,7 @@ def test_the_gpu_preset_is_under_memory_pressure():
 def test_the_long_presets_compare_flashinfer_by_default_and_the_store_names_parse():
     for preset in ("h100", "long"):
         assert parse_args(["--device", "cpu", "--preset", preset]).stores[-3:] == [
-            "flashinfer-16", "flashinfer-128", "vkv-interleaved-fi"]
+            "flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"]
     assert parse_args(["--stores", "flashinfer-64", "paged-32"]).stores == ["flashinfer-64", "paged-32"]
     with pytest.raises(SystemExit):
         parse_args(["--stores", "flashinfer-"])

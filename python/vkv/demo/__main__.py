@@ -8,7 +8,7 @@ same KV memory budget; prints the comparison table, writes JSON and plots.
 The gpu preset (Llama-3.2-1B shape, 128 ShareGPT-like requests in 1 GiB of KV, under a
 minute on an H100) shows the memory pressure vkv is for; h100 and long also compare
 FlashInfer's paged kernels (flashinfer-<tokens> stores) and the same kernels on vkv's memory
-(vkv-interleaved-fi: one page per request, no page table); skipped where FlashInfer is not
+(vkv-interleaved-fi-128: slots seen as 128-token pages, no page table); skipped where FlashInfer is not
 installed. On a GPU, decode steps are replayed from CUDA graphs (--no-cuda-graphs: eager).
 """
 
@@ -35,7 +35,9 @@ from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_d
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
 # FlashInfer's kernels: on its paged cache, and on vkv's memory (one page per request).
-FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi"]
+# vkv with FlashInfer's kernels sees its slots as 128-token pages (no table): FlashInfer splits a
+# request's keys over thread blocks only at page boundaries, so one page per slot is slower.
+FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"]
 
 # small: a laptop CPU in under a minute; the page size keeps the H100's proportions (16
 # tokens per page interleaved, many more per page per layer). gpu: what a GPU runs by
