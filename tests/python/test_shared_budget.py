@@ -12,7 +12,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 import vkv
 import vkv.budget

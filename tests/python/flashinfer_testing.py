@@ -1,0 +1,42 @@
+"""What the FlashInfer store tests share (test_flashinfer_store.py, test_vkv_flashinfer.py):
+a small model shape FlashInfer's shipped kernels serve, stores filled with random K/V, and
+the reference decode over the K/V a store holds. Not a test itself (no test_ prefix)."""
+
+import torch
+import torch.nn.functional as F
+
+from vkv.demo.kv_stores import make_store
+from vkv.demo.model import ModelShape
+
+# head_dim 128, bf16: the kernels benchmarks/flashinfer_pack.py compiles ahead of time.
+SHAPE = ModelShape("test-128", num_layers=2, hidden=1024, intermediate=2048, num_heads=8, num_kv_heads=2, vocab=1024)
+MAX_CONTEXT, SLOTS = 512, 8
+
+
+def store_with(kind, lens, seed=0):
+    """A store of `kind` holding random K/V for one request per length in layer 1 (the same
+    values for the same lengths and seed, whatever the store)."""
+    store = make_store(kind, SHAPE, torch.bfloat16, torch.device("cuda"), MAX_CONTEXT, 64 << 20, SLOTS, None)
+    slots = [store.alloc() for _ in lens]
+    assert store.reserve(dict(zip(slots, lens)))
+    generator = torch.Generator(device="cuda").manual_seed(seed + sum(lens))
+    for slot, n in zip(slots, lens):
+        k, v = (torch.randn(n, SHAPE.num_kv_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16,
+                            generator=generator) for _ in range(2))
+        store.write_prompt(1, slot, k, v)
+    return store, slots
+
+
+def expected_decode(store, slots, lens, q):
+    """Attention of each row's query over its request's K/V, in fp32."""
+    outputs = []
+    for row, (slot, n) in enumerate(zip(slots, lens)):
+        k, v = store.cached_kv(1, slot, n)
+        outputs.append(F.scaled_dot_product_attention(q[row, :, None].float(), k.transpose(0, 1).float(),
+                                                      v.transpose(0, 1).float(), enable_gqa=True)[:, 0])
+    return torch.stack(outputs)
+
+
+def queries(rows, seed=0):
+    return torch.randn(rows, SHAPE.num_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16,
+                       generator=torch.Generator(device="cuda").manual_seed(seed))
