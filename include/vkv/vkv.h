@@ -11,5 +11,6 @@
 #include "vkv/limiting_backend.h"
 #include "vkv/shared_budget.h"
 #include "vkv/forwarding_backend.h"
+#include "vkv/host_all_reduce.h"
 #include "vkv/statistics_backend.h"
 #include "vkv/stats.h"
