@@ -9,7 +9,8 @@ import torch
 from vkv.demo.flashinfer_store import flashinfer_missing
 
 from conftest import needs_cuda
-from flashinfer_testing import SHAPE, expected_decode, queries, store_with
+from flashinfer_testing import (SHAPE, check_a_captured_decode_step_replays_with_each_new_plan, expected_decode,
+                                queries, store_with)
 
 pytestmark = [needs_cuda, pytest.mark.skipif(flashinfer_missing() is not None, reason=str(flashinfer_missing()))]
 
@@ -26,20 +27,7 @@ def test_decode_attention_reads_each_request_through_its_pages(page_tokens):
 
 
 def test_a_captured_decode_step_replays_with_each_new_plan():
-    store, slots = store_with("flashinfer-16", [40, 200, 7])
-    bucket = 4  # one padding row
-    q = torch.zeros(bucket, SHAPE.num_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-    store.plan_decode(bucket, slots, [40, 200, 7], graph=True)
-    store.decode_attention(1, None, q)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = store.decode_attention(1, None, q)
-    for lens, seed in (([40, 200, 7], 1), ([33, 190, 1], 2), ([1, 1, 7], 3)):
-        store.plan_decode(bucket, slots, lens, graph=True)
-        q.copy_(queries(bucket, seed))
-        graph.replay()
-        torch.testing.assert_close(out[:3].float(), expected_decode(store, slots, lens, q), atol=2e-2, rtol=2e-2)
-    store.close()
+    check_a_captured_decode_step_replays_with_each_new_plan("flashinfer-16")
 
 
 def test_prefill_attention_reads_the_prompts_from_their_pages():

@@ -20,7 +20,8 @@ from vkv.demo.flashinfer_store import STRIDE_LIMIT, flashinfer_missing, page_lis
 from vkv.demo.kv_stores import StoreUnavailable, make_store
 
 from conftest import LAYOUTS, needs_cuda
-from flashinfer_testing import MAX_CONTEXT, SHAPE, expected_decode, queries, store_with
+from flashinfer_testing import (MAX_CONTEXT, SHAPE, check_a_captured_decode_step_replays_with_each_new_plan,
+                                expected_decode, queries, store_with)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -133,20 +134,7 @@ def test_decode_on_vkv_equals_attention_and_the_paged_store(layout, suffix):
 @needs_flashinfer
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_captured_decode_step_on_vkv_replays_with_each_new_plan(layout):
-    store, slots = store_with(f"vkv-{layout.replace('_', '-')}-fi", [40, 200, 7])
-    bucket = 4  # one padding row
-    q = torch.zeros(bucket, SHAPE.num_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-    store.plan_decode(bucket, slots, [40, 200, 7], graph=True)
-    store.decode_attention(1, None, q)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = store.decode_attention(1, None, q)
-    for lens, seed in (([40, 200, 7], 1), ([33, 190, 1], 2), ([1, 1, 7], 3)):
-        store.plan_decode(bucket, slots, lens, graph=True)
-        q.copy_(queries(bucket, seed))
-        graph.replay()
-        torch.testing.assert_close(out[:3].float(), expected_decode(store, slots, lens, q), atol=2e-2, rtol=2e-2)
-    store.close()
+    check_a_captured_decode_step_replays_with_each_new_plan(f"vkv-{layout.replace('_', '-')}-fi")
 
 
 @needs_cuda
