@@ -30,7 +30,7 @@ import vkv
 from .engine import Engine, RunResult
 from .kv_stores import StoreUnavailable, make_store
 from .model import SHAPES, LlamaModel
-from .report import makespan_table, save, table
+from .report import makespan_table, result_stem, save, table
 from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
@@ -261,9 +261,7 @@ def main(argv=None) -> int:
                    "command": " ".join(["python -m vkv.demo"] + (argv if argv is not None else sys.argv[1:])),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "runs": runs,
                    "failures": failures, "skipped": skipped}
-        tag = "cpu" if device.type == "cpu" else machine.split()[1].lower()
-        stem = f"serving_{tag}" if args.preset == tag else f"serving_{args.preset}_{tag}"
-        for path in save(results, args.out, stem):
+        for path in save(results, args.out, result_stem("serving", args.preset, device, machine)):
             print(f"wrote {path}")
     return 1 if failures else 0
 

@@ -45,7 +45,7 @@ from .engine import Engine
 from .kv_stores import VkvStore
 from .model import SHAPES, LlamaModel
 from ..budget import format_bytes
-from .report import save_json
+from .report import result_stem, save_json
 from .workload import make_bursty_trace
 
 # models: engine A's and B's shapes. bursts: per engine. burst_seconds: requests of one
@@ -376,8 +376,7 @@ def main(argv=None) -> int:
                    "combined": {phase: {label: combined(results) for label, results in variants.items()}
                                 for phase, variants in out["phases"].items()},
                    "shared_over_static": ratio, "left_after": left, **out}
-        tag = "cpu" if device.type == "cpu" else machine.split()[1].lower()
-        stem = f"multi_engine_{tag}" if args.preset == tag else f"multi_engine_{args.preset}_{tag}"
+        stem = result_stem("multi_engine", args.preset, device, machine)
         for path in [save_json(results, args.out, stem), plot(results, os.path.join(args.out, f"{stem}.png"))]:
             if path:
                 print(f"wrote {path}")

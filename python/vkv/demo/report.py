@@ -68,6 +68,13 @@ def makespan_table(runs: Dict[str, dict], ratios: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
+def result_stem(name: str, preset: str, device, machine: str) -> str:
+    """A result file's stem: '<name>_<machine>' ('h100', 'cpu'), with the preset between
+    where it is not the machine's own (serving_long_h100, serving_h100)."""
+    tag = "cpu" if device.type == "cpu" else machine.split()[1].lower()
+    return f"{name}_{tag}" if preset == tag else f"{name}_{preset}_{tag}"
+
+
 def save_json(results: dict, out_dir: str, stem: str) -> str:
     """<out_dir>/<stem>.json; returns its path."""
     os.makedirs(out_dir, exist_ok=True)

@@ -26,6 +26,7 @@ from .__main__ import device_name, parse_with_presets
 from .engine import Engine
 from .kv_stores import make_store
 from .model import SHAPES, LlamaModel
+from .report import result_stem
 from .workload import make_parallel_sampling_trace, make_system_prompt_trace
 
 PRESETS = {
@@ -163,8 +164,7 @@ def main(argv=None) -> int:
                    "command": " ".join(["python -m vkv.demo.sharing"] + (argv if argv is not None else sys.argv[1:])),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "runs": runs, "savings": saved}
-        tag = "cpu" if device.type == "cpu" else machine.split()[1].lower()
-        stem = f"sharing_{tag}" if args.preset == tag else f"sharing_{args.preset}_{tag}"
+        stem = result_stem("sharing", args.preset, device, machine)
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"{stem}.json")
         with open(path, "w") as out:
