@@ -51,7 +51,7 @@ FlashInfer is optional: where it does not import (CPU, not installed) its kernel
 skipped with a message. Results are written after every shape, so an interrupted run keeps
 what it measured; a run of some sections keeps the other sections' rows of the file.
 
-  source benchmarks/flashinfer_env.sh     # where FlashInfer travels as an archive
+  source scripts/gpu/flashinfer_env.sh     # where FlashInfer travels as an archive
   python benchmarks/attention_bench.py --out benchmarks/results --only decode    # H100: ~4 min
   python benchmarks/attention_bench.py --out /tmp/r --only decode --cells 1x65536 64x16384   # some cells
   python benchmarks/attention_bench.py --out benchmarks/results --only prefill append

@@ -31,7 +31,7 @@ headers, point --cuda-include at those of the nvidia-curand wheel. About 45 minu
       --cuda-include /tmp/curand/nvidia/cu13/include --out .whl/flashinfer-0.7.2.post1-sm90a.tar.xz
   python benchmarks/flashinfer_pack.py --wheels /tmp/wheels --no-compile --out ...   # no nvcc here
 
-On the GPU machine: `source benchmarks/flashinfer_env.sh` unpacks it and sets the paths.
+On the GPU machine: `source scripts/gpu/flashinfer_env.sh` unpacks it and sets the paths.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 #include <charconv>
 
-#include "budget_ledger.h"
+#include "shared_budget/budget_ledger.h"
 #include "vkv/error.h"
 
 namespace vkv {

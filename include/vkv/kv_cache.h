@@ -244,7 +244,7 @@ class KvCache {
   void check_invariants() const;
 
  private:
-  class Impl;  // src/kv_cache_impl.h: the parts and how they compose
+  class Impl;  // src/cache/kv_cache_impl.h: the parts and how they compose
   std::unique_ptr<Impl> impl_;
 };
 

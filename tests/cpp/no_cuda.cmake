@@ -44,7 +44,7 @@ if(NOT result EQUAL 0 OR NOT "${out}${err}" MATCHES "building without CUDA kerne
   message(FATAL_ERROR "configure without a working nvcc should build without kernels, got (${result}):\n${out}\n${err}")
 endif()
 # The CUDA backend's memset-only side compiles (the full library builds in the main build).
-execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/no_nvcc --target CMakeFiles/vkv.dir/src/cuda_backend.cpp.o
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/no_nvcc --target CMakeFiles/vkv.dir/src/backends/cuda_backend.cpp.o
                 RESULT_VARIABLE result)
 if(NOT result EQUAL 0)
   message(FATAL_ERROR "compiling the CUDA backend without kernels failed (${result})")

@@ -8,7 +8,7 @@
 #include <thread>
 #include <tuple>
 
-#include "mapper.h"
+#include "cache/mapper.h"
 #include "testing.h"
 
 namespace vkv {

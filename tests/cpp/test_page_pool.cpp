@@ -1,7 +1,7 @@
 // PagePool: lazy creation under the budget, reuse, all-or-nothing take, trim.
 #include <gtest/gtest.h>
 
-#include "page_pool.h"
+#include "cache/page_pool.h"
 #include "testing.h"
 
 namespace vkv {

@@ -1,7 +1,7 @@
 // PromptHistory: the eager-allocation estimate is a high quantile of recent prompts.
 #include <gtest/gtest.h>
 
-#include "prompt_history.h"
+#include "cache/prompt_history.h"
 
 namespace vkv::detail {
 namespace {

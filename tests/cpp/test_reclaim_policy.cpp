@@ -1,7 +1,7 @@
 // choose_victim(): the one policy for which pages go back first, on its own.
 #include <gtest/gtest.h>
 
-#include "reclaim_policy.h"
+#include "cache/reclaim_policy.h"
 
 namespace vkv::detail {
 namespace {

@@ -8,7 +8,7 @@
 
 #include <atomic>
 
-#include "budget_ledger.h"
+#include "shared_budget/budget_ledger.h"
 #include "testing.h"
 #include "vkv/shared_budget.h"
 

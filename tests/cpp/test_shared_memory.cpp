@@ -8,7 +8,7 @@
 #include <new>
 #include <thread>
 
-#include "shared_memory.h"
+#include "shared_budget/shared_memory.h"
 #include "vkv/error.h"
 
 namespace vkv::detail {

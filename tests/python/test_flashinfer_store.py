@@ -1,7 +1,7 @@
 """The demo's FlashInfer store on a GPU: its decode and prefill attention equal attention
 over the same keys and values gathered from its pages, planned eagerly or replayed from a
 CUDA graph re-planned between replays. Skips without CUDA or FlashInfer (on a GPU machine
-that cannot download it: source benchmarks/flashinfer_env.sh first)."""
+that cannot download it: source scripts/gpu/flashinfer_env.sh first)."""
 
 import pytest
 import torch

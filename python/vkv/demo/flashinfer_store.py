@@ -56,12 +56,12 @@ def import_flashinfer():
         import flashinfer
     except Exception as error:  # not installed, or built for another torch/CUDA
         raise StoreUnavailable(f"FlashInfer is not importable ({type(error).__name__}: {error}); install the "
-                               f"'benchmarks' extra (flashinfer-python) or source benchmarks/flashinfer_env.sh") \
+                               f"'benchmarks' extra (flashinfer-python) or source scripts/gpu/flashinfer_env.sh") \
             from error
     if not hasattr(flashinfer, "BatchDecodeWithPagedKVCacheWrapper"):  # a folder named flashinfer in the path
         raise StoreUnavailable(f"'flashinfer' imports from {list(getattr(flashinfer, '__path__', []))} but is not "
                                "FlashInfer (no BatchDecodeWithPagedKVCacheWrapper): install the 'benchmarks' extra "
-                               "or source benchmarks/flashinfer_env.sh")
+                               "or source scripts/gpu/flashinfer_env.sh")
     return flashinfer
 
 

@@ -4,7 +4,7 @@
 // Host memory has a per-region layout of its own: region r's seq_len * token_bytes
 // bytes, one region after another. Copies run on the caller's stream; the host memory
 // of a copy back is freed by a later call once the copy's event has completed.
-#include "format.h"
+#include "util/format.h"
 #include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"

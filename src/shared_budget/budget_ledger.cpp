@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "log.h"
+#include "util/log.h"
 #include "vkv/error.h"
 
 namespace vkv::detail {

@@ -1,5 +1,5 @@
 # FlashInfer for the benchmarks and the demo on a machine that cannot download it. Source it
-# from the repository root:  [FLASHINFER_ARCHIVE=...] source benchmarks/flashinfer_env.sh
+# from the repository root:  [FLASHINFER_ARCHIVE=...] source scripts/gpu/flashinfer_env.sh
 # (an environment variable, not an argument: a script sourced without arguments sees its
 # caller's).
 #

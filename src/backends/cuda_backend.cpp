@@ -7,7 +7,7 @@
 
 #include "cuda_driver.h"
 #include "cuda_kernels.h"
-#include "log.h"
+#include "util/log.h"
 #include "vkv/error.h"
 
 namespace vkv {

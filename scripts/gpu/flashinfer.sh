@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 25's GPU runs, one part per call of the lent machine (10 minutes each): vkv against
-# FlashInfer's paged kernels. FlashInfer comes from .whl/ (benchmarks/flashinfer_env.sh);
+# FlashInfer's paged kernels. FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh);
 # vkv is built once per machine. Logs and results go to OUT (default: $OUT), folders as
 # .tar.gz (the machine returns 8 files).
-#   benchmarks/gpu_flashinfer.sh PART [OUT]
+#   scripts/gpu/flashinfer.sh PART [OUT]
 # PART  smoke    (~4 min) FlashInfer unpacks and imports; the flashinfer store's GPU tests
 #                (eager and graph-replayed decode, prefill); one small decode and prefill
 #                shape per kernel and model; the demo's flashinfer stores on 16 requests
@@ -19,16 +19,16 @@
 #                paged); --preset h100 with vkv interleaved, vkv-interleaved-fi and both
 #                flashinfer stores
 set -uo pipefail
-cd "$(dirname "$0")/.."
-part="${1:?usage: benchmarks/gpu_flashinfer.sh smoke|decode|prefill|demo|long|vkvfi [OUT]}"
+cd "$(dirname "$0")/../.."
+part="${1:?usage: scripts/gpu/flashinfer.sh smoke|decode|prefill|demo|long|vkvfi [OUT]}"
 out="${2:-${OUT:?no OUT given and \$OUT unset}}"
 mkdir -p "$out"
 src="$PWD"
 export PYTHONUNBUFFERED=1
 status=0
 
-# shellcheck source=benchmarks/gpu_common.sh
-source benchmarks/gpu_common.sh
+# shellcheck source=scripts/gpu/common.sh
+source scripts/gpu/common.sh
 
 pack() {  # pack NAME FOLDER: one file back for a folder
   tar czf "$out/$1.tar.gz" -C "$(dirname "$2")" "$(basename "$2")" && rm -rf "$2"
@@ -36,8 +36,8 @@ pack() {  # pack NAME FOLDER: one file back for a folder
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 install_vkv
-# shellcheck source=benchmarks/flashinfer_env.sh
-source benchmarks/flashinfer_env.sh || exit 1
+# shellcheck source=scripts/gpu/flashinfer_env.sh
+source scripts/gpu/flashinfer_env.sh || exit 1
 bench=(python3 "$src/benchmarks/attention_bench.py")
 case "$part" in
   smoke)

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "fork_guard.h"
-#include "format.h"
+#include "util/fork_guard.h"
+#include "util/format.h"
 #include "undo_log.h"
 #include "vkv/error.h"
 

@@ -3,8 +3,8 @@
 
 #include <cstring>
 
-#include "format.h"
-#include "log.h"
+#include "util/format.h"
+#include "util/log.h"
 #include "vkv/error.h"
 
 namespace vkv::detail {

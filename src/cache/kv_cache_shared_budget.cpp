@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "fork_guard.h"
+#include "util/fork_guard.h"
 #include "kv_cache_impl.h"
 #include "vkv/error.h"
 

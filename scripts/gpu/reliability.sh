@@ -4,10 +4,10 @@
 # and the Python GPU tests, compute-sanitizer memcheck over the fault-injection, zero-page
 # and sharing suites and the Python zero-page tests, then the zero-page cost benchmark
 # (VKV_SKIP_BENCH=1 leaves it out).
-#   scripts/gpu_reliability.sh OUT_DIR
+#   scripts/gpu/reliability.sh OUT_DIR
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${1:?usage: scripts/gpu_reliability.sh OUT_DIR}"
+cd "$(dirname "$0")/../.."
+out="${1:?usage: scripts/gpu/reliability.sh OUT_DIR}"
 mkdir -p "$out/logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build-gpu 2>&1 | tail -2

@@ -14,10 +14,10 @@
 // in stream order. The methods live in the files named after what they do:
 // kv_cache.cpp (construction, alloc, free, the public forwarders), kv_cache_step.cpp,
 // kv_cache_fill.cpp (the zero-fill free_reqid() and swap_out() leave to later calls),
-// slot_mappings.cpp (mapping and unmapping a slot's pages, reclamation),
-// background_planner.cpp and background_units.cpp (the mapper's work),
+// kv_cache_mappings.cpp (mapping and unmapping a slot's pages, reclamation),
+// kv_cache_background_plan.cpp and kv_cache_background_units.cpp (the mapper's work),
 // kv_cache_sharing.cpp, kv_cache_swap.cpp, kv_cache_elastic.cpp, kv_cache_prepare.cpp,
-// kv_cache_slots.cpp, kv_cache_shared_budget.cpp, kv_cache_inspect.cpp (stats, invariants).
+// kv_cache_slot_calls.cpp, kv_cache_shared_budget.cpp, kv_cache_inspect.cpp (stats, invariants).
 //
 // Lock order: the cache's mutex, then the backend's own locks; the mapper thread takes
 // the same mutex and makes its slow backend calls without it (a busy slot's pages at or
@@ -33,7 +33,7 @@
 #include <optional>
 #include <vector>
 
-#include "budget_membership.h"
+#include "shared_budget/budget_membership.h"
 #include "mapper.h"
 #include "page_pool.h"
 #include "page_sharing.h"
@@ -98,7 +98,7 @@ class KvCache::Impl {
   struct PageRef {
     std::size_t slot, page;
   };
-  // One unit of the mapper's work, planned under the lock (background_planner.cpp).
+  // One unit of the mapper's work, planned under the lock (kv_cache_background_plan.cpp).
   struct BackgroundUnit {
     enum class Kind { none, grow, shrink, cover, create } kind = Kind::none;
     std::size_t slot = 0;
@@ -174,7 +174,7 @@ class KvCache::Impl {
   // Undo log for an engine call on `stream`: undoing a mapping waits for the call's device work.
   std::function<void()> stream_waiter(Stream stream);
 
-  // ---- a slot's mappings and reclamation (slot_mappings.cpp) -----------------------
+  // ---- a slot's mappings and reclamation (kv_cache_mappings.cpp) -----------------------
   // Real pages at pages [first, first + count) of one region, replacing zero backing; and
   // back (`handles`: the pages mapped there, mapped again if backing with zeros fails).
   // Backend calls only, all or nothing; the caller keeps the books.
@@ -268,7 +268,7 @@ class KvCache::Impl {
   // Tells the budget what allocated slots claim now (after calls that change claims).
   void publish_in_use() noexcept;
 
-  // ---- the mapper's work (background_planner.cpp, background_units.cpp) ------------
+  // ---- the mapper's work (kv_cache_background_plan.cpp, kv_cache_background_units.cpp) ------------
   // A unit's exit, however it leaves (done or thrown): the lock held again, its slot no
   // longer busy, waiters told. Constructed with the lock released.
   class UnitExit;

@@ -5,8 +5,8 @@
 #include <set>
 #include <utility>
 
-#include "format.h"
-#include "internal_assert.h"
+#include "util/format.h"
+#include "util/internal_assert.h"
 #include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"

@@ -1,7 +1,7 @@
 // PagePool: lazy creation under a budget, LIFO reuse, all-or-nothing take().
 #include "page_pool.h"
 
-#include "internal_assert.h"
+#include "util/internal_assert.h"
 #include "vkv/error.h"
 
 namespace vkv {

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "internal_assert.h"
+#include "util/internal_assert.h"
 
 namespace vkv::detail {
 

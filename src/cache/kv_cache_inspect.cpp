@@ -3,7 +3,7 @@
 #include <chrono>
 #include <string>
 
-#include "format.h"
+#include "util/format.h"
 #include "kv_cache_impl.h"
 #include "undo_log.h"
 #include "vkv/error.h"

@@ -11,9 +11,9 @@
 #include <fstream>
 #include <string>
 
-#include "format.h"
+#include "util/format.h"
 #include "host_stream.h"
-#include "log.h"
+#include "util/log.h"
 #include "vkv/error.h"
 
 namespace vkv {

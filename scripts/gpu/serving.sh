@@ -2,12 +2,12 @@
 # The serving demo's GPU evidence in one call: build, the CUDA-graph test (plain and under
 # compute-sanitizer memcheck), the default demo (what scripts/demo.sh runs), a decode-step
 # profile and the benchmark presets. Logs go to OUT_DIR, JSON and plots to OUT_DIR/results.
-#   benchmarks/serving_gpu.sh OUT_DIR [STAGE...]
+#   scripts/gpu/serving.sh OUT_DIR [STAGE...]
 # Stages run in the order given (default: build test sanitize default profile h100 long);
 #   h100-quick: the h100 preset on vkv-interleaved and static only (a smoke run).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${1:?usage: benchmarks/serving_gpu.sh OUT_DIR [STAGE...]}"
+cd "$(dirname "$0")/../.."
+out="${1:?usage: scripts/gpu/serving.sh OUT_DIR [STAGE...]}"
 shift
 stages="${*:-build test sanitize default profile h100 long}"
 mkdir -p "$out/results"
@@ -15,8 +15,8 @@ src="$PWD"
 export PYTHONUNBUFFERED=1
 status=0
 
-# shellcheck source=benchmarks/gpu_common.sh
-source benchmarks/gpu_common.sh
+# shellcheck source=scripts/gpu/common.sh
+source scripts/gpu/common.sh
 
 python_info() {
   (cd /tmp && python3 -c 'import torch, vkv

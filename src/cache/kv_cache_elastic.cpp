@@ -2,7 +2,7 @@
 // so that the framework's allocator or another process can use what it gives back.
 #include <algorithm>
 
-#include "format.h"
+#include "util/format.h"
 #include "vkv/error.h"
 #include "kv_cache_impl.h"
 

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "budget_ledger.h"
-#include "format.h"
+#include "util/format.h"
 #include "vkv/backend.h"
 #include "vkv/error.h"
 

@@ -2,8 +2,8 @@
 // pages back from slots (reclamation: which slot is choose_victim()'s, this is how).
 #include <algorithm>
 
-#include "format.h"
-#include "internal_assert.h"
+#include "util/format.h"
+#include "util/internal_assert.h"
 #include "kv_cache_impl.h"
 #include "reclaim_policy.h"
 #include "undo_log.h"

@@ -22,7 +22,7 @@
 #include <thread>
 
 #include "budget_ledger.h"
-#include "page_pool.h"
+#include "cache/page_pool.h"
 #include "shared_memory.h"
 #include "vkv/backend.h"
 

@@ -4,8 +4,8 @@
 #include <optional>
 #include <unordered_map>
 
-#include "format.h"
-#include "internal_assert.h"
+#include "util/format.h"
+#include "util/internal_assert.h"
 #include "kv_cache_impl.h"
 #include "undo_log.h"
 #include "vkv/error.h"
