@@ -4,6 +4,7 @@
 #include <iterator>
 
 #include "kv_cache_impl.h"
+#include "util/internal_assert.h"
 
 namespace vkv {
 
@@ -61,8 +62,24 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     pool_.make_room_for_singles(per_region * regions);
     pages = pool_.take_free(per_region * regions);
     to_create = pool_.begin_create(per_region * regions - pages.size());
+    // obtainable_pages() is a hint under a shared budget: the claim may come back short
+    // (another member took the room, a resize lowered it). Map whole regions of what came.
+    const std::size_t got = pages.size() + to_create;
+    if (got < per_region * regions) {
+      per_region = got / regions;
+      std::size_t surplus = got - per_region * regions;
+      const std::size_t unreserved = std::min(surplus, to_create);
+      pool_.end_create(unreserved, 0);
+      to_create -= unreserved;
+      for (surplus -= unreserved; surplus > 0; --surplus) {
+        pool_.give_back(pages.back());
+        pages.pop_back();
+      }
+      if (per_region == 0) return false;
+    }
   }
   const std::size_t count = per_region * regions;
+  VKV_ASSERT(pages.size() + to_create == count || (per_region == span && large.size() + large_to_create == regions));
   const bool large_unit = !large.empty() || large_to_create > 0;
   in_flight_pages_ += count;
   slot.busy_from = first;
@@ -77,6 +94,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     for (; created < to_create; ++created) pages.push_back(pool_.new_page());
     for (; created < large_to_create; ++created) large.push_back(pool_.new_large_page());
     for (const Page& page : large) pages.insert(pages.end(), span, page);
+    VKV_ASSERT(pages.size() == count);  // never a handle from past the pages claimed
     std::vector<PageHandle> handles(per_region);
     for (; regions_mapped < regions; ++regions_mapped) {
       const Page* run = &pages[regions_mapped * per_region];

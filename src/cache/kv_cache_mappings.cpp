@@ -13,14 +13,20 @@ namespace vkv {
 
 // Pages from the pool, then reclaimed from slots above their floors (claims, for an engine
 // call that waits for in-flight readers after ReadWindows::close_current(); or
-// reclaimable_floors() for a call that cannot).
+// reclaimable_floors() for a call that cannot). Exactly `count` pages, or OutOfMemory with
+// every page given back: what the pool grants may fall short of what obtainable_pages()
+// said (a shared budget's room is a hint), so a shortage is found here too.
 std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vector<std::size_t>& floors) {
-  std::vector<Page> pages = pool_.take(std::min(count, pool_.obtainable_pages()));
+  std::vector<Page> pages = pool_.take_up_to(count);
   try {
     while (pages.size() < count) {
       std::vector<Page> reclaimed;
-      if (!reclaim_coldest(reclaimed, count - pages.size(), floors))
-        throw Error("internal: reclamation found no unclaimed mapped page");
+      if (!reclaim_coldest(reclaimed, count - pages.size(), floors)) {
+        throw OutOfMemory(detail::concat(count, " pages needed, ", pages.size(),
+                                         " obtained and no unclaimed mapped page left: the shared budget's room went"
+                                         " to another member or a resize meanwhile"),
+                          count - pages.size(), layout_.page_bytes());
+      }
       // Single pages serve as they are; a large page serves as room for single ones.
       for (std::size_t i = 0; i < reclaimed.size(); ++i) {
         if (pool_.is_large(reclaimed[i].handle)) {
@@ -30,7 +36,7 @@ std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vect
         }
       }
       if (pages.size() < count) {
-        std::vector<Page> more = pool_.take(std::min(count - pages.size(), pool_.obtainable_pages()));
+        std::vector<Page> more = pool_.take_up_to(count - pages.size());
         pages.insert(pages.end(), more.begin(), more.end());
       }
     }
@@ -43,6 +49,7 @@ std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vect
     pool_.give_back(pages.back());
     pages.pop_back();
   }
+  VKV_ASSERT(pages.size() == count);
   return pages;
 }
 

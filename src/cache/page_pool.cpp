@@ -81,6 +81,21 @@ std::vector<Page> PagePool::take(std::size_t count) {
   return pages;
 }
 
+std::vector<Page> PagePool::take_up_to(std::size_t count) {
+  make_room_for_singles(count);
+  std::vector<Page> pages = take_free(count);
+  try {
+    const std::size_t reserved = begin_create(count - pages.size());  // may be short of what was asked
+    const std::vector<Page> created = create_pages(reserved);         // undoes its count on failure
+    pages.insert(pages.end(), created.begin(), created.end());
+  } catch (...) {
+    free_.insert(free_.end(), pages.begin(), pages.end());
+    throw;
+  }
+  VKV_ASSERT(pages.size() <= count);
+  return pages;
+}
+
 std::optional<Page> PagePool::take_large() {
   if (large_page_pages_ == 0) return std::nullopt;
   if (!free_large_.empty()) {

@@ -98,6 +98,13 @@ class PagePool {
     return {backend_.create_large_page(large_page_pages_), backend_.traits().fresh_pages_are_zero};
   }
   void adopt_large(PageHandle handle) { large_.insert(handle); }
+  /// Hands out up to `count` single pages: free ones first (releasing free large pages for
+  /// room), then as many new ones as the budget and the account grant now, which may be
+  /// fewer than obtainable_pages() said (a shared budget's room is a hint: another member
+  /// may take it first, a resize may lower it). @throws OutOfMemory / DriverError from the
+  /// device (then nothing is handed out and the pool is as it was, but for large pages
+  /// released for room).
+  std::vector<Page> take_up_to(std::size_t count);
   /// Hands out up to `count` free single pages; creates none (no backend call).
   std::vector<Page> take_free(std::size_t count);
   /// Hands out up to `count` free large pages; creates none.
