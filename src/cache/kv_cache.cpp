@@ -198,9 +198,10 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
-  if (pages > 0 && membership_ && membership_->others_may_give()) {
+  if (pages > 0 && membership_ && pages_short(pages, slot, claim) > 0) {
+    reap_dead_members();  // dead members' bytes first: no need to ask for them
     const std::size_t short_by = pages_short(pages, slot, claim);
-    if (short_by > 0) ask_shared_budget(lock, short_by);
+    if (short_by > 0 && membership_->others_may_give()) ask_shared_budget(lock, short_by);
   }
   expect_valid();
   wait_not_busy(lock, slot);  // waiting for pages may have let the mapper start on it

@@ -259,6 +259,9 @@ class KvCache::Impl {
   // the lock released, and puts what they gave into the pool as free pages. The caller
   // plans again (the wait let other threads in).
   void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages);
+  // Before a shortage asks the others or gives up: counts out members whose process is
+  // gone, so that their bytes are free at once. True when it found any (plan again).
+  bool reap_dead_members() noexcept;
   // What the cache could give back without touching a claimed page, in bytes: free pages,
   // and mapped pages above every slot's floor that the mapper is not working on.
   std::size_t cached_bytes_for_budget() const;

@@ -69,10 +69,14 @@ std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mu
         for (const Page& page : obtain_pages(to_free, claims)) pool_.give_back(page);
       undo.commit();
       return 0;
-    } catch (const OutOfMemory& error) {  // the device, not the budget, ran out
-      if (!background_busy()) return std::max<std::size_t>(error.missing_pages(), 1);
+    } catch (const OutOfMemory& error) {  // the device ran out, or the budget's room went meanwhile
+      if (!background_busy()) {
+        if (reap_dead_members()) return std::nullopt;  // plan again with their bytes
+        return std::max<std::size_t>(error.missing_pages(), 1);
+      }
     }
   } else if (!background_busy()) {
+    if (reap_dead_members()) return std::nullopt;  // plan again with their bytes
     return missing - obtainable;
   }
   // Pages the mapper is moving are not lost: decide once it has put them down.
@@ -170,9 +174,13 @@ std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock
         for (const Page& fresh : obtain_pages(needed, claims)) pool_.give_back(fresh);
         return 0;
       } catch (const OutOfMemory& error) {
-        if (!background_busy()) return std::max<std::size_t>(error.missing_pages(), 1);
+        if (!background_busy()) {
+          if (reap_dead_members()) continue;  // plan again with their bytes
+          return std::max<std::size_t>(error.missing_pages(), 1);
+        }
       }
     } else if (!background_busy()) {
+      if (reap_dead_members()) continue;  // plan again with their bytes
       return needed - obtainable;
     }
     background_done_.wait(lock, [&] { return !background_busy(); });

@@ -32,6 +32,8 @@ void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::s
   membership_->release_claimed();  // what the pool could not take goes back
 }
 
+bool KvCache::Impl::reap_dead_members() noexcept { return membership_ && membership_->reap_dead() > 0; }
+
 std::size_t KvCache::Impl::cached_bytes_for_budget() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::size_t pages = pool_.free_pages();

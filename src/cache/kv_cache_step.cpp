@@ -101,6 +101,8 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       // Pages the mapper is moving are not lost: decide once it has put them down.
       if (background_busy()) {
         background_done_.wait(lock, [&] { return !background_busy(); });
+      } else if (reap_dead_members()) {
+        continue;  // a dead member's bytes are free now (each member is counted out once)
       } else if (!asked && membership_ && membership_->others_may_give()) {
         asked = true;
         ask_shared_budget(lock, shortage.missing_pages());

@@ -1,6 +1,7 @@
 // BudgetMembership: a cache's row in a shared budget, its page account and its watcher.
 #include "budget_membership.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "util/format.h"
@@ -20,7 +21,17 @@ SharedMapping open_for_member(const std::string& name) {
   }
 }
 
+std::atomic<ShortClaimHook> short_claim_hook{nullptr};
+
+// What a claim keeps of `granted` pages (tests may shorten it).
+std::size_t kept_of(std::size_t asked, std::size_t granted) noexcept {
+  const ShortClaimHook hook = short_claim_hook.load(std::memory_order_relaxed);
+  return hook == nullptr ? granted : std::min(granted, hook(asked, granted));
+}
+
 }  // namespace
+
+void set_short_claim_hook_for_testing(ShortClaimHook hook) noexcept { short_claim_hook.store(hook); }
 
 BudgetMembership::BudgetMembership(const std::string& name, const Backend& backend, std::size_t page_bytes)
     : name_(name),
@@ -69,6 +80,7 @@ std::size_t BudgetMembership::take_claimed(std::size_t pages) noexcept {
 }
 
 bool BudgetMembership::take(std::size_t pages) {
+  if (kept_of(pages, pages) < pages) return false;
   const std::size_t claimed = take_claimed(pages);
   try {
     if (claimed == pages || ledger_.acquire(member_, (pages - claimed) * page_bytes_)) return true;
@@ -82,15 +94,28 @@ bool BudgetMembership::take(std::size_t pages) {
 
 std::size_t BudgetMembership::take_up_to(std::size_t pages) {
   const std::size_t claimed = take_claimed(pages);
+  std::size_t granted = claimed;
   try {
-    return claimed + ledger_.acquire_up_to(member_, (pages - claimed) * page_bytes_, page_bytes_) / page_bytes_;
+    granted += ledger_.acquire_up_to(member_, (pages - claimed) * page_bytes_, page_bytes_) / page_bytes_;
   } catch (...) {
     claimed_pages_.fetch_add(claimed);
     throw;
   }
+  const std::size_t kept = kept_of(pages, granted);
+  give(granted - kept);
+  return kept;
 }
 
 void BudgetMembership::give(std::size_t pages) noexcept { ledger_.release(member_, pages * page_bytes_); }
+
+std::size_t BudgetMembership::reap_dead() noexcept {
+  try {
+    return ledger_.reap();
+  } catch (const std::exception& error) {
+    log_debug(concat("shared budget '", name_, "': counting dead members out failed: ", error.what()));
+    return 0;
+  }
+}
 
 void BudgetMembership::ask(std::size_t pages) {
   const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_);

@@ -28,6 +28,13 @@
 
 namespace vkv::detail {
 
+/// Tests only: how many of the `granted` pages a claim of `asked` keeps (the rest goes back
+/// at once), so that a claim comes back shorter than available_pages() said, as it does
+/// when another member takes the room first or a resize lowers it. Null (the default):
+/// every page. Set it while no cache of this process creates pages.
+using ShortClaimHook = std::size_t (*)(std::size_t asked, std::size_t granted);
+void set_short_claim_hook_for_testing(ShortClaimHook hook) noexcept;
+
 class BudgetMembership final : public PageAccount {
  public:
   /// What the watcher asks of the cache.
@@ -61,6 +68,10 @@ class BudgetMembership final : public PageAccount {
   // ---- running short -----------------------------------------------------------------
   /// Whether asking could bring anything: the others hold pages their requests do not claim.
   bool others_may_give() const noexcept { return ledger_.others_cached(member_) > 0; }
+  /// Counts back the bytes of members whose process is gone (SIGKILLed, crashed), so that a
+  /// shortage sees them free at once; returns how many it found (0 also when the books
+  /// cannot be read: the shortage is then decided without them). Reads /proc per member.
+  std::size_t reap_dead() noexcept;
   /// Asks the others for `pages` and waits (kAskTimeout at most) until what they gave
   /// covers it or they all answered; the caller holds no lock the watcher or the mapper
   /// takes. Then claim_reserved() takes what was given. @throws Error (a broken budget).

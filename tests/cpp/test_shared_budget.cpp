@@ -9,6 +9,7 @@
 #include <atomic>
 
 #include "shared_budget/budget_ledger.h"
+#include "shared_budget/budget_membership.h"
 #include "testing.h"
 #include "vkv/shared_budget.h"
 
@@ -246,6 +247,78 @@ TEST_P(SharedBudgetCacheTest, WithTheMapperOnMappingAheadStaysWithinTheBudget) {
   expect_books_add_up({&a, &b});
 }
 
+// Every claim on the budget comes back `pages` short of what it was granted (what another
+// member taking the room first or a resize does, but deterministic), while this lives.
+std::atomic<std::size_t> claims_short_by{0};
+class ShortClaims {
+ public:
+  explicit ShortClaims(std::size_t pages) {
+    claims_short_by = pages;
+    detail::set_short_claim_hook_for_testing(
+        [](std::size_t, std::size_t granted) { return granted - std::min(granted, claims_short_by.load()); });
+  }
+  ~ShortClaims() { detail::set_short_claim_hook_for_testing(nullptr); }
+  ShortClaims(const ShortClaims&) = delete;
+  ShortClaims& operator=(const ShortClaims&) = delete;
+};
+
+// The mapper's claim may come back shorter than the budget's free hint said: it maps whole
+// regions of what it got, returns the rest, and never maps a page it did not get.
+TEST_P(SharedBudgetCacheTest, AShortClaimMapsAheadOnlyWhatItGot) {
+  for (const std::size_t short_by : {std::size_t{1}, regions() + 1, std::size_t{1} << 20}) {
+    CacheConfig config = config_;
+    config.shared_budget = name_.str();
+    config.lookahead_tokens = tokens(6);
+    std::string why_not;
+    KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+    const std::size_t slot = a.alloc_reqid();
+    a.step(lens({{slot, tokens(1)}}));
+    write_tokens(a, slot, 0, tokens(1), testing::mark(9));
+    {
+      const ShortClaims short_claims(short_by);
+      a.map_ahead_now();
+      a.check_invariants();
+      EXPECT_EQ(budget_->stats().used_bytes, a.stats().bytes_created()) << "short by " << short_by;
+    }
+    expect_tokens(a, slot, 0, tokens(1), testing::mark(9));
+    a.step(lens({{slot, tokens(7)}}));  // whatever was mapped ahead serves, the rest is created
+    write_tokens(a, slot, tokens(1), tokens(7), testing::mark(40));
+    expect_tokens(a, slot, 0, tokens(1), testing::mark(9));
+    expect_tokens(a, slot, tokens(1), tokens(7), testing::mark(40));
+    expect_books_add_up({&a});
+  }
+}
+
+// step()'s claim may come back short too: it reclaims the rest from pages no request
+// claims, or fails with OutOfMemory and changes nothing.
+TEST_P(SharedBudgetCacheTest, AShortClaimInStepReclaimsTheRestOrFailsCleanly) {
+  auto a = member();
+  const std::size_t held = a->alloc_reqid();
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{held, tokens(2)}, {freed, tokens(3)}}));
+  write_tokens(*a, held, 0, tokens(2), testing::mark(5));
+  a->free_reqid(freed);  // 3 pages per region cached
+  {
+    const ShortClaims short_claims(regions());  // the budget gives a page per region less
+    a->step(lens({{held, tokens(5)}}));
+    write_tokens(*a, held, tokens(2), tokens(5), testing::mark(60));
+    a->check_invariants();
+  }
+  {
+    const ShortClaims short_claims(std::size_t{1} << 20);  // the budget gives nothing
+    const std::size_t in_use = a->stats().pages_in_use;
+    EXPECT_THROW(a->step(lens({{held, tokens(8)}})), OutOfMemory);  // 3 short, 2 reclaimable
+    EXPECT_EQ(a->stats().pages_in_use, in_use);
+    a->check_invariants();
+    expect_books_add_up({a.get()});
+  }
+  expect_tokens(*a, held, 0, tokens(2), testing::mark(5));
+  expect_tokens(*a, held, tokens(2), tokens(5), testing::mark(60));
+  a->step(lens({{held, tokens(8)}}));  // the whole budget, once the claims are whole again
+  expect_tokens(*a, held, 0, tokens(2), testing::mark(5));
+  expect_books_add_up({a.get()});
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetCacheTest, testing::every_backend_with_both_layouts(),
                          testing::backend_and_layout_name);
 
@@ -350,6 +423,35 @@ TEST(SharedBudgetTest, AKilledMemberIsCountedBack) {
   std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
   seq_lens[survivor.alloc_reqid()] = config.max_context_len;
   survivor.step(seq_lens);
+}
+
+// A killed member's bytes are counted out at the next shortage of a survivor, without
+// anyone looking at the stats: its step() that needs them succeeds at once.
+TEST(SharedBudgetTest, AKilledMemberIsCountedOutAtTheNextShortage) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.device = host();
+  config.shared_budget = name.str();
+  MemberProcess child([&] {
+    auto* cache = new KvCache(config);  // lives until the process is killed
+    std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+    seq_lens[cache->alloc_reqid()] = config.max_context_len;  // claimed: nothing to give when asked
+    cache->step(seq_lens);
+  });
+  ASSERT_TRUE(child.started());
+  KvCache survivor(config);  // joins while the child lives (joining counts the dead out too)
+  const std::size_t child_bytes = budget.stats().used_bytes;
+  ASSERT_GT(child_bytes, 0u);
+  budget.resize(child_bytes);  // the child holds the whole budget
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+  const std::size_t slot = survivor.alloc_reqid();
+  seq_lens[slot] = config.max_context_len;
+  EXPECT_THROW(survivor.step(seq_lens), OutOfMemory);
+  child.kill();
+  survivor.step(seq_lens);  // no stats() in between
+  EXPECT_EQ(survivor.stats().bytes_created(), child_bytes);
+  survivor.check_invariants();
 }
 
 // A member killed while it holds the budget's lock blocks nobody: the next locker repairs.
