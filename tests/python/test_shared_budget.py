@@ -147,6 +147,22 @@ def test_a_member_killed_with_sigkill_is_counted_back(budget):
         assert cache.stats()["pages_in_use"] == 16
 
 
+def test_a_killed_member_is_counted_out_at_the_next_shortage(budget):
+    with local_member(budget) as cache:  # joins while the other lives
+        other = Member(budget.name)
+        slot = other("alloc")["slot"]
+        assert other("step", lens={slot: pages(16)}) == {"ok": True}  # claims the whole budget
+        seq_lens = [0] * cache.max_batch_size
+        seq_lens[cache.alloc_reqid()] = pages(16)
+        with pytest.raises(vkv.OutOfMemory):
+            cache.step(seq_lens)
+        os.kill(other.pid, signal.SIGKILL)
+        assert other.process.wait(REPLY_TIMEOUT_S) == -signal.SIGKILL
+        cache.step(seq_lens)  # no stats() in between: the shortage itself counts the dead out
+        assert cache.stats()["pages_in_use"] == 16
+        cache.check_invariants()
+
+
 def test_resizing_under_load_keeps_every_member_consistent(budget):
     busy = [Member(budget.name, mapper=True) for _ in range(2)]
     try:

@@ -1,0 +1,82 @@
+"""Soak of the shared budget: the stress workload of tests/python/budget_workload.py
+(member processes in one small budget doing random step/free/trim/swap/fork/share_prefix/
+resize, some SIGKILLed and replaced, every live token's bytes and the invariants checked
+after every call in every member, the survivors' books checked at the end) for longer,
+with more members: races that 2 cores hide show on 16.
+
+  python benchmarks/budget_soak.py --device cuda --members 16 --seconds 130 --out DIR
+  python benchmarks/budget_soak.py --device cpu --members 16 --seconds 130 --out DIR
+
+Writes budget_soak_<device>.json (crashes, invariant breaks, bytes changed, member-seconds,
+ops, the git commit and whether the tree was dirty, the GPU) and a progress line every 10 s.
+Exits 1 on any crash, broken invariant, changed byte or books that do not add up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+
+from budget_workload import run_stress  # noqa: E402
+from common import machine, progress, write_json  # noqa: E402
+
+
+def git_state() -> dict:
+    """The commit measured, and whether the tree had changes (VKV_COMMIT where there is no .git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip() != ""
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": os.environ.get("VKV_COMMIT", "unknown"), "dirty": None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--members", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=130.0, help="wall-clock seconds of the run")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    start = time.time()
+    progress(f"budget soak: {args.members} members on {device} for {args.seconds:.0f} s, seed {args.seed}")
+    result = run_stress(seed=args.seed, members=args.members, seconds=args.seconds, device=device,
+                        kill_every=args.kill_every, work_dir=os.path.join(args.out, f"budget_soak_{args.device}"),
+                        progress=progress)
+    summary = {
+        "crashes": len(result.crashes),
+        "invariant_breaks": result.invariant_breaks,
+        "bytes_changed": result.bytes_changed,
+        "failures": len(result.failures),
+        "books": result.books or "add up",
+        "member_seconds": round(result.member_seconds, 1),
+        "ops": result.ops,
+        "kills": result.kills,
+        "shortages": result.shortages,
+        "bytes_checked": result.bytes_checked,
+        "wall_seconds": round(time.time() - start, 1),
+    }
+    progress(f"budget soak {args.device}: " + ", ".join(f"{key} {value}" for key, value in summary.items()))
+    details = dataclasses.asdict(result)
+    details["crashes"] = details["crashes"][:20]
+    details["failures"] = details["failures"][:20]
+    write_json({"machine": machine(args.device), "git": git_state(), "members": args.members,
+                "seconds": args.seconds, "seed": args.seed, "summary": summary, "details": details},
+               os.path.join(args.out, f"budget_soak_{args.device}.json"))
+    return 1 if result.problems() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the GPU host: the shared budget's soak (benchmarks/budget_soak.py), 16 member
+# processes on the CUDA backend, then 16 on the host backend, each run long enough for
+# >= 30 minutes of member-time (16 x 130 s), SIGKILLs and resizes included: 0 crashes,
+# 0 invariant breaks, 0 bytes changed expected. About 6 minutes with the build.
+#   scripts/gpu/budget_soak.sh OUT_DIR [SECONDS]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${1:?usage: scripts/gpu/budget_soak.sh OUT_DIR [SECONDS]}"
+seconds="${2:-130}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+source scripts/gpu/common.sh
+status=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+export VKV_COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+install_vkv
+repo="$(pwd)"
+step budget_soak_cuda $((seconds + 120)) env PYTHONUNBUFFERED=1 python3 "$repo/benchmarks/budget_soak.py" \
+  --device cuda --members 16 --seconds "$seconds" --out "$out"
+step budget_soak_cpu $((seconds + 120)) env PYTHONUNBUFFERED=1 python3 "$repo/benchmarks/budget_soak.py" \
+  --device cpu --members 16 --seconds "$seconds" --out "$out"
+rm -rf "$out"/budget_soak_cuda "$out"/budget_soak_cpu  # the members' own files; the summaries stay
+exit $status
