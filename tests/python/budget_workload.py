@@ -5,19 +5,15 @@ and token), reads every live token back and calls check_invariants() after every
 survivors' books must add up at the end. Used by tests/python/test_budget_stress.py (CI,
 about a minute at most) and benchmarks/budget_soak.py (the GPU host). Not a test itself.
 
-    python budget_workload.py member NAME INDEX SEED SECONDS DEVICE RESULT_JSON
-
-runs one member until SECONDS have passed, writes its result, then answers "stats" lines
-on stdin with its pages_created until "exit".
+Members are forked by a fork server that imported torch and vkv once (no CUDA before the
+fork), so that a replacement starts in milliseconds, not in the seconds an import takes.
 """
 
 import json
+import multiprocessing
 import os
 import random
-import select
 import signal
-import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -82,26 +78,31 @@ class Member:
         self.next_request += 1
         old = self.values.get(slot, torch.empty(0, dtype=torch.float16))[:first]
         self.values[slot] = torch.cat([old, values])
-        device_values = values.to(self.cache.key(0).device)[:, None, None]
+        # As int16 bit patterns: exact, and fast on the CPU too (half arithmetic is not).
+        device = self.cache.key(0).device
+        bits = values.view(torch.int16).to(device)[:, None, None]
+        negated = (-values).view(torch.int16).to(device)[:, None, None]
         for layer in range(self.cache.num_layers):
-            self.cache.key(layer)[slot, first:last] = device_values
-            self.cache.value(layer)[slot, first:last] = -device_values
+            self.cache.key(layer).view(torch.int16)[slot, first:last] = bits
+            self.cache.value(layer).view(torch.int16)[slot, first:last] = negated
 
     def check(self, where: str) -> None:
         self.cache.check_invariants()
         for slot, tokens in self.lens.items():
             if tokens == 0:
                 continue
-            expected = self.values[slot][:tokens].to(self.cache.key(0).device)[:, None, None]
+            values = self.values[slot][:tokens]
+            device = self.cache.key(0).device
             for layer in range(self.cache.num_layers):
-                for name, view, sign in (("key", self.cache.key(layer), 1), ("value", self.cache.value(layer), -1)):
-                    got = view[slot, :tokens]
-                    wrong = (got != sign * expected).any(dim=2).any(dim=1)
-                    if bool(wrong.any()):
-                        token = int(wrong.nonzero()[0])
+                for name, view, expected in (("key", self.cache.key(layer), values),
+                                             ("value", self.cache.value(layer), -values)):
+                    got = view.view(torch.int16)[slot, :tokens]
+                    bits = expected.view(torch.int16).to(device)[:, None, None].expand_as(got)
+                    if not torch.equal(got, bits):
+                        token, head, channel = (int(i) for i in (got != bits).nonzero()[0])
                         raise Failure(f"bytes changed after {where}: slot {slot} {name}({layer}) token {token} of "
-                                      f"{tokens} holds {float(got[token].flatten()[0])}, expected "
-                                      f"{sign * float(expected[token].flatten()[0])}")
+                                      f"{tokens} (head {head}, channel {channel}) holds "
+                                      f"{float(view[slot, token, head, channel])}, expected {float(expected[token])}")
                     self.bytes_checked += got.numel() * got.element_size()
 
     def seq_lens(self) -> List[int]:
@@ -206,8 +207,19 @@ class Member:
             self.budget.resize(rng.randint(low, high) * page_bytes(self.device), wait=0.05)
 
 
-def member_main(name: str, index: int, seed: int, seconds: float, device: str, result_path: str) -> int:
-    """One member process: random calls until `seconds` passed; the result as JSON."""
+def write_result(path: str, result: dict, member: Optional[Member], count: int, start: float) -> None:
+    result["ops"] = count
+    result["seconds"] = time.monotonic() - start
+    if member is not None:
+        result["shortages"] = member.shortages
+        result["bytes_checked"] = member.bytes_checked
+    Path(path + ".tmp").write_text(json.dumps(result))
+    os.replace(path + ".tmp", path)
+
+
+def member_main(name: str, index: int, seed: int, until: float, device: str, result_path: str, connection) -> None:
+    """One member process: random calls until time.time() reaches `until`; the result as JSON."""
+    torch.set_num_threads(1)  # many members share the cores
     rng = random.Random(seed * 1000003 + index)
     result = {"index": index, "pid": os.getpid(), "seed": seed, "ops": 0, "op_counts": {}, "failures": [],
               "shortages": 0, "bytes_checked": 0, "seconds": 0.0}
@@ -217,7 +229,11 @@ def member_main(name: str, index: int, seed: int, seconds: float, device: str, r
     try:
         cache = vkv.KVCache(shared_budget=name, **cache_arguments(device))
         member = Member(cache, vkv.SharedBudget.open(name), rng, device)
-        while time.monotonic() - start < seconds:
+        start = last_progress = time.monotonic()  # member-time counts from here
+        while time.time() < until:
+            if time.monotonic() - last_progress >= 1.0:  # what a SIGKILL leaves of this member
+                last_progress = time.monotonic()
+                write_result(result_path + ".progress", result, member, count, start)
             op = rng.choices(OPS, WEIGHTS)[0]
             member.run_op(op)
             count += 1
@@ -226,28 +242,50 @@ def member_main(name: str, index: int, seed: int, seconds: float, device: str, r
     except Exception as error:  # noqa: BLE001 (every failure is reported with seed, member and op)
         result["failures"].append(f"seed {seed} member {index} op #{count} {op}: {type(error).__name__}: {error}\n"
                                   + traceback.format_exc(limit=4))
-    result["ops"] = count
-    result["seconds"] = time.monotonic() - start
-    if member is not None:
-        result["shortages"] = member.shortages
-        result["bytes_checked"] = member.bytes_checked
-    Path(result_path).write_text(json.dumps(result))
-    print("done", flush=True)
-    for line in sys.stdin:  # the driver checks the books while every survivor stands still
-        if line.strip() == "stats" and member is not None:
-            print(json.dumps({"pages_created": member.cache.stats()["pages_created"]}), flush=True)
-        elif line.strip() == "exit":
+    write_result(result_path, result, member, count, start)
+    connection.send("done")
+    while True:  # the driver checks the books while every survivor stands still
+        request = connection.recv()
+        if request == "stats":
+            connection.send(member.cache.stats()["pages_created"] if member is not None else -1)
+        elif request == "exit":
             break
     if member is not None:
         member.cache.close()
-    return 0
 
 
-def reply(process: subprocess.Popen, timeout: float = 120.0) -> str:
-    """The member's next line, or "" when it died or hung (a member must never hang)."""
-    if process.poll() is None and select.select([process.stdout], [], [], timeout)[0]:
-        return process.stdout.readline().strip()
-    return ""
+class MemberProcess:
+    """A member forked by the fork server, and the pipe the driver talks to it over."""
+
+    def __init__(self, context, name: str, index: int, seed: int, until: float, device: str, result_path: str):
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=member_main, args=(name, index, seed, until, device, result_path, child),
+                                       daemon=True)
+        self.process.start()
+        child.close()
+
+    def ask(self, request=None, timeout: float = 120.0):
+        """Sends `request` (if any) and returns the answer; None when the member died or hung."""
+        try:
+            if request is not None:
+                self.connection.send(request)
+            return self.connection.recv() if self.connection.poll(timeout) else None
+        except (EOFError, OSError):
+            return None
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # gone already
+        self.process.join()
+
+
+def fork_server():
+    """The fork-server context, with torch, vkv and this module imported before any fork."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "vkv", __name__])
+    return context
 
 
 @dataclass
@@ -274,7 +312,7 @@ class StressResult:
 
 def run_stress(seed: int, members: int, seconds: float, device: str = "cpu", kill_every: float = 2.0,
                work_dir: Optional[str] = None, progress=None) -> StressResult:
-    """`members` member processes for `seconds`; every `kill_every` seconds (on average)
+    """`members` member processes for `seconds`; every `kill_every` seconds (0.5x to 1.5x)
     one is SIGKILLed and replaced. Deterministic in the seed (the timing is not)."""
     import tempfile
 
@@ -286,38 +324,43 @@ def run_stress(seed: int, members: int, seconds: float, device: str = "cpu", kil
     low, high = BUDGET_PAGES
     budget = vkv.SharedBudget.create(name, high * page_bytes(device), device=device)
     result = StressResult(seed=seed, members=members, seconds=seconds, device=device)
+    context = fork_server()
     deadline = time.monotonic() + seconds
-    running: Dict[int, subprocess.Popen] = {}
-    started: Dict[int, float] = {}
+    running: Dict[int, MemberProcess] = {}
     killed: Dict[int, float] = {}
+    crashed: Dict[int, Optional[int]] = {}
     next_index = 0
 
     def start_member() -> None:
         nonlocal next_index
         index, next_index = next_index, next_index + 1
-        remaining = max(1.0, deadline - time.monotonic())
-        command = [sys.executable, __file__, "member", name, str(index), str(seed), f"{remaining:.3f}", device,
-                   str(work / f"member-{index}.json")]
-        running[index] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        started[index] = time.monotonic()
+        until = time.time() + max(1.0, deadline - time.monotonic())
+        running[index] = MemberProcess(context, name, index, seed, until, device, str(work / f"member-{index}.json"))
 
     try:
         for _ in range(members):
             start_member()
-        next_kill = time.monotonic() + rng.expovariate(1.0 / kill_every)
+        next_kill = time.monotonic() + rng.uniform(0.5, 1.5) * kill_every
         last_progress = time.monotonic()
         while time.monotonic() < deadline:
             time.sleep(0.05)
             now = time.monotonic()
+            for index in [i for i, member in running.items() if not member.process.is_alive()]:
+                member = running.pop(index)  # died before its time: a crash (its result says why, if anything)
+                member.process.join()
+                crashed[index] = member.process.exitcode
+                result.crashes.append(f"seed {seed} member {index} (pid {member.process.pid}) died during the run: "
+                                      f"exit {member.process.exitcode}")
+                if now < deadline - 2.0:
+                    start_member()
             if now >= next_kill and now < deadline - 2.0:
                 victim = rng.choice(sorted(running))
-                os.kill(running[victim].pid, signal.SIGKILL)
-                running[victim].wait()
+                running[victim].kill()
                 killed[victim] = now
                 del running[victim]
                 result.kills += 1
                 start_member()
-                next_kill = now + rng.expovariate(1.0 / kill_every)
+                next_kill = now + rng.uniform(0.5, 1.5) * kill_every
             if rng.random() < 0.02:  # the operator resizes too
                 budget.resize(rng.randint(low, high) * page_bytes(device), wait=0.05)
             if progress and now - last_progress >= 10:
@@ -325,17 +368,17 @@ def run_stress(seed: int, members: int, seconds: float, device: str = "cpu", kil
                 progress(f"stress seed {seed}: {now - deadline + seconds:.0f}/{seconds:.0f} s, "
                          f"{len(running)} members, {result.kills} killed")
         # Every survivor finishes its last call and stands still; then the books must add up.
-        for index, process in running.items():
-            if reply(process) != "done":
-                result.crashes.append(f"seed {seed} member {index} (pid {process.pid}) died: exit {process.wait()}")
-        alive = {i: p for i, p in running.items() if p.poll() is None}
+        alive: Dict[int, MemberProcess] = {}
+        for index, member in running.items():
+            if member.ask() == "done":
+                alive[index] = member
+            else:
+                member.process.join(5)
+                result.crashes.append(f"seed {seed} member {index} (pid {member.process.pid}) died or hung: "
+                                      f"exit {member.process.exitcode}")
         budget.resize(high * page_bytes(device), wait=0.05)
         for attempt in range(40):  # a mapper may still be finishing its last unit
-            created = 0
-            for process in alive.values():
-                process.stdin.write("stats\n")
-                process.stdin.flush()
-                created += json.loads(reply(process) or '{"pages_created": -1}')["pages_created"]
+            created = sum(member.ask("stats") or 0 for member in alive.values())
             stats = budget.stats()
             books = (f"seed {seed}: the budget counts {stats['used_bytes']} bytes and {len(stats['members'])} "
                      f"members, the {len(alive)} survivors created {created * page_bytes(device)} bytes")
@@ -344,27 +387,28 @@ def run_stress(seed: int, members: int, seconds: float, device: str = "cpu", kil
             time.sleep(0.05)
         else:
             result.books = books
-        for process in alive.values():
-            process.stdin.write("exit\n")
-            process.stdin.flush()
-        for index, process in alive.items():
-            if process.wait(60) != 0:
-                result.crashes.append(f"seed {seed} member {index} (pid {process.pid}) exited {process.returncode}")
+        for member in alive.values():
+            member.connection.send("exit")
+        for index, member in alive.items():
+            member.process.join(60)
+            if member.process.exitcode != 0:
+                result.crashes.append(f"seed {seed} member {index} (pid {member.process.pid}) exited "
+                                      f"{member.process.exitcode}")
         if not result.books and budget.stats()["used_bytes"] != 0:
             result.books = f"seed {seed}: {budget.stats()['used_bytes']} bytes counted after every member left"
     finally:
-        for process in running.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        for member in running.values():
+            if member.process.is_alive():
+                member.kill()
         vkv.SharedBudget.remove_name(name)
-    now = time.monotonic()
-    for index in started:
-        result.member_seconds += killed.get(index, now) - started[index]
+    for index in range(next_index):  # a killed member's last progress counts, its failures too
         path = work / f"member-{index}.json"
-        if index in killed or not path.exists():
+        if index in killed or index in crashed or not path.exists():
+            path = work / f"member-{index}.json.progress"
+        if not path.exists():
             continue
         member = json.loads(path.read_text())
+        result.member_seconds += member["seconds"]
         result.ops += member["ops"]
         result.shortages += member["shortages"]
         result.bytes_checked += member["bytes_checked"]
@@ -376,9 +420,3 @@ def run_stress(seed: int, members: int, seconds: float, device: str = "cpu", kil
             result.invariant_breaks += "invariant" in failure
     return result
 
-
-if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "member":
-        _, _, name, index, seed, seconds, device, result_path = sys.argv
-        sys.exit(member_main(name, int(index), int(seed), float(seconds), device, result_path))
-    sys.exit(__doc__)

@@ -16,7 +16,7 @@ SEEDS = [int(seed) for seed in os.environ.get("VKV_STRESS_SEEDS", "1").split(","
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_members_killed_and_resized_under_load_lose_no_byte(seed, tmp_path):
-    result = run_stress(seed=seed, members=3, seconds=SECONDS, device="cpu", kill_every=3.0, work_dir=str(tmp_path))
+    result = run_stress(seed=seed, members=4, seconds=SECONDS, device="cpu", kill_every=4.0, work_dir=str(tmp_path))
     assert result.problems() == [], "\n".join(result.problems())
     assert result.kills > 0
     assert result.ops > 0 and result.shortages > 0  # it ran, under pressure
