@@ -1,4 +1,4 @@
-// PagePool: lazy creation under the budget, reuse, all-or-nothing take, trim.
+// PagePool: lazy creation under the budget, reuse, all-or-nothing take, short claims, trim.
 #include <gtest/gtest.h>
 
 #include "cache/page_pool.h"
@@ -127,6 +127,52 @@ TEST_F(PagePoolTest, TakingSinglePagesReleasesFreeLargePagesForRoom) {
   EXPECT_EQ(pool.trim(0), 7u) << "trim releases single and large pages, the large ones whole";
   EXPECT_EQ(pool.created_pages(), 0u);
   EXPECT_EQ(pool.large_pages(), 0u);
+}
+
+// An account whose hint promises more than it grants: a shared budget whose room another
+// member took first, or a resize lowered, between the hint and the claim.
+class ShortAccount : public PageAccount {
+ public:
+  explicit ShortAccount(std::size_t hint, std::size_t grants) : hint_(hint), grants_(grants) {}
+  std::size_t available_pages() const noexcept override { return hint_; }
+  bool take(std::size_t pages) override { return pages <= grants_ && take_up_to(pages) == pages; }
+  std::size_t take_up_to(std::size_t pages) override {
+    const std::size_t taken = std::min(pages, grants_);
+    grants_ -= taken;
+    held_ += taken;
+    return taken;
+  }
+  void give(std::size_t pages) noexcept override {
+    held_ -= pages;
+    grants_ += pages;
+  }
+  std::size_t held() const { return held_; }
+
+ private:
+  std::size_t hint_, grants_, held_ = 0;
+};
+
+TEST_F(PagePoolTest, TakeUpToHandsOutWhatTheAccountGrantsNotWhatItsHintSaid) {
+  ShortAccount account(/*hint=*/6, /*grants=*/2);
+  PagePool pool(backend_, 8, 0, &account);
+  EXPECT_EQ(pool.obtainable_pages(), 6u);
+  EXPECT_THROW(pool.take(4), OutOfMemory);  // all or nothing: nothing
+  EXPECT_EQ(pool.created_pages(), 0u);
+  EXPECT_EQ(account.held(), 0u);
+  std::vector<Page> pages = pool.take_up_to(4);  // short: what was granted
+  EXPECT_EQ(pages.size(), 2u);
+  EXPECT_EQ(pool.created_pages(), 2u);
+  EXPECT_EQ(account.held(), 2u);
+  pool.give_back(pages.back());
+  pages.pop_back();
+  const std::vector<Page> again = pool.take_up_to(4);  // the free page first, nothing more granted
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_NE(again[0].handle, pages[0].handle);  // never one page twice
+  EXPECT_EQ(pool.begin_create(3), 0u);  // the mapper's claim: short too
+  pool.release(pages[0]);
+  pool.release(again[0]);
+  EXPECT_EQ(account.held(), 0u);
+  EXPECT_EQ(pool.created_pages(), 0u);
 }
 
 }  // namespace
