@@ -3,7 +3,7 @@
 # processes on the CUDA backend, then 16 on the host backend, each run long enough for
 # >= 30 minutes of member-time (16 x 135 s), SIGKILLs and resizes included: 0 crashes,
 # 0 invariant breaks, 0 bytes changed expected. About 5 minutes plus the build.
-#   scripts/gpu/budget_soak.sh OUT_DIR [SECONDS]
+#   [VKV_COMMIT=<sha>] scripts/gpu/budget_soak.sh OUT_DIR [SECONDS]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:?usage: scripts/gpu/budget_soak.sh OUT_DIR [SECONDS]}"
@@ -13,7 +13,7 @@ out="$(cd "$out" && pwd)"
 source scripts/gpu/common.sh
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-export VKV_COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+export VKV_COMMIT="${VKV_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"  # pass it where the copy has no .git
 install_vkv
 repo="$(pwd)"
 step budget_soak_cuda $((seconds + 120)) env PYTHONUNBUFFERED=1 python3 "$repo/benchmarks/budget_soak.py" \
