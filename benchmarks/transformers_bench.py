@@ -72,7 +72,7 @@ def run_generate(model, ids, mask, new_tokens, cache_kind, args, scores=False):
         layout = cache_kind.split("_", 1)[1]
         cache = VkvCache.from_model(model, max_batch_size=ids.shape[0], max_context_len=ids.shape[1] + new_tokens,
                                     layout=layout)
-        options["past_key_values"] = cache
+        options.update(cache.as_kwargs(model))
     synchronize(args.device)
     start = time.perf_counter()
     with torch.no_grad():
@@ -94,16 +94,18 @@ def run_generate(model, ids, mask, new_tokens, cache_kind, args, scores=False):
 def teacher_forced_logits(model, ids, mask, forced, cache):
     """Last-position logits of a prefill and of decode steps fed `forced` (DynamicCache's tokens),
     so that one different pick does not make every later step differ."""
-    logits = []
+    from vkv.integrations.transformers import cache_kwarg
+
+    logits, passed = [], {cache_kwarg(model): cache}  # "cache" from transformers 5.24 on
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    **passed, use_cache=True, logits_to_keep=1)
         logits.append(out.logits[:, -1].float())
         for step in range(forced.shape[1] - 1):
             token = forced[:, step:step + 1]
             mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
             out = model(input_ids=token, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        **passed, use_cache=True, logits_to_keep=1)
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, dim=1)
 

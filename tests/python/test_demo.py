@@ -132,7 +132,23 @@ def test_cli_prints_the_comparison(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert status == 0
     assert "| vkv interleaved |" in printed and "| static |" in printed
+    assert "| vkv interleaved over this row (tok/s) |" in printed
+    assert "Summary: the most tok/s: " in printed and "x static." in printed
+    assert "not GPU evidence" in printed  # a CPU's timings
     assert (tmp_path / "serving_small_cpu.json").exists()
+
+
+def test_the_table_says_what_its_speedup_means_and_ends_with_a_summary():
+    summaries = {"vkv interleaved": {"requests": 4, "rejected": 0, "throughput_tok_s": 300.0},
+                 "paged-16": {"requests": 4, "rejected": 0, "throughput_tok_s": 200.0},
+                 "static": {"requests": 0, "rejected": 4, "throughput_tok_s": 0.0}}
+    lines = table(summaries, "cuda").splitlines()
+    assert lines[0].endswith("| vkv interleaved over this row (tok/s) |")
+    assert "| paged-16 |" in lines[3] and lines[3].endswith("| 1.50x |")
+    assert lines[-1] == ("Summary: the most tok/s: vkv interleaved (300); "
+                         "vkv interleaved's tok/s over each other store: 1.50x paged-16.")
+    assert "not GPU evidence" not in table(summaries, "cuda")
+    assert table(summaries, "cpu").splitlines()[-1].startswith("On a CPU these timings")
 
 
 @pytest.mark.parametrize("scenario", ["parallel-sampling", "system-prompt"])

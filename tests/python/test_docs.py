@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/{api,engines,multi_engine}.md runs as written.
+"""Every ```python block of README.md and docs/{api,engines,guide,multi_engine}.md runs as written.
 
 Each block runs on its own (a fresh namespace, nothing shared with the block before), on
 the CPU where there is no GPU (the blocks pick devices with "auto" or torch.cuda). Blocks
@@ -17,7 +17,7 @@ import vkv
 import vkv.vattention
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCUMENTS = ["README.md", "docs/api.md", "docs/engines.md", "docs/multi_engine.md"]
+DOCUMENTS = ["README.md", "docs/api.md", "docs/engines.md", "docs/guide.md", "docs/multi_engine.md"]
 
 # Blocks that do not run yet, by (document, section heading): a strict xfail, so that the
 # entry must go once the block runs.

@@ -13,8 +13,9 @@ transformers = pytest.importorskip("transformers")
 import vkv  # noqa: E402
 from conftest import DEVICES  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from vkv.integrations.transformers import VkvCache  # noqa: E402
+from vkv.integrations.transformers import VkvCache, cache_kwarg  # noqa: E402
 
+CACHE = cache_kwarg()  # "cache" from transformers 5.24 on, "past_key_values" before
 PROMPT = 12
 NEW = 16
 
@@ -61,7 +62,7 @@ def generate(model, ids, mask, cache=None, **options):
     options.setdefault("max_new_tokens", NEW)
     options.setdefault("do_sample", False)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+        return model.generate(ids, attention_mask=mask, **{CACHE: cache}, **options)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["equal_prompts", "left_padded"])
@@ -100,7 +101,7 @@ def decode_loop(model, ids, mask, cache, steps=NEW, crop_at=None, crop_tokens=3)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     tokens, logits, sequence = [], [], ids
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{CACHE: cache}, use_cache=True)
         for step in range(steps):
             logits.append(out.logits[:, -1].float())
             next_token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -113,7 +114,7 @@ def decode_loop(model, ids, mask, cache, steps=NEW, crop_at=None, crop_tokens=3)
                 sequence, mask = sequence[:, :kept + 1], mask[:, :kept + 1]
                 next_token = sequence[:, -1:]  # fed again, at its own position
             positions = (mask.sum(-1, keepdim=True) - 1)
-            out = model(input_ids=next_token, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            out = model(input_ids=next_token, attention_mask=mask, position_ids=positions, **{CACHE: cache},
                         use_cache=True)
     return torch.cat(tokens, dim=-1), torch.stack(logits)
 
@@ -164,14 +165,14 @@ def test_select_and_repeat_rows_equal_dynamic_cache():
     outputs = []
     for cache in caches:
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **{CACHE: cache}, use_cache=True)
             cache.batch_repeat_interleave(2)
             cache.batch_select_indices(torch.tensor([5, 0, 2]))
             rows = torch.tensor([2, 0, 1])
             next_ids = torch.full((3, 1), 7)
             next_mask = torch.cat([mask[rows], torch.ones(3, 1, dtype=mask.dtype)], dim=-1)
             out = model(input_ids=next_ids, attention_mask=next_mask, position_ids=next_mask.sum(-1, keepdim=True) - 1,
-                        past_key_values=cache, use_cache=True)
+                        **{CACHE: cache}, use_cache=True)
         outputs.append(out.logits)
     assert torch.equal(outputs[0], outputs[1])
     caches[1].close()
@@ -226,7 +227,7 @@ def decode_loop_steps(model, ids, mask, cache, steps=NEW):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     tokens, logits = [], []
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{CACHE: cache}, use_cache=True)
         yield
         for _ in range(steps):
             logits.append(out.logits[:, -1].float())
@@ -234,7 +235,7 @@ def decode_loop_steps(model, ids, mask, cache, steps=NEW):
             tokens.append(next_token)
             mask = torch.cat([mask, torch.ones_like(next_token)], dim=-1)
             out = model(input_ids=next_token, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
-                        past_key_values=cache, use_cache=True)
+                        **{CACHE: cache}, use_cache=True)
             yield
     return torch.cat(tokens, dim=-1), torch.stack(logits)
 
@@ -272,7 +273,7 @@ def test_errors_speak_transformers_names():
     with vkv_cache(model) as cache:
         generate(model, ids, mask, cache, max_new_tokens=1)
         with pytest.raises(ValueError, match="key_states has batch size 2 but this VkvCache holds 3 rows"):
-            model(input_ids=ids[:2], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:2], **{CACHE: cache}, use_cache=True)
     sliding = transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                          num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     with pytest.raises(ValueError, match="sliding_attention"):
@@ -294,3 +295,18 @@ def test_crop_steps_the_slots_back_and_keeps_their_pages():
         assert cache.get_seq_length() == 12
         with pytest.raises(ValueError, match="tokens_to_remove = -13 removes more than the 12 cached tokens"):
             cache.crop(-13)
+
+
+def test_the_cache_goes_in_under_the_name_this_transformers_takes(recwarn):
+    """transformers 5.24 renamed past_key_values to cache (forward() drops the old name in
+    5.40): as_kwargs() passes the name the installed version takes, and nothing warns."""
+    model = tiny_llama()
+    ids, mask = prompts(model)
+    with vkv_cache(model) as cache:
+        assert cache.as_kwargs() == {CACHE: cache} and cache.as_kwargs(model) == {CACHE: cache}
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, **cache.as_kwargs())
+            cache.reset()
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **cache.as_kwargs(model))
+    deprecations = [str(w.message) for w in recwarn if "past_key_values" in str(w.message)]
+    assert deprecations == []

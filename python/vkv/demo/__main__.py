@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     if args.pd_ratios:
         print(makespan_table(runs, args.pd_ratios))
         print()
-    print(table(summaries))
+    print(table(summaries, device.type))
     print(f"\nTTFT: arrival to first token; TPOT: time per output token after the first; KV waste: share of the KV "
           f"memory held for running requests that holds no token; decode step: one decode step's device time on a "
           f"GPU (wall time on a CPU); "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 REFERENCE = "vkv interleaved"
 
@@ -34,11 +34,18 @@ def _cell(summary: dict, key: str, fmt: str) -> str:
     return fmt.format(value)
 
 
-def table(summaries: Dict[str, dict]) -> str:
-    """A Markdown table, one row per store, plus vkv interleaved's throughput relative to
-    each. A store that finished no request says so instead of numbers."""
+SPEEDUP_TITLE = "vkv interleaved over this row (tok/s)"
+
+CPU_NOTE = ("On a CPU these timings show that the demo runs, not how vkv performs: they are not GPU "
+            "evidence (H100 results: docs/benchmarks.md).")
+
+
+def table(summaries: Dict[str, dict], device_type: Optional[str] = None) -> str:
+    """A Markdown table, one row per store, with vkv interleaved's throughput over each
+    row's, then a one-line summary (and, for ``device_type == "cpu"``, that CPU timings are
+    not GPU evidence). A store that finished no request says so instead of numbers."""
     reference = summaries.get(REFERENCE, {}).get("throughput_tok_s")
-    header = "| KV cache | " + " | ".join(title for _, title, _ in COLUMNS) + " | vkv-interleaved speedup |"
+    header = "| KV cache | " + " | ".join(title for _, title, _ in COLUMNS) + f" | {SPEEDUP_TITLE} |"
     lines = [header, "|" + "---|" * (len(COLUMNS) + 2)]
     for name, summary in summaries.items():
         if summary["requests"] == 0:
@@ -49,15 +56,36 @@ def table(summaries: Dict[str, dict]) -> str:
         cells = [_cell(summary, key, fmt) for key, _, fmt in COLUMNS]
         speedup = f"{reference / summary['throughput_tok_s']:.2f}x" if reference and summary["throughput_tok_s"] else "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {speedup} |")
+    lines.append("")
+    lines.append(summary_line(summaries))
+    if device_type == "cpu":
+        lines.append(CPU_NOTE)
     return "\n".join(lines)
 
 
+def summary_line(summaries: Dict[str, dict]) -> str:
+    """One line: the fastest store, and vkv interleaved's throughput over each other store's."""
+    served = {name: s["throughput_tok_s"] for name, s in summaries.items()
+              if s["requests"] and s.get("throughput_tok_s")}
+    if not served:
+        return "Summary: no store finished a request."
+    best = max(served, key=served.get)
+    line = f"Summary: the most tok/s: {best} ({served[best]:.0f})"
+    reference = served.get(REFERENCE)
+    others = [f"{reference / tok_s:.2f}x {name}" for name, tok_s in served.items() if name != REFERENCE] \
+        if reference else []
+    if others:
+        line += "; vkv interleaved's tok/s over each other store: " + ", ".join(others)
+    return line + "."
+
+
 def makespan_table(runs: Dict[str, dict], ratios: Sequence[int]) -> str:
-    """Seconds to serve each P:D trace to completion, and vkv interleaved's speedup."""
+    """Seconds to serve each P:D trace to completion, and vkv interleaved's speedup over
+    each row (the row's makespan over vkv interleaved's)."""
     labels = [f"P:D {ratio}" for ratio in ratios]
     reference = runs.get(REFERENCE, {}).get("summary", {}).get("makespan_s_by_trace", {})
     header = "| KV cache | " + " | ".join(f"makespan s, {label}" for label in labels) + " | " + \
-        " | ".join(f"vkv-interleaved speedup, {label}" for label in labels) + " |"
+        " | ".join(f"vkv interleaved over this row, {label}" for label in labels) + " |"
     lines = [header, "|" + "---|" * (2 * len(labels) + 1)]
     for name, run in runs.items():
         makespans = run["summary"].get("makespan_s_by_trace", {})

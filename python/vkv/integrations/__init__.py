@@ -1,7 +1,7 @@
 """vkv as the KV cache of other libraries' models.
 
-- ``vkv.integrations.transformers.VkvCache``: a transformers ``Cache`` (transformers >= 5)
-  backed by a ``vkv.KVCache``, for ``model.generate(past_key_values=...)`` and hand-written
+- ``vkv.integrations.transformers.VkvCache``: a transformers ``Cache`` (transformers 5.13 to 5.x)
+  backed by a ``vkv.KVCache``, for ``model.generate(**cache.as_kwargs())`` and hand-written
   prefill/decode loops.
 
 Each submodule imports its library only when it is imported itself.

@@ -3,7 +3,7 @@
     from vkv.integrations.transformers import VkvCache
 
     cache = VkvCache.from_model(model, max_batch_size=8, max_context_len=4096)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(**inputs, **cache.as_kwargs(), max_new_tokens=64)
     cache.reset()                      # its slots go back to the KVCache for the next generation
 
 Each batch row of a generation owns one vkv slot. transformers sees, per layer, K and V
@@ -18,13 +18,21 @@ step, as the docstrings of ``update`` say.
 Several generations may share one KVCache (``VkvCache(kv_cache)`` each): each owns its
 slots and steps only those (``KVCache.step({slot: tokens})``).
 
+Passing it: ``**cache.as_kwargs()`` is ``cache=cache`` on transformers that take a Cache
+under that name (5.24 on: ``past_key_values`` is deprecated there, and ``forward()`` stops
+taking it in 5.40) and ``past_key_values=cache`` on older ones (5.13 to 5.23).
+
+Supported: transformers 5.13 (the first whose cache layers declare ``get_max_length``) up
+to the newest 5.x; ``scripts/test_transformers_versions.sh`` tests the oldest and the newest.
+
 Thread-safety: one VkvCache belongs to one generation and is not thread-safe (as
 transformers' caches); VkvCaches sharing a KVCache may run in different threads.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+import inspect
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -32,15 +40,35 @@ try:
     import transformers
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as error:  # pragma: no cover - exercised only without transformers
-    raise ImportError("vkv.integrations.transformers needs transformers >= 5: pip install 'transformers>=5'") from error
+    raise ImportError("vkv.integrations.transformers needs transformers >= 5.13: "
+                      "pip install 'transformers>=5.13,<6'") from error
 
 from .._cache import KVCache
 from .._errors import OutOfMemory
 
-if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
-    raise ImportError(f"vkv.integrations.transformers needs transformers >= 5, found {transformers.__version__}")
+_OLDEST = (5, 13)  # pyproject.toml's transformers extra says the same
+if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < _OLDEST:  # pragma: no cover
+    raise ImportError(f"vkv.integrations.transformers needs transformers >= 5.13, found {transformers.__version__}: "
+                      "pip install 'transformers>=5.13,<6'")
 
-__all__ = ["VkvCache"]
+__all__ = ["VkvCache", "cache_kwarg"]
+
+
+def cache_kwarg(model: Any = None) -> str:
+    """The keyword under which ``model.forward`` (and ``generate``) takes a ``Cache``:
+    ``"cache"`` where transformers names it so (5.24 on), else ``"past_key_values"``.
+
+    Without ``model``, what this transformers' generation code takes.
+    """
+    if model is not None:
+        parameters = inspect.signature(model.forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+    from transformers.generation.utils import GenerationMixin
+
+    generation = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in generation else "past_key_values"
 
 _SUPPORTED_LAYER_TYPES = ("full_attention",)
 
@@ -144,6 +172,12 @@ class VkvCache(Cache):
             **kv_cache_options,
         )
         return cls(kv_cache, owns_kv_cache=True)
+
+    def as_kwargs(self, model: Any = None) -> Dict[str, "VkvCache"]:
+        """``{"cache": self}`` or ``{"past_key_values": self}``, whichever ``model`` (default:
+        this transformers' generation code) takes: ``model.generate(ids, **cache.as_kwargs())``,
+        ``model(input_ids=ids, use_cache=True, **cache.as_kwargs())``."""
+        return {cache_kwarg(model): self}
 
     # -- what transformers calls --------------------------------------------------------
 
