@@ -78,8 +78,10 @@ case "$part" in
       --out "$out/attention"
     json=$(ls "$out"/attention/attention_*.json 2>/dev/null | head -1)
     if [ -n "$json" ]; then
+      { echo "== decode ($(cat "$out/gpu.txt")), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+        "$python" "$src/benchmarks/attention_summary.py" "$json" || status=1; } | tee "$out/summary.txt"
+      # Every table and the plots (needs matplotlib): FlashInfer's decode on vkv per layout.
       step plot_attention 60 "$python" "$src/benchmarks/plot_attention.py" "$json"
-      sed -n '/^### decode: vkv/,/^### prefill/p' "$out/plot_attention.log" | tee "$out/summary.txt"
     else
       echo "no attention JSON written" | tee "$out/summary.txt"
       status=1
