@@ -8,8 +8,11 @@
 #               repeat) over vkv-interleaved, vkv-interleaved-fi-128, flashinfer-16 and
 #               flashinfer-128: tok/s and TTFT p50 median and range, the best vkv store
 #               against the best FlashInfer store (goal: >= 1.03x tok/s, TTFT p50 <=)
-#       long    the same with --preset long (every store prefills fresh prompts with the
-#               same kernels: FlashAttention varlen or FlashInfer's ragged FA3)
+#       long    the same with --preset long, its P:D 500 and 100 traces (every store
+#               prefills fresh prompts with the same kind of kernel: PyTorch's FlashAttention-2
+#               varlen for vkv-interleaved, FlashInfer's ragged FA3 for the three others)
+#       long50  the same, its P:D 50 trace (the longest: 4 stores x 3 repeats of all three
+#               traces take ~7 minutes of runs alone, past a fresh machine's 9)
 #       decode  attention_bench --only decode on the cells the docs quote (both models,
 #               1x16K 1x64K 16x16K 64x16K), then plot_attention.py's decode tables: both
 #               vkv layouts labelled, flash_varlen beside sdpa_default
@@ -18,7 +21,7 @@
 # import vkv), no FlashInfer needed (its stores are skipped), tiny presets.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-part="${1:?usage: scripts/gpu/fair_bench.sh h100|long|decode [OUT]}"
+part="${1:?usage: scripts/gpu/fair_bench.sh h100|long|long50|decode [OUT]}"
 out="$(mkdir -p "${2:-${OUT:?no OUT given and \$OUT unset}}" && cd "${2:-$OUT}" && pwd)"
 src="$PWD"
 export PYTHONUNBUFFERED=1
@@ -56,13 +59,14 @@ else
 fi
 
 case "$part" in
-  h100|long)
+  h100|long|long50)
+    case "$part" in h100) ratios=() ;; long) ratios=(--pd-ratios 500 100) ;; long50) ratios=(--pd-ratios 50) ;; esac
     if [ "$smoke" = 1 ]; then  # the small preset's model and budget, the part's shape of run
       preset=(--preset small --requests 6 --stores "${stores[@]}" static)
-      [ "$part" = long ] && preset+=(--pd-ratios 50 --max-context 1024 --large-page-mib 0)
       [ "$part" = h100 ] && preset+=(--vkv-ready-pct 50)
+      [ "$part" != h100 ] && preset+=("${ratios[@]}" --max-context 1024 --max-prefill-tokens 1024)
     else
-      preset=(--preset "$part" --stores "${stores[@]}")
+      preset=(--preset "${part%50}" --stores "${stores[@]}" "${ratios[@]}")
     fi
     step "serving_$part" 480 "$python" -m vkv.demo "${device[@]}" "${preset[@]}" --repeats "$repeats" --no-progress \
       --out "$out/results"
