@@ -16,7 +16,8 @@
 #       decode  attention_bench --only decode on the cells the docs quote (both models,
 #               1x16K 1x64K 16x16K 64x16K), then plot_attention.py's decode tables: both
 #               vkv layouts labelled, flash_varlen beside sdpa_default
-# VKV_FAIR_BENCH_REPEATS (default 3) sets the repeats. VKV_FAIR_BENCH_SMOKE=1 checks the
+# VKV_FAIR_BENCH_REPEATS (default 3) sets the repeats; VKV_FAIR_BENCH_ARGS adds demo
+# options (e.g. "--vkv-ready-pct 75", "--large-page-mib 0": the vkv stores' memory). VKV_FAIR_BENCH_SMOKE=1 checks the
 # script's logic on a CPU in a minute: no GPU, no build (PYTHON, default python3, must
 # import vkv), no FlashInfer needed (its stores are skipped), tiny presets.
 set -uo pipefail
@@ -27,6 +28,7 @@ src="$PWD"
 export PYTHONUNBUFFERED=1
 smoke="${VKV_FAIR_BENCH_SMOKE:-0}"
 repeats="${VKV_FAIR_BENCH_REPEATS:-3}"
+read -r -a extra <<< "${VKV_FAIR_BENCH_ARGS:-}"
 python="${PYTHON:-python3}"
 status=0
 stores=(vkv-interleaved vkv-interleaved-fi-128 flashinfer-16 flashinfer-128)
@@ -69,7 +71,7 @@ case "$part" in
       preset=(--preset "${part%50}" --stores "${stores[@]}" "${ratios[@]}")
     fi
     step "serving_$part" 480 "$python" -m vkv.demo "${device[@]}" "${preset[@]}" --repeats "$repeats" --no-progress \
-      --out "$out/results"
+      --out "$out/results" "${extra[@]}"
     summary "$out/serving_$part.log"
     pack results "$out/results" ;;
   decode)

@@ -48,7 +48,7 @@ FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"
 # The vkv stores' memory (large_page_mib, vkv_ready_pct), as the paged stores have theirs
 # allocated before the clock starts: h100's prompts (161 tokens on average, 16 per 2 MiB
 # page) are far below a 128 MiB large page, so the whole budget is created up front and
-# half of it mapped into the slots (16 tokens x 8 pages each) that the first prompts reuse;
+# half of it mapped into the slots (8 pages, 128 tokens, each) that the first prompts reuse;
 # long's prompts (8K-16K tokens, 1-2 GiB) map in whole 128 MiB large pages, one driver
 # call each instead of 64 (the driver's access call costs ~27 us per allocation,
 # whatever its size: shared/probes).
