@@ -70,7 +70,7 @@ case "$part" in
     else
       preset=(--preset "${part%50}" --stores "${stores[@]}" "${ratios[@]}")
     fi
-    step "serving_$part" 480 "$python" -m vkv.demo "${device[@]}" "${preset[@]}" --repeats "$repeats" --no-progress \
+    step "serving_$part" 450 "$python" -m vkv.demo "${device[@]}" "${preset[@]}" --repeats "$repeats" --no-progress \
       --out "$out/results" "${extra[@]}"
     summary "$out/serving_$part.log"
     pack results "$out/results" ;;

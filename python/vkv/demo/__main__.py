@@ -275,6 +275,10 @@ def main(argv=None) -> int:
                 served.pop(kind, None)
                 continue
             served.setdefault(kind, []).append((name, entry, generated, repeat, position))
+            if args.repeats > 1:  # in the log as it goes: a run cut short keeps what it measured
+                done = entry["summary"]
+                print(f"  {name}: {done['throughput_tok_s']:.0f} tok/s, TTFT p50 {done['ttft_p50_ms']:.0f} ms, "
+                      f"{done['seconds']:.2f} s")
     runs, summaries, tokens, repeats = {}, {}, {}, {}
     for kind in args.stores:
         if kind not in served:
