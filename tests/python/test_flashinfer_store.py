@@ -1,6 +1,7 @@
-"""The demo's FlashInfer store on a GPU: its decode and prefill attention equal attention
-over the same keys and values gathered from its pages, planned eagerly or replayed from a
-CUDA graph re-planned between replays. Skips without CUDA or FlashInfer (on a GPU machine
+"""The demo's FlashInfer store on a GPU: its decode attention equals attention over the keys
+and values gathered from its pages, planned eagerly or replayed from a CUDA graph
+re-planned between replays; its prefill of fresh prompts runs on their fresh K/V (as the
+vkv + FlashInfer store's), its paged prefill (for a cached prefix) on its pages. Skips without CUDA or FlashInfer (on a GPU machine
 that cannot download it: source scripts/gpu/flashinfer_env.sh first)."""
 
 import pytest
