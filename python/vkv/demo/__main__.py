@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     vkv_options = dict(page_size=args.page_size_kib << 10, large_page_size=args.large_page_mib << 20,
                        ready=args.vkv_ready_pct / 100)
     if args.vkv_ready_pct or args.large_page_mib:
-        print(f"vkv stores: " + ", ".join(
+        print("vkv stores: " + ", ".join(
             ([f"{args.large_page_mib} MiB large pages"] if args.large_page_mib else [])
             + ([f"the whole budget created and {args.vkv_ready_pct}% of it mapped into the slots before the first "
                 f"request (the paged stores allocate their whole pool before it too)"] if args.vkv_ready_pct else [])))
