@@ -31,6 +31,10 @@ headers, point --cuda-include at those of the nvidia-curand wheel. About 45 minu
       --cuda-include /tmp/curand/nvidia/cu13/include --out .whl/flashinfer-0.7.2.post1-sm90a.tar.xz
   python benchmarks/flashinfer_pack.py --wheels /tmp/wheels --no-compile --out ...   # no nvcc here
 
+--ship-cuda-include DIR puts DIR's headers in the archive as cuda_include/ (e.g. nvidia-curand's,
+2 MB): flashinfer_env.sh adds it to FlashInfer's nvcc flags on a machine whose toolkit has no
+curand_kernel.h, so that kernels compiled there at first use (FA3 above all) still build.
+
 On the GPU machine: `source scripts/gpu/flashinfer_env.sh` unpacks it and sets the paths.
 """
 
@@ -169,6 +173,8 @@ def main() -> None:
     parser.add_argument("--cuda-include", action="append", default=[],
                         help="another header folder for nvcc, e.g. nvidia-curand's include (repeatable)")
     parser.add_argument("--no-compile", action="store_true", help="ship sources only: the kernels compile at first use")
+    parser.add_argument("--ship-cuda-include", default="",
+                        help="a header folder shipped as cuda_include/ for the GPU machine's nvcc (nvidia-curand's)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
     args = parser.parse_args()
 
@@ -184,6 +190,8 @@ def main() -> None:
         built = compile_modules(site, args.build_tvm_ffi, work, args.jobs, not args.no_compile, args.cuda_include)
         staged = os.path.join(work, "staged")
         stage(site, staged, built["read"], {} if args.no_compile else built["modules"])
+        if args.ship_cuda_include:
+            shutil.copytree(args.ship_cuda_include, os.path.join(staged, "cuda_include"))
         archive(staged, args.out)
         shutil.rmtree(staged)
     print(f"wrote {args.out}: {os.path.getsize(args.out) / 2**20:.1f} MiB in {time.perf_counter() - started:.0f} s")

@@ -14,6 +14,8 @@ from collections import defaultdict
 import numpy as np
 import matplotlib
 
+from attention_summary import decode_summary, decode_table
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -62,7 +64,9 @@ def kv_terabytes_per_s(model, row, batch, context) -> str:
 
 def speedup_table(results, phase):
     """Per cell: best kernel on vkv (interleaved) vs the best FlashInfer paged configuration
-    and the best Flex paged one; decode adds the K/V bytes read per second (H100: 3.35 TB/s)."""
+    and the best Flex paged one; decode adds the K/V bytes read per second (H100: 3.35 TB/s).
+    In decode the best is often dense sdpa_default, which the equal-length requests allow:
+    decode_table() shows the serving kernel (flash_varlen) beside it."""
     decode = phase == "decode"
     print(f"| model | {'batch | ' if decode else ''}context | best on vkv | ms | {'TB/s | ' if decode else ''}"
           f"best FlashInfer paged | ms | vkv faster by | best Flex paged | ms | vkv faster by | max rel. error |")
@@ -96,23 +100,28 @@ def ragged_table(results):
 
 def slot_decode_table(results):
     """Decode: FlashInfer's paged decode on vkv's memory with no page table (one page per
-    request; 128-token pages cut from each slot), per layout, against FlashInfer paged."""
+    request; 128-token pages cut from each slot), per layout, against FlashInfer paged:
+    one ratio per layout, the default (interleaved) first."""
     variants = (("one_page", "one page"), ("128_token_pages", "128-token pages"))
-    heads = [f"{layout.replace('vkv_', '')}, {label}" for layout in VKV for _, label in variants]
+    layouts = ("vkv_interleaved", "vkv_per_layer")  # the default layout first
+    names = {"vkv_interleaved": "interleaved (default)", "vkv_per_layer": "per-layer"}
+    heads = [f"{names[layout]}, {label}" for layout in layouts for _, label in variants]
     print("| model | batch | context | " + " | ".join(f"{head} | ms" for head in heads)
-          + " | best FlashInfer paged | ms | paged / best on vkv |")
-    print("|---|---|---|" + "---|---|" * len(heads) + "---|---|---|")
+          + " | best FlashInfer paged | ms | " + " | ".join(f"paged / best on {names[l]}" for l in layouts) + " |")
+    print("|---|---|---|" + "---|---|" * len(heads) + "---|---|" + "---|" * len(layouts))
     for (model, batch, context, _), rows in cells(results["rows"], "decode").items():
         found = [fastest([r for r in rows if r["kernel"].startswith("flashinfer_decode")
-                          and r["kernel"].endswith(suffix)], layout) for layout in VKV for suffix, _ in variants]
+                          and r["kernel"].endswith(suffix)], layout) for layout in layouts for suffix, _ in variants]
         if not any(found):
             continue
         infer = fastest(rows, "flashinfer_paged")
-        mine = min((r for r in found if r), key=lambda r: r["ms"])
+        per_layout = [min((r for r in found[i * len(variants):(i + 1) * len(variants)] if r),
+                          key=lambda r: r["ms"], default=None) for i in range(len(layouts))]
         kernel = (lambda r: "tensor cores" if "_tc_" in r["kernel"] else "CUDA cores")
         print(f"| {model} | {batch} | {tokens_label(context)} | "
               + "".join(f"{kernel(r)} | {r['ms']:.3f} | " if r else "failed | - | " for r in found)
-              + (f"{config(infer)} | {infer['ms']:.3f} | " if infer else "- | - | ") + f"{speedup(infer, mine)} |")
+              + (f"{config(infer)} | {infer['ms']:.3f} | " if infer else "- | - | ")
+              + " | ".join(speedup(infer, mine) for mine in per_layout) + " |")
 
 
 def parity_table(rows):
@@ -235,6 +244,11 @@ def main(path: str) -> None:
     time_plots(results, stem, where)
     ratio_plot(results, stem + "_ratios.png", where)
     print(f"FlashInfer: {results.get('flashinfer')}; {results['machine']}\n")
+    if any(row["phase"] == "decode" for row in rows):
+        print("### decode: vkv (the serving kernel, the dense one, FlashInfer's kernels in each layout) "
+              "against FlashInfer paged\n")
+        print(decode_table(decode_summary(rows)))
+        print()
     for phase in ("decode", "prefill"):
         print(f"### {phase}\n")
         speedup_table(results, phase)

@@ -12,12 +12,19 @@ step() {  # step NAME TIMEOUT_S COMMAND...: from /tmp, so that the installed vkv
   [ $rc -eq 0 ] || status=1
 }
 
-install_vkv() {  # pip-installs this tree once per machine and source tree
-  local stamp
+install_vkv() {  # pip-installs this tree once per machine and source tree; non-zero if that failed
+  local stamp log=/tmp/vkv-install.log
   stamp=$(tar cf - CMakeLists.txt pyproject.toml include src csrc python 2>/dev/null | sha256sum | cut -c1-16)
   if [ "$(cat /tmp/vkv-installed 2>/dev/null)" != "$stamp" ]; then
     echo "=== building vkv ($(date +%T))"
-    python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING | tail -5
+    # The stamp only once pip succeeded: a failed build is built again next time, and says so now.
+    if ! python3 -m pip install -q --no-build-isolation --no-deps . > "$log" 2>&1; then
+      tail -30 "$log"
+      echo "install_vkv: pip install failed (log: $log)" >&2
+      rm -f /tmp/vkv-installed
+      return 1
+    fi
+    grep -v WARNING "$log" | tail -5
     echo "$stamp" > /tmp/vkv-installed
   fi
 }

@@ -35,7 +35,7 @@ pack() {  # pack NAME FOLDER: one file back for a folder
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-install_vkv
+install_vkv || exit 1
 # shellcheck source=scripts/gpu/flashinfer_env.sh
 source scripts/gpu/flashinfer_env.sh || exit 1
 bench=(python3 "$src/benchmarks/attention_bench.py")

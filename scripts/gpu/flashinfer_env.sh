@@ -12,6 +12,8 @@
 #   FLASHINFER_CUDA_ARCH_LIST  9.0a: what the shipped kernels were compiled for (H100)
 #   FLASHINFER_WORKSPACE_BASE  /tmp/flashinfer-workspace: kernels compiled at first use are kept
 #                              there, for later calls on the same (warm) machine
+#   FLASHINFER_EXTRA_CUDAFLAGS + -isystem the archive's cuda_include/, where it has one and the
+#                              toolkit has no curand_kernel.h (FA3 includes it through CUTLASS)
 # It returns non-zero, and says why, where neither is found or the import fails.
 
 flashinfer_site="${FLASHINFER_SITE:-/tmp/site-flashinfer}"
@@ -38,4 +40,7 @@ export PYTHONPATH="$flashinfer_site${PYTHONPATH:+:$PYTHONPATH}" &&
 export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0a}" &&
 # (Not /tmp/flashinfer: tests run from /tmp, where that folder would import as `flashinfer`.)
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-workspace}" &&
+if [ -d "$flashinfer_site/cuda_include" ] && [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/curand_kernel.h" ]; then
+  export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $flashinfer_site/cuda_include${FLASHINFER_EXTRA_CUDAFLAGS:+ $FLASHINFER_EXTRA_CUDAFLAGS}"
+fi &&
 python3 -c 'import flashinfer, os; print("flashinfer_env: flashinfer", flashinfer.__version__, "from", os.path.dirname(flashinfer.__file__))'

@@ -7,14 +7,15 @@ out="${OUT:?}"
 src="$(pwd)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
-(python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING | tail -3) &
+(python3 -m pip install -q --no-build-isolation --no-deps . > "$out/pip.log" 2>&1 \
+  || { tail -30 "$out/pip.log"; echo "glue_check.sh: pip install failed" >&2; exit 1; }) &
 pip_pid=$!
 (cmake -S . -B build-gpu -G Ninja -DVKV_BUILD_BENCHMARKS=OFF -DVKV_BUILD_EXAMPLES=OFF >/dev/null \
   && cmake --build build-gpu --target vkv_tests -j8 2>&1 | tail -1 \
   && build-gpu/tests/cpp/vkv_tests --gtest_filter='*SlotCalls*' 2>&1 | tail -4 \
   && timeout 150 ctest --test-dir build-gpu -R "install_and_find_package|configure_without_cuda_headers" --output-on-failure 2>&1 | tail -4) > "$out/cpp.log" 2>&1 &
 cpp_pid=$!
-wait $pip_pid
+wait $pip_pid || exit 1
 (cd /tmp && timeout 200 python3 -m pytest "$src/tests/python/test_vattention.py" "$src/tests/python/test_transformers_cache.py" \
   "$src/tests/python/test_slot_calls.py" "$src/tests/python/test_docs.py" -q -p no:cacheprovider -rsx --durations=8 2>&1) | tee "$out/pytest.log" | tail -25
 (cd /tmp && timeout 170 python3 "$src/benchmarks/transformers_bench.py" --device cuda --out "$out" 2>&1) | tee "$out/bench.log" | tail -16

@@ -29,7 +29,7 @@ for stage in $stages; do
   case "$stage" in
     build)
       echo "=== build ($(date +%T))"
-      python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | grep -v WARNING | tail -5
+      install_vkv || exit 1
       python_info ;;
     test)
       step test 200 python3 -m pytest "$src/tests/python/test_demo_cuda_graphs.py" -q -p no:cacheprovider -rs ;;

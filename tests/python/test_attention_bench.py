@@ -46,3 +46,27 @@ def test_a_cpu_run_measures_vkv_and_flex_and_skips_flashinfer_with_its_reason(tm
     assert not [row for row in results["rows"] if "error" in row]
     assert all(row["rel_err"] < 1e-2 for row in results["rows"])
     assert all(row["bitwise_equal_plain"] for row in results["rows"] if row["storage"].startswith("vkv"))
+
+
+def test_the_decode_summary_puts_the_serving_kernel_and_each_layout_beside_flashinfer_paged():
+    from attention_summary import decode_summary, decode_table
+
+    cell = dict(model="llama3-8b", phase="decode", batch=16, context=16384)
+    rows = [dict(cell, storage="flashinfer_paged_128", kernel="flashinfer_decode_tc", page_tokens=128, ms=1.0),
+            dict(cell, storage="flashinfer_paged_16", kernel="flashinfer_decode", page_tokens=16, ms=1.2),
+            dict(cell, storage="vkv_interleaved", kernel="sdpa_default", ms=0.98),
+            dict(cell, storage="vkv_interleaved", kernel="flash_varlen", ms=1.25),
+            dict(cell, storage="vkv_interleaved", kernel="flashinfer_decode_tc_128_token_pages", ms=1.1),
+            dict(cell, storage="vkv_interleaved", kernel="flashinfer_decode_one_page", error="failed"),
+            dict(cell, storage="vkv_per_layer", kernel="flashinfer_decode_128_token_pages", ms=0.97),
+            dict(cell, storage="plain", kernel="flash_varlen", ms=0.5)]
+    (entry,) = decode_summary(rows)
+    assert entry["flashinfer_paged"] == {"kernel": "flashinfer_decode_tc", "ms": 1.0, "page_tokens": 128}
+    assert entry["serving_kernel"]["kernel"] == "flash_varlen" and entry["serving_kernel"]["vs_paged"] == 0.8
+    assert entry["dense_kernel"]["kernel"] == "sdpa_default"
+    assert entry["flashinfer_on_vkv_interleaved"]["ms"] == 1.1  # the default layout, not the faster per-layer
+    assert entry["flashinfer_on_vkv_per_layer"]["ms"] == 0.97
+    table = decode_table([entry])
+    assert "| llama3-8b | 16 | 16K | flashinfer_decode_tc, 128-token pages | 1.000 | 1.250 | 0.80x |" in table
+    assert "FlashInfer decode on vkv interleaved (default): 0.91-0.91x over 1 cells" in table
+    assert "A serving engine runs flash_varlen" in table

@@ -446,3 +446,67 @@ def test_flashinfer_page_lists_cover_each_request_and_pad_with_one_token():
     assert all(a.dtype == np.int32 for a in (indptr, indices, last))
     with pytest.raises(ValueError, match="rows = 1 must hold the 2 requests"):
         page_lists(table, slots=[2, 0], lens=[17, 16], rows=1, page_tokens=8)
+
+
+def test_a_ready_vkv_store_has_its_budget_created_and_a_share_mapped_in_every_slot():
+    """ready: the whole budget created before the first request and half of it mapped, the
+    same pages in every slot, the slots free again; it serves the tokens an unready store does."""
+    budget = 4 << 20
+    store = make_store("vkv-interleaved", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, budget, 16, None,
+                       page_size=16 << 10, ready=0.5)
+    stats = store.cache.stats()
+    assert stats["pages_created"] == stats["budget_pages"] == budget // (16 << 10)
+    assert stats["active_slots"] == 0 and store.cache.num_free_slots == 16
+    per_slot = store.ready_tokens // store.cache.tokens_per_page
+    assert per_slot * 16 <= stats["budget_pages"] // 2 < (per_slot + 1) * 16
+    assert all(store.cache.mapped_pages(slot) >= per_slot for slot in range(16))
+    store.close()
+    trace = small_trace()
+    model = LlamaModel(SHAPE, torch.device("cpu"), torch.float32, MAX_CONTEXT)
+    tokens = []
+    for ready in (0.5, 0.0):
+        store = make_store("vkv-interleaved", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, budget, 16,
+                           None, page_size=16 << 10, ready=ready)
+        result = Engine(model, store, max_prefill_tokens=512).run(copy.deepcopy(trace), show_progress=False)
+        assert_all_served(result)
+        tokens.append([r.tokens for r in result.requests])
+        store.close()
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("options", [dict(ready=1.5), dict(ready=0.5, large_page_size=1 << 20)])
+def test_ready_outside_its_range_or_with_large_pages_is_refused(options):
+    with pytest.raises(ValueError, match="ready"):
+        make_store("vkv-interleaved", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, 4 << 20, 16, None,
+                   page_size=16 << 10, **options)
+
+
+def test_repeats_rotate_the_store_order_and_report_each_stores_median_and_range(capsys, tmp_path):
+    status = main(["--device", "cpu", "--requests", "4", "--no-progress", "--repeats", "3", "--stores",
+                   "vkv-interleaved", "static", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert "repeat 1 of 3: vkv-interleaved static" in printed and "repeat 2 of 3: static vkv-interleaved" in printed
+    assert "3 repeats, store order rotated each repeat: median [min - max]" in printed
+    results = json.loads((tmp_path / "serving_small_cpu.json").read_text())
+    for run in results["runs"].values():
+        repeats = run["repeats"]
+        assert [r["repeat"] for r in repeats] == [0, 1, 2] and {r["position"] for r in repeats} == {0, 1}
+        speeds = sorted(r["throughput_tok_s"] for r in repeats)
+        assert run["summary"]["throughput_tok_s"] == speeds[1]  # the median run stands for the store
+
+
+def test_the_goal_lines_compare_the_best_vkv_store_with_the_best_flashinfer_store():
+    from vkv.demo.report import repeats_table
+
+    def runs(*speeds, ttft=100.0):
+        return [dict(throughput_tok_s=s, ttft_p50_ms=ttft, ttft_p99_ms=ttft, tpot_p50_ms=1.0, seconds=1.0)
+                for s in speeds]
+
+    text = repeats_table({"vkv interleaved": runs(100, 104, 90), "vkv interleaved-fi-128": runs(106, 103, 107, ttft=90),
+                          "flashinfer-16": runs(101, 102, 100), "flashinfer-128": runs(90, 95, 99)})
+    assert "| vkv interleaved-fi-128 | 3 | 106 [103 - 107] |" in text
+    assert "best vkv store vkv interleaved-fi-128 106 / best FlashInfer store flashinfer-16 101 = 1.050x" in text
+    assert "(goal >= 1.03x: met)" in text and "90 ms vs flashinfer-16 100 ms" in text and "(goal <= 1: met)" in text
+    text = repeats_table({"vkv interleaved": runs(100), "flashinfer-16": runs(99, ttft=50)})
+    assert "(goal >= 1.03x: NOT met)" in text and "(goal <= 1: NOT met)" in text

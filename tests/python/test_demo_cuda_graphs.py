@@ -1,6 +1,6 @@
 """On a CUDA device: the serving demo's decode step captured once into a CUDA graph and
 replayed while requests come and go, vkv's step() maps pages and trim() unmaps them,
-gives exactly what the same step run eagerly gives. Run under compute-sanitizer
+gives exactly what the same steps run eagerly on an independent store give. Run under compute-sanitizer
 (scripts/gpu/check.sh) it also shows that no replay touches memory that is not mapped.
 The tensor-parallel demo captures its model's NCCL all-reduces into the graphs too."""
 
@@ -32,14 +32,23 @@ def flex():
 
 
 @pytest.mark.parametrize("kind", ["vkv-interleaved", "vkv-per-layer", "static", "paged-16"])
-def test_graph_replay_equals_eager_while_pages_come_and_go(kind):
+def test_graph_replay_equals_an_independent_eager_store_while_pages_come_and_go(kind):
+    """The replay runs alone on its store (no eager pass there first: that would write the
+    step's K/V itself, and hide a replay that writes them to the wrong place), and an
+    independent store of the same kind, driven by the same calls, runs every step eagerly:
+    a replay that writes a token's K/V anywhere else reads different keys from then on."""
     device = torch.device("cuda")
     rng = random.Random(1)
     model = LlamaModel(SHAPE, device, torch.bfloat16, MAX_CONTEXT, seed=3)
-    store = make_store(kind, SHAPE, torch.bfloat16, device, MAX_CONTEXT, 256 << 20, MAX_SLOTS,
-                       flex() if kind.startswith("paged") else None)
+    stores = [make_store(kind, SHAPE, torch.bfloat16, device, MAX_CONTEXT, 256 << 20, MAX_SLOTS,
+                         flex() if kind.startswith("paged") else None) for _ in range(2)]
+    store, reference = stores
     runner = DecodeRunner(model, store, MAX_SLOTS, graphs=True)
     runner.capture()
+    slot = reference.alloc()  # what capture() did on its store: the same slots and pages from here on
+    assert reference.reserve({slot: 1})
+    reference.free(slot)
+    eager = DecodeRunner(model, reference, MAX_SLOTS, graphs=False)
     addresses = [t.data_ptr() for t in getattr(store, "keys", getattr(store, "k_pools", []))]
     running = {}  # slot -> [tokens in the cache once the next is written, next token]
     compared = 0
@@ -49,18 +58,22 @@ def test_graph_replay_equals_eager_while_pages_come_and_go(kind):
         # 10 iterations trim() unmaps the pages the freed slots kept.
         for slot in [s for s in running if rng.random() < 0.15]:
             del running[slot]
-            store.free(slot)
+            for each in stores:
+                each.free(slot)
         if iteration % 10 == 9 and isinstance(store, VkvStore):
-            store.cache.trim()  # unmaps the pages freed slots kept
+            for each in stores:
+                each.cache.trim()  # unmaps the pages freed slots kept
         arrivals = []
         while len(running) + len(arrivals) < MAX_SLOTS and rng.random() < 0.5:
             slot = store.alloc()
+            assert reference.alloc() == slot
             arrivals.append((slot, [rng.randrange(SHAPE.vocab) for _ in range(rng.choice((3, 100, 505, 600)))]))
         lens = {slot: n for slot, (n, _) in running.items()}
         lens.update({slot: len(prompt) + 1 for slot, prompt in arrivals})
-        assert store.reserve(lens)
+        assert store.reserve(lens) and reference.reserve(lens)
         if arrivals:
             firsts = model.prefill_batch(store, [s for s, _ in arrivals], [p for _, p in arrivals])
+            assert model.prefill_batch(reference, [s for s, _ in arrivals], [p for _, p in arrivals]) == firsts
         for (slot, prompt), first in zip(arrivals, firsts if arrivals else []):
             running[slot] = [len(prompt) + 1, first]
         slots = sorted(running)
@@ -69,8 +82,9 @@ def test_graph_replay_equals_eager_while_pages_come_and_go(kind):
         tokens, seq_lens = [running[s][1] for s in slots], [running[s][0] for s in slots]
         bucket = runner.bucket(len(slots))
         runner.load(bucket, slots, tokens, seq_lens)
-        eager_tokens, eager_hidden = (t.clone() for t in runner.forward(bucket))
         replay_tokens, replay_hidden = runner.replay(bucket)
+        eager.load(bucket, slots, tokens, seq_lens)
+        eager_tokens, eager_hidden = eager.forward(bucket)
         rows = len(slots)
         assert torch.equal(replay_hidden[:rows], eager_hidden[:rows]), f"iteration {iteration}, {rows} rows"
         assert torch.equal(replay_tokens[:rows], eager_tokens[:rows])
@@ -84,7 +98,8 @@ def test_graph_replay_equals_eager_while_pages_come_and_go(kind):
         backend = store.cache.stats()["backend"]
         assert backend["map"]["units"] > 0 and backend["unmap"]["units"] > 0, backend
     runner.release()
-    store.close()
+    for each in stores:
+        each.close()
 
 
 class WaitingRunner(DecodeRunner):

@@ -30,7 +30,7 @@ import vkv
 from .engine import Engine, RunResult
 from .kv_stores import StoreUnavailable, make_store
 from .model import SHAPES, LlamaModel
-from .report import makespan_table, result_stem, save, table
+from .report import makespan_table, repeats_table, result_stem, save, table
 from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
@@ -45,15 +45,26 @@ FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"
 # holds 16 requests of max_context, so the caches differ by how many requests they fit.
 # h100: the ShareGPT-like trace on the Llama-3-8B shape. long: vAttention's makespan
 # workloads, prompts of 8K-16K tokens decoding prompt/500, /100 and /50 tokens.
+# The vkv stores' memory (large_page_mib, vkv_ready_pct), as the paged stores have theirs
+# allocated before the clock starts: h100's prompts (161 tokens on average, 16 per 2 MiB
+# page) are far below a 128 MiB large page, so the whole budget is created up front and
+# half of it mapped into the slots (8 pages, 128 tokens, each) that the first prompts reuse;
+# long's prompts (8K-16K tokens, 1-2 GiB) map in whole 128 MiB large pages, one driver
+# call each instead of 64 (the driver's access call costs ~27 us per allocation,
+# whatever its size: shared/probes).
 PRESETS = {
     "small": dict(model="tiny", requests=32, rate=math.inf, kv_budget_mib=4, max_context=1024, length_scale=0.25,
-                  page_size_kib=32, max_slots=32, max_prefill_tokens=1024, pd_ratios=[]),
+                  page_size_kib=32, max_slots=32, max_prefill_tokens=1024, pd_ratios=[],
+                  large_page_mib=0, vkv_ready_pct=0),
     "gpu": dict(model="llama3.2-1b", requests=128, rate=math.inf, kv_budget_mib=1024, max_context=2048,
-                length_scale=1.0, page_size_kib=0, max_slots=128, max_prefill_tokens=8192, pd_ratios=[]),
+                length_scale=1.0, page_size_kib=0, max_slots=128, max_prefill_tokens=8192, pd_ratios=[],
+                large_page_mib=0, vkv_ready_pct=0),
     "h100": dict(model="llama3-8b", requests=256, rate=math.inf, kv_budget_mib=8192, max_context=2048,
-                 length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192, pd_ratios=[]),
+                 length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192, pd_ratios=[],
+                 large_page_mib=0, vkv_ready_pct=50),
     "long": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=32768, max_context=16384,
-                 length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50]),
+                 length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50],
+                 large_page_mib=128, vkv_ready_pct=0),
 }
 # The stores a preset compares when --stores is not given.
 PRESET_STORES = {"small": STORES, "gpu": STORES, "h100": STORES + FLASHINFER_STORES,
@@ -94,8 +105,14 @@ def parse_args(argv):
                              f"vkv-<layout>-fi-<tokens>: FlashInfer's decode on vkv with slots cut into pages)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a GPU, replay decode steps from CUDA graphs (default: on)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="serve the traces this many times on each store, the store order rotated by one each "
+                             "time; the table shows each store's median run, and a repeats table the median and "
+                             "range of each (default: 1)")
     args = parse_with_presets(parser, PRESETS, argv, GPU_PRESETS, DEFAULT_PRESETS)
     args.stores = args.stores or PRESET_STORES[args.preset]
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     return args
 
 
@@ -185,17 +202,21 @@ def main(argv=None) -> int:
     print(f"KV budget {budget / 2**20:.0f} MiB = {budget // shape.kv_bytes_per_token(dtype)} tokens")
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
-    runs, summaries, failures, skipped, tokens = {}, {}, {}, {}, {}
-    for kind in args.stores:
+    vkv_options = dict(page_size=args.page_size_kib << 10, large_page_size=args.large_page_mib << 20,
+                       ready=args.vkv_ready_pct / 100)
+    if args.vkv_ready_pct or args.large_page_mib:
+        print("vkv stores: " + ", ".join(
+            ([f"{args.large_page_mib} MiB large pages"] if args.large_page_mib else [])
+            + ([f"the whole budget created and {args.vkv_ready_pct}% of it mapped into the slots before the first "
+                f"request (the paged stores allocate their whole pool before it too)"] if args.vkv_ready_pct else [])))
+
+    def serve(kind):
+        """One store serving every trace: (name, its runs entry, its tokens); raises
+        StoreUnavailable where this machine cannot run it."""
         store = engine = None
         try:
-            try:
-                store = make_store(kind, shape, dtype, device, args.max_context, budget, args.max_slots, flex,
-                                   page_size=args.page_size_kib << 10)
-            except StoreUnavailable as reason:  # this machine cannot run it: say so, compare the others
-                print(f"  {kind}: skipped: {reason}")
-                skipped[kind] = str(reason)
-                continue
+            store = make_store(kind, shape, dtype, device, args.max_context, budget, args.max_slots, flex,
+                               **vkv_options)
             engine = Engine(model, store, args.max_prefill_tokens, cuda_graphs=graphs)
             # Short outputs: the warm-up only has to compile, capture and load kernels.
             warmup = make_trace(4, math.inf, min(args.max_context, 512), shape.vocab, seed=args.seed + 1,
@@ -203,10 +224,6 @@ def main(argv=None) -> int:
             capture = engine.run(warmup, show_progress=False).capture_seconds  # compiles, captures; not measured
             results = [(label, engine.run(copy.deepcopy(trace), show_progress=not args.no_progress))
                        for label, trace in workloads]
-        except Exception as error:  # one store failing must not hide the others' results
-            print(f"  {kind}: failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-            failures[kind] = f"{type(error).__name__}: {error}"
-            continue
         finally:
             if engine is not None:
                 engine.decoder.release()
@@ -217,7 +234,6 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
         name = results[0][1].store
-        tokens[name] = [r.tokens for _, result in results for r in result.requests]
         per_trace = {label: {"summary": result.summary(), "running": result.running,
                              "decode_rows": result.decode_rows, "decode_ms": result.decode_ms,
                              "gpu_decode_ms": result.gpu_decode_ms, "prefill_ms": result.prefill_ms,
@@ -230,13 +246,51 @@ def main(argv=None) -> int:
                       f"{result.rejected} of {len(result.requests)} requests rejected (each larger than the KV budget)")
         if len(results) == 1:
             result = results[0][1]
-            runs[name] = {**per_trace["sharegpt"], "waste": result.waste, "pages": result.pages}
+            entry = {**per_trace["sharegpt"], "waste": result.waste, "pages": result.pages}
         else:
             merged = RunResult.merge([result for _, result in results]).summary()
             merged.update(capture_seconds=capture,
                           makespan_s_by_trace={label: entry["summary"]["seconds"] for label, entry in per_trace.items()})
-            runs[name] = {"summary": merged, "traces": per_trace, "pages": results[0][1].pages}
-        summaries[name] = runs[name]["summary"]
+            entry = {"summary": merged, "traces": per_trace, "pages": results[0][1].pages}
+        return name, entry, [r.tokens for _, result in results for r in result.requests]
+
+    # Each repeat serves the stores in turn, the order rotated by one store per repeat, so
+    # that no store always runs first (or right after the same one).
+    failures, skipped = {}, {}
+    served = {}  # kind -> [(name, entry, tokens, repeat, position)]
+    for repeat in range(args.repeats):
+        order = args.stores[repeat % len(args.stores):] + args.stores[:repeat % len(args.stores)]
+        if args.repeats > 1:
+            print(f"repeat {repeat + 1} of {args.repeats}: {' '.join(order)}")
+        for position, kind in enumerate(k for k in order if k not in skipped and k not in failures):
+            try:
+                name, entry, generated = serve(kind)
+            except StoreUnavailable as reason:  # this machine cannot run it: say so, compare the others
+                print(f"  {kind}: skipped: {reason}")
+                skipped[kind] = str(reason)
+                continue
+            except Exception as error:  # one store failing must not hide the others' results
+                print(f"  {kind}: failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                failures[kind] = f"{type(error).__name__}: {error}"
+                served.pop(kind, None)
+                continue
+            served.setdefault(kind, []).append((name, entry, generated, repeat, position))
+            if args.repeats > 1:  # in the log as it goes: a run cut short keeps what it measured
+                done = entry["summary"]
+                print(f"  {name}: {done['throughput_tok_s']:.0f} tok/s, TTFT p50 {done['ttft_p50_ms']:.0f} ms, "
+                      f"{done['seconds']:.2f} s")
+    runs, summaries, tokens, repeats = {}, {}, {}, {}
+    for kind in args.stores:
+        if kind not in served:
+            continue
+        # The run of median throughput stands for the store in the table and the plots.
+        ranked = sorted(served[kind], key=lambda run: run[1]["summary"]["throughput_tok_s"])
+        name, entry, generated, _, _ = ranked[(len(ranked) - 1) // 2]
+        runs[name], summaries[name], tokens[name] = entry, entry["summary"], generated
+        if args.repeats > 1:
+            repeats[name] = [{"repeat": repeat, "position": position, **run_entry["summary"]}
+                             for _, run_entry, _, repeat, position in served[kind]]
+            entry["repeats"] = repeats[name]
 
     reference = next(iter(tokens), None)
     for name in summaries:
@@ -246,6 +300,9 @@ def main(argv=None) -> int:
         print(makespan_table(runs, args.pd_ratios))
         print()
     print(table(summaries, device.type))
+    if repeats:
+        print(f"\n{args.repeats} repeats, store order rotated each repeat: median [min - max]\n")
+        print(repeats_table(repeats))
     print(f"\nTTFT: arrival to first token; TPOT: time per output token after the first; KV waste: share of the KV "
           f"memory held for running requests that holds no token; decode step: one decode step's device time on a "
           f"GPU (wall time on a CPU); "

@@ -5,9 +5,11 @@ and SGLang use), and vkv's own contiguous memory served by the same kernels.
                       page_tokens, kv_heads, head_dim]`` (FlashInfer's NHD layout: a page's
                       keys and values side by side), a page table per request, pages handed
                       out from a shuffled free list as ``PagedStore`` does. Decode by
-                      ``BatchDecodeWithPagedKVCacheWrapper``, prefill by
-                      ``BatchPrefillWithPagedKVCacheWrapper`` over the pages the prompts were
-                      just written to.
+                      ``BatchDecodeWithPagedKVCacheWrapper``; fresh prompts prefilled by
+                      ``BatchPrefillWithRaggedKVCacheWrapper`` on their fresh K/V, as
+                      ``VkvFlashInferStore`` does (the same work on both: a paged read is
+                      only needed where a cached prefix must be read, and this store
+                      shares none; ``plan_paged_prefill`` stays for that case).
   VkvFlashInferStore  vkv's allocation (``VkvStore``: pages mapped by ``step()``), decode by
                       the same paged decode kernel reading vkv's tensors with no page table:
                       each request's slot is one page of ``max_context`` tokens (``indices``
@@ -309,11 +311,14 @@ class FlashInferStore(KvStore):
     def decode_attention(self, layer, batch, q):
         return self.kernels.decode(q, self.pools[layer])
 
+    # Fresh prompts attend only to their own K/V, handed in fresh: the ragged kernel, as
+    # VkvFlashInferStore runs (reading them back from the pages would be extra work only
+    # this store did).
     def begin_prefill(self, slots, lengths):
-        self.kernels.plan_paged_prefill(self.pages.pages, slots, lengths, self.page_tokens)
+        self.kernels.plan_ragged_prefill(lengths)
 
     def prefill_attention(self, layer, q, k, v, cu, max_len, spans):
-        return self.kernels.paged_prefill(q, self.pools[layer])
+        return self.kernels.ragged_prefill(q, k, v)
 
     def close(self):
         self.pools = []
@@ -330,12 +335,13 @@ class VkvFlashInferStore(VkvStore):
     ``page_tokens`` then)."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
-                 max_slots: int, layout: str, num_heads: int, page_tokens: int = 0, page_size: int = 0) -> None:
+                 max_slots: int, layout: str, num_heads: int, page_tokens: int = 0, page_size: int = 0,
+                 large_page_size: int = 0, ready: float = 0.0) -> None:
         if torch.device(device).type != "cuda":
             raise StoreUnavailable(f"FlashInfer's kernels run on CUDA only, not on {device}")
         flashinfer = import_flashinfer()
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes, max_slots,
-                         layout, page_size)
+                         layout, page_size, large_page_size=large_page_size, ready=ready)
         self.name += "-fi" + (f"-{page_tokens}" if page_tokens else "")  # vkv interleaved-fi
         try:
             paged = [(slot_pages(k, page_tokens), slot_pages(v, page_tokens)) for k, v in zip(self.keys, self.values)]

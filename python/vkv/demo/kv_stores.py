@@ -222,18 +222,54 @@ class VkvStore(ContiguousStore):
     """vkv: the engine's lens go to KVCache.step(), which maps what they need."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
-                 max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "") -> None:
+                 max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "",
+                 large_page_size: int = 0, ready: float = 0.0) -> None:
         """``shared_budget``: a vkv.SharedBudget's name to draw pages from (budget_bytes None:
-        no cap of its own)."""
+        no cap of its own). ``large_page_size``: KVCache's (a prompt's whole spans of that
+        size mapped as one allocation). ``ready``: the share of the budget made ready before
+        the first request, as the paged stores allocate their whole pool up front: every
+        page of the budget created (``precreate_pages``) and that share of it mapped, as
+        many pages in each slot, then the slots freed (a freed slot keeps its pages for the
+        next owner, so a prompt that fits in them maps nothing). Not with large pages (the
+        pages created up front are single ones) nor a shared budget.
+
+        @throws ValueError if ``ready`` is outside (0, 1] or given with large pages or no
+        budget of its own."""
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
+        if ready and (large_page_size or budget_bytes is None or not 0 < ready <= 1):
+            raise ValueError(f"ready = {ready} must be in (0, 1], with a budget of its own and no large pages "
+                             f"(large_page_size = {large_page_size}, budget_bytes = {budget_bytes})")
         self.name = f"vkv {layout.replace('_', '-')}"
-        self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, max_batch_size=max_slots,
-                                 max_context_len=max_context, device=device, layout=layout,
-                                 memory_budget=budget_bytes, page_size=page_size, shared_budget=shared_budget)
+        self.large_page_size = large_page_size
+        options = dict(max_batch_size=max_slots, max_context_len=max_context, device=device, layout=layout,
+                       memory_budget=budget_bytes, page_size=page_size, shared_budget=shared_budget,
+                       large_page_size=large_page_size)
+        self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, **options)
+        if ready:  # the page size is the backend's: known once a cache is made
+            pages = budget_bytes // self.cache.page_size
+            self.cache.close()
+            self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, precreate_pages=pages, **options)
         self.max_slots = max_slots
         self.keys, self.values = self.cache.kv_tensors()
         self._init_views()
         self._lens = np.zeros(max_slots, dtype=np.int64)
+        self.ready_tokens = self._map_ready(budget_bytes, ready) if ready else 0
+
+    def _map_ready(self, budget_bytes: int, ready: float) -> int:
+        """Maps ``ready`` of the budget, the same whole pages in every slot, and frees the
+        slots; returns the tokens each slot keeps mapped (0: less than a page each)."""
+        per_page = self.cache.tokens_per_page
+        tokens = int(ready * budget_bytes / self.max_slots / self.bytes_per_token) // per_page * per_page
+        tokens = min(tokens, self.max_context)
+        if tokens < per_page:
+            return 0
+        slots = self.cache.alloc_reqids(self.max_slots)
+        try:
+            self.cache.step(np.full(self.max_slots, tokens, dtype=np.int64))
+        finally:
+            for slot in slots:
+                self.cache.free_reqid(slot)
+        return tokens
 
     def alloc(self):
         return self.cache.alloc_reqid() if self.cache.num_free_slots else None
@@ -477,10 +513,12 @@ class PagedStore(KvStore):
 
 
 def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device, max_context: int,
-               budget_bytes: int, max_slots: int, flex: Callable, page_size: int = 0) -> KvStore:
+               budget_bytes: int, max_slots: int, flex: Callable, page_size: int = 0, large_page_size: int = 0,
+               ready: float = 0.0) -> KvStore:
     """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, flashinfer-<tokens>, static, and
     vkv-interleaved-fi, vkv-per-layer-fi (vkv's memory with FlashInfer's kernels, one page
     per request; -fi-<tokens>: the slots cut into pages of that many tokens).
+    ``large_page_size`` and ``ready`` go to the vkv stores (VkvStore).
 
     @throws StoreUnavailable where a flashinfer store cannot run (no GPU, no FlashInfer)."""
     common = (model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim, dtype, device, max_context)
@@ -490,9 +528,10 @@ def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device,
 
         layout, page_tokens = vkv_flashinfer.groups()
         return VkvFlashInferStore(*common, budget_bytes, max_slots, layout.replace("-", "_"), model_shape.num_heads,
-                                  int(page_tokens or 0), page_size)
+                                  int(page_tokens or 0), page_size, large_page_size=large_page_size, ready=ready)
     if kind.startswith("vkv-"):
-        return VkvStore(*common, budget_bytes, max_slots, kind[4:].replace("-", "_"), page_size)
+        return VkvStore(*common, budget_bytes, max_slots, kind[4:].replace("-", "_"), page_size,
+                        large_page_size=large_page_size, ready=ready)
     if kind.startswith("paged-"):
         return PagedStore(*common, budget_bytes, max_slots, int(kind[6:]), flex)
     if kind.startswith("flashinfer-"):
@@ -507,7 +546,9 @@ def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device,
 
 def pages_note(store: KvStore) -> str:
     if isinstance(store, VkvStore):
-        return f"{store.cache.page_size >> 10} KiB pages, {store.cache.tokens_per_page} tokens/page/region"
+        return (f"{store.cache.page_size >> 10} KiB pages, {store.cache.tokens_per_page} tokens/page/region"
+                + (f", {store.large_page_size >> 20} MiB large pages" if store.large_page_size else "")
+                + (f", {store.ready_tokens} tokens mapped in every slot before the run" if store.ready_tokens else ""))
     if hasattr(store, "page_tokens"):
         return f"{store.num_pages} pages of {store.page_tokens} tokens"
     if isinstance(store, StaticStore):

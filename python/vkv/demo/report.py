@@ -96,6 +96,69 @@ def makespan_table(runs: Dict[str, dict], ratios: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
+def spread(values: Sequence[float]) -> dict:
+    """Median, min, max and (max - min) / median in % of a store's repeats."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {"median": median, "min": ordered[0], "max": ordered[-1],
+            "spread_pct": 100 * (ordered[-1] - ordered[0]) / median if median else math.nan}
+
+
+REPEAT_COLUMNS = [("throughput_tok_s", "tok/s", "{:.0f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+                  ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("tpot_p50_ms", "TPOT p50 ms", "{:.1f}"),
+                  ("seconds", "wall s", "{:.2f}"), ("gpu_busy_seconds", "GPU busy s", "{:.2f}"),
+                  ("reserve_us_p99", "step() p99 us", "{:.0f}")]
+
+
+def repeats_table(repeats: Dict[str, List[dict]]) -> str:
+    """Per store, each column's median [min - max] over its repeats (the summaries in
+    ``repeats[store]``), tok/s's spread in %, then the goal lines: the best vkv store's
+    median tok/s against the best FlashInfer store's, and their TTFT p50 medians."""
+    header = "| KV cache | repeats | " + " | ".join(f"{title} median [min - max]" for _, title, _ in REPEAT_COLUMNS) + \
+        " | tok/s spread % |"
+    lines = [header, "|" + "---|" * (len(REPEAT_COLUMNS) + 3)]
+    medians = {}
+    for name, runs in repeats.items():
+        cells = []
+        for key, _, fmt in REPEAT_COLUMNS:
+            found = spread([run[key] for run in runs if isinstance(run.get(key), (int, float))
+                            and not math.isnan(run[key])] or [math.nan])
+            medians.setdefault(name, {})[key] = found["median"]
+            cells.append(f"{fmt.format(found['median'])} [{fmt.format(found['min'])} - {fmt.format(found['max'])}]")
+        tok = spread([run["throughput_tok_s"] for run in runs])
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + f" | {tok['spread_pct']:.1f} |")
+    lines.append("")
+    lines.extend(goal_lines(medians))
+    return "\n".join(lines)
+
+
+def goal_lines(medians: Dict[str, dict]) -> List[str]:
+    """The best (highest median tok/s) vkv store against the best FlashInfer one."""
+    def best(prefix):
+        names = [name for name in medians if name.startswith(prefix)]
+        return max(names, key=lambda name: medians[name]["throughput_tok_s"]) if names else None
+
+    mine, theirs = best("vkv"), best("flashinfer")
+    if not (mine and theirs):
+        return [f"goal: needs a vkv store and a flashinfer store (best vkv: {mine}, best flashinfer: {theirs})"]
+    a, b = medians[mine], medians[theirs]
+    ratio = a["throughput_tok_s"] / b["throughput_tok_s"]
+    lines = [f"goal tok/s: best vkv store {mine} {a['throughput_tok_s']:.0f} / best FlashInfer store {theirs} "
+             f"{b['throughput_tok_s']:.0f} = {ratio:.3f}x (goal >= 1.03x: {'met' if ratio >= 1.03 else 'NOT met'})",
+             f"goal TTFT p50: {mine} {a['ttft_p50_ms']:.0f} ms vs {theirs} {b['ttft_p50_ms']:.0f} ms = "
+             f"{a['ttft_p50_ms'] / b['ttft_p50_ms']:.3f}x (goal <= 1: "
+             f"{'met' if a['ttft_p50_ms'] <= b['ttft_p50_ms'] else 'NOT met'})"]
+    busy = (a.get("gpu_busy_seconds"), b.get("gpu_busy_seconds"))
+    if all(isinstance(x, (int, float)) and x > 0 and not math.isnan(x) for x in busy):
+        # The same tokens on both: with the GPU busy all the run, tok/s can differ by no
+        # more than the kernels' device time does.
+        lines.append(f"bound: device time (prefill passes + decode steps) {busy[0]:.2f} s ({mine}) vs {busy[1]:.2f} s "
+                     f"({theirs}) of {a['seconds']:.2f} / {b['seconds']:.2f} s wall: kernels alone would give "
+                     f"{busy[1] / busy[0]:.3f}x; the rest of the gap is host time the GPU waited for")
+    return lines
+
+
 def result_stem(name: str, preset: str, device, machine: str) -> str:
     """A result file's stem: '<name>_<machine>' ('h100', 'cpu'), with the preset between
     where it is not the machine's own (serving_long_h100, serving_h100)."""
@@ -109,6 +172,26 @@ def save_json(results: dict, out_dir: str, stem: str) -> str:
     path = os.path.join(out_dir, f"{stem}.json")
     with open(path, "w") as out:
         json.dump(results, out, indent=1)
+    return path
+
+
+def repeats_plot(runs: dict, names: List[str], colors: List[str], title: str, path: str, plt) -> str:
+    """tok/s and TTFT p50 of every repeat (points, by store order position) over each
+    store's median (bar)."""
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for axis, (key, label) in zip(axes, [("throughput_tok_s", "output tokens / s"), ("ttft_p50_ms", "TTFT p50 (ms)")]):
+        for index, name in enumerate(names):
+            values = [run[key] for run in runs[name].get("repeats", [runs[name]["summary"]])]
+            axis.bar(index, spread(values)["median"], color=colors[index % len(colors)], alpha=0.45)
+            axis.scatter([index] * len(values), values, color="k", s=12, zorder=3)
+            axis.text(index, spread(values)["median"], f"{spread(values)['median']:.4g}", ha="center", va="bottom",
+                      fontsize=7)
+        axis.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
+        axis.set_title(f"{label}: median (bar) and each repeat (points)", fontsize=9)
+    figure.suptitle(f"Repeats in rotated store order, {title}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
     return path
 
 
@@ -145,6 +228,9 @@ def save(results: dict, out_dir: str, stem: str) -> List[str]:
     written.append(os.path.join(out_dir, f"{stem}_summary.png"))
     figure.savefig(written[-1], dpi=120)
     plt.close(figure)
+
+    if any("repeats" in runs[name] for name in names):  # each repeat a point, the median a bar
+        written.append(repeats_plot(runs, names, colors, title, os.path.join(out_dir, f"{stem}_repeats.png"), plt))
 
     if all("traces" in runs[name] for name in names):  # one trace per P:D ratio: makespans
         labels = list(runs[names[0]]["traces"])
