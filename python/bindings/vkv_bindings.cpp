@@ -409,6 +409,35 @@ py::dict stats(const KvCache& cache) {
   return out;
 }
 
+// Where the last step() spent its time (nanoseconds per phase; see vkv::StepProfile).
+py::dict step_profile(const KvCache& cache) {
+  vkv::StepProfile profile;
+  {
+    py::gil_scoped_release release;  // it takes the cache's lock
+    profile = cache.last_step_profile();
+  }
+  py::dict out;
+  out["total_ns"] = profile.total_ns;
+  out["lock_wait_ns"] = profile.lock_wait_ns;
+  out["fills_ns"] = profile.fills_ns;
+  out["windows_ns"] = profile.windows_ns;
+  out["plan_ns"] = profile.plan_ns;
+  out["mapper_wait_ns"] = profile.mapper_wait_ns;
+  out["map_ns"] = profile.map_ns;
+  out["event_wait_ns"] = profile.event_wait_ns;
+  out["finish_ns"] = profile.finish_ns;
+  out["fills"] = profile.fills;
+  out["pages_mapped"] = profile.pages_mapped;
+  out["mapper_waits"] = profile.mapper_waits;
+  out["lock_contended"] = profile.lock_contended;
+  out["mapper_busy"] = profile.mapper_busy;
+  out["free_ns"] = profile.free_ns;
+  out["free_lock_wait_ns"] = profile.free_lock_wait_ns;
+  out["alloc_ns"] = profile.alloc_ns;
+  out["alloc_lock_wait_ns"] = profile.alloc_lock_wait_ns;
+  return out;
+}
+
 // -- vkv.SharedBudget: one amount of a device's memory that caches in several processes draw from --
 
 // Python says 'cpu' where C++ says host.
@@ -569,6 +598,7 @@ PYBIND11_MODULE(_C, m) {
       .def("prepare_share_prefix", &KvCache::prepare_share_prefix, arg("src"), arg("dst"), arg("tokens"), unlocked)
       .def("prepare_set_budget", &KvCache::prepare_set_budget, arg("bytes"), unlocked)
       .def("stats", &stats)
+      .def("last_step_profile", &step_profile)
       .def("view", &view, arg("layer"), arg("value"))
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)
       .def("mapped_pages", &KvCache::mapped_pages, arg("slot"), unlocked)

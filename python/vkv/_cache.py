@@ -294,6 +294,14 @@ class KVCache:
         """Page accounting and backend call counts/times (see docs/api.md)."""
         return self._live()._core.stats()
 
+    def last_step_profile(self) -> Dict[str, Any]:
+        """Where the last ``step()`` spent its time, in nanoseconds per phase (lock wait,
+        deferred fills, read windows, planning, waiting for the mapper, mapping, the rest),
+        host waits for events, counts (fills, pages mapped), whether the lock was contended
+        or the mapper busy; and the last ``free_reqid()``/``alloc_reqid()``'s time and lock
+        wait. A debugging aid (benchmarks/arrivals_bench.py's breakdown); see vkv::StepProfile."""
+        return self._live()._core.last_step_profile()
+
     @property
     def num_free_slots(self) -> int:
         return self._live()._core.num_free_slots

@@ -80,6 +80,7 @@ class KvCache::Impl {
   bool is_allocated(std::size_t slot) const;
   std::size_t mapped_pages(std::size_t slot) const;
   CacheStats stats() const;
+  StepProfile last_step_profile() const;
   void check_invariants() const;
 
   const CacheConfig& config() const noexcept { return config_; }
@@ -303,6 +304,13 @@ class KvCache::Impl {
   std::vector<Stranded> stranded_;
   Stream background_stream_ = 0;
   CallStats step_stats_;
+  StepProfile step_profile_;        // the last step()'s, filled as it goes
+  // The last free_reqid()'s and alloc_reqid()'s wall time and lock wait (last_step_profile()).
+  struct CallTiming {
+    std::uint64_t total_ns = 0, lock_wait_ns = 0;
+  };
+  CallTiming free_timing_, alloc_timing_;
+  std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
