@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -70,7 +69,10 @@ def percentiles(values) -> dict:
 
 
 def write_json(results: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as out:
-        json.dump(results, out, indent=1)
+    """Writes `results` to `path` with the commit the benchmarks' tree is at and whether it
+    had uncommitted changes (vkv.demo.report.provenance(), the demo's helper)."""
+    from vkv.demo.report import save_json
+
+    folder, name = os.path.split(path)
+    save_json(results, folder or ".", name.removesuffix(".json"), folder=os.path.dirname(os.path.abspath(__file__)))
     progress(f"wrote {path}")
