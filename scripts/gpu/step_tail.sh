@@ -33,17 +33,24 @@ for i in "${!bases[@]}"; do
   if [ ! -d "$src" ]; then
     src="/tmp/vkv-base-src-$i"
     rm -rf "$src" && mkdir -p "$src"
-    git archive "$base" | tar -x -C "$src" || { echo "no tree for base $base"; continue; }
+    if ! git archive "$base" 2>/dev/null | tar -x -C "$src"; then
+      echo "no tree for base $base: not run"
+      pids+=(""); names+=("base-$base"); paths+=(FAILED)
+      continue
+    fi
   fi
   rm -rf "/tmp/vkv-base-$i"
   python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/vkv-base-$i" "$src" \
     > "$out/logs/build_base$i.log" 2>&1 &
   pids+=($!)
-  names+=("base$i")
+  names+=("base-$(basename "$base")")
   paths+=("/tmp/vkv-base-$i")
 done
 for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { echo "build of ${names[$i]} failed:"; tail -5 "$out/logs/build_${names[$i]}.log"; paths[$i]=FAILED; }
+  log="$out/logs/build_this.log"
+  [ "$i" = 0 ] || log="$out/logs/build_base$((i - 1)).log"
+  [ -n "${pids[$i]}" ] || continue
+  wait "${pids[$i]}" || { echo "build of ${names[$i]} failed:"; tail -5 "$log"; paths[$i]=FAILED; }
 done
 echo "builds done at ${SECONDS}s"
 [ "${paths[0]}" != FAILED ] || status=1
@@ -60,9 +67,9 @@ run() {  # run NAME TREE-INDEX LIMIT ARGS...: the arrival trace with this tree's
   grep -E "step\(\) all|free_reqid inside" "$out/logs/$name.log" | sed "s/^/$name: /"
 }
 run this_every10 0 60
-for i in "${!bases[@]}"; do run "base${i}_every10" $((i + 1)) 60; done
+for i in "${!bases[@]}"; do run "${names[$((i + 1))]}_every10" $((i + 1)) 60; done
 run this_every2 0 60 --every 2
-for i in "${!bases[@]}"; do run "base${i}_every2" $((i + 1)) 60 --every 2; done
+for i in "${!bases[@]}"; do run "${names[$((i + 1))]}_every2" $((i + 1)) 60 --every 2; done
 run this_every10_nomapper 0 45 --layouts interleaved --option background_mapping=False
 run this_every10_noeager 0 45 --layouts interleaved --option eager_tokens=0
 run this_every10_repeat 0 60
