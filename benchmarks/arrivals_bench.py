@@ -174,18 +174,19 @@ def run(system, work: dict, workload: Workload) -> dict:
             "stats": system.stats() if hasattr(system, "stats") else None}
 
 
-# step()'s phases (vkv::StepProfile), in the order step() runs them; "binding" is the rest of
-# the wall time the benchmark measured: pybind11, reading seq_lens, the stream lookup, the GIL.
-PHASES = ("lock_wait", "fills", "windows", "plan", "mapper_wait", "map", "finish", "binding")
+# step()'s phases (vkv::StepProfile), in the order step() runs them ("wake": waking the
+# mapper after the lock, on a vkv that does it there); "binding" is the rest of the wall time
+# the benchmark measured: Python, pybind11, reading seq_lens, the stream lookup, the GIL.
+PHASES = ("lock_wait", "fills", "windows", "plan", "mapper_wait", "map", "finish", "wake", "binding")
 
 
 def step_breakdown(step_us: np.ndarray, arrival: np.ndarray, profiles: list) -> dict:
     """Which part of step() took the time: per iteration (phases in us), and the mean of
     each phase over the tail (iterations at or above p99) against the median iteration,
     over all iterations and over decode-only ones; plus free/alloc's lock waits."""
-    phases = {name: np.array([p[name + "_ns"] / 1e3 for p in profiles]) for name in PHASES if name != "binding"}
+    phases = {name: np.array([p.get(name + "_ns", 0) / 1e3 for p in profiles]) for name in PHASES if name != "binding"}
     total = np.array([p["total_ns"] / 1e3 for p in profiles])
-    phases["binding"] = step_us - total
+    phases["binding"] = step_us - total - phases["wake"]
     event_wait = np.array([p["event_wait_ns"] / 1e3 for p in profiles])
     contended = np.array([p["lock_contended"] for p in profiles])
     mapper_busy = np.array([p["mapper_busy"] for p in profiles])

@@ -234,7 +234,7 @@ std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std
   // fill still deferred is enqueued by the owner's first call that touches the slot's pages
   // (kv_cache_fill.cpp), which orders its stream after it; one enqueued already is waited
   // for here. The event stays: reclaiming this slot's surplus pages later waits for it.
-  if (slot.deferred_fill == 0 && slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+  if (slot.deferred_fill == 0) order_after_free_event(slot, stream);
   slots_.mark_allocated(best, read_windows_.steps());
   return best;
 }
@@ -285,6 +285,7 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
   slot.free_event = event;
+  slot.free_event_stream = stream;
   std::vector<Page> pages;
   unmap_tail(slot_index, 0, pages);
   for (const Page& page : pages) {

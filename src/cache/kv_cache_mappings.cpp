@@ -288,6 +288,10 @@ void KvCache::Impl::zero_fresh_regions(std::size_t slot, std::size_t first, cons
   for (std::size_t r = 0; r < regions; ++r) zero_fresh_pages(page_address(r, slot, first), &pages[r * count], count, stream);
 }
 
+void KvCache::Impl::order_after_free_event(const Slot& slot, Stream stream) {
+  if (slot.free_event != 0 && slot.free_event_stream != stream) backend_->stream_wait_event(stream, slot.free_event);
+}
+
 void KvCache::Impl::wait_free_event(Slot& slot) {
   VKV_ASSERT(slot.deferred_fill == 0);  // else no event follows the last owner's work yet
   if (slot.free_event == 0) return;

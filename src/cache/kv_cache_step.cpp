@@ -35,8 +35,16 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   const bool contended = !lock.owns_lock();
   if (contended) lock.lock();
-  step_locked(lock, seq_lens, count, stream, start);
+  const bool wake = step_locked(lock, seq_lens, count, stream, start);
   step_profile_.lock_contended = contended;
+  lock.unlock();
+  if (wake) wake_mapper();
+}
+
+void KvCache::Impl::wake_mapper() {
+  const auto start = Clock::now();
+  mapper_->wake();
+  last_wake_ns_.store(nanoseconds_between(start, Clock::now()), std::memory_order_relaxed);
 }
 
 StepProfile KvCache::Impl::last_step_profile() const {
@@ -46,6 +54,7 @@ StepProfile KvCache::Impl::last_step_profile() const {
   profile.free_lock_wait_ns = free_timing_.lock_wait_ns;
   profile.alloc_ns = alloc_timing_.total_ns;
   profile.alloc_lock_wait_ns = alloc_timing_.lock_wait_ns;
+  profile.wake_ns = profile.woke_mapper ? last_wake_ns_.load(std::memory_order_relaxed) : 0;
   return profile;
 }
 
@@ -101,7 +110,7 @@ KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, st
   return plan;
 }
 
-void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
+bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
                                 Stream stream, std::chrono::steady_clock::time_point start) {
   Clock::time_point lap_start = Clock::now();
   step_profile_ = {};
@@ -109,6 +118,7 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   step_profile_.mapper_busy = background_busy();
   const std::uint64_t event_wait_before = event_wait_ns_;
   expect_valid_seq_lens(seq_lens, count);
+  lap(lap_start, step_profile_.plan_ns);
   // Zero-fills left by free_reqid() and swap_out(): enqueued here at the latest, before
   // this step reclaims those pages and before the iteration's kernels.
   step_profile_.fills = static_cast<std::uint32_t>(deferred_fills_);
@@ -169,13 +179,15 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   if (config_.zero_page) read_windows_.end_step(horizon);
   publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
-  if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
+  const bool wake = mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none;
+  step_profile_.woke_mapper = wake;
   const Clock::time_point end = Clock::now();
   step_profile_.finish_ns = nanoseconds_between(lap_start, end);
   step_profile_.total_ns = nanoseconds_between(start, end);
   step_profile_.event_wait_ns = event_wait_ns_ - event_wait_before;
   step_stats_.calls += 1;
   step_stats_.nanoseconds += step_profile_.total_ns;
+  return wake;
 }
 
 std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& claims) const {
