@@ -336,6 +336,50 @@ KvCache::Preparation prepare_step(KvCache& cache, py::handle seq_lens) {
   return cache.prepare_step(lengths.data(), lengths.size(), stream);
 }
 
+// vkv.distributed's TensorParallelCache.step() in one call where it goes as planned:
+// prepare_step(), one round of the shared-memory agreement ([missing pages, failed,
+// diverged, copies], the layout of distributed.py's _all_reduce without compared values),
+// and step() once every rank is ready, with the GIL released once and seq_lens read once.
+// A failed preparation raises before the round (the caller agrees on it the usual way).
+// Returns (outcome, reduced, why, this rank's missing pages): outcome 0 once stepped; 1
+// where step() failed after the ranks agreed (why); 2 where a rank is short, failed,
+// diverged or copies (reduced: the round's values; the caller goes on from there); 3
+// where the round itself failed (why).
+py::tuple agreed_step(KvCache& cache, vkv::HostAllReduce& host, py::handle seq_lens, double timeout_seconds) {
+  const std::vector<std::size_t> lengths = read_seq_lens(seq_lens);
+  const std::uintptr_t stream = current_stream(cache);
+  const auto timeout =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(timeout_seconds));
+  std::int64_t status[4] = {0, 0, 0, 0};
+  std::size_t missing = 0;
+  int outcome = 0;
+  std::string why;
+  {
+    py::gil_scoped_release release;
+    const KvCache::Preparation plan = cache.prepare_step(lengths.data(), lengths.size(), stream);
+    missing = plan.missing_pages;
+    status[0] = static_cast<std::int64_t>(missing);
+    status[3] = plan.copied_pages > 0 ? 1 : 0;
+    try {
+      host.reduce_max(status, 4, timeout);
+    } catch (const std::exception& error) {
+      outcome = 3;
+      why = error.what();
+    }
+    if (outcome == 0 && (status[0] != 0 || status[1] != 0 || status[2] != 0 || status[3] != 0)) outcome = 2;
+    if (outcome == 0) {
+      try {
+        cache.step(lengths, stream);
+      } catch (const std::exception& error) {
+        outcome = 1;
+        why = error.what();
+      }
+    }
+  }
+  if (outcome == 2) return py::make_tuple(outcome, std::vector<std::int64_t>(status, status + 4), why, missing);
+  return py::make_tuple(outcome, py::none(), why, missing);
+}
+
 KvCache::Preparation prepare_swap_in(KvCache& cache, std::size_t slot) {
   const std::uintptr_t stream = current_stream(cache);
   py::gil_scoped_release release;
@@ -426,6 +470,8 @@ py::dict step_profile(const KvCache& cache) {
   out["map_ns"] = profile.map_ns;
   out["event_wait_ns"] = profile.event_wait_ns;
   out["finish_ns"] = profile.finish_ns;
+  out["wake_ns"] = profile.wake_ns;
+  out["woke_mapper"] = profile.woke_mapper;
   out["fills"] = profile.fills;
   out["pages_mapped"] = profile.pages_mapped;
   out["mapper_waits"] = profile.mapper_waits;
@@ -623,4 +669,6 @@ PYBIND11_MODULE(_C, m) {
       }, arg("tokens"));
 
   bind_host_all_reduce(m);
+  m.def("agreed_step", &agreed_step, arg("cache"), arg("host"), arg("seq_lens"), arg("timeout_seconds"),
+        "TensorParallelCache.step()'s common case in one call (vkv.distributed)");
 }
