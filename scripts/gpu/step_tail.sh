@@ -5,13 +5,14 @@
 # every 2 iterations; then this tree with the mapper off and without eager allocation (how
 # much of the tail the mapper's work causes). Prints the goal table (step p99 <= 100 us
 # over all and over decode-only iterations, free_reqid p50 <= 20 us, alloc_reqid p50 <= 10 us).
-#   scripts/gpu/step_tail.sh OUT_DIR [BASE...]
+#   scripts/gpu/step_tail.sh OUT_DIR [BASE...]    # OUT_DIR/summary.txt, OUT_DIR/results.tar.gz
 # BASE: a source folder (a copy of another commit's tree) or a commit git can archive here;
 # default: 3aad7d7 (the commit before facf77b, the fill's move from alloc_reqid to step).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/gpu/step_tail.sh OUT_DIR [BASE...]}"
+top="${1:?usage: scripts/gpu/step_tail.sh OUT_DIR [BASE...]}"
 shift
+out="$top/results"  # packed into OUT_DIR/results.tar.gz at the end: the device tool returns few files
 bases=("$@")
 [ ${#bases[@]} -gt 0 ] || bases=(3aad7d7)
 mkdir -p "$out/logs"
@@ -76,4 +77,6 @@ run this_every10_repeat 0 60
 
 python3 benchmarks/step_tail_table.py "$out"/arrivals_*.json | tee "$out/summary.txt"
 echo "bases: ${bases[*]}; status $status, ${SECONDS}s" | tee -a "$out/summary.txt"
+cp "$out/summary.txt" "$top/summary.txt"
+tar -czf "$top/results.tar.gz" -C "$top" results && rm -rf "$out"
 exit $status
