@@ -204,9 +204,8 @@ def step_breakdown(step_us: np.ndarray, arrival: np.ndarray, profiles: list) -> 
             out[part]["event_wait"] = round(float(event_wait[where].mean()), 2)
             out[part]["lock_contended"] = round(float(contended[where].mean()), 3)
             out[part]["mapper_busy"] = round(float(mapper_busy[where].mean()), 3)
-            out[part]["fill_count"] = round(float(np.mean([profiles[i]["fills"] for i in np.flatnonzero(where)])), 2)
-            out[part]["pages_mapped"] = round(float(np.mean([profiles[i]["pages_mapped"] for i in np.flatnonzero(where)])), 2)
-            out[part]["mapper_waits"] = round(float(np.mean([profiles[i]["mapper_waits"] for i in np.flatnonzero(where)])), 2)
+            for name, key in (("fill_count", "fills"), ("pages_mapped", "pages_mapped"), ("mapper_waits", "mapper_waits")):
+                out[part][name] = round(float(np.mean([profiles[i][key] for i in np.flatnonzero(where)])), 2)
         # The slowest iterations one by one: what a mean over the tail could hide.
         slowest = np.argsort(np.where(mask, step_us, -1))[::-1][: min(10, int(mask.sum()))]
         out["slowest"] = [{"iteration": int(i), "arrival": bool(arrival[i]), "us": round(float(step_us[i]), 1),
