@@ -47,10 +47,11 @@ SHAPE = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
 PAGE = 2 << 20
 
 
-def trace(quick: bool, seed: int = 0) -> dict:
-    """The seeded workload every system runs: initial prompts, arrivals, who leaves when."""
+def trace(quick: bool, seed: int = 0, every: int = 10) -> dict:
+    """The seeded workload every system runs: initial prompts, arrivals, who leaves when
+    (one finish and one arrival every `every` iterations)."""
     rng = np.random.default_rng(seed)
-    running, iterations, every = (32, 1000, 10) if not quick else (8, 60, 10)
+    running, iterations = (32, 1000) if not quick else (8, 60)
     low, high = (512, 4096) if not quick else (64, 512)
     arrivals = iterations // every
     return {"running": running, "iterations": iterations, "every": every,
@@ -88,6 +89,11 @@ class VkvSystem:
 
     def stats(self) -> dict:
         return self.cache.stats()
+
+    def profile(self):
+        """Where the last step() spent its time (None on a vkv without last_step_profile())."""
+        core = self.cache._core
+        return core.last_step_profile() if hasattr(core, "last_step_profile") else None
 
     def close(self) -> None:
         self.cache.close()
@@ -137,6 +143,8 @@ def run(system, work: dict, workload: Workload) -> dict:
     workload.run()
     step_us, arrival = np.empty(work["iterations"]), np.zeros(work["iterations"], dtype=bool)
     free_us, alloc_us = [], []
+    profiles = []  # per iteration: where step() spent its time (vkv with last_step_profile())
+    profile = getattr(system, "profile", lambda: None)
     for iteration in progress_bar(range(work["iterations"]), system.name):
         system.grow()
         if iteration % work["every"] == work["every"] - 1:
@@ -153,12 +161,85 @@ def run(system, work: dict, workload: Workload) -> dict:
         system.step()
         step_us[iteration] = (time.perf_counter_ns() - start) / 1e3
         workload.launch()
+        entry = profile()  # outside the timed call, while the device works
+        if entry is not None:
+            profiles.append(entry)
         workload.synchronize()  # the engine waits for the sampled tokens
+    breakdown = step_breakdown(step_us, arrival, profiles) if len(profiles) == len(step_us) else None
     return {"system": system.name, "burst_ms": round(burst_ms, 2), "prompts_in_burst": len(slots),
+            "every": work["every"], "breakdown": breakdown,
             "step_us": step_us.round(2).tolist(), "arrival": arrival.tolist(),
             "decode_only_us": percentiles(step_us[~arrival]), "with_arrival_us": percentiles(step_us[arrival]),
             "all_us": percentiles(step_us), "free_us": percentiles(free_us), "alloc_us": percentiles(alloc_us),
             "stats": system.stats() if hasattr(system, "stats") else None}
+
+
+# step()'s phases (vkv::StepProfile), in the order step() runs them ("wake": waking the
+# mapper after the lock, on a vkv that does it there); "binding" is the rest of the wall time
+# the benchmark measured: Python, pybind11, reading seq_lens, the stream lookup, the GIL.
+PHASES = ("lock_wait", "fills", "windows", "plan", "mapper_wait", "map", "finish", "wake", "binding")
+
+
+def step_breakdown(step_us: np.ndarray, arrival: np.ndarray, profiles: list) -> dict:
+    """Which part of step() took the time: per iteration (phases in us), and the mean of
+    each phase over the tail (iterations at or above p99) against the median iteration,
+    over all iterations and over decode-only ones; plus free/alloc's lock waits."""
+    phases = {name: np.array([p.get(name + "_ns", 0) / 1e3 for p in profiles]) for name in PHASES if name != "binding"}
+    total = np.array([p["total_ns"] / 1e3 for p in profiles])
+    phases["binding"] = step_us - total - phases["wake"]
+    event_wait = np.array([p["event_wait_ns"] / 1e3 for p in profiles])
+    contended = np.array([p["lock_contended"] for p in profiles])
+    mapper_busy = np.array([p["mapper_busy"] for p in profiles])
+
+    def summary(mask: np.ndarray) -> dict:
+        times = step_us[mask]
+        if times.size == 0:
+            return {}
+        p99 = np.percentile(times, 99)
+        tail = mask & (step_us >= p99)
+        body = mask & (step_us <= np.percentile(times, 50))
+        out = {"iterations": int(mask.sum()), "tail_iterations": int(tail.sum()), "p99_us": float(p99)}
+        for part, where in (("tail", tail), ("median", body)):
+            out[part] = {name: round(float(values[where].mean()), 2) for name, values in phases.items()}
+            out[part]["event_wait"] = round(float(event_wait[where].mean()), 2)
+            out[part]["lock_contended"] = round(float(contended[where].mean()), 3)
+            out[part]["mapper_busy"] = round(float(mapper_busy[where].mean()), 3)
+            for name, key in (("fill_count", "fills"), ("pages_mapped", "pages_mapped"), ("mapper_waits", "mapper_waits")):
+                out[part][name] = round(float(np.mean([profiles[i][key] for i in np.flatnonzero(where)])), 2)
+        # The slowest iterations one by one: what a mean over the tail could hide.
+        slowest = np.argsort(np.where(mask, step_us, -1))[::-1][: min(10, int(mask.sum()))]
+        out["slowest"] = [{"iteration": int(i), "arrival": bool(arrival[i]), "us": round(float(step_us[i]), 1),
+                           **{name: round(float(values[i]), 1) for name, values in phases.items()},
+                           "event_wait": round(float(event_wait[i]), 1), "fill_count": profiles[i]["fills"],
+                           "pages_mapped": profiles[i]["pages_mapped"], "lock_contended": bool(contended[i]),
+                           "mapper_busy": bool(mapper_busy[i])} for i in slowest]
+        return out
+
+    arrivals = [p for p, a in zip(profiles, arrival) if a]
+    return {"phases_us": {name: values.round(2).tolist() for name, values in phases.items()},
+            "all": summary(np.ones_like(arrival)), "decode_only": summary(~arrival), "with_arrival": summary(arrival),
+            "free_lock_wait_us": percentiles([p["free_lock_wait_ns"] / 1e3 for p in arrivals]) if arrivals else None,
+            "free_inside_us": percentiles([p["free_ns"] / 1e3 for p in arrivals]) if arrivals else None,
+            "alloc_lock_wait_us": percentiles([p["alloc_lock_wait_ns"] / 1e3 for p in arrivals]) if arrivals else None,
+            "alloc_inside_us": percentiles([p["alloc_ns"] / 1e3 for p in arrivals]) if arrivals else None}
+
+
+def describe_breakdown(name: str, breakdown: dict) -> None:
+    """Progress lines: the tail's phases against the median's, all and decode-only."""
+    for part in ("all", "decode_only"):
+        summary = breakdown[part]
+        if not summary:
+            continue
+        for which in ("tail", "median"):
+            row = summary[which]
+            phases = " ".join(f"{p} {row[p]:.1f}" for p in PHASES if row[p] >= 0.05 or p == "binding")
+            progress(f"{name} {part} {which} (us, mean): {phases}; event waits {row['event_wait']:.1f}, "
+                     f"contended {row['lock_contended']:.2f}, mapper busy {row['mapper_busy']:.2f}, "
+                     f"fill count {row['fill_count']:.2f}, pages mapped {row['pages_mapped']:.1f}")
+    if breakdown["free_inside_us"]:
+        progress(f"{name} free_reqid inside C++ p50 {breakdown['free_inside_us']['p50']:.1f} us (lock wait "
+                 f"{breakdown['free_lock_wait_us']['p50']:.1f}); alloc_reqid {breakdown['alloc_inside_us']['p50']:.1f} "
+                 f"(lock wait {breakdown['alloc_lock_wait_us']['p50']:.1f})")
 
 
 # (layout, large_page_size) pairs the prompt-mapping rate is measured for: 2 MiB pages
@@ -267,13 +348,23 @@ def main() -> None:
     parser.add_argument("--vattention", metavar="FOLDER", help="a microsoft/vattention checkout: run it beside vkv")
     parser.add_argument("--large-page-size", type=int, default=128 << 20, metavar="BYTES",
                         help="also run vkv interleaved with large pages of this size (0: not)")
+    parser.add_argument("--every", type=int, default=10, metavar="N",
+                        help="one finish and one arrival every N iterations (default 10)")
+    parser.add_argument("--layouts", default="interleaved,per_layer", help="vkv layouts to run, comma-separated")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a KVCache keyword for every vkv run (e.g. background_mapping=False); repeatable")
+    parser.add_argument("--tag", default="", help="appended to the result file's name")
     args = parser.parse_args()
     if args.vattention and args.device != "cuda":
         parser.error("--vattention runs on CUDA only")
-    work = trace(args.quick)
+    options = {}
+    for option in args.option:
+        name, _, value = option.partition("=")
+        options[name] = json.loads(value.replace("True", "true").replace("False", "false"))
+    work = trace(args.quick, every=args.every)
     result = {"benchmark": "arrivals", "machine": machine(args.device), "vkv_module": vkv.__file__, "trace": work,
-              "runs": []}
-    stem = os.path.join(args.out, f"arrivals_{device_tag(args.device)}{'_quick' if args.quick else ''}")
+              "options": options, "runs": []}
+    stem = os.path.join(args.out, f"arrivals_{device_tag(args.device)}{'_quick' if args.quick else ''}{args.tag}")
 
     def record(entry: dict) -> None:
         """Adds one system's run and rewrites the JSON, so that what ran survives a later crash or timeout."""
@@ -286,15 +377,17 @@ def main() -> None:
                      f"{entry['all_us']['p99']:.0f}/{entry['all_us']['max']:.0f} us; decode-only p99 "
                      f"{entry['decode_only_us']['p99']:.0f}; with an arrival p99 {entry['with_arrival_us']['p99']:.0f}; "
                      f"free p50 {entry['free_us']['p50']:.0f} us, alloc p50 {entry['alloc_us']['p50']:.0f} us")
+            if entry.get("breakdown"):
+                describe_breakdown(entry["system"], entry["breakdown"])
         write_json(result, stem + ".json")
 
     workload = Workload(args.device, 7.0 if args.device == "cuda" else 1.0)
     if "arrivals" in args.only:
-        systems = [("interleaved", 0), ("per_layer", 0)]
-        if args.large_page_size:
+        systems = [(layout, 0) for layout in args.layouts.split(",")]
+        if args.large_page_size and "interleaved" in args.layouts.split(","):
             systems.insert(1, ("interleaved", args.large_page_size))
         for layout, large in systems:
-            system = VkvSystem(layout, args.device, work, large)
+            system = VkvSystem(layout, args.device, work, large, **options)
             record(run(system, work, workload))
             system.close()
         if args.vattention:

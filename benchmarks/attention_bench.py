@@ -495,12 +495,20 @@ class AttentionRun:
         if self.args.trace:
             progress(f"  running {what}")
 
-    def timed_row(self, row: dict, call: Callable[[], torch.Tensor], ref: torch.Tensor, name: str) -> dict:
-        """Times one call alone; its error, or its time and relative error, go into row."""
+    def timed_row(self, row: dict, call: Callable[[], torch.Tensor], ref: torch.Tensor, name: str,
+                  against: Optional[Dict[str, Callable[[], torch.Tensor]]] = None) -> dict:
+        """Times one call; its error, or its time and relative error, go into row. With
+        `against` (vkv calls by role), it is timed in alternating rounds with them, and the
+        row gets each one's time and vkv_ratio_<role> = this call's time / that one's."""
         try:
             self.trace(name)
             out = call()
-            row.update(**self.timer({name: call})[name], rel_err=relative_error(out, ref))
+            times = self.timer({name: call, **(against or {})})
+            row.update(**times[name], rel_err=relative_error(out, ref))
+            for role in against or {}:
+                row[f"vkv_ms_{role}"] = times[role]["ms"]
+                row[f"vkv_ratio_{role}"] = times[name]["ms"] / times[role]["ms"]
+                row["spread"] = max(row["spread"], times[role]["spread"])
         except Exception as error:  # a kernel that cannot take this shape: say so, go on
             row["error"] = error_text(error)
             forget_failed_compiles()
@@ -529,8 +537,10 @@ class AttentionRun:
                 rows.append({**base, "kernel": kernel, "storage": "plain", "error": error_text(error)})
         plain_times: Dict[str, List[float]] = {kernel: [] for kernel in plain_out}
 
+        kept = None  # the default layout's storage and working calls: the paged rows are timed against them
         for layout in VKV_LAYOUTS:
             storage = VkvStorage(model, layout, k, v, device, self.args.vkv_budget_gib << 30, self.args.layers_per_group)
+            working: Dict[str, Callable[[], torch.Tensor]] = {}
             for kernel, call in kernels.calls(storage.k, storage.v).items():
                 row = {**base, "kernel": kernel, "storage": f"vkv_{layout}", "layers": storage.layers,
                        "layers_per_group": storage.layers_per_group}
@@ -547,11 +557,17 @@ class AttentionRun:
                     else:  # failed on plain tensors: timed alone
                         row.update(**self.timer({"vkv": call})["vkv"])
                     row["rel_err"] = relative_error(out, ref)
+                    working[kernel] = call
                 except Exception as error:
                     row["error"] = error_text(error)
                 rows.append(row)
                 del call
-            storage.close()
+            if layout == DEFAULT_LAYOUT and working:
+                fastest = min((r for r in rows if r["storage"] == f"vkv_{layout}" and "ms" in r), key=lambda r: r["ms"])
+                kept = (storage, working, fastest["kernel"])
+            else:
+                storage.close()
+            del working
             release_memory(device)
         for kernel, out in plain_out.items():
             if plain_times[kernel]:
@@ -564,7 +580,8 @@ class AttentionRun:
             try:
                 paged = FlexPaged(k, v, page, seed=context + batch)
                 rows.append(self.timed_row({**base_paged, "kernel": "flex", "storage": f"flex_paged_{page}"},
-                                           paged.flex_call(self.flex, q, prefix, context), ref, f"flex_paged_{page}"))
+                                           paged.flex_call(self.flex, q, prefix, context), ref, f"flex_paged_{page}",
+                                           counterparts(kept, "flex")))
                 del paged
             except Exception as error:
                 rows.append({**base_paged, "kernel": "flex", "storage": f"flex_paged_{page}", "error": error_text(error)})
@@ -575,9 +592,13 @@ class AttentionRun:
             paged = FlashInferPaged(self.flashinfer, model, k, v, page, seed=context + batch + 1)
             for kernel, call in paged.calls(q).items():
                 rows.append(self.timed_row({**base_paged, "kernel": kernel, "storage": f"flashinfer_paged_{page}"},
-                                           call, ref, f"flashinfer_paged_{page} {kernel}"))
+                                           call, ref, f"flashinfer_paged_{page} {kernel}", counterparts(kept, kernel)))
             del paged, call
             release_memory(device)
+        if kept is not None:
+            kept[0].close()
+        del kept
+        release_memory(device)
 
         self.results["rows"].extend(rows)
         self.results["decode_summary"] = decode_summary(self.results["rows"])
@@ -585,6 +606,27 @@ class AttentionRun:
         progress(f"{label}: " + summary_line(rows))
         del k, v, q, ref, kernels
         release_memory(device)
+
+
+# The layout vkv.KVCache uses unless told otherwise: paged rows are timed against it.
+DEFAULT_LAYOUT = "interleaved"
+# A paged kernel's counterpart on vkv: the same kernel family on contiguous slots.
+SAME_KERNEL_ON_VKV = {"flashinfer_decode": "flashinfer_decode_one_page",
+                      "flashinfer_decode_tc": "flashinfer_decode_tc_one_page",
+                      "flashinfer_prefill_fa2": "flashinfer_ragged_fa2", "flashinfer_prefill_fa3": "flashinfer_ragged_fa3"}
+
+
+def counterparts(kept, kernel: str) -> Optional[Dict[str, Callable[[], torch.Tensor]]]:
+    """The vkv calls a paged row is timed against in alternating rounds: 'best' (the
+    fastest kernel on vkv's default layout) and 'same' (the same kernel family on it)."""
+    if kept is None:
+        return None
+    _, working, fastest = kept
+    calls = {"best": working[fastest]}
+    same = SAME_KERNEL_ON_VKV.get(kernel)
+    if same in working and same != fastest:
+        calls["same"] = working[same]
+    return calls
 
 
 def best(rows: List[dict], storage_prefix: str) -> Optional[dict]:
@@ -604,8 +646,10 @@ def summary_line(rows: List[dict]) -> str:
         fastest = best(rows, prefix)
         if fastest:
             text = f"{fastest['storage']} {fastest['kernel']} {fastest['ms']:.3f} ms"
-            if fastest_vkv:
-                text += f" (vkv {fastest['ms'] / fastest_vkv['ms']:.2f}x)"
+            if "vkv_ratio_best" in fastest:  # timed in alternating rounds with vkv's fastest
+                text += f" (vkv {fastest['vkv_ratio_best']:.2f}x)"
+            elif fastest_vkv:
+                text += f" (vkv {fastest['ms'] / fastest_vkv['ms']:.2f}x, timed apart)"
             parts.append(text)
     errors = [f"{r['storage']}/{r['kernel']}: {r['error']}" for r in rows if "error" in r]
     return " | ".join(parts) + ("\n    failed: " + "\n    failed: ".join(errors) if errors else "")

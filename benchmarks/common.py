@@ -70,6 +70,15 @@ def percentiles(values) -> dict:
 
 
 def write_json(results: dict, path: str) -> None:
+    """Writes `results` to `path` with the commit the benchmarks' tree is at and whether it
+    had uncommitted changes (vkv.demo.report.provenance(), the demo's helper)."""
+    try:
+        from vkv.demo.report import provenance
+    except ImportError:  # an older vkv measured beside this tree (a baseline) has none: the env's, if any
+        def provenance(folder):
+            return {"git_commit": os.environ.get("VKV_GIT_COMMIT"), "git_dirty": None, "git_source": "VKV_GIT_COMMIT"}
+    if "provenance" not in results:
+        results = {**results, "provenance": provenance(os.path.dirname(os.path.abspath(__file__)))}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as out:
         json.dump(results, out, indent=1)

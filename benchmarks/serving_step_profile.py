@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -126,10 +125,9 @@ def main(argv=None) -> int:
             print(f"{name:16s} rows {count:3d}: step {step['step_ms']:.2f} ms, kernels {step['kernels']}, busy "
                   f"{step['kernel_busy_ms']:.2f} ms ({parts})")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "serving_step_h100.json")
-        with open(path, "w") as out:
-            json.dump(results, out, indent=1)
+        from vkv.demo.report import save_json
+
+        path = save_json(results, args.out, "serving_step_h100", folder=os.path.dirname(os.path.abspath(__file__)))
         print(f"wrote {path}")
     return 0
 

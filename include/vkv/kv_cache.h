@@ -239,6 +239,8 @@ class KvCache {
   std::size_t mapped_pages(std::size_t slot) const;
 
   CacheStats stats() const;
+  /// Where the last step() (or step_slots()) spent its time. Thread-safe; takes the lock.
+  StepProfile last_step_profile() const;
 
   /// Checks the cache's internal consistency. @throws Error naming the broken invariant.
   void check_invariants() const;

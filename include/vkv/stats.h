@@ -33,6 +33,34 @@ struct BackendStats {
   std::uint64_t cleanup_failures = 0;
 };
 
+/// Where the last step() spent its wall time, phase by phase, and what the last free_reqid()
+/// and alloc_reqid() cost (a debugging aid, kept on: a handful of clock reads per call). arrivals_bench.py reads it after every iteration.
+/// Host waits for events are counted in event_wait_ns and also in the phase they fall in.
+struct StepProfile {
+  std::uint64_t total_ns = 0;        ///< entry to return, as step_stats' nanoseconds
+  std::uint64_t lock_wait_ns = 0;    ///< entry until the cache's mutex was held
+  std::uint64_t fills_ns = 0;        ///< enqueueing deferred zero-fills (launch, event record, stream waits)
+  std::uint64_t windows_ns = 0;      ///< zero_page read windows: event queries and the record
+  std::uint64_t plan_ns = 0;         ///< checking seq_lens and planning (plan_step() passes)
+  std::uint64_t mapper_wait_ns = 0;  ///< waiting for a mapper unit on a slot this step needs
+  std::uint64_t map_ns = 0;          ///< mapping missing pages (driver calls, reclamation, zero-fills)
+  std::uint64_t event_wait_ns = 0;   ///< host waits for device events (free events, read windows)
+  std::uint64_t finish_ns = 0;       ///< books, eager size, whether the mapper has work
+  std::uint64_t wake_ns = 0;         ///< waking the mapper, after the lock is released (not in total_ns)
+  std::uint32_t fills = 0;           ///< deferred zero-fills enqueued
+  std::uint32_t pages_mapped = 0;    ///< pages map_missing() mapped
+  std::uint32_t mapper_waits = 0;    ///< times it waited for the mapper
+  bool lock_contended = false;       ///< another thread (the mapper, most often) held the mutex at entry
+  bool mapper_busy = false;          ///< the mapper was inside a unit when the lock was taken
+  bool woke_mapper = false;          ///< it woke the mapper (work for it)
+  // The last free_reqid() and alloc_reqid(), whenever they ran: wall time, and the part
+  // spent waiting for the mutex.
+  std::uint64_t free_ns = 0;
+  std::uint64_t free_lock_wait_ns = 0;
+  std::uint64_t alloc_ns = 0;
+  std::uint64_t alloc_lock_wait_ns = 0;
+};
+
 /// Page accounting of a KvCache. Physical pages: pages_created = pages_free +
 /// pages_mapped (+ pages the mapper is moving); pages_mapped = pages_in_use + pages_cached.
 /// A page shared by several slots counts once there, and page_mappings counts it per slot.

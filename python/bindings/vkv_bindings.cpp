@@ -336,6 +336,50 @@ KvCache::Preparation prepare_step(KvCache& cache, py::handle seq_lens) {
   return cache.prepare_step(lengths.data(), lengths.size(), stream);
 }
 
+// vkv.distributed's TensorParallelCache.step() in one call where it goes as planned:
+// prepare_step(), one round of the shared-memory agreement ([missing pages, failed,
+// diverged, copies], the layout of distributed.py's _all_reduce without compared values),
+// and step() once every rank is ready, with the GIL released once and seq_lens read once.
+// A failed preparation raises before the round (the caller agrees on it the usual way).
+// Returns (outcome, reduced, why, this rank's missing pages): outcome 0 once stepped; 1
+// where step() failed after the ranks agreed (why); 2 where a rank is short, failed,
+// diverged or copies (reduced: the round's values; the caller goes on from there); 3
+// where the round itself failed (why).
+py::tuple agreed_step(KvCache& cache, vkv::HostAllReduce& host, py::handle seq_lens, double timeout_seconds) {
+  const std::vector<std::size_t> lengths = read_seq_lens(seq_lens);
+  const std::uintptr_t stream = current_stream(cache);
+  const auto timeout =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(timeout_seconds));
+  std::int64_t status[4] = {0, 0, 0, 0};
+  std::size_t missing = 0;
+  int outcome = 0;
+  std::string why;
+  {
+    py::gil_scoped_release release;
+    const KvCache::Preparation plan = cache.prepare_step(lengths.data(), lengths.size(), stream);
+    missing = plan.missing_pages;
+    status[0] = static_cast<std::int64_t>(missing);
+    status[3] = plan.copied_pages > 0 ? 1 : 0;
+    try {
+      host.reduce_max(status, 4, timeout);
+    } catch (const std::exception& error) {
+      outcome = 3;
+      why = error.what();
+    }
+    if (outcome == 0 && (status[0] != 0 || status[1] != 0 || status[2] != 0 || status[3] != 0)) outcome = 2;
+    if (outcome == 0) {
+      try {
+        cache.step(lengths, stream);
+      } catch (const std::exception& error) {
+        outcome = 1;
+        why = error.what();
+      }
+    }
+  }
+  if (outcome == 2) return py::make_tuple(outcome, std::vector<std::int64_t>(status, status + 4), why, missing);
+  return py::make_tuple(outcome, py::none(), why, missing);
+}
+
 KvCache::Preparation prepare_swap_in(KvCache& cache, std::size_t slot) {
   const std::uintptr_t stream = current_stream(cache);
   py::gil_scoped_release release;
@@ -406,6 +450,37 @@ py::dict stats(const KvCache& cache) {
   backend["copy"] = call_stats(stats.backend.copy);
   backend["event"] = call_stats(stats.backend.event);
   out["backend"] = backend;
+  return out;
+}
+
+// Where the last step() spent its time (nanoseconds per phase; see vkv::StepProfile).
+py::dict step_profile(const KvCache& cache) {
+  vkv::StepProfile profile;
+  {
+    py::gil_scoped_release release;  // it takes the cache's lock
+    profile = cache.last_step_profile();
+  }
+  py::dict out;
+  out["total_ns"] = profile.total_ns;
+  out["lock_wait_ns"] = profile.lock_wait_ns;
+  out["fills_ns"] = profile.fills_ns;
+  out["windows_ns"] = profile.windows_ns;
+  out["plan_ns"] = profile.plan_ns;
+  out["mapper_wait_ns"] = profile.mapper_wait_ns;
+  out["map_ns"] = profile.map_ns;
+  out["event_wait_ns"] = profile.event_wait_ns;
+  out["finish_ns"] = profile.finish_ns;
+  out["wake_ns"] = profile.wake_ns;
+  out["woke_mapper"] = profile.woke_mapper;
+  out["fills"] = profile.fills;
+  out["pages_mapped"] = profile.pages_mapped;
+  out["mapper_waits"] = profile.mapper_waits;
+  out["lock_contended"] = profile.lock_contended;
+  out["mapper_busy"] = profile.mapper_busy;
+  out["free_ns"] = profile.free_ns;
+  out["free_lock_wait_ns"] = profile.free_lock_wait_ns;
+  out["alloc_ns"] = profile.alloc_ns;
+  out["alloc_lock_wait_ns"] = profile.alloc_lock_wait_ns;
   return out;
 }
 
@@ -569,6 +644,7 @@ PYBIND11_MODULE(_C, m) {
       .def("prepare_share_prefix", &KvCache::prepare_share_prefix, arg("src"), arg("dst"), arg("tokens"), unlocked)
       .def("prepare_set_budget", &KvCache::prepare_set_budget, arg("bytes"), unlocked)
       .def("stats", &stats)
+      .def("last_step_profile", &step_profile)
       .def("view", &view, arg("layer"), arg("value"))
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)
       .def("mapped_pages", &KvCache::mapped_pages, arg("slot"), unlocked)
@@ -593,4 +669,6 @@ PYBIND11_MODULE(_C, m) {
       }, arg("tokens"));
 
   bind_host_all_reduce(m);
+  m.def("agreed_step", &agreed_step, arg("cache"), arg("host"), arg("seq_lens"), arg("timeout_seconds"),
+        "TensorParallelCache.step()'s common case in one call (vkv.distributed)");
 }

@@ -25,6 +25,9 @@ def _expect_count(name: str, value: Any, low: int = 1) -> int:
 # The core's names for these calls' parameters -> KVCache's.
 _SHARE_PREFIX_WORDS = {"tokens = ": "n_tokens = "}
 _SET_BUDGET_WORDS = {"bytes = ": "memory_budget = "}
+# seq_lens types step() hands to the core at once: no Mapping check (an ABC's isinstance)
+# on every iteration's path. Anything else takes the general path.
+_SEQUENCE_TYPES = frozenset({np.ndarray, list, tuple, torch.Tensor})
 
 
 class KVCache:
@@ -123,7 +126,10 @@ class KVCache:
         Raises:
             ValueError: every slot is allocated.
         """
-        return self._live()._core.alloc_reqid()
+        core = self._core  # every arrival's path: no more Python than needed
+        if core is None:
+            self._live()  # raises
+        return core.alloc_reqid()
 
     def free_reqid(self, slot: int) -> None:
         """Free ``slot``: its pages are kept for reuse, zero-filled on the current stream
@@ -134,7 +140,11 @@ class KVCache:
         Raises:
             ValueError: slot out of range or not allocated (double free).
         """
-        self._live()._core.free_reqid(self._slot(slot))
+        core = self._core  # every finish's path: an int slot goes straight through
+        if core is None or type(slot) is not int or slot < 0:  # noqa: E721 (the common case, cheaply)
+            core = self._live()._core
+            slot = self._slot(slot)
+        core.free_reqid(slot)
 
     def alloc_reqids(self, count: int, contiguous: bool = False) -> List[int]:
         """``count`` free slots at once, all or none.
@@ -162,6 +172,10 @@ class KVCache:
             ValueError: wrong length, a negative or too large value, a free slot with tokens.
             vkv.OutOfMemory: not enough pages; nothing changed, ``missing_pages`` says how many.
         """
+        core = self._core
+        if core is not None and type(seq_lens) in _SEQUENCE_TYPES:
+            core.step(seq_lens)  # parsed in C++: this is every iteration's path
+            return
         if isinstance(seq_lens, Mapping):
             slots = [self._slot(slot) for slot in seq_lens]
             tokens = [_expect_count(f"seq_lens[{slot}]", n, 0) for slot, n in seq_lens.items()]
@@ -293,6 +307,14 @@ class KVCache:
     def stats(self) -> Dict[str, Any]:
         """Page accounting and backend call counts/times (see docs/api.md)."""
         return self._live()._core.stats()
+
+    def last_step_profile(self) -> Dict[str, Any]:
+        """Where the last ``step()`` spent its time, in nanoseconds per phase (lock wait,
+        deferred fills, read windows, planning, waiting for the mapper, mapping, the rest),
+        host waits for events, counts (fills, pages mapped), whether the lock was contended
+        or the mapper busy; and the last ``free_reqid()``/``alloc_reqid()``'s time and lock
+        wait. A debugging aid (benchmarks/arrivals_bench.py's breakdown); see vkv::StepProfile."""
+        return self._live()._core.last_step_profile()
 
     @property
     def num_free_slots(self) -> int:

@@ -81,13 +81,14 @@ wrapper only (a call on ``cache`` itself may take the pages a prepared call coun
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _C, _host_all_reduce
-from ._cache import KVCache, SeqLens
+from ._cache import _SEQUENCE_TYPES, KVCache, SeqLens
 from ._errors import DriverError, OutOfMemory
 
 _AGREEMENT_GROUPS: Dict[Tuple[int, ...], Any] = {}
@@ -167,8 +168,14 @@ class TensorParallelCache:
         self._expect_usable()
         if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type != "cpu":
             seq_lens = seq_lens.cpu()  # once, not in both the preparation and the step
-        compared: Sequence[int] = self._comparable(seq_lens) if self.debug else ()
-        _, copies = self._prepare("step", lambda: self.cache._prepare_step(seq_lens), compared)
+        if (self._host is not None and not self.debug and self._pending is None and self._diverged is None
+                and type(seq_lens) in _SEQUENCE_TYPES and self._plain_cache()):
+            copies = self._agreed_step(seq_lens)
+            if copies is None:
+                return
+        else:
+            compared: Sequence[int] = self._comparable(seq_lens) if self.debug else ()
+            _, copies = self._prepare("step", lambda: self.cache._prepare_step(seq_lens), compared)
         _, error = self._commit(lambda: self.cache.step(seq_lens))
         if copies:
             self._confirm("step", error)
@@ -176,6 +183,39 @@ class TensorParallelCache:
             # Cannot happen unless another thread took the prepared pages. The pages this
             # step needs are mapped, so the iteration is safe; every rank learns at the next call.
             self._diverged = f"step failed on rank {self.rank} alone after the ranks agreed: {_describe(error)[1]}"
+
+    def _plain_cache(self) -> bool:
+        """Whether this rank's cache is a KVCache whose step() and _prepare_step() are its
+        class's own (a subclass or a replaced method keeps the Python way, through them)."""
+        cache = self.cache
+        overrides = getattr(cache, "__dict__", {})
+        return type(cache) is KVCache and "step" not in overrides and "_prepare_step" not in overrides
+
+    def _agreed_step(self, seq_lens: SeqLens) -> Optional[bool]:
+        """step() through shared memory, its common case in one C++ call (_C.agreed_step:
+        prepare, the one round of _prepare with nothing compared, step; the GIL released
+        once). Returns None once stepped; otherwise, having raised where _prepare would,
+        whether any rank's commit copies pages (step() commits and confirms then)."""
+        try:
+            code, reduced, why, missing = _C.agreed_step(self.cache._live()._core, self._host, seq_lens,
+                                                         self._timeout_s)
+        except Exception as caught:  # noqa: BLE001 (this rank's preparation failed, before the round)
+            return self._prepare("step", functools.partial(_reraise, caught))[1]  # raises on every rank
+        if code == 0:
+            return None
+        if code == 1:  # step() failed after the ranks agreed: once more, as _commit does
+            _, error = self._commit(lambda: self.cache.step(seq_lens))
+            if error is not None:
+                self._diverged = f"step failed on rank {self.rank} alone after the ranks agreed: {_describe(error)[1]}"
+            elif self._pending is None:
+                self._pending = RuntimeError(why)
+            return None
+        if code == 3:  # a rank exited, or did not come in time
+            self._broken = f"step could not be agreed on: {why}"
+            raise RuntimeError(f"vkv.distributed: {self._broken}; this TensorParallelCache refuses every "
+                               "later call (close the caches and build new ones)")
+        outcome = _Outcome(reduced[0], bool(reduced[1]), bool(reduced[2]), bool(reduced[3]), False)
+        return self._settle("step", outcome, None, (), missing)
 
     def fork(self, src: int) -> int:
         """``KVCache.fork(src)`` on every rank; the same new slot everywhere."""
@@ -260,6 +300,13 @@ class TensorParallelCache:
         missing = plan.missing_pages if plan is not None else 0
         copies = plan is not None and plan.copied_pages > 0
         outcome = self._all_reduce(what, missing, error, copies, compared)
+        return plan, self._settle(what, outcome, error, compared, missing)
+
+    def _settle(self, what: str, outcome: _Outcome, error: Optional[Exception], compared: Sequence[int],
+                missing: int) -> bool:
+        """Step 2's verdict: raises on every rank when any rank fell short (`missing`: this
+        rank's shortfall), failed or disagrees; nothing changed then. Returns whether any
+        rank's commit will copy pages."""
         if outcome.diverged or outcome.failed or outcome.disagree:
             reports = self._gather(error, compared)
             if outcome.diverged:
@@ -272,7 +319,7 @@ class TensorParallelCache:
             raise OutOfMemory(f"{what}: a tensor-parallel rank is short of {outcome.missing_pages} pages "
                               f"(this rank: {missing}); nothing changed on any rank",
                               outcome.missing_pages, outcome.missing_pages * self.cache.page_size)
-        return plan, outcome.flag
+        return outcome.flag
 
     def _commit(self, call: Callable[[], Any]) -> Tuple[Any, Optional[Exception]]:
         """Step 3 on this rank: returns (result, None) or (None, the exception)."""
@@ -383,6 +430,10 @@ def _as_int64(value: Any) -> int:
     except (TypeError, ValueError):
         return -1
     return number if -_INT64_SAFE < number < _INT64_SAFE else -1
+
+
+def _reraise(error: Exception) -> Any:
+    raise error
 
 
 def _describe(error: Optional[Exception]) -> Optional[tuple]:

@@ -3,6 +3,7 @@
 #include "kv_cache_impl.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "util/fork_guard.h"
 #include "util/format.h"
@@ -181,12 +182,25 @@ void KvCache::Impl::rethrow_background_error() {
 }
 
 
+namespace {
+
+std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point from) {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - from).count());
+}
+
+}  // namespace
+
 std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
+  const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  const std::uint64_t lock_wait = nanoseconds_since(start);
   // The slot to map the next prefill's pages in may have changed: the next step() wakes
   // the mapper for it, here a wake-up would only make the mapper's driver calls meet ours.
-  return allocate_slot(lock, slots_.next_to_allocate(), stream);
+  const std::size_t slot = allocate_slot(lock, slots_.next_to_allocate(), stream);
+  alloc_timing_ = {nanoseconds_since(start), lock_wait};
+  return slot;
 }
 
 void KvCache::Impl::wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot) {
@@ -221,14 +235,16 @@ std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std
   // fill still deferred is enqueued by the owner's first call that touches the slot's pages
   // (kv_cache_fill.cpp), which orders its stream after it; one enqueued already is waited
   // for here. The event stays: reclaiming this slot's surplus pages later waits for it.
-  if (slot.deferred_fill == 0 && slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+  if (slot.deferred_fill == 0) order_after_free_event(slot, stream);
   slots_.mark_allocated(best, read_windows_.steps());
   return best;
 }
 
 void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
+  const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  const std::uint64_t lock_wait = nanoseconds_since(start);
   expect_slot_in_range(slot_index);
   Slot& slot = slots_[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
@@ -254,6 +270,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   slots_.mark_freed(slot_index, keeps_claim ? slot.claimed : 0);
   publish_in_use();
   if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
+  free_timing_ = {nanoseconds_since(start), lock_wait};
 }
 
 // Waits for the slot's last readers (work on `stream` so far), then unmaps every page
@@ -269,6 +286,7 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
   slot.free_event = event;
+  slot.free_event_stream = stream;
   std::vector<Page> pages;
   unmap_tail(slot_index, 0, pages);
   for (const Page& page : pages) {
@@ -331,6 +349,7 @@ std::size_t KvCache::num_free_slots() const { return impl_->num_free_slots(); }
 bool KvCache::is_allocated(std::size_t slot) const { return impl_->is_allocated(slot); }
 std::size_t KvCache::mapped_pages(std::size_t slot) const { return impl_->mapped_pages(slot); }
 CacheStats KvCache::stats() const { return impl_->stats(); }
+StepProfile KvCache::last_step_profile() const { return impl_->last_step_profile(); }
 void KvCache::check_invariants() const { impl_->check_invariants(); }
 
 }  // namespace vkv

@@ -32,7 +32,7 @@ void KvCache::Impl::enqueue_fill(std::size_t slot_index, std::optional<Stream> c
   if (slot.deferred_fill == 0) return;
   const Stream stream = slot.fill_stream;
   // After an earlier fill of these pages, which may run on another stream.
-  if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+  order_after_free_event(slot, stream);
   // One launch for every region (CUDA: one kernel; a memset each costs ~3 us to enqueue).
   backend_->zero_strided(page_address(0, slot_index, 0), slot.deferred_fill * layout_.page_bytes(),
                          layout_.num_regions(), layout_.region_bytes(), stream);
@@ -40,6 +40,7 @@ void KvCache::Impl::enqueue_fill(std::size_t slot_index, std::optional<Stream> c
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
   slot.free_event = event;
+  slot.free_event_stream = stream;
   // A new owner's work on another stream must not overtake it (on the same stream it
   // cannot). Until that holds the fill stays deferred: enqueued again, it writes zeros twice.
   if (slot.allocated && consumer && *consumer != stream) backend_->stream_wait_event(*consumer, event);

@@ -24,6 +24,7 @@
 // past busy_from are its own meanwhile). Nothing under the mutex takes Python's GIL.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -80,6 +81,7 @@ class KvCache::Impl {
   bool is_allocated(std::size_t slot) const;
   std::size_t mapped_pages(std::size_t slot) const;
   CacheStats stats() const;
+  StepProfile last_step_profile() const;
   void check_invariants() const;
 
   const CacheConfig& config() const noexcept { return config_; }
@@ -155,8 +157,12 @@ class KvCache::Impl {
   };
   StepPlan plan_step(const std::size_t* seq_lens, std::size_t count, std::size_t horizon) const;
   // step() with mutex_ held (step_slots() builds its seq_lens under the same lock).
-  void step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
+  // Returns whether the mapper has work: the caller wakes it once it released the lock,
+  // so that the mapper does not wake up only to block on it (and the unlock wake it again).
+  bool step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
                    std::chrono::steady_clock::time_point start);
+  // Wakes the mapper (without the lock) and times it for last_step_profile().
+  void wake_mapper();
   void expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const;
   // Tokens eager allocation maps in the eager slot: config.eager_tokens, or the prompt
   // history's estimate when adaptive; never past max_context_len.
@@ -205,6 +211,8 @@ class KvCache::Impl {
   std::size_t first_reclaimable_without_waiting(std::size_t slot) const;
   std::vector<std::size_t> reclaimable_floors() const;
   void wait_free_event(Slot& slot);
+  // Work enqueued on `stream` from now on runs after free_event (no call on its own stream).
+  void order_after_free_event(const Slot& slot, Stream stream);
   std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& floors);
   // Unmaps up to `wanted` pages (all regions) of the slot choose_victim(kinds) names into
   // `into`; false when no slot has a page above its floor.
@@ -306,6 +314,14 @@ class KvCache::Impl {
   std::vector<Stranded> stranded_;
   Stream background_stream_ = 0;
   CallStats step_stats_;
+  StepProfile step_profile_;        // the last step()'s, filled as it goes
+  std::atomic<std::uint64_t> last_wake_ns_{0};  // its wake-up of the mapper, made after the lock
+  // The last free_reqid()'s and alloc_reqid()'s wall time and lock wait (last_step_profile()).
+  struct CallTiming {
+    std::uint64_t total_ns = 0, lock_wait_ns = 0;
+  };
+  CallTiming free_timing_, alloc_timing_;
+  std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction

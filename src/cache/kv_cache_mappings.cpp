@@ -1,6 +1,7 @@
 // KvCache: changing a slot's mappings (real pages in, zero backing back), and taking
 // pages back from slots (reclamation: which slot is choose_victim()'s, this is how).
 #include <algorithm>
+#include <chrono>
 
 #include "util/format.h"
 #include "util/internal_assert.h"
@@ -245,8 +246,12 @@ void KvCache::Impl::order_after_readers(std::size_t slot_index, std::size_t firs
   Slot& slot = slots_[slot_index];
   if (first >= std::max(slot.mapped(), slot.backed_end)) return;  // unmapped from there on: unreadable
   wait_free_event(slot);  // the previous owner's padded reads
-  if (slot.allocated && first < read_windows_.horizon(slot.allocated_at, /*include_current=*/false))
+  if (slot.allocated && first < read_windows_.horizon(slot.allocated_at, /*include_current=*/false)) {
+    const auto start = std::chrono::steady_clock::now();
     read_windows_.wait();
+    event_wait_ns_ += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  }
 }
 
 std::vector<std::size_t> KvCache::Impl::reclaimable_floors() const {
@@ -290,10 +295,17 @@ void KvCache::Impl::zero_fresh_regions(std::size_t slot, std::size_t first, cons
   for (std::size_t r = 0; r < regions; ++r) zero_fresh_pages(page_address(r, slot, first), &pages[r * count], count, stream);
 }
 
+void KvCache::Impl::order_after_free_event(const Slot& slot, Stream stream) {
+  if (slot.free_event != 0 && slot.free_event_stream != stream) backend_->stream_wait_event(stream, slot.free_event);
+}
+
 void KvCache::Impl::wait_free_event(Slot& slot) {
   VKV_ASSERT(slot.deferred_fill == 0);  // else no event follows the last owner's work yet
   if (slot.free_event == 0) return;
+  const auto start = std::chrono::steady_clock::now();
   backend_->wait_event(slot.free_event);
+  event_wait_ns_ += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
   backend_->destroy_event(slot.free_event);
   slot.free_event = 0;
 }

@@ -72,7 +72,10 @@ void KvCache::Impl::step_slots(const std::size_t* slots, const std::size_t* seq_
     listed[slots[i]] = true;
     lengths[slots[i]] = seq_lens[i];
   }
-  step_locked(lock, lengths.data(), lengths.size(), stream, start);
+  if (step_locked(lock, lengths.data(), lengths.size(), stream, start)) {
+    lock.unlock();
+    wake_mapper();
+  }
 }
 
 void KvCache::Impl::set_deferred_reclamation(bool on) {

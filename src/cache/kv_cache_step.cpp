@@ -12,11 +12,50 @@
 
 namespace vkv {
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::uint64_t nanoseconds_between(Clock::time_point from, Clock::time_point to) {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count());
+}
+
+// Adds the time since `from` to `into` and moves `from` on: one clock read per phase.
+void lap(Clock::time_point& from, std::uint64_t& into) {
+  const Clock::time_point now = Clock::now();
+  into += nanoseconds_between(from, now);
+  from = now;
+}
+
+}  // namespace
+
 void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
-  step_locked(lock, seq_lens, count, stream, start);
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  const bool contended = !lock.owns_lock();
+  if (contended) lock.lock();
+  const bool wake = step_locked(lock, seq_lens, count, stream, start);
+  step_profile_.lock_contended = contended;
+  lock.unlock();
+  if (wake) wake_mapper();
+}
+
+void KvCache::Impl::wake_mapper() {
+  const auto start = Clock::now();
+  mapper_->wake();
+  last_wake_ns_.store(nanoseconds_between(start, Clock::now()), std::memory_order_relaxed);
+}
+
+StepProfile KvCache::Impl::last_step_profile() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  StepProfile profile = step_profile_;
+  profile.free_ns = free_timing_.total_ns;
+  profile.free_lock_wait_ns = free_timing_.lock_wait_ns;
+  profile.alloc_ns = alloc_timing_.total_ns;
+  profile.alloc_lock_wait_ns = alloc_timing_.lock_wait_ns;
+  profile.wake_ns = profile.woke_mapper ? last_wake_ns_.load(std::memory_order_relaxed) : 0;
+  return profile;
 }
 
 void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const {
@@ -71,14 +110,23 @@ KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, st
   return plan;
 }
 
-void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
+bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
                                 Stream stream, std::chrono::steady_clock::time_point start) {
+  Clock::time_point lap_start = Clock::now();
+  step_profile_ = {};
+  step_profile_.lock_wait_ns = nanoseconds_between(start, lap_start);
+  step_profile_.mapper_busy = background_busy();
+  const std::uint64_t event_wait_before = event_wait_ns_;
   expect_valid_seq_lens(seq_lens, count);
+  lap(lap_start, step_profile_.plan_ns);
   // Zero-fills left by free_reqid() and swap_out(): enqueued here at the latest, before
   // this step reclaims those pages and before the iteration's kernels.
+  step_profile_.fills = static_cast<std::uint32_t>(deferred_fills_);
   enqueue_deferred_fills(stream);
+  lap(lap_start, step_profile_.fills_ns);
   // The work enqueued since the last step() ends its read window here (zero_page).
   if (config_.zero_page) read_windows_.begin_step(stream);
+  lap(lap_start, step_profile_.windows_ns);
   // What the iteration's kernels may read in every allocated slot: a padded batch's length.
   const std::size_t horizon =
       config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
@@ -86,8 +134,11 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   bool asked = false;  // the shared budget's other members, once per call
   for (;;) {
     plan = plan_step(seq_lens, count, horizon);
+    lap(lap_start, step_profile_.plan_ns);
     if (plan.waits_for_mapper) {
       background_done_.wait(lock);
+      ++step_profile_.mapper_waits;
+      lap(lap_start, step_profile_.mapper_wait_ns);
       continue;
     }
     if (plan.missing == 0) break;
@@ -96,8 +147,11 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
       undo.commit();
       step_stats_.units += plan.missing;
+      step_profile_.pages_mapped += static_cast<std::uint32_t>(plan.missing);
+      lap(lap_start, step_profile_.map_ns);
       break;
     } catch (const OutOfMemory& shortage) {
+      lap(lap_start, step_profile_.map_ns);
       // Pages the mapper is moving are not lost: decide once it has put them down.
       if (background_busy()) {
         background_done_.wait(lock, [&] { return !background_busy(); });
@@ -127,10 +181,15 @@ void KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   if (config_.zero_page) read_windows_.end_step(horizon);
   publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
-  if (mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none) mapper_->wake();
+  const bool wake = mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none;
+  step_profile_.woke_mapper = wake;
+  const Clock::time_point end = Clock::now();
+  step_profile_.finish_ns = nanoseconds_between(lap_start, end);
+  step_profile_.total_ns = nanoseconds_between(start, end);
+  step_profile_.event_wait_ns = event_wait_ns_ - event_wait_before;
   step_stats_.calls += 1;
-  step_stats_.nanoseconds += static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  step_stats_.nanoseconds += step_profile_.total_ns;
+  return wake;
 }
 
 std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& claims) const {

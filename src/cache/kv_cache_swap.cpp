@@ -89,7 +89,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   map_missing(claims, {}, missing, stream, undo, "swap_in");
   if (slot.swap.bytes > 0) {
     // After the zero-fill of the slot's kept pages, and after the copy out.
-    if (slot.free_event != 0) backend_->stream_wait_event(stream, slot.free_event);
+    order_after_free_event(slot, stream);
     backend_->stream_wait_event(stream, slot.swap.ready);
     const std::size_t region_bytes = tokens * layout_.token_bytes();
     for (std::size_t r = 0; r < layout_.num_regions(); ++r) {

@@ -53,6 +53,9 @@ struct Slot {
   std::size_t backed_end = 0;
   std::uint64_t allocated_at = 0;               // steps done when it was allocated (ReadWindows)
   Event free_event = 0;                         // behind the slot's last zero-fill; 0 once waited for
+  // The stream free_event was recorded on: later work on that stream is ordered after it
+  // without a wait (a cuStreamWaitEvent costs ~10 us on the caller's thread).
+  Stream free_event_stream = 0;
   // Pages [0, deferred_fill) of every region hold the tokens of an owner who left
   // (free_reqid, swap_out) until their zero-fill, deferred to the next call that needs
   // it, is enqueued on fill_stream (kv_cache_fill.cpp); 0 once it is.

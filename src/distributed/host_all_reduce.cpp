@@ -23,8 +23,10 @@ constexpr std::size_t kMaxCapacity = std::size_t{1} << 20;
 constexpr auto kSpinOnCpu = std::chrono::microseconds(5);
 // then yields the CPU between checks (where ranks outnumber free cores, the rank it waits
 // for may need this one) until this long has passed, and only then sleeps: a futex
-// wake-up costs tens of microseconds, more from a deep idle state.
-constexpr auto kSpin = std::chrono::microseconds(200);
+// wake-up costs tens of microseconds, hundreds from a deep idle state. A step()'s own
+// tail reaches ~100-300 us on a busy host (a deferred zero-fill, a mapper wake-up), so a
+// rank waits out such a skew awake: 200 us put the tensor-parallel step's p99 at ~700 us.
+constexpr auto kSpin = std::chrono::microseconds(1000);
 // A sleeping rank wakes at least this often to see whether the ranks it waits for live.
 constexpr auto kLivenessInterval = std::chrono::milliseconds(20);
 

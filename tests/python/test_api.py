@@ -254,6 +254,22 @@ def test_step_reads_every_integer_width_and_strided_arrays():
         assert cache.stats()["step"]["calls"] == 5
 
 
+def test_the_last_step_profile_says_what_the_step_did():
+    with small_cache(background_mapping=False, eager_tokens=0) as cache:
+        slot = cache.alloc_reqid()
+        cache.step(lens(cache, **{f"s{slot}": 100}))
+        first = cache.last_step_profile()
+        assert first["pages_mapped"] > 0 and first["fills"] == 0 and first["mapper_waits"] == 0
+        assert first["total_ns"] >= first["lock_wait_ns"] + first["map_ns"]
+        assert first["alloc_ns"] > 0 and first["free_ns"] == 0  # the last alloc_reqid(); no free_reqid yet
+        cache.free_reqid(slot)
+        assert cache.alloc_reqid() == slot  # it kept its pages, and its zero-fill is deferred
+        cache.step(lens(cache, **{f"s{slot}": 50}))
+        second = cache.last_step_profile()
+        assert second["fills"] == 1 and second["pages_mapped"] == 0 and second["free_ns"] > 0
+        assert not second["lock_contended"] and not second["mapper_busy"]
+
+
 # -- the constructor's parameters come from the config fields (include/vkv/config.h) --------
 
 PYTHON_VALUED = {"dtype_bytes": "dtype", "device": "device", "memory_budget": "memory_budget", "eager_tokens": "eager_tokens"}

@@ -218,6 +218,18 @@ def driver_error_while_preparing(rank):
         return failed, after(tp)
 
 
+def seq_lens_too_long_on_one_rank(rank):
+    """Rank 1 asks for more tokens than a slot holds: its preparation fails before the round
+    (the one-call step of shared memory), every rank raises its error, nothing changed."""
+    with small_cache(memory_budget=64 * HOST_PAGE) as cache:
+        tp = tensor_parallel(cache)
+        a = tp.alloc_reqid()
+        tp.step(seq_lens(cache, {a: 64}))
+        failed = attempt(lambda: tp.step(seq_lens(cache, {a: 100 if rank == 0 else cache.max_context_len + 1})))
+        stepped = attempt(lambda: tp.step(seq_lens(cache, {a: 100})))
+        return failed, stepped, after(tp)
+
+
 def driver_error_on_every_rank(rank):
     """A commit that fails alike everywhere changed nothing anywhere: no harm done."""
     with small_cache(memory_budget=64 * HOST_PAGE) as cache:
@@ -332,6 +344,7 @@ SCENARIOS = [
     set_budget_one_rank_cannot_honour,
     fork_and_copy_on_write,
     driver_error_while_preparing,
+    seq_lens_too_long_on_one_rank,
     driver_error_on_every_rank,
     driver_error_after_agreeing,
     set_budget_fails_after_agreeing,
@@ -491,6 +504,14 @@ def test_a_driver_error_while_preparing_raises_on_every_rank_and_changes_nothing
     failed, (state, order) = same_on_both(two_ranks, "driver_error_while_preparing")
     assert failed[0] == "DriverError" and "rank 1" in failed[1] and "nothing changed" in failed[1]
     assert order == [0, 1, 2, 3]  # both slots kept 2 pages, not 2 and 13
+
+
+@needs_distributed
+def test_seq_lens_one_rank_refuses_raise_on_every_rank_and_change_nothing(two_ranks):
+    failed, stepped, (state, _) = same_on_both(two_ranks, "seq_lens_too_long_on_one_rank")
+    assert failed[0] == "ValueError" and "rank 1" in failed[1] and "max_context_len" in failed[1]
+    assert "nothing changed" in failed[1]
+    assert stepped == ("ok", None) and state["tokens_in_use"] == 100
 
 
 @needs_distributed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 from typing import Dict, List, Optional, Sequence
 
 REFERENCE = "vkv interleaved"
@@ -166,10 +167,42 @@ def result_stem(name: str, preset: str, device, machine: str) -> str:
     return f"{name}_{tag}" if preset == tag else f"{name}_{preset}_{tag}"
 
 
-def save_json(results: dict, out_dir: str, stem: str) -> str:
-    """<out_dir>/<stem>.json; returns its path."""
+def _git(folder: str, *arguments: str) -> Optional[str]:
+    try:
+        return subprocess.run(["git", "-C", folder, *arguments], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(folder: Optional[str] = None) -> dict:
+    """The git commit results come from and whether its tree had uncommitted changes
+    (``git_dirty``; None where unknown): of `folder`'s repository, else of this package's
+    source tree, else of the working directory. A copy of a tree without its .git (the
+    lent GPU machines get one) says which commit it is with VKV_GIT_COMMIT (and
+    VKV_GIT_DIRTY=0/1). Every result JSON of the benchmarks and the demo records it."""
+    if os.environ.get("VKV_GIT_COMMIT"):
+        dirty = os.environ.get("VKV_GIT_DIRTY")
+        return {"git_commit": os.environ["VKV_GIT_COMMIT"], "git_dirty": None if dirty is None else dirty == "1",
+                "git_source": "VKV_GIT_COMMIT"}
+    for where in (folder, os.path.dirname(os.path.abspath(__file__)), os.getcwd()):
+        if where is None:
+            continue
+        commit = _git(where, "rev-parse", "HEAD")
+        if commit:
+            status = _git(where, "status", "--porcelain", "--untracked-files=no")
+            return {"git_commit": commit, "git_dirty": None if status is None else bool(status),
+                    "git_source": _git(where, "rev-parse", "--show-toplevel")}
+    return {"git_commit": None, "git_dirty": None, "git_source": None}
+
+
+def save_json(results: dict, out_dir: str, stem: str, folder: Optional[str] = None) -> str:
+    """<out_dir>/<stem>.json, with the provenance() of `folder` (default: vkv's source
+    tree) unless `results` has one; returns its path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{stem}.json")
+    if "provenance" not in results:
+        results = {**results, "provenance": provenance(folder)}
     with open(path, "w") as out:
         json.dump(results, out, indent=1)
     return path

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import platform
 import sys
@@ -26,7 +25,7 @@ from .__main__ import device_name, parse_with_presets
 from .engine import Engine
 from .kv_stores import make_store
 from .model import SHAPES, LlamaModel
-from .report import result_stem
+from .report import result_stem, save_json
 from .workload import make_parallel_sampling_trace, make_system_prompt_trace
 
 PRESETS = {
@@ -165,10 +164,7 @@ def main(argv=None) -> int:
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "runs": runs, "savings": saved}
         stem = result_stem("sharing", args.preset, device, machine)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"{stem}.json")
-        with open(path, "w") as out:
-            json.dump(results, out, indent=1)
+        path = save_json(results, args.out, stem)
         print(f"wrote {path}")
         picture = plot(results, os.path.join(args.out, f"{stem}.png"))
         if picture:

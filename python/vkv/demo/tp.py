@@ -19,7 +19,6 @@ import argparse
 import copy
 import dataclasses
 import datetime
-import json
 import math
 import os
 import platform
@@ -34,6 +33,7 @@ import vkv.distributed
 from .engine import Engine
 from .kv_stores import make_store
 from .model import SHAPES, LlamaModel
+from .report import save_json
 from .workload import make_trace
 
 
@@ -152,9 +152,7 @@ def main(argv=None) -> int:
             os.makedirs(args.out, exist_ok=True)
             machine = torch.cuda.get_device_name(device) if gpu else platform.machine()
             tag = "cpu" if not gpu else machine.split()[1].lower()
-            path = os.path.join(args.out, f"tp{world}_{tag}.json")
-            with open(path, "w") as out:
-                json.dump({"config": vars(args), "machine": machine, "world_size": world,
+            path = save_json({"config": vars(args), "machine": machine, "world_size": world,
                            "torch": torch.__version__, "backend": dist.get_backend(),
                            "command": f"torchrun --nproc-per-node {world} -m vkv.demo.tp " + " ".join(sys.argv[1:]),
                            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -164,7 +162,7 @@ def main(argv=None) -> int:
                                          "step_us_p50": float(np.percentile(reference.reserve_us, 50)),
                                          "step_us_p99": float(np.percentile(reference.reserve_us, 99))},
                            "ranks": [{k: v for k, v in entry.items() if k != "tokens"} for entry in everyone]},
-                          out, indent=1)
+                          args.out, f"tp{world}_{tag}")
             print(f"wrote {path}")
     dist.destroy_process_group()
     return status

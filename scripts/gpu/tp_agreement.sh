@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On a 2-GPU machine (kind nvidia-h100-x2), within ~6 minutes including the build: what
+# TensorParallelCache.step() costs over two ranks, one GPU each, agreeing through shared
+# memory (issue 32 item 5: goal p50 <= 50 us, p99 <= 150 us, against a bare KVCache.step()),
+# with a 1 ms "forward" between calls and back to back; then the 2-rank serving demo
+# against 1 rank (its throughput ratio must stay ~1.29x). Results and logs in OUT_DIR.
+#   scripts/gpu/tp_agreement.sh OUT_DIR
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${1:?usage: scripts/gpu/tp_agreement.sh OUT_DIR}"
+mkdir -p "$out/logs"
+deadline=$((SECONDS + ${VKV_GPU_SECONDS:-340}))
+left() { local l=$((deadline - SECONDS)); l=$((l < $1 ? l : $1)); echo $((l > 1 ? l : 1)); }
+status=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps . \
+  > "$out/logs/build.log" 2>&1 || { echo "build failed"; tail -20 "$out/logs/build.log"; exit 1; }
+echo "built at ${SECONDS}s"
+bench="$PWD/benchmarks/tp_agreement.py"
+for gap in 1000 0; do
+  (cd /tmp && PYTHONUNBUFFERED=1 timeout "$(left 120)" python3 "$bench" --device cuda --gap-us "$gap" --out "$out") \
+    > "$out/logs/tp_agreement_gap$gap.log" 2>&1 || { echo "tp_agreement --gap-us $gap: exit $?"; status=1; }
+  grep -E "^(KVCache|TensorParallel|all-reduce|_prepare)" "$out/logs/tp_agreement_gap$gap.log" | sed "s/^/gap $gap us: /"
+done
+(cd /tmp && timeout "$(left 150)" torchrun --nproc-per-node 2 -m vkv.demo.tp --device cuda --requests 48 --out "$out") \
+  > "$out/logs/demo_tp.log" 2>&1 || { echo "demo tp: exit $?"; status=1; }
+grep -iE "throughput|tok/s|x1|ranks agree" "$out/logs/demo_tp.log" | tail -6
+echo "status $status, ${SECONDS}s"
+tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"  # one file back
+exit $status
