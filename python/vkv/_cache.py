@@ -10,16 +10,13 @@ import torch
 
 from . import _C, _parameters
 from ._errors import in_callers_words
+from ._reservation_view import Backing, ReservationView
 
 SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor, Mapping[int, int]]
 
 
 def _expect_count(name: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} = {value!r} must be an int")
-    if value < low:
-        raise ValueError(f"{name} = {value} must be >= {low}")
-    return int(value)
+    return _parameters.expect_int(name, value, low)
 
 
 # The core's names for these calls' parameters -> KVCache's.
@@ -91,12 +88,15 @@ class KVCache:
         self.max_batch_size: int = config.max_batch_size
         self.max_context_len: int = config.max_context_len
         whole = _C.reservation_tensor(self._core, str(self.device)).view(self.dtype)
+        self._backing = Backing(self)
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
         self._values = [self._view(whole, layer, value=True) for layer in range(self.num_layers)]
 
     def _view(self, whole: torch.Tensor, layer: int, value: bool) -> torch.Tensor:
         offset_bytes, shape, strides = self._core.view(layer, value)
-        return whole.as_strided(shape, strides, offset_bytes // self.dtype.itemsize)
+        # A ReservationView: printing, pickling or copying it never reads unmapped memory.
+        return ReservationView.wrap(whole.as_strided(shape, strides, offset_bytes // self.dtype.itemsize),
+                                    self._backing)
 
     # -- tensors -------------------------------------------------------------------
 
@@ -369,16 +369,14 @@ class KVCache:
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise ValueError(f"layer = {layer!r} must be an int")
+        _parameters.expect_int("layer", layer, low=-(1 << 63))
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer = {layer} is out of range: the cache has {self.num_layers} layers")
         return int(layer)
 
     def _slot(self, slot: int) -> int:
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
-            raise ValueError(f"slot = {slot!r} must be an int")
-        if slot < 0:
+        _parameters.expect_int("slot", slot, low=-(1 << 63))
+        if slot < 0:  # the core names a slot past the end
             raise ValueError(f"slot = {slot} is out of range: max_batch_size = {self.max_batch_size}")
         return int(slot)
 
