@@ -101,7 +101,12 @@ class KVCache:
     # -- tensors -------------------------------------------------------------------
 
     def key(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s keys, ``[max_batch_size, max_context_len, num_kv_heads, head_dim]``."""
+        """Layer ``layer``'s keys, ``[max_batch_size, max_context_len, num_kv_heads, head_dim]``.
+
+        A torch.Tensor (``vkv._reservation_view.ReservationView``): printing, pickling, ``copy.deepcopy``
+        and ``torch.save`` of it and of its views copy only the elements the view covers,
+        and raise RuntimeError (repr: says so) when no page backs some of them, instead of
+        reading unmapped memory."""
         return self._live()._keys[self._layer(layer)]
 
     def value(self, layer: int) -> torch.Tensor:

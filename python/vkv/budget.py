@@ -121,7 +121,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     resize = commands.add_parser("resize", help="change the capacity; members give back cached pages")
     resize.add_argument("name")
     resize.add_argument("size", type=parse_size, help="new capacity, e.g. 24GiB")
-    resize.add_argument("--wait", type=parse_wait, default=1.0, help="seconds to wait for the members' answers (default 1)")
+    resize.add_argument("--wait", type=parse_wait, default=1.0,
+                        help="seconds to wait for the members' answers (default 1)")
     remove = commands.add_parser("remove", help="remove the name (caches already in it keep working)")
     remove.add_argument("name")
     return parser.parse_args(argv)

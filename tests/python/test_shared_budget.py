@@ -212,7 +212,8 @@ def test_a_size_without_a_known_unit_is_refused():
 
 @pytest.mark.parametrize("call, message", [
     (lambda name: vkv.SharedBudget.create(name, 1, device="cpu"), "bytes = 1 .* less than one page"),
-    (lambda name: vkv.SharedBudget.create(name, 2**64, device="cpu"), r"bytes = 18446744073709551616 must be <= 2\*\*64 - 1"),
+    (lambda name: vkv.SharedBudget.create(name, 2**64, device="cpu"),
+     r"bytes = 18446744073709551616 must be <= 2\*\*64 - 1"),
     (lambda name: vkv.SharedBudget.create(name, -1, device="cpu"), "bytes = -1 must be >= 1"),
     (lambda name: vkv.SharedBudget.create(name, 1.5, device="cpu"), "bytes = 1.5 must be an int"),
     (lambda name: vkv.SharedBudget.create(name, HOST_PAGE, device="cpu", mode=-1), "mode = -1 must be >= 0"),
@@ -232,7 +233,8 @@ def test_bad_arguments_raise_value_error_naming_the_value(call, message):
 
 @pytest.mark.parametrize("arguments, message", [
     ((1,), "less than one page"), ((2**64,), "bytes = 18446744073709551616"), ((-5,), "bytes = -5"),
-    ((HOST_PAGE, float("inf")), "wait = inf"), ((HOST_PAGE, float("nan")), "wait = nan"), ((HOST_PAGE, -1), "wait = -1"),
+    ((HOST_PAGE, float("inf")), "wait = inf"), ((HOST_PAGE, float("nan")), "wait = nan"),
+    ((HOST_PAGE, -1), "wait = -1"),
     ((HOST_PAGE, 2**64), "wait = 18446744073709551616"),
 ])
 def test_resize_refuses_bad_arguments_and_changes_nothing(budget, arguments, message):
