@@ -88,7 +88,7 @@ class KVCache:
         self.max_batch_size: int = config.max_batch_size
         self.max_context_len: int = config.max_context_len
         whole = _C.reservation_tensor(self._core, str(self.device)).view(self.dtype)
-        self._backing = Backing(self)
+        self._backing = Backing(self, bool(arguments["zero_page"]))
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
         self._values = [self._view(whole, layer, value=True) for layer in range(self.num_layers)]
 
@@ -344,6 +344,7 @@ class KVCache:
         if self._core is not None:
             self._core.stop_background()
         self._core = None
+        self._backing = None  # the views keep theirs (and the core): memory goes with the last of them
         self._keys = []
         self._values = []
 

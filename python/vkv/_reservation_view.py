@@ -19,7 +19,6 @@ disabled for the class: no overhead on the engine's path).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -32,9 +31,12 @@ _CHECK_CHUNK = 1 << 22
 class Backing:
     """What the views of one cache need to tell backed bytes from unbacked ones."""
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Any, zero_page: bool) -> None:
         core = cache._core
-        self._cache = weakref.ref(cache)  # its seq_lens while it is open; no cycle through the views
+        # The core, not the KVCache: the views' storage keeps the core alive past close()
+        # anyway (its pages stay mapped), and its seq_lens still tell what is backed.
+        self._core = core
+        self.zero_page = zero_page  # unbacked memory reads as zeros: every byte is readable
         self.base: int = core.base
         self.page_bytes: int = core.page_bytes
         self.token_bytes: int = core.token_bytes
@@ -42,25 +44,20 @@ class Backing:
         self.slot_bytes: int = -(-cache.max_context_len * self.token_bytes // self.page_bytes) * self.page_bytes
         self.region_bytes: int = self.slot_bytes * self.max_batch_size
 
-    def backed_bytes_per_slot(self) -> Optional[np.ndarray]:
+    def backed_bytes_per_slot(self) -> np.ndarray:
         """Bytes at the start of each slot's run (in every region) that pages claimed by its
-        tokens back; None once the cache is closed (nothing can be told any more)."""
-        cache = self._cache()
-        if cache is None or cache.closed:
-            return None
-        tokens = np.asarray(cache.seq_lens(), dtype=np.int64)
+        tokens back."""
+        tokens = np.asarray(self._core.seq_lens(), dtype=np.int64)
         return -(-tokens * self.token_bytes // self.page_bytes) * self.page_bytes
 
-    def unbacked_elements(self, view: torch.Tensor) -> Optional[int]:
-        """How many of the view's elements lie outside backed memory; None when the cache is
-        closed. 0 for a tensor that is not over this reservation."""
-        if view.untyped_storage().data_ptr() != self.base:
-            return 0  # a copy: its own memory
+    def unbacked_elements(self, view: torch.Tensor) -> int:
+        """How many of the view's elements lie outside backed memory; 0 for a tensor that
+        is not over this reservation, and with zero_page=True."""
+        if self.zero_page or view.untyped_storage().data_ptr() != self.base:
+            return 0  # readable everywhere, or a copy with its own memory
         itemsize = view.element_size()
         start = view.data_ptr() - self.base
         backed = self.backed_bytes_per_slot()
-        if backed is None:
-            return None
         return _count_unbacked(start, list(view.shape), [s * itemsize for s in view.stride()], itemsize,
                                backed, self.slot_bytes, self.region_bytes)
 
@@ -113,9 +110,6 @@ class ReservationView(torch.Tensor):
         """The view's elements in a tensor of their own; RuntimeError when some are unbacked."""
         backing = self._vkv_backing
         unbacked = 0 if backing is None else backing.unbacked_elements(self)
-        if unbacked is None:
-            raise RuntimeError(f"{what} of a vkv cache view after its cache was closed: which of its bytes are "
-                               "mapped cannot be told; clone() the tokens you need before close()")
         if unbacked:
             raise RuntimeError(
                 f"{what} of a vkv cache view of shape {list(self.shape)} would read {unbacked} of its "

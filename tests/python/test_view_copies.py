@@ -94,15 +94,30 @@ def test_views_after_close_and_plain_results_stay_safe():
         view = cache.key(1)[slot, :100]
         doubled = view * 2  # arithmetic: a plain tensor of its own
         assert type(doubled) is torch.Tensor and pickle.loads(pickle.dumps(doubled))[0, 0, 0] == 4.0
-        kept = cache.key(0)
+        whole = cache.key(0)
         cache.close()
-        assert "closed" in repr(kept)
+        del cache
+        # The views keep the memory (and what tells backed from unbacked) past close().
+        assert torch.equal(pickle.loads(pickle.dumps(view)), torch.full((100, 2, 64), 2.0, dtype=torch.float16))
+        assert "not printed" in repr(whole)
         try:
-            pickle.dumps(view)
+            pickle.dumps(whole)
         except RuntimeError as error:
-            assert "closed" in str(error), error
+            assert "no page backs" in str(error), error
         else:
-            raise AssertionError("pickled a view of a closed cache")
+            raise AssertionError("pickled unmapped memory after close()")
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_with_zero_page_every_view_prints_and_copies_in_full():
+    out = run("""
+        zeroed = small_cache(zero_page=True)
+        a = zeroed.alloc_reqid()
+        zeroed.step([10, 0, 0, 0])
+        assert "tensor(" in repr(zeroed.key(0)[:, :2, 0, :2])
+        assert copy.deepcopy(zeroed.key(0)[3, 4000:]).abs().sum().item() == 0
         print("ok")
     """)
     assert out.strip() == "ok"
