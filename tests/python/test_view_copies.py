@@ -19,19 +19,22 @@ import copy, io, pickle, sys
 import torch
 sys.path.insert(0, {here!r})
 from conftest import small_cache
-cache = small_cache(layout={layout!r})
+cache = small_cache({device!r}, layout={layout!r})
 slot = cache.alloc_reqid()
 cache.step([100] + [0] * 3)
 with torch.no_grad():
     for layer in range(cache.num_layers):
         cache.key(layer)[slot, :100] = layer + 1
         cache.value(layer)[slot, :100] = -(layer + 1)
+# 100 tokens of the slot past the pages its 100 tokens claim: no page backs them.
+first = -(-100 // cache.tokens_per_page) * cache.tokens_per_page
+unbacked = slice(first, first + 100)
 """
 
 
-def run(body, layout="interleaved"):
+def run(body, layout="interleaved", device="cpu"):
     """Runs `body` after the prelude in a fresh interpreter; returns its stdout."""
-    script = PRELUDE.format(here=str(HERE), layout=layout) + textwrap.dedent(body)
+    script = PRELUDE.format(here=str(HERE), layout=layout, device=device) + textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr}"
     return done.stdout
@@ -40,14 +43,27 @@ def run(body, layout="interleaved"):
 LAYOUTS = ["interleaved", "per_layer"]
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """The host backend always; CUDA where there is a GPU (an unbacked read there would end
+    the CUDA context: the same checks must hold)."""
+    if request.param == "cuda":
+        import vkv
+
+        if not (vkv.cuda_available() and torch.cuda.is_available()):
+            pytest.skip("no CUDA device")
+    return request.param
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_views_of_backed_tokens_copy_only_what_they_cover(layout):
+def test_views_of_backed_tokens_copy_only_what_they_cover(layout, device):
     out = run("""
         view = cache.key(1)[slot, :100]
         data = pickle.dumps(view)
         assert len(data) < 100_000, len(data)  # the view's 25 KiB, not the reservation
         back = pickle.loads(data)
-        assert type(back) is torch.Tensor and torch.equal(back, torch.full((100, 2, 64), 2.0, dtype=torch.float16))
+        expected = torch.full((100, 2, 64), 2.0, dtype=torch.float16, device=cache.device)
+        assert type(back) is torch.Tensor and torch.equal(back, expected)
         deep = copy.deepcopy(view)
         assert type(deep) is torch.Tensor and torch.equal(deep, back)
         assert deep.untyped_storage().nbytes() == 100 * 2 * 64 * 2
@@ -60,23 +76,24 @@ def test_views_of_backed_tokens_copy_only_what_they_cover(layout):
         assert "2." in repr(view) and "tensor(" in repr(view)
         assert "2." in str(cache.key(1)[slot, 5]) and f"{cache.key(1)[slot, 0, 0, 0]:.1f}" == "2.0"
         assert cache.key(1)[slot, :100, 0, 0].tolist() == [2.0] * 100
-        assert cache.key(1)[slot].narrow(0, 0, 10).numpy().shape == (10, 2, 64)
+        assert cache.key(1)[slot].narrow(0, 0, 10).cpu().shape == (10, 2, 64)
         print("ok")
-    """, layout)
+    """, layout, device)
     assert out.strip() == "ok"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_views_over_unmapped_memory_raise_instead_of_crashing(layout):
+def test_views_over_unmapped_memory_raise_instead_of_crashing(layout, device):
     out = run("""
         whole = cache.key(0)
         text = repr(whole)  # the debugging print of a whole layer: never a crash
-        assert text.startswith("<vkv cache view: shape=[4, 4096, 2, 64]") and "not printed" in text, text
+        assert text.startswith(f"<vkv cache view: shape=[4, {cache.max_context_len}, 2, 64]"), text
+        assert "not printed" in text, text
         assert "zero_page=False" in str(whole)
         for what, call in [("pickling", lambda: pickle.dumps(whole)),
-                           ("pickling", lambda: pickle.dumps(cache.key(0)[slot, :4096])),
+                           ("pickling", lambda: pickle.dumps(cache.key(0)[slot])),
                            ("copy.deepcopy", lambda: copy.deepcopy(cache.value(2)[1:, :10])),
-                           ("pickling", lambda: torch.save(cache.key(3)[slot, 300:400], io.BytesIO())),
+                           ("pickling", lambda: torch.save(cache.key(3)[slot, unbacked], io.BytesIO())),
                            ("tolist()", lambda: cache.key(0)[2].tolist())]:
             try:
                 call()
@@ -84,8 +101,10 @@ def test_views_over_unmapped_memory_raise_instead_of_crashing(layout):
                 assert str(error).startswith(what) and "no page backs" in str(error), error
             else:
                 raise AssertionError(f"{what} of unmapped memory did not raise")
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize()  # the context is alive: nothing read unmapped memory
         print("ok")
-    """, layout)
+    """, layout, device)
     assert out.strip() == "ok"
 
 
