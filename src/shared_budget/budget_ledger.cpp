@@ -285,7 +285,8 @@ BudgetView BudgetLedger::view() {
     const char* broken = nullptr;
     if (row.pid < 0) broken = "a negative pid";
     else if (!read_text(row.command, sizeof(row.command), member.command)) broken = "a command that is not text";
-    else if (row.page_bytes == 0 || (row.page_bytes & (row.page_bytes - 1)) != 0) broken = "a page size that is not a power of 2";
+    else if (row.page_bytes == 0 || (row.page_bytes & (row.page_bytes - 1)) != 0)
+      broken = "a page size that is not a power of 2";
     if (broken != nullptr)
       throw Error(concat("a shared budget's member row ", i, " is corrupted (", broken, "; pid ", row.pid,
                          ", page_bytes ", row.page_bytes, "): something other than vkv wrote its shared object; "

@@ -83,8 +83,6 @@ void expect_valid_capacity(const std::string& name, std::size_t bytes, std::size
               detail::format_bytes(device_total), ")");
 }
 
-}  // namespace
-
 // The smallest page a member on the backend's device can have: the least capacity. A
 // CUDA page is at least the driver's granularity (the backend's default page); a host
 // page, one of the OS.
@@ -93,6 +91,8 @@ std::size_t smallest_page(const std::shared_ptr<Backend>& backend) {
     return static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   return backend->page_bytes();
 }
+
+}  // namespace
 
 struct SharedBudget::State {
   std::string name;

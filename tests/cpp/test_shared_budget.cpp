@@ -387,7 +387,8 @@ std::string budget_path(const BudgetName& name) { return "/dev/shm/vkv-budget-" 
 
 TEST(SharedBudgetTest, NamesAShellWouldMisreadAndBudgetsBelowOnePageAreRefused) {
   for (const std::string bad : {".", "..", "-x", "--help"})
-    EXPECT_NE(error_of([&] { SharedBudget::create(bad, 64 << 20, host()); }).find("must not be '.' or '..' nor start with '-'"),
+    EXPECT_NE(error_of([&] { SharedBudget::create(bad, 64 << 20, host()); })
+                  .find("must not be '.' or '..' nor start with '-'"),
               std::string::npos) << bad;
   BudgetName name;
   const std::string tiny = error_of([&] { SharedBudget::create(name.str(), 1, host()); });
