@@ -276,3 +276,36 @@ def test_the_command_line_answers_bad_arguments_in_one_line(argv, message):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+# -- a squatted, widened or truncated object (issue 30, item 3) -----------------------------
+
+
+def budget_path(budget):
+    return f"/dev/shm/vkv-budget-{budget.name}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make the object another user's")
+def test_another_users_world_writable_budget_is_refused(budget):
+    os.chmod(budget_path(budget), 0o666)
+    os.chown(budget_path(budget), 65534, 65534)  # as a squatter 'nobody' would have left it
+    with pytest.raises(ValueError, match=r"is owned by uid 65534 \(mode 0666.*refusing to join it"):
+        vkv.SharedBudget.open(budget.name)
+    with pytest.raises(ValueError, match="is owned by uid 65534"):
+        small_cache(shared_budget=budget.name)
+    done = subprocess.run([sys.executable, "-m", "vkv.budget", "show", budget.name], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1 and "uid 65534" in done.stderr
+
+
+def test_a_widened_or_truncated_budget_is_refused_before_it_is_mapped(budget):
+    os.chmod(budget_path(budget), 0o666)
+    with pytest.raises(ValueError,
+                       match=r"writable by more users than its creator chose \(mode 0666, created with 0600"):
+        vkv.SharedBudget.open(budget.name)
+    os.chmod(budget_path(budget), 0o600)
+    os.truncate(budget_path(budget), 100)
+    with pytest.raises(ValueError, match="is 100 bytes, less than the"):
+        vkv.SharedBudget.open(budget.name)
+    with pytest.raises(ValueError, match="is 100 bytes"):
+        small_cache(shared_budget=budget.name)
