@@ -34,7 +34,10 @@ class SharedMapping {
   /// Only an object this user or root owns is trusted, or one another user shares with a
   /// group this process is in and with no one else (mode ---rw----, no bits for others):
   /// whoever can write the object can truncate it under every member (SIGBUS) or hold
-  /// its lock, so the object must be no more writable than its creator chose.
+  /// its lock, so the object must be no more writable than its creator chose. A trusted
+  /// user who truncates it after it is mapped still raises SIGBUS in every member that
+  /// touches it: MAP_POPULATE or mlock cannot prevent that (truncation takes the pages out
+  /// of every mapping), and shm_open objects cannot be sealed like a memfd.
   /// @throws InvalidArgument when there is none, permission is denied, its owner or mode is
   ///         not trusted (naming owner, mode and this process's uid) or it is too short to
   ///         be what the caller expects; Error otherwise.
