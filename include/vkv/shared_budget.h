@@ -17,7 +17,9 @@
 // The budget is a named POSIX shared-memory object (/dev/shm/vkv-budget-<name>); it
 // lives until remove() (or a reboot), whoever created it. No daemon runs.
 //
-// Thread-safety: every call is thread-safe and process-safe.
+// Thread-safety: every call is thread-safe and process-safe. A process stopped while it
+// holds the budget's lock (SIGSTOP, a debugger) makes the others' calls throw vkv::Error
+// naming its pid after VKV_SHARED_LOCK_TIMEOUT seconds (default 10), never hang.
 #pragma once
 
 #include <cstddef>
@@ -58,19 +60,22 @@ struct SharedBudgetStats {
 
 class SharedBudget {
  public:
-  /// Names: 1-200 characters of [A-Za-z0-9._-].
+  /// Names: 1-200 characters of [A-Za-z0-9._-]; not '.' or '..', not starting with '-'.
   static constexpr std::size_t kMaxNameLength = 200;
   /// Default permission bits: the creating user's processes only.
   static constexpr unsigned kDefaultMode = 0600;
 
   /// Creates a budget of `bytes` over `device` ("auto" resolves as for a cache).
   /// `mode`: who may join (permission bits of the shared object, e.g. 0660 for a group).
-  /// @throws InvalidArgument for a bad name, a budget of 0 or larger than the device's
-  ///         memory (naming both), a name that exists already, or permission denied.
+  /// @throws InvalidArgument for a bad name, a budget smaller than one of the device's pages
+  ///         or larger than its memory (naming both), a name that exists already, or
+  ///         permission denied.
   static SharedBudget create(const std::string& name, std::size_t bytes, const Device& device = Device{},
                              unsigned mode = kDefaultMode);
   /// Opens an existing budget. @throws InvalidArgument for a bad or unknown name,
-  ///         permission denied, or an object that is not a vkv budget of this version.
+  ///         permission denied, an object owned by another user (root aside; unless shared
+  ///         with a group of this user's and nobody else) or more writable than its creator
+  ///         chose, or one that is not a vkv budget of this version.
   static SharedBudget open(const std::string& name);
   /// Removes the name: no cache can join any more; caches already in it keep working, and
   /// the memory goes when the last of them closes. Returns false when there was none.
@@ -87,7 +92,8 @@ class SharedBudget {
   /// from its own thread) and waits up to `wait_ms` for their answers; pages requests
   /// claim stay until the requests finish, and meanwhile no member creates a page. Returns
   /// the stats after it.
-  /// @throws InvalidArgument for 0 bytes or more than the device's memory.
+  /// @throws InvalidArgument for less than one page of the device or of a member, or more
+  ///         than the device's memory.
   SharedBudgetStats resize(std::size_t bytes, unsigned wait_ms = 1000);
   SharedBudgetStats stats() const;
 

@@ -10,16 +10,13 @@ import torch
 
 from . import _C, _parameters
 from ._errors import in_callers_words
+from ._reservation_view import Backing, ReservationView
 
 SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor, Mapping[int, int]]
 
 
 def _expect_count(name: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} = {value!r} must be an int")
-    if value < low:
-        raise ValueError(f"{name} = {value} must be >= {low}")
-    return int(value)
+    return _parameters.expect_int(name, value, low)
 
 
 # The core's names for these calls' parameters -> KVCache's.
@@ -94,17 +91,25 @@ class KVCache:
         self.max_batch_size: int = config.max_batch_size
         self.max_context_len: int = config.max_context_len
         whole = _C.reservation_tensor(self._core, str(self.device)).view(self.dtype)
+        self._backing = Backing(self, bool(arguments["zero_page"]))
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
         self._values = [self._view(whole, layer, value=True) for layer in range(self.num_layers)]
 
     def _view(self, whole: torch.Tensor, layer: int, value: bool) -> torch.Tensor:
         offset_bytes, shape, strides = self._core.view(layer, value)
-        return whole.as_strided(shape, strides, offset_bytes // self.dtype.itemsize)
+        # A ReservationView: printing, pickling or copying it never reads unmapped memory.
+        return ReservationView.wrap(whole.as_strided(shape, strides, offset_bytes // self.dtype.itemsize),
+                                    self._backing)
 
     # -- tensors -------------------------------------------------------------------
 
     def key(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s keys, ``[max_batch_size, max_context_len, num_kv_heads, head_dim]``."""
+        """Layer ``layer``'s keys, ``[max_batch_size, max_context_len, num_kv_heads, head_dim]``.
+
+        A torch.Tensor (``vkv._reservation_view.ReservationView``): printing, pickling, ``copy.deepcopy``
+        and ``torch.save`` of it and of its views copy only the elements the view covers,
+        and raise RuntimeError (repr: says so) when no page backs some of them, instead of
+        reading unmapped memory."""
         return self._live()._keys[self._layer(layer)]
 
     def value(self, layer: int) -> torch.Tensor:
@@ -361,6 +366,7 @@ class KVCache:
         if self._core is not None:
             self._core.stop_background()
         self._core = None
+        self._backing = None  # the views keep theirs (and the core): memory goes with the last of them
         self._keys = []
         self._values = []
 
@@ -391,16 +397,14 @@ class KVCache:
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise ValueError(f"layer = {layer!r} must be an int")
+        _parameters.expect_int("layer", layer, low=-(1 << 63))
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer = {layer} is out of range: the cache has {self.num_layers} layers")
         return int(layer)
 
     def _slot(self, slot: int) -> int:
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
-            raise ValueError(f"slot = {slot!r} must be an int")
-        if slot < 0:
+        _parameters.expect_int("slot", slot, low=-(1 << 63))
+        if slot < 0:  # the core names a slot past the end
             raise ValueError(f"slot = {slot} is out of range: max_batch_size = {self.max_batch_size}")
         return int(slot)
 

@@ -88,6 +88,24 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+UINT64_MAX = (1 << 64) - 1
+
+
+def expect_int(name: str, value: Any, low: int = 0, high: int = UINT64_MAX) -> int:
+    """``value`` as an int in [low, high]: every public integer argument of the cache and the
+    shared budget goes through here, so that a bool, a float, a negative value or one of
+    2**64 and more raises ValueError naming the parameter and the value (not pybind's
+    "incompatible function arguments")."""
+    if not _is_int(value):
+        raise ValueError(f"{name} = {value!r} must be an int")
+    if value < low:
+        raise ValueError(f"{name} = {value} must be >= {low}")
+    if value > high:
+        limit = "2**64 - 1" if high == UINT64_MAX else str(high)
+        raise ValueError(f"{name} = {value} must be <= {limit}")
+    return int(value)
+
+
 def _memory_budget(memory_budget: Optional[int]) -> Any:
     if memory_budget is None:
         return 0  # the core's "enough for every slot"

@@ -15,9 +15,24 @@ from __future__ import annotations
 
 from typing import Any, Dict, Union
 
+import math
+
 import torch
 
 from . import _C
+from ._parameters import expect_int
+
+# resize()'s wait goes to the core in whole milliseconds, as an unsigned 32-bit count.
+_MAX_WAIT_S = (2**32 - 1) / 1000
+
+
+def _expect_wait(wait: float) -> int:
+    """``wait`` seconds as the core's milliseconds; ValueError names a bad value."""
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)):
+        raise ValueError(f"wait = {wait!r} must be a number of seconds")
+    if not (math.isfinite(wait) and 0 <= wait <= _MAX_WAIT_S):
+        raise ValueError(f"wait = {wait} must be between 0 and {_MAX_WAIT_S:.0f} seconds")
+    return int(wait * 1000)
 
 
 def _device_text(device: Union[str, torch.device]) -> str:
@@ -48,14 +63,31 @@ class SharedBudget:
             mode: permission bits: who may join (0o600: this user; 0o660: its group too).
 
         Raises:
-            ValueError: a bad name, 0 bytes or more than the device has (naming both), a
-                name that exists already, or permission denied.
+            ValueError: a bad name ('.', '..' and names starting with '-' too), ``bytes``
+                less than one page of the device or more than it has (naming both), a
+                ``bytes`` or ``mode`` that is not an int in range, a name that exists
+                already, or permission denied.
         """
+        bytes = expect_int("bytes", bytes, low=1)  # noqa: A001
+        mode = expect_int("mode", mode, low=0, high=0o777)
+        if not isinstance(name, str):
+            raise ValueError(f"name = {name!r} must be a str")
         return cls(_C.SharedBudget.create(name, bytes, _device_text(device), mode))
 
     @classmethod
     def open(cls, name: str) -> "SharedBudget":
-        """Opens an existing budget. Raises ValueError when there is none (or no permission)."""
+        """Opens an existing budget.
+
+        Raises:
+            ValueError: there is none, no permission, or it is owned by another user (root
+                aside; unless shared with a group of this user only) or more writable than
+                its creator chose.
+            RuntimeError: a member process holds its lock for longer than
+                VKV_SHARED_LOCK_TIMEOUT seconds (default 10; it is stopped or stuck: the
+                message names its pid).
+        """
+        if not isinstance(name, str):
+            raise ValueError(f"name = {name!r} must be a str")
         return cls(_C.SharedBudget.open(name))
 
     @staticmethod
@@ -74,11 +106,11 @@ class SharedBudget:
         meanwhile no member creates a page. Returns ``stats()`` after it.
 
         Raises:
-            ValueError: 0 bytes, or more than the device's memory.
+            ValueError: less than one page of the device or of a member, more than the
+                device's memory, or a ``bytes`` or ``wait`` out of range (naming it).
         """
-        if wait < 0:
-            raise ValueError(f"wait = {wait} must be >= 0 seconds")
-        return self._handle.resize(bytes, int(wait * 1000))
+        bytes = expect_int("bytes", bytes, low=1)  # noqa: A001
+        return self._handle.resize(bytes, _expect_wait(wait))
 
     def stats(self) -> Dict[str, Any]:
         """The budget and its members (members whose process is gone are counted out first):

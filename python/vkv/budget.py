@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NoReturn, Optional
 
 from ._shared_budget import SharedBudget
 
@@ -31,7 +32,40 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"size {text!r} is not a number of bytes or a number with a unit "
                                          "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = match.group(1)
+    size = int(number) * _UNITS[unit] if number.isdigit() else int(float(number) * _UNITS[unit])
+    if size >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"size {text!r} is {size} bytes, more than 64 bits hold")
+    return size
+
+
+def parse_mode(text: str) -> int:
+    """'660' -> 0o660. argparse type: permission bits in octal, 0 to 777."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"mode {text!r} is not permission bits in octal (0 to 777, e.g. 600 or 660)")
+    return mode
+
+
+def parse_wait(text: str) -> float:
+    """'2.5' -> 2.5. argparse type: a finite number of seconds >= 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and 0 <= seconds <= (2**32 - 1) / 1000):
+        raise argparse.ArgumentTypeError(f"wait {text!r} is not a number of seconds from 0 to 4294967")
+    return seconds
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line on stderr (exit status 2), no usage block."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
 def format_bytes(count: int) -> str:
@@ -72,14 +106,14 @@ def table(stats: Dict[str, Any]) -> str:
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vkv.budget", description=__doc__,
+    parser = _OneLineParser(prog="python -m vkv.budget", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     create = commands.add_parser("create", help="create a budget")
     create.add_argument("name")
     create.add_argument("size", type=parse_size, help="capacity, e.g. 40GiB")
     create.add_argument("--device", default="auto", help="auto (a GPU if present), cpu, cuda or cuda:N")
-    create.add_argument("--mode", type=lambda text: int(text, 8), default=0o600,
+    create.add_argument("--mode", type=parse_mode, default=0o600,
                         help="permission bits in octal: who may join (default 600: this user; 660: its group too)")
     show = commands.add_parser("show", help="print the budget and its members")
     show.add_argument("name")
@@ -87,7 +121,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     resize = commands.add_parser("resize", help="change the capacity; members give back cached pages")
     resize.add_argument("name")
     resize.add_argument("size", type=parse_size, help="new capacity, e.g. 24GiB")
-    resize.add_argument("--wait", type=float, default=1.0, help="seconds to wait for the members' answers (default 1)")
+    resize.add_argument("--wait", type=parse_wait, default=1.0,
+                        help="seconds to wait for the members' answers (default 1)")
     remove = commands.add_parser("remove", help="remove the name (caches already in it keep working)")
     remove.add_argument("name")
     return parser.parse_args(argv)
@@ -107,8 +142,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif not SharedBudget.remove_name(args.name):
             print(f"vkv.budget: no shared budget named '{args.name}'", file=sys.stderr)
             return 1
-    except ValueError as error:
-        print(f"vkv.budget: {error}", file=sys.stderr)
+    except (ValueError, RuntimeError, OverflowError, MemoryError, OSError) as error:
+        # One line, never a traceback: a refusal (ValueError), a stopped member holding the
+        # lock or a corrupted budget (RuntimeError).
+        text = " ".join(str(error).split())
+        print(f"vkv.budget: {text}", file=sys.stderr)
         return 2
     return 0
 

@@ -59,7 +59,12 @@ the error is then raised on every rank by the next call that agrees before actin
 (``step``, ``fork``, ``share_prefix``, ``swap_in``, ``set_budget``).
 
 Costs: per call one all-reduce (MAX) of ``4 + 2 * (ints compared)`` int64s; two for
-``fork``, ``share_prefix``, ``swap_in``, ``set_budget`` and a copying ``step``. None
+``fork``, ``share_prefix``, ``swap_in``, ``set_budget`` and a copying ``step``. Over gloo
+each all-reduce that compares values is two: a fixed-size header first (the flags, the
+call and how many values), so ranks that make different calls (rank 0 in ``step``,
+rank 1 in ``alloc_reqid``) all raise ``RuntimeError`` naming every rank's call and break
+the wrapper, instead of handing gloo tensors of different sizes (which aborts the
+process); through shared memory the segment checks the same. None
 waits for the device. When every rank of the group is on this host (found out once, at
 construction: same boot of the same machine, and a shared segment every rank could open)
 the all-reduce goes through shared memory (``include/vkv/host_all_reduce.h``): each rank
@@ -392,12 +397,35 @@ class TensorParallelCache:
                 raise RuntimeError(f"vkv.distributed: {self._broken}; this TensorParallelCache refuses every "
                                    "later call (close the caches and build new ones)") from failure
         else:
-            tensor = torch.tensor(status, dtype=torch.int64)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._agreement)
-            reduced = tensor.tolist()
+            reduced = self._gloo_all_reduce(what, status, len(values))
         count = len(values)
         disagree = reduced[4:4 + count] != [-low for low in reduced[4 + count:]]
         return _Outcome(reduced[0], bool(reduced[1]), bool(reduced[2]), bool(reduced[3]), disagree)
+
+    def _gloo_all_reduce(self, what: str, status: List[int], count: int) -> List[int]:
+        """The all-reduce over gloo, in two parts so that ranks in different calls never hand
+        gloo tensors of different sizes (it aborts the process): a fixed-size header (the
+        four flags, the call and the count of compared values, and their negations for the
+        smallest), then the compared values when there are any. Ranks in different calls
+        all raise RuntimeError naming every rank's call, and the wrapper is broken (a rank
+        may have committed a call the others never made)."""
+        code = _CALL_CODES.get(what, len(_CALL_CODES))
+        header = torch.tensor(status[:4] + [code, count, -code, -count], dtype=torch.int64)
+        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self._agreement)
+        reduced = header.tolist()
+        if reduced[4] != -reduced[6] or reduced[5] != -reduced[7]:
+            calls: List[Any] = [None] * self.world_size
+            dist.all_gather_object(calls, (what, count), group=self._agreement)
+            listing = "; ".join(f"rank {rank}: {call} ({n} compared values)" for rank, (call, n) in enumerate(calls))
+            self._broken = f"the ranks made different calls ({listing})"
+            raise RuntimeError(f"vkv.distributed: {self._broken}: every rank must make the same state-changing "
+                               "calls in the same order; this TensorParallelCache refuses every later call "
+                               "(close the caches and build new ones)")
+        if count == 0:
+            return reduced[:4]
+        values = torch.tensor(status[4:], dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._agreement)
+        return reduced[:4] + values.tolist()
 
     def _gather(self, error: Optional[Exception], compared: Sequence[Any]) -> List[Dict[str, Any]]:
         """Every rank's error and values (only when something went wrong)."""
@@ -416,6 +444,10 @@ class TensorParallelCache:
             text += f" (failed on rank{'s' if len(others) > 1 else ''} {', '.join(others)} too)"
         return _rebuild(kind, text + note, extra)
 
+
+# The calls that agree, numbered for the gloo header (any other name gets the next number).
+_CALL_CODES = {name: code for code, name in enumerate(
+    ("alloc_reqid", "free_reqid", "step", "fork", "share_prefix", "swap_out", "swap_in", "set_budget", "trim"))}
 
 _SEVERITY = {"DriverError": 0, "OutOfMemory": 2, "ValueError": 3, "TypeError": 3}  # anything else: 1
 

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ._cache import KVCache
+from ._parameters import expect_int
 from ._errors import OutOfMemory
 
 __all__ = [
@@ -90,11 +91,7 @@ def _current() -> _State:
 
 
 def _expect_int(name: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} = {value!r} must be an int")
-    if value < low:
-        raise ValueError(f"{name} = {value} must be >= {low}")
-    return int(value)
+    return expect_int(name, value, low)
 
 
 def _device(device: Union[int, str, torch.device]) -> str:

@@ -13,27 +13,38 @@ namespace {
 // Request numbers wrap: `a` is at or after `b` when their difference, signed, is not negative.
 bool at_or_after(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(a - b) >= 0; }
 
+bool printable(char c) noexcept { return c >= 0x20 && c < 0x7f; }
+
+// NUL-terminated, printable ASCII: what view() accepts back (a process name may hold
+// other bytes, and cutting UTF-8 at 15 bytes would leave half a character).
 void copy_text(char* into, std::size_t size, const std::string& text) noexcept {
   std::memset(into, 0, size);
-  std::memcpy(into, text.data(), std::min(size - 1, text.size()));
+  const std::size_t length = std::min(size - 1, text.size());
+  for (std::size_t i = 0; i < length; ++i) into[i] = printable(text[i]) ? text[i] : '?';
+}
+
+// The text of a field copy_text() wrote; empty when it is not (no NUL, or other bytes).
+bool read_text(const char* from, std::size_t size, std::string& text) {
+  const std::size_t length = strnlen(from, size);
+  if (length == size || !std::all_of(from, from + length, printable)) return false;
+  text.assign(from, length);
+  return true;
 }
 
 ProcessIdentity identity_of(const BudgetMemberRecord& row) noexcept { return {row.pid, row.start_time}; }
 
 }  // namespace
 
-// Locks the mutex. When its owner died holding it, that process's half-done change may
-// have left `used` off: count the dead out and add `used` up again from the rows.
+// Locks the mutex (at most shared_lock_timeout(): a stopped holder costs an error naming
+// it, not a hang). When its owner died holding it, that process's half-done change may
+// have left `used` off (even wrapped below zero): count the dead out and add `used` up
+// again from the rows.
 class BudgetLedger::Lock {
  public:
-  explicit Lock(BudgetLedger& ledger) : lock_(ledger.segment_.mutex) {
+  explicit Lock(BudgetLedger& ledger) : lock_(ledger.segment_.mutex, "a shared budget") {
     if (!lock_.owner_died()) return;
     ledger.reap_locked();
-    BudgetSegment& segment = ledger.segment_;
-    std::uint64_t used = segment.reserved;
-    for (const BudgetMemberRecord& row : segment.members)
-      if (row.pid != 0) used += row.held;
-    segment.used.store(used, std::memory_order_relaxed);
+    ledger.recount_locked();
   }
 
  private:
@@ -41,8 +52,11 @@ class BudgetLedger::Lock {
 };
 
 void BudgetLedger::initialize(BudgetSegment& segment, std::size_t capacity, std::size_t device_total,
-                              const std::string& device, const std::string& identity) {
+                              const std::string& device, const std::string& identity, unsigned mode,
+                              std::size_t device_page_bytes) {
   segment.version = BudgetSegment::kVersion;
+  segment.mode = mode & 0777;
+  segment.device_page_bytes = device_page_bytes;
   segment.mutex.init();
   segment.capacity.store(capacity);
   segment.device_total = device_total;
@@ -243,6 +257,15 @@ std::size_t BudgetLedger::reap() {
   return reaped;
 }
 
+std::size_t BudgetLedger::largest_page() {
+  Lock lock(*this);
+  reap_locked();
+  std::uint64_t page = segment_.device_page_bytes;
+  for (const BudgetMemberRecord& row : segment_.members)
+    if (row.pid != 0) page = std::max(page, row.page_bytes);
+  return page;
+}
+
 BudgetView BudgetLedger::view() {
   Lock lock(*this);
   reap_locked();
@@ -251,11 +274,24 @@ BudgetView BudgetLedger::view() {
   view.used_bytes = segment_.used.load(std::memory_order_relaxed);
   view.reserved_bytes = segment_.reserved;
   view.device_total_bytes = segment_.device_total;
-  view.device = segment_.device;
-  for (const BudgetMemberRecord& row : segment_.members) {
+  VKV_EXPECTS(read_text(segment_.device, sizeof(segment_.device), view.device),
+              "a shared budget's device name is corrupted (not NUL-terminated text): remove the budget and create it "
+              "again");
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
     if (row.pid == 0) continue;
-    view.members.push_back({row.pid, std::string(row.command, strnlen(row.command, sizeof(row.command))),
-                            row.page_bytes, row.held, row.in_use.load(std::memory_order_relaxed), row.wanted});
+    BudgetMemberView member{row.pid, "", row.page_bytes, row.held, row.in_use.load(std::memory_order_relaxed),
+                            row.wanted};
+    const char* broken = nullptr;
+    if (row.pid < 0) broken = "a negative pid";
+    else if (!read_text(row.command, sizeof(row.command), member.command)) broken = "a command that is not text";
+    else if (row.page_bytes == 0 || (row.page_bytes & (row.page_bytes - 1)) != 0)
+      broken = "a page size that is not a power of 2";
+    if (broken != nullptr)
+      throw Error(concat("a shared budget's member row ", i, " is corrupted (", broken, "; pid ", row.pid,
+                         ", page_bytes ", row.page_bytes, "): something other than vkv wrote its shared object; "
+                         "remove the budget and create it again"));
+    view.members.push_back(std::move(member));
   }
   return view;
 }
@@ -274,6 +310,14 @@ std::size_t BudgetLedger::reap_locked() noexcept {
   return reaped;
 }
 
+// `used` from the rows: what repairs it after an owner died mid-change or it wrapped.
+void BudgetLedger::recount_locked() noexcept {
+  std::uint64_t used = segment_.reserved;
+  for (const BudgetMemberRecord& row : segment_.members)
+    if (row.pid != 0) used += row.held;
+  segment_.used.store(used, std::memory_order_relaxed);
+}
+
 void BudgetLedger::clear_row(BudgetMemberRecord& row) noexcept {
   row.pid = 0;
   row.start_time = 0;
@@ -290,6 +334,11 @@ void BudgetLedger::clear_row(BudgetMemberRecord& row) noexcept {
 void BudgetLedger::return_bytes(std::size_t bytes) noexcept {
   const std::uint64_t wanted = wanted_total();
   const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  if (segment_.used.load(std::memory_order_relaxed) < bytes) {
+    // The books are off (they can only be if something else wrote them): never wrap.
+    recount_locked();
+    segment_.used.fetch_add(bytes, std::memory_order_relaxed);  // `bytes` left a row already
+  }
   const std::uint64_t used_without = segment_.used.load(std::memory_order_relaxed) - bytes;
   const std::uint64_t room = std::min(wanted > segment_.reserved ? wanted - segment_.reserved : 0,
                                       capacity > used_without ? capacity - used_without : 0);

@@ -47,11 +47,13 @@ struct BudgetMemberRecord {
 /// The shared object's layout. Plain data; zero-filled at creation.
 struct BudgetSegment {
   static constexpr std::uint64_t kMagic = 0x766b762d62756467ull;  // "vkv-budg"
-  static constexpr std::uint32_t kVersion = 1;
+  static constexpr std::uint32_t kVersion = 2;  // 2: the creator's mode, the page size, the lock's holder
   static constexpr std::size_t kMaxMembers = 64;
 
   std::atomic<std::uint64_t> magic;  ///< written last at creation: the object is ready
   std::uint32_t version;
+  std::uint32_t mode;                ///< permission bits its creator chose: it must never be more writable
+  std::uint64_t device_page_bytes;   ///< the device's page: the least capacity that holds one
   RobustMutex mutex;
   std::atomic<std::uint64_t> capacity;
   std::atomic<std::uint64_t> used;   ///< sum of held + reserved; written under the mutex
@@ -102,7 +104,8 @@ class BudgetLedger {
 
   /// Lays out a zero-filled segment (the creator, before anyone else maps it).
   static void initialize(BudgetSegment& segment, std::size_t capacity, std::size_t device_total,
-                         const std::string& device, const std::string& identity);
+                         const std::string& device, const std::string& identity, unsigned mode,
+                         std::size_t device_page_bytes);
 
   /// A row for the calling process. @throws InvalidArgument when all rows are taken by live
   /// members. (Every call but the noexcept ones may throw Error when the mutex is broken.)
@@ -156,7 +159,10 @@ class BudgetLedger {
   void resize(std::size_t capacity);
   /// Counts back the bytes of members whose process is gone. Returns how many it found.
   std::size_t reap();
+  /// @throws Error when a row is corrupted (naming the row and the field).
   BudgetView view();
+  /// The largest page of the device and of the live members: the least capacity.
+  std::size_t largest_page();
 
   BudgetSegment& segment() const noexcept { return segment_; }
 
@@ -164,6 +170,7 @@ class BudgetLedger {
   class Lock;  // the mutex, and repairs after an owner that died holding it
   // Each with the mutex held.
   std::size_t reap_locked() noexcept;
+  void recount_locked() noexcept;
   bool all_answered_locked(std::uint32_t request, std::size_t except) const noexcept;
   void clear_row(BudgetMemberRecord& row) noexcept;
   void return_bytes(std::size_t bytes) noexcept;

@@ -2,15 +2,19 @@
 // books themselves are BudgetLedger's; a cache's membership is BudgetMembership's.
 #include "vkv/shared_budget.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <sstream>
 #include <thread>
 
 #include "budget_ledger.h"
 #include "util/format.h"
 #include "vkv/backend.h"
 #include "vkv/error.h"
+#include "vkv/host_backend.h"
 
 namespace vkv {
 namespace detail {
@@ -23,6 +27,8 @@ std::string budget_object_name(const std::string& name) {
   const auto allowed = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'; };
   VKV_EXPECTS(std::all_of(name.begin(), name.end(), allowed), "shared budget name '", name,
               "' may hold only letters, digits, '.', '_' and '-'");
+  VKV_EXPECTS(name != "." && name != ".." && name.front() != '-', "shared budget name '", name,
+              "' is refused: it must not be '.' or '..' nor start with '-' (a shell would read it as an option)");
   return "vkv-budget-" + name;
 }
 
@@ -37,6 +43,15 @@ SharedMapping open_budget_object(const std::string& name) {
   }
   VKV_EXPECTS(segment.version == BudgetSegment::kVersion, what, " has layout version ", segment.version,
               ", this vkv reads version ", BudgetSegment::kVersion, ": use the same vkv in every member");
+  // Write permission beyond what the creator chose: someone could truncate or lock it.
+  const unsigned widened = mapping.mode() & ~segment.mode & 0222;
+  if (widened != 0) {
+    std::ostringstream text;
+    text << what << " is writable by more users than its creator chose (mode 0" << std::oct << mapping.mode()
+         << ", created with 0" << segment.mode << std::dec
+         << "): refusing to join it; remove it and create it again with the mode you want";
+    throw InvalidArgument(text.str());
+  }
   return mapping;
 }
 
@@ -59,11 +74,22 @@ SharedBudgetStats to_stats(const std::string& name, const detail::BudgetView& vi
 }
 
 void expect_valid_capacity(const std::string& name, std::size_t bytes, std::size_t device_total,
-                           const std::string& device) {
-  VKV_EXPECTS(bytes > 0, detail::budget_description(name), ": bytes = 0; a budget needs at least one page");
+                           const std::string& device, std::size_t page_bytes) {
+  VKV_EXPECTS(bytes >= page_bytes, detail::budget_description(name), ": bytes = ", bytes, " (",
+              detail::format_bytes(bytes), ") is less than one page of its members, ", page_bytes, " bytes (",
+              detail::format_bytes(page_bytes), "): a budget needs at least one page");
   VKV_EXPECTS(bytes <= device_total, detail::budget_description(name), ": bytes = ", bytes, " (",
               detail::format_bytes(bytes), ") exceeds the memory of ", device, ", ", device_total, " bytes (",
               detail::format_bytes(device_total), ")");
+}
+
+// The smallest page a member on the backend's device can have: the least capacity. A
+// CUDA page is at least the driver's granularity (the backend's default page); a host
+// page, one of the OS.
+std::size_t smallest_page(const std::shared_ptr<Backend>& backend) {
+  if (std::dynamic_pointer_cast<HostBackend>(backend) != nullptr)
+    return static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  return backend->page_bytes();
 }
 
 }  // namespace
@@ -88,12 +114,13 @@ SharedBudget SharedBudget::create(const std::string& name, std::size_t bytes, co
   const std::string object = detail::budget_object_name(name);
   const std::shared_ptr<Backend> backend = make_backend(device);
   const std::size_t total = backend->total_memory_bytes();
-  expect_valid_capacity(name, bytes, total, backend->name());
+  const std::size_t page = smallest_page(backend);
+  expect_valid_capacity(name, bytes, total, backend->name(), page);
   const std::string what = detail::budget_description(name);
   detail::SharedMapping mapping = detail::SharedMapping::create(object, sizeof(detail::BudgetSegment), mode, what);
   try {
     detail::BudgetLedger::initialize(*static_cast<detail::BudgetSegment*>(mapping.data()), bytes, total,
-                                     backend->name(), backend->memory_identity());
+                                     backend->name(), backend->memory_identity(), mode, page);
   } catch (...) {
     detail::SharedMapping::unlink(object, what);
     throw;
@@ -113,7 +140,7 @@ const std::string& SharedBudget::name() const noexcept { return state_->name; }
 
 SharedBudgetStats SharedBudget::resize(std::size_t bytes, unsigned wait_ms) {
   detail::BudgetSegment& segment = state_->ledger.segment();
-  expect_valid_capacity(state_->name, bytes, segment.device_total, segment.device);
+  expect_valid_capacity(state_->name, bytes, segment.device_total, segment.device, state_->ledger.largest_page());
   state_->ledger.resize(bytes);
   // Members answer from their own threads; wait until they are under it or all answered.
   const std::uint32_t request = segment.requests.load();

@@ -8,10 +8,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "vkv/error.h"
 
@@ -28,6 +31,35 @@ std::string owner_and_mode(const std::string& name) {
   text << " (owner uid " << status.st_uid << ", mode 0" << std::oct << (status.st_mode & 0777) << std::dec
        << "; this process runs as uid " << geteuid() << ")";
   return text.str();
+}
+
+std::string octal(unsigned mode) {
+  std::ostringstream text;
+  text << '0' << std::oct << mode;
+  return text.str();
+}
+
+// The process's groups, its effective one included.
+bool in_group(gid_t group) {
+  if (group == getegid()) return true;
+  const int count = getgroups(0, nullptr);
+  if (count <= 0) return false;
+  std::vector<gid_t> groups(static_cast<std::size_t>(count));
+  const int got = getgroups(count, groups.data());
+  return got > 0 && std::find(groups.begin(), groups.begin() + got, group) != groups.begin() + got;
+}
+
+// Refuses an object that someone outside its creator's chosen sharing could write: one of
+// another user (root's aside), unless that user shares it with a group of ours and nobody else.
+void expect_trusted(const struct stat& status, const std::string& what) {
+  const uid_t self = geteuid();
+  if (status.st_uid == self || status.st_uid == 0) return;
+  const unsigned mode = status.st_mode & 0777;
+  const bool group_shared = (mode & 0007) == 0 && in_group(status.st_gid);
+  VKV_EXPECTS(group_shared, what, " is owned by uid ", status.st_uid, " (mode ", octal(mode), ", group ",
+              status.st_gid, "), not by this user (uid ", self, ") or root, nor shared only with a group of this "
+              "user: refusing to join it (its owner could truncate or lock it under every member); its owner or "
+              "root must remove it");
 }
 
 void* map_shared(int file, std::size_t bytes, const std::string& what) {
@@ -64,7 +96,7 @@ SharedMapping SharedMapping::create(const std::string& name, std::size_t bytes, 
     throw;
   }
   close(file);
-  return SharedMapping(data, bytes);
+  return SharedMapping(data, bytes, mode & 0777);
 }
 
 SharedMapping SharedMapping::open(const std::string& name, std::size_t min_bytes, const std::string& what) {
@@ -82,6 +114,12 @@ SharedMapping SharedMapping::open(const std::string& name, std::size_t min_bytes
     close(file);
     throw Error(concat(what, ": fstat failed: ", errno_text(error)));
   }
+  try {
+    expect_trusted(status, what);
+  } catch (...) {
+    close(file);
+    throw;
+  }
   const auto bytes = static_cast<std::size_t>(status.st_size);
   if (bytes < min_bytes) {
     close(file);
@@ -96,7 +134,7 @@ SharedMapping SharedMapping::open(const std::string& name, std::size_t min_bytes
     throw;
   }
   close(file);
-  return SharedMapping(data, bytes);
+  return SharedMapping(data, bytes, status.st_mode & 0777);
 }
 
 bool SharedMapping::unlink(const std::string& name, const std::string& what) {
@@ -107,7 +145,8 @@ bool SharedMapping::unlink(const std::string& name, const std::string& what) {
   throw Error(concat(what, ": shm_unlink failed: ", errno_text(error)));
 }
 
-SharedMapping::SharedMapping(SharedMapping&& other) noexcept : data_(other.data_), size_(other.size_) {
+SharedMapping::SharedMapping(SharedMapping&& other) noexcept
+    : data_(other.data_), size_(other.size_), mode_(other.mode_) {
   other.data_ = nullptr;
   other.size_ = 0;
 }
@@ -117,6 +156,7 @@ SharedMapping& SharedMapping::operator=(SharedMapping&& other) noexcept {
     if (data_ != nullptr) munmap(data_, size_);
     data_ = other.data_;
     size_ = other.size_;
+    mode_ = other.mode_;
     other.data_ = nullptr;
     other.size_ = 0;
   }
@@ -137,17 +177,46 @@ void RobustMutex::init() {
   if (result != 0) throw Error(concat("pthread_mutex_init (robust, process-shared) failed: ", errno_text(result)));
 }
 
-bool RobustMutex::lock() {
-  const int result = pthread_mutex_lock(&mutex_);
-  if (result == 0) return false;
-  if (result == EOWNERDEAD) {
+std::chrono::nanoseconds shared_lock_timeout() {
+  // Read at each lock (a getenv: far less than the lock's own cost when contended), so
+  // that a process can change it while it runs.
+  const char* text = std::getenv("VKV_SHARED_LOCK_TIMEOUT");
+  char* end = nullptr;
+  const double seconds = text != nullptr ? std::strtod(text, &end) : 0.0;
+  if (text == nullptr || end == text || *end != '\0' || !(seconds > 0.0) || seconds > 1e6)
+    return std::chrono::seconds(10);
+  return std::chrono::nanoseconds(static_cast<std::int64_t>(seconds * 1e9));
+}
+
+bool RobustMutex::lock(std::chrono::nanoseconds timeout, const std::string& what) {
+  // CLOCK_MONOTONIC: a wall-clock step must not end the wait early or stretch it.
+  timespec deadline{};
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  const std::int64_t nanoseconds = deadline.tv_nsec + timeout.count() % 1000000000;
+  deadline.tv_sec += static_cast<time_t>(timeout.count() / 1000000000 + nanoseconds / 1000000000);
+  deadline.tv_nsec = static_cast<long>(nanoseconds % 1000000000);
+  const int result = pthread_mutex_clocklock(&mutex_, CLOCK_MONOTONIC, &deadline);
+  if (result == 0 || result == EOWNERDEAD) {
+    holder_.store(static_cast<std::int32_t>(getpid()), std::memory_order_relaxed);
+    if (result == 0) return false;
     pthread_mutex_consistent(&mutex_);
     return true;
   }
-  throw Error(concat("pthread_mutex_lock of a shared mutex failed: ", errno_text(result)));
+  if (result == ETIMEDOUT) {
+    const ProcessIdentity owner{holder(), 0};
+    const std::string command = owner.pid > 0 ? owner.command() : "";
+    throw Error(concat(what, ": waited ", std::chrono::duration<double>(timeout).count(),
+                       " s for its lock, held by pid ", owner.pid, command.empty() ? "" : " (" + command + ")",
+                       ": that process is stopped (SIGSTOP, a debugger) or stuck; resume or kill it "
+                       "(VKV_SHARED_LOCK_TIMEOUT sets the wait, in seconds)"));
+  }
+  throw Error(concat(what, ": locking its shared mutex failed: ", errno_text(result)));
 }
 
-void RobustMutex::unlock() noexcept { pthread_mutex_unlock(&mutex_); }
+void RobustMutex::unlock() noexcept {
+  holder_.store(0, std::memory_order_relaxed);
+  pthread_mutex_unlock(&mutex_);
+}
 
 void futex_wait(const std::atomic<std::uint32_t>& word, std::uint32_t expected,
                 std::chrono::nanoseconds timeout) noexcept {

@@ -29,9 +29,18 @@ class SharedMapping {
   /// (exactly, whatever the umask). `what` names it in messages ("shared budget 'x'").
   /// @throws InvalidArgument when it exists already or `mode` is denied; Error otherwise.
   static SharedMapping create(const std::string& name, std::size_t bytes, unsigned mode, const std::string& what);
-  /// Maps an existing object, its whole length; at least `min_bytes` long.
-  /// @throws InvalidArgument when there is none, permission is denied (naming its owner and
-  ///         mode) or it is too short to be what the caller expects; Error otherwise.
+  /// Maps an existing object, its whole length; at least `min_bytes` long (checked with
+  /// fstat before mapping: touching a mapping past the object's end raises SIGBUS).
+  /// Only an object this user or root owns is trusted, or one another user shares with a
+  /// group this process is in and with no one else (mode ---rw----, no bits for others):
+  /// whoever can write the object can truncate it under every member (SIGBUS) or hold
+  /// its lock, so the object must be no more writable than its creator chose. A trusted
+  /// user who truncates it after it is mapped still raises SIGBUS in every member that
+  /// touches it: MAP_POPULATE or mlock cannot prevent that (truncation takes the pages out
+  /// of every mapping), and shm_open objects cannot be sealed like a memfd.
+  /// @throws InvalidArgument when there is none, permission is denied, its owner or mode is
+  ///         not trusted (naming owner, mode and this process's uid) or it is too short to
+  ///         be what the caller expects; Error otherwise.
   static SharedMapping open(const std::string& name, std::size_t min_bytes, const std::string& what);
   /// Removes the name; processes that have the object mapped keep it until they unmap.
   /// Returns false when there was none. @throws InvalidArgument when permission is denied.
@@ -46,31 +55,45 @@ class SharedMapping {
 
   void* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }
+  /// The object's permission bits when it was created or opened.
+  unsigned mode() const noexcept { return mode_; }
 
  private:
-  SharedMapping(void* data, std::size_t size) noexcept : data_(data), size_(size) {}
+  SharedMapping(void* data, std::size_t size, unsigned mode) noexcept : data_(data), size_(size), mode_(mode) {}
   void* data_ = nullptr;
   std::size_t size_ = 0;
+  unsigned mode_ = 0;
 };
 
-/// A pthread mutex that lives in shared memory: process-shared and robust.
+/// How long a RobustMutex::lock() waits for a holder before it throws: the environment's
+/// VKV_SHARED_LOCK_TIMEOUT (seconds, > 0), else 10 s. A process stopped while it holds
+/// a lock (SIGSTOP, a debugger) then costs the others an error, not a hang.
+std::chrono::nanoseconds shared_lock_timeout();
+
+/// A pthread mutex that lives in shared memory: process-shared and robust, and it records
+/// the pid of the process that holds it (for the message of a lock that timed out).
 class RobustMutex {
  public:
   /// Once, by the process that creates the memory, before any other maps it.
   void init();
-  /// Locks. Returns true when the previous owner died holding it: the mutex is consistent
-  /// again, and the caller repairs what that owner may have left half-done.
-  bool lock();
+  /// Locks, waiting at most `timeout`. Returns true when the previous owner died holding
+  /// it: the mutex is consistent again, and the caller repairs what that owner may have
+  /// left half-done. @throws Error naming `what` and the holder's pid on a timeout.
+  bool lock(std::chrono::nanoseconds timeout = shared_lock_timeout(), const std::string& what = "a shared lock");
   void unlock() noexcept;
+  /// The pid of the process that holds it; 0 when none (a hint: it may change at once).
+  std::int32_t holder() const noexcept { return holder_.load(std::memory_order_relaxed); }
 
  private:
   pthread_mutex_t mutex_;
+  std::atomic<std::int32_t> holder_;
 };
 
 /// Scoped RobustMutex::lock().
 class RobustLock {
  public:
-  explicit RobustLock(RobustMutex& mutex) : mutex_(mutex), owner_died_(mutex.lock()) {}
+  explicit RobustLock(RobustMutex& mutex, const std::string& what = "a shared lock")
+      : mutex_(mutex), owner_died_(mutex.lock(shared_lock_timeout(), what)) {}
   ~RobustLock() { mutex_.unlock(); }
   RobustLock(const RobustLock&) = delete;
   RobustLock& operator=(const RobustLock&) = delete;

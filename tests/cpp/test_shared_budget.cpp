@@ -6,7 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <atomic>
+#include <cstring>
 
 #include "shared_budget/budget_ledger.h"
 #include "shared_budget/budget_membership.h"
@@ -472,6 +475,139 @@ TEST(SharedBudgetTest, AMemberKilledHoldingTheLockBlocksNobody) {
   const SharedBudgetStats stats = budget.stats();  // would hang on a plain mutex
   EXPECT_TRUE(stats.members.empty());
   EXPECT_EQ(stats.used_bytes, 0u);
+}
+
+
+// The segment of an open budget, for tests that write it as a broken or hostile process would.
+struct RawBudget {
+  explicit RawBudget(const std::string& name) : object(detail::open_budget_object(name)) {}
+  detail::BudgetSegment& segment() { return *static_cast<detail::BudgetSegment*>(object.data()); }
+  detail::SharedMapping object;
+};
+
+std::string budget_path(const BudgetName& name) { return "/dev/shm/vkv-budget-" + name.str(); }
+
+TEST(SharedBudgetTest, NamesAShellWouldMisreadAndBudgetsBelowOnePageAreRefused) {
+  for (const std::string bad : {".", "..", "-x", "--help"})
+    EXPECT_NE(error_of([&] { SharedBudget::create(bad, 64 << 20, host()); })
+                  .find("must not be '.' or '..' nor start with '-'"),
+              std::string::npos) << bad;
+  BudgetName name;
+  const std::string tiny = error_of([&] { SharedBudget::create(name.str(), 1, host()); });
+  EXPECT_NE(tiny.find("bytes = 1 (1 B) is less than one page of its members, 4096 bytes"), std::string::npos) << tiny;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  RawBudget raw(name.str());
+  detail::BudgetLedger ledger(raw.segment());
+  const std::size_t member = ledger.join(1 << 20);  // a member of 1 MiB pages
+  const std::string small = error_of([&] { budget.resize(512 << 10); });
+  EXPECT_NE(small.find("is less than one page of its members, 1048576 bytes"), std::string::npos) << small;
+  EXPECT_EQ(budget.stats().capacity_bytes, std::size_t{64} << 20);
+  EXPECT_EQ(budget.resize(1 << 20).capacity_bytes, std::size_t{1} << 20);
+  ledger.leave(member);
+}
+
+// Someone widened the object's mode after its creator chose it, or truncated it: refused
+// before anyone maps it (a truncated mapping raises SIGBUS when touched).
+TEST(SharedBudgetTest, AWidenedOrTruncatedObjectIsRefused) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host(), 0600);
+  ASSERT_EQ(chmod(budget_path(name).c_str(), 0666), 0);
+  const std::string widened = error_of([&] { SharedBudget::open(name.str()); });
+  EXPECT_NE(widened.find("is writable by more users than its creator chose (mode 0666, created with 0600)"),
+            std::string::npos) << widened;
+  ASSERT_EQ(chmod(budget_path(name).c_str(), 0600), 0);
+  EXPECT_NO_THROW(SharedBudget::open(name.str()));
+  ASSERT_EQ(truncate(budget_path(name).c_str(), 64), 0);
+  const std::string truncated = error_of([&] { SharedBudget::open(name.str()); });
+  EXPECT_NE(truncated.find("is 64 bytes, less than the"), std::string::npos) << truncated;
+}
+
+// Another user's object: refused (root is the only other owner trusted). Needs root to
+// make one; the object is world-writable, as a squatter's would be.
+TEST(SharedBudgetTest, AnotherUsersBudgetIsRefused) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to make an object another user's";
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host(), 0666);
+  ASSERT_EQ(chown(budget_path(name).c_str(), 65534, 65534), 0);
+  const std::string squatted = error_of([&] { SharedBudget::open(name.str()); });
+  EXPECT_NE(squatted.find("is owned by uid 65534 (mode 0666"), std::string::npos) << squatted;
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.device = host();
+  config.shared_budget = name.str();
+  EXPECT_NE(error_of([&] { KvCache cache(config); }).find("is owned by uid 65534"), std::string::npos);
+}
+
+// A member stopped while it holds the lock (here: it never unlocks) costs the others an
+// error naming its pid after VKV_SHARED_LOCK_TIMEOUT seconds, not a hang.
+TEST(SharedBudgetTest, AMemberStoppedHoldingTheLockCostsAnErrorNotAHang) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  MemberProcess child([&] {
+    auto* raw = new RawBudget(name.str());  // stays mapped: the lock is held until the process dies
+    raw->segment().mutex.lock();
+  });
+  ASSERT_TRUE(child.started());
+  setenv("VKV_SHARED_LOCK_TIMEOUT", "0.2", 1);
+  const std::string stats = error_of([&] { budget.stats(); });
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.device = host();
+  config.shared_budget = name.str();
+  const std::string joining = error_of([&] { KvCache cache(config); });
+  unsetenv("VKV_SHARED_LOCK_TIMEOUT");
+  const std::string holder = "held by pid " + std::to_string(child.pid());
+  EXPECT_NE(stats.find("a shared budget: waited 0.2 s for its lock, " + holder), std::string::npos) << stats;
+  EXPECT_NE(joining.find(holder), std::string::npos) << joining;
+  child.kill();
+  EXPECT_TRUE(budget.stats().members.empty());  // the next locker repairs after its death
+}
+
+// A row something else wrote gives an error naming the row and the field, not garbage
+// (nor, in Python, a UnicodeDecodeError); a process name that is not ASCII is stored as '?'s.
+TEST(SharedBudgetTest, ACorruptedRowGivesAClearError) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  RawBudget raw(name.str());
+  detail::BudgetLedger ledger(raw.segment());
+  const std::size_t member = ledger.join(1 << 20);
+  detail::BudgetMemberRecord& row = raw.segment().members[member];
+  const std::string command(row.command);
+  std::memcpy(row.command, "\xff\xfe\xfd", 4);
+  std::string error = error_of([&] { budget.stats(); });
+  EXPECT_NE(error.find("member row " + std::to_string(member) + " is corrupted (a command that is not text"),
+            std::string::npos) << error;
+  std::memcpy(row.command, command.c_str(), command.size() + 1);
+  row.page_bytes = 3;
+  error = error_of([&] { budget.stats(); });
+  EXPECT_NE(error.find("a page size that is not a power of 2; pid " + std::to_string(getpid()) + ", page_bytes 3"),
+            std::string::npos) << error;
+  row.page_bytes = 1 << 20;
+  EXPECT_EQ(budget.stats().members.size(), 1u);
+  ledger.leave(member);
+}
+
+// `used` wrapped below zero (as a half-done change of a process killed holding the lock, or
+// a stray write, could leave it) is added up again from the rows when the books are
+// recounted: after an owner died holding the lock, and whenever a release would wrap it.
+TEST(SharedBudgetTest, AnUnderflowedUsedIsRepairedWhenTheBooksAreRecounted) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  RawBudget raw(name.str());
+  detail::BudgetLedger ledger(raw.segment());
+  const std::size_t member = ledger.join(1 << 20);
+  ASSERT_TRUE(ledger.acquire(member, 8 << 20));
+  raw.segment().used.store(~std::uint64_t{0} - 4095);  // wrapped
+  MemberProcess child([&] {
+    auto* mine = new RawBudget(name.str());
+    mine->segment().mutex.lock();  // dies holding it
+  });
+  ASSERT_TRUE(child.started());
+  child.kill();
+  EXPECT_EQ(budget.stats().used_bytes, std::size_t{8} << 20);
+  raw.segment().used.store(1 << 20);  // less than the release below: it would wrap
+  ledger.release(member, 4 << 20);
+  EXPECT_EQ(budget.stats().used_bytes, std::size_t{4} << 20);
+  ledger.leave(member);
+  EXPECT_EQ(budget.stats().used_bytes, 0u);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 // The cross-process primitives: named shared memory, the robust mutex, futexes, liveness.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -79,6 +81,82 @@ TEST(RobustMutexTest, TheNextLockerLearnsThatTheOwnerDied) {
   EXPECT_FALSE(mutex->lock());  // consistent again
   mutex->unlock();
   waitpid(child, nullptr, 0);
+}
+
+// A squatter: an object of another user, open to users outside its group, is refused;
+// one that user shares with our group only is trusted. Needs root to give it away.
+TEST(SharedMappingTest, AnotherUsersObjectIsRefusedUnlessSharedWithOurGroupOnly) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to make an object another user's";
+  const std::string name = unique_name("squatted");
+  SharedMapping::unlink(name, "test object");
+  SharedMapping created = SharedMapping::create(name, 4096, 0666, "test object");
+  const std::string path = "/dev/shm/" + name;
+  ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0);
+  try {
+    SharedMapping::open(name, 4096, "shared budget 'x'");
+    FAIL() << "joined another user's world-writable object";
+  } catch (const InvalidArgument& error) {
+    const std::string text = error.what();
+    EXPECT_NE(text.find("shared budget 'x' is owned by uid 65534 (mode 0666"), std::string::npos) << text;
+    EXPECT_NE(text.find("not by this user (uid 0)"), std::string::npos) << text;
+  }
+  ASSERT_EQ(chown(path.c_str(), 65534, getegid()), 0);
+  ASSERT_EQ(chmod(path.c_str(), 0660), 0);
+  EXPECT_NO_THROW(SharedMapping::open(name, 4096, "test object"));  // shared with our group only
+  ASSERT_EQ(chmod(path.c_str(), 0664), 0);
+  EXPECT_THROW(SharedMapping::open(name, 4096, "test object"), InvalidArgument);  // others may read
+  SharedMapping::unlink(name, "test object");
+}
+
+// A truncated object is refused before it is mapped (mapping it would SIGBUS later).
+TEST(SharedMappingTest, ATruncatedObjectIsRefusedBeforeMapping) {
+  const std::string name = unique_name("truncated");
+  SharedMapping::unlink(name, "test object");
+  SharedMapping created = SharedMapping::create(name, 8192, 0600, "test object");
+  ASSERT_EQ(truncate(("/dev/shm/" + name).c_str(), 100), 0);
+  try {
+    SharedMapping::open(name, 8192, "test object");
+    FAIL() << "mapped a truncated object";
+  } catch (const InvalidArgument& error) {
+    EXPECT_NE(std::string(error.what()).find("is 100 bytes, less than the 8192"), std::string::npos) << error.what();
+  }
+  SharedMapping::unlink(name, "test object");
+}
+
+// A holder that stops (SIGSTOP, a debugger) costs the next locker an error naming it.
+TEST(RobustMutexTest, AStoppedHolderTimesOutNamingItsPid) {
+  const std::string name = unique_name("stopped");
+  SharedMapping::unlink(name, "test object");
+  SharedMapping memory = SharedMapping::create(name, sizeof(RobustMutex) + sizeof(std::atomic<int>), 0600,
+                                               "test object");
+  SharedMapping::unlink(name, "test object");
+  auto* mutex = new (memory.data()) RobustMutex;
+  mutex->init();
+  auto* locked = new (static_cast<char*>(memory.data()) + sizeof(RobustMutex)) std::atomic<int>(0);
+  const pid_t child = fork();
+  if (child == 0) {
+    mutex->lock();
+    locked->store(1);
+    raise(SIGSTOP);
+    _exit(0);
+  }
+  while (locked->load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(mutex->holder(), child);
+  const auto begin = std::chrono::steady_clock::now();
+  try {
+    mutex->lock(std::chrono::milliseconds(200), "shared budget 'x'");
+    FAIL() << "locked a mutex a stopped process holds";
+  } catch (const Error& error) {
+    const std::string text = error.what();
+    EXPECT_NE(text.find("shared budget 'x': waited 0.2 s for its lock, held by pid " + std::to_string(child)),
+              std::string::npos) << text;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::seconds(5));
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_TRUE(mutex->lock(std::chrono::seconds(5)));  // its death freed it
+  mutex->unlock();
+  EXPECT_EQ(mutex->holder(), 0);
 }
 
 TEST(ProcessIdentityTest, ADeadProcessIsNotAlive) {

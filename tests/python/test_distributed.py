@@ -326,6 +326,16 @@ def an_nccl_group_gets_a_gloo_group_to_agree_on(rank):
         vkv.distributed._AGREEMENT_GROUPS.clear()
 
 
+def ranks_in_different_calls(rank):
+    """Rank 0 steps while rank 1 allocates: over gloo the collectives' tensors would differ
+    in size (gloo aborts the process); both ranks must raise instead, naming both calls."""
+    with small_cache(memory_budget=64 * HOST_PAGE) as cache:
+        tp = tensor_parallel(cache)
+        slot = tp.alloc_reqid()
+        call = (lambda: tp.step(seq_lens(cache, {slot: 100}))) if rank == 0 else tp.alloc_reqid
+        return attempt(call), attempt(tp.alloc_reqid)
+
+
 def how_the_ranks_agree(rank):
     with small_cache(memory_budget=64 * HOST_PAGE) as cache:
         tp = tensor_parallel(cache)
@@ -353,6 +363,7 @@ SCENARIOS = [
     a_rank_allocated_behind_the_wrappers_back,
     seq_lens_differ_in_debug_mode,
     an_nccl_group_gets_a_gloo_group_to_agree_on,
+    ranks_in_different_calls,  # last: it breaks the wrappers mid-call
 ]
 
 
@@ -556,6 +567,15 @@ def test_ranks_that_disagree_on_a_slot_raise_on_every_rank(two_ranks):
     first, second = same_on_both(two_ranks, "a_rank_allocated_behind_the_wrappers_back")
     assert first[0] == "RuntimeError" and "disagree on alloc_reqid" in first[1]
     assert second[0] == "RuntimeError" and "broken" in second[1]
+
+
+@needs_distributed
+def test_ranks_in_different_calls_raise_on_every_rank_naming_both_calls(two_ranks):
+    for rank, (call, next_call) in enumerate(two_ranks["ranks_in_different_calls"]):
+        assert call[0] == "RuntimeError", f"rank {rank}: {call}"
+        assert next_call[0] == "RuntimeError" and "broken" in next_call[1], f"rank {rank}: {next_call}"
+        if two_ranks["agreement"] == "gloo":
+            assert "rank 0: step" in call[1] and "rank 1: alloc_reqid" in call[1], call[1]
 
 
 @needs_distributed

@@ -221,3 +221,107 @@ def test_sizes_read_as_people_write_them(text, size):
 def test_a_size_without_a_known_unit_is_refused():
     with pytest.raises(SystemExit):
         vkv.budget.parse_args(["create", "x", "10 parsecs"])
+
+
+# -- bad input answers in one line (issue 30, item 4) --------------------------------------
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda name: vkv.SharedBudget.create(name, 1, device="cpu"), "bytes = 1 .* less than one page"),
+    (lambda name: vkv.SharedBudget.create(name, 2**64, device="cpu"),
+     r"bytes = 18446744073709551616 must be <= 2\*\*64 - 1"),
+    (lambda name: vkv.SharedBudget.create(name, -1, device="cpu"), "bytes = -1 must be >= 1"),
+    (lambda name: vkv.SharedBudget.create(name, 1.5, device="cpu"), "bytes = 1.5 must be an int"),
+    (lambda name: vkv.SharedBudget.create(name, HOST_PAGE, device="cpu", mode=-1), "mode = -1 must be >= 0"),
+    (lambda name: vkv.SharedBudget.create(name, HOST_PAGE, device="cpu", mode=2**64), "mode = 18446744073709551616"),
+    (lambda name: vkv.SharedBudget.create(".", HOST_PAGE, device="cpu"), "must not be '.' or '..'"),
+    (lambda name: vkv.SharedBudget.create("..", HOST_PAGE, device="cpu"), "must not be '.' or '..'"),
+    (lambda name: vkv.SharedBudget.create("-rf", HOST_PAGE, device="cpu"), "nor start with '-'"),
+])
+def test_bad_arguments_raise_value_error_naming_the_value(call, message):
+    name = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with pytest.raises(ValueError, match=message):
+            call(name)
+    finally:
+        vkv.SharedBudget.remove_name(name)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ((1,), "less than one page"), ((2**64,), "bytes = 18446744073709551616"), ((-5,), "bytes = -5"),
+    ((HOST_PAGE, float("inf")), "wait = inf"), ((HOST_PAGE, float("nan")), "wait = nan"),
+    ((HOST_PAGE, -1), "wait = -1"),
+    ((HOST_PAGE, 2**64), "wait = 18446744073709551616"),
+])
+def test_resize_refuses_bad_arguments_and_changes_nothing(budget, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        budget.resize(*arguments)
+    assert budget.stats()["capacity_bytes"] == 16 * HOST_PAGE
+
+
+def test_cache_integers_of_64_bits_and_more_raise_value_error(budget):
+    with small_cache() as cache:
+        slot = cache.alloc_reqid()
+        for call, message in [(lambda: cache.step({slot: 2**64}), r"seq_lens\[0\] = 18446744073709551616"),
+                              (lambda: cache.step([2**64, 0, 0, 0]), "18446744073709551616"),
+                              (lambda: cache.step({slot: -1}), r"seq_lens\[0\] = -1"),
+                              (lambda: cache.free_reqid(2**64), "slot = 18446744073709551616"),
+                              (lambda: cache.key(2**64), "layer = 18446744073709551616"),
+                              (lambda: cache.set_budget(2**64), "memory_budget = 18446744073709551616"),
+                              (lambda: cache.share_prefix(slot, 1, 2**70), "n_tokens = 1180591620717411303424")]:
+            with pytest.raises(ValueError, match=message):
+                call()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["create", "x", "12", "--device", "cpu"], "less than one page"),
+    (["create", "x", "99999999TiB"], "more than 64 bits hold"),
+    (["create", "x", "1GiB", "--mode", "-1"], "mode '-1' is not permission bits"),
+    (["create", "x", "1GiB", "--mode", "9"], "mode '9' is not permission bits"),
+    (["create", "..", "1MiB", "--device", "cpu"], "must not be '.' or '..'"),
+    (["create", "--device", "cpu", "--", "-x", "1MiB"], "nor start with '-'"),
+    (["resize", "x", "1MiB", "--wait", "inf"], "wait 'inf' is not a number of seconds"),
+    (["resize", "x", "1MiB", "--wait", "-1"], "wait '-1' is not a number of seconds"),
+    (["show"], "the following arguments are required"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_the_command_line_answers_bad_arguments_in_one_line(argv, message):
+    """Run as a user would: one line on stderr, a non-zero status, never a traceback."""
+    done = subprocess.run([sys.executable, "-m", "vkv.budget", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# -- a squatted, widened or truncated object (issue 30, item 3) -----------------------------
+
+
+def budget_path(budget):
+    return f"/dev/shm/vkv-budget-{budget.name}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make the object another user's")
+def test_another_users_world_writable_budget_is_refused(budget):
+    os.chmod(budget_path(budget), 0o666)
+    os.chown(budget_path(budget), 65534, 65534)  # as a squatter 'nobody' would have left it
+    with pytest.raises(ValueError, match=r"is owned by uid 65534 \(mode 0666.*refusing to join it"):
+        vkv.SharedBudget.open(budget.name)
+    with pytest.raises(ValueError, match="is owned by uid 65534"):
+        small_cache(shared_budget=budget.name)
+    done = subprocess.run([sys.executable, "-m", "vkv.budget", "show", budget.name], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1 and "uid 65534" in done.stderr
+
+
+def test_a_widened_or_truncated_budget_is_refused_before_it_is_mapped(budget):
+    os.chmod(budget_path(budget), 0o666)
+    with pytest.raises(ValueError,
+                       match=r"writable by more users than its creator chose \(mode 0666, created with 0600"):
+        vkv.SharedBudget.open(budget.name)
+    os.chmod(budget_path(budget), 0o600)
+    os.truncate(budget_path(budget), 100)
+    with pytest.raises(ValueError, match="is 100 bytes, less than the"):
+        vkv.SharedBudget.open(budget.name)
+    with pytest.raises(ValueError, match="is 100 bytes"):
+        small_cache(shared_budget=budget.name)
