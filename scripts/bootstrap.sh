@@ -22,7 +22,7 @@ fi
 # already installed (a GPU machine), it is kept.
 python_missing=()
 python3 -c "import torch" 2>/dev/null || python_missing+=("torch==2.13.0")
-for module in numpy pytest hypothesis scikit_build_core tqdm; do
+for module in numpy pytest hypothesis scikit_build_core ; do
   python3 -c "import $module" 2>/dev/null || python_missing+=("${module//_/-}")
 done
 # The transformers integration's tests (a test extra in pyproject.toml); an installed

@@ -7,6 +7,8 @@ import math
 import os
 from typing import Dict, List, Sequence
 
+from . import note_missing
+
 REFERENCE = "vkv interleaved"
 
 COLUMNS = [
@@ -93,6 +95,7 @@ def save(results: dict, out_dir: str, stem: str) -> List[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        note_missing("matplotlib", "no plots")
         return written
     runs = results["runs"]
     names = list(runs)
