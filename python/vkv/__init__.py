@@ -13,21 +13,8 @@ See docs/api.md for the whole API and its guarantees.
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
-from . import _build_info
-
-
-def _check_torch() -> None:
-    """_C links the libtorch it was built against; another torch fails with undefined symbols."""
-    built, found = _build_info.torch_version, torch.__version__
-    if built.split(".")[:2] != found.split(".")[:2]:
-        raise ImportError(f"vkv was built against torch {built}, but torch {found} is installed: reinstall vkv "
-                          "(pip install --no-build-isolation --no-deps <vkv source>) to build it against this torch; "
-                          f"vkv supports torch {' '.join(_build_info.torch_supported)}")
-
-
-_check_torch()
-
-from . import _C  # noqa: E402  (after the torch check)
+from . import _compatibility  # noqa: F401  (refuses a torch other than the one vkv was built against)
+from . import _C
 from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
 from ._cache import KVCache

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds the Python package against the newest torch vkv supports (2.14.x: its headers need
+# C++20, so the bindings build as C++20) and runs `python -m vkv` and the Python suites with
+# it. It lives in a virtual environment of its own, .venv-torch-latest, without the system's
+# packages (the system or .venv Python keeps the pinned torch 2.13), and builds in
+# build/python-torch-latest. scripts/test.sh runs it last.
+#   VKV_LATEST_TORCH='torch>=2.14,<2.15' (the default) names the torch to test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/python_env.sh
+spec="${VKV_LATEST_TORCH:-torch>=2.14,<2.15}"
+venv="$vkv_root/.venv-torch-latest"
+
+start=$SECONDS
+[ -x "$venv/bin/python" ] || "$vkv_base_python" -m venv "$venv"
+# A CUDA build of torch on Linux (its import needs the nvidia-* libraries, ~5 GB in all; a
+# no-deps install does not import), then what vkv and its tests need. --upgrade: the newest
+# release that `spec` admits.
+echo "== installing $spec into $venv"
+"$venv/bin/python" -m pip install -q --upgrade "$spec" numpy scikit-build-core pytest hypothesis "transformers==5.17.0"
+echo "== $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') installed in $((SECONDS - start)) s"
+
+VKV_PYTHON="$venv/bin/python" VKV_INSTALL_LOG="$vkv_root/build/pip-install-torch-latest.log" \
+  vkv_install --config-settings=build-dir=build/python-torch-latest
+(cd /tmp && "$venv/bin/python" -m vkv)
+"$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider
+echo "== torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): passed in $((SECONDS - start)) s"
