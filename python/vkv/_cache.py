@@ -338,7 +338,7 @@ class KVCache:
         views it. Idempotent."""
         if self._core is not None:
             self._core.stop_background()
-        self._core = None
+        self._core = None  # type: ignore[assignment]  # a closed cache has no core
         self._keys = []
         self._values = []
 
@@ -389,4 +389,5 @@ KVCache.__init__.__signature__ = _parameters.SIGNATURE.replace(  # type: ignore[
     parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *_parameters.SIGNATURE.parameters.values()],
     return_annotation=None,
 )
-KVCache.__init__.__doc__ = KVCache.__init__.__doc__.replace("{args}", _parameters.docstring_args())
+KVCache.__init__.__doc__ = KVCache.__init__.__doc__.replace(  # type: ignore[union-attr]
+    "{args}", _parameters.docstring_args())
