@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Builds the Python package against the newest torch vkv supports (2.14.x: its headers need
 # C++20, so the bindings build as C++20) and runs `python -m vkv` and the Python suites with
-# it. It lives in a virtual environment of its own, .venv-torch-latest, without the system's
-# packages (the system or .venv Python keeps the pinned torch 2.13), and builds in
-# build/python-torch-latest. scripts/test.sh runs it last.
-#   VKV_LATEST_TORCH='torch>=2.14,<2.15' (the default) names the torch to test.
+# it. It lives in a virtual environment of its own, without the system's packages (the system
+# or .venv Python keeps the pinned torch 2.13), kept outside the checkout so that a fresh
+# clone on the same machine reuses it (torch and its CUDA libraries are ~5.5 GB, minutes to
+# install), and builds in build/python-torch-latest. scripts/test.sh runs it last.
+#   VKV_LATEST_TORCH='torch>=2.14,<2.15' (the default) names the torch to test;
+#   VKV_LATEST_TORCH_VENV (default ~/.cache/vkv/venv-torch-latest) the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 spec="${VKV_LATEST_TORCH:-torch>=2.14,<2.15}"
-venv="$vkv_root/.venv-torch-latest"
+venv="${VKV_LATEST_TORCH_VENV:-$HOME/.cache/vkv/venv-torch-latest}"
 
 start=$SECONDS
-[ -x "$venv/bin/python" ] || "$vkv_base_python" -m venv "$venv"
+[ -x "$venv/bin/python" ] || { mkdir -p "$(dirname "$venv")" && "$vkv_base_python" -m venv "$venv"; }
 # A CUDA build of torch on Linux (its import needs the nvidia-* libraries, ~5 GB in all; a
 # no-deps install does not import), then what vkv and its tests need. --upgrade: the newest
 # release that `spec` admits.

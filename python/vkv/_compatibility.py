@@ -11,7 +11,7 @@ def check_torch() -> None:
     if built.split(".")[:2] != found.split(".")[:2]:
         raise ImportError(f"vkv was built against torch {built}, but torch {found} is installed: reinstall vkv "
                           "(pip install --no-build-isolation --no-deps <vkv source>) to build it against this torch; "
-                          f"vkv supports torch {' '.join(_build_info.torch_supported)}")
+                          f"vkv supports torch {_build_info.torch_min} to {_build_info.torch_max}")
 
 
 check_torch()

@@ -63,7 +63,7 @@ def report() -> Dict[str, str]:
         "backends": "host: yes; CUDA: " + cuda_backend(),
         "CUDA kernels": "yes" if _build_info.cuda_kernels else "no (the CUDA backend zero-fills with driver memsets)",
         "built with": (f"torch {_build_info.torch_version}, C++{_build_info.cxx_standard} bindings, "
-                       f"{_build_info.compiler}; torch supported: {', '.join(_build_info.torch_supported)}"),
+                       f"{_build_info.compiler}; supports torch {_build_info.torch_min} to {_build_info.torch_max}"),
         "torch": torch.__version__,
         "CUDA runtime": f"{torch.version.cuda} (torch's)" if torch.version.cuda else "none (a CPU build of torch)",
         "CUDA driver": cuda_driver_version(),
