@@ -26,7 +26,18 @@ else
     clang-format -i --style=file "${cxx_files[@]}"
   fi
   echo "== clang-format $(clang-format --version | grep -o '[0-9][0-9.]*' | head -n1): ${#cxx_files[@]} files"
-  clang-format --dry-run --Werror --style=file "${cxx_files[@]}" || failed=1
+  unformatted=0 lines=0
+  for file in "${cxx_files[@]}"; do
+    changed="$(clang-format --style=file "$file" | diff "$file" - | grep -c '^<' || true)"
+    if [ "$changed" != 0 ]; then
+      echo "  $file: $changed lines differ from clang-format's"
+      unformatted=$((unformatted + 1)) lines=$((lines + changed))
+    fi
+  done
+  if [ "$unformatted" != 0 ]; then
+    echo "  $unformatted files, $lines lines to format (scripts/lint.sh --fix formats them)"
+    failed=1
+  fi
 fi
 
 echo "== ruff $("$VKV_PYTHON" -m ruff --version | cut -d' ' -f2)"

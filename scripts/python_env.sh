@@ -39,6 +39,22 @@ else
 fi
 export VKV_PYTHON
 
+# Of pip -v's output, passes on ninja's progress lines, vkv's CMake status lines and CMake's
+# warnings and errors (whole), as they come.
+vkv_build_progress() {
+  local line warning=0
+  while IFS= read -r line; do
+    if [[ "$line" =~ ^\ *\[[0-9]+/[0-9]+\]\  || "$line" == *"-- vkv: "* || "$line" == ERROR* ]]; then
+      printf '%s\n' "$line"
+    elif [[ "$line" == *"CMake Warning"* || "$line" == *"CMake Error"* ]] || [ "$warning" = 1 ]; then
+      printf '%s\n' "$line"
+      warning=1
+      if [[ "$line" =~ ^\ *$ ]]; then warning=0; fi
+    fi
+  done
+  return 0
+}
+
 # Builds and installs vkv from the checkout into VKV_PYTHON (incremental: scikit-build-core
 # keeps its build folder under build/), showing ninja's progress and CMake's warnings instead
 # of minutes of silence; the whole log stays in build/pip-install.log (VKV_INSTALL_LOG).
@@ -48,7 +64,7 @@ vkv_install() {
   local log="${VKV_INSTALL_LOG:-$vkv_root/build/pip-install.log}"
   echo "== building and installing vkv into $VKV_PYTHON (a first build takes minutes; log: $log)"
   if ! (cd "$vkv_root" && "$VKV_PYTHON" -m pip install -v --no-build-isolation --no-deps "$@" .) 2>&1 | tee "$log" |
-    { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |CMake (Warning|Error)|^ *vkv: |WITHOUT|^ERROR' || true; }; then
+    vkv_build_progress; then
     echo "== building vkv failed; the end of $log:" >&2
     tail -n 40 "$log" >&2
     return 1
