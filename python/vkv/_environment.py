@@ -30,6 +30,14 @@ def cuda_backend() -> str:
     return f"no: {_build_info.cuda_why_not}"
 
 
+def cuda_kernels() -> str:
+    if _build_info.cuda_kernels:
+        return "yes"
+    if not _build_info.cuda_backend:
+        return "no (no CUDA backend)"
+    return "no (nvcc did not build them: the CUDA backend zero-fills with driver memsets)"
+
+
 def gpus() -> List[str]:
     """The GPUs torch sees, as 'cuda:N NAME'."""
     if not torch.cuda.is_available():
@@ -61,7 +69,7 @@ def report() -> Dict[str, str]:
     return {
         "vkv": f"{vkv.__version__} ({vkv.__file__.rsplit('/', 1)[0]})",
         "backends": "host: yes; CUDA: " + cuda_backend(),
-        "CUDA kernels": "yes" if _build_info.cuda_kernels else "no (the CUDA backend zero-fills with driver memsets)",
+        "CUDA kernels": cuda_kernels(),
         "built with": (f"torch {_build_info.torch_version}, C++{_build_info.cxx_standard} bindings, "
                        f"{_build_info.compiler}; supports torch {_build_info.torch_min} to {_build_info.torch_max}"),
         "torch": torch.__version__,
