@@ -80,5 +80,7 @@ if [ "$lint" = 1 ]; then
 fi
 if [ ${#python_missing[@]} -gt 0 ]; then
   echo "bootstrap: pip installing ${python_missing[*]}"
+  start=$SECONDS
   "$VKV_PYTHON" -m pip install -q "${python_missing[@]}"
+  echo "bootstrap: installed in $((SECONDS - start)) s"
 fi

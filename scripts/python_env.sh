@@ -61,7 +61,7 @@ vkv_build_progress() {
 # Extra arguments go to pip (--config-settings=build-dir=...).
 vkv_install() {
   mkdir -p "$vkv_root/build"
-  local log="${VKV_INSTALL_LOG:-$vkv_root/build/pip-install.log}"
+  local log="${VKV_INSTALL_LOG:-$vkv_root/build/pip-install.log}" start=$SECONDS
   echo "== building and installing vkv into $VKV_PYTHON (a first build takes minutes; log: $log)"
   if ! (cd "$vkv_root" && "$VKV_PYTHON" -m pip install -v --no-build-isolation --no-deps "$@" .) 2>&1 | tee "$log" |
     vkv_build_progress; then
@@ -69,4 +69,5 @@ vkv_install() {
     tail -n 40 "$log" >&2
     return 1
   fi
+  echo "== vkv built and installed in $((SECONDS - start)) s"
 }
