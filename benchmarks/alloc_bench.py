@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import vkv
-from common import argument_parser, device_tag, machine, percentiles, progress, write_json
+from common import argument_parser, device_tag, machine, percentiles, progress, progress_bar, write_json
 
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 PAGE = 2 << 20

@@ -44,7 +44,7 @@ def init(device: str, quick: bool) -> list:
         alloc_s, _ = timed(cache.alloc_reqid)
         cover_s, _ = timed(cache.map_ahead_now)  # the rest of the slots, as the mapper would
         backing = cache.stats()["backend"]["zero_backing"]
-        close_s, _ = timed(lambda: (cache.close(), torch.cuda.synchronize() if device == "cuda" else None))
+        close_s, _ = timed(lambda: (cache.close(), torch.cuda.synchronize() if device == "cuda" else None))  # noqa: F821 (before the del)
         del cache
         row = {"zero_page": zero_page, "slots": slots, "context": context, "constructor_s": build_s,
                "first_alloc_s": alloc_s, "back_every_slot_s": cover_s, "close_s": close_s,
@@ -68,7 +68,7 @@ def map_costs(device: str, quick: bool) -> list:
                                     background_mapping=False, eager_tokens=0, zero_page=zero_page,
                                     precreate_pages=256 if not quick else 64)
                 slot = cache.alloc_reqid()
-                step_s, _ = timed(lambda: cache.step([tokens if s == slot else 0 for s in range(2)]))
+                step_s, _ = timed(lambda: cache.step([tokens if s == slot else 0 for s in range(2)]))  # noqa: F821 (before the del)
                 pages = cache.stats()["pages_mapped"]
                 cache.free_reqid(slot)
                 if device == "cuda":

@@ -13,6 +13,7 @@ See docs/api.md for the whole API and its guarantees.
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
+from . import _compatibility  # noqa: F401  (refuses a torch other than the one vkv was built against)
 from . import _C
 from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step

@@ -365,7 +365,7 @@ class KVCache:
         views it. Idempotent."""
         if self._core is not None:
             self._core.stop_background()
-        self._core = None
+        self._core = None  # type: ignore[assignment]  # a closed cache has no core
         self._backing = None  # the views keep theirs (and the core): memory goes with the last of them
         self._keys = []
         self._values = []
@@ -415,4 +415,5 @@ KVCache.__init__.__signature__ = _parameters.SIGNATURE.replace(  # type: ignore[
     parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *_parameters.SIGNATURE.parameters.values()],
     return_annotation=None,
 )
-KVCache.__init__.__doc__ = KVCache.__init__.__doc__.replace("{args}", _parameters.docstring_args())
+KVCache.__init__.__doc__ = KVCache.__init__.__doc__.replace(  # type: ignore[union-attr]
+    "{args}", _parameters.docstring_args())

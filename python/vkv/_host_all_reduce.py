@@ -16,7 +16,7 @@ import os
 import platform
 import secrets
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ def open_on_this_host(group: Any, capacity: int) -> Optional[_C.HostAllReduce]:
         except (ValueError, RuntimeError) as error:  # /dev/shm full or absent: agree over the group
             name, why_not = None, f"rank 0 cannot create a shared segment: {error}"
     try:
-        hosts = [None] * ranks
+        hosts: List[Any] = [None] * ranks
         dist.all_gather_object(hosts, (_host_identity(), name), group=group)
         name = hosts[0][1]
         if name is None:
@@ -52,7 +52,7 @@ def open_on_this_host(group: Any, capacity: int) -> Optional[_C.HostAllReduce]:
     finally:
         if name is not None and rank == 0:
             _C.HostAllReduce.unlink(name)
-    if joined and _on_every_rank(group, handle.peers_visible()):  # liveness checks need one PID namespace
+    if joined and _on_every_rank(group, handle.peers_visible()):  # type: ignore[union-attr]  # liveness checks need one PID namespace
         return handle
     why_not = why_not or ("another rank could not open the shared segment" if not joined
                           else "the ranks do not see each other's processes (PID namespaces differ)")
@@ -64,7 +64,7 @@ def group_timeout_seconds(group: Optional[Any]) -> float:
     """How long the group's own collectives wait (its init_process_group / new_group timeout)."""
     try:
         pg = group if group is not None else dist.group.WORLD
-        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # type: ignore[union-attr]
     except (AttributeError, RuntimeError):  # another torch's internals: gloo's default
         return dist.default_pg_timeout.total_seconds()
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 import numpy as np
 import torch
 
-from . import _C
+from . import _build_info, _C
 
 REQUIRED = inspect.Parameter.empty
 
@@ -75,6 +75,10 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device = {device!r} is not a device: expected 'cuda', 'cuda:N', 'cpu' or 'auto'") from error
     if device.type == "cuda":
+        if not _build_info.cuda_backend:
+            raise ValueError(f"device = '{device}' needs CUDA, but vkv was built without its CUDA backend: "
+                             f"{_build_info.cuda_why_not}; reinstall vkv with CUDA_HOME set to a CUDA toolkit, "
+                             "or use device='cpu'")
         if not _C.cuda_available():
             raise ValueError(f"device = '{device}' needs a CUDA device, and none is visible; use device='cpu'")
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -187,7 +187,7 @@ class TensorParallelCache:
         elif error is not None:
             # Cannot happen unless another thread took the prepared pages. The pages this
             # step needs are mapped, so the iteration is safe; every rank learns at the next call.
-            self._diverged = f"step failed on rank {self.rank} alone after the ranks agreed: {_describe(error)[1]}"
+            self._diverged = f"step failed on rank {self.rank} alone after the ranks agreed: {_describe(error)[1]}"  # type: ignore[index]
 
     def _plain_cache(self) -> bool:
         """Whether this rank's cache is a KVCache whose step() and _prepare_step() are its

@@ -15,6 +15,8 @@
 // Every driver function vkv calls. A name cuda.h maps to a versioned symbol
 // (cuMemGetInfo -> cuMemGetInfo_v2) gets that version's signature through decltype,
 // and cuGetProcAddress resolves the unversioned name to the same version.
+// (a list, several names a line: clang-format would indent each line further)
+// clang-format off
 #define VKV_CUDA_DRIVER_FUNCTIONS(X)                                                     \
   X(cuInit) X(cuGetErrorName) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetName)     \
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent)            \
@@ -25,6 +27,7 @@
   X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize) \
   X(cuStreamCreate) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuLaunchHostFunc) \
   X(cuDeviceGetAttribute) X(cuDeviceTotalMem) X(cuDeviceGetUuid) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel)
+// clang-format on
 
 namespace vkv::cuda {
 

@@ -144,7 +144,7 @@ def test_alloc_when_full_raises_value_error():
 
 @pytest.mark.skipif(vkv.cuda_available(), reason="a CUDA device is present")
 def test_cuda_without_a_gpu_is_refused_clearly():
-    with pytest.raises(ValueError, match="needs a CUDA device"):
+    with pytest.raises(ValueError, match="needs (a )?CUDA"):  # no device, or no CUDA backend in the build
         small_cache(device="cuda")
 
 
@@ -157,7 +157,8 @@ def test_a_closed_cache_refuses_calls_but_its_tensors_stay_valid(device):
     cache.close()
     cache.close()  # idempotent
     assert cache.closed
-    for call in (cache.alloc_reqid, cache.stats, lambda: cache.step([0] * 4), lambda: cache.key(0)):
+    # The lambdas run before the `del cache` below, which ruff reads as unbinding it first
+    for call in (cache.alloc_reqid, cache.stats, lambda: cache.step([0] * 4), lambda: cache.key(0)):  # noqa: F821
         with pytest.raises(RuntimeError, match="closed"):
             call()
     del cache

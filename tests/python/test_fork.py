@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-import vkv
 from conftest import small_cache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")

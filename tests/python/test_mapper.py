@@ -3,7 +3,6 @@
 import time
 
 import pytest
-import torch
 
 from conftest import lens, small_cache
 

@@ -79,7 +79,7 @@ class Engine:
         if megacache:
             assert len(kv) == 2
             assert kv[0].shape == (max_batch, max_context, num_layers, heads, dim)
-            self.layers = [(kv[0][:, :, l], kv[1][:, :, l]) for l in range(num_layers)]
+            self.layers = [(kv[0][:, :, layer], kv[1][:, :, layer]) for layer in range(num_layers)]
         else:
             assert len(kv) == 2 * num_layers
             assert all(t.shape == (max_batch, max_context, heads, dim) for t in kv)

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import vkv
 from conftest import HOST_PAGE, small_cache
 
 

@@ -10,3 +10,14 @@ under comparison), ``decode_runner`` (decode steps, replayed from CUDA graphs on
 ``engine`` (vAttention's Algorithm 1: alloc_reqid, step, forward, free_reqid; batched
 prefill; preemption by recompute), ``report`` (tables and plots).
 """
+
+import sys
+
+_noted = set()
+
+
+def note_missing(package: str, for_what: str) -> None:
+    """Says once that an optional package of the demo is missing, and how to get it."""
+    if package not in _noted:
+        _noted.add(package)
+        print(f'vkv.demo: {package} is not installed, so {for_what}: pip install "vkv[demo]"', file=sys.stderr)

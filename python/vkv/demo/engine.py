@@ -29,9 +29,11 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+from . import note_missing
+
 try:
     from tqdm import tqdm
-except ImportError:  # a declared dependency, but vkv installs with --no-deps: run without a bar
+except ImportError:  # in the demo extra: run without a bar (Progress says so)
     tqdm = None
 
 from .decode_runner import DecodeRunner
@@ -130,7 +132,9 @@ class Progress:
 
     def __init__(self, label: str, total: int, enabled: bool = True) -> None:
         self.bar = None
-        if tqdm is not None:
+        if tqdm is None:
+            note_missing("tqdm", "no progress bar")
+        else:
             self.bar = tqdm(total=total, desc=f"  {label}", unit="req", disable=not enabled, leave=True,
                             mininterval=0.5, dynamic_ncols=True, file=sys.stderr)
         self.done = 0

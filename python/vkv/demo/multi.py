@@ -41,6 +41,7 @@ import torch
 import vkv
 
 from .__main__ import device_name, parse_with_presets
+from . import note_missing
 from .engine import Engine
 from .kv_stores import VkvStore
 from .model import SHAPES, LlamaModel
@@ -287,6 +288,7 @@ def plot(results: dict, path: str) -> Optional[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        note_missing("matplotlib", "no plots")
         return None
     shown = [p for p in ("static", "shared", "kill") if p in results["phases"]]
     if not shown:

@@ -8,6 +8,8 @@ import os
 import subprocess
 from typing import Dict, List, Optional, Sequence
 
+from . import note_missing
+
 REFERENCE = "vkv interleaved"
 
 COLUMNS = [
@@ -237,6 +239,7 @@ def save(results: dict, out_dir: str, stem: str) -> List[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        note_missing("matplotlib", "no plots")
         return written
     runs = results["runs"]
     names = list(runs)

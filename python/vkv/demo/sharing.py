@@ -22,6 +22,7 @@ import time
 import torch
 
 from .__main__ import device_name, parse_with_presets
+from . import note_missing
 from .engine import Engine
 from .kv_stores import make_store
 from .model import SHAPES, LlamaModel
@@ -94,6 +95,7 @@ def plot(results, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        note_missing("matplotlib", "no plots")
         return None
     workloads = list(results["savings"])
     figure, axes = plt.subplots(1, 3, figsize=(15, 3.8))

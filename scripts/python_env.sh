@@ -1,0 +1,73 @@
+# Sourced by the scripts: picks the Python that vkv is built, tested and run with, and sets
+# VKV_PYTHON to it. That is the python3 on PATH, unless
+#   - a virtual environment is active (VIRTUAL_ENV): its python;
+#   - the system Python is externally managed (PEP 668: Debian's and Ubuntu's own Python
+#     refuses pip installs), or VKV_VENV=1 (or --venv) asks: .venv in the checkout, made by
+#     scripts/bootstrap.sh; it sees the system's packages when the system Python has torch
+#     (a GPU machine's CUDA build), else it gets the CPU build of torch.
+
+vkv_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+vkv_base_python="${VKV_BASE_PYTHON:-python3}"
+
+# The scripts' own flag: --venv anywhere in the arguments means VKV_VENV=1.
+vkv_args=()
+for vkv_arg in "$@"; do
+  if [ "$vkv_arg" = "--venv" ]; then export VKV_VENV=1; else vkv_args+=("$vkv_arg"); fi
+done
+
+vkv_externally_managed() {
+  "$vkv_base_python" - <<'PY'
+import os, sys, sysconfig
+in_venv = sys.prefix != sys.base_prefix
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(0 if not in_venv and os.path.isfile(marker) else 1)
+PY
+}
+
+if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+  VKV_PYTHON="$VIRTUAL_ENV/bin/python"
+  vkv_venv_reason=""
+elif [ "${VKV_VENV:-0}" = 1 ]; then
+  VKV_PYTHON="$vkv_root/.venv/bin/python"
+  vkv_venv_reason="VKV_VENV=1"
+elif vkv_externally_managed; then
+  VKV_PYTHON="$vkv_root/.venv/bin/python"
+  vkv_venv_reason="$(command -v "$vkv_base_python") is externally managed (PEP 668)"
+else
+  VKV_PYTHON="$(command -v "$vkv_base_python")"
+  vkv_venv_reason=""
+fi
+export VKV_PYTHON
+
+# Of pip -v's output, passes on ninja's progress lines, vkv's CMake status lines and CMake's
+# warnings and errors (whole), as they come.
+vkv_build_progress() {
+  local line warning=0
+  while IFS= read -r line; do
+    if [[ "$line" =~ ^\ *\[[0-9]+/[0-9]+\]\  || "$line" == *"-- vkv: "* || "$line" == ERROR* ]]; then
+      printf '%s\n' "$line"
+    elif [[ "$line" == *"CMake Warning"* || "$line" == *"CMake Error"* ]] || [ "$warning" = 1 ]; then
+      printf '%s\n' "$line"
+      warning=1
+      if [[ "$line" =~ ^\ *$ ]]; then warning=0; fi
+    fi
+  done
+  return 0
+}
+
+# Builds and installs vkv from the checkout into VKV_PYTHON (incremental: scikit-build-core
+# keeps its build folder under build/), showing ninja's progress and CMake's warnings instead
+# of minutes of silence; the whole log stays in build/pip-install.log (VKV_INSTALL_LOG).
+# Extra arguments go to pip (--config-settings=build-dir=...).
+vkv_install() {
+  mkdir -p "$vkv_root/build"
+  local log="${VKV_INSTALL_LOG:-$vkv_root/build/pip-install.log}" start=$SECONDS
+  echo "== building and installing vkv into $VKV_PYTHON (a first build takes minutes; log: $log)"
+  if ! (cd "$vkv_root" && "$VKV_PYTHON" -m pip install -v --no-build-isolation --no-deps "$@" .) 2>&1 | tee "$log" |
+    vkv_build_progress; then
+    echo "== building vkv failed; the end of $log:" >&2
+    tail -n 40 "$log" >&2
+    return 1
+  fi
+  echo "== vkv built and installed in $((SECONDS - start)) s"
+}
