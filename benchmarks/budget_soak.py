@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -25,19 +24,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from budget_workload import run_stress  # noqa: E402
 from common import machine, progress, write_json  # noqa: E402
-
-
-def git_state() -> dict:
-    """The commit measured, and whether the tree had changes (VKV_COMMIT where there is no .git)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip() != ""
-        return {"commit": commit, "dirty": dirty}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": os.environ.get("VKV_COMMIT", "unknown"), "dirty": None}
 
 
 def main() -> int:
@@ -73,7 +59,7 @@ def main() -> int:
     details = dataclasses.asdict(result)
     details["crashes"] = details["crashes"][:20]
     details["failures"] = details["failures"][:20]
-    write_json({"machine": machine(args.device), "git": git_state(), "members": args.members,
+    write_json({"machine": machine(args.device), "members": args.members,
                 "seconds": args.seconds, "seed": args.seed, "summary": summary, "details": details},
                os.path.join(args.out, f"budget_soak_{args.device}.json"))
     return 1 if result.problems() else 0

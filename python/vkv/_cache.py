@@ -146,7 +146,7 @@ class KVCache:
             ValueError: slot out of range or not allocated (double free).
         """
         core = self._core  # every finish's path: an int slot goes straight through
-        if core is None or type(slot) is not int or slot < 0:  # noqa: E721 (the common case, cheaply)
+        if core is None or type(slot) is not int or not 0 <= slot < 1 << 63:  # noqa: E721 (the common case, cheaply)
             core = self._live()._core
             slot = self._slot(slot)
         core.free_reqid(slot)

@@ -48,6 +48,7 @@ def device(request):
     """The host backend always; CUDA where there is a GPU (an unbacked read there would end
     the CUDA context: the same checks must hold)."""
     if request.param == "cuda":
+        import torch
         import vkv
 
         if not (vkv.cuda_available() and torch.cuda.is_available()):
