@@ -3,7 +3,7 @@
 At bind time every free block is taken out of the pool's free list ("ballooned") with the
 pool's public get_new_blocks(); the worker backs blocks ahead of need and marks them
 BACKED; the balloon frees those into the pool, where the scheduler can hand them out. When
-more than 2 * headroom blocks sit free in the pool, the balloon takes the excess back
+more than headroom blocks sit free in the pool, the balloon takes the excess back
 (RECLAIMING) and tells the worker to unmap them: their pages go back to the budget. A
 shortage of pages therefore shows as a smaller pool, and vLLM's own answer to that is to
 keep requests waiting or preempt them; schedule() never raises and never waits on the driver.
@@ -51,11 +51,11 @@ class Balloon:
         return len(ready)
 
     def plan(self) -> "tuple[List[int], int]":
-        """Once per step: release what is backed, take back free blocks beyond 2 * headroom;
+        """Once per step: release what is backed, take back free blocks beyond the headroom;
         returns (blocks the worker must unmap, blocks the worker should keep backed)."""
         self.release_backed()
         reclaim: List[int] = []
-        excess = self.pool.get_num_free_blocks() - 2 * self.headroom
+        excess = self.pool.get_num_free_blocks() - self.headroom
         if excess > 0:
             # The free list's head: the least recently used, prefix-cached blocks go first.
             for block in self.pool.get_new_blocks(excess):

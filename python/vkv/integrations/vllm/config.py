@@ -15,7 +15,7 @@ class VkvConnectorConfig:
     memory_budget: most bytes this engine backs; 0 = the shared budget's (or, without one,
         every block vLLM's pool has).
     headroom_blocks: free blocks kept backed in vLLM's pool ahead of need, so scheduling
-        never waits on the driver; free blocks beyond twice this go back to the budget.
+        never waits on the driver; free blocks beyond it go back to the budget.
     device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
     """
 

@@ -51,7 +51,7 @@ class BlockMemory:
         self.cache = vkv.KVCache(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
             max_batch_size=num_blocks, max_context_len=block_size, layout="interleaved",
-            page_size=self.block_bytes, device=device, memory_budget=memory_budget,
+            page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
             shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0)
         assert self.cache.reserved_bytes == num_blocks * self.block_bytes, "slot b must be block b"
         self.states = BlockStates(engine_id, num_blocks)
