@@ -116,3 +116,74 @@ def test_unsupported_shapes_are_refused_with_the_reason():
     message = block_geometry_error(16, 28 * 2 * 4 * 128 * 2 * 16, 2 << 20, 28)  # Qwen2.5-7B: 0.875 MiB
     assert "917504 bytes" in message and "2097152-byte page" in message and "Llama-3-8B" in message
     assert block_geometry_error(16, 2 << 20, 2 << 20, 32) is None
+
+
+def _budget(blocks):
+    import uuid
+
+    import vkv
+    return vkv.SharedBudget.create(f"vkv-vllm-test-{uuid.uuid4().hex[:10]}", blocks * engine_block_bytes(), device="cpu")
+
+
+def _start(context, budget_name):
+    commands, replies = context.Queue(), context.Queue()
+    process = context.Process(target=vt.engine_process, daemon=True,
+                              args=(commands, replies, {"headroom_blocks": HEADROOM, "shared_budget": budget_name}, 128))
+    process.start()
+    assert replies.get(timeout=120)[0] == "ready"
+    return process, commands, replies
+
+
+def _until(replies, kind, timeout=120):
+    while True:
+        reply = replies.get(timeout=timeout)
+        if reply[0] == kind:
+            return reply
+
+
+def test_two_engines_in_two_processes_share_one_budget_in_alternating_bursts():
+    import multiprocessing
+    capacity = 80
+    budget = _budget(capacity)
+    context = multiprocessing.get_context("spawn")
+    engines = [_start(context, budget.name) for _ in range(2)]
+    try:
+        for burst in range(2):
+            for index, (_, commands, replies) in enumerate(engines):
+                # 16 requests of 7 blocks each want more than the whole budget.
+                commands.put(("burst", f"e{index}b{burst}r", 16, 100, 20))
+                most = _until(replies, "burst")[1]
+                assert most >= 0.9 * capacity, (index, burst, most)
+                commands.put(("idle", 2))
+                _, held, in_use = _until(replies, "idle")
+                assert held <= in_use + HEADROOM + 2, (index, held, in_use)
+    finally:
+        for process, commands, replies in engines:
+            commands.put(("stop",))
+        for process, _, _ in engines:
+            process.join(30)
+        budget.remove()
+
+
+def test_an_engine_killed_mid_burst_costs_the_other_nothing():
+    import multiprocessing
+    import signal
+    capacity = 80
+    budget = _budget(capacity)
+    context = multiprocessing.get_context("spawn")
+    victim = _start(context, budget.name)
+    survivor = _start(context, budget.name)
+    try:
+        victim[1].put(("burst", "v", 16, 100, 40))
+        while _until(victim[2], "progress")[1] < capacity // 2:
+            pass
+        os.kill(victim[0].pid, signal.SIGKILL)
+        victim[0].join(30)
+        assert budget.stats()["used_bytes"] <= 8 * engine_block_bytes(), budget.stats()  # the survivor's idle blocks
+        survivor[1].put(("burst", "s", 16, 100, 20))
+        most = _until(survivor[2], "burst")[1]
+        assert most >= 0.9 * capacity, most
+    finally:
+        survivor[1].put(("stop",))
+        survivor[0].join(30)
+        budget.remove()

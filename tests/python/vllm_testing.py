@@ -161,3 +161,33 @@ def forward(engine: Engine, out) -> Dict[str, Optional[int]]:
         if done_prefill:
             engine.outputs[rid].append(sampled[rid])
     return sampled
+
+
+def engine_process(commands, replies, extra: dict, num_blocks: int) -> None:
+    """An engine in its own process (multiprocessing, spawn), driven by commands:
+    ("burst", name, n, prompt, gen): add n requests and step until they finish, replying
+    the most pages it held; ("idle", steps): step with nothing to do, replying held pages
+    and blocks in use; ("stop",)."""
+    engine = Engine(num_blocks, extra)
+    cache = engine.worker._memory.cache
+    replies.put(("ready", cache.stats()["pages_created"]))
+    while True:
+        command = commands.get()
+        if command[0] == "stop":
+            engine.close()
+            replies.put(("stopped",))
+            return
+        if command[0] == "burst":
+            _, name, n, prompt, gen = command
+            for i in range(n):
+                engine.add(f"{name}{i}", [(11 * i + t) % 1000 for t in range(prompt)], gen)
+            most = 0
+            while engine.scheduler.has_unfinished_requests():
+                engine.step()
+                most = max(most, cache.stats()["pages_created"])
+                replies.put(("progress", most))
+            replies.put(("burst", most))
+        if command[0] == "idle":
+            for _ in range(command[1]):
+                engine.step()
+            replies.put(("idle", cache.stats()["pages_created"], engine.connector.stats()["in_use"]))

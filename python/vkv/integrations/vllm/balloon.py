@@ -17,8 +17,9 @@ from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
 class Balloon:
     """Not thread-safe: vLLM calls the scheduler-side connector from its one engine thread."""
 
-    def __init__(self, pool, states: BlockStates, headroom_blocks: int) -> None:
+    def __init__(self, pool, states: BlockStates, headroom_blocks: int, block_size: int) -> None:
         self.pool = pool
+        self.block_size = block_size
         self.states = states
         self.headroom = headroom_blocks
         self.held: Dict[int, object] = {}  # block id -> KVCacheBlock taken out of the pool
@@ -50,17 +51,19 @@ class Balloon:
             self.pool.free_blocks(blocks)
         return len(ready)
 
-    def plan(self) -> "tuple[List[int], int]":
-        """Once per step: release what is backed, take back free blocks beyond the headroom;
-        returns (blocks the worker must unmap, blocks the worker should keep backed)."""
+    def plan(self, waiting_blocks: int = 0) -> "tuple[List[int], int]":
+        """Once per step: release what is backed, take back free blocks beyond the headroom
+        and what the waiting requests the scheduler looked at need (``waiting_blocks``:
+        without it a prompt longer than the headroom would wait for ever); returns (blocks
+        the worker must unmap, blocks the worker should keep backed)."""
         self.release_backed()
         reclaim: List[int] = []
-        excess = self.pool.get_num_free_blocks() - self.headroom
+        excess = self.pool.get_num_free_blocks() - self.headroom - waiting_blocks
         if excess > 0:
             # The free list's head: the least recently used, prefix-cached blocks go first.
             for block in self.pool.get_new_blocks(excess):
                 self.held[block.block_id] = block
                 reclaim.append(block.block_id)
             self.states.states[reclaim] = RECLAIMING
-        target = min(self.usable_blocks, self.in_use() + self.headroom)
+        target = min(self.usable_blocks, self.in_use() + self.headroom + waiting_blocks)
         return reclaim, target

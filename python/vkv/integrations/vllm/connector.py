@@ -63,7 +63,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config.kv_transfer_config.kv_connector_extra_config)
         self._balloon: Optional[Balloon] = None
         self._memory: Optional[BlockMemory] = None
-        self._pending_release: List[int] = []
+        self._waiting_blocks = 0  # blocks the waiting requests seen this step need
 
     # ---- both ----------------------------------------------------------------------
     @classmethod
@@ -74,11 +74,15 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- scheduler side --------------------------------------------------------------
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         states = BlockStates(_engine_id(self._vllm_config), gpu_block_pool.num_gpu_blocks)
-        self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks)
+        self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks,
+                                self._vllm_config.cache_config.block_size)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self._balloon is not None:
             self._balloon.release_backed()  # what the worker backed since the last step
+            # What this waiting request needs: the worker backs it for the next step.
+            block = self._balloon.block_size
+            self._waiting_blocks += -(-(request.num_tokens - num_computed_tokens) // block)
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -91,7 +95,8 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> VkvConnectorMetadata:
         if self._balloon is None:
             raise RuntimeError("VkvConnector: build_connector_meta() before bind_gpu_block_pool()")
-        release, target = self._balloon.plan()
+        release, target = self._balloon.plan(self._waiting_blocks)
+        self._waiting_blocks = 0
         return VkvConnectorMetadata(release=release, target_backed=target)
 
     def request_finished(self, request, block_ids):
