@@ -187,3 +187,21 @@ def test_an_engine_killed_mid_burst_costs_the_other_nothing():
         survivor[1].put(("stop",))
         survivor[0].join(30)
         budget.remove()
+
+
+def test_bad_extra_config_is_one_line_naming_the_key():
+    from vkv.integrations.vllm import VkvConnectorConfig
+    with pytest.raises(ValueError, match=r"\['headroom_blocks'\] = 0 must be >= 1"):
+        VkvConnectorConfig.from_extra_config({"headroom_blocks": 0})
+    with pytest.raises(ValueError, match=r"\['shared_budget'\] = 3 must be a string"):
+        VkvConnectorConfig.from_extra_config({"shared_budget": 3})
+    assert VkvConnectorConfig.from_extra_config({"vkv_headroom_blocks": 2, "other": 1}).headroom_blocks == 2
+
+
+def test_tensor_parallel_is_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from vkv.integrations.vllm.connector import _check_supported
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+    with pytest.raises(ValueError, match="tensor_parallel_size = 2"):
+        _check_supported(config)
