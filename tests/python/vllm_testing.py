@@ -92,15 +92,21 @@ class Engine:
         self.scheduler.add_request(Request(request_id, prompt, params, None))
         self.outputs[request_id] = []
 
-    def step(self, check=None):
-        """One schedule + (worker bind) + fake forward + update; returns the SchedulerOutput."""
+    def step(self, check=None, read_back: bool = True):
+        """One schedule + (worker bind) + fake forward + update; returns the SchedulerOutput.
+        ``read_back`` False: every request samples token 1 (recording traces fast)."""
         from vllm.v1.outputs import ModelRunnerOutput
         out = self.scheduler.schedule()
         if self.worker is not None:
             self.worker.bind_connector_metadata(out.kv_connector_metadata)
         if check is not None:
             check(self, out)
-        sampled = forward(self, out)
+        if read_back:
+            sampled = forward(self, out)
+        else:
+            reqs = self.scheduler.requests
+            sampled = {r: (1 if reqs[r].num_computed_tokens >= reqs[r].num_prompt_tokens else None)
+                       for r in out.num_scheduled_tokens}
         if self.worker is not None:
             self.worker.clear_connector_metadata()
         ids = list(sampled)
