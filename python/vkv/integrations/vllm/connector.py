@@ -116,6 +116,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._balloon is not None:
             self._balloon.states.unlink()
         if self._memory is not None:
+            self._memory.states.unlink()  # either side may go first; the name goes with the engine
             self._memory.close()
 
     # ---- worker side -----------------------------------------------------------------
