@@ -1,0 +1,69 @@
+"""Scheduler side: keep vLLM's BlockPool to the blocks whose pages are mapped.
+
+At bind time every free block is taken out of the pool's free list ("ballooned") with the
+pool's public get_new_blocks(); the worker backs blocks ahead of need and marks them
+BACKED; the balloon frees those into the pool, where the scheduler can hand them out. When
+more than headroom blocks sit free in the pool, the balloon takes the excess back
+(RECLAIMING) and tells the worker to unmap them: their pages go back to the budget. A
+shortage of pages therefore shows as a smaller pool, and vLLM's own answer to that is to
+keep requests waiting or preempt them; schedule() never raises and never waits on the driver.
+"""
+
+from typing import Dict, List
+
+from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
+
+
+class Balloon:
+    """Not thread-safe: vLLM calls the scheduler-side connector from its one engine thread."""
+
+    def __init__(self, pool, states: BlockStates, headroom_blocks: int, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.states = states
+        self.headroom = headroom_blocks
+        self.held: Dict[int, object] = {}  # block id -> KVCacheBlock taken out of the pool
+        free = pool.get_num_free_blocks()
+        for block in pool.get_new_blocks(free) if free else []:
+            self.held[block.block_id] = block
+            # BACKED (worker started first and mapped some) stays; anything else is unbacked.
+            if states.states[block.block_id] != BACKED:
+                states.states[block.block_id] = UNBACKED
+        self.release_backed()
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks the pool could ever hold (all but the null block)."""
+        return self.pool.num_gpu_blocks - 1
+
+    def in_use(self) -> int:
+        """Blocks in some request's table (or the prefix cache's, with a reference)."""
+        return self.usable_blocks - self.pool.get_num_free_blocks() - len(self.held)
+
+    def release_backed(self) -> int:
+        """Free every block the worker has backed since last time into the pool."""
+        states = self.states.states
+        ready = [b for b in self.held if states[b] == BACKED]
+        if ready:
+            ready.sort()
+            blocks = [self.held.pop(b) for b in ready]
+            states[ready] = IN_POOL
+            self.pool.free_blocks(blocks)
+        return len(ready)
+
+    def plan(self, waiting_blocks: int = 0) -> "tuple[List[int], int]":
+        """Once per step: release what is backed, take back free blocks beyond the headroom
+        and what the waiting requests the scheduler looked at need (``waiting_blocks``:
+        without it a prompt longer than the headroom would wait for ever); returns (blocks
+        the worker must unmap, blocks the worker should keep backed)."""
+        self.release_backed()
+        reclaim: List[int] = []
+        excess = self.pool.get_num_free_blocks() - self.headroom - waiting_blocks
+        if excess > 0:
+            # The free list's head: the least recently used, prefix-cached blocks go first.
+            for block in self.pool.get_new_blocks(excess):
+                self.held[block.block_id] = block
+                reclaim.append(block.block_id)
+            self.states.states[reclaim] = RECLAIMING
+        target = min(self.usable_blocks, self.in_use() + self.headroom + waiting_blocks)
+        return reclaim, target

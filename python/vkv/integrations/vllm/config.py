@@ -1,0 +1,48 @@
+"""The connector's own settings: kv_transfer_config's kv_connector_extra_config, checked."""
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+_DEFAULT_HEADROOM_BLOCKS = 8
+
+
+@dataclass(frozen=True)
+class VkvConnectorConfig:
+    """What a vLLM user writes under ``kv_connector_extra_config`` (docs/vllm.md).
+
+    shared_budget: name of a vkv.SharedBudget (``python -m vkv.budget create NAME 40GiB``)
+        the engine draws its pages from; '' = none (memory_budget alone caps it).
+    memory_budget: most bytes this engine backs; 0 = the shared budget's (or, without one,
+        every block vLLM's pool has).
+    headroom_blocks: free blocks kept backed in vLLM's pool ahead of need, so scheduling
+        never waits on the driver; free blocks beyond it go back to the budget.
+    device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
+    """
+
+    shared_budget: str = ""
+    memory_budget: int = 0
+    headroom_blocks: int = _DEFAULT_HEADROOM_BLOCKS
+    device: str = "auto"
+
+    @staticmethod
+    def from_extra_config(extra: Mapping[str, Any]) -> "VkvConnectorConfig":
+        """Parse ``kv_connector_extra_config`` (keys prefixed ``vkv_`` or not); raises
+        ValueError naming the key, its value and what it must be."""
+        known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str}
+        values = {}
+        for key, value in (extra or {}).items():
+            name = key[4:] if key.startswith("vkv_") else key
+            if name not in known:
+                continue  # other connectors' keys (MultiConnector) are not ours to judge
+            kind = known[name]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r} must be an int")
+            if kind is str and not isinstance(value, str):
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r} must be a string")
+            values[name] = value
+        config = VkvConnectorConfig(**values)
+        if config.memory_budget < 0:
+            raise ValueError(f"kv_connector_extra_config['memory_budget'] = {config.memory_budget} must be >= 0")
+        if config.headroom_blocks < 1:
+            raise ValueError(f"kv_connector_extra_config['headroom_blocks'] = {config.headroom_blocks} must be >= 1")
+        return config

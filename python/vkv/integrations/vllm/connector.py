@@ -1,0 +1,190 @@
+"""VkvConnector: vLLM 0.33's KV-connector extension point, used to put vLLM's KV cache on vkv.
+
+Loaded by configuration alone:
+    --kv-transfer-config '{"kv_connector": "VkvConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "vkv.integrations.vllm",
+        "kv_connector_extra_config": {"shared_budget": "gpu0"}}'
+
+Scheduler role: bind_gpu_block_pool() balloons the pool (balloon.py); every step
+build_connector_meta() releases newly backed blocks, takes back excess free ones and tells
+the worker. Worker role: the buffer is a vkv reservation (memory.py); bind_connector_metadata()
+(called before each forward) unmaps what the scheduler took back and backs ahead to the
+scheduler's target. No silent fallback: what this version cannot do raises with the reason.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from .balloon import Balloon
+from .block_states import BlockStates
+from .config import VkvConnectorConfig
+from .memory import BlockMemory
+
+REQUIRED_LAYOUT = "BLNHC"
+
+
+@dataclass
+class VkvConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: blocks to unmap, blocks to keep backed."""
+
+    release: List[int] = field(default_factory=list)
+    target_backed: int = 0
+
+
+def _engine_id(vllm_config) -> str:
+    return str(vllm_config.kv_transfer_config.engine_id)
+
+
+def _check_supported(vllm_config) -> None:
+    parallel = vllm_config.parallel_config
+    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    if world != 1:
+        raise ValueError(
+            f"VkvConnector: tensor_parallel_size = {parallel.tensor_parallel_size}, pipeline_parallel_size = "
+            f"{parallel.pipeline_parallel_size}: this version backs one worker's KV cache only (TP=PP=1)")
+
+
+class VkvConnector(KVConnectorBase_V1, SupportsHMA):
+    """The scheduler-side and worker-side halves; vLLM makes one object per role."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _check_supported(vllm_config)
+        self.settings = VkvConnectorConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self._balloon: Optional[Balloon] = None
+        self._memory: Optional[BlockMemory] = None
+        self._waiting_blocks = 0  # blocks the waiting requests seen this step need
+
+    # ---- both ----------------------------------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
+        """Block-outermost: block b of every layer is one contiguous run, one vkv slot."""
+        return REQUIRED_LAYOUT
+
+    # ---- scheduler side --------------------------------------------------------------
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        states = BlockStates(_engine_id(self._vllm_config), gpu_block_pool.num_gpu_blocks)
+        self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks,
+                                self._vllm_config.cache_config.block_size)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if self._balloon is not None:
+            self._balloon.release_backed()  # what the worker backed since the last step
+            # What this waiting request needs: the worker backs it for the next step.
+            block = self._balloon.block_size
+            self._waiting_blocks += -(-(request.num_tokens - num_computed_tokens) // block)
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return None
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._balloon is not None:
+            self._balloon.release_backed()
+
+    def build_connector_meta(self, scheduler_output) -> VkvConnectorMetadata:
+        if self._balloon is None:
+            raise RuntimeError("VkvConnector: build_connector_meta() before bind_gpu_block_pool()")
+        release, target = self._balloon.plan(self._waiting_blocks)
+        self._waiting_blocks = 0
+        return VkvConnectorMetadata(release=release, target_backed=target)
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        return False, None
+
+    def stats(self) -> dict:
+        """Scheduler side: blocks in use, free in the pool, held out of it."""
+        b = self._balloon
+        if b is None:
+            return {}
+        return {"in_use": b.in_use(), "free_in_pool": b.pool.get_num_free_blocks(), "held": len(b.held)}
+
+    def shutdown(self) -> None:
+        if self._balloon is not None:
+            self._balloon.states.unlink()
+        if self._memory is not None:
+            self._memory.states.unlink()  # either side may go first; the name goes with the engine
+            self._memory.close()
+
+    # ---- worker side -----------------------------------------------------------------
+    def kv_buffer(self, kv_cache_config=None) -> torch.Tensor:
+        """The backing buffer (a vkv reservation) for ``kv_cache_config``: made on first call."""
+        if self._memory is None:
+            self._memory = self._make_memory(kv_cache_config or self._kv_cache_config)
+        return self._memory.buffer()
+
+    def get_mem_pool_context(self):
+        """Where vLLM allocates its KV buffer. On a GPU this needs a writable scratch page
+        under the unbacked blocks (vLLM zero-fills the whole buffer) and a pluggable
+        allocator returning the reservation: not in this version, so it refuses."""
+        device = self.settings.device
+        if device == "cpu":
+            return contextlib.nullcontext()
+        raise RuntimeError(
+            "VkvConnector: placing vLLM's KV buffer in vkv memory on a GPU needs a writable scratch page "
+            "under unbacked blocks (vLLM's allocate_kv_cache() zero-fills the whole buffer), which vkv's "
+            "backends do not have yet; refusing rather than letting vLLM allocate a fixed pool "
+            "(see docs/vllm.md, 'Not supported yet')")
+
+    def register_kv_caches(self, kv_caches) -> None:
+        # vLLM's views must be over the reservation, or the backing would be for nothing.
+        if self._memory is None:
+            return
+        base = self._memory.buffer().data_ptr()
+        end = base + self._memory.num_blocks * self._memory.block_bytes
+        for name, tensor in kv_caches.items():
+            if not base <= tensor.data_ptr() < end:
+                raise RuntimeError(f"VkvConnector: KV cache view {name!r} is not in vkv's reservation")
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._memory is None:
+            raise RuntimeError("VkvConnector: bind_connector_metadata() before the KV buffer was made")
+        meta: VkvConnectorMetadata = connector_metadata
+        self._memory.release(meta.release)
+        self._memory.grow(meta.target_backed)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def _make_memory(self, kv_cache_config) -> BlockMemory:
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"VkvConnector: {len(groups)} KV cache groups (a hybrid model); this version "
+                             "backs models with one full-attention group only")
+        spec = groups[0].kv_cache_spec
+        if type(spec).__name__ != "FullAttentionSpec" or spec.head_size_v != spec.head_size:
+            raise ValueError(f"VkvConnector: KV cache spec {type(spec).__name__} is not supported; this "
+                             "version backs full attention with equal K and V head sizes only")
+        if len(kv_cache_config.kv_cache_tensors) != 1:
+            raise ValueError("VkvConnector: expected one backing KV cache tensor (vLLM's standardised layout), got "
+                             f"{len(kv_cache_config.kv_cache_tensors)}")
+        layers = len(groups[0].layer_names)
+        return BlockMemory(
+            engine_id=_engine_id(self._vllm_config), num_blocks=kv_cache_config.num_blocks,
+            block_size=spec.block_size, num_layers=layers, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_size, dtype=spec.dtype, device=self.settings.device,
+            shared_budget=self.settings.shared_budget, memory_budget=self.settings.memory_budget,
+            headroom_blocks=self.settings.headroom_blocks)

@@ -1,0 +1,99 @@
+"""Worker side: vLLM's KV backing buffer as a vkv reservation, one vkv slot per vLLM block.
+
+In vLLM's block-outermost layout (BLNHC) block b of every layer is one contiguous run of
+``block_bytes`` at ``b * block_bytes``; a vkv cache of ``num_blocks`` slots of
+``block_size`` tokens in its interleaved layout, with pages of ``block_bytes``, puts slot
+b at exactly those bytes. So "back block b" is vkv's ``step({b: block_size})`` on slot b,
+and "give block b back" is ``free_reqid(b)`` + ``trim()``: vkv zero-fills, orders the
+unmapping after an event behind the work queued on the current stream, and returns the
+pages to its budget (a vkv.SharedBudget when named), as for any freed slot.
+"""
+
+from typing import List, Optional
+
+import torch
+
+import vkv
+from vkv._parameters import resolve_device
+
+from .block_states import BACKED, RECLAIMING, UNBACKED, BlockStates
+
+_HOST_PAGE = 4096
+_CUDA_PAGE = 2 << 20
+
+
+def block_geometry_error(block_size: int, block_bytes: int, page_bytes: int, num_layers: int) -> Optional[str]:
+    """Why a vLLM block cannot be a whole number of vkv pages, or None when it can."""
+    if block_bytes % page_bytes == 0 and block_bytes & (block_bytes - 1) == 0:
+        return None
+    return (f"vkv.integrations.vllm: a vLLM block of {block_size} tokens is {block_bytes} bytes over all "
+            f"{num_layers} layers, not a power-of-two multiple of vkv's {page_bytes}-byte page; blocks that "
+            f"straddle pages are not supported yet. Pick --block-size so that block_size * num_layers * 2 * "
+            f"num_kv_heads * head_dim * dtype_bytes is a power of two >= {page_bytes} (e.g. Llama-3-8B: 32 "
+            f"layers x 8 heads x 128 x bf16, --block-size 16 = 2 MiB)")
+
+
+class BlockMemory:
+    """The reservation and which blocks are backed. Not thread-safe: vLLM's worker calls it
+    from its one model-runner thread."""
+
+    def __init__(self, *, engine_id: str, num_blocks: int, block_size: int, num_layers: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+                 shared_budget: str, memory_budget: int, headroom_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.block_bytes = block_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
+        device = str(resolve_device(device))
+        page = _HOST_PAGE if device == "cpu" else _CUDA_PAGE
+        error = block_geometry_error(block_size, self.block_bytes, page, num_layers)
+        if error:
+            raise ValueError(error)
+        self.cache = vkv.KVCache(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+            max_batch_size=num_blocks, max_context_len=block_size, layout="interleaved",
+            page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
+            shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0)
+        assert self.cache.reserved_bytes == num_blocks * self.block_bytes, "slot b must be block b"
+        self.states = BlockStates(engine_id, num_blocks)
+        # vLLM's null block (0) is read by padded kernels and written by none that matter: one real page.
+        null = self.cache.alloc_reqid()
+        if null != 0:
+            raise RuntimeError(f"vkv.integrations.vllm: the null block got vkv slot {null}, expected 0")
+        self.cache.step({0: block_size})
+        self.backed = 0  # blocks other than the null block with mapped pages
+        self.grow(headroom_blocks)
+
+    def buffer(self) -> torch.Tensor:
+        """The whole reservation as vLLM's flat int8 backing buffer (``num_blocks * block_bytes``)."""
+        return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
+
+    def grow(self, target: int) -> int:
+        """Back blocks until ``target`` are backed or the budget says no; marks them BACKED
+        for the scheduler. Returns how many it backed now."""
+        done = 0
+        while self.backed < min(target, self.num_blocks - 1):
+            slot = self.cache.alloc_reqid()
+            try:
+                self.cache.step({slot: self.block_size})
+            except MemoryError:
+                self.cache.free_reqid(slot)  # a shortage: the scheduler keeps what it has
+                break
+            assert self.states.states[slot] == UNBACKED, f"block {slot} was handed out unbacked"
+            self.states.states[slot] = BACKED
+            self.backed += 1
+            done += 1
+        return done
+
+    def release(self, blocks: List[int]) -> int:
+        """Unmap blocks the scheduler took out of its pool; returns the bytes given back."""
+        if not blocks:
+            return 0
+        for block in blocks:
+            assert self.states.states[block] == RECLAIMING, f"block {block} released while in use"
+            self.cache.free_reqid(block)
+            self.states.states[block] = UNBACKED
+        self.backed -= len(blocks)
+        return self.cache.trim()
+
+    def close(self) -> None:
+        self.cache.close()

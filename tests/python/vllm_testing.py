@@ -1,0 +1,199 @@
+"""A tiny vLLM 0.33 engine on a CPU for the vkv connector tests: vLLM's real Scheduler and
+KVCacheManager, the connector loaded the way vLLM loads it (kv_transfer_config's
+kv_connector_module_path), and a fake model that reads and writes through vLLM's own
+BLNHC views of the buffer."""
+
+import json
+import os
+import tempfile
+import uuid
+from typing import Dict, List, Optional
+
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 64, 16  # block = 16 * 2 * 2 * 2 * 64 * 2 B = 16 KiB
+
+
+def _model_dir() -> str:
+    d = tempfile.mkdtemp(prefix="vkv-vllm-model-")
+    json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+               "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
+               "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 1024,
+               "torch_dtype": "float16", "head_dim": HEAD_DIM}, open(os.path.join(d, "config.json"), "w"))
+    return d
+
+
+def kv_cache_config(num_blocks: int):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    page = spec.page_size_bytes  # one layer's block
+    tensor = KVCacheTensor(size=num_blocks * LAYERS * page, layers=names, layer_stride=page,
+                           block_stride=LAYERS * page)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+                         kv_cache_layout="BLNHC")
+
+
+class Engine:
+    """Scheduler + worker connector + fake forward, in this process. ``connector`` None: the
+    same engine on vLLM's fixed pool (a torch.zeros buffer), for comparison."""
+
+    def __init__(self, num_blocks: int, extra: Optional[dict] = None, connector: bool = True,
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 256) -> None:
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import create_kv_cache_views
+
+        model = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=1024)
+        sched = SchedulerConfig(max_model_len=1024, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens)
+        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
+        kv_transfer = None
+        if connector:
+            kv_transfer = KVTransferConfig(
+                kv_connector="VkvConnector", kv_connector_module_path="vkv.integrations.vllm", kv_role="kv_both",
+                engine_id=f"test-{uuid.uuid4().hex[:12]}",
+                kv_connector_extra_config=dict({"device": "cpu", "headroom_blocks": 4}, **(extra or {})))
+        self.vllm_config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
+                                      device_config=DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer)
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.kv_config = kv_cache_config(num_blocks)
+        self.num_blocks = num_blocks
+        spec = self.kv_config.kv_cache_groups[0].kv_cache_spec
+        tensor = self.kv_config.kv_cache_tensors[0]
+        # Worker first, as in vLLM's EngineCore: the executor is made before the scheduler.
+        self.worker = None
+        if connector:
+            self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config)
+            with self.worker.get_mem_pool_context():
+                buf = self.worker.kv_buffer(self.kv_config)
+        else:
+            buf = torch.zeros(tensor.size, dtype=torch.int8)
+        views = create_kv_cache_views(buf, spec, num_blocks, KVCacheLayout.BLNHC, tensor)
+        self.kv = dict(zip(tensor.layers, views))
+        if self.worker is not None:
+            self.worker.register_kv_caches(self.kv)
+        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_config,
+                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=BLOCK)
+        self.connector = self.scheduler.connector
+        self.outputs: Dict[str, List[int]] = {}
+        self.positions: Dict[str, int] = {}
+
+    def add(self, request_id: str, prompt: List[int], max_tokens: int) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(Request(request_id, prompt, params, None))
+        self.outputs[request_id] = []
+
+    def step(self, check=None, read_back: bool = True):
+        """One schedule + (worker bind) + fake forward + update; returns the SchedulerOutput.
+        ``read_back`` False: every request samples token 1 (recording traces fast)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+        out = self.scheduler.schedule()
+        if self.worker is not None:
+            self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        if check is not None:
+            check(self, out)
+        if read_back:
+            sampled = forward(self, out)
+        else:
+            reqs = self.scheduler.requests
+            sampled = {r: (1 if reqs[r].num_computed_tokens >= reqs[r].num_prompt_tokens else None)
+                       for r in out.num_scheduled_tokens}
+        if self.worker is not None:
+            self.worker.clear_connector_metadata()
+        ids = list(sampled)
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[sampled[r]] if sampled[r] is not None else [] for r in ids])
+        self.scheduler.update_from_output(out, mro)
+        return out
+
+    def block_tables(self, out) -> Dict[str, List[int]]:
+        """Every scheduled request's whole block table (vLLM's manager's, group 0)."""
+        mgr = self.scheduler.kv_cache_manager
+        return {r: list(mgr.get_block_ids(r)[0]) for r in out.num_scheduled_tokens}
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+def kv_value(request_id: str, position: int, layer: int, head: int, value: bool) -> float:
+    """K/V content = f(request, position, layer): small integers exact in fp16."""
+    r = sum(map(ord, request_id)) % 61
+    return float((r * 131 + position * 7 + layer * 3 + head + (500 if value else 0)) % 2011)
+
+
+def forward(engine: Engine, out) -> Dict[str, Optional[int]]:
+    """Writes K/V of the scheduled tokens at their slots through vLLM's views, reads back
+    every token of every scheduled request, and returns the next token = f(what it read)."""
+    sampled: Dict[str, Optional[int]] = {}
+    tables = engine.block_tables(out)
+    requests = engine.scheduler.requests
+    for rid, n in out.num_scheduled_tokens.items():
+        req = requests[rid]
+        end = req.num_computed_tokens  # schedule() has already advanced it
+        start = end - n
+        table = tables[rid]
+        for layer, name in enumerate(engine.kv):
+            view = engine.kv[name]  # [B, H, N, 2*D] (BLNHC: block-outermost in memory)
+            for pos in range(start, end):
+                b, off = table[pos // BLOCK], pos % BLOCK
+                for h in range(KV_HEADS):
+                    view[b, h, off, :HEAD_DIM] = kv_value(rid, pos, layer, h, False)
+                    view[b, h, off, HEAD_DIM:] = kv_value(rid, pos, layer, h, True)
+        # Read back every token so far, every layer: a mismatch is a lost or shared page.
+        total = 0.0
+        for layer, name in enumerate(engine.kv):
+            view = engine.kv[name]
+            for pos in range(end):
+                b, off = table[pos // BLOCK], pos % BLOCK
+                for h in range(KV_HEADS):
+                    k = view[b, h, off, 0].item()
+                    v = view[b, h, off, HEAD_DIM].item()
+                    assert k == kv_value(rid, pos, layer, h, False), (rid, pos, layer, h, b, k)
+                    assert v == kv_value(rid, pos, layer, h, True), (rid, pos, layer, h, b, v)
+                    total += k + v
+        done_prefill = end >= req.num_prompt_tokens
+        sampled[rid] = int(total) % 997 if done_prefill else None
+        if done_prefill:
+            engine.outputs[rid].append(sampled[rid])
+    return sampled
+
+
+def engine_process(commands, replies, extra: dict, num_blocks: int) -> None:
+    """An engine in its own process (multiprocessing, spawn), driven by commands:
+    ("burst", name, n, prompt, gen): add n requests and step until they finish, replying
+    the most pages it held; ("idle", steps): step with nothing to do, replying held pages
+    and blocks in use; ("stop",)."""
+    engine = Engine(num_blocks, extra)
+    cache = engine.worker._memory.cache
+    replies.put(("ready", cache.stats()["pages_created"]))
+    while True:
+        command = commands.get()
+        if command[0] == "stop":
+            engine.close()
+            replies.put(("stopped",))
+            return
+        if command[0] == "burst":
+            _, name, n, prompt, gen = command
+            for i in range(n):
+                engine.add(f"{name}{i}", [(11 * i + t) % 1000 for t in range(prompt)], gen)
+            most = 0
+            while engine.scheduler.has_unfinished_requests():
+                engine.step()
+                most = max(most, cache.stats()["pages_created"])
+                replies.put(("progress", most))
+            replies.put(("burst", most))
+        if command[0] == "idle":
+            for _ in range(command[1]):
+                engine.step()
+            replies.put(("idle", cache.stats()["pages_created"], engine.connector.stats()["in_use"]))
