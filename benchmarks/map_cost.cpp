@@ -104,8 +104,8 @@ Phase measure(const std::string& name, vkv::KvCache& cache, Body body) {
 
 std::string json(const vkv::CallStats& call) {
   std::ostringstream out;
-  out << "{\"calls\": " << call.calls << ", \"units\": " << call.units << ", \"us_per_unit\": "
-      << call.microseconds_per_unit() << "}";
+  out << "{\"calls\": " << call.calls << ", \"units\": " << call.units
+      << ", \"us_per_unit\": " << call.microseconds_per_unit() << "}";
   return out.str();
 }
 
@@ -145,15 +145,17 @@ int main(int argc, char** argv) {
       }));
       for (const Phase& phase : phases) {
         out << (first ? "" : ",\n") << "  {\"backend\": \"" << cache.backend().name() << "\", \"layout\": \""
-            << vkv::to_string(layout) << "\", \"precreated\": " << (precreate ? "true" : "false")
-            << ", \"phase\": \"" << phase.name << "\", \"wall_ms\": " << phase.wall_ms
-            << ", \"create\": " << json(phase.delta.create) << ", \"map\": " << json(phase.delta.map)
-            << ", \"unmap\": " << json(phase.delta.unmap) << ", \"zero\": " << json(phase.delta.zero) << "}";
+            << vkv::to_string(layout) << "\", \"precreated\": " << (precreate ? "true" : "false") << ", \"phase\": \""
+            << phase.name << "\", \"wall_ms\": " << phase.wall_ms << ", \"create\": " << json(phase.delta.create)
+            << ", \"map\": " << json(phase.delta.map) << ", \"unmap\": " << json(phase.delta.unmap)
+            << ", \"zero\": " << json(phase.delta.zero) << "}";
         first = false;
-        std::fprintf(stderr, "%-11s %-5s %-48s %8.2f ms | create %6.1f us/page | map %6.1f us/page (%llu pages) | unmap %6.1f us/page\n",
-                     vkv::to_string(layout).c_str(), precreate ? "pre" : "fresh", phase.name.c_str(), phase.wall_ms,
-                     phase.delta.create.microseconds_per_unit(), phase.delta.map.microseconds_per_unit(),
-                     static_cast<unsigned long long>(phase.delta.map.units), phase.delta.unmap.microseconds_per_unit());
+        std::fprintf(
+            stderr,
+            "%-11s %-5s %-48s %8.2f ms | create %6.1f us/page | map %6.1f us/page (%llu pages) | unmap %6.1f us/page\n",
+            vkv::to_string(layout).c_str(), precreate ? "pre" : "fresh", phase.name.c_str(), phase.wall_ms,
+            phase.delta.create.microseconds_per_unit(), phase.delta.map.microseconds_per_unit(),
+            static_cast<unsigned long long>(phase.delta.map.units), phase.delta.unmap.microseconds_per_unit());
       }
     }
   }
@@ -176,7 +178,8 @@ int main(int argc, char** argv) {
           << ", \"create\": " << json(run.stats.create) << ", \"map\": " << json(run.stats.map)
           << ", \"unmap\": " << json(run.stats.unmap) << ", \"release\": " << json(run.stats.release) << "}";
       first = false;
-      std::fprintf(stderr, "%2zu-page %-30s %7.2f GB/s | create %6.1f us/page | map %6.1f us/page | unmap %6.1f "
+      std::fprintf(stderr,
+                   "%2zu-page %-30s %7.2f GB/s | create %6.1f us/page | map %6.1f us/page | unmap %6.1f "
                    "us/page | release %6.1f us/page\n",
                    run_pages, kind, run.gigabytes_per_second(), run.stats.create.microseconds_per_unit(),
                    run.stats.map.microseconds_per_unit(), run.stats.unmap.microseconds_per_unit(),

@@ -107,7 +107,7 @@ def slot_decode_table(results):
     names = {"vkv_interleaved": "interleaved (default)", "vkv_per_layer": "per-layer"}
     heads = [f"{names[layout]}, {label}" for layout in layouts for _, label in variants]
     print("| model | batch | context | " + " | ".join(f"{head} | ms" for head in heads)
-          + " | best FlashInfer paged | ms | " + " | ".join(f"paged / best on {names[l]}" for l in layouts) + " |")
+          + " | best FlashInfer paged | ms | " + " | ".join(f"paged / best on {names[layout]}" for layout in layouts) + " |")
     print("|---|---|---|" + "---|---|" * len(heads) + "---|---|" + "---|" * len(layouts))
     for (model, batch, context, _), rows in cells(results["rows"], "decode").items():
         found = [fastest([r for r in rows if r["kernel"].startswith("flashinfer_decode")

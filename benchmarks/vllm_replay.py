@@ -45,7 +45,7 @@ def _views(buf, num_blocks, layers, heads, dim, block, dtype):
     whole = buf.view(dtype)
     page = heads * block * 2 * dim  # one layer's block, in elements
     return [torch.as_strided(whole, (num_blocks, heads, block, 2 * dim), (layers * page, 2 * dim, heads * 2 * dim, 1),
-                             l * page) for l in range(layers)]
+                             layer * page) for layer in range(layers)]
 
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int) -> None:
@@ -82,7 +82,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int) -> None:
                 pos = torch.arange(end - n, end, device=device)
                 rows, offs = torch.tensor(table, device=device)[pos // block], pos % block
                 g.manual_seed(index * 7919 + hash(rid) % 7919)
-                for l, view in enumerate(views):
+                for _layer, view in enumerate(views):
                     kv = torch.randn(n, heads, 2 * dim, generator=g, device=device).to(dtype)
                     view[rows, :, offs] = kv
                     gathered = view[torch.tensor(table, device=device)]  # [blocks, H, N, 2D]

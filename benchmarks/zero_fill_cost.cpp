@@ -101,9 +101,8 @@ int main(int argc, char** argv) {
     const Timing memsets = time_fill(backend, stream, [&] {
       backend.vkv::Backend::zero_strided(base, bytes, shape.regions, stride, stream);  // one memset per region
     });
-    const Timing launch = time_fill(backend, stream, [&] {
-      backend.zero_strided(base, bytes, shape.regions, stride, stream);
-    });
+    const Timing launch =
+        time_fill(backend, stream, [&] { backend.zero_strided(base, bytes, shape.regions, stride, stream); });
     std::fprintf(stderr,
                  "%-36s memset per region: enqueue p50 %8.1f us (min %8.1f), done p50 %8.1f us | "
                  "one kernel launch%s: enqueue p50 %6.1f us (min %6.1f), done p50 %8.1f us\n",

@@ -11,13 +11,10 @@ namespace vkv {
 LayoutKind parse_layout(std::string_view name) {
   if (name == "per_layer") return LayoutKind::per_layer;
   if (name == "interleaved") return LayoutKind::interleaved;
-  throw InvalidArgument(detail::concat("layout = '", name,
-                                       "' is not a layout: expected 'per_layer' or 'interleaved'"));
+  throw InvalidArgument(detail::concat("layout = '", name, "' is not a layout: expected 'per_layer' or 'interleaved'"));
 }
 
-std::string to_string(LayoutKind layout) {
-  return layout == LayoutKind::per_layer ? "per_layer" : "interleaved";
-}
+std::string to_string(LayoutKind layout) { return layout == LayoutKind::per_layer ? "per_layer" : "interleaved"; }
 
 Device Device::parse(std::string_view text) {
   if (text == "auto") return {Kind::automatic, 0};
@@ -28,18 +25,20 @@ Device Device::parse(std::string_view text) {
     std::string_view digits = text.substr(prefix.size());
     int index = -1;
     auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
-    if (error == std::errc{} && end == digits.data() + digits.size() && index >= 0)
-      return {Kind::cuda, index};
+    if (error == std::errc{} && end == digits.data() + digits.size() && index >= 0) return {Kind::cuda, index};
   }
-  throw InvalidArgument(detail::concat("device = '", text,
-                                       "' is not a device: expected 'auto', 'host', 'cpu', 'cuda' or 'cuda:N'"));
+  throw InvalidArgument(
+      detail::concat("device = '", text, "' is not a device: expected 'auto', 'host', 'cpu', 'cuda' or 'cuda:N'"));
 }
 
 std::string Device::str() const {
   switch (kind) {
-    case Kind::automatic: return "auto";
-    case Kind::host: return "host";
-    case Kind::cuda: return "cuda:" + std::to_string(index);
+    case Kind::automatic:
+      return "auto";
+    case Kind::host:
+      return "host";
+    case Kind::cuda:
+      return "cuda:" + std::to_string(index);
   }
   return "?";
 }
@@ -57,8 +56,8 @@ CacheConfig llama3_8b_config(std::size_t max_batch_size, std::size_t max_context
 
 namespace {
 void expect_in_range(const char* field, std::size_t value, std::size_t low, std::size_t high) {
-  VKV_EXPECTS(value >= low && value <= high, field, " = ", value, " is out of range: must be in [", low,
-              ", ", high, "]");
+  VKV_EXPECTS(value >= low && value <= high, field, " = ", value, " is out of range: must be in [", low, ", ", high,
+              "]");
 }
 }  // namespace
 
@@ -66,8 +65,7 @@ void validate(const CacheConfig& config) {
   expect_in_range("num_layers", config.num_layers, 1, kMaxLayers);
   expect_in_range("num_kv_heads", config.num_kv_heads, 1, kMaxKvHeads);
   expect_in_range("head_dim", config.head_dim, 1, kMaxHeadDim);
-  VKV_EXPECTS(config.dtype_bytes == 1 || config.dtype_bytes == 2 || config.dtype_bytes == 4 ||
-                  config.dtype_bytes == 8,
+  VKV_EXPECTS(config.dtype_bytes == 1 || config.dtype_bytes == 2 || config.dtype_bytes == 4 || config.dtype_bytes == 8,
               "dtype_bytes = ", config.dtype_bytes, " is not supported: elements must be 1, 2, 4 or 8 bytes");
   expect_in_range("max_batch_size", config.max_batch_size, 1, kMaxBatch);
   expect_in_range("max_context_len", config.max_context_len, 1, kMaxContext);
@@ -77,8 +75,8 @@ void validate(const CacheConfig& config) {
   } else {
     VKV_EXPECTS(config.layers_per_group <= config.num_layers &&
                     (config.layers_per_group == 0 || config.num_layers % config.layers_per_group == 0),
-                "layers_per_group = ", config.layers_per_group, " must divide num_layers = ",
-                config.num_layers, " (or be 0 for all layers)");
+                "layers_per_group = ", config.layers_per_group, " must divide num_layers = ", config.num_layers,
+                " (or be 0 for all layers)");
   }
   VKV_EXPECTS(config.page_size == 0 || (config.page_size & (config.page_size - 1)) == 0,
               "page_size = ", config.page_size, " must be 0 (backend default) or a power of two");

@@ -29,9 +29,10 @@ KvLayout::KvLayout(const CacheConfig& config, std::size_t page_bytes) : config_(
   }
   head_bytes_ = config.num_kv_heads * config.head_dim * config.dtype_bytes;  // bounded by the kMax limits
   token_bytes_ = config.layout == LayoutKind::per_layer ? head_bytes_ : 2 * layers_per_region_ * head_bytes_;
-  const std::size_t context_bytes = checked_multiply(config.max_context_len, token_bytes_, "max_context_len * token_bytes");
-  VKV_EXPECTS(context_bytes <= std::numeric_limits<std::size_t>::max() - page_bytes, "max_context_len * token_bytes = ",
-              context_bytes, " overflows 64 bits when rounded up to a page");
+  const std::size_t context_bytes =
+      checked_multiply(config.max_context_len, token_bytes_, "max_context_len * token_bytes");
+  VKV_EXPECTS(context_bytes <= std::numeric_limits<std::size_t>::max() - page_bytes,
+              "max_context_len * token_bytes = ", context_bytes, " overflows 64 bits when rounded up to a page");
   slot_bytes_ = (context_bytes + page_bytes - 1) / page_bytes * page_bytes;
   region_bytes_ = checked_multiply(slot_bytes_, config.max_batch_size, "slot_bytes * max_batch_size");
   checked_multiply(region_bytes_, num_regions_, "region_bytes * num_regions");

@@ -32,10 +32,10 @@
 
 namespace vkv {
 
-using Address = std::uintptr_t;     ///< a virtual address in a backend's address space
-using PageHandle = std::uint64_t;   ///< a physical page (CUmemGenericAllocationHandle, or a memfd slot)
-using Stream = std::uintptr_t;      ///< CUstream (0 = the legacy default stream); ignored by the host
-using Event = std::uintptr_t;       ///< opaque; 0 is never a valid event
+using Address = std::uintptr_t;    ///< a virtual address in a backend's address space
+using PageHandle = std::uint64_t;  ///< a physical page (CUmemGenericAllocationHandle, or a memfd slot)
+using Stream = std::uintptr_t;     ///< CUstream (0 = the legacy default stream); ignored by the host
+using Event = std::uintptr_t;      ///< opaque; 0 is never a valid event
 
 /// What a backend can do that changes how the cache uses it.
 struct BackendTraits {

@@ -45,40 +45,40 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
 // Every field of CacheConfig, once: its name (the same in C++ and Python), type, default
 // and meaning. The struct below, the Python binding (vkv._C.CacheConfig), KVCache's
 // keyword arguments and docstring, the stub and the table in docs/api.md derive from it.
-#define VKV_CACHE_CONFIG_FIELDS(X)                                                                                  \
-  X(num_layers, std::size_t, 0, "transformer layers whose keys and values the cache holds")                        \
-  X(num_kv_heads, std::size_t, 0, "key/value heads per layer")                                                     \
-  X(head_dim, std::size_t, 0, "elements per head")                                                                 \
-  X(dtype_bytes, std::size_t, 2, "bytes per element: 1 (fp8), 2 (fp16, bf16), 4 (fp32) or 8")                      \
-  X(max_batch_size, std::size_t, 0, "slots: requests the cache holds at once")                                     \
-  X(max_context_len, std::size_t, 0, "tokens per slot")                                                            \
-  X(layout, LayoutKind, LayoutKind::interleaved,                                                                   \
-    "'interleaved' (every layer of a token in one page) or 'per_layer' (vAttention)")                              \
+#define VKV_CACHE_CONFIG_FIELDS(X)                                                                                    \
+  X(num_layers, std::size_t, 0, "transformer layers whose keys and values the cache holds")                           \
+  X(num_kv_heads, std::size_t, 0, "key/value heads per layer")                                                        \
+  X(head_dim, std::size_t, 0, "elements per head")                                                                    \
+  X(dtype_bytes, std::size_t, 2, "bytes per element: 1 (fp8), 2 (fp16, bf16), 4 (fp32) or 8")                         \
+  X(max_batch_size, std::size_t, 0, "slots: requests the cache holds at once")                                        \
+  X(max_context_len, std::size_t, 0, "tokens per slot")                                                               \
+  X(layout, LayoutKind, LayoutKind::interleaved,                                                                      \
+    "'interleaved' (every layer of a token in one page) or 'per_layer' (vAttention)")                                 \
   X(layers_per_group, std::size_t, 0, "interleaved only: layers that share one region (divides num_layers); 0 = all") \
-  X(page_size, std::size_t, 0, "bytes per physical page; 0 = the backend's default (2 MiB)")                        \
-  X(device, Device, Device{}, "'auto' (a GPU if present), 'cpu', 'cuda' or 'cuda:N'")                     \
-  X(memory_budget, std::size_t, 0,                                                                                 \
-    "most physical memory in bytes; 0 = enough for every slot, at most 90% of the free device memory")            \
-  X(precreate_pages, std::size_t, 0, "physical pages created up front, so that step() does not create them")       \
-  X(large_page_size, std::size_t, 0,                                                                               \
-    "bytes per large page (a multiple of page_size, >= 2 pages): a prompt's whole spans of that size get one "     \
-    "physical allocation, mapped in one call (~10x faster on a GPU) but reclaimed, shared and copied only whole; " \
-    "0 = off")                                                                                                     \
-  X(zero_page, bool, false,                                                                                        \
-    "pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may "   \
-    "read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads touch unmapped memory")      \
-  X(background_mapping, bool, true, "a background thread maps ahead what the next iterations will need")           \
-  X(lookahead_tokens, std::size_t, 32, "tokens mapped ahead beyond each allocated slot's seq_len")                 \
-  X(eager_tokens, std::size_t, kAdaptive,                                                                          \
-    "tokens kept mapped in the slot alloc_reqid() hands out next, for the next prefill; adaptive follows recent "  \
-    "prompt lengths, 0 turns it off")                                                                             \
-  X(deferred_reclamation, bool, true,                                                                              \
-    "freed slots keep their pages for the next owner; off: free_reqid() waits for the device and gives them back") \
-  X(reclaim_watermark_pages, std::size_t, 0,                                                                       \
-    "the mapper unmaps freed slots' pages into the pool while fewer are free; 0 = budget / 32")                    \
-  X(backend_statistics, bool, true, "count every backend call and its time (stats()['backend'])")                  \
-  X(shared_budget, std::string, "",                                                                                \
-    "name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the "     \
+  X(page_size, std::size_t, 0, "bytes per physical page; 0 = the backend's default (2 MiB)")                          \
+  X(device, Device, Device{}, "'auto' (a GPU if present), 'cpu', 'cuda' or 'cuda:N'")                                 \
+  X(memory_budget, std::size_t, 0,                                                                                    \
+    "most physical memory in bytes; 0 = enough for every slot, at most 90% of the free device memory")                \
+  X(precreate_pages, std::size_t, 0, "physical pages created up front, so that step() does not create them")          \
+  X(large_page_size, std::size_t, 0,                                                                                  \
+    "bytes per large page (a multiple of page_size, >= 2 pages): a prompt's whole spans of that size get one "        \
+    "physical allocation, mapped in one call (~10x faster on a GPU) but reclaimed, shared and copied only whole; "    \
+    "0 = off")                                                                                                        \
+  X(zero_page, bool, false,                                                                                           \
+    "pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may "      \
+    "read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads touch unmapped memory")           \
+  X(background_mapping, bool, true, "a background thread maps ahead what the next iterations will need")              \
+  X(lookahead_tokens, std::size_t, 32, "tokens mapped ahead beyond each allocated slot's seq_len")                    \
+  X(eager_tokens, std::size_t, kAdaptive,                                                                             \
+    "tokens kept mapped in the slot alloc_reqid() hands out next, for the next prefill; adaptive follows recent "     \
+    "prompt lengths, 0 turns it off")                                                                                 \
+  X(deferred_reclamation, bool, true,                                                                                 \
+    "freed slots keep their pages for the next owner; off: free_reqid() waits for the device and gives them back")    \
+  X(reclaim_watermark_pages, std::size_t, 0,                                                                          \
+    "the mapper unmaps freed slots' pages into the pool while fewer are free; 0 = budget / 32")                       \
+  X(backend_statistics, bool, true, "count every backend call and its time (stats()['backend'])")                     \
+  X(shared_budget, std::string, "",                                                                                   \
+    "name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the "         \
     "device; '' = none. memory_budget, when set, caps this cache within it")
 
 /// What a KV cache looks like. Plain data; validate() checks it field by field.

@@ -102,18 +102,18 @@ class CudaBackend final : public Backend {
   ZeroFillKernel load_zero_fill_kernel() noexcept;
 
   int device_;
-  int device_handle_ = 0;      // CUdevice
-  void* context_ = nullptr;    // CUcontext: the device's primary context, retained
+  int device_handle_ = 0;    // CUdevice
+  void* context_ = nullptr;  // CUcontext: the device's primary context, retained
   std::size_t page_bytes_ = 0;
   std::mutex zero_page_mutex_;
-  PageHandle zero_page_ = 0;   // 0 until created
+  PageHandle zero_page_ = 0;  // 0 until created
   // Events destroy_event() handed back, recorded again by record_event(): free_reqid()
   // records one per call, and every driver call it saves is one fewer to queue behind
   // the mapper's (the driver serializes them).
   std::mutex spare_events_mutex_;
   std::vector<void*> spare_events_;  // CUevent
   std::once_flag zero_fill_once_;
-  ZeroFillKernel zero_fill_;   // set once, under zero_fill_once_
+  ZeroFillKernel zero_fill_;  // set once, under zero_fill_once_
   mutable std::atomic<std::uint64_t> cleanup_failures_{0};
 };
 

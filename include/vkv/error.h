@@ -45,9 +45,7 @@ class OutOfMemory : public Error {
 class DriverError : public Error {
  public:
   DriverError(const std::string& call, int code, const std::string& error_name)
-      : Error(call + " failed: " + error_name + " (" + std::to_string(code) + ")"),
-        call_(call),
-        code_(code) {}
+      : Error(call + " failed: " + error_name + " (" + std::to_string(code) + ")"), call_(call), code_(code) {}
   const std::string& call() const noexcept { return call_; }
   int code() const noexcept { return code_; }
 
@@ -69,7 +67,7 @@ std::string concat(Parts&&... parts) {
 }  // namespace vkv
 
 /// Throws vkv::InvalidArgument with the concatenated message unless `condition` holds.
-#define VKV_EXPECTS(condition, ...)                                          \
-  do {                                                                       \
+#define VKV_EXPECTS(condition, ...)                                                     \
+  do {                                                                                  \
     if (!(condition)) throw ::vkv::InvalidArgument(::vkv::detail::concat(__VA_ARGS__)); \
   } while (0)

@@ -107,12 +107,12 @@ class HostBackend final : public Backend {
   bool remap(Address address, std::size_t bytes, int protection, int flags, int file, std::size_t offset) noexcept;
 
   std::size_t page_bytes_;
-  int page_file_;                       // memfd; page handle h lives at offset h * page_bytes_
-  std::mutex mutex_;                    // guards the three members below
-  std::size_t file_pages_ = 0;          // file slices ever handed out
-  std::vector<PageHandle> released_;    // single-page handles whose memory was given back, reused first
+  int page_file_;                     // memfd; page handle h lives at offset h * page_bytes_
+  std::mutex mutex_;                  // guards the three members below
+  std::size_t file_pages_ = 0;        // file slices ever handed out
+  std::vector<PageHandle> released_;  // single-page handles whose memory was given back, reused first
   std::unordered_map<PageHandle, std::size_t> large_pages_;  // large page (its first slice) -> its pages
-  Event next_event_ = 1;                // synchronous mode's events (all complete)
+  Event next_event_ = 1;                                     // synchronous mode's events (all complete)
   std::atomic<std::uint64_t> cleanup_failures_{0};
   // Deferred mode only. mapping_mutex_ is held by every mapping change and by a queued
   // task while it checks and touches its pages, so neither sees the other half done.

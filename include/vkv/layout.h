@@ -21,9 +21,9 @@ namespace vkv {
 
 /// A [max_batch_size, max_context_len, kv_heads, head_dim] view of one layer's K or V.
 struct TensorView {
-  std::size_t offset_bytes = 0;          ///< from the start of the reservation
-  std::array<std::int64_t, 4> shape{};   ///< in elements
-  std::array<std::int64_t, 4> strides{}; ///< in elements; the last is 1
+  std::size_t offset_bytes = 0;           ///< from the start of the reservation
+  std::array<std::int64_t, 4> shape{};    ///< in elements
+  std::array<std::int64_t, 4> strides{};  ///< in elements; the last is 1
 };
 
 class KvLayout {
@@ -67,7 +67,7 @@ class KvLayout {
   std::size_t page_bytes_;
   std::size_t layers_per_region_;
   std::size_t num_regions_;
-  std::size_t head_bytes_;   // one token, one layer, K or V: kv_heads * head_dim * dtype_bytes
+  std::size_t head_bytes_;  // one token, one layer, K or V: kv_heads * head_dim * dtype_bytes
   std::size_t token_bytes_;
   std::size_t slot_bytes_;
   std::size_t region_bytes_;

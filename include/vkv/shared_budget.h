@@ -35,7 +35,7 @@ namespace vkv {
 /// One member of a shared budget, as stats() sees it.
 struct SharedBudgetMember {
   std::int32_t pid = 0;
-  std::string command;           ///< the process's name
+  std::string command;  ///< the process's name
   std::size_t page_bytes = 0;
   std::size_t held_bytes = 0;    ///< physical pages the member created and holds
   std::size_t in_use_bytes = 0;  ///< of those, claimed by its allocated slots (published after each call)
@@ -48,10 +48,10 @@ struct SharedBudgetMember {
 /// A shared budget's state; members whose process is gone are counted out first.
 struct SharedBudgetStats {
   std::string name;
-  std::string device;                ///< the device named at creation ("cuda:0", "cpu")
+  std::string device;  ///< the device named at creation ("cuda:0", "cpu")
   std::size_t capacity_bytes = 0;
-  std::size_t used_bytes = 0;        ///< held by members, plus given back for askers and not taken yet
-  std::size_t reserved_bytes = 0;    ///< of used: given back for askers, not taken yet
+  std::size_t used_bytes = 0;      ///< held by members, plus given back for askers and not taken yet
+  std::size_t reserved_bytes = 0;  ///< of used: given back for askers, not taken yet
   std::size_t device_total_bytes = 0;
   std::vector<SharedBudgetMember> members;
 

@@ -19,23 +19,23 @@ struct CallStats {
 };
 
 struct BackendStats {
-  CallStats reserve;  ///< units: bytes
-  CallStats create;   ///< units: pages (a large page: all of its pages, in one call)
-  CallStats release;  ///< units: pages (a large page: all of its pages)
-  CallStats map;      ///< units: pages (map + access of a run, or of a large page, counts as one call)
-  CallStats unmap;    ///< units: pages (real or zero-backed)
+  CallStats reserve;       ///< units: bytes
+  CallStats create;        ///< units: pages (a large page: all of its pages, in one call)
+  CallStats release;       ///< units: pages (a large page: all of its pages)
+  CallStats map;           ///< units: pages (map + access of a run, or of a large page, counts as one call)
+  CallStats unmap;         ///< units: pages (real or zero-backed)
   CallStats zero_backing;  ///< back_with_zeros(); units: pages
-  CallStats zero;     ///< zero() and zero_strided(), one call each; units: bytes
-  CallStats copy;     ///< units: bytes
-  CallStats event;    ///< record, query, wait, stream-wait; units: calls
+  CallStats zero;          ///< zero() and zero_strided(), one call each; units: bytes
+  CallStats copy;          ///< units: bytes
+  CallStats event;         ///< record, query, wait, stream-wait; units: calls
   /// Release calls that failed (logged with VKV_LOG=debug); counted with or without the
   /// statistics adaptor.
   std::uint64_t cleanup_failures = 0;
 };
 
 /// Where the last step() spent its wall time, phase by phase, and what the last free_reqid()
-/// and alloc_reqid() cost (a debugging aid, kept on: a handful of clock reads per call). arrivals_bench.py reads it after every iteration.
-/// Host waits for events are counted in event_wait_ns and also in the phase they fall in.
+/// and alloc_reqid() cost (a debugging aid, kept on: a handful of clock reads per call). arrivals_bench.py reads it
+/// after every iteration. Host waits for events are counted in event_wait_ns and also in the phase they fall in.
 struct StepProfile {
   std::uint64_t total_ns = 0;        ///< entry to return, as step_stats' nanoseconds
   std::uint64_t lock_wait_ns = 0;    ///< entry until the cache's mutex was held
@@ -77,14 +77,14 @@ struct CacheStats {
   /// the largest seq_len of the last step()); trim() and set_budget() leave them until
   /// a later step() puts them out of reach.
   std::size_t pages_in_reach = 0;
-  std::size_t pages_shared = 0;    ///< mapped in more than one slot (fork, share_prefix)
-  std::size_t large_pages = 0;     ///< large pages in existence (config.large_page_size), each counted in pages too
-  std::size_t page_mappings = 0;   ///< page-sized runs of slot addresses backed; >= pages_mapped
+  std::size_t pages_shared = 0;   ///< mapped in more than one slot (fork, share_prefix)
+  std::size_t large_pages = 0;    ///< large pages in existence (config.large_page_size), each counted in pages too
+  std::size_t page_mappings = 0;  ///< page-sized runs of slot addresses backed; >= pages_mapped
   std::size_t active_slots = 0;
-  std::size_t tokens_in_use = 0;   ///< sum of the last step's seq_lens
-  std::size_t swapped_slots = 0;   ///< allocated slots swapped out to host memory
-  std::size_t swapped_bytes = 0;   ///< host memory holding them
-  CallStats step;                  ///< step() itself, waits included; units: pages it mapped
+  std::size_t tokens_in_use = 0;  ///< sum of the last step's seq_lens
+  std::size_t swapped_slots = 0;  ///< allocated slots swapped out to host memory
+  std::size_t swapped_bytes = 0;  ///< host memory holding them
+  CallStats step;                 ///< step() itself, waits included; units: pages it mapped
   /// Asks to a shared budget's other members (config.shared_budget): units: pages they
   /// gave; time: waiting for their answers.
   CallStats budget_asks;

@@ -66,11 +66,13 @@ struct PythonField<std::size_t> {
     const py::int_ number = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
     if (!number) throw py::error_already_set();
     if (PyObject_RichCompareBool(number.ptr(), py::int_(0).ptr(), Py_LT) == 1)
-      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(py::handle(number))), " must be >= 0"));
+      throw vkv::InvalidArgument(
+          vkv::detail::concat(name, " = ", std::string(py::str(py::handle(number))), " must be >= 0"));
     const unsigned long long result = PyLong_AsUnsignedLongLong(number.ptr());
     if (PyErr_Occurred()) {
       PyErr_Clear();
-      throw vkv::InvalidArgument(vkv::detail::concat(name, " = ", std::string(py::str(py::handle(number))), " does not fit 64 bits"));
+      throw vkv::InvalidArgument(
+          vkv::detail::concat(name, " = ", std::string(py::str(py::handle(number))), " does not fit 64 bits"));
     }
     return static_cast<std::size_t>(result);
   }
@@ -127,11 +129,10 @@ struct PythonField<vkv::Device> {
     if (text != "host") {
       try {
         return vkv::Device::parse(text);
-      } catch (const vkv::InvalidArgument&) {
-      }
+      } catch (const vkv::InvalidArgument&) {}
     }
-    throw vkv::InvalidArgument(vkv::detail::concat(name, " = '", text,
-                                                   "' is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"));
+    throw vkv::InvalidArgument(
+        vkv::detail::concat(name, " = '", text, "' is not a device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"));
   }
 };
 
@@ -145,14 +146,14 @@ struct ConfigField {
 };
 
 const std::vector<ConfigField>& config_fields() {
-  using vkv::Device;      // the field list names its types as namespace vkv sees them
+  using vkv::Device;  // the field list names its types as namespace vkv sees them
   using vkv::LayoutKind;
   static const std::vector<ConfigField> fields = {
-#define VKV_BIND_CONFIG_FIELD(field, type, default_value, meaning)                                     \
-  ConfigField{#field, PythonField<type>::type_name, meaning,                                           \
+#define VKV_BIND_CONFIG_FIELD(field, type, default_value, meaning)                                       \
+  ConfigField{#field, PythonField<type>::type_name, meaning,                                             \
               [](const vkv::CacheConfig& config) { return PythonField<type>::to_python(config.field); }, \
-              [](vkv::CacheConfig& config, py::handle value) {                                         \
-                config.field = PythonField<type>::from_python(#field, value);                          \
+              [](vkv::CacheConfig& config, py::handle value) {                                           \
+                config.field = PythonField<type>::from_python(#field, value);                            \
               }},
       VKV_CACHE_CONFIG_FIELDS(VKV_BIND_CONFIG_FIELD)
 #undef VKV_BIND_CONFIG_FIELD
@@ -208,8 +209,7 @@ std::shared_ptr<KvCache> make_cache(const vkv::CacheConfig& config) {
 at::Tensor reservation_tensor(const std::shared_ptr<KvCache>& cache, const std::string& device) {
   const c10::Device target(device);
   std::shared_ptr<KvCache> keep_alive = cache;
-  return at::for_blob(reinterpret_cast<void*>(cache->base()),
-                      {static_cast<int64_t>(cache->layout().reserved_bytes())})
+  return at::for_blob(reinterpret_cast<void*>(cache->base()), {static_cast<int64_t>(cache->layout().reserved_bytes())})
       .options(at::TensorOptions().dtype(at::kByte).device(target))
       .target_device(target)
       .deleter([keep_alive](void*) {})
@@ -224,14 +224,14 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
   std::vector<std::size_t> lengths;
   auto push = [&](std::size_t index, long long value) {
     if (value < 0)
-      throw vkv::InvalidArgument("seq_lens[" + std::to_string(index) + "] = " + std::to_string(value) +
-                                 " is negative");
+      throw vkv::InvalidArgument("seq_lens[" + std::to_string(index) + "] = " + std::to_string(value) + " is negative");
     lengths.push_back(static_cast<std::size_t>(value));
   };
   if (THPVariable_Check(object.ptr())) {
     const at::Tensor tensor = THPVariable_Unpack(object.ptr());
     if (tensor.dim() != 1)
-      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(tensor.dim()) + " dimensions");
+      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(tensor.dim()) +
+                                 " dimensions");
     if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/false))
       throw vkv::InvalidArgument(std::string("seq_lens must hold integers, got a tensor of ") +
                                  c10::toString(tensor.scalar_type()));
@@ -253,13 +253,20 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
       const char* at = bytes + i * info.strides[0];
       long long value = 0;
       switch (info.itemsize) {
-        case 1: value = is_signed ? *reinterpret_cast<const int8_t*>(at) : *reinterpret_cast<const uint8_t*>(at); break;
-        case 2: value = is_signed ? *reinterpret_cast<const int16_t*>(at) : *reinterpret_cast<const uint16_t*>(at); break;
-        case 4: value = is_signed ? *reinterpret_cast<const int32_t*>(at) : *reinterpret_cast<const uint32_t*>(at); break;
+        case 1:
+          value = is_signed ? *reinterpret_cast<const int8_t*>(at) : *reinterpret_cast<const uint8_t*>(at);
+          break;
+        case 2:
+          value = is_signed ? *reinterpret_cast<const int16_t*>(at) : *reinterpret_cast<const uint16_t*>(at);
+          break;
+        case 4:
+          value = is_signed ? *reinterpret_cast<const int32_t*>(at) : *reinterpret_cast<const uint32_t*>(at);
+          break;
         default: {
           const uint64_t raw = *reinterpret_cast<const uint64_t*>(at);
           if (!is_signed && raw > static_cast<uint64_t>(INT64_MAX))
-            throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::to_string(raw) + " is too large");
+            throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::to_string(raw) +
+                                       " is too large");
           value = static_cast<long long>(raw);
         }
       }
@@ -272,7 +279,8 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
     for (std::size_t i = 0; i < sequence.size(); ++i) {
       PyObject* item = sequence[i].ptr();
       if (PyList_Check(item) || PyTuple_Check(item))
-        throw vkv::InvalidArgument("seq_lens must be one-dimensional: seq_lens[" + std::to_string(i) + "] is a sequence");
+        throw vkv::InvalidArgument("seq_lens must be one-dimensional: seq_lens[" + std::to_string(i) +
+                                   "] is a sequence");
       if (PyBool_Check(item) || PyFloat_Check(item) || !PyIndex_Check(item))
         throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(sequence[i])) +
                                    " is not an integer: seq_lens must hold integers");
@@ -523,7 +531,8 @@ vkv::Device budget_device(const std::string& device) {
 
 void bind_shared_budget(py::module_& m) {
   using py::arg;
-  py::class_<vkv::SharedBudget>(m, "SharedBudget", "A shared budget (include/vkv/shared_budget.h); use vkv.SharedBudget.")
+  py::class_<vkv::SharedBudget>(m, "SharedBudget",
+                                "A shared budget (include/vkv/shared_budget.h); use vkv.SharedBudget.")
       .def_static(
           "create",
           [](const std::string& name, std::size_t bytes, const std::string& device, unsigned mode) {
@@ -565,8 +574,8 @@ py::tuple view(const KvCache& cache, std::size_t layer, bool value) {
 // -- vkv._C.HostAllReduce: vkv.distributed's agreement among ranks of one host ------------
 
 void bind_host_all_reduce(py::module_& m) {
-  using vkv::HostAllReduce;
   using py::arg;
+  using vkv::HostAllReduce;
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   py::class_<HostAllReduce>(m, "HostAllReduce",
                             "MAX all-reduce of int64 lists among the processes of one host, through shared memory "
@@ -580,9 +589,9 @@ void bind_host_all_reduce(py::module_& m) {
           [](HostAllReduce& self, std::vector<std::int64_t> values, double timeout_seconds) {
             {
               py::gil_scoped_release release;  // it waits for the other ranks
-              self.reduce_max(values.data(), values.size(),
-                              std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::duration<double>(timeout_seconds)));
+              self.reduce_max(
+                  values.data(), values.size(),
+                  std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(timeout_seconds)));
             }
             return values;
           },
@@ -603,9 +612,10 @@ PYBIND11_MODULE(_C, m) {
   bind_shared_budget(m);
 
   using py::arg;
-  py::class_<vkv::CacheConfig> config(m, "CacheConfig",
-                                      "What a KV cache looks like: CacheConfig(num_layers=32, ...), keywords only. "
-                                      "Fields, their defaults and meanings: CacheConfig.fields() (include/vkv/config.h).");
+  py::class_<vkv::CacheConfig> config(
+      m, "CacheConfig",
+      "What a KV cache looks like: CacheConfig(num_layers=32, ...), keywords only. "
+      "Fields, their defaults and meanings: CacheConfig.fields() (include/vkv/config.h).");
   config.def(py::init(&make_config))
       .def_static("fields", &describe_config_fields,
                   "(name, Python type, default, meaning) of every field, in include/vkv/config.h's order.")
@@ -631,8 +641,7 @@ PYBIND11_MODULE(_C, m) {
       .def("seq_lens", &KvCache::seq_lens, unlocked)
       .def("set_deferred_reclamation", &KvCache::set_deferred_reclamation, arg("on"), unlocked)
       .def("fork", &KvCache::fork, arg("src"), arg("stream") = 0, unlocked)
-      .def("share_prefix", &KvCache::share_prefix, arg("src"), arg("dst"), arg("tokens"), arg("stream") = 0,
-           unlocked)
+      .def("share_prefix", &KvCache::share_prefix, arg("src"), arg("dst"), arg("tokens"), arg("stream") = 0, unlocked)
       .def("swap_out", &KvCache::swap_out, arg("slot"), arg("stream") = 0, unlocked)
       .def("swap_in", &KvCache::swap_in, arg("slot"), arg("stream") = 0, unlocked)
       .def("is_swapped", &KvCache::is_swapped, arg("slot"), unlocked)
@@ -651,10 +660,11 @@ PYBIND11_MODULE(_C, m) {
       .def("check_invariants", &KvCache::check_invariants, unlocked)
       .def("map_ahead_now", &KvCache::map_ahead_now, unlocked)
       .def("stop_background", &KvCache::stop_background, unlocked)
-      .def_property_readonly("num_free_slots", [](const KvCache& cache) {
-        py::gil_scoped_release release;  // it takes the cache's lock, which a slow call may hold
-        return cache.num_free_slots();
-      })
+      .def_property_readonly("num_free_slots",
+                             [](const KvCache& cache) {
+                               py::gil_scoped_release release;  // it takes the cache's lock, which a slow call may hold
+                               return cache.num_free_slots();
+                             })
       .def_property_readonly(
           "config", [](const KvCache& cache) { return vkv::CacheConfig(cache.config()); },
           "A copy of the config the cache was built with.")
@@ -664,9 +674,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("token_bytes", [](const KvCache& cache) { return cache.layout().token_bytes(); })
       .def_property_readonly("num_regions", [](const KvCache& cache) { return cache.layout().num_regions(); })
       .def_property_readonly("reserved_bytes", [](const KvCache& cache) { return cache.layout().reserved_bytes(); })
-      .def("pages_for_tokens", [](const KvCache& cache, std::size_t tokens) {
-        return cache.layout().pages_for_tokens(tokens);
-      }, arg("tokens"));
+      .def(
+          "pages_for_tokens",
+          [](const KvCache& cache, std::size_t tokens) { return cache.layout().pages_for_tokens(tokens); },
+          arg("tokens"));
 
   bind_host_all_reduce(m);
   m.def("agreed_step", &agreed_step, arg("cache"), arg("host"), arg("seq_lens"), arg("timeout_seconds"),

@@ -366,7 +366,7 @@ class KVCache:
         if self._core is not None:
             self._core.stop_background()
         self._core = None  # type: ignore[assignment]  # a closed cache has no core
-        self._backing = None  # the views keep theirs (and the core): memory goes with the last of them
+        self._backing = None  # type: ignore[assignment]  # the views keep theirs (and the core): memory goes with the last of them
         self._keys = []
         self._values = []
 

@@ -94,11 +94,11 @@ class ReservationView(torch.Tensor):
     step() racing with a print may see either state.
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     _vkv_backing: Optional[Backing] = None
 
     @staticmethod
-    def wrap(tensor: torch.Tensor, backing: Backing) -> "ReservationView":
+    def wrap(tensor: torch.Tensor, backing: Optional[Backing]) -> "ReservationView":
         view = tensor.as_subclass(ReservationView)
         view._vkv_backing = backing
         return view
@@ -118,7 +118,7 @@ class ReservationView(torch.Tensor):
         with torch.no_grad():
             return self._plain().clone()
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         try:
             copy = self._backed_copy("printing")
         except RuntimeError as error:

@@ -202,7 +202,7 @@ class TensorParallelCache:
         once). Returns None once stepped; otherwise, having raised where _prepare would,
         whether any rank's commit copies pages (step() commits and confirms then)."""
         try:
-            code, reduced, why, missing = _C.agreed_step(self.cache._live()._core, self._host, seq_lens,
+            code, reduced, why, missing = _C.agreed_step(self.cache._live()._core, self._host, seq_lens,  # type: ignore[arg-type]
                                                          self._timeout_s)
         except Exception as caught:  # noqa: BLE001 (this rank's preparation failed, before the round)
             return self._prepare("step", functools.partial(_reraise, caught))[1]  # raises on every rank
@@ -211,7 +211,7 @@ class TensorParallelCache:
         if code == 1:  # step() failed after the ranks agreed: once more, as _commit does
             _, error = self._commit(lambda: self.cache.step(seq_lens))
             if error is not None:
-                self._diverged = f"step failed on rank {self.rank} alone after the ranks agreed: {_describe(error)[1]}"
+                self._diverged = f"step failed on rank {self.rank} alone after the ranks agreed: {_describe(error)[1]}"  # type: ignore[index]
             elif self._pending is None:
                 self._pending = RuntimeError(why)
             return None
@@ -219,7 +219,7 @@ class TensorParallelCache:
             self._broken = f"step could not be agreed on: {why}"
             raise RuntimeError(f"vkv.distributed: {self._broken}; this TensorParallelCache refuses every "
                                "later call (close the caches and build new ones)")
-        outcome = _Outcome(reduced[0], bool(reduced[1]), bool(reduced[2]), bool(reduced[3]), False)
+        outcome = _Outcome(reduced[0], bool(reduced[1]), bool(reduced[2]), bool(reduced[3]), False)  # type: ignore[index]
         return self._settle("step", outcome, None, (), missing)
 
     def fork(self, src: int) -> int:

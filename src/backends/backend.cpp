@@ -23,18 +23,19 @@ void Backend::check_zero_strided(Address first, std::size_t bytes, std::size_t c
   VKV_EXPECTS(bytes % page == 0, "zero_strided: bytes = ", bytes, " is not a multiple of the page size ", page);
   VKV_EXPECTS(stride % page == 0, "zero_strided: stride = ", stride, " is not a multiple of the page size ", page);
   if (count <= 1 || bytes == 0) return;
-  VKV_EXPECTS(stride >= bytes, "zero_strided: stride = ", stride, " is below bytes = ", bytes,
-              ": the ", count, " ranges would overlap");
-  constexpr Address kHighest = ~Address{0};  // the last range's end, first + (count - 1) * stride + bytes, must not wrap
-  VKV_EXPECTS(first <= kHighest - bytes && count - 1 <= (kHighest - first - bytes) / stride, "zero_strided: count = ", count,
-              " ranges of stride ", stride, " from 0x", std::hex, first, std::dec, " run past the address space");
+  VKV_EXPECTS(stride >= bytes, "zero_strided: stride = ", stride, " is below bytes = ", bytes, ": the ", count,
+              " ranges would overlap");
+  constexpr Address kHighest =
+      ~Address{0};  // the last range's end, first + (count - 1) * stride + bytes, must not wrap
+  VKV_EXPECTS(first <= kHighest - bytes && count - 1 <= (kHighest - first - bytes) / stride,
+              "zero_strided: count = ", count, " ranges of stride ", stride, " from 0x", std::hex, first, std::dec,
+              " run past the address space");
 }
 
 void Backend::check_large_page(const char* call, std::size_t pages) const {
   VKV_EXPECTS(pages >= 2, call, ": pages = ", pages, " is below 2: a large page holds at least 2 pages");
   const std::size_t most = max_reservation_bytes() / page_bytes();  // it could never be mapped whole
-  VKV_EXPECTS(pages <= most, call, ": pages = ", pages, " is above ", most,
-              ", the pages of the largest reservation");
+  VKV_EXPECTS(pages <= most, call, ": pages = ", pages, " is above ", most, ", the pages of the largest reservation");
 }
 
 PageHandle Backend::create_large_page(std::size_t pages) {

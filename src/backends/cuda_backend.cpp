@@ -95,7 +95,8 @@ CudaBackend::~CudaBackend() {
   }
   if (zero_page_ != 0)
     note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(zero_page_)), "cuMemRelease");
-  for (void* event : spare_events_) note_cleanup(cuda::driver().cuEventDestroy(static_cast<CUevent>(event)), "cuEventDestroy");
+  for (void* event : spare_events_)
+    note_cleanup(cuda::driver().cuEventDestroy(static_cast<CUevent>(event)), "cuEventDestroy");
   note_cleanup(cuda::driver().cuDevicePrimaryCtxRelease(device_handle_), "cuDevicePrimaryCtxRelease");
 }
 
@@ -159,9 +160,9 @@ PageHandle CudaBackend::create_page() {
   CUmemGenericAllocationHandle page = 0;
   CUresult result = cuda::driver().cuMemCreate(&page, page_bytes_, &properties, 0);
   if (result == CUDA_ERROR_OUT_OF_MEMORY)
-    throw OutOfMemory("cuMemCreate failed: the device has no free memory for one more " +
-                          std::to_string(page_bytes_) + "-byte page",
-                      1, page_bytes_);
+    throw OutOfMemory(
+        "cuMemCreate failed: the device has no free memory for one more " + std::to_string(page_bytes_) + "-byte page",
+        1, page_bytes_);
   cuda::check(result, "cuMemCreate");
   return static_cast<PageHandle>(page);
 }
@@ -174,8 +175,8 @@ PageHandle CudaBackend::create_large_page(std::size_t pages) {
   CUmemGenericAllocationHandle page = 0;
   CUresult result = cuda::driver().cuMemCreate(&page, bytes, &properties, 0);
   if (result == CUDA_ERROR_OUT_OF_MEMORY)
-    throw OutOfMemory("cuMemCreate failed: the device has no free memory for a large page of " +
-                          std::to_string(pages) + " pages (" + std::to_string(bytes) + " bytes)",
+    throw OutOfMemory("cuMemCreate failed: the device has no free memory for a large page of " + std::to_string(pages) +
+                          " pages (" + std::to_string(bytes) + " bytes)",
                       pages, page_bytes_);
   cuda::check(result, "cuMemCreate");
   return static_cast<PageHandle>(page);
@@ -273,7 +274,8 @@ void CudaBackend::back_with_zeros(Address address, std::size_t bytes) {
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
     cuda::check(driver.cuMemSetAccess(address, bytes, &access, 1), "cuMemSetAccess(read-only)");
   } catch (...) {
-    if (mapped > 0) note_cleanup(driver.cuMemUnmap(address, mapped * page_bytes_), "cuMemUnmap");  // nothing has read them yet
+    if (mapped > 0)
+      note_cleanup(driver.cuMemUnmap(address, mapped * page_bytes_), "cuMemUnmap");  // nothing has read them yet
     throw;
   }
 }
@@ -317,8 +319,7 @@ const CudaBackend::ZeroFillKernel& CudaBackend::zero_fill_kernel() noexcept {
 
 bool CudaBackend::has_zero_fill_kernel() noexcept { return zero_fill_kernel().function != nullptr; }
 
-void CudaBackend::zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride,
-                               Stream stream) {
+void CudaBackend::zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) {
   check_zero_strided(first, bytes, count, stride);
   // Reservations are page-aligned here: so are mapped pages, and the kernel's 16-byte stores.
   VKV_EXPECTS(first % page_bytes_ == 0, "zero_strided: first = 0x", std::hex, first, std::dec,
@@ -329,8 +330,8 @@ void CudaBackend::zero_strided(Address first, std::size_t bytes, std::size_t cou
   // blockIdx.y picks ranges, x covers one range grid-stride: together about `blocks`.
   const auto grid_y = static_cast<unsigned>(std::min<std::size_t>(count, kMaxGridY));
   const std::size_t blocks_per_range = (bytes / 16 + kZeroFillThreads - 1) / kZeroFillThreads;
-  const auto grid_x = static_cast<unsigned>(
-      std::min<std::size_t>(blocks_per_range, std::max<std::size_t>(1, kernel.blocks / grid_y)));
+  const auto grid_x =
+      static_cast<unsigned>(std::min<std::size_t>(blocks_per_range, std::max<std::size_t>(1, kernel.blocks / grid_y)));
   unsigned long long first_argument = first, bytes_argument = bytes, count_argument = count, stride_argument = stride;
   void* arguments[] = {&first_argument, &bytes_argument, &count_argument, &stride_argument};
   ContextScope scope(*this);

@@ -21,9 +21,7 @@ struct LoadResult {
 // The version of an entry point whose signature matches cuda.h's declaration. CUDA 13
 // gave cuCtxSynchronize a context argument under the same name, while cuda.h still
 // declares the CUDA 2.0 one without: asking for the newest would call it with garbage.
-int abi_version(const std::string& name, int version) {
-  return name == "cuCtxSynchronize" ? 2000 : version;
-}
+int abi_version(const std::string& name, int version) { return name == "cuCtxSynchronize" ? 2000 : version; }
 
 LoadResult load() {
   LoadResult result;
@@ -37,23 +35,24 @@ LoadResult load() {
   auto get_proc_address = reinterpret_cast<decltype(&::cuGetProcAddress)>(dlsym(library, "cuGetProcAddress_v2"));
   auto driver_version_of = reinterpret_cast<decltype(&::cuDriverGetVersion)>(dlsym(library, "cuDriverGetVersion"));
   int driver_version = 0;
-  if (get_proc_address == nullptr || driver_version_of == nullptr || driver_version_of(&driver_version) != CUDA_SUCCESS) {
+  if (get_proc_address == nullptr || driver_version_of == nullptr ||
+      driver_version_of(&driver_version) != CUDA_SUCCESS) {
     result.why = "libcuda.so.1 is older than CUDA 12: cuGetProcAddress_v2 not found";
     return result;
   }
   const int version = std::min(driver_version, CUDA_VERSION);
   bool complete = true;
-#define VKV_LOAD_DRIVER_FUNCTION(name)                                                                     \
-  {                                                                                                        \
-    void* function = nullptr;                                                                              \
-    CUdriverProcAddressQueryResult found{};                                                                \
-    if (get_proc_address(#name, &function, abi_version(#name, version), CU_GET_PROC_ADDRESS_DEFAULT,         \
-                         &found) != CUDA_SUCCESS ||                                                        \
-        function == nullptr) {                                                                             \
-      complete = false;                                                                                    \
-      result.why = "the CUDA driver lacks " #name " at version " + std::to_string(version);               \
-    }                                                                                                      \
-    result.driver.name = reinterpret_cast<decltype(result.driver.name)>(function);                        \
+#define VKV_LOAD_DRIVER_FUNCTION(name)                                                                          \
+  {                                                                                                             \
+    void* function = nullptr;                                                                                   \
+    CUdriverProcAddressQueryResult found{};                                                                     \
+    if (get_proc_address(#name, &function, abi_version(#name, version), CU_GET_PROC_ADDRESS_DEFAULT, &found) != \
+            CUDA_SUCCESS ||                                                                                     \
+        function == nullptr) {                                                                                  \
+      complete = false;                                                                                         \
+      result.why = "the CUDA driver lacks " #name " at version " + std::to_string(version);                     \
+    }                                                                                                           \
+    result.driver.name = reinterpret_cast<decltype(result.driver.name)>(function);                              \
   }
   VKV_CUDA_DRIVER_FUNCTIONS(VKV_LOAD_DRIVER_FUNCTION)
 #undef VKV_LOAD_DRIVER_FUNCTION

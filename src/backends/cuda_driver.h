@@ -54,5 +54,4 @@ void check(CUresult result, const char* call);
 
 /// Calls a driver function through the loaded table and throws DriverError on failure:
 /// VKV_CU_TRY(cuMemMap, address, bytes, 0, handle, 0).
-#define VKV_CU_TRY(function, ...) \
-  ::vkv::cuda::check(::vkv::cuda::driver().function(__VA_ARGS__), #function)
+#define VKV_CU_TRY(function, ...) ::vkv::cuda::check(::vkv::cuda::driver().function(__VA_ARGS__), #function)

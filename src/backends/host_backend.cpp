@@ -11,8 +11,8 @@
 #include <fstream>
 #include <string>
 
-#include "util/format.h"
 #include "host_stream.h"
+#include "util/format.h"
 #include "util/log.h"
 #include "vkv/error.h"
 
@@ -35,8 +35,7 @@ constexpr int kAnonymousFixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NO
 HostBackend::HostBackend(std::size_t page_bytes, HostExecution execution) : page_bytes_(page_bytes) {
   const auto os_page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   VKV_EXPECTS(page_bytes >= os_page && page_bytes % os_page == 0, "page_size = ", page_bytes,
-              " is not usable by the host backend: must be a positive multiple of the OS page size ",
-              os_page);
+              " is not usable by the host backend: must be a positive multiple of the OS page size ", os_page);
   page_file_ = memfd_create("vkv-pages", MFD_CLOEXEC);
   if (page_file_ < 0) throw_errno("memfd_create");
   if (execution == HostExecution::deferred) {
@@ -112,8 +111,7 @@ PageHandle HostBackend::create_page() {
     return page;
   }
   // The file is sparse: growing it costs address bookkeeping only, memory comes on first touch.
-  if (ftruncate(page_file_, static_cast<off_t>((file_pages_ + 1) * page_bytes_)) != 0)
-    throw_errno("ftruncate(memfd)");
+  if (ftruncate(page_file_, static_cast<off_t>((file_pages_ + 1) * page_bytes_)) != 0) throw_errno("ftruncate(memfd)");
   return file_pages_++;
 }
 
@@ -163,8 +161,8 @@ void HostBackend::map(Address address, const PageHandle* pages, std::size_t coun
     const int code = errno;
     std::string message = "mmap(MAP_FIXED | MAP_SHARED) of page " + std::to_string(i) + " of " + std::to_string(count);
     if (!remap(address, (i + 1) * page_bytes_, kReservedProtection, kAnonymousFixed, -1, 0))
-      message += detail::concat(" (and unmapping the ", i, " pages mapped before it failed too: ",
-                                std::strerror(errno), ")");
+      message +=
+          detail::concat(" (and unmapping the ", i, " pages mapped before it failed too: ", std::strerror(errno), ")");
     throw_errno(message, code);
   }
   if (page_states_) page_states_->set(address, address + count * page_bytes_, State::real);
@@ -177,8 +175,8 @@ void HostBackend::map_large(Address address, PageHandle page, std::size_t pages)
     const auto large = large_pages_.find(page);
     VKV_EXPECTS(large != large_pages_.end(), "map_large: page ", page, " is not a large page");
     // A different count would map its neighbours' slices, or only part of it.
-    VKV_EXPECTS(large->second == pages, "map_large: pages = ", pages, " but large page ", page, " has ",
-                large->second, " pages: it is mapped only whole");
+    VKV_EXPECTS(large->second == pages, "map_large: pages = ", pages, " but large page ", page, " has ", large->second,
+                " pages: it is mapped only whole");
   }
   std::unique_lock<std::mutex> lock;
   if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
@@ -246,8 +244,8 @@ void HostBackend::zero_strided(Address first, std::size_t bytes, std::size_t cou
     for (std::size_t i = 0; i < count; ++i) {
       const Address range = first + i * stride;
       if (!page_states_->usable(range, range + bytes, State::real, State::real)) {
-        stream_->fault(detail::concat("zero_strided of range ", i, " of ", count, " (", bytes, " bytes at 0x",
-                                      std::hex, range, ") ran after its pages were unmapped"));
+        stream_->fault(detail::concat("zero_strided of range ", i, " of ", count, " (", bytes, " bytes at 0x", std::hex,
+                                      range, ") ran after its pages were unmapped"));
         return;
       }
     }

@@ -9,7 +9,8 @@
 namespace vkv {
 
 LimitingBackend::LimitingBackend(std::shared_ptr<Backend> upstream, std::size_t max_pages)
-    : ForwardingBackend(std::move(upstream)), max_pages_(max_pages),
+    : ForwardingBackend(std::move(upstream)),
+      max_pages_(max_pages),
       large_pages_(std::make_unique<detail::LargePageSizes>()) {}
 
 LimitingBackend::~LimitingBackend() = default;

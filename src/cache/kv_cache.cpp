@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <chrono>
 
+#include "undo_log.h"
 #include "util/fork_guard.h"
 #include "util/format.h"
-#include "undo_log.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -20,8 +20,8 @@ std::shared_ptr<Backend> backend_stack(const CacheConfig& config, std::shared_pt
   if (backend == nullptr) {
     backend = make_backend(config.device, config.page_size);
   } else {
-    VKV_EXPECTS(config.page_size == 0 || config.page_size == backend->page_bytes(), "page_size = ",
-                config.page_size, " differs from the given backend's page size ", backend->page_bytes());
+    VKV_EXPECTS(config.page_size == 0 || config.page_size == backend->page_bytes(), "page_size = ", config.page_size,
+                " differs from the given backend's page size ", backend->page_bytes());
   }
   if (config.backend_statistics) return std::make_shared<StatisticsBackend>(std::move(backend));
   return backend;
@@ -45,9 +45,9 @@ std::size_t budget_pages(const CacheConfig& config, const KvLayout& layout, cons
 std::size_t large_page_pages(const CacheConfig& config, const Backend& backend) {
   if (config.large_page_size == 0) return 0;
   const std::size_t page = backend.page_bytes();
-  VKV_EXPECTS(config.large_page_size % page == 0 && config.large_page_size >= 2 * page, "large_page_size = ",
-              config.large_page_size, " must be a multiple of the page size ", page, " and at least two pages (",
-              2 * page, " bytes), or 0 (off)");
+  VKV_EXPECTS(config.large_page_size % page == 0 && config.large_page_size >= 2 * page,
+              "large_page_size = ", config.large_page_size, " must be a multiple of the page size ", page,
+              " and at least two pages (", 2 * page, " bytes), or 0 (off)");
   VKV_EXPECTS(backend.traits().large_pages, "large_page_size = ", config.large_page_size, " but backend '",
               backend.name(), "' has no large pages: set it to 0");
   return config.large_page_size / page;
@@ -76,8 +76,8 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(needed <= limit, "the cache needs ", needed, " bytes (", detail::format_bytes(needed),
-              ") of virtual address space (", layout_.num_regions(), " regions x max_batch_size ", config.max_batch_size,
-              " x ", layout_.slot_bytes(), " bytes per slot) but backend '", backend_->name(),
+              ") of virtual address space (", layout_.num_regions(), " regions x max_batch_size ",
+              config.max_batch_size, " x ", layout_.slot_bytes(), " bytes per slot) but backend '", backend_->name(),
               "' can reserve at most ", limit, " bytes (", detail::format_bytes(limit),
               "): lower max_batch_size or max_context_len");
   watermark_pages_ = config.reclaim_watermark_pages != 0 ? config.reclaim_watermark_pages : pool_.budget_pages() / 32;
@@ -100,8 +100,8 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   undo.commit();
   if (config.background_mapping) mapper_ = std::make_unique<Mapper>([this] { return background_work(); });
   if (membership_) {
-    membership_->start_watching({[this] { return cached_bytes_for_budget(); },
-                                 [this](std::size_t bytes) { give_back_to_budget(bytes); }});
+    membership_->start_watching(
+        {[this] { return cached_bytes_for_budget(); }, [this](std::size_t bytes) { give_back_to_budget(bytes); }});
   }
 }
 
@@ -181,7 +181,6 @@ void KvCache::Impl::rethrow_background_error() {
   if (std::exception_ptr error = mapper_->take_error()) std::rethrow_exception(error);
 }
 
-
 namespace {
 
 std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point from) {
@@ -207,8 +206,8 @@ void KvCache::Impl::wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_
   background_done_.wait(lock, [&] { return !slots_[slot].busy(); });
 }
 
-void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages,
-                           std::size_t claim, const std::function<void()>& expect_valid) {
+void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages, std::size_t claim,
+                           const std::function<void()>& expect_valid) {
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
@@ -281,7 +280,7 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   if (slot.mapped() == 0) return;
   if (slot.deferred_fill != 0) {  // a swapped-out slot freed without deferred reclamation
     enqueue_fill(slot_index);
-    wait_free_event(slot);        // the pages go back clean
+    wait_free_event(slot);  // the pages go back clean
   }
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
@@ -297,7 +296,6 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
     }
   }
 }
-
 
 // ---- the public calls: the fork check, then the part that does the work ------------
 

@@ -8,7 +8,8 @@
 namespace vkv {
 
 bool KvCache::Impl::background_busy() const noexcept {
-  return in_flight_pages_ > 0 || std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
+  return in_flight_pages_ > 0 ||
+         std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
 }
 
 std::size_t KvCache::Impl::map_ahead_now() {
@@ -43,8 +44,9 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
   for (std::size_t s = 0; s < slots_.size() && can_grow; ++s) {
     const Slot& slot = slots_[s];
     if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
-    const std::size_t target = std::min(
-        max_pages, layout_.pages_for_tokens(std::min(config_.max_context_len, slot.seq_len + config_.lookahead_tokens)));
+    const std::size_t target =
+        std::min(max_pages,
+                 layout_.pages_for_tokens(std::min(config_.max_context_len, slot.seq_len + config_.lookahead_tokens)));
     if (target > slot.mapped() && slot.mapped() >= first_reclaimable_without_waiting(s))
       return {BackgroundUnit::Kind::grow, s, target};
   }
@@ -97,11 +99,16 @@ bool KvCache::Impl::background_work() {
   std::unique_lock<std::mutex> lock(mutex_);
   const BackgroundUnit unit = next_background_unit(/*settle_events=*/true);
   switch (unit.kind) {
-    case BackgroundUnit::Kind::grow: return grow_in_background(lock, unit.slot, unit.pages);
-    case BackgroundUnit::Kind::shrink: return shrink_in_background(lock, unit.slot, unit.pages);
-    case BackgroundUnit::Kind::cover: return cover_in_background(lock, unit.slot, unit.pages);
-    case BackgroundUnit::Kind::create: return create_in_background(lock, unit.pages);
-    case BackgroundUnit::Kind::none: break;
+    case BackgroundUnit::Kind::grow:
+      return grow_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::shrink:
+      return shrink_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::cover:
+      return cover_in_background(lock, unit.slot, unit.pages);
+    case BackgroundUnit::Kind::create:
+      return create_in_background(lock, unit.pages);
+    case BackgroundUnit::Kind::none:
+      break;
   }
   return false;
 }

@@ -10,7 +10,8 @@ namespace vkv {
 
 class KvCache::Impl::UnitExit {
  public:
-  UnitExit(Impl& cache, std::unique_lock<std::mutex>& lock, std::size_t slot) : cache_(cache), lock_(lock), slot_(slot) {}
+  UnitExit(Impl& cache, std::unique_lock<std::mutex>& lock, std::size_t slot)
+      : cache_(cache), lock_(lock), slot_(slot) {}
   ~UnitExit() {
     if (!lock_.owns_lock()) lock_.lock();
     if (slot_ < cache_.slots_.size()) cache_.slots_[slot_].busy_from = detail::kNotBusy;
@@ -153,7 +154,8 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   return true;
 }
 
-bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t pages) {
+bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index,
+                                         std::size_t pages) {
   Slot& slot = slots_[slot_index];
   const std::size_t mapped = slot.mapped();
   const std::size_t keep = mapped - pages;

@@ -2,9 +2,9 @@
 // so that the framework's allocator or another process can use what it gives back.
 #include <algorithm>
 
+#include "kv_cache_impl.h"
 #include "util/format.h"
 #include "vkv/error.h"
-#include "kv_cache_impl.h"
 
 namespace vkv {
 
@@ -25,12 +25,13 @@ void KvCache::Impl::set_budget(std::size_t bytes) {
   background_done_.wait(lock, [&] { return !background_busy(); });  // pages in flight count too
   const std::size_t in_use = pages_set_budget_keeps();
   if (in_use > budget) {
-    throw OutOfMemory(detail::concat("set_budget(", bytes, ") allows ", budget, " pages (",
-                                     detail::format_bytes(budget * page), ") but allocated slots claim ", in_use,
-                                     " (", detail::format_bytes(in_use * page),
-                                     "); free, preempt or swap out requests first, or retry after the next step() if pages mapped ahead are "
-                                     "still in reach of work in flight"),
-                      in_use - budget, page);
+    throw OutOfMemory(
+        detail::concat(
+            "set_budget(", bytes, ") allows ", budget, " pages (", detail::format_bytes(budget * page),
+            ") but allocated slots claim ", in_use, " (", detail::format_bytes(in_use * page),
+            "); free, preempt or swap out requests first, or retry after the next step() if pages mapped ahead are "
+            "still in reach of work in flight"),
+        in_use - budget, page);
   }
   const std::size_t old_budget = pool_.budget_pages();
   const std::size_t old_watermark = watermark_pages_;

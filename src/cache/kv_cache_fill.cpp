@@ -13,8 +13,8 @@
 // mapper leaves such a slot alone, and wait_free_event() asserts that nothing waits for
 // its readers (no event follows them yet). Then free_event follows the fill, as it did
 // when free_reqid() enqueued it itself.
-#include "util/internal_assert.h"
 #include "kv_cache_impl.h"
+#include "util/internal_assert.h"
 
 namespace vkv {
 

@@ -34,13 +34,13 @@
 #include <optional>
 #include <vector>
 
-#include "shared_budget/budget_membership.h"
 #include "mapper.h"
 #include "page_pool.h"
 #include "page_sharing.h"
 #include "prompt_history.h"
 #include "read_windows.h"
 #include "reclaim_policy.h"
+#include "shared_budget/budget_membership.h"
 #include "slot_table.h"
 #include "vkv/kv_cache.h"
 #include "vkv/statistics_backend.h"
@@ -292,10 +292,11 @@ class KvCache::Impl {
   bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
 
   CacheConfig config_;
-  std::shared_ptr<Backend> backend_;        // the top of the adaptor stack
+  std::shared_ptr<Backend> backend_;         // the top of the adaptor stack
   StatisticsBackend* statistics_ = nullptr;  // in that stack when config.backend_statistics
   KvLayout layout_;
-  std::unique_ptr<detail::BudgetMembership> membership_;  // config.shared_budget's; before pool_, which counts against it
+  std::unique_ptr<detail::BudgetMembership>
+      membership_;  // config.shared_budget's; before pool_, which counts against it
   PagePool pool_;
   Address base_ = 0;
   detail::SlotTable slots_;
@@ -303,8 +304,8 @@ class KvCache::Impl {
   std::vector<detail::HostCopy> host_frees_;  // host memory to free once `ready` completes
   detail::PromptHistory prompts_;             // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;
-  std::size_t in_flight_pages_ = 0;           // taken by the mapper: neither in the pool nor in a slot
-  std::size_t deferred_fills_ = 0;            // slots whose deferred_fill is not 0
+  std::size_t in_flight_pages_ = 0;  // taken by the mapper: neither in the pool nor in a slot
+  std::size_t deferred_fills_ = 0;   // slots whose deferred_fill is not 0
   // Pages a failed mapper unit could not unmap (its undo failed too): mapped past their
   // slot's books, out of the pool until unmap_stranded() succeeds.
   struct Stranded {
@@ -314,7 +315,7 @@ class KvCache::Impl {
   std::vector<Stranded> stranded_;
   Stream background_stream_ = 0;
   CallStats step_stats_;
-  StepProfile step_profile_;        // the last step()'s, filled as it goes
+  StepProfile step_profile_;                    // the last step()'s, filled as it goes
   std::atomic<std::uint64_t> last_wake_ns_{0};  // its wake-up of the mapper, made after the lock
   // The last free_reqid()'s and alloc_reqid()'s wall time and lock wait (last_step_profile()).
   struct CallTiming {

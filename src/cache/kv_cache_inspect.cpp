@@ -3,9 +3,9 @@
 #include <chrono>
 #include <string>
 
-#include "util/format.h"
 #include "kv_cache_impl.h"
 #include "undo_log.h"
+#include "util/format.h"
 #include "vkv/error.h"
 
 namespace vkv {

@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <chrono>
 
-#include "util/format.h"
-#include "util/internal_assert.h"
 #include "kv_cache_impl.h"
 #include "reclaim_policy.h"
 #include "undo_log.h"
+#include "util/format.h"
+#include "util/internal_assert.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -76,7 +76,7 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
   const std::size_t mapped = slot.mapped();
   if (mapped <= keep) return;
   VKV_ASSERT(round_down_to_whole(slot, keep) == keep);  // large pages go whole
-  wait_free_event(slot);  // the driver's unmap does not wait for kernels still reading
+  wait_free_event(slot);                                // the driver's unmap does not wait for kernels still reading
   std::size_t region = 0;
   try {
     for (; region < slot.pages.size(); ++region)
@@ -97,12 +97,14 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
 
 void KvCache::Impl::drop_mappings(const std::vector<PageHandle>& pages, std::size_t from, std::size_t to, bool clean,
                                   std::vector<Page>& into) {
-  for (std::size_t i = from; i < to; i = detail::run_end(pages.data(), i, to, [](PageHandle page) { return page; }))
+  for (std::size_t i = from; i < to; i = detail::run_end(
+                                         pages.data(), i, to, [](PageHandle page) { return page; }))
     if (sharing_.drop_mapping(pages[i])) into.push_back({pages[i], clean});
 }
 
 void KvCache::Impl::give_back_pages(const Page* pages, std::size_t count) {
-  for (std::size_t i = 0; i < count; i = detail::run_end(pages, i, count, [](const Page& page) { return page.handle; }))
+  for (std::size_t i = 0; i < count; i = detail::run_end(
+                                         pages, i, count, [](const Page& page) { return page.handle; }))
     pool_.give_back(pages[i]);
 }
 
@@ -131,7 +133,7 @@ void KvCache::Impl::remap_unmapped_regions(std::size_t slot_index, std::size_t r
 }
 
 void KvCache::Impl::map_real(std::size_t slot_index, std::size_t region, std::size_t first, const PageHandle* handles,
-                       std::size_t count) {
+                             std::size_t count) {
   const Slot& slot = slots_[slot_index];
   const std::size_t page = layout_.page_bytes();
   const Address address = page_address(region, slot_index, first);
@@ -175,8 +177,8 @@ void KvCache::Impl::map_handles(Address address, const PageHandle* handles, std:
   }
 }
 
-void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::size_t first,
-                               const PageHandle* handles, std::size_t count) {
+void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::size_t first, const PageHandle* handles,
+                               std::size_t count) {
   const Slot& slot = slots_[slot_index];
   const std::size_t page = layout_.page_bytes();
   const Address address = page_address(region, slot_index, first);
@@ -245,7 +247,7 @@ void KvCache::Impl::order_after_readers(std::size_t slot_index, std::size_t firs
   if (!config_.zero_page) return;  // without zero backing nothing reads beyond a slot's tokens
   Slot& slot = slots_[slot_index];
   if (first >= std::max(slot.mapped(), slot.backed_end)) return;  // unmapped from there on: unreadable
-  wait_free_event(slot);  // the previous owner's padded reads
+  wait_free_event(slot);                                          // the previous owner's padded reads
   if (slot.allocated && first < read_windows_.horizon(slot.allocated_at, /*include_current=*/false)) {
     const auto start = std::chrono::steady_clock::now();
     read_windows_.wait();
@@ -285,14 +287,15 @@ void KvCache::Impl::zero_fresh_regions(std::size_t slot, std::size_t first, cons
                                        Stream stream) {
   const std::size_t regions = layout_.num_regions();
   const std::size_t page = layout_.page_bytes();
-  const std::size_t unclean =
-      static_cast<std::size_t>(std::count_if(pages, pages + regions * count, [](const Page& fresh) { return !fresh.clean; }));
+  const std::size_t unclean = static_cast<std::size_t>(
+      std::count_if(pages, pages + regions * count, [](const Page& fresh) { return !fresh.clean; }));
   if (unclean == regions * count) {
     backend_->zero_strided(page_address(0, slot, first), count * page, regions, layout_.region_bytes(), stream);
     return;
   }
   if (unclean == 0) return;
-  for (std::size_t r = 0; r < regions; ++r) zero_fresh_pages(page_address(r, slot, first), &pages[r * count], count, stream);
+  for (std::size_t r = 0; r < regions; ++r)
+    zero_fresh_pages(page_address(r, slot, first), &pages[r * count], count, stream);
 }
 
 void KvCache::Impl::order_after_free_event(const Slot& slot, Stream stream) {

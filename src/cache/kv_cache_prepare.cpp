@@ -16,10 +16,10 @@
 #include <optional>
 #include <unordered_map>
 
+#include "kv_cache_impl.h"
 #include "read_windows.h"
 #include "undo_log.h"
 #include "vkv/error.h"
-#include "kv_cache_impl.h"
 
 namespace vkv {
 

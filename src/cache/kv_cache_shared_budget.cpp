@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <chrono>
 
-#include "util/fork_guard.h"
 #include "kv_cache_impl.h"
+#include "util/fork_guard.h"
 #include "vkv/error.h"
 
 namespace vkv {

@@ -5,12 +5,12 @@
 #include <set>
 #include <utility>
 
-#include "util/format.h"
-#include "util/internal_assert.h"
+#include "kv_cache_impl.h"
 #include "read_windows.h"
 #include "undo_log.h"
+#include "util/format.h"
+#include "util/internal_assert.h"
 #include "vkv/error.h"
-#include "kv_cache_impl.h"
 
 namespace vkv {
 
@@ -61,7 +61,8 @@ void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t t
   expect_slot_in_range(dst);
   auto expect_valid = [&] { expect_valid_share(src, dst, tokens); };
   expect_valid();
-  settle(lock, dst, share_shape(src, dst, tokens).fresh * layout_.num_regions(), 0, expect_valid);  // room for dst's own pages
+  settle(lock, dst, share_shape(src, dst, tokens).fresh * layout_.num_regions(), 0,
+         expect_valid);       // room for dst's own pages
   enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   detail::UndoLog undo(stream_waiter(stream));
@@ -90,7 +91,7 @@ KvCache::Impl::ShareShape KvCache::Impl::share_shape(std::size_t src, std::size_
 // receives a copy of src's bytes of tokens below `tokens` only: src's later tokens may
 // belong to another request.
 void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream,
-                         detail::UndoLog& undo) {
+                               detail::UndoLog& undo) {
   Slot& from = slots_[src];
   Slot& to = slots_[dst];
   const std::size_t page_bytes = layout_.page_bytes();
@@ -125,22 +126,20 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
     }
     if (aliased > 0) {
       map_real(dst, r, 0, from.pages[r].data(), aliased);
-      undo.push_remap([this, src, dst, r, aliased] {
-        unmap_real(dst, r, 0, slots_[src].pages[r].data(), aliased);
-      });
+      undo.push_remap([this, src, dst, r, aliased] { unmap_real(dst, r, 0, slots_[src].pages[r].data(), aliased); });
     }
     if (shape.fresh > 0) {
       const Page* own = &fresh[r * shape.fresh];
       for (std::size_t i = 0; i < shape.fresh; ++i) fresh_handles[i] = own[i].handle;
       map_real(dst, r, aliased, fresh_handles.data(), shape.fresh);
-      undo.push_remap([this, dst, r, aliased, own = fresh_handles] {
-        unmap_real(dst, r, aliased, own.data(), own.size());
-      });
+      undo.push_remap(
+          [this, dst, r, aliased, own = fresh_handles] { unmap_real(dst, r, aliased, own.data(), own.size()); });
       undo.enqueued_device_work();
       if (full > aliased)  // whole pages of src's tokens
         backend_->copy(page_address(r, dst, aliased), page_address(r, src, aliased), (full - aliased) * page_bytes,
                        stream);
-      if (!shape.keeps_tail && shape.partial_bytes > 0) zero_fresh_pages(page_address(r, dst, full), &own[full - aliased], 1, stream);
+      if (!shape.keeps_tail && shape.partial_bytes > 0)
+        zero_fresh_pages(page_address(r, dst, full), &own[full - aliased], 1, stream);
     }
     if (shape.partial_bytes == 0) continue;
     const Address partial = page_address(r, dst, full);
@@ -177,7 +176,7 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
 // page that keeps it (an allocated one, whose claimed pages nothing unmaps under the
 // lock): never from one copied later in this loop, which unmaps it under the queued copy.
 void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
-                            Stream stream, detail::UndoLog& undo) {
+                                  Stream stream, detail::UndoLog& undo) {
   // The writer's earlier kernels may still read the shared page through its address.
   const Event readers = backend_->record_event(stream);
   try {
@@ -199,9 +198,9 @@ void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std:
     for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
       const PageHandle shared = slots_[ref.slot].pages[r][ref.page];
       std::size_t holder = 0;
-      while (holder < slots_.size() && (slots_[holder].mapped() <= ref.page ||
-                                         slots_[holder].pages[r][ref.page] != shared ||
-                                         copied.count({holder, ref.page}) != 0))
+      while (holder < slots_.size() &&
+             (slots_[holder].mapped() <= ref.page || slots_[holder].pages[r][ref.page] != shared ||
+              copied.count({holder, ref.page}) != 0))
         ++holder;
       if (holder == slots_.size()) throw Error("internal: a shared page has no other slot mapping it");
       std::vector<PageHandle> fresh(count);

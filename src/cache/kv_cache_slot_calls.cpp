@@ -3,9 +3,9 @@
 // batch of adjacent slots at once, the seq_lens read back, a step for listed slots.
 #include <chrono>
 
+#include "kv_cache_impl.h"
 #include "undo_log.h"
 #include "vkv/error.h"
-#include "kv_cache_impl.h"
 
 namespace vkv {
 
@@ -15,8 +15,8 @@ std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool con
   VKV_EXPECTS(count > 0, "alloc_reqids: count = 0; ask for at least one slot");
   std::size_t free_slots = 0;
   for (const Slot& slot : slots_) free_slots += slot.allocated ? 0 : 1;
-  VKV_EXPECTS(count <= free_slots, "alloc_reqids: count = ", count, " but only ", free_slots, " of max_batch_size = ",
-              slots_.size(), " slots are free");
+  VKV_EXPECTS(count <= free_slots, "alloc_reqids: count = ", count, " but only ", free_slots,
+              " of max_batch_size = ", slots_.size(), " slots are free");
   std::vector<std::size_t> allocated;
   detail::UndoLog undo;  // all or nothing: a slot that fails to allocate frees the ones before it
   auto allocate = [&](std::size_t slot) {
@@ -58,7 +58,8 @@ std::vector<std::size_t> KvCache::Impl::seq_lens() const {
   return lengths;
 }
 
-void KvCache::Impl::step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream) {
+void KvCache::Impl::step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count,
+                               Stream stream) {
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);

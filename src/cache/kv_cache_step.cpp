@@ -4,10 +4,10 @@
 #include <optional>
 #include <unordered_map>
 
-#include "util/format.h"
-#include "util/internal_assert.h"
 #include "kv_cache_impl.h"
 #include "undo_log.h"
+#include "util/format.h"
+#include "util/internal_assert.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -59,8 +59,8 @@ StepProfile KvCache::Impl::last_step_profile() const {
 }
 
 void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const {
-  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ",
-              slots_.size(), " (0 for slots not in use)");
+  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ", slots_.size(),
+              " (0 for slots not in use)");
   VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
   for (std::size_t s = 0; s < count; ++s) {
     VKV_EXPECTS(seq_lens[s] <= config_.max_context_len, "seq_lens[", s, "] = ", seq_lens[s],
@@ -94,7 +94,8 @@ KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, st
       const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
       std::size_t page = round_down_to_whole(slot, slot.seq_len * layout_.token_bytes() / layout_.page_bytes());
       while (page < end) {
-        const std::size_t run = detail::run_end(pages.data(), page, pages.size(), [](PageHandle handle) { return handle; });
+        const std::size_t run =
+            detail::run_end(pages.data(), page, pages.size(), [](PageHandle handle) { return handle; });
         const PageHandle handle = pages[page];
         if (sharing_.is_shared(handle) && copies_of[handle]++ != sharing_.mappings(handle) - 1)
           for (std::size_t i = page; i < run; ++i) plan.copies.push_back({s, i});
@@ -204,7 +205,7 @@ std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& clai
 
 // Pages the mapper is moving are not lost: a shortage is decided once it has put them down.
 void KvCache::Impl::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot,
-                             std::size_t claim) {
+                                   std::size_t claim) {
   background_done_.wait(lock, [&] {
     std::vector<std::size_t> claims = slots_.claims();
     claims[slot] = std::max(claims[slot], claim);
@@ -219,19 +220,20 @@ std::size_t KvCache::Impl::pages_short(std::size_t missing, std::size_t slot, st
   return missing > obtainable ? missing - obtainable : 0;
 }
 
-void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const {
+void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims,
+                                      const char* call) const {
   const std::size_t obtainable = obtainable_pages(claims);
   if (missing <= obtainable) return;
   std::size_t claimed_mapped = 0;
   for (std::size_t s = 0; s < slots_.size(); ++s) claimed_mapped += std::min(slots_[s].mapped(), claims[s]);
   const std::size_t regions = layout_.num_regions();
   const std::size_t page = layout_.page_bytes();
-  throw OutOfMemory(detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page),
-                                   ") but only ", obtainable, " can be had: budget ", pool_.budget_pages(),
-                                   " pages of ", detail::format_bytes(page), ", ",
-                                   claimed_mapped * regions - sharing_.duplicate_mappings(),
-                                   " held by allocated slots; free, preempt or swap out requests, or raise the budget"),
-                    missing - obtainable, page);
+  throw OutOfMemory(
+      detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page), ") but only ",
+                     obtainable, " can be had: budget ", pool_.budget_pages(), " pages of ", detail::format_bytes(page),
+                     ", ", claimed_mapped * regions - sharing_.duplicate_mappings(),
+                     " held by allocated slots; free, preempt or swap out requests, or raise the budget"),
+      missing - obtainable, page);
 }
 
 std::function<void()> KvCache::Impl::stream_waiter(Stream stream) {
@@ -307,7 +309,7 @@ std::vector<Page> KvCache::Impl::lay_out_grant(const std::vector<std::size_t>& c
 // enqueued, so a failed map is undone at once; once device work is queued, undoing waits
 // for it (the undo log's stream waiter).
 void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies,
-                          std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
+                                std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
   if (!stranded_.empty()) unmap_stranded();  // before mapping past slots' books; pages for the pool
   expect_obtainable(missing, claims, call);
   for (std::size_t s = 0; s < slots_.size(); ++s)
@@ -368,7 +370,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
     }
   }
-  VKV_ASSERT(next == pages.size());  // every page obtained found its place
+  VKV_ASSERT(next == pages.size());                 // every page obtained found its place
   if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
   for (const Fresh& run : fresh) zero_fresh_regions(run.slot, run.first_page, &pages[run.first], run.count, stream);
   unused.commit();

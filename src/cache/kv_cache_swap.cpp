@@ -4,11 +4,11 @@
 // Host memory has a per-region layout of its own: region r's seq_len * token_bytes
 // bytes, one region after another. Copies run on the caller's stream; the host memory
 // of a copy back is freed by a later call once the copy's event has completed.
-#include "util/format.h"
+#include "kv_cache_impl.h"
 #include "read_windows.h"
 #include "undo_log.h"
+#include "util/format.h"
 #include "vkv/error.h"
-#include "kv_cache_impl.h"
 
 namespace vkv {
 
@@ -76,7 +76,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   const std::size_t claim = layout_.pages_for_tokens(swapped_tokens(slots_[slot_index]));
   settle(lock, slot_index, claim * layout_.num_regions(), claim, expect_valid);
   free_finished_host_copies(/*wait=*/false);
-  enqueue_fill(slot_index);  // before the copy back
+  enqueue_fill(slot_index);                                    // before the copy back
   if (config_.zero_page) read_windows_.close_current(stream);  // undo and reclamation may wait for it
 
   Slot& slot = slots_[slot_index];

@@ -37,12 +37,12 @@ class Mapper {
   void run();
 
   std::function<bool()> work_;
-  std::mutex mutex_;                 // guards the three members below
+  std::mutex mutex_;  // guards the three members below
   std::condition_variable woken_;
   bool pending_ = false;
   bool stopping_ = false;
   std::exception_ptr error_;
-  std::thread thread_;               // last: starts once the members above exist
+  std::thread thread_;  // last: starts once the members above exist
 };
 
 }  // namespace vkv

@@ -61,9 +61,8 @@ void PagePool::make_room_for_singles(std::size_t count) noexcept {
 std::vector<Page> PagePool::take(std::size_t count) {
   const std::size_t obtainable = obtainable_pages();
   if (count > obtainable) {
-    throw OutOfMemory(detail::concat("page pool: ", count, " pages asked, ", obtainable, " obtainable (",
-                                     free_pages(), " free, ", created_pages_, " of budget ", budget_pages_,
-                                     " created)"),
+    throw OutOfMemory(detail::concat("page pool: ", count, " pages asked, ", obtainable, " obtainable (", free_pages(),
+                                     " free, ", created_pages_, " of budget ", budget_pages_, " created)"),
                       count - obtainable, backend_.page_bytes());
   }
   make_room_for_singles(count);
@@ -166,14 +165,13 @@ std::size_t PagePool::add_free(std::size_t count) {
 }
 
 void PagePool::precreate(std::size_t count) {
-  VKV_EXPECTS(count <= budget_pages_, "precreate_pages = ", count, " exceeds the budget of ", budget_pages_,
-              " pages");
+  VKV_EXPECTS(count <= budget_pages_, "precreate_pages = ", count, " exceeds the budget of ", budget_pages_, " pages");
   free_.reserve(count);
   while (free_.size() < count && created_pages_ < budget_pages_) {
     if (!count_created(1)) {
-      throw OutOfMemory(detail::concat("precreate_pages = ", count, ": the shared budget has room for ", free_.size(),
-                                       " of them"),
-                        count - free_.size(), backend_.page_bytes());
+      throw OutOfMemory(
+          detail::concat("precreate_pages = ", count, ": the shared budget has room for ", free_.size(), " of them"),
+          count - free_.size(), backend_.page_bytes());
     }
     free_.push_back(create_pages(1).front());
   }

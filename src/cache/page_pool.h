@@ -48,7 +48,6 @@ class PageAccount {
   virtual void give(std::size_t pages) noexcept = 0;
 };
 
-
 class PagePool {
  public:
   /// Creates nothing yet. `backend` must outlive the pool. `large_page_pages` 0: no large
@@ -157,8 +156,8 @@ class PagePool {
   std::size_t large_page_pages_;
   PageAccount* account_;
   std::size_t created_pages_ = 0;
-  std::vector<Page> free_;        // LIFO: the most recently used page goes out first
-  std::vector<Page> free_large_;  // the same, for large pages
+  std::vector<Page> free_;                // LIFO: the most recently used page goes out first
+  std::vector<Page> free_large_;          // the same, for large pages
   std::unordered_set<PageHandle> large_;  // every large page in existence
 };
 

@@ -61,7 +61,8 @@ void PageSharing::check(const SlotTable& slots) const {
     }
   }
   for (const auto& [page, count] : mapped_at)
-    expect(count == mappings(page), "a page's share count equals the slots mapping it (no page mapped twice unless shared)");
+    expect(count == mappings(page),
+           "a page's share count equals the slots mapping it (no page mapped twice unless shared)");
   for (const auto& [page, share] : shares_)
     expect(share.mappings >= 2 && mapped_at.count(page) != 0, "a page counted as shared is mapped at least twice");
 }

@@ -59,12 +59,12 @@ class ReadWindows {
 
  private:
   struct Window {
-    std::uint64_t step;        // the step() whose work it is
-    std::size_t horizon;       // pages its work may read
-    Event end;                 // recorded behind its work
+    std::uint64_t step;   // the step() whose work it is
+    std::size_t horizon;  // pages its work may read
+    Event end;            // recorded behind its work
   };
   Backend& backend_;
-  std::vector<Window> closed_;     // oldest first; events not known complete
+  std::vector<Window> closed_;  // oldest first; events not known complete
   std::uint64_t steps_ = 0;
   std::size_t current_horizon_ = 0;  // of the work since the last step()
 };

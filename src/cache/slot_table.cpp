@@ -21,14 +21,14 @@ std::size_t SlotTable::next_to_allocate() const noexcept {
 std::size_t SlotTable::most_kept() const noexcept {
   std::size_t best = slots_.size();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    if (!slots_[s].allocated && (best == slots_.size() || slots_[s].kept_at_free > slots_[best].kept_at_free))
-      best = s;
+    if (!slots_[s].allocated && (best == slots_.size() || slots_[s].kept_at_free > slots_[best].kept_at_free)) best = s;
   }
   return best;
 }
 
 std::size_t SlotTable::free_count() const noexcept {
-  return static_cast<std::size_t>(std::count_if(slots_.begin(), slots_.end(), [](const Slot& slot) { return !slot.allocated; }));
+  return static_cast<std::size_t>(
+      std::count_if(slots_.begin(), slots_.end(), [](const Slot& slot) { return !slot.allocated; }));
 }
 
 std::vector<std::size_t> SlotTable::claims() const {

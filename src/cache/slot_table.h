@@ -43,16 +43,16 @@ struct HostCopy {
 
 struct Slot {
   bool allocated = false;
-  std::size_t seq_len = 0;                      // from the last step()
+  std::size_t seq_len = 0;  // from the last step()
   // Pages per region the owner has needed since alloc_reqid(). Mapped pages beyond it
   // hold zeros and no kernel of the owner writes them: as reclaimable as a freed slot's.
   std::size_t claimed = 0;
-  std::vector<std::vector<PageHandle>> pages;   // [region][page]: pages [0, n) mapped in each region
+  std::vector<std::vector<PageHandle>> pages;  // [region][page]: pages [0, n) mapped in each region
   // Pages [mapped(), backed_end) of every region are backed by the zero page (zero_page
   // on); pages from backed_end on are not mapped.
   std::size_t backed_end = 0;
-  std::uint64_t allocated_at = 0;               // steps done when it was allocated (ReadWindows)
-  Event free_event = 0;                         // behind the slot's last zero-fill; 0 once waited for
+  std::uint64_t allocated_at = 0;  // steps done when it was allocated (ReadWindows)
+  Event free_event = 0;            // behind the slot's last zero-fill; 0 once waited for
   // The stream free_event was recorded on: later work on that stream is ordered after it
   // without a wait (a cuStreamWaitEvent costs ~10 us on the caller's thread).
   Stream free_event_stream = 0;
@@ -61,8 +61,8 @@ struct Slot {
   // it, is enqueued on fill_stream (kv_cache_fill.cpp); 0 once it is.
   std::size_t deferred_fill = 0;
   Stream fill_stream = 0;
-  std::uint64_t freed_at = 0;                   // free order, for least-recently-freed reclamation
-  std::size_t kept_at_free = 0;                 // claimed when freed: alloc_reqid()'s preference
+  std::uint64_t freed_at = 0;    // free order, for least-recently-freed reclamation
+  std::size_t kept_at_free = 0;  // claimed when freed: alloc_reqid()'s preference
   // A fork() or share_prefix() since alloc_reqid() put a whole page of this slot's tokens
   // at another slot too. Logical: with large pages that page may have been copied, not
   // shared, depending on the pool (so on the rank); the slot choice follows this instead.
@@ -71,7 +71,7 @@ struct Slot {
   // kNotBusy otherwise. Nobody else touches the slot's pages at or past it.
   std::size_t busy_from = kNotBusy;
   bool swapped = false;
-  HostCopy swap;                                // where swap_out() put the tokens
+  HostCopy swap;  // where swap_out() put the tokens
 
   std::size_t mapped() const noexcept { return pages.empty() ? 0 : pages.front().size(); }
   bool busy() const noexcept { return busy_from != kNotBusy; }

@@ -28,8 +28,7 @@ class UndoLog {
           device_work_pending_ = false;
           wait_for_device_();  // throws only on a dead context, where nothing runs any more
         }
-      } catch (...) {
-      }
+      } catch (...) {}
       try {
         action->run();
         if (action->kind == Kind::enqueue) device_work_pending_ = true;

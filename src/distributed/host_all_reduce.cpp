@@ -37,14 +37,14 @@ struct Header {
   std::uint64_t magic;
   std::uint64_t ranks;
   std::uint64_t capacity;
-  std::atomic<std::uint32_t> joined;  // ranks that have joined; the last removes the name
+  std::atomic<std::uint32_t> joined;                // ranks that have joined; the last removes the name
   alignas(64) std::atomic<std::uint32_t> arrivals;  // bumped by every arrival: the futex word
   std::atomic<std::uint32_t> sleepers;              // ranks inside futex_wait: arrivals wake them
 };
 
 struct alignas(64) Member {
-  std::atomic<std::uint64_t> round;  // the last round this rank published its row for
-  std::uint64_t count[2];            // values in its row, per round parity
+  std::atomic<std::uint64_t> round;    // the last round this rank published its row for
+  std::uint64_t count[2];              // values in its row, per round parity
   std::atomic<std::uint32_t> present;  // set once `identity` is written
   detail::ProcessIdentity identity;
 };
@@ -208,11 +208,11 @@ HostAllReduce HostAllReduce::join(const std::string& name, std::size_t rank) {
                   memory.size() >= segment_bytes(header->ranks, header->capacity),
               describe(name), " is ", memory.size(), " bytes, too short for ", header->ranks, " ranks of ",
               header->capacity, " values");
-  VKV_EXPECTS(rank >= 1 && rank < header->ranks, describe(name), ": rank = ", rank, " must be in [1, ",
-              header->ranks, ") (rank 0 creates the segment)");
+  VKV_EXPECTS(rank >= 1 && rank < header->ranks, describe(name), ": rank = ", rank, " must be in [1, ", header->ranks,
+              ") (rank 0 creates the segment)");
   auto segment = std::make_unique<Segment>(std::move(memory), name, rank);
-  VKV_EXPECTS(!segment->members[rank].present.load(std::memory_order_acquire), describe(name), ": ",
-              segment->who(rank), " joined already");
+  VKV_EXPECTS(!segment->members[rank].present.load(std::memory_order_acquire), describe(name), ": ", segment->who(rank),
+              " joined already");
   segment->enter();
   return HostAllReduce(std::move(segment));
 }
@@ -249,9 +249,9 @@ void HostAllReduce::reduce_max(std::int64_t* values, std::size_t count, std::chr
   segment.wait_for(round, timeout);
 
   for (std::size_t other = 0; other < segment.ranks; ++other)
-    VKV_EXPECTS(segment.members[other].count[parity] == count, describe(segment.name), ": in round ", round,
-                " rank ", other, " passed ", segment.members[other].count[parity], " values and rank ",
-                segment.rank, " ", count, ": every rank must pass the same count");
+    VKV_EXPECTS(segment.members[other].count[parity] == count, describe(segment.name), ": in round ", round, " rank ",
+                other, " passed ", segment.members[other].count[parity], " values and rank ", segment.rank, " ", count,
+                ": every rank must pass the same count");
   for (std::size_t other = 0; other < segment.ranks; ++other) {
     if (other == segment.rank) continue;
     const std::int64_t* row = segment.row(parity, other);

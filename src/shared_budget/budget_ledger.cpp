@@ -280,16 +280,19 @@ BudgetView BudgetLedger::view() {
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
     if (row.pid == 0) continue;
-    BudgetMemberView member{row.pid, "", row.page_bytes, row.held, row.in_use.load(std::memory_order_relaxed),
+    BudgetMemberView member{row.pid,   "", row.page_bytes, row.held, row.in_use.load(std::memory_order_relaxed),
                             row.wanted};
     const char* broken = nullptr;
-    if (row.pid < 0) broken = "a negative pid";
-    else if (!read_text(row.command, sizeof(row.command), member.command)) broken = "a command that is not text";
+    if (row.pid < 0)
+      broken = "a negative pid";
+    else if (!read_text(row.command, sizeof(row.command), member.command))
+      broken = "a command that is not text";
     else if (row.page_bytes == 0 || (row.page_bytes & (row.page_bytes - 1)) != 0)
       broken = "a page size that is not a power of 2";
     if (broken != nullptr)
       throw Error(concat("a shared budget's member row ", i, " is corrupted (", broken, "; pid ", row.pid,
-                         ", page_bytes ", row.page_bytes, "): something other than vkv wrote its shared object; "
+                         ", page_bytes ", row.page_bytes,
+                         "): something other than vkv wrote its shared object; "
                          "remove the budget and create it again"));
     view.members.push_back(std::move(member));
   }

@@ -34,13 +34,13 @@ namespace vkv::detail {
 /// read without it (others_cached()).
 struct BudgetMemberRecord {
   std::atomic<std::int32_t> pid;
-  std::uint64_t start_time;   ///< with pid: the process (ProcessIdentity)
+  std::uint64_t start_time;  ///< with pid: the process (ProcessIdentity)
   std::uint64_t page_bytes;
-  char command[16];           ///< the process's name, for people reading stats
-  std::atomic<std::uint64_t> held;  ///< bytes of pages created and not released, plus claimed reservation
-  std::uint64_t wanted;       ///< bytes it asks the others for; 0 = not asking
-  std::uint64_t pledged;      ///< bytes it promised to give back and has not released yet
-  std::uint32_t answered;     ///< the last request number it answered
+  char command[16];                   ///< the process's name, for people reading stats
+  std::atomic<std::uint64_t> held;    ///< bytes of pages created and not released, plus claimed reservation
+  std::uint64_t wanted;               ///< bytes it asks the others for; 0 = not asking
+  std::uint64_t pledged;              ///< bytes it promised to give back and has not released yet
+  std::uint32_t answered;             ///< the last request number it answered
   std::atomic<std::uint64_t> in_use;  ///< bytes its allocated slots claim; published by the member alone
 };
 
@@ -52,17 +52,17 @@ struct BudgetSegment {
 
   std::atomic<std::uint64_t> magic;  ///< written last at creation: the object is ready
   std::uint32_t version;
-  std::uint32_t mode;                ///< permission bits its creator chose: it must never be more writable
-  std::uint64_t device_page_bytes;   ///< the device's page: the least capacity that holds one
+  std::uint32_t mode;               ///< permission bits its creator chose: it must never be more writable
+  std::uint64_t device_page_bytes;  ///< the device's page: the least capacity that holds one
   RobustMutex mutex;
   std::atomic<std::uint64_t> capacity;
-  std::atomic<std::uint64_t> used;   ///< sum of held + reserved; written under the mutex
-  std::uint64_t reserved;            ///< released for askers, not taken yet
+  std::atomic<std::uint64_t> used;      ///< sum of held + reserved; written under the mutex
+  std::uint64_t reserved;               ///< released for askers, not taken yet
   std::atomic<std::uint32_t> requests;  ///< futex: bumped when a member asks or the capacity falls below used
   std::atomic<std::uint32_t> releases;  ///< futex: bumped when bytes come back or a member answered
   std::uint64_t device_total;
-  char device[48];      ///< the backend's name when created ("cuda:0", "host")
-  char identity[64];    ///< Backend::memory_identity(): members must have the same
+  char device[48];    ///< the backend's name when created ("cuda:0", "host")
+  char identity[64];  ///< Backend::memory_identity(): members must have the same
   BudgetMemberRecord members[kMaxMembers];
 };
 

@@ -74,8 +74,7 @@ std::size_t BudgetMembership::available_pages() const noexcept {
 // What the others gave for this member comes first: nobody else may use it.
 std::size_t BudgetMembership::take_claimed(std::size_t pages) noexcept {
   std::size_t claimed = claimed_pages_.load();
-  while (!claimed_pages_.compare_exchange_weak(claimed, claimed - std::min(claimed, pages))) {
-  }
+  while (!claimed_pages_.compare_exchange_weak(claimed, claimed - std::min(claimed, pages))) {}
   return std::min(claimed, pages);
 }
 

@@ -39,8 +39,8 @@ class BudgetMembership final : public PageAccount {
  public:
   /// What the watcher asks of the cache.
   struct Callbacks {
-    std::function<std::size_t()> cached_bytes;        ///< what it could give back now
-    std::function<void(std::size_t)> give_back;       ///< release up to that many bytes
+    std::function<std::size_t()> cached_bytes;   ///< what it could give back now
+    std::function<void(std::size_t)> give_back;  ///< release up to that many bytes
   };
   /// How long an asker waits for the others' answers at most (a member that never
   /// answers, e.g. a stopped process, costs no more).

@@ -24,7 +24,9 @@ std::string budget_description(const std::string& name) { return "shared budget 
 std::string budget_object_name(const std::string& name) {
   VKV_EXPECTS(!name.empty() && name.size() <= SharedBudget::kMaxNameLength, "shared budget name '", name,
               "' must have 1 to ", SharedBudget::kMaxNameLength, " characters (it has ", name.size(), ")");
-  const auto allowed = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'; };
+  const auto allowed = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  };
   VKV_EXPECTS(std::all_of(name.begin(), name.end(), allowed), "shared budget name '", name,
               "' may hold only letters, digits, '.', '_' and '-'");
   VKV_EXPECTS(name != "." && name != ".." && name.front() != '-', "shared budget name '", name,
@@ -68,8 +70,8 @@ SharedBudgetStats to_stats(const std::string& name, const detail::BudgetView& vi
   stats.reserved_bytes = view.reserved_bytes;
   stats.device_total_bytes = view.device_total_bytes;
   for (const detail::BudgetMemberView& member : view.members)
-    stats.members.push_back({member.pid, member.command, member.page_bytes, member.held_bytes, member.in_use_bytes,
-                             member.wanted_bytes});
+    stats.members.push_back(
+        {member.pid, member.command, member.page_bytes, member.held_bytes, member.in_use_bytes, member.wanted_bytes});
   return stats;
 }
 

@@ -56,8 +56,9 @@ void expect_trusted(const struct stat& status, const std::string& what) {
   if (status.st_uid == self || status.st_uid == 0) return;
   const unsigned mode = status.st_mode & 0777;
   const bool group_shared = (mode & 0007) == 0 && in_group(status.st_gid);
-  VKV_EXPECTS(group_shared, what, " is owned by uid ", status.st_uid, " (mode ", octal(mode), ", group ",
-              status.st_gid, "), not by this user (uid ", self, ") or root, nor shared only with a group of this "
+  VKV_EXPECTS(group_shared, what, " is owned by uid ", status.st_uid, " (mode ", octal(mode), ", group ", status.st_gid,
+              "), not by this user (uid ", self,
+              ") or root, nor shared only with a group of this "
               "user: refusing to join it (its owner could truncate or lock it under every member); its owner or "
               "root must remove it");
 }

@@ -9,11 +9,11 @@
 #include "vkv/error.h"
 
 #if !defined(NDEBUG) || defined(VKV_ASSERTS)
-#define VKV_ASSERT(condition)                                                                      \
-  do {                                                                                             \
-    if (!(condition))                                                                              \
-      throw ::vkv::Error(std::string("vkv internal assertion failed: " #condition " at ") + __FILE__ + \
-                         ":" + std::to_string(__LINE__));                                          \
+#define VKV_ASSERT(condition)                                                                                \
+  do {                                                                                                       \
+    if (!(condition))                                                                                        \
+      throw ::vkv::Error(std::string("vkv internal assertion failed: " #condition " at ") + __FILE__ + ":" + \
+                         std::to_string(__LINE__));                                                          \
   } while (0)
 #else
 #define VKV_ASSERT(condition) \

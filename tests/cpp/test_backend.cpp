@@ -70,8 +70,7 @@ TEST_P(BackendTest, ZeroAndCopyAreOrderedOnTheStream) {
   EXPECT_TRUE(backend->event_done(event));
   backend->destroy_event(event);
   const auto copied = testing::read_bytes(*backend, base + page, 200);
-  for (std::size_t i = 0; i < 200; ++i)
-    EXPECT_EQ(copied[i], (i >= 16 && i < 116) ? 0 : 0xff) << "byte " << i;
+  for (std::size_t i = 0; i < 200; ++i) EXPECT_EQ(copied[i], (i >= 16 && i < 116) ? 0 : 0xff) << "byte " << i;
   backend->unmap(base, 2 * page);
   for (PageHandle handle : pages) backend->release_page(handle);
   backend->free_reservation(base, 2 * page);
@@ -194,7 +193,8 @@ TEST_P(BackendTest, TheStatisticsAdaptorCountsALargePageAsItsPagesInOneCall) {
   EXPECT_EQ(stats.release.units, 5u);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllBackends, BackendTest, ::testing::Values(BackendKind::host, BackendKind::host_deferred, BackendKind::cuda),
+INSTANTIATE_TEST_SUITE_P(AllBackends, BackendTest,
+                         ::testing::Values(BackendKind::host, BackendKind::host_deferred, BackendKind::cuda),
                          [](const auto& info) { return testing::backend_label(info.param); });
 
 TEST(HostBackend, RejectsAPageSizeThatIsNotAMultipleOfTheOsPage) {
@@ -257,7 +257,7 @@ TEST(HostBackend, MapsALargePageOnlyWholeAndOnlyAsOne) {
   const Address base = backend.reserve(4 * page);
   const PageHandle large = backend.create_large_page(4);
   const PageHandle single = backend.create_page();
-  EXPECT_THROW(backend.map_large(base, large, 3), InvalidArgument);  // would map only part of it
+  EXPECT_THROW(backend.map_large(base, large, 3), InvalidArgument);   // would map only part of it
   EXPECT_THROW(backend.map_large(base, single, 2), InvalidArgument);  // would map a neighbour
   EXPECT_DEATH(*reinterpret_cast<volatile char*>(base) = 1, "") << "a refused map_large mapped something";
   backend.release_page(single);
@@ -339,8 +339,8 @@ TEST(Adaptors, ABackendWithoutLargePagesRefusesThemNamingItself) {
 }
 
 TEST(Adaptors, TheFaultInjectorFailsLargePagesAsPages) {
-  auto injector = std::make_shared<testing::FaultInjectingBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  auto injector =
+      std::make_shared<testing::FaultInjectingBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   const std::size_t page = injector->page_bytes();
   const Address base = injector->reserve(2 * page);
   injector->fail_at = injector->calls + 1;

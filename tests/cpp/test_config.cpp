@@ -16,8 +16,9 @@ void expect_rejected(const CacheConfig& config, const std::vector<std::string>& 
     validate(config);
     FAIL() << "validate() accepted a bad config";
   } catch (const InvalidArgument& error) {
-    for (const std::string& fragment : fragments) EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
-        << "message '" << error.what() << "' lacks '" << fragment << "'";
+    for (const std::string& fragment : fragments)
+      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
+          << "message '" << error.what() << "' lacks '" << fragment << "'";
   }
 }
 
@@ -63,7 +64,8 @@ TEST(Config, ParsesLayoutsAndDevices) {
   EXPECT_EQ(Device::parse("cuda").kind, Device::Kind::cuda);
   EXPECT_EQ(Device::parse("cpu").kind, Device::Kind::host);
   EXPECT_EQ(Device::parse("auto").kind, Device::Kind::automatic);
-  for (const char* bad : {"cuda:", "cuda:-1", "cuda:x", "gpu", "cuda:1x"}) EXPECT_THROW(Device::parse(bad), InvalidArgument) << bad;
+  for (const char* bad : {"cuda:", "cuda:-1", "cuda:x", "gpu", "cuda:1x"})
+    EXPECT_THROW(Device::parse(bad), InvalidArgument) << bad;
   EXPECT_EQ(Device::parse("cuda:2").str(), "cuda:2");
 }
 

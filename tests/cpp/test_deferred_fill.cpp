@@ -211,9 +211,18 @@ TEST_P(DeferredFillTest, SlotChoicesDoNotDependOnWhenTheFillsWereEnqueued) {
   seq_lens[b] = tokens(1);
   seq_lens[c] = tokens(2);
   both(step);
-  both([&](KvCache& cache, bool) { cache.free_reqid(b); return std::size_t{0}; });
-  both([&](KvCache& cache, bool) { cache.swap_out(c); return std::size_t{0}; });
-  both([&](KvCache& cache, bool) { cache.free_reqid(a); return std::size_t{0}; });
+  both([&](KvCache& cache, bool) {
+    cache.free_reqid(b);
+    return std::size_t{0};
+  });
+  both([&](KvCache& cache, bool) {
+    cache.swap_out(c);
+    return std::size_t{0};
+  });
+  both([&](KvCache& cache, bool) {
+    cache.free_reqid(a);
+    return std::size_t{0};
+  });
   seq_lens[a] = seq_lens[b] = seq_lens[c] = 0;
   both(step);
   const std::size_t d = both(alloc);
@@ -222,8 +231,14 @@ TEST_P(DeferredFillTest, SlotChoicesDoNotDependOnWhenTheFillsWereEnqueued) {
   seq_lens[d] = tokens(1);
   seq_lens[e] = tokens(1);
   both(step);
-  both([&](KvCache& cache, bool) { cache.free_reqid(c); return std::size_t{0}; });
-  both([&](KvCache& cache, bool) { cache.free_reqid(e); return std::size_t{0}; });
+  both([&](KvCache& cache, bool) {
+    cache.free_reqid(c);
+    return std::size_t{0};
+  });
+  both([&](KvCache& cache, bool) {
+    cache.free_reqid(e);
+    return std::size_t{0};
+  });
   both(alloc);
   both(alloc);
   eager.check_invariants();

@@ -34,7 +34,7 @@ struct Script {
   Backend& io;
   std::size_t tokens_per_page;
   std::vector<std::size_t> slot = std::vector<std::size_t>(4, 0);  // a, b, c, d
-  std::vector<std::size_t> tokens;                                  // per cache slot
+  std::vector<std::size_t> tokens;                                 // per cache slot
   std::vector<std::size_t> claimed;  // per cache slot: most tokens since it was handed out
   std::vector<bool> swapped;
 
@@ -76,8 +76,8 @@ void expect_no_stray_bytes(Script& script) {
     const std::size_t from = layout.pages_for_tokens(script.claimed[s]);
     const std::size_t mapped = cache.mapped_pages(s);
     for (std::size_t r = 0; r < layout.num_regions() && mapped > from; ++r)
-      EXPECT_TRUE(testing::all_zero(testing::read_bytes(
-          script.io, cache.base() + layout.page_offset(r, s, from), (mapped - from) * layout.page_bytes())))
+      EXPECT_TRUE(testing::all_zero(testing::read_bytes(script.io, cache.base() + layout.page_offset(r, s, from),
+                                                        (mapped - from) * layout.page_bytes())))
           << "slot " << s << " region " << r << ": pages [" << from << ", " << mapped
           << ") beyond its claim hold bytes";
   }
@@ -93,8 +93,8 @@ void expect_no_stray_bytes(Script& script) {
       continue;
     }
     for (std::size_t r = 0; r < layout.num_regions(); ++r)
-      EXPECT_TRUE(testing::all_zero(testing::read_bytes(script.io, script.token(r, slot, 0),
-                                                        pages * layout.page_bytes())))
+      EXPECT_TRUE(
+          testing::all_zero(testing::read_bytes(script.io, script.token(r, slot, 0), pages * layout.page_bytes())))
           << "a new request's page of region " << r << " holds bytes";
     break;
   }
@@ -154,11 +154,7 @@ struct Step {
 
 std::vector<Step> workload() {
   auto page = [](Script& s, double pages) { return static_cast<std::size_t>(pages * s.tokens_per_page); };
-  auto alloc = [](std::size_t which) {
-    return [which](Script& s) {
-      s.slot[which] = s.cache.alloc_reqid();
-    };
-  };
+  auto alloc = [](std::size_t which) { return [which](Script& s) { s.slot[which] = s.cache.alloc_reqid(); }; };
   auto free = [](std::size_t which) {
     return [which](Script& s) {
       s.cache.free_reqid(s.slot[which]);
@@ -169,41 +165,59 @@ std::vector<Step> workload() {
   return {
       {"alloc a", alloc(0)},
       {"alloc b", alloc(1)},
-      {"prefill a and b", [=](Script& s) { s.step({{0, page(s, 2.5)}, {1, page(s, 1) + 3}}); }},
-      {"fork a into c", [](Script& s) {
+      {"prefill a and b",
+       [=](Script& s) {
+         s.step({{0, page(s, 2.5)}, {1, page(s, 1) + 3}});
+       }},
+      {"fork a into c",
+       [](Script& s) {
          s.slot[2] = s.cache.fork(s.slot[0]);
          s.set_tokens(s.slot[2], s.tokens[s.slot[0]]);
        }},
-      {"decode all", [](Script& s) {
+      {"decode all",
+       [](Script& s) {
          s.step({{0, s.tokens[s.slot[0]] + 1}, {1, s.tokens[s.slot[1]] + 1}, {2, s.tokens[s.slot[2]] + 1}});
        }},
-      {"roll c back into a shared page", [=](Script& s) { s.step({{2, page(s, 1) + 2}}); }},
-      {"grow c over it: copy-on-write", [=](Script& s) { s.step({{2, page(s, 2) + 2}}); }},
+      {"roll c back into a shared page",
+       [=](Script& s) {
+         s.step({{2, page(s, 1) + 2}});
+       }},
+      {"grow c over it: copy-on-write",
+       [=](Script& s) {
+         s.step({{2, page(s, 2) + 2}});
+       }},
       {"alloc d", alloc(3)},
-      {"share b's prefix into d", [=](Script& s) {
+      {"share b's prefix into d",
+       [=](Script& s) {
          s.cache.share_prefix(s.slot[1], s.slot[3], page(s, 1) + 1);
          s.set_tokens(s.slot[3], page(s, 1) + 1);
        }},
-      {"swap out b", [](Script& s) {
+      {"swap out b",
+       [](Script& s) {
          s.cache.swap_out(s.slot[1]);
          s.swapped[s.slot[1]] = true;
        }},
-      {"decode a, c, d", [](Script& s) {
+      {"decode a, c, d",
+       [](Script& s) {
          s.step({{0, s.tokens[s.slot[0]] + 1}, {2, s.tokens[s.slot[2]] + 1}, {3, s.tokens[s.slot[3]] + 1}});
        }},
-      {"swap in b", [](Script& s) {
+      {"swap in b",
+       [](Script& s) {
          s.cache.swap_in(s.slot[1]);
          s.swapped[s.slot[1]] = false;
          s.set_tokens(s.slot[1], s.tokens[s.slot[1]]);  // it claims what its tokens need
        }},
       {"free a (shares pages with c)", free(0)},
-      {"lower the budget", [](Script& s) {
-         s.cache.set_budget((s.cache.stats().pages_in_use + s.cache.layout().num_regions()) * s.cache.layout().page_bytes());
+      {"lower the budget",
+       [](Script& s) {
+         s.cache.set_budget((s.cache.stats().pages_in_use + s.cache.layout().num_regions()) *
+                            s.cache.layout().page_bytes());
        }},
       {"trim", [](Script& s) { s.cache.trim(); }},
       {"free c", free(2)},
       {"free d", free(3)},
-      {"swap out b again", [](Script& s) {
+      {"swap out b again",
+       [](Script& s) {
          s.cache.swap_out(s.slot[1]);
          s.swapped[s.slot[1]] = true;
        }},
@@ -221,7 +235,8 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
   }
   const bool asynchronous = kind != testing::BackendKind::host;
   std::string unused;
-  CacheConfig config = testing::small_config(std::get<1>(GetParam()), testing::make_test_backend(kind, &unused)->page_bytes());
+  CacheConfig config =
+      testing::small_config(std::get<1>(GetParam()), testing::make_test_backend(kind, &unused)->page_bytes());
   config.memory_budget = 0;
   config.max_batch_size = 5;  // a-d and a spare for a new request after a failure
   config.zero_page = true;    // undo puts zero backing back too
@@ -286,15 +301,16 @@ TEST_P(FaultInjectionTest, EveryFailedCallChangesNothingAndNothingLeaks) {
   EXPECT_EQ(failures_seen, (total_calls + every - 1) / every) << "every injected failure reached the caller";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllBackendsAndLayouts, FaultInjectionTest,
-    ::testing::Combine(::testing::Values(testing::BackendKind::host, testing::BackendKind::host_deferred,
-                                         testing::BackendKind::cuda),
-                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved), ::testing::Bool()),
-    [](const auto& info) {
-      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param)) +
-             (std::get<2>(info.param) ? "_large" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, FaultInjectionTest,
+                         ::testing::Combine(::testing::Values(testing::BackendKind::host,
+                                                              testing::BackendKind::host_deferred,
+                                                              testing::BackendKind::cuda),
+                                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return testing::backend_label(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param)) + (std::get<2>(info.param) ? "_large" : "");
+                         });
 
 }  // namespace
 }  // namespace vkv

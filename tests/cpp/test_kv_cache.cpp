@@ -247,17 +247,17 @@ TEST_P(KvCacheTest, DestructionUnmapsAndReleasesEveryPage) {
   EXPECT_EQ(stats.unmap.units, stats.map.units + stats.zero_backing.units);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllBackendsAndLayouts, KvCacheTest,
-    ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
-                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
-    [](const auto& info) {
-      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, KvCacheTest,
+                         ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
+                                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
+                         [](const auto& info) {
+                           return testing::backend_label(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
 
 TEST(KvCacheReclamation, UnmapsAFreedSlotOnlyAfterItsEventCompleted) {
-  auto events = std::make_shared<testing::ControlledEventBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  auto events =
+      std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
   config.memory_budget = 4 * testing::kHostTestPageBytes;
   config.zero_page = false;  // its read windows have events of their own (test_zero_page.cpp)
@@ -281,8 +281,8 @@ TEST(KvCacheReclamation, UnmapsAFreedSlotOnlyAfterItsEventCompleted) {
 }
 
 TEST(KvCacheReclamation, TheNewOwnersFirstStepOrdersItAfterTheZeroFill) {
-  auto events = std::make_shared<testing::ControlledEventBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  auto events =
+      std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   CacheConfig config = testing::small_config(LayoutKind::per_layer, testing::kHostTestPageBytes);
   config.zero_page = false;  // its read windows have events of their own (test_zero_page.cpp)
   KvCache cache(config, events);
@@ -291,10 +291,10 @@ TEST(KvCacheReclamation, TheNewOwnersFirstStepOrdersItAfterTheZeroFill) {
   seq_lens[slot] = 10;
   cache.step(seq_lens);
   cache.free_reqid(slot);
-  EXPECT_EQ(events->pending(), 0u);       // the zero-fill waits for the call that needs it:
-  EXPECT_EQ(cache.alloc_reqid(), slot);   // not this one, which hands the pages to a new owner
-  EXPECT_EQ(events->pending(), 0u);       // that touches nothing before its first step(),
-  cache.step(seq_lens);                   // which enqueues it ahead of the owner's kernels
+  EXPECT_EQ(events->pending(), 0u);      // the zero-fill waits for the call that needs it:
+  EXPECT_EQ(cache.alloc_reqid(), slot);  // not this one, which hands the pages to a new owner
+  EXPECT_EQ(events->pending(), 0u);      // that touches nothing before its first step(),
+  cache.step(seq_lens);                  // which enqueues it ahead of the owner's kernels
   EXPECT_EQ(events->pending(), 1u);
   EXPECT_EQ(events->stream_waits(), 0u);  // on the step's own stream: ordered without a wait
   EXPECT_EQ(events->waits(), 0u);         // and without blocking the caller

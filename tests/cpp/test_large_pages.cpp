@@ -192,8 +192,7 @@ TEST_P(LargePagesTest, TheMapperMapsAheadWithLargePages) {
   config.eager_tokens = 2 * span_tokens();
   KvCache cache(config, backend_);
   cache.stop_background();  // driven by hand below
-  while (cache.map_ahead_now() > 0) {
-  }
+  while (cache.map_ahead_now() > 0) {}
   const std::size_t slot = cache.alloc_reqid();
   EXPECT_EQ(cache.mapped_pages(slot), 2 * kSpan);
   const CacheStats stats = cache.stats();

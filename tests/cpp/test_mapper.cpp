@@ -55,7 +55,7 @@ TEST_P(MapperTest, LookaheadIsMappedBeforeStepNeedsIt) {
   cache.step(lens({{slot, layout.tokens_in_pages(1)}}));
   EXPECT_EQ(cache.mapped_pages(slot), 1u);
   EXPECT_GT(cache.map_ahead_now(), 0u);
-  EXPECT_EQ(cache.mapped_pages(slot), 3u);  // seq_len + two pages' worth of tokens
+  EXPECT_EQ(cache.mapped_pages(slot), 3u);                          // seq_len + two pages' worth of tokens
   EXPECT_EQ(cache.stats().pages_in_use, 1 * layout.num_regions());  // ahead pages are not claimed
   const auto maps = cache.stats().backend.map.calls;
   cache.step(lens({{slot, layout.tokens_in_pages(3)}}));  // two pages further: nothing left to map
@@ -243,8 +243,8 @@ TEST_P(MapperTest, PagesAFailedUnitCannotUnmapStayOutOfThePoolUntilUnmapped) {
     testing::fill_bytes(cache.backend(), cache.base() + layout.page_offset(r, second, 0), 2 * page_bytes, 0x22);
   }
   for (std::size_t r = 0; r < layout.num_regions(); ++r) {
-    const auto mine = testing::read_bytes(cache.backend(), cache.base() + layout.page_offset(r, first, 0),
-                                          3 * page_bytes);
+    const auto mine =
+        testing::read_bytes(cache.backend(), cache.base() + layout.page_offset(r, first, 0), 3 * page_bytes);
     EXPECT_EQ(std::count(mine.begin(), mine.end(), std::uint8_t{0x11}), static_cast<long>(mine.size()))
         << "region " << r;
   }
@@ -262,19 +262,19 @@ TEST_P(MapperTest, TheThreadMapsAheadOnItsOwnAndStopsOnRequest) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_EQ(cache.mapped_pages(slot), 3u);
   cache.stop_background();
-  cache.stop_background();  // idempotent
+  cache.stop_background();                                        // idempotent
   cache.step(lens({{slot, cache.layout().tokens_in_pages(4)}}));  // the cache goes on without it
   EXPECT_EQ(cache.mapped_pages(slot), 4u);
   cache.check_invariants();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllBackendsAndLayouts, MapperTest,
-    ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
-                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
-    [](const auto& info) {
-      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, MapperTest,
+                         ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::cuda),
+                                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
+                         [](const auto& info) {
+                           return testing::backend_label(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
 
 TEST(Mapper, RunsWorkUntilNoneIsLeftAndKeepsErrors) {
   int calls = 0;

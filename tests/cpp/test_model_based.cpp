@@ -35,14 +35,19 @@ using PageIds = std::vector<std::vector<std::uint64_t>>;  // per slot, the pages
 struct Model {
   std::vector<bool> allocated, swapped;
   std::vector<std::size_t> seq_len;
-  PageIds pages;                                        // claimed pages, by id
-  std::vector<std::vector<std::uint8_t>> tokens;        // the byte each token was written with
+  PageIds pages;                                  // claimed pages, by id
+  std::vector<std::vector<std::uint8_t>> tokens;  // the byte each token was written with
   std::vector<std::vector<std::uint8_t>> swapped_tokens;
   std::uint64_t next_id = 1;
   std::size_t budget;  // pages per region the cache may hold
 
   Model(std::size_t slots, std::size_t budget_pages)
-      : allocated(slots), swapped(slots), seq_len(slots), pages(slots), tokens(slots), swapped_tokens(slots),
+      : allocated(slots),
+        swapped(slots),
+        seq_len(slots),
+        pages(slots),
+        tokens(slots),
+        swapped_tokens(slots),
         budget(budget_pages) {}
 
   std::size_t slots() const { return allocated.size(); }
@@ -100,7 +105,9 @@ struct Model {
     return after;
   }
 
-  std::size_t active_slots() const { return static_cast<std::size_t>(std::count(allocated.begin(), allocated.end(), true)); }
+  std::size_t active_slots() const {
+    return static_cast<std::size_t>(std::count(allocated.begin(), allocated.end(), true));
+  }
   std::size_t swapped_bytes(const KvLayout& layout) const {
     std::size_t bytes = 0;
     for (std::size_t s = 0; s < slots(); ++s)
@@ -160,7 +167,8 @@ void check_tokens_read_as_written(Subject& subject, std::size_t slot) {
   const std::size_t token_bytes = subject.layout.token_bytes();
   if (count == 0) return;
   for (std::size_t r = 0; r < subject.layout.num_regions(); ++r) {
-    const auto bytes = testing::read_bytes(subject.cache.backend(), subject.token_address(r, slot, 0), count * token_bytes);
+    const auto bytes =
+        testing::read_bytes(subject.cache.backend(), subject.token_address(r, slot, 0), count * token_bytes);
     for (std::size_t t = 0; t < count; ++t)
       ASSERT_EQ(bytes[t * token_bytes + token_bytes / 2], subject.model.tokens[slot][t])
           << "slot " << slot << " region " << r << " token " << t;
@@ -172,8 +180,7 @@ void check_fresh_pages_read_zeros(Subject& subject, std::size_t slot, std::size_
   if (first >= last) return;
   for (std::size_t r = 0; r < subject.layout.num_regions(); ++r)
     ASSERT_TRUE(testing::all_zero(subject.read_pages(r, slot, first, last - first)))
-        << "slot " << slot << " region " << r << " pages [" << first << ", " << last
-        << ") show another request's data";
+        << "slot " << slot << " region " << r << " pages [" << first << ", " << last << ") show another request's data";
 }
 
 // zero_page: an allocated slot reads as zeros beyond what it has mapped, to its end.
@@ -400,9 +407,12 @@ class Driver {
       if (!model().running(s)) continue;
       const std::size_t roll = random_() % 10;
       std::size_t tokens = model().seq_len[s];
-      if (roll < 6) tokens += 1 + random_() % (layout().tokens_in_pages(1) + 1);  // decode / short prefill
-      else if (roll < 7) tokens += random_() % (max_context / 2);                  // long prefill
-      else if (roll < 8) tokens = random_() % (tokens + 1);                        // rollback
+      if (roll < 6)
+        tokens += 1 + random_() % (layout().tokens_in_pages(1) + 1);  // decode / short prefill
+      else if (roll < 7)
+        tokens += random_() % (max_context / 2);  // long prefill
+      else if (roll < 8)
+        tokens = random_() % (tokens + 1);  // rollback
       seq_lens[s] = std::min(tokens, max_context);
     }
     const Model::Step after = model().after_step(seq_lens, layout());
@@ -502,7 +512,8 @@ class ModelBasedTest : public ::testing::TestWithParam<Parameters> {};
 TEST_P(ModelBasedTest, RandomCallsKeepTheInvariants) {
   VKV_BACKEND_OR_SKIP(backend, std::get<0>(GetParam()));
   const std::size_t seed = env_or("VKV_MODEL_SEED", 20261122);
-  const std::size_t operations = env_or("VKV_MODEL_OPS", std::get<0>(GetParam()) == testing::BackendKind::cuda ? 600 : 3000);
+  const std::size_t operations =
+      env_or("VKV_MODEL_OPS", std::get<0>(GetParam()) == testing::BackendKind::cuda ? 600 : 3000);
   SCOPED_TRACE("VKV_MODEL_SEED=" + std::to_string(seed));
   std::mt19937_64 random(seed);
   Subject subject(run_config(GetParam(), backend->page_bytes()), backend);
@@ -539,13 +550,15 @@ const auto kAllBackends =
     ::testing::Values(testing::BackendKind::host, testing::BackendKind::host_deferred, testing::BackendKind::cuda);
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, ModelBasedTest,
-                         ::testing::Combine(kAllBackends, ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved),
+                         ::testing::Combine(kAllBackends,
+                                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved),
                                             ::testing::Bool(), ::testing::Bool(), ::testing::Values(false)),
                          parameters_name);
 
 // Large pages, with zero backing (the configuration with the most to undo).
 INSTANTIATE_TEST_SUITE_P(LargePages, ModelBasedTest,
-                         ::testing::Combine(kAllBackends, ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved),
+                         ::testing::Combine(kAllBackends,
+                                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved),
                                             ::testing::Bool(), ::testing::Values(true), ::testing::Values(true)),
                          parameters_name);
 

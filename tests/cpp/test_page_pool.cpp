@@ -168,7 +168,7 @@ TEST_F(PagePoolTest, TakeUpToHandsOutWhatTheAccountGrantsNotWhatItsHintSaid) {
   const std::vector<Page> again = pool.take_up_to(4);  // the free page first, nothing more granted
   ASSERT_EQ(again.size(), 1u);
   EXPECT_NE(again[0].handle, pages[0].handle);  // never one page twice
-  EXPECT_EQ(pool.begin_create(3), 0u);  // the mapper's claim: short too
+  EXPECT_EQ(pool.begin_create(3), 0u);          // the mapper's claim: short too
   pool.release(pages[0]);
   pool.release(again[0]);
   EXPECT_EQ(account.held(), 0u);

@@ -16,7 +16,7 @@ TEST(PromptHistory, NothingRecordedEstimatesZeroAndZeroLengthsAreIgnored) {
 TEST(PromptHistory, EstimateIsAHighQuantileNotTheMean) {
   PromptHistory history(/*window=*/20, /*quantile=*/0.95);
   for (std::size_t i = 1; i <= 20; ++i) history.record(i * 100);  // 100 .. 2000, mean 1050
-  EXPECT_EQ(history.estimate(), 1900u);  // the 19th of 20
+  EXPECT_EQ(history.estimate(), 1900u);                           // the 19th of 20
   PromptHistory few(20, 0.95);
   few.record(300);
   few.record(4000);

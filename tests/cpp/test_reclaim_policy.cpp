@@ -33,11 +33,11 @@ TEST(ReclaimPolicy, ThenTheLeastRecentlyFreedSlot) {
 
 TEST(ReclaimPolicy, FloorsBusySlotsAndTheExcludedSlotAreLeftAlone) {
   SlotTable slots = table({4, 4, 4, 0});
-  slots.mark_allocated(0, 0);            // allocated, at its floor: nothing to give
+  slots.mark_allocated(0, 0);  // allocated, at its floor: nothing to give
   slots.mark_freed(1, 4);
-  slots[1].busy_from = 0;                // the mapper is working on it
-  slots.mark_freed(2, 4);                // the one alloc_reqid() hands out next
-  slots.mark_freed(3, 0);                // nothing mapped
+  slots[1].busy_from = 0;  // the mapper is working on it
+  slots.mark_freed(2, 4);  // the one alloc_reqid() hands out next
+  slots.mark_freed(3, 0);  // nothing mapped
   const std::vector<std::size_t> floors = {4, 0, 0, 0};
   EXPECT_EQ(choose_victim(slots, floors, VictimKinds::surplus_then_freed, /*exclude=*/2), slots.size());
   EXPECT_EQ(choose_victim(slots, floors, VictimKinds::surplus_then_freed, slots.size()), 2u);

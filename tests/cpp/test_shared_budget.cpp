@@ -67,8 +67,7 @@ TEST(SharedBudgetTest, BadInputIsRefusedWithTheValueAndTheLimit) {
   EXPECT_NE(error_of([&] { SharedBudget::open(name.str()); }).find("does not exist"), std::string::npos);
   EXPECT_NE(error_of([] { SharedBudget::create("bad/name", 1 << 20, host()); }).find("only letters"),
             std::string::npos);
-  EXPECT_NE(error_of([] { SharedBudget::create("", 1 << 20, host()); }).find("1 to 200 characters"),
-            std::string::npos);
+  EXPECT_NE(error_of([] { SharedBudget::create("", 1 << 20, host()); }).find("1 to 200 characters"), std::string::npos);
   EXPECT_NE(error_of([&] { SharedBudget::create(name.str(), 0, host()); }).find("bytes = 0"), std::string::npos);
   const std::size_t huge = std::size_t{1} << 60;
   const std::string too_large = error_of([&] { SharedBudget::create(name.str(), huge, host()); });
@@ -82,7 +81,10 @@ TEST(SharedBudgetTest, BadInputIsRefusedWithTheValueAndTheLimit) {
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
   config.device = host();
   config.shared_budget = "no-such-budget";
-  EXPECT_NE(error_of([&] { KvCache cache(config); }).find("shared_budget = 'no-such-budget': shared budget 'no-such-budget' does not exist"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              KvCache cache(config);
+            }).find("shared_budget = 'no-such-budget': shared budget 'no-such-budget' does not exist"),
+            std::string::npos);
 }
 
 // The same memory under another name: a cache on it may not join a budget of the host's.
@@ -110,7 +112,8 @@ class SharedBudgetCacheTest : public testing::CacheTest {
   void SetUp() override {
     CacheTest::SetUp();
     if (IsSkipped()) return;
-    const Device device = std::get<0>(GetParam()) == testing::BackendKind::cuda ? Device{Device::Kind::cuda, 0} : host();
+    const Device device =
+        std::get<0>(GetParam()) == testing::BackendKind::cuda ? Device{Device::Kind::cuda, 0} : host();
     budget_ = std::make_unique<SharedBudget>(SharedBudget::create(name_.str(), budget_bytes(8), device));
   }
   void TearDown() override { budget_.reset(); }
@@ -477,7 +480,6 @@ TEST(SharedBudgetTest, AMemberKilledHoldingTheLockBlocksNobody) {
   EXPECT_EQ(stats.used_bytes, 0u);
 }
 
-
 // The segment of an open budget, for tests that write it as a broken or hostile process would.
 struct RawBudget {
   explicit RawBudget(const std::string& name) : object(detail::open_budget_object(name)) {}
@@ -489,9 +491,11 @@ std::string budget_path(const BudgetName& name) { return "/dev/shm/vkv-budget-" 
 
 TEST(SharedBudgetTest, NamesAShellWouldMisreadAndBudgetsBelowOnePageAreRefused) {
   for (const std::string bad : {".", "..", "-x", "--help"})
-    EXPECT_NE(error_of([&] { SharedBudget::create(bad, 64 << 20, host()); })
-                  .find("must not be '.' or '..' nor start with '-'"),
-              std::string::npos) << bad;
+    EXPECT_NE(error_of([&] {
+                SharedBudget::create(bad, 64 << 20, host());
+              }).find("must not be '.' or '..' nor start with '-'"),
+              std::string::npos)
+        << bad;
   BudgetName name;
   const std::string tiny = error_of([&] { SharedBudget::create(name.str(), 1, host()); });
   EXPECT_NE(tiny.find("bytes = 1 (1 B) is less than one page of its members, 4096 bytes"), std::string::npos) << tiny;
@@ -514,7 +518,8 @@ TEST(SharedBudgetTest, AWidenedOrTruncatedObjectIsRefused) {
   ASSERT_EQ(chmod(budget_path(name).c_str(), 0666), 0);
   const std::string widened = error_of([&] { SharedBudget::open(name.str()); });
   EXPECT_NE(widened.find("is writable by more users than its creator chose (mode 0666, created with 0600)"),
-            std::string::npos) << widened;
+            std::string::npos)
+      << widened;
   ASSERT_EQ(chmod(budget_path(name).c_str(), 0600), 0);
   EXPECT_NO_THROW(SharedBudget::open(name.str()));
   ASSERT_EQ(truncate(budget_path(name).c_str(), 64), 0);
@@ -574,12 +579,14 @@ TEST(SharedBudgetTest, ACorruptedRowGivesAClearError) {
   std::memcpy(row.command, "\xff\xfe\xfd", 4);
   std::string error = error_of([&] { budget.stats(); });
   EXPECT_NE(error.find("member row " + std::to_string(member) + " is corrupted (a command that is not text"),
-            std::string::npos) << error;
+            std::string::npos)
+      << error;
   std::memcpy(row.command, command.c_str(), command.size() + 1);
   row.page_bytes = 3;
   error = error_of([&] { budget.stats(); });
   EXPECT_NE(error.find("a page size that is not a power of 2; pid " + std::to_string(getpid()) + ", page_bytes 3"),
-            std::string::npos) << error;
+            std::string::npos)
+      << error;
   row.page_bytes = 1 << 20;
   EXPECT_EQ(budget.stats().members.size(), 1u);
   ledger.leave(member);

@@ -16,9 +16,7 @@
 namespace vkv::detail {
 namespace {
 
-std::string unique_name(const char* what) {
-  return std::string("vkv-test-") + what + "-" + std::to_string(getpid());
-}
+std::string unique_name(const char* what) { return std::string("vkv-test-") + what + "-" + std::to_string(getpid()); }
 
 // Runs `body` in a child process and returns its pid once it has exited (not yet reaped).
 template <typename Body>
@@ -127,8 +125,8 @@ TEST(SharedMappingTest, ATruncatedObjectIsRefusedBeforeMapping) {
 TEST(RobustMutexTest, AStoppedHolderTimesOutNamingItsPid) {
   const std::string name = unique_name("stopped");
   SharedMapping::unlink(name, "test object");
-  SharedMapping memory = SharedMapping::create(name, sizeof(RobustMutex) + sizeof(std::atomic<int>), 0600,
-                                               "test object");
+  SharedMapping memory =
+      SharedMapping::create(name, sizeof(RobustMutex) + sizeof(std::atomic<int>), 0600, "test object");
   SharedMapping::unlink(name, "test object");
   auto* mutex = new (memory.data()) RobustMutex;
   mutex->init();
@@ -149,7 +147,8 @@ TEST(RobustMutexTest, AStoppedHolderTimesOutNamingItsPid) {
   } catch (const Error& error) {
     const std::string text = error.what();
     EXPECT_NE(text.find("shared budget 'x': waited 0.2 s for its lock, held by pid " + std::to_string(child)),
-              std::string::npos) << text;
+              std::string::npos)
+        << text;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::seconds(5));
   kill(child, SIGKILL);

@@ -228,15 +228,15 @@ TEST_P(SharingTest, ForkAndShareRejectBadCallsWithoutEffect) {
   const std::size_t b = cache->alloc_reqid();
   cache->step(lens({{a, 10}, {b, 5}}));
   EXPECT_THROW(cache->fork(config_.max_batch_size), InvalidArgument);
-  EXPECT_THROW(cache->fork(3), InvalidArgument);                     // not allocated
-  EXPECT_THROW(cache->share_prefix(a, a, 1), InvalidArgument);       // same slot
-  EXPECT_THROW(cache->share_prefix(a, b, 1), InvalidArgument);       // dst holds tokens
+  EXPECT_THROW(cache->fork(3), InvalidArgument);                // not allocated
+  EXPECT_THROW(cache->share_prefix(a, a, 1), InvalidArgument);  // same slot
+  EXPECT_THROW(cache->share_prefix(a, b, 1), InvalidArgument);  // dst holds tokens
   const std::size_t c = cache->alloc_reqid();
-  EXPECT_THROW(cache->share_prefix(a, c, 11), InvalidArgument);      // beyond src's seq_len
-  EXPECT_THROW(cache->share_prefix(a, 3, 1), InvalidArgument);       // dst not allocated
+  EXPECT_THROW(cache->share_prefix(a, c, 11), InvalidArgument);  // beyond src's seq_len
+  EXPECT_THROW(cache->share_prefix(a, 3, 1), InvalidArgument);   // dst not allocated
   cache->alloc_reqid();
   EXPECT_EQ(cache->num_free_slots(), 0u);
-  EXPECT_THROW(cache->fork(a), InvalidArgument);                     // no free slot
+  EXPECT_THROW(cache->fork(a), InvalidArgument);  // no free slot
   EXPECT_EQ(cache->stats().pages_shared, 0u);
   cache->check_invariants();
 }

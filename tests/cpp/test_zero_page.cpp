@@ -29,7 +29,8 @@ class ZeroPageTest : public ::testing::TestWithParam<std::tuple<BackendKind, Lay
     const KvLayout& layout = cache.layout();
     const std::size_t bytes = (layout.pages_per_slot() - first) * layout.page_bytes();
     for (std::size_t r = 0; r < layout.num_regions(); ++r)
-      EXPECT_TRUE(testing::all_zero(testing::read_bytes(*backend_, cache.base() + layout.page_offset(r, slot, first), bytes)))
+      EXPECT_TRUE(
+          testing::all_zero(testing::read_bytes(*backend_, cache.base() + layout.page_offset(r, slot, first), bytes)))
           << "slot " << slot << " region " << r << " from page " << first;
   }
 
@@ -58,8 +59,8 @@ TEST_P(ZeroPageTest, ReadsBeyondTheTokensReadZerosWhilePagesComeAndGo) {
   expect_zeros_from(cache, a, 2);
   expect_zeros_from(cache, b, 1);
   cache.free_reqid(a);
-  cache.step(lens({{b, 1}}));      // enqueues a's zero-fill, deferred from free_reqid()
-  expect_zeros_from(cache, a, 0);  // zero-filled for the next owner, zero-backed beyond
+  cache.step(lens({{b, 1}}));                          // enqueues a's zero-fill, deferred from free_reqid()
+  expect_zeros_from(cache, a, 0);                      // zero-filled for the next owner, zero-backed beyond
   cache.step(lens({{b, layout.tokens_in_pages(3)}}));  // takes a's pages: reclaimed, zero-backed again
   EXPECT_EQ(cache.mapped_pages(a), 0u);
   expect_zeros_from(cache, a, 0);
@@ -76,13 +77,14 @@ TEST_P(ZeroPageTest, WithoutZeroPageNothingIsZeroBacked) {
   EXPECT_EQ(cache.stats().backend.zero_backing.calls, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllBackendsAndLayouts, ZeroPageTest,
-    ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::host_deferred, BackendKind::cuda),
-                       ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
-    [](const auto& info) {
-      return testing::backend_label(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, ZeroPageTest,
+                         ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::host_deferred,
+                                                              BackendKind::cuda),
+                                            ::testing::Values(LayoutKind::per_layer, LayoutKind::interleaved)),
+                         [](const auto& info) {
+                           return testing::backend_label(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
 
 TEST(ZeroPage, WritesBeyondWhatStepBackedStillFault) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
@@ -95,7 +97,7 @@ TEST(ZeroPage, WritesBeyondWhatStepBackedStillFault) {
   seq_lens[slot] = 1;
   cache.step(seq_lens);
   auto* beyond = reinterpret_cast<volatile std::uint8_t*>(cache.base() + cache.layout().page_offset(0, slot, 1));
-  EXPECT_EQ(*beyond, 0);  // reads as zero...
+  EXPECT_EQ(*beyond, 0);          // reads as zero...
   EXPECT_DEATH(*beyond = 1, "");  // ...but a write is a fault, not silent corruption
 }
 
@@ -103,8 +105,8 @@ TEST(ZeroPage, WritesBeyondWhatStepBackedStillFault) {
 // largest seq_len of that step): the swap waits for that iteration's work; a page beyond
 // every horizon is mapped without waiting, and the mapper maps ahead only there.
 TEST(ZeroPage, APageInReachOfWorkInFlightIsSwappedOnlyAfterIt) {
-  auto events = std::make_shared<testing::ControlledEventBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  auto events =
+      std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
   config.lookahead_tokens = 0;
   config.eager_tokens = 0;

@@ -45,8 +45,8 @@ void expect_only_ranges_zeroed(Backend& backend, const FilledPages& memory, std:
   const auto bytes = testing::read_bytes(backend, memory.base(), memory.bytes());
   const std::vector<std::uint8_t> ones(page, 0xff);
   for (std::size_t p = 0; p < memory.bytes() / page; ++p) {
-    const bool in_range = p >= first_page && (p - first_page) / stride_pages < count &&
-                          (p - first_page) % stride_pages < range_pages;
+    const bool in_range =
+        p >= first_page && (p - first_page) / stride_pages < count && (p - first_page) % stride_pages < range_pages;
     const std::vector<std::uint8_t> got(bytes.begin() + static_cast<std::ptrdiff_t>(p * page),
                                         bytes.begin() + static_cast<std::ptrdiff_t>((p + 1) * page));
     if (in_range) {
@@ -98,9 +98,9 @@ TEST_P(ZeroStridedTest, BadArgumentsThrowBeforeAnythingIsEnqueued) {
   const std::size_t page = backend->page_bytes();
   FilledPages memory(*backend, 4);
   const Address base = memory.base();
-  EXPECT_THROW(backend->zero_strided(base, page + 16, 2, 2 * page, 0), InvalidArgument);      // bytes not pages
-  EXPECT_THROW(backend->zero_strided(base, page, 2, page + 16, 0), InvalidArgument);          // stride not pages
-  EXPECT_THROW(backend->zero_strided(base, 2 * page, 2, page, 0), InvalidArgument);           // overlapping
+  EXPECT_THROW(backend->zero_strided(base, page + 16, 2, 2 * page, 0), InvalidArgument);  // bytes not pages
+  EXPECT_THROW(backend->zero_strided(base, page, 2, page + 16, 0), InvalidArgument);      // stride not pages
+  EXPECT_THROW(backend->zero_strided(base, 2 * page, 2, page, 0), InvalidArgument);       // overlapping
   EXPECT_THROW(backend->zero_strided(base, page, ~std::size_t{0} / page, page, 0), InvalidArgument);  // wraps
   try {
     backend->zero_strided(base, 2 * page, 2, page, 0);
@@ -166,8 +166,8 @@ TEST(ZeroStrided, AdaptorsPassItOnAsOneCallAndCountItAsOneZero) {
 }
 
 TEST(ZeroStrided, TheFaultInjectorCanFailIt) {
-  auto injector = std::make_shared<testing::FaultInjectingBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  auto injector =
+      std::make_shared<testing::FaultInjectingBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   const std::size_t page = injector->page_bytes();
   FilledPages memory(*injector, 2);
   injector->fail_at = injector->calls + 1;

@@ -8,13 +8,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -53,8 +53,8 @@ inline std::shared_ptr<Backend> make_test_backend(BackendKind kind, std::string*
 }
 
 /// Skips the current test when the backend cannot run here.
-#define VKV_BACKEND_OR_SKIP(variable, kind)                               \
-  std::string variable##_why_not;                                         \
+#define VKV_BACKEND_OR_SKIP(variable, kind)                                     \
+  std::string variable##_why_not;                                               \
   auto variable = ::vkv::testing::make_test_backend(kind, &variable##_why_not); \
   if (!variable) GTEST_SKIP() << variable##_why_not
 
@@ -192,7 +192,7 @@ class FaultInjectingBackend final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   std::size_t fail_at = 0;
-  std::size_t calls = 0;  // fallible calls so far
+  std::size_t calls = 0;             // fallible calls so far
   std::map<std::string, long> held;  // acquired minus given back, per kind of resource
   std::string injected;              // the call that failed
 
@@ -382,11 +382,12 @@ class CacheTest : public ::testing::TestWithParam<BackendAndLayout> {
   void expect_tokens(KvCache& cache, std::size_t slot, std::size_t first, std::size_t last, Value value) {
     const std::size_t token_bytes = layout_->token_bytes();
     for (std::size_t r = 0; r < layout_->num_regions(); ++r) {
-      const auto bytes = read_bytes(cache.backend(), token_address(cache, r, slot, first), (last - first) * token_bytes);
+      const auto bytes =
+          read_bytes(cache.backend(), token_address(cache, r, slot, first), (last - first) * token_bytes);
       for (std::size_t t = first; t < last; ++t)
         for (std::size_t i = 0; i < token_bytes; i += token_bytes / 4)  // a few bytes per token
-          ASSERT_EQ(bytes[(t - first) * token_bytes + i], value(t)) << "slot " << slot << " region " << r
-                                                                     << " token " << t;
+          ASSERT_EQ(bytes[(t - first) * token_bytes + i], value(t))
+              << "slot " << slot << " region " << r << " token " << t;
     }
   }
 
