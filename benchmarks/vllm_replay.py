@@ -101,8 +101,11 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int) -> None:
               "overhead_vs_fixed": (seconds["vkv"] + seconds["map"] - seconds["fixed"]) / seconds["fixed"]}
     print(json.dumps(report, indent=1))
     out = os.environ.get("OUT")
-    if out:
-        json.dump(report, open(os.path.join(out, "vllm_replay.json"), "w"), indent=1)
+    if out:  # with the machine, the command and the commit, as every harness's result
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from common import machine, write_json
+
+        write_json({"machine": machine(device), **report}, os.path.join(out, "vllm_replay.json"))
     memory.states.unlink()
     memory.close()
 
