@@ -28,3 +28,11 @@ install_vkv() {  # pip-installs this tree once per machine and source tree; non-
     echo "$stamp" > /tmp/vkv-installed
   fi
 }
+
+tree_commit() {  # the commit this tree is: VKV_GIT_COMMIT where the copy's .git is stale or absent
+  if [ -n "${VKV_GIT_COMMIT:-}" ]; then
+    echo "$VKV_GIT_COMMIT"
+  else
+    echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- 2>/dev/null || echo ' (dirty)')"
+  fi
+}

@@ -42,8 +42,7 @@ pack() {  # pack NAME FOLDER: one file back for a folder
 
 summary() {  # summary LOG: the goal table's lines of a demo log, into summary.txt
   {
-    echo "== $part ($(cat "$out/gpu.txt" 2>/dev/null)), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
-      git diff --quiet HEAD -- 2>/dev/null || echo ' (dirty)')"
+    echo "== $part ($(cat "$out/gpu.txt" 2>/dev/null)), commit $(tree_commit)"
     sed -n '/repeats, store order rotated/,$p' "$1" | grep -E '^\||^goal|repeats, store order' || echo "no repeats table in $1"
   } | tee -a "$out/summary.txt"
 }
@@ -84,7 +83,7 @@ case "$part" in
       --out "$out/attention"
     json=$(ls "$out"/attention/attention_*.json 2>/dev/null | head -1)
     if [ -n "$json" ]; then
-      { echo "== decode ($(cat "$out/gpu.txt")), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+      { echo "== decode ($(cat "$out/gpu.txt")), commit $(tree_commit)"
         "$python" "$src/benchmarks/attention_summary.py" "$json" || status=1; } | tee "$out/summary.txt"
       # Every table and the plots (needs matplotlib): FlashInfer's decode on vkv per layout.
       step plot_attention 60 "$python" "$src/benchmarks/plot_attention.py" "$json"
