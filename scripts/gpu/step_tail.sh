@@ -20,6 +20,7 @@ deadline=$((SECONDS + ${VKV_GPU_SECONDS:-350}))
 left() { local l=$((deadline - SECONDS)); l=$((l < $1 ? l : $1)); echo $((l > 1 ? l : 1)); }
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+source scripts/gpu/common.sh  # tree_commit
 echo "cores $(nproc); commit $(tree_commit)" | tee -a "$out/gpu.txt"
 export CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / (${#bases[@]} + 1) > 2 ? $(nproc) / (${#bases[@]} + 1) : 2 ))
 
