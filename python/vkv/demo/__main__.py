@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         per_trace = {label: {"summary": result.summary(), "running": result.running,
                              "decode_rows": result.decode_rows, "decode_ms": result.decode_ms,
                              "gpu_decode_ms": result.gpu_decode_ms, "prefill_ms": result.prefill_ms,
-                             "gpu_prefill_ms": result.gpu_prefill_ms}
+                             "gpu_prefill_ms": result.gpu_prefill_ms, "reserve_us": result.reserve_us}
                      for label, result in results}
         for (label, result), entry in zip(results, per_trace.values()):
             entry["summary"]["capture_seconds"] = capture

@@ -279,8 +279,9 @@ class VkvStore(ContiguousStore):
 
     def reserve(self, lens):
         self._lens[:] = 0
-        for slot, n in lens.items():
-            self._lens[slot] = n
+        if lens:  # one vectorised store: admitting a request calls this with every running slot
+            count = len(lens)
+            self._lens[np.fromiter(lens.keys(), np.int64, count)] = np.fromiter(lens.values(), np.int64, count)
         try:
             self.cache.step(self._lens)
             return True
