@@ -269,6 +269,11 @@ class VkvStore(ContiguousStore):
         finally:
             for slot in slots:
                 self.cache.free_reqid(slot)
+        # Freed pages are zero-filled for their next owner by the next step(): this one, before
+        # the clock, as a paged store's pool is zeroed when it is made (torch.zeros).
+        self.cache.step(np.zeros(self.max_slots, dtype=np.int64))
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
         return tokens
 
     def alloc(self):
