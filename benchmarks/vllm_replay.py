@@ -179,6 +179,7 @@ def _flashinfer_forward(views, paged, plan, new_kv, q, attention, dense, x):
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            map_ahead: bool, dense_gemms: bool, max_steps: int) -> None:
+    from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import BlockMemory
     cuda = device.startswith("cuda")
     if dense_gemms and attention_name != "flashinfer":
@@ -203,18 +204,17 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             attention.run(warm, torch.zeros(warm.tokens, q_heads, dim, device=device, dtype=dtype), paged[name][0])
         sync()
 
-    def map_step(step):  # as the worker's bind_connector_metadata()
+    def map_step(step):  # as the worker's bind_connector_metadata(): release, then grow
+        states = memory.states.states  # the scheduler's side of the shared states: not timed
+        states[step["release"]] = RECLAIMING
         t = time.perf_counter()
-        for b in step["release"]:
-            memory.states.states[b] = 3
         memory.release(step["release"])
         memory.grow(step["target"])
-        for b in range(1, nb):
-            if memory.states.states[b] == 1:
-                memory.states.states[b] = 2  # the scheduler's release into its pool
         if not map_ahead:
             sync()  # the zero-fill free_reqid() queued is the mapping's cost too
         seconds["map"] += time.perf_counter() - t
+        pool = states[1:]
+        pool[pool == BACKED] = IN_POOL  # the scheduler takes the new blocks into its pool
 
     seconds = {"vkv": 0.0, "fixed": 0.0, "map": 0.0}
     per_step = {"vkv": [], "fixed": [], "map": []}  # seconds of each step
