@@ -131,6 +131,7 @@ class _FlashInfer:
             out.append(self.prefill.run(q[d:], kv))
         return out
 
+
 class _Dense:
     """Llama-3-8B's per-layer weight GEMMs (QKV, O, gate/up, down) on the step's tokens, so
     that a replayed step costs the GPU what a real one does (~15 GB of weights read per decode
@@ -225,6 +226,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         for _rid, table, _end, _n in step["batch"]:
             # The scheduler hands out backed blocks only: a step never waits for its own mapping.
             assert all(memory.cache.is_allocated(b) for b in table), (index, _rid, table)
+            # Unmapping during the forward (--map-ahead) is safe only for blocks it does not read.
+            assert not set(table) & set(step["release"]), (index, _rid, table)
         g = torch.Generator(device=device).manual_seed(index)
         if attention is not None:  # inputs and the plan: the same for both pools, out of the timings
             plan = _Plan(step["batch"], block, device)
@@ -247,8 +250,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
                 # step, and the last step that read them was synchronized.
                 map_step(step)
             sync()
-            seconds[name] += time.perf_counter() - t
             per_step[name].append(time.perf_counter() - t)
+            seconds[name] += per_step[name][-1]
         per_step["map"].append(seconds["map"] - mapped)
         if not map_ahead:
             per_step["vkv"][-1] += per_step["map"][-1]
