@@ -108,9 +108,11 @@ class _FlashInfer:
         self.shape = (q_heads, kv_heads, dim, block)
         self.dtype = dtype
         workspace = lambda: torch.zeros(128 << 20, dtype=torch.uint8, device=device)  # noqa: E731
-        # CUDA-core decode for a query group of 4 (Llama-3-8B), as vLLM picks it.
+        # CUDA-core decode for a query group of 4 (Llama-3-8B), as vLLM picks it; FA2 named, as
+        # "auto" may route a plan to cuDNN's graph: the kernels whose stride handling was read.
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace(), kv_layout="NHD", use_tensor_cores=q_heads // kv_heads > 4)
+            workspace(), kv_layout="NHD", use_tensor_cores=q_heads // kv_heads > 4, backend="fa2")
+        # "auto": FA3 on Hopper (its sm90 paged path reads page, token and head strides too).
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), kv_layout="NHD")
 
     def plan(self, plan: _Plan) -> None:
