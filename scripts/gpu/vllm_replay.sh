@@ -12,7 +12,8 @@
 #   fi_dense*     the same with Llama-3-8B's weight GEMMs, so a step costs what a real one does
 #   memcheck      the first 11 steps (prefills, then a decode step at batch 63 that unmaps 107
 #                 blocks) under compute-sanitizer memcheck, when it is installed
-# VLLM_REPLAY_TORCH=1 adds the first replay's SDPA path (~1 minute more).
+# VLLM_REPLAY_TORCH=1 adds the first replay's SDPA path (~1 minute more); VLLM_REPLAY_PARTS
+# ("replay memcheck" by default) runs one part per call where the machine's limit is near.
 # Needs .whl/flashinfer-*.tar.xz (carry .whl): scripts/gpu/flashinfer_env.sh.
 #   scripts/gpu/vllm_replay.sh [OUT]      results: OUT/vllm_replay_*.json, OUT/*.log
 set -uo pipefail
@@ -46,22 +47,27 @@ print(f"{sys.argv[1].rsplit('/', 1)[-1]}: bitwise_equal={r['bitwise_equal']} map
 EOF
 }
 
-# FlashInfer JIT-compiles its decode (~13 s) and prefill (~90 s) kernels in the first run's
-# warm-up, outside the timings; the later runs find them in FLASHINFER_WORKSPACE_BASE.
-step fi 240 python3 "${replay[@]}" "${llama[@]}"
-step fi_ahead 60 python3 "${replay[@]}" "${llama[@]}" --map-ahead
-step fi_dense 60 python3 "${replay[@]}" "${llama[@]}" --dense
-step fi_dense_ahead 60 python3 "${replay[@]}" "${llama[@]}" --dense --map-ahead
-if [ "${VLLM_REPLAY_TORCH:-0}" = 1 ]; then
-  step torch 200 python3 "${replay[@]}" --shape 32,8,128
+parts=" ${VLLM_REPLAY_PARTS:-replay memcheck} "
+if [[ "$parts" == *" replay "* ]]; then
+  # FlashInfer JIT-compiles its decode (~13 s) and prefill (~90 s) kernels in the first run's
+  # warm-up, outside the timings; the later runs find them in FLASHINFER_WORKSPACE_BASE.
+  step fi 240 python3 "${replay[@]}" "${llama[@]}"
+  step fi_ahead 60 python3 "${replay[@]}" "${llama[@]}" --map-ahead
+  step fi_dense 60 python3 "${replay[@]}" "${llama[@]}" --dense
+  step fi_dense_ahead 60 python3 "${replay[@]}" "${llama[@]}" --dense --map-ahead
+  if [ "${VLLM_REPLAY_TORCH:-0}" = 1 ]; then
+    step torch 200 python3 "${replay[@]}" --shape 32,8,128
+  fi
+  echo "=== summary"
+  for f in "$out"/vllm_replay_*.json; do [ -f "$f" ] && summary "$f"; done | tee "$out/summary.txt"
 fi
-echo "=== summary"
-for f in "$out"/vllm_replay_*.json; do [ -f "$f" ] && summary "$f"; done | tee "$out/summary.txt"
 
 sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
-if [ -n "$sanitizer" ]; then
+if [[ "$parts" != *" memcheck "* ]]; then
+  :
+elif [ -n "$sanitizer" ]; then
   # application-only: FlashInfer's compiler subprocesses (none, kernels cached) stay outside.
-  step memcheck 150 env OUT= "$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3 \
+  step memcheck 240 env OUT= "$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3 \
     python3 "${replay[@]}" "${llama[@]}" --steps 11
   grep -E "ERROR SUMMARY|bitwise_equal" "$out/memcheck.log" | tee -a "$out/summary.txt"
 else

@@ -115,14 +115,17 @@ def test_the_paged_views_are_the_blnhc_memory_without_a_copy():
 
 
 @pytest.mark.parametrize("dense", [False, True])
-def test_the_flashinfer_path_attends_over_the_views_as_the_gather_does(stub_flashinfer, monkeypatch, capsys, dense):
-    monkeypatch.setenv("OUT", "")
+def test_the_flashinfer_path_attends_over_the_views_as_the_gather_does(stub_flashinfer, monkeypatch, capsys, tmp_path,
+                                                                       dense):
+    monkeypatch.setenv("OUT", str(tmp_path) if dense else "")
     vllm_replay.replay(str(TRACE), "cpu", 2, 2, 64, 4, "flashinfer", True, dense, 0 if dense else 7)
     report = json.loads(capsys.readouterr().out)
     assert report["bitwise_equal"] and report["q_heads"] == 4 and report["dense_gemms"] == dense
     if dense:  # the whole trace, its empty last step too
         assert report["steps"] == 42 and report["decode_batch_ge_60"]["steps"] > 0
-        assert len(report["per_step_ms"]["vkv"]) == 42
+        written = json.loads((tmp_path / "vllm_replay_flashinfer_ahead_dense.json").read_text())
+        assert len(written["per_step_ms"]["vkv"]) == 42 and written["machine"]["device"] == "cpu"
+        assert written["decode_batch_ge_60"] == report["decode_batch_ge_60"]
 
 
 def test_the_flashinfer_forward_matches_attention_over_gathered_blocks(stub_flashinfer):
