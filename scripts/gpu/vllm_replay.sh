@@ -43,7 +43,7 @@ print(f"{sys.argv[1].rsplit('/', 1)[-1]}: bitwise_equal={r['bitwise_equal']} map
       f"unmap {r['unmap_us_per_block']:.1f} us/block; all {r['steps']} steps: vkv {r['step_ms']['vkv']:.3f} ms "
       f"fixed {r['step_ms']['fixed']:.3f} ms map {r['step_ms']['map']:.3f} ms overhead {100 * r['overhead_vs_fixed']:.2f}%; "
       f"decode batch>=60 ({d['steps']} steps): vkv {d['step_ms']['vkv']:.3f} ms fixed {d['step_ms']['fixed']:.3f} ms "
-      f"overhead {100 * d['overhead_vs_fixed']:.2f}%")
+      + (f"overhead {100 * d['overhead_vs_fixed']:.2f}%" if d["overhead_vs_fixed"] is not None else "none"))
 EOF
 }
 
