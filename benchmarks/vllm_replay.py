@@ -7,8 +7,20 @@ outputs must be bitwise equal; reports map/unmap cost per block and per-step ove
     replay (no vllm needed):
         python benchmarks/vllm_replay.py replay benchmarks/results/vllm_trace.json --device cuda
 
-Attention: FlashInfer is not used yet; SDPA over each request's gathered blocks (the same
-kernel on both pools, so bitwise equality is meaningful; timings include the gather).
+    with FlashInfer's paged kernels (CUDA; FlashInfer importable: scripts/gpu/flashinfer_env.sh),
+    Llama-3-8B's shape and its weight GEMMs, the mapping made while the forward runs:
+        python benchmarks/vllm_replay.py replay benchmarks/results/vllm_trace.json --device cuda \
+            --attention flashinfer --shape 32,8,128,32 --dense --map-ahead
+
+Attention (the same kernels on both pools, so bitwise equality is meaningful):
+  torch       SDPA over each request's gathered blocks (runs on a CPU; timings include the
+              gather and a Python loop per request and layer)
+  flashinfer  vLLM's attention on Hopper: FlashInfer's paged decode for decode requests, its
+              paged causal prefill for the rest, reading the block tables straight out of the
+              BLNHC views (NHD pages whose stride is a whole block of every layer)
+Timings alternate which pool goes first; the per-step plan and random inputs are made once,
+outside them. --map-ahead maps/unmaps after the vkv forward is queued (the GPU computes
+meanwhile) instead of before it.
 """
 
 import argparse
@@ -48,9 +60,135 @@ def _views(buf, num_blocks, layers, heads, dim, block, dtype):
                              layer * page) for layer in range(layers)]
 
 
-def replay(path: str, device: str, layers: int, heads: int, dim: int) -> None:
+def _paged_kv(view, dim):
+    """FlashInfer's NHD paged K and V of one layer's BLNHC view: (blocks, N, H, D) each, as the
+    memory lies (tokens, then heads, then K and V side by side); page stride = a whole block of
+    every layer, token stride H*2*D, head stride 2*D. FlashInfer 0.7.2 takes the K/V tensors'
+    own strides (paged_kv_t from k.strides(), its FA2 and FA3 paths alike; only the last
+    dimension must be contiguous): no copy, no other layout needed."""
+    nhd = view.permute(0, 2, 1, 3)
+    return nhd[..., :dim], nhd[..., dim:]
+
+
+class _Plan:
+    """One step's batch as FlashInfer sees it: decode requests (one new token) first, then
+    prefills, as vLLM's FlashInfer backend orders them; the slots the step's tokens write."""
+
+    def __init__(self, batch, block, device):
+        order = sorted(batch, key=lambda r: r[3] != 1)  # stable: decodes first
+        self.decodes = sum(1 for r in order if r[3] == 1)
+        rows, offs, qo, kv_indptr, indices, last = [], [], [0], [0], [], []
+        for _rid, table, end, n in order:
+            pages = (end + block - 1) // block
+            rows += [table[p // block] for p in range(end - n, end)]
+            offs += [p % block for p in range(end - n, end)]
+            qo.append(qo[-1] + n)
+            kv_indptr.append(kv_indptr[-1] + pages)
+            indices += table[:pages]
+            last.append(end - (pages - 1) * block)
+        self.tokens = qo[-1]
+        i32 = dict(dtype=torch.int32, device=device)
+        long = dict(dtype=torch.long, device=device)  # an empty step's lists too
+        self.rows, self.offs = torch.tensor(rows, **long), torch.tensor(offs, **long)
+        d = self.decodes
+        self.prefills = len(order) - d
+        self.decode = (torch.tensor(kv_indptr[:d + 1], **i32), torch.tensor(indices[:kv_indptr[d]], **i32),
+                       torch.tensor(last[:d], **i32))
+        self.prefill = (torch.tensor([q - qo[d] for q in qo[d:]], **i32),
+                        torch.tensor([k - kv_indptr[d] for k in kv_indptr[d:]], **i32),
+                        torch.tensor(indices[kv_indptr[d]:], **i32), torch.tensor(last[d:], **i32))
+
+
+class _FlashInfer:
+    """vLLM's attention on Hopper: FlashInfer's paged decode for decode requests, its paged
+    (causal) prefill for the rest, over the BLNHC views; one plan per step shared by both pools."""
+
+    def __init__(self, device, kv_heads, q_heads, dim, block, dtype):
+        import flashinfer
+        self.shape = (q_heads, kv_heads, dim, block)
+        self.dtype = dtype
+        workspace = lambda: torch.zeros(128 << 20, dtype=torch.uint8, device=device)  # noqa: E731
+        # CUDA-core decode for a query group of 4 (Llama-3-8B), as vLLM picks it; FA2 named, as
+        # "auto" may route a plan to cuDNN's graph: the kernels whose stride handling was read.
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace(), kv_layout="NHD", use_tensor_cores=q_heads // kv_heads > 4, backend="fa2")
+        # "auto": FA3 on Hopper (its sm90 paged path reads page, token and head strides too).
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), kv_layout="NHD")
+
+    def plan(self, plan: _Plan) -> None:
+        q_heads, kv_heads, dim, block = self.shape
+        types = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        if plan.decodes:
+            self.decode.plan(*plan.decode, q_heads, kv_heads, dim, block, pos_encoding_mode="NONE", **types)
+        if plan.prefills:
+            self.prefill.plan(*plan.prefill, q_heads, kv_heads, dim, block, causal=True, **types)
+
+    def run(self, plan: _Plan, q, kv):
+        """q: [tokens, q_heads, D] in the plan's order; kv: (K, V) paged views of one layer."""
+        out = []
+        d = plan.decodes
+        if d:
+            out.append(self.decode.run(q[:d], kv))
+        if plan.tokens > d:
+            out.append(self.prefill.run(q[d:], kv))
+        return out
+
+
+class _Dense:
+    """Llama-3-8B's per-layer weight GEMMs (QKV, O, gate/up, down) on the step's tokens, so
+    that a replayed step costs the GPU what a real one does (~15 GB of weights read per decode
+    step); the same weights for every layer (436 MB: far past L2). Outputs are not compared."""
+
+    def __init__(self, device, q_heads, kv_heads, dim, dtype):
+        hidden, inter = q_heads * dim, 14336 * q_heads * dim // 4096
+        w = lambda rows, cols: torch.randn(rows, cols, device=device, dtype=dtype) * 0.01  # noqa: E731
+        self.qkv, self.o = w(hidden, hidden + 2 * kv_heads * dim), w(hidden, hidden)
+        self.gate_up, self.down = w(hidden, 2 * inter), w(inter, hidden)
+        self.hidden, self.inter = hidden, inter
+
+    def __call__(self, x):
+        return x @ self.qkv, x @ self.o, (x @ self.gate_up)[:, : self.inter] @ self.down
+
+
+def _torch_forward(views, step, index, block, heads, dim, dtype, device, g):
+    """SDPA over each request's gathered blocks (the first replay: one kernel both pools share)."""
+    result = []
+    for rid, table, end, n in step["batch"]:
+        pos = torch.arange(end - n, end, device=device)
+        rows, offs = torch.tensor(table, device=device)[pos // block], pos % block
+        g.manual_seed(index * 7919 + hash(rid) % 7919)
+        for view in views:
+            kv = torch.randn(n, heads, 2 * dim, generator=g, device=device).to(dtype)
+            view[rows, :, offs] = kv
+            gathered = view[torch.tensor(table, device=device)]  # [blocks, H, N, 2D]
+            kv_all = gathered.permute(1, 0, 2, 3).reshape(heads, -1, 2 * dim)[:, :end]
+            q = kv[:, :, :dim].transpose(0, 1)  # [H, n, D]
+            result.append(torch.nn.functional.scaled_dot_product_attention(
+                q, kv_all[..., :dim], kv_all[..., dim:], is_causal=False))
+    return result
+
+
+def _flashinfer_forward(views, paged, plan, new_kv, q, attention, dense, x):
+    """Per layer: the step's new K/V into their slots (vLLM's reshape_and_cache), the dense
+    GEMMs when asked, FlashInfer's paged attention over the view."""
+    result = []
+    for layer, view in enumerate(views):
+        view[plan.rows, :, plan.offs] = new_kv[layer]
+        if dense is not None:
+            dense(x)
+        result += attention.run(plan, q[layer], paged[layer])
+    return result
+
+
+def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
+           map_ahead: bool, dense_gemms: bool, max_steps: int) -> None:
+    from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import BlockMemory
+    cuda = device.startswith("cuda")
+    if dense_gemms and attention_name != "flashinfer":
+        raise ValueError("vllm_replay: --dense needs --attention flashinfer (the torch path times its Python)")
     trace = json.load(open(path))
+    steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
     nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
     memory = BlockMemory(engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, num_layers=layers,
                          num_kv_heads=heads, head_dim=dim, dtype=dtype, device=device, shared_budget="",
@@ -58,54 +196,98 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int) -> None:
     fixed = torch.empty(nb * memory.block_bytes, dtype=torch.int8, device=device)
     pools = {"vkv": _views(memory.buffer(), nb, layers, heads, dim, block, dtype),
              "fixed": _views(fixed, nb, layers, heads, dim, block, dtype)}
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    seconds = {"vkv": 0.0, "fixed": 0.0, "map": 0.0}
-    for index, step in enumerate(trace["steps"]):
+    paged = {name: [_paged_kv(v, dim) for v in views] for name, views in pools.items()}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    attention = _FlashInfer(device, heads, q_heads, dim, block, dtype) if attention_name == "flashinfer" else None
+    dense = _Dense(device, q_heads, heads, dim, dtype) if dense_gemms else None
+    if attention is not None:  # JIT compilation and first-call setup out of the timings: block 0 only
+        warm = _Plan([["warm", [0], block, block], ["warm2", [0], 1, 1]], block, device)
+        attention.plan(warm)
+        for name in pools:
+            attention.run(warm, torch.zeros(warm.tokens, q_heads, dim, device=device, dtype=dtype), paged[name][0])
+        sync()
+
+    def map_step(step):  # as the worker's bind_connector_metadata(): release, then grow
+        states = memory.states.states  # the scheduler's side of the shared states: not timed
+        states[step["release"]] = RECLAIMING
         t = time.perf_counter()
-        for b in step["release"]:  # as the worker's bind_connector_metadata()
-            memory.states.states[b] = 3
         memory.release(step["release"])
         memory.grow(step["target"])
-        for b in range(1, nb):
-            if memory.states.states[b] == 1:
-                memory.states.states[b] = 2  # the scheduler's release into its pool
-        sync()
+        if not map_ahead:
+            sync()  # the zero-fill free_reqid() queued is the mapping's cost too
         seconds["map"] += time.perf_counter() - t
+        pool = states[1:]
+        pool[pool == BACKED] = IN_POOL  # the scheduler takes the new blocks into its pool
+
+    seconds = {"vkv": 0.0, "fixed": 0.0, "map": 0.0}
+    per_step = {"vkv": [], "fixed": [], "map": []}  # seconds of each step
+    for index, step in enumerate(steps):
+        mapped = seconds["map"]
+        if not map_ahead:
+            map_step(step)
+        for _rid, table, _end, _n in step["batch"]:
+            # The scheduler hands out backed blocks only: a step never waits for its own mapping.
+            assert all(memory.cache.is_allocated(b) for b in table), (index, _rid, table)
+            # Unmapping during the forward (--map-ahead) is safe only for blocks it does not read.
+            assert not set(table) & set(step["release"]), (index, _rid, table)
         g = torch.Generator(device=device).manual_seed(index)
+        if attention is not None:  # inputs and the plan: the same for both pools, out of the timings
+            plan = _Plan(step["batch"], block, device)
+            attention.plan(plan)
+            new_kv = torch.randn(layers, plan.tokens, heads, 2 * dim, generator=g, device=device).to(dtype)
+            q = torch.randn(layers, plan.tokens, q_heads, dim, generator=g, device=device).to(dtype)
+            x = torch.randn(plan.tokens, dense.hidden, generator=g, device=device).to(dtype) * 0.01 if dense else None
         outs = {}
-        for name, views in pools.items():
-            torch.cuda.synchronize() if device.startswith("cuda") else None
-            t = time.perf_counter()
-            result = []
-            for rid, table, end, n in step["batch"]:
-                assert all(memory.cache.is_allocated(b) for b in table), (index, rid, table)
-                pos = torch.arange(end - n, end, device=device)
-                rows, offs = torch.tensor(table, device=device)[pos // block], pos % block
-                g.manual_seed(index * 7919 + hash(rid) % 7919)
-                for _layer, view in enumerate(views):
-                    kv = torch.randn(n, heads, 2 * dim, generator=g, device=device).to(dtype)
-                    view[rows, :, offs] = kv
-                    gathered = view[torch.tensor(table, device=device)]  # [blocks, H, N, 2D]
-                    kv_all = gathered.permute(1, 0, 2, 3).reshape(heads, -1, 2 * dim)[:, :end]
-                    q = kv[:, :, :dim].transpose(0, 1)  # [H, n, D]
-                    result.append(torch.nn.functional.scaled_dot_product_attention(
-                        q, kv_all[..., :dim], kv_all[..., dim:], is_causal=False))
+        # Alternate which pool goes first: neither gets the other's warm caches every step.
+        for name in (("vkv", "fixed") if index % 2 == 0 else ("fixed", "vkv")):
             sync()
-            seconds[name] += time.perf_counter() - t
-            outs[name] = result
+            t = time.perf_counter()
+            if attention is None:
+                outs[name] = _torch_forward(pools[name], step, index, block, heads, dim, dtype, device, g)
+            else:
+                outs[name] = _flashinfer_forward(pools[name], paged[name], plan, new_kv, q, attention, dense, x)
+            if name == "vkv" and map_ahead:
+                # The step's forward is queued; the mapping for the steps after it runs on the
+                # CPU meanwhile. Released blocks are RECLAIMING: out of every block table of this
+                # step, and the last step that read them was synchronized.
+                map_step(step)
+            sync()
+            per_step[name].append(time.perf_counter() - t)
+            seconds[name] += per_step[name][-1]
+        per_step["map"].append(seconds["map"] - mapped)
+        if not map_ahead:
+            per_step["vkv"][-1] += per_step["map"][-1]
+        assert len(outs["vkv"]) == len(outs["fixed"])
         assert all(torch.equal(a, b) for a, b in zip(outs["vkv"], outs["fixed"])), f"step {index}: outputs differ"
+    seconds["vkv"] += 0.0 if map_ahead else seconds["map"]  # before the forward: on its critical path
     st = memory.cache.stats()["backend"]
-    report = {"device": device, "steps": len(trace["steps"]), "shape": [layers, heads, dim, block],
-              "bitwise_equal": True, "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
-              "unmap_calls": st["unmap"]["calls"], "seconds": seconds,
-              "overhead_vs_fixed": (seconds["vkv"] + seconds["map"] - seconds["fixed"]) / seconds["fixed"]}
-    print(json.dumps(report, indent=1))
+    decode_steps = [i for i, s in enumerate(steps) if s["batch"] and all(r[3] == 1 for r in s["batch"])]
+    # The goal's point: decode steps at batch 64 (the trace's are 60 to 64 requests).
+    full = [i for i in decode_steps if len(steps[i]["batch"]) >= 60]
+    full_seconds = {k: sum(v[i] for i in full) for k, v in per_step.items()}
+    report = {"device": device, "steps": len(steps), "decode_steps": len(decode_steps),
+              "max_batch": max((len(s["batch"]) for s in steps), default=0),
+              "shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
+              "map": "ahead (during the forward)" if map_ahead else "before the forward",
+              "dense_gemms": dense_gemms, "bitwise_equal": True,
+              "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
+              "unmap_us_per_block": st["unmap"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
+              "map_calls": st["map"]["calls"], "unmap_calls": st["unmap"]["calls"],
+              "seconds": seconds, "step_ms": {k: 1e3 * v / max(len(steps), 1) for k, v in seconds.items()},
+              "overhead_vs_fixed": (seconds["vkv"] - seconds["fixed"]) / seconds["fixed"],
+              "decode_batch_ge_60": {"steps": len(full), "step_ms": {k: 1e3 * v / max(len(full), 1)
+                                                                     for k, v in full_seconds.items()},
+                                     "overhead_vs_fixed": (full_seconds["vkv"] - full_seconds["fixed"])
+                                     / full_seconds["fixed"] if full else None},
+              "per_step_ms": {k: [round(1e3 * x, 3) for x in v] for k, v in per_step.items()}}
+    print(json.dumps({k: v for k, v in report.items() if k != "per_step_ms"}, indent=1))  # those in the file
     out = os.environ.get("OUT")
     if out:  # with the machine, the command and the commit, as every harness's result
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from common import machine, write_json
 
-        write_json({"machine": machine(device), **report}, os.path.join(out, "vllm_replay.json"))
+        name = f"vllm_replay_{attention_name}{'_ahead' if map_ahead else ''}{'_dense' if dense_gemms else ''}.json"
+        write_json({"machine": machine(device), **report}, os.path.join(out, name))
     memory.states.unlink()
     memory.close()
 
@@ -119,9 +301,25 @@ if __name__ == "__main__":
     parser.add_argument("--prompt", type=int, default=100)
     parser.add_argument("--gen", type=int, default=24)
     parser.add_argument("--num-blocks", type=int, default=1024)
-    parser.add_argument("--shape", default="2,2,64", help="layers,kv_heads,head_dim (Llama-3-8B: 32,8,128)")
+    parser.add_argument("--shape", default="2,2,64",
+                        help="layers,kv_heads,head_dim[,q_heads] (Llama-3-8B: 32,8,128,32); q_heads defaults to kv_heads")
+    parser.add_argument("--attention", choices=["torch", "flashinfer"], default="torch",
+                        help="torch: SDPA over gathered blocks; flashinfer: its paged decode/prefill over the views")
+    parser.add_argument("--map-ahead", action="store_true",
+                        help="map/unmap while the step's forward runs instead of before it")
+    parser.add_argument("--dense", action="store_true", help="add Llama-3-8B's weight GEMMs to every layer (flashinfer)")
+    parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
     args = parser.parse_args()
     if args.mode == "record":
         record(args.trace, args.requests, args.prompt, args.gen, args.num_blocks)
     else:
-        replay(args.trace, args.device, *map(int, args.shape.split(",")))
+        shape = list(map(int, args.shape.split(",")))
+        if len(shape) not in (3, 4):
+            raise ValueError(f"vllm_replay: --shape {args.shape!r} is not layers,kv_heads,head_dim[,q_heads]")
+        layers, heads, dim = shape[:3]
+        q_heads = shape[3] if len(shape) == 4 else heads
+        if args.attention == "flashinfer" and not args.device.startswith("cuda"):
+            raise ValueError(f"vllm_replay: --attention flashinfer needs a CUDA --device, got {args.device!r}")
+        if args.attention == "torch" and q_heads != heads:
+            raise ValueError(f"vllm_replay: the torch path has q_heads == kv_heads, got q_heads={q_heads}, kv_heads={heads}")
+        replay(args.trace, args.device, layers, heads, dim, q_heads, args.attention, args.map_ahead, args.dense, args.steps)
