@@ -104,9 +104,11 @@ class Backend {
   /// still reads it.
   virtual void unmap(Address address, std::size_t bytes) = 0;
   /// Backs [address, address + bytes), which must not be mapped, with the backend's one
-  /// read-only page of zeros: reads return 0, writes fault. All or nothing. unmap()
-  /// removes it. @throws DriverError / OutOfMemory (the zero page is created on first use).
-  virtual void back_with_zeros(Address address, std::size_t bytes) = 0;
+  /// read-only page of zeros: reads return 0, writes fault. `writable`: with its one
+  /// scratch page instead, mapped read-write at every address (starts as zeros; writes
+  /// land there, shared by every such address). All or nothing. unmap() removes it.
+  /// @throws DriverError / OutOfMemory (either page is created on first use).
+  virtual void back_with_zeros(Address address, std::size_t bytes, bool writable) = 0;
 
   // ---- device work, ordered on streams ----------------------------------------------
   /// Enqueues a zero-fill of mapped memory on `stream`.
