@@ -19,7 +19,9 @@
 //
 // Zero backing: a range backed by back_with_zeros() reads as zeros and faults on writes,
 // at the cost of one shared read-only page; it is how vkv makes reads beyond a slot's
-// tokens harmless. A backed range must be unmapped before a real page is mapped there.
+// tokens harmless. Writable zero backing (config.scratch_page) maps one scratch page
+// read-write instead, so that writes there land in shared garbage rather than fault. A
+// backed range must be unmapped before a real page is mapped there.
 //
 // Thread-safety: every call may be made from any thread; implementations are
 // thread-safe (the CUDA driver is, HostBackend guards its page file with a mutex).

@@ -109,8 +109,9 @@ class HostBackend final : public Backend {
   bool remap(Address address, std::size_t bytes, int protection, int flags, int file, std::size_t offset) noexcept;
 
   std::size_t page_bytes_;
+  // back_with_zeros(writable)'s page, created on first use; under scratch_mutex_.
   std::mutex scratch_mutex_;
-  std::optional<PageHandle> scratch_page_;  // back_with_zeros(writable)'s page; under scratch_mutex_
+  std::optional<PageHandle> scratch_page_;
   int page_file_;                     // memfd; page handle h lives at offset h * page_bytes_
   std::mutex mutex_;                  // guards the three members below
   std::size_t file_pages_ = 0;        // file slices ever handed out

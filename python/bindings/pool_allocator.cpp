@@ -70,7 +70,8 @@ extern "C" __attribute__((visibility("default"))) void* vkv_pool_malloc(ssize_t 
   std::lock_guard<std::mutex> lock(state.mutex);
   try {
     if (state.base == 0) {
-      state.last_error = "vkv pool allocator: malloc of " + std::to_string(size) + " bytes with no reservation registered";
+      state.last_error =
+          "vkv pool allocator: malloc of " + std::to_string(size) + " bytes with no reservation registered";
     } else if (state.handed_out) {
       state.last_error = "vkv pool allocator: malloc of " + std::to_string(size) +
                          " bytes, but the reservation was handed out already (one allocation per registration)";
@@ -88,7 +89,8 @@ extern "C" __attribute__((visibility("default"))) void* vkv_pool_malloc(ssize_t 
   return nullptr;
 }
 
-extern "C" __attribute__((visibility("default"))) void vkv_pool_free(void* ptr, ssize_t size, int device, void* stream) {
+extern "C" __attribute__((visibility("default"))) void vkv_pool_free(void* ptr, ssize_t size, int device,
+                                                                     void* stream) {
   (void)size;
   (void)device;
   (void)stream;
