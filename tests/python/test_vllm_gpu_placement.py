@@ -48,6 +48,8 @@ def test_host_scratch_page_takes_writes_and_backed_pages_start_as_zeros():
         assert torch.all(cache.key(0)[a, : cache.tokens_per_page] == 3.0)
         cache.free_reqid(a)
         cache.trim()
+        assert cache.mapped_pages(a) == 0, "trim() left the freed slot's page mapped"
+        cache.key(0)[a, : cache.tokens_per_page].fill_(5.0)  # scratch again: no fault
         b = cache.alloc_reqid()
         cache.step({b: cache.tokens_per_page})
         assert torch.count_nonzero(cache.key(0)[b, : cache.tokens_per_page]) == 0
@@ -130,6 +132,7 @@ def test_vllm_buffer_is_the_reservation_and_blocks_read_back():
         block = backed[0]
         memory.states.states[block] = RECLAIMING
         memory.release([block])
+        assert memory.cache.mapped_pages(block) == 0, "release() left the block's page mapped"
         for view in views:
             view[block].fill_(-1.0)  # now scratch: does not fault
         torch.cuda.synchronize()
@@ -167,6 +170,7 @@ def test_the_pool_refuses_any_other_size_in_words():
 def test_close_gives_the_memory_back():
     torch.cuda.synchronize()
     gc.collect()
+    torch.cuda.empty_cache()
     free_before, _ = torch.cuda.mem_get_info()
     memory = _memory(headroom=NUM_BLOCKS)
     pool = ReservationPool(memory.buffer())
@@ -179,6 +183,8 @@ def test_close_gives_the_memory_back():
     del buffer, pool, memory
     gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info()
-    # Every block's page, and the scratch page, went back (one page of slack for the driver).
-    assert free_after >= free_before - (2 << 20), (free_before, free_after)
+    # Every block's page and the scratch page (18 MiB) went back; 4 MiB of slack for the
+    # driver's own bookkeeping (events, streams, the zero-fill module).
+    assert free_after >= free_before - (4 << 20), (free_before, free_after)
