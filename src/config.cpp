@@ -69,6 +69,8 @@ void validate(const CacheConfig& config) {
               "dtype_bytes = ", config.dtype_bytes, " is not supported: elements must be 1, 2, 4 or 8 bytes");
   expect_in_range("max_batch_size", config.max_batch_size, 1, kMaxBatch);
   expect_in_range("max_context_len", config.max_context_len, 1, kMaxContext);
+  VKV_EXPECTS(!config.scratch_page || config.zero_page,
+              "scratch_page = true needs zero_page = true: the scratch page is the zero page made writable");
   if (config.layout == LayoutKind::per_layer) {
     VKV_EXPECTS(config.layers_per_group == 0, "layers_per_group = ", config.layers_per_group,
                 " applies only to the interleaved layout: must be 0 with layout 'per_layer'");

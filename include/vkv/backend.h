@@ -19,7 +19,9 @@
 //
 // Zero backing: a range backed by back_with_zeros() reads as zeros and faults on writes,
 // at the cost of one shared read-only page; it is how vkv makes reads beyond a slot's
-// tokens harmless. A backed range must be unmapped before a real page is mapped there.
+// tokens harmless. Writable zero backing (config.scratch_page) maps one scratch page
+// read-write instead, so that writes there land in shared garbage rather than fault. A
+// backed range must be unmapped before a real page is mapped there.
 //
 // Thread-safety: every call may be made from any thread; implementations are
 // thread-safe (the CUDA driver is, HostBackend guards its page file with a mutex).
@@ -104,9 +106,11 @@ class Backend {
   /// still reads it.
   virtual void unmap(Address address, std::size_t bytes) = 0;
   /// Backs [address, address + bytes), which must not be mapped, with the backend's one
-  /// read-only page of zeros: reads return 0, writes fault. All or nothing. unmap()
-  /// removes it. @throws DriverError / OutOfMemory (the zero page is created on first use).
-  virtual void back_with_zeros(Address address, std::size_t bytes) = 0;
+  /// read-only page of zeros: reads return 0, writes fault. `writable`: with its one
+  /// scratch page instead, mapped read-write at every address (starts as zeros; writes
+  /// land there, shared by every such address). All or nothing. unmap() removes it.
+  /// @throws DriverError / OutOfMemory (either page is created on first use).
+  virtual void back_with_zeros(Address address, std::size_t bytes, bool writable) = 0;
 
   // ---- device work, ordered on streams ----------------------------------------------
   /// Enqueues a zero-fill of mapped memory on `stream`.

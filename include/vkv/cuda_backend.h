@@ -62,7 +62,8 @@ class CudaBackend final : public Backend {
   /// One cuMemMap and one cuMemSetAccess over the whole large page.
   void map_large(Address address, PageHandle page, std::size_t pages) override;
   void unmap(Address address, std::size_t bytes) override;
-  void back_with_zeros(Address address, std::size_t bytes) override;
+  /// writable: a second page, the scratch page, mapped with read-write access everywhere.
+  void back_with_zeros(Address address, std::size_t bytes, bool writable) override;
   BackendTraits traits() const noexcept override;
   std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
@@ -90,8 +91,9 @@ class CudaBackend final : public Backend {
   class ContextScope;
   // Counts and logs (VKV_LOG=debug) a release call that failed. Never throws.
   void note_cleanup(int result, const char* call) const noexcept;
-  // The one page of zeros back_with_zeros() maps everywhere; created on first use.
-  PageHandle zero_page();
+  // The one page of zeros back_with_zeros() maps everywhere (writable: the scratch page,
+  // zeros until written); created on first use.
+  PageHandle zero_page(bool writable);
   // csrc/cuda/zero_fill.cu's kernel in the primary context; function null where it cannot load.
   struct ZeroFillKernel {
     void* module = nullptr;    // CUmodule, unloaded by the destructor
@@ -106,7 +108,8 @@ class CudaBackend final : public Backend {
   void* context_ = nullptr;  // CUcontext: the device's primary context, retained
   std::size_t page_bytes_ = 0;
   std::mutex zero_page_mutex_;
-  PageHandle zero_page_ = 0;  // 0 until created
+  PageHandle zero_page_ = 0;     // 0 until created
+  PageHandle scratch_page_ = 0;  // 0 until created
   // Events destroy_event() handed back, recorded again by record_event(): free_reqid()
   // records one per call, and every driver call it saves is one fewer to queue behind
   // the mapper's (the driver serializes them).

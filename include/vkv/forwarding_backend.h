@@ -38,7 +38,9 @@ class ForwardingBackend : public Backend {
     upstream_->map_large(address, page, pages);
   }
   void unmap(Address address, std::size_t bytes) override { upstream_->unmap(address, bytes); }
-  void back_with_zeros(Address address, std::size_t bytes) override { upstream_->back_with_zeros(address, bytes); }
+  void back_with_zeros(Address address, std::size_t bytes, bool writable) override {
+    upstream_->back_with_zeros(address, bytes, writable);
+  }
   BackendTraits traits() const noexcept override { return upstream_->traits(); }
   std::uint64_t cleanup_failures() const noexcept override { return upstream_->cleanup_failures(); }
   void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }

@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -80,7 +81,8 @@ class HostBackend final : public Backend {
   /// @throws InvalidArgument when `page` is not a large page of `pages` pages.
   void map_large(Address address, PageHandle page, std::size_t pages) override;
   void unmap(Address address, std::size_t bytes) override;
-  void back_with_zeros(Address address, std::size_t bytes) override;
+  /// writable: one memfd page per backend, mapped MAP_SHARED read-write at every page.
+  void back_with_zeros(Address address, std::size_t bytes, bool writable) override;
   /// memfd pages are zero when created and when reused (a released page's hole was punched).
   BackendTraits traits() const noexcept override {
     return {/*fresh_pages_are_zero=*/true, /*zero_backing_is_bulk=*/true, /*large_pages=*/true};
@@ -107,6 +109,9 @@ class HostBackend final : public Backend {
   bool remap(Address address, std::size_t bytes, int protection, int flags, int file, std::size_t offset) noexcept;
 
   std::size_t page_bytes_;
+  // back_with_zeros(writable)'s page, created on first use; under scratch_mutex_.
+  std::mutex scratch_mutex_;
+  std::optional<PageHandle> scratch_page_;
   int page_file_;                     // memfd; page handle h lives at offset h * page_bytes_
   std::mutex mutex_;                  // guards the three members below
   std::size_t file_pages_ = 0;        // file slices ever handed out

@@ -28,7 +28,9 @@
 // zeros. The contract that keeps that safe while pages come and go: the work an engine
 // enqueues after step() reads, in each allocated slot, only pages below what the largest
 // seq_len of that step needs (a padded batch does exactly that); vkv changes a mapping
-// such work may read only after an event behind it has completed.
+// such work may read only after an event behind it has completed. With
+// config.scratch_page those pages are one writable scratch page instead (they read what
+// was last written there); the same contract then covers writes to them too.
 //
 // Thread-safety: every public call is thread-safe; one mutex serializes them. The
 // mapper thread takes the same mutex, and makes its slow backend calls without it.

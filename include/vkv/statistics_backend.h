@@ -34,7 +34,7 @@ class StatisticsBackend final : public ForwardingBackend {
   /// Counted as one map call of `pages` pages.
   void map_large(Address address, PageHandle page, std::size_t pages) override;
   void unmap(Address address, std::size_t bytes) override;
-  void back_with_zeros(Address address, std::size_t bytes) override;
+  void back_with_zeros(Address address, std::size_t bytes, bool writable) override;
   void zero(Address address, std::size_t bytes, Stream stream) override;
   /// Counted as one zero() call of bytes * count.
   void zero_strided(Address first, std::size_t bytes, std::size_t count, std::size_t stride, Stream stream) override;

@@ -603,6 +603,8 @@ void bind_host_all_reduce(py::module_& m) {
 
 }  // namespace
 
+void bind_pool_allocator(py::module_& m);  // pool_allocator.cpp
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "vkv's C++ core (internal: use the vkv package)";
   py::register_exception_translator(&translate);
@@ -610,6 +612,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("reservation_tensor", &reservation_tensor, py::arg("cache"), py::arg("device"));
   m.attr("ADAPTIVE") = vkv::kAdaptive;
   bind_shared_budget(m);
+  bind_pool_allocator(m);
 
   using py::arg;
   py::class_<vkv::CacheConfig> config(

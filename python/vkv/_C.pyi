@@ -7,6 +7,9 @@ ADAPTIVE: int
 
 def cuda_available() -> bool: ...
 def reservation_tensor(cache: KvCache, device: str) -> torch.Tensor: ...
+def register_reservation(base: int, bytes: int) -> None: ...
+def unregister_reservation() -> None: ...
+def take_pool_error() -> str: ...
 def agreed_step(cache: KvCache, host: HostAllReduce, seq_lens: Any,
                 timeout_seconds: float) -> Tuple[int, Optional[List[int]], str, int]: ...
 
@@ -39,6 +42,7 @@ class CacheConfig:
         precreate_pages: int = 0,
         large_page_size: int = 0,
         zero_page: bool = False,
+        scratch_page: bool = False,
         background_mapping: bool = True,
         lookahead_tokens: int = 32,
         eager_tokens: int = 18446744073709551615,
@@ -78,6 +82,8 @@ class CacheConfig:
     """bytes per large page (a multiple of page_size, >= 2 pages): a prompt's whole spans of that size get one physical allocation, mapped in one call (~10x faster on a GPU) but reclaimed, shared and copied only whole; 0 = off"""
     zero_page: bool
     """pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads touch unmapped memory"""
+    scratch_page: bool
+    """with zero_page: the shared page is writable scratch, one per cache, mapped under the whole reservation from the start; writes to pages no step() backed land there and do not fault (vLLM zero-fills its whole KV buffer), reads there return whatever was last written; backed pages still start as zeros"""
     background_mapping: bool
     """a background thread maps ahead what the next iterations will need"""
     lookahead_tokens: int

@@ -93,8 +93,9 @@ CudaBackend::~CudaBackend() {
       note_cleanup(CUDA_ERROR_DEINITIALIZED, "cuModuleUnload (its context could not be made current)");
     }
   }
-  if (zero_page_ != 0)
-    note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(zero_page_)), "cuMemRelease");
+  for (const PageHandle page : {zero_page_, scratch_page_})
+    if (page != 0)
+      note_cleanup(cuda::driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page)), "cuMemRelease");
   for (void* event : spare_events_)
     note_cleanup(cuda::driver().cuEventDestroy(static_cast<CUevent>(event)), "cuEventDestroy");
   note_cleanup(cuda::driver().cuDevicePrimaryCtxRelease(device_handle_), "cuDevicePrimaryCtxRelease");
@@ -230,9 +231,10 @@ void CudaBackend::unmap(Address address, std::size_t bytes) {
   VKV_CU_TRY(cuMemUnmap, address, bytes);
 }
 
-PageHandle CudaBackend::zero_page() {
+PageHandle CudaBackend::zero_page(bool writable) {
   std::lock_guard<std::mutex> lock(zero_page_mutex_);
-  if (zero_page_ != 0) return zero_page_;
+  PageHandle& kept = writable ? scratch_page_ : zero_page_;
+  if (kept != 0) return kept;
   ContextScope scope(*this);
   // Fill it through a temporary read-write mapping of its own, then keep only the handle.
   const PageHandle page = create_page();
@@ -255,12 +257,12 @@ PageHandle CudaBackend::zero_page() {
   }
   note_cleanup(cuda::driver().cuMemUnmap(scratch, page_bytes_), "cuMemUnmap");
   note_cleanup(cuda::driver().cuMemAddressFree(scratch, page_bytes_), "cuMemAddressFree");
-  zero_page_ = page;
+  kept = page;
   return page;
 }
 
-void CudaBackend::back_with_zeros(Address address, std::size_t bytes) {
-  const auto zeros = static_cast<CUmemGenericAllocationHandle>(zero_page());
+void CudaBackend::back_with_zeros(Address address, std::size_t bytes, bool writable) {
+  const auto zeros = static_cast<CUmemGenericAllocationHandle>(zero_page(writable));
   ContextScope scope(*this);
   const cuda::Driver& driver = cuda::driver();
   const std::size_t count = bytes / page_bytes_;
@@ -271,8 +273,9 @@ void CudaBackend::back_with_zeros(Address address, std::size_t bytes) {
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = device_;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
-    cuda::check(driver.cuMemSetAccess(address, bytes, &access, 1), "cuMemSetAccess(read-only)");
+    access.flags = writable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_READ;
+    cuda::check(driver.cuMemSetAccess(address, bytes, &access, 1),
+                writable ? "cuMemSetAccess(read-write scratch)" : "cuMemSetAccess(read-only)");
   } catch (...) {
     if (mapped > 0)
       note_cleanup(driver.cuMemUnmap(address, mapped * page_bytes_), "cuMemUnmap");  // nothing has read them yet

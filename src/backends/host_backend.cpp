@@ -201,7 +201,19 @@ void HostBackend::unmap(Address address, std::size_t bytes) {
   if (page_states_) page_states_->set(address, address + bytes, State::reserved);
 }
 
-void HostBackend::back_with_zeros(Address address, std::size_t bytes) {
+void HostBackend::back_with_zeros(Address address, std::size_t bytes, bool writable) {
+  if (writable) {
+    PageHandle scratch = 0;
+    {
+      std::lock_guard<std::mutex> lock(scratch_mutex_);
+      if (!scratch_page_) scratch_page_ = create_page();  // freed with the file
+      scratch = *scratch_page_;
+    }
+    // The same slice of the file at every page: writes from any of them land in it.
+    std::vector<PageHandle> pages(bytes / page_bytes_, scratch);
+    map(address, pages.data(), pages.size());
+    return;
+  }
   std::unique_lock<std::mutex> lock;
   if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
   // Untouched private anonymous memory reads from the kernel's zero page and costs nothing.

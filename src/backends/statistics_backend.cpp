@@ -75,8 +75,8 @@ void StatisticsBackend::map_large(Address address, PageHandle page, std::size_t 
 void StatisticsBackend::unmap(Address address, std::size_t bytes) {
   timed(unmap_, bytes / page_bytes(), [&] { upstream_->unmap(address, bytes); });
 }
-void StatisticsBackend::back_with_zeros(Address address, std::size_t bytes) {
-  timed(zero_backing_, bytes / page_bytes(), [&] { upstream_->back_with_zeros(address, bytes); });
+void StatisticsBackend::back_with_zeros(Address address, std::size_t bytes, bool writable) {
+  timed(zero_backing_, bytes / page_bytes(), [&] { upstream_->back_with_zeros(address, bytes, writable); });
 }
 void StatisticsBackend::zero(Address address, std::size_t bytes, Stream stream) {
   timed(zero_, bytes, [&] { upstream_->zero(address, bytes, stream); });

@@ -92,9 +92,10 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   undo.push([this, needed] { backend_->free_reservation(base_, needed); });
   // Where backing with zeros costs one call, the whole reservation reads as zeros from the
   // start; elsewhere (CUDA: ~37 us a page) slots are backed as they are handed out, and
-  // the mapper backs the others in the background.
-  if (config.zero_page && backend_->traits().zero_backing_is_bulk) {
-    backend_->back_with_zeros(base_, needed);
+  // the mapper backs the others in the background. A scratch page is there from the
+  // start everywhere: the caller may write the whole reservation before any step().
+  if (config.zero_page && (backend_->traits().zero_backing_is_bulk || config.scratch_page)) {
+    backend_->back_with_zeros(base_, needed, config.scratch_page);
     for (Slot& slot : slots_) slot.backed_end = layout_.pages_per_slot();
   }
   undo.commit();

@@ -144,7 +144,7 @@ void KvCache::Impl::map_real(std::size_t slot_index, std::size_t region, std::si
     map_handles(address, handles, count);
   } catch (...) {
     try {
-      if (zero_backed > 0) backend_->back_with_zeros(address, zero_backed * page);
+      if (zero_backed > 0) backend_->back_with_zeros(address, zero_backed * page, config_.scratch_page);
     } catch (...) {
       // Already failing; report the first error.
     }
@@ -187,7 +187,7 @@ void KvCache::Impl::unmap_real(std::size_t slot_index, std::size_t region, std::
       config_.zero_page && slot.backed_end > first ? std::min(count, slot.backed_end - first) : 0;
   if (zero_backed == 0) return;
   try {
-    backend_->back_with_zeros(address, zero_backed * page);
+    backend_->back_with_zeros(address, zero_backed * page, config_.scratch_page);
   } catch (...) {
     try {
       map_handles(address, handles, count);
@@ -230,7 +230,7 @@ void KvCache::Impl::back_regions_with_zeros(std::size_t slot_index, std::size_t 
   std::size_t region = 0;
   try {
     for (; region < layout_.num_regions(); ++region)
-      backend_->back_with_zeros(page_address(region, slot_index, from), bytes);
+      backend_->back_with_zeros(page_address(region, slot_index, from), bytes, config_.scratch_page);
   } catch (...) {
     for (std::size_t r = 0; r < region; ++r) {
       try {

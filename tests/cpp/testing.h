@@ -234,9 +234,9 @@ class FaultInjectingBackend final : public ForwardingBackend {
     maybe_fail("unmap");
     upstream_->unmap(address, bytes);
   }
-  void back_with_zeros(Address address, std::size_t bytes) override {
+  void back_with_zeros(Address address, std::size_t bytes, bool writable) override {
     maybe_fail("back_with_zeros");
-    upstream_->back_with_zeros(address, bytes);
+    upstream_->back_with_zeros(address, bytes, writable);
   }
   void zero(Address address, std::size_t bytes, Stream stream) override {
     maybe_fail("zero");

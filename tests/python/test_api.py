@@ -314,7 +314,7 @@ def test_every_keyword_option_reaches_the_core():
     page = HOST_PAGE
     budget = vkv.SharedBudget.create(f"test-api-{os.getpid()}", 64 * page, device="cpu")
     options = dict(layers_per_group=2, page_size=page, memory_budget=8 * page, precreate_pages=1, large_page_size=2 * page,
-                   zero_page=False,
+                   zero_page=True, scratch_page=True,
                    background_mapping=False, lookahead_tokens=7, eager_tokens=5, deferred_reclamation=False,
                    reclaim_watermark_pages=3, backend_statistics=False, shared_budget=budget.name)
     keywords = [p.name for p in inspect.signature(vkv.KVCache).parameters.values() if p.kind == p.KEYWORD_ONLY]

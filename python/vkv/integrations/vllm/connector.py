@@ -27,6 +27,7 @@ from .balloon import Balloon
 from .block_states import BlockStates
 from .config import VkvConnectorConfig
 from .memory import BlockMemory
+from .pool import ReservationPool
 
 REQUIRED_LAYOUT = "BLNHC"
 
@@ -62,6 +63,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config.kv_transfer_config.kv_connector_extra_config)
         self._balloon: Optional[Balloon] = None
         self._memory: Optional[BlockMemory] = None
+        self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._waiting_blocks = 0  # blocks the waiting requests seen this step need
 
     # ---- both ----------------------------------------------------------------------
@@ -117,6 +119,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._memory is not None:
             self._memory.states.unlink()  # either side may go first; the name goes with the engine
             self._memory.close()
+        self._pool = None  # after close(): vLLM's tensors in it no longer reach backed pages
 
     # ---- worker side -----------------------------------------------------------------
     def kv_buffer(self, kv_cache_config=None) -> torch.Tensor:
@@ -126,17 +129,16 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         return self._memory.buffer()
 
     def get_mem_pool_context(self):
-        """Where vLLM allocates its KV buffer. On a GPU this needs a writable scratch page
-        under the unbacked blocks (vLLM zero-fills the whole buffer) and a pluggable
-        allocator returning the reservation: not in this version, so it refuses."""
-        device = self.settings.device
-        if device == "cpu":
+        """Where vLLM allocates its KV buffer. On a GPU: a torch MemPool whose one allocation
+        is the vkv reservation (pool.py); vLLM's zero-fill of the whole buffer writes the
+        unbacked blocks' scratch page (BlockMemory uses scratch_page on CUDA)."""
+        if self.settings.device == "cpu":
             return contextlib.nullcontext()
-        raise RuntimeError(
-            "VkvConnector: placing vLLM's KV buffer in vkv memory on a GPU needs a writable scratch page "
-            "under unbacked blocks (vLLM's allocate_kv_cache() zero-fills the whole buffer), which vkv's "
-            "backends do not have yet; refusing rather than letting vLLM allocate a fixed pool "
-            "(see docs/vllm.md, 'Not supported yet')")
+        if self._memory is None:
+            self._memory = self._make_memory(self._kv_cache_config)
+        if self._pool is None:
+            self._pool = ReservationPool(self._memory.buffer())
+        return self._pool.context()
 
     def register_kv_caches(self, kv_caches) -> None:
         # vLLM's views must be over the reservation, or the backing would be for nothing.

@@ -6,7 +6,10 @@ In vLLM's block-outermost layout (BLNHC) block b of every layer is one contiguou
 b at exactly those bytes. So "back block b" is vkv's ``step({b: block_size})`` on slot b,
 and "give block b back" is ``free_reqid(b)`` + ``trim()``: vkv zero-fills, orders the
 unmapping after an event behind the work queued on the current stream, and returns the
-pages to its budget (a vkv.SharedBudget when named), as for any freed slot.
+pages to its budget (a vkv.SharedBudget when named), as for any freed slot. On a GPU the
+cache has a writable scratch page (``scratch_page=True``) under every unbacked block, so
+vLLM's zero-fill of the whole buffer and writes to blocks it does not own do not fault;
+a block given back is scratch again, and a block backed again starts as zeros.
 """
 
 from typing import List, Optional
@@ -52,7 +55,10 @@ class BlockMemory:
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
             max_batch_size=num_blocks, max_context_len=block_size, layout="interleaved",
             page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
-            shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0)
+            shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0,
+            # On a GPU vLLM zero-fills the whole buffer (pool.py): unbacked blocks are one
+            # writable scratch page, mapped under all of them from the start.
+            zero_page=device != "cpu", scratch_page=device != "cpu")
         assert self.cache.reserved_bytes == num_blocks * self.block_bytes, "slot b must be block b"
         self.states = BlockStates(engine_id, num_blocks)
         # vLLM's null block (0) is read by padded kernels and written by none that matter: one real page.
