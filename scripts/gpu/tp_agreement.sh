@@ -13,8 +13,9 @@ deadline=$((SECONDS + ${VKV_GPU_SECONDS:-340}))
 left() { local l=$((deadline - SECONDS)); l=$((l < $1 ? l : $1)); echo $((l > 1 ? l : 1)); }
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps . \
-  > "$out/logs/build.log" 2>&1 || { echo "build failed"; tail -20 "$out/logs/build.log"; exit 1; }
+# shellcheck source=scripts/gpu/common.sh
+source scripts/gpu/common.sh
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) install_vkv || exit 1  # once per machine and tree
 echo "built at ${SECONDS}s"
 bench="$PWD/benchmarks/tp_agreement.py"
 for gap in 1000 0; do
