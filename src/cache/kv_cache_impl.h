@@ -275,7 +275,20 @@ class KvCache::Impl {
   std::size_t cached_bytes_for_budget() const;
   // Releases up to `bytes` to the device: free pages, then freed slots' pages (least
   // recently freed first), then allocated slots' surplus (the watcher's call).
+  // When a call of the owner holds the lock, it posts the bytes in give_back_wanted_
+  // first, for serve_give_back() to give what it can meanwhile, and waits for the lock.
   void give_back_to_budget(std::size_t bytes);
+  // With the lock held, in a call that maps many pages (map_missing()): gives back what a
+  // watcher waiting for the lock wants, from free pages and freed slots above `floors`
+  // (the call's claims: it never takes a page the call is about to claim), so that the
+  // asker in another process does not wait for the whole call. What it cannot give stays
+  // posted for the watcher.
+  void serve_give_back(const std::vector<std::size_t>& floors);
+  // With the lock held: releases up to `wanted` pages, free pages first, then from slots of
+  // `kinds` above `floors` whose last readers are done, then (`may_wait`) from the others,
+  // waiting for their readers; returns how many.
+  std::size_t release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors, detail::VictimKinds kinds,
+                                 bool may_wait);
   // Tells the budget what allocated slots claim now (after calls that change claims).
   void publish_in_use() noexcept;
 
@@ -324,6 +337,8 @@ class KvCache::Impl {
   CallTiming free_timing_, alloc_timing_;
   std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
+  CacheStats::BudgetHandoff budget_handoff_;
+  std::atomic<std::size_t> give_back_wanted_{0};  // bytes a watcher waiting for the lock wants given back
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
   mutable std::mutex mutex_;

@@ -6,6 +6,8 @@
 
 #include "kv_cache_impl.h"
 #include "util/fork_guard.h"
+#include "util/format.h"
+#include "util/log.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -19,7 +21,10 @@ void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::s
     lock.lock();
     throw;
   }
+  const auto relock = std::chrono::steady_clock::now();
   lock.lock();
+  budget_handoff_.ask_relock_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - relock).count());
   membership_->claim_reserved();
   budget_asks_.calls += 1;
   budget_asks_.nanoseconds += static_cast<std::uint64_t>(
@@ -48,22 +53,82 @@ std::size_t KvCache::Impl::cached_bytes_for_budget() const {
 
 void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   if (detail::fork_generation() != fork_generation_) return;
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
   // Pages the mapper is moving are in no slot's books nor in the pool: they are left alone,
   // and so is a slot it works on (choose_victim() skips busy slots). No wait for it.
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  std::uint64_t lock_wait_ns = 0;
+  if (!lock.owns_lock()) {
+    // A call of the owner holds the lock, maybe for a while (a step mapping hundreds of
+    // pages): it gives what it can from freed slots meanwhile (serve_give_back()); the
+    // watcher gives the rest, including allocated slots' surplus, once the call is over.
+    give_back_wanted_.store(bytes);
+    lock.lock();
+    bytes = give_back_wanted_.exchange(0);
+    lock_wait_ns = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  }
+  const std::uint64_t event_wait_before = event_wait_ns_;
+  const std::size_t page = layout_.page_bytes();
+  const std::size_t released = release_for_budget((bytes + page - 1) / page, reclaimable_floors(),
+                                                  detail::VictimKinds::freed_then_surplus, /*may_wait=*/true);
+  publish_in_use();
+  budget_handoff_.answers += 1;
+  budget_handoff_.answer_pages += released;
+  budget_handoff_.answer_lock_wait_ns += lock_wait_ns;
+  budget_handoff_.answer_event_wait_ns += event_wait_ns_ - event_wait_before;
+  budget_handoff_.answer_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+}
+
+void KvCache::Impl::serve_give_back(const std::vector<std::size_t>& floors) {
+  if (give_back_wanted_.load(std::memory_order_relaxed) == 0) return;
+  const std::size_t bytes = give_back_wanted_.exchange(0);
+  if (bytes == 0) return;  // the watcher got the lock first
   const std::size_t page = layout_.page_bytes();
   const std::size_t wanted = (bytes + page - 1) / page;
+  std::size_t released = 0;
+  try {
+    // Freed slots only (an allocated slot's pages above its claim may be what this call
+    // is about to claim: its claims are not in the books yet), and only pages no device
+    // work reads any more: this call does not wait for its own queue.
+    released = release_for_budget(wanted, floors, detail::VictimKinds::freed_only, /*may_wait=*/false);
+  } catch (const std::exception& error) {
+    // The owner's call goes on; the watcher tries again once it is over.
+    detail::log_debug(detail::concat("shared budget: giving pages back during a call failed: ", error.what()));
+  } catch (...) {
+    detail::log_debug("shared budget: giving pages back during a call failed");
+  }
+  budget_handoff_.answer_pages += released;
+  budget_handoff_.answer_pages_in_calls += released;
+  if (released < wanted) give_back_wanted_.fetch_add((wanted - released) * page);
+}
+
+std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors,
+                                              detail::VictimKinds kinds, bool may_wait) {
   std::size_t released = pool_.trim(pool_.free_pages() - std::min(pool_.free_pages(), wanted));
-  const std::vector<std::size_t> floors = reclaimable_floors();
-  while (released < wanted) {
-    std::vector<Page> pages;
-    if (!reclaim_coldest(pages, wanted - released, floors, detail::VictimKinds::freed_then_surplus)) break;
-    for (const Page& unmapped : pages) {
-      released += pool_.is_large(unmapped.handle) ? pool_.large_page_pages() : 1;
-      pool_.release(unmapped);
+  // First the slots whose last readers are done (no wait for device work the asker does not
+  // need: the owner's queue may hold a whole iteration), then, if `may_wait`, the others.
+  std::vector<std::size_t> ready = floors;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    if (slot.deferred_fill != 0 || (slot.free_event != 0 && !backend_->event_done(slot.free_event)))
+      ready[s] = std::max(ready[s], slot.mapped());
+  }
+  const std::vector<std::size_t>* passes[] = {&ready, may_wait ? &floors : nullptr};
+  for (const std::vector<std::size_t>* pass : passes) {
+    if (pass == nullptr) break;
+    while (released < wanted) {
+      std::vector<Page> pages;
+      if (!reclaim_coldest(pages, wanted - released, *pass, kinds)) break;
+      for (const Page& unmapped : pages) {
+        released += pool_.is_large(unmapped.handle) ? pool_.large_page_pages() : 1;
+        pool_.release(unmapped);
+      }
     }
   }
-  publish_in_use();
+  return released;
 }
 
 void KvCache::Impl::publish_in_use() noexcept {

@@ -334,6 +334,9 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       throw;
     }
   }
+  // From here on the call holds every page it maps: a watcher waiting for the lock may
+  // have freed slots' pages at once (serve_give_back()), between slots' driver calls.
+  serve_give_back(claims);
   if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
 
   struct Fresh {
@@ -369,6 +372,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       slot.backed_end = std::max(backed_end, claims[s]);
       undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
     }
+    serve_give_back(claims);
   }
   VKV_ASSERT(next == pages.size());                 // every page obtained found its place
   if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
