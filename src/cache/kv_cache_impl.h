@@ -267,11 +267,15 @@ class KvCache::Impl {
   // the lock released, and puts what they gave into the pool as free pages. The caller
   // plans again (the wait let other threads in).
   void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages);
+  // Pages step() asks for beyond a shortage of `missing`: the next prompt's (what the
+  // pool keeps as free pages), at most `missing`.
+  std::size_t budget_ask_headroom(std::size_t missing) const;
   // Before a shortage asks the others or gives up: counts out members whose process is
   // gone, so that their bytes are free at once. True when it found any (plan again).
   bool reap_dead_members() noexcept;
   // What the cache could give back without touching a claimed page, in bytes: free pages,
-  // and mapped pages above every slot's floor that the mapper is not working on.
+  // and mapped pages above every slot's floor that the mapper is not working on (while a
+  // call holds the lock: the figure last published to the budget, without waiting).
   std::size_t cached_bytes_for_budget() const;
   // Releases up to `bytes` to the device: free pages, then freed slots' pages (least
   // recently freed first), then allocated slots' surplus (the watcher's call).

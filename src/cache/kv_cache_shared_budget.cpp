@@ -37,10 +37,21 @@ void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::s
   membership_->release_claimed();  // what the pool could not take goes back
 }
 
+std::size_t KvCache::Impl::budget_ask_headroom(std::size_t missing) const {
+  // In a burst every admission's step() is short by about one prompt: asking for the next
+  // prompt's pages too (eager allocation's estimate) halves the asks. At most `missing`
+  // more, so that one ask's wait stays within twice what it would have been.
+  const std::size_t next_prompt = layout_.pages_for_tokens(eager_tokens()) * layout_.num_regions();
+  return std::min(missing, next_prompt);
+}
+
 bool KvCache::Impl::reap_dead_members() noexcept { return membership_ && membership_->reap_dead() > 0; }
 
 std::size_t KvCache::Impl::cached_bytes_for_budget() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  // A call holding the lock (a step mapping hundreds of pages) must not hold up the pledge:
+  // the published figure serves (give_back_to_budget() gives what it can, no more).
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return membership_->published_cached_bytes();
   std::size_t pages = pool_.free_pages();
   const std::vector<std::size_t> floors = reclaimable_floors();
   for (std::size_t s = 0; s < slots_.size(); ++s) {

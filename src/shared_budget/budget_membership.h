@@ -85,6 +85,13 @@ class BudgetMembership final : public PageAccount {
   void publish_in_use(std::size_t bytes) noexcept { ledger_.publish_in_use(member_, bytes); }
   /// Bytes this member holds in the books (pages it created and claimed reservation).
   std::size_t held_bytes() { return ledger_.held(member_); }
+  /// Bytes this member holds and its requests do not claim, as of its last published call
+  /// (what the others see of it): the watcher's estimate while a call holds the cache's lock.
+  std::size_t published_cached_bytes() {
+    const std::size_t held = ledger_.held(member_);
+    const std::size_t in_use = ledger_.segment().members[member_].in_use.load(std::memory_order_relaxed);
+    return held > in_use ? held - in_use : 0;
+  }
   /// Pages claimed from the others and not created yet.
   std::size_t claimed_pages() const noexcept { return claimed_pages_.load(std::memory_order_relaxed); }
 

@@ -9,7 +9,9 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "shared_budget/budget_ledger.h"
 #include "shared_budget/budget_membership.h"
@@ -323,6 +325,87 @@ TEST_P(SharedBudgetCacheTest, AShortClaimInStepReclaimsTheRestOrFailsCleanly) {
   a->step(lens({{held, tokens(8)}}));  // the whole budget, once the claims are whole again
   expect_tokens(*a, held, 0, tokens(2), testing::mark(5));
   expect_books_add_up({a.get()});
+}
+
+// map() waits while `closed` is set (and says so in `entered`): a step() that holds its
+// cache's lock for as long as a test wants, as one mapping hundreds of pages does.
+class GatedMapBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::atomic<bool> closed{false};
+  std::atomic<bool> entered{false};
+
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    while (closed) {
+      entered = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    upstream_->map(address, pages, count);
+  }
+};
+
+// A member asked while its own step() holds the lock, mapping slot after slot: the step
+// gives the asker its freed slots' pages between slots (those no device work reads any
+// more), rather than making it wait for the whole step; nobody loses a page.
+TEST_P(SharedBudgetCacheTest, AStepHoldingTheLockGivesBackBetweenSlotsToAnAskerWaiting) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  std::string why_not;
+  auto gated = std::make_shared<GatedMapBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  KvCache a(config, gated);  // row 0 of the fresh budget
+  auto b = member();
+  const std::size_t first = a.alloc_reqid();
+  const std::size_t second = a.alloc_reqid();
+  const std::size_t freed = a.alloc_reqid();
+  a.step(lens({{freed, tokens(4)}}));
+  a.free_reqid(freed);         // 4 pages per region cached
+  a.step(lens({}));            // enqueues its zero-fill...
+  gated->synchronize_device();  // ...which is done: its pages may go without a wait
+  gated->closed = true;
+  std::thread owner([&] { a.step(lens({{first, tokens(1)}, {second, tokens(1)}})); });
+  while (!gated->entered) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // 2 pages per region free in the budget: b asks a for the rest while a's step maps.
+  std::size_t slot = 0;
+  std::thread asker([&] {
+    slot = b->alloc_reqid();
+    b->step(lens({{slot, tokens(6)}}));
+  });
+  const detail::SharedMapping mapping = detail::open_budget_object(name_.str());
+  const auto& row = static_cast<const detail::BudgetSegment*>(mapping.data())->members[0];
+  while (__atomic_load_n(&row.pledged, __ATOMIC_RELAXED) == 0)  // a's watcher took the request
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and found the lock taken
+  gated->closed = false;
+  owner.join();
+  asker.join();
+  const CacheStats stats = a.stats();
+  EXPECT_GE(stats.budget_handoff.answers, 1u);
+  EXPECT_EQ(stats.budget_handoff.answer_pages_in_calls, 4 * regions());
+  EXPECT_EQ(stats.budget_handoff.answer_pages, 4 * regions());
+  EXPECT_EQ(stats.pages_in_use, 2 * regions());
+  EXPECT_EQ(b->stats().pages_in_use, 6 * regions());
+  expect_books_add_up({&a, b.get()});
+}
+
+// The asker asks for the next prompt's pages too (at most what it is short of), and what
+// it does not use waits in its pool: the next admission of a burst asks nobody.
+TEST_P(SharedBudgetCacheTest, AnAskBringsTheNextPromptsPagesToo) {
+  auto a = member();
+  auto b = member();
+  const std::size_t warm = b->alloc_reqid();
+  b->step(lens({{warm, tokens(2)}}));  // b's prompts are 2 pages long (eager allocation's estimate)
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{freed, tokens(6)}}));
+  a->free_reqid(freed);  // the rest of the budget cached in a
+  const std::size_t first = b->alloc_reqid();
+  b->step(lens({{warm, tokens(2)}, {first, tokens(2)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 1u);
+  EXPECT_EQ(b->stats().budget_asks.units, 4 * regions());  // 2 short, 2 more for the next prompt
+  const std::size_t second = b->alloc_reqid();
+  b->step(lens({{warm, tokens(2)}, {first, tokens(2)}, {second, tokens(2)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 1u);  // no second ask
+  EXPECT_EQ(b->stats().pages_in_use, 6 * regions());
+  expect_books_add_up({a.get(), b.get()});
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetCacheTest, testing::every_backend_with_both_layouts(),
