@@ -103,8 +103,19 @@ class MeasuredStore(VkvStore):
         self.samples: List[tuple] = []   # (seconds since the common start, bytes created, bytes in use)
         self.asks_ms: List[float] = []   # per ask: the wait for the other members' pages
         self.step_us: List[float] = []
-        asks = self.cache.stats()["budget_asks"]
+        stats = self.cache.stats()
+        asks = stats["budget_asks"]
         self._asks, self._asks_seconds, self._next_sample = asks["calls"], asks["seconds"], 0.0
+        self._handoff_zero = dict(stats["budget_handoff"], asks=asks["calls"], ask_seconds=asks["seconds"])
+
+    def handoff(self) -> dict:
+        """The hand-off's breakdown since start_clock(): this engine's asks (their wait, of
+        which taking its own lock back) and its answers to the other's (time, of which
+        waiting for its lock and for device work; pages, of which its own calls gave)."""
+        stats = self.cache.stats()
+        now = dict(stats["budget_handoff"], asks=stats["budget_asks"]["calls"],
+                   ask_seconds=stats["budget_asks"]["seconds"])
+        return {key: now[key] - self._handoff_zero[key] for key in now}
 
     def reserve(self, lens):
         began = time.perf_counter()
@@ -152,6 +163,7 @@ def engine_main(name: str, spec: dict, connection) -> None:
                 time.sleep(max(0.0, start_at - time.time()))
                 result = engine.run(copy.deepcopy(phase["trace"]), show_progress=False)
                 finished = time.time() - start_at
+                handoff = store.handoff()
             finally:
                 engine.decoder.release()
                 store.close()
@@ -160,7 +172,7 @@ def engine_main(name: str, spec: dict, connection) -> None:
                     torch.cuda.empty_cache()
             connection.send(("result", {
                 "summary": result.summary(), "finished_s": finished, "bursts_s": burst_times(result.requests, phase),
-                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us}))
+                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us, "handoff": handoff}))
     except Exception:  # noqa: BLE001 (the parent reports it)
         connection.send(("error", traceback.format_exc()))
 
@@ -278,6 +290,19 @@ def report(args, out: dict) -> str:
                     f"{' / '.join(f'{s:.1f}' for s in result['bursts_s'])} | {summary['preemptions']} | "
                     f"{summary['ttft_p50_ms']:.0f} / {summary['ttft_p99_ms']:.0f} | {len(result['asks_ms'])} | "
                     f"{spread(result['asks_ms'], 2)} | {spread(result['step_us'], 0, maximum=False)} |")
+    lines += ["", "| phase | engine | asks | ask wait ms | of it: own lock ms | answers | answering ms | "
+              "of it: waiting for its lock ms | of it: device work ms | pages given | of them: by its own calls |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for phase, variants in out["phases"].items():
+        for label, results in variants.items():
+            for name, result in results.items():
+                h = result.get("handoff")
+                if not h or not (h["asks"] or h["answers"]):
+                    continue
+                lines.append(
+                    f"| {label} | {name} | {h['asks']} | {h['ask_seconds'] * 1e3:.1f} | {h['ask_relock_seconds'] * 1e3:.1f} | "
+                    f"{h['answers']} | {h['answer_seconds'] * 1e3:.1f} | {h['answer_lock_wait_seconds'] * 1e3:.1f} | "
+                    f"{h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} |")
     return "\n".join(lines)
 
 
