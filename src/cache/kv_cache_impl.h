@@ -282,6 +282,10 @@ class KvCache::Impl {
   // When a call of the owner holds the lock, it posts the bytes in give_back_wanted_
   // first, for serve_give_back() to give what it can meanwhile, and waits for the lock.
   void give_back_to_budget(std::size_t bytes);
+  // With the lock held: enqueues the deferred fills of slots with pages above `floors`,
+  // and records an event on each stream where such a slot's last readers (its fill) may
+  // still run, for the watcher to wait on with the lock released. The caller destroys them.
+  std::vector<std::pair<Stream, Event>> events_behind_readers(const std::vector<std::size_t>& floors);
   // With the lock held, in a call that maps many pages (map_missing()): gives back what a
   // watcher waiting for the lock wants, from free pages and freed slots above `floors`
   // (the call's claims: it never takes a page the call is about to claim), so that the

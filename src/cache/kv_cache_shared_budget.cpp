@@ -65,32 +65,85 @@ std::size_t KvCache::Impl::cached_bytes_for_budget() const {
 void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   if (detail::fork_generation() != fork_generation_) return;
   using Clock = std::chrono::steady_clock;
+  auto since = [](Clock::time_point from) {
+    return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count());
+  };
   const auto start = Clock::now();
+  const std::size_t page = layout_.page_bytes();
+  std::size_t released = 0;
+  std::uint64_t lock_wait_ns = 0;
+  std::uint64_t event_wait_ns = 0;
+  // Takes the lock. When a call of the owner holds it, maybe for a while (a step mapping
+  // hundreds of pages), that call gives what it can from freed slots meanwhile
+  // (serve_give_back()); the watcher gives the rest once the call is over.
+  std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+  auto lock_or_post = [&] {
+    if (lock.try_lock()) return;
+    const auto waiting = Clock::now();
+    give_back_wanted_.store(bytes - std::min(bytes, released * page));
+    lock.lock();
+    const std::size_t left = give_back_wanted_.exchange(0);
+    bytes = released * page + left;  // what the owner's calls gave is theirs to count
+    lock_wait_ns += since(waiting);
+  };
+  lock_or_post();
+  std::uint64_t event_wait_before = event_wait_ns_;
   // Pages the mapper is moving are in no slot's books nor in the pool: they are left alone,
   // and so is a slot it works on (choose_victim() skips busy slots). No wait for it.
-  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
-  std::uint64_t lock_wait_ns = 0;
-  if (!lock.owns_lock()) {
-    // A call of the owner holds the lock, maybe for a while (a step mapping hundreds of
-    // pages): it gives what it can from freed slots meanwhile (serve_give_back()); the
-    // watcher gives the rest, including allocated slots' surplus, once the call is over.
-    give_back_wanted_.store(bytes);
-    lock.lock();
-    bytes = give_back_wanted_.exchange(0);
-    lock_wait_ns = static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  auto wanted = [&] { return (bytes + page - 1) / page; };
+  released = release_for_budget(wanted(), reclaimable_floors(), detail::VictimKinds::freed_then_surplus,
+                                /*may_wait=*/false);
+  if (released < wanted()) {
+    // The rest is in slots whose last readers may still run (the owner's queue may hold a
+    // whole iteration): wait for them with the lock released, so that the owner's calls go
+    // on meanwhile, then take what is ready.
+    std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
+    if (!behind.empty()) {
+      event_wait_ns += event_wait_ns_ - event_wait_before;  // the owner's calls' waits are not the watcher's
+      lock.unlock();
+      const auto waiting = Clock::now();
+      try {
+        for (const auto& [stream, event] : behind) backend_->wait_event(event);
+      } catch (...) {
+        for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+        throw;
+      }
+      for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+      event_wait_ns += since(waiting);
+      lock_or_post();
+      event_wait_before = event_wait_ns_;
+    }
+    released += release_for_budget(wanted() - std::min(wanted(), released), reclaimable_floors(),
+                                   detail::VictimKinds::freed_then_surplus, /*may_wait=*/true);
   }
-  const std::uint64_t event_wait_before = event_wait_ns_;
-  const std::size_t page = layout_.page_bytes();
-  const std::size_t released = release_for_budget((bytes + page - 1) / page, reclaimable_floors(),
-                                                  detail::VictimKinds::freed_then_surplus, /*may_wait=*/true);
   publish_in_use();
   budget_handoff_.answers += 1;
   budget_handoff_.answer_pages += released;
   budget_handoff_.answer_lock_wait_ns += lock_wait_ns;
-  budget_handoff_.answer_event_wait_ns += event_wait_ns_ - event_wait_before;
-  budget_handoff_.answer_ns += static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  budget_handoff_.answer_event_wait_ns += event_wait_ns + (event_wait_ns_ - event_wait_before);
+  budget_handoff_.answer_ns += since(start);
+}
+
+std::vector<std::pair<Stream, Event>> KvCache::Impl::events_behind_readers(const std::vector<std::size_t>& floors) {
+  std::vector<std::pair<Stream, Event>> behind;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    Slot& slot = slots_[s];
+    if (slot.busy() || slot.mapped() <= round_up_to_whole(slot, floors[s])) continue;
+    enqueue_fill(s);  // its pages are zero-filled before they go; a no-op when done
+    if (slot.free_event == 0 || backend_->event_done(slot.free_event)) continue;
+    const bool seen = std::any_of(behind.begin(), behind.end(),
+                                  [&](const auto& entry) { return entry.first == slot.free_event_stream; });
+    if (!seen) behind.emplace_back(slot.free_event_stream, 0);
+  }
+  // One event per stream, behind every fill just enqueued and every reader before them.
+  try {
+    for (auto& entry : behind) entry.second = backend_->record_event(entry.first);
+  } catch (...) {
+    for (const auto& entry : behind)
+      if (entry.second != 0) backend_->destroy_event(entry.second);
+    throw;
+  }
+  return behind;
 }
 
 void KvCache::Impl::serve_give_back(const std::vector<std::size_t>& floors) {

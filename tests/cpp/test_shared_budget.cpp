@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <thread>
 
 #include "shared_budget/budget_ledger.h"
@@ -384,6 +385,72 @@ TEST_P(SharedBudgetCacheTest, AStepHoldingTheLockGivesBackBetweenSlotsToAnAskerW
   EXPECT_EQ(stats.budget_handoff.answer_pages, 4 * regions());
   EXPECT_EQ(stats.pages_in_use, 2 * regions());
   EXPECT_EQ(b->stats().pages_in_use, 6 * regions());
+  expect_books_add_up({&a, b.get()});
+}
+
+// Events complete in the order they were recorded (one stream, as on a GPU); wait_event()
+// blocks while `hold` is set (saying so in `waiting`), then completes the event and every
+// earlier one, after the device work queued so far.
+class HeldEventBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::atomic<bool> hold{false};
+  std::atomic<bool> waiting{false};
+
+  Event record_event(Stream) override { return ++recorded_; }
+  bool event_done(Event event) override { return event <= done_; }
+  void wait_event(Event event) override {
+    while (hold) {
+      waiting = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    upstream_->synchronize_device();
+    Event done = done_;
+    while (done < event && !done_.compare_exchange_weak(done, event)) {}
+  }
+  void stream_wait_event(Stream, Event) override {}
+  void destroy_event(Event) noexcept override {}
+
+ private:
+  std::atomic<Event> recorded_{0};
+  std::atomic<Event> done_{0};
+};
+
+// The watcher waits for device work that still reads the pages it gives back with the
+// cache's lock released: the owner's calls go on meanwhile.
+TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  std::string why_not;
+  auto held = std::make_shared<HeldEventBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  KvCache a(config, held);
+  auto b = member();
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t freed = a.alloc_reqid();
+  a.step(lens({{kept, tokens(1)}, {freed, tokens(4)}}));
+  write_tokens(a, kept, 0, tokens(1), testing::mark(11));
+  a.free_reqid(freed);
+  a.step(lens({{kept, tokens(1)}}));  // enqueues the freed slot's zero-fill: its event is pending
+  held->hold = true;
+  std::size_t slot = 0;
+  std::thread asker([&] {  // 3 pages per region free, 4 more wanted: a's freed slot's
+    slot = b->alloc_reqid();
+    try {
+      b->step(lens({{slot, tokens(7)}}));
+    } catch (const OutOfMemory&) {  // the answer came after kAskTimeout (a loaded machine)
+      b->step(lens({{slot, tokens(7)}}));
+    }
+  });
+  while (!held->waiting) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  auto owner = std::async(std::launch::async, [&] { a.step(lens({{kept, tokens(1)}})); });
+  const bool went_on = owner.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  held->hold = false;
+  asker.join();
+  owner.get();
+  EXPECT_TRUE(went_on) << "the owner's step() waited for its watcher's event wait";
+  EXPECT_EQ(a.stats().budget_handoff.answer_pages, 4 * regions());
+  EXPECT_EQ(b->stats().pages_in_use, 7 * regions());
+  expect_tokens(a, kept, 0, tokens(1), testing::mark(11));
   expect_books_add_up({&a, b.get()});
 }
 
