@@ -266,7 +266,9 @@ class KvCache::Impl {
   // Pages this cache cannot find itself: asks the budget's other members for them, with
   // the lock released, and puts what they gave into the pool as free pages. The caller
   // plans again (the wait let other threads in).
-  void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages);
+  // `headroom`: pages asked for beyond them, not waited for (what comes after the wait is
+  // free capacity: the next call finds it without asking).
+  void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages, std::size_t headroom = 0);
   // Pages step() asks for beyond a shortage of `missing`: the next prompt's (what the
   // pool keeps as free pages), at most `missing`.
   std::size_t budget_ask_headroom(std::size_t missing) const;

@@ -12,11 +12,11 @@
 
 namespace vkv {
 
-void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages) {
+void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages, std::size_t headroom) {
   const auto start = std::chrono::steady_clock::now();
   lock.unlock();
   try {
-    membership_->ask(pages);
+    membership_->ask(pages + headroom, pages);
   } catch (...) {
     lock.lock();
     throw;

@@ -160,7 +160,7 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
         continue;  // a dead member's bytes are free now (each member is counted out once)
       } else if (!asked && membership_ && membership_->others_may_give()) {
         asked = true;
-        ask_shared_budget(lock, shortage.missing_pages() + budget_ask_headroom(shortage.missing_pages()));
+        ask_shared_budget(lock, shortage.missing_pages(), budget_ask_headroom(shortage.missing_pages()));
         expect_valid_seq_lens(seq_lens, count);  // other threads may have freed slots meanwhile
       } else {
         throw;

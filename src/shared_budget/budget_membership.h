@@ -73,9 +73,10 @@ class BudgetMembership final : public PageAccount {
   /// cannot be read: the shortage is then decided without them). Reads /proc per member.
   std::size_t reap_dead() noexcept;
   /// Asks the others for `pages` and waits (kAskTimeout at most) until what they gave
-  /// covers it or they all answered; the caller holds no lock the watcher or the mapper
-  /// takes. Then claim_reserved() takes what was given. @throws Error (a broken budget).
-  void ask(std::size_t pages);
+  /// covers `needed` of them or they all answered; the caller holds no lock the watcher or
+  /// the mapper takes. Then claim_reserved() takes what was given by then; what comes
+  /// after is free capacity. @throws Error (a broken budget).
+  void ask(std::size_t pages, std::size_t needed);
   /// Ends the ask: what the others gave becomes this member's to create pages from.
   void claim_reserved() noexcept;
   /// Returns what was claimed and not used (end of the call that asked).

@@ -130,12 +130,20 @@ class SharedBudgetCacheTest : public testing::CacheTest {
     std::string why_not;
     return std::make_unique<KvCache>(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
   }
+  // A watcher may still be giving back the part of an ask its asker did not wait for
+  // (step()'s headroom): the books add up once it is done.
   void expect_books_add_up(std::initializer_list<KvCache*> caches) const {
-    const SharedBudgetStats stats = budget_->stats();
+    SharedBudgetStats stats;
     std::size_t created = 0;
-    for (KvCache* cache : caches) {
-      cache->check_invariants();
-      created += cache->stats().bytes_created();
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      stats = budget_->stats();
+      created = 0;
+      for (KvCache* cache : caches) {
+        cache->check_invariants();
+        created += cache->stats().bytes_created();
+      }
+      if (stats.used_bytes == created) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     EXPECT_EQ(stats.used_bytes, created);
     EXPECT_LE(stats.used_bytes, stats.capacity_bytes);
@@ -379,8 +387,7 @@ TEST_P(SharedBudgetCacheTest, AStepHoldingTheLockGivesBackBetweenSlotsToAnAskerW
   gated->closed = false;
   owner.join();
   asker.join();
-  const CacheStats stats = a.stats();
-  EXPECT_GE(stats.budget_handoff.answers, 1u);
+  const CacheStats stats = a.stats();  // the watcher may still be finishing its answer: it gives nothing more
   EXPECT_EQ(stats.budget_handoff.answer_pages_in_calls, 4 * regions());
   EXPECT_EQ(stats.budget_handoff.answer_pages, 4 * regions());
   EXPECT_EQ(stats.pages_in_use, 2 * regions());
@@ -454,8 +461,9 @@ TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
   expect_books_add_up({&a, b.get()});
 }
 
-// The asker asks for the next prompt's pages too (at most what it is short of), and what
-// it does not use waits in its pool: the next admission of a burst asks nobody.
+// The asker asks for the next prompt's pages too (at most what it is short of) without
+// waiting for them: what it does not use waits in its pool or in the free capacity, and
+// the next admission of a burst asks nobody.
 TEST_P(SharedBudgetCacheTest, AnAskBringsTheNextPromptsPagesToo) {
   auto a = member();
   auto b = member();
@@ -467,7 +475,10 @@ TEST_P(SharedBudgetCacheTest, AnAskBringsTheNextPromptsPagesToo) {
   const std::size_t first = b->alloc_reqid();
   b->step(lens({{warm, tokens(2)}, {first, tokens(2)}}));
   EXPECT_EQ(b->stats().budget_asks.calls, 1u);
-  EXPECT_EQ(b->stats().budget_asks.units, 4 * regions());  // 2 short, 2 more for the next prompt
+  EXPECT_EQ(a->stats().pages_created, 2 * regions());  // 2 short, 2 more for the next prompt
+  // b waited for the 2 it needed; the rest came to it or, after its wait, to the free capacity.
+  EXPECT_GE(b->stats().budget_asks.units, 2 * regions());
+  EXPECT_LE(b->stats().budget_asks.units, 4 * regions());
   const std::size_t second = b->alloc_reqid();
   b->step(lens({{warm, tokens(2)}, {first, tokens(2)}, {second, tokens(2)}}));
   EXPECT_EQ(b->stats().budget_asks.calls, 1u);  // no second ask
