@@ -4,7 +4,7 @@
 # goal of issue 30 item 7: per engine the ask wait (stats()['budget_asks'], per ask) p99
 # <= 5 ms and max <= 10 ms, combined throughput >= 1.3x the static split, nothing lost at
 # the kill. About 5 minutes after the build (the demo stops at 8).
-#   scripts/gpu/multi_engine.sh OUT_DIR [demo arguments...]
+#   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine.sh OUT_DIR [demo arguments...]
 # Writes OUT_DIR/summary.txt (the goal table and the hand-off's breakdown) and
 # OUT_DIR/results.tar.gz (the demo's JSON, plot and log, the GPU).
 set -uo pipefail
@@ -18,7 +18,10 @@ mkdir -p "$out"
 source scripts/gpu/common.sh
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-echo "cores $(nproc); commit ${VKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | tee -a "$out/gpu.txt"
+# The result JSON's provenance: pass VKV_GIT_COMMIT=<sha> where the copy has no .git.
+commit="${VKV_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
+[ -z "$commit" ] || export VKV_GIT_COMMIT="$commit"
+echo "cores $(nproc); commit ${commit:-unknown}" | tee -a "$out/gpu.txt"
 install_vkv || { echo "build failed"; exit 1; }
 step multi_engine 480 env PYTHONUNBUFFERED=1 python3 -m vkv.demo.multi --preset h100 --no-progress --out "$out" "$@"
 
@@ -32,7 +35,7 @@ if not paths:
     print("no result JSON: see multi_engine.log")
     sys.exit(0)
 r = json.load(open(paths[-1]))
-print(f"{r['command']}  ({r['machine']}, {r['date']}, commit {r.get('provenance', {}).get('commit', '?')})")
+print(f"{r['command']}  ({r['machine']}, {r['date']}, commit {str(r.get('provenance', {}).get('git_commit'))[:7]})")
 print()
 print("| phase | engine | asks | ask wait p50 / p99 / max ms | goal (p99 <= 5, max <= 10) |")
 print("|---|---|---|---|---|")
