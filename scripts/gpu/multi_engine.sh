@@ -5,6 +5,7 @@
 # <= 5 ms and max <= 10 ms, combined throughput >= 1.3x the static split, nothing lost at
 # the kill. About 5 minutes after the build (the demo stops at 8).
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine.sh OUT_DIR [demo arguments...]
+#   VKV_BUILD_ONLY=1 scripts/gpu/multi_engine.sh OUT_DIR    # the build alone, on a fresh machine
 # Writes OUT_DIR/summary.txt (the goal table and the hand-off's breakdown) and
 # OUT_DIR/results.tar.gz (the demo's JSON, plot and log, the GPU).
 set -uo pipefail
@@ -23,7 +24,8 @@ commit="${VKV_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
 [ -z "$commit" ] || export VKV_GIT_COMMIT="$commit"
 echo "cores $(nproc); commit ${commit:-unknown}" | tee -a "$out/gpu.txt"
 install_vkv || { echo "build failed"; exit 1; }
-step multi_engine 480 env PYTHONUNBUFFERED=1 python3 -m vkv.demo.multi --preset h100 --no-progress --out "$out" "$@"
+[ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first call that only builds (the next one skips it)
+step multi_engine "${VKV_MULTI_SECONDS:-480}" env PYTHONUNBUFFERED=1 python3 -m vkv.demo.multi --preset h100 --no-progress --out "$out" "$@"
 
 python3 - "$out" > "$top/summary.txt" <<'EOF'
 import glob, json, sys
