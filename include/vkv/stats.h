@@ -98,6 +98,7 @@ struct CacheStats {
     std::uint64_t answer_event_wait_ns = 0;  ///< of that: waiting for device work that read the pages
     std::uint64_t answer_pages_in_calls = 0; ///< pages this cache's own calls gave back mid-mapping, for a
                                              ///< watcher waiting for their lock
+    std::uint64_t idle_pages = 0;            ///< pages given back unasked after idling (shared_budget_idle_ms)
   } budget_handoff;
   BackendStats backend;
 

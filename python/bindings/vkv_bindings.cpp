@@ -455,6 +455,7 @@ py::dict stats(const KvCache& cache) {
   handoff["answer_lock_wait_seconds"] = static_cast<double>(stats.budget_handoff.answer_lock_wait_ns) / 1e9;
   handoff["answer_event_wait_seconds"] = static_cast<double>(stats.budget_handoff.answer_event_wait_ns) / 1e9;
   handoff["answer_pages_in_calls"] = stats.budget_handoff.answer_pages_in_calls;
+  handoff["idle_pages"] = stats.budget_handoff.idle_pages;
   out["budget_handoff"] = handoff;
   py::dict backend;
   backend["reserve"] = call_stats(stats.backend.reserve);

@@ -299,6 +299,10 @@ class KvCache::Impl {
   // waiting for their readers; returns how many.
   std::size_t release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors, detail::VictimKinds kinds,
                                  bool may_wait);
+  // The watcher's, every shared_budget_idle_ms / 4 without a request: once no step() came
+  // for shared_budget_idle_ms, releases free pages and freed slots' pages (waiting for their
+  // readers with the lock released), once per idle spell. Skips when a call holds the lock.
+  void release_when_idle();
   // Tells the budget what allocated slots claim now (after calls that change claims).
   void publish_in_use() noexcept;
 
@@ -348,6 +352,8 @@ class KvCache::Impl {
   std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
   CacheStats::BudgetHandoff budget_handoff_;
+  std::chrono::steady_clock::time_point last_step_at_ = std::chrono::steady_clock::now();
+  bool idle_released_ = false;  // release_when_idle() ran since the last step()
   std::atomic<std::size_t> give_back_wanted_{0};  // bytes a watcher waiting for the lock wants given back
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction

@@ -3,6 +3,7 @@
 // watcher thread are BudgetMembership's; what to give and how is decided here.
 #include <algorithm>
 #include <chrono>
+#include <limits>
 
 #include "kv_cache_impl.h"
 #include "util/fork_guard.h"
@@ -193,6 +194,36 @@ std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vec
     }
   }
   return released;
+}
+
+void KvCache::Impl::release_when_idle() {
+  if (detail::fork_generation() != fork_generation_) return;
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || idle_released_) return;  // a call holds it: not idle
+  const auto idle = std::chrono::milliseconds(config_.shared_budget_idle_ms);
+  if (std::chrono::steady_clock::now() - last_step_at_ < idle) return;
+  idle_released_ = true;
+  constexpr std::size_t kAll = std::numeric_limits<std::size_t>::max() / 2;
+  // Allocated slots keep what they map ahead: a paused request's next step needs it.
+  std::size_t released =
+      release_for_budget(kAll, reclaimable_floors(), detail::VictimKinds::freed_only, /*may_wait=*/false);
+  std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
+  if (!behind.empty()) {
+    lock.unlock();
+    try {
+      for (const auto& [stream, event] : behind) backend_->wait_event(event);
+    } catch (...) {
+      for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+      throw;
+    }
+    for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+    lock.lock();
+    if (!idle_released_) return;  // a step() meanwhile ended the idle spell: its pages stay
+  }
+  // What the fills just enqueued (done at once on some backends) or the wait made ready.
+  released += release_for_budget(kAll, reclaimable_floors(), detail::VictimKinds::freed_only, /*may_wait=*/false);
+  budget_handoff_.idle_pages += released;
+  publish_in_use();
 }
 
 void KvCache::Impl::publish_in_use() noexcept {

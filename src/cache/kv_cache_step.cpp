@@ -187,6 +187,8 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   const Clock::time_point end = Clock::now();
   step_profile_.finish_ns = nanoseconds_between(lap_start, end);
   step_profile_.total_ns = nanoseconds_between(start, end);
+  last_step_at_ = end;
+  idle_released_ = false;
   step_profile_.event_wait_ns = event_wait_ns_ - event_wait_before;
   step_stats_.calls += 1;
   step_stats_.nanoseconds += step_profile_.total_ns;

@@ -146,7 +146,15 @@ void BudgetMembership::watch(std::uint32_t seen) noexcept {
   while (!stopping_.load()) {
     const std::uint32_t request = segment.requests.load();
     if (request == seen) {
-      futex_wait(segment.requests, seen, std::chrono::seconds(1));
+      const bool idle = callbacks_.idle && callbacks_.idle_period.count() > 0;
+      futex_wait(segment.requests, seen, idle ? callbacks_.idle_period : std::chrono::milliseconds(1000));
+      if (idle && !stopping_.load() && segment.requests.load() == seen) {
+        try {
+          callbacks_.idle();
+        } catch (const std::exception& error) {
+          log_debug(concat("shared budget '", name_, "': giving pages back when idle failed: ", error.what()));
+        }
+      }
       continue;
     }
     seen = request;

@@ -41,6 +41,8 @@ class BudgetMembership final : public PageAccount {
   struct Callbacks {
     std::function<std::size_t()> cached_bytes;   ///< what it could give back now
     std::function<void(std::size_t)> give_back;  ///< release up to that many bytes
+    std::function<void()> idle;                  ///< called every `idle_period` with no request (may be null)
+    std::chrono::milliseconds idle_period{0};
   };
   /// How long an asker waits for the others' answers at most (a member that never
   /// answers, e.g. a stopped process, costs no more).

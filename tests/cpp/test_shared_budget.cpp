@@ -461,6 +461,42 @@ TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
   expect_books_add_up({&a, b.get()});
 }
 
+// With shared_budget_idle_ms, a member that stops stepping gives its freed requests' pages
+// and its free pages back on its own; its running requests keep theirs and what is mapped
+// ahead of them, and the next member finds the room free without asking.
+TEST_P(SharedBudgetCacheTest, AnIdleMemberGivesBackOnItsOwnWithIdleMs) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  config.shared_budget_idle_ms = 20;
+  std::string why_not;
+  KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  auto b = member();
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t freed = a.alloc_reqid();
+  a.step(lens({{kept, tokens(2)}, {freed, tokens(4)}}));
+  write_tokens(a, kept, 0, tokens(2), testing::mark(21));
+  a.free_reqid(freed);
+  for (int i = 0; i < 500 && a.stats().pages_created > 2 * regions(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(a.stats().pages_created, 2 * regions());
+  EXPECT_EQ(a.stats().budget_handoff.idle_pages, 4 * regions());
+  const std::size_t slot = b->alloc_reqid();
+  b->step(lens({{slot, tokens(6)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 0u);  // nobody was asked
+  expect_tokens(a, kept, 0, tokens(2), testing::mark(21));
+  a.step(lens({{kept, tokens(2)}}));  // a's requests go on as before
+  expect_books_add_up({&a, b.get()});
+}
+
+TEST(SharedBudgetConfig, IdleMsNeedsASharedBudgetAndADayAtMost) {
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.shared_budget_idle_ms = 5;
+  EXPECT_THROW(validate(config), InvalidArgument);
+  config.shared_budget = "x";
+  config.shared_budget_idle_ms = kMaxIdleMs + 1;
+  EXPECT_THROW(validate(config), InvalidArgument);
+}
+
 // The asker asks for the next prompt's pages too (at most what it is short of) without
 // waiting for them: what it does not use waits in its pool or in the free capacity, and
 // the next admission of a burst asks nobody.
