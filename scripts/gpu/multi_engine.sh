@@ -67,17 +67,18 @@ if "kill" in r["phases"]:
 print(f"left after every phase: {r['left_after']['used_bytes']} bytes used, {len(r['left_after']['members'])} members")
 print("\nhand-off breakdown (totals per engine and phase; ms):")
 print("| phase | engine | asks | ask wait | of it: own lock | answers | answering | of it: waiting for its lock "
-      "| of it: device work | pages given | of them: by its own calls |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+      "| of it: device work | pages given | of them: by its own calls | given unasked when idle |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for phase, variants in r["phases"].items():
     for label, results in variants.items():
         for name, result in results.items():
             h = result.get("handoff")
-            if not h or not (h["asks"] or h["answers"]):
+            if not h or not (h["asks"] or h["answers"] or h.get("idle_pages")):
                 continue
             print(f"| {label} | {name} | {h['asks']} | {h['ask_seconds'] * 1e3:.1f} | {h['ask_relock_seconds'] * 1e3:.1f} "
                   f"| {h['answers']} | {h['answer_seconds'] * 1e3:.1f} | {h['answer_lock_wait_seconds'] * 1e3:.1f} "
-                  f"| {h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} |")
+                  f"| {h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} "
+                  f"| {h.get('idle_pages', 0)} |")
 EOF
 cat "$top/summary.txt"
 cp "$top/summary.txt" "$out/"

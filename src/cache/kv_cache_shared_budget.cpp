@@ -3,7 +3,6 @@
 // watcher thread are BudgetMembership's; what to give and how is decided here.
 #include <algorithm>
 #include <chrono>
-#include <limits>
 
 #include "kv_cache_impl.h"
 #include "util/fork_guard.h"
@@ -203,10 +202,24 @@ void KvCache::Impl::release_when_idle() {
   const auto idle = std::chrono::milliseconds(config_.shared_budget_idle_ms);
   if (std::chrono::steady_clock::now() - last_step_at_ < idle) return;
   idle_released_ = true;
-  constexpr std::size_t kAll = std::numeric_limits<std::size_t>::max() / 2;
-  // Allocated slots keep what they map ahead: a paused request's next step needs it.
-  std::size_t released =
-      release_for_budget(kAll, reclaimable_floors(), detail::VictimKinds::freed_only, /*may_wait=*/false);
+  // Allocated slots keep what they map ahead: a paused request's next step needs it. In
+  // chunks (~2 ms of driver calls on a GPU), stopping as soon as a step() waits for the lock:
+  // its idle spell is over.
+  constexpr std::size_t kChunk = 64;
+  std::size_t released = 0;
+  auto release_ready = [&] {
+    for (;;) {
+      const std::size_t given =
+          release_for_budget(kChunk, reclaimable_floors(), detail::VictimKinds::freed_only, /*may_wait=*/false);
+      released += given;
+      if (given < kChunk || steps_waiting_.load() > 0) return given >= kChunk;
+    }
+  };
+  if (release_ready()) {  // a step() waits: it goes first
+    budget_handoff_.idle_pages += released;
+    publish_in_use();
+    return;
+  }
   std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
   if (!behind.empty()) {
     lock.unlock();
@@ -221,7 +234,7 @@ void KvCache::Impl::release_when_idle() {
     if (!idle_released_) return;  // a step() meanwhile ended the idle spell: its pages stay
   }
   // What the fills just enqueued (done at once on some backends) or the wait made ready.
-  released += release_for_budget(kAll, reclaimable_floors(), detail::VictimKinds::freed_only, /*may_wait=*/false);
+  release_ready();
   budget_handoff_.idle_pages += released;
   publish_in_use();
 }

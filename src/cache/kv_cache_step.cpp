@@ -34,7 +34,11 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   const bool contended = !lock.owns_lock();
-  if (contended) lock.lock();
+  if (contended) {
+    steps_waiting_.fetch_add(1);  // an idle give-back stops for it (release_when_idle())
+    lock.lock();
+    steps_waiting_.fetch_sub(1);
+  }
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
   step_profile_.lock_contended = contended;
   lock.unlock();

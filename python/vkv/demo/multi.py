@@ -51,15 +51,17 @@ from .workload import make_bursty_trace
 
 # models: engine A's and B's shapes. bursts: per engine. burst_seconds: requests of one
 # burst arrive over this long; period: A's bursts start every period seconds, B's half a
-# period later. kv_budget_mib: the whole KV memory (static: half each).
+# period later. kv_budget_mib: the whole KV memory (static: half each). idle_ms: in a shared
+# budget, an engine that has not stepped for this long gives its freed requests' pages back
+# on its own (shared_budget_idle_ms), so that the other finds them free without asking; 0: off.
 PRESETS = {
     "small": dict(models=["tiny", "tiny-b"], bursts=2, requests_per_burst=[24, 32], burst_seconds=0.2, period=4.0,
                   kv_budget_mib=3, max_context=1024, length_scale=0.25, page_size_kib=32, max_slots=64,
-                  max_prefill_tokens=2048, kill_at=0.0),
+                  max_prefill_tokens=2048, kill_at=0.0, idle_ms=200),
     # KV memory well under what a burst wants (A's: ~8 GiB), so that it decides the speed.
     "h100": dict(models=["llama3-8b", "llama3.2-1b"], bursts=3, requests_per_burst=[128, 384], burst_seconds=0.5,
                  period=16.0, kv_budget_mib=4096, max_context=2048, length_scale=1.0, page_size_kib=0, max_slots=256,
-                 max_prefill_tokens=8192, kill_at=0.0),
+                 max_prefill_tokens=8192, kill_at=0.0, idle_ms=200),
 }
 GPU_PRESETS = {"small": dict(page_size_kib=0, kv_budget_mib=256)}
 PHASES = ["static", "shared", "solo", "kill"]
@@ -153,7 +155,8 @@ def engine_main(name: str, spec: dict, connection) -> None:
                 return
             store = MeasuredStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, device,
                                   spec["max_context"], phase["memory_budget"], spec["max_slots"], "interleaved",
-                                  spec["page_size"], shared_budget=phase["shared_budget"])
+                                  spec["page_size"], shared_budget=phase["shared_budget"],
+                                  idle_ms=spec["idle_ms"] if phase["shared_budget"] else 0)
             engine = Engine(model, store, spec["max_prefill_tokens"], cuda_graphs=spec["cuda_graphs"])
             try:
                 engine.run(copy.deepcopy(phase["warmup"]), show_progress=False)  # compiles, captures
@@ -291,18 +294,20 @@ def report(args, out: dict) -> str:
                     f"{summary['ttft_p50_ms']:.0f} / {summary['ttft_p99_ms']:.0f} | {len(result['asks_ms'])} | "
                     f"{spread(result['asks_ms'], 2)} | {spread(result['step_us'], 0, maximum=False)} |")
     lines += ["", "| phase | engine | asks | ask wait ms | of it: own lock ms | answers | answering ms | "
-              "of it: waiting for its lock ms | of it: device work ms | pages given | of them: by its own calls |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "of it: waiting for its lock ms | of it: device work ms | pages given | of them: by its own calls | "
+              "given unasked when idle |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for phase, variants in out["phases"].items():
         for label, results in variants.items():
             for name, result in results.items():
                 h = result.get("handoff")
-                if not h or not (h["asks"] or h["answers"]):
+                if not h or not (h["asks"] or h["answers"] or h["idle_pages"]):
                     continue
                 lines.append(
                     f"| {label} | {name} | {h['asks']} | {h['ask_seconds'] * 1e3:.1f} | {h['ask_relock_seconds'] * 1e3:.1f} | "
                     f"{h['answers']} | {h['answer_seconds'] * 1e3:.1f} | {h['answer_lock_wait_seconds'] * 1e3:.1f} | "
-                    f"{h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} |")
+                    f"{h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} | "
+                    f"{h['idle_pages']} |")
     return "\n".join(lines)
 
 
@@ -360,7 +365,7 @@ def main(argv=None) -> int:
     context = multiprocessing.get_context("spawn")  # CUDA in children needs spawn
     spec = dict(device=str(device), max_context=args.max_context, max_slots=args.max_slots, seed=args.seed,
                 page_size=args.page_size_kib << 10, max_prefill_tokens=args.max_prefill_tokens,
-                cuda_graphs=args.cuda_graphs and device.type == "cuda")
+                cuda_graphs=args.cuda_graphs and device.type == "cuda", idle_ms=args.idle_ms)
     budget = vkv.SharedBudget.create(budget_name, args.kv_budget_mib << 20, device=str(device))
     engines = {name: EngineProcess(context, name, {**spec, "model": model}) for name, model in zip(ENGINES, args.models)}
     out = {"phases": {}}
