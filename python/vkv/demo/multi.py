@@ -6,7 +6,8 @@ each idling while the other is busy. Every phase serves the same seeded traces:
 
   static   each engine's cache has half the KV memory (memory_budget), whatever the other does
   shared   both caches draw from one vkv.SharedBudget of all of it: the busy engine takes
-           the idle one's cached pages (deferred-reclamation pages, pages mapped ahead)
+           the idle one's cached pages (deferred-reclamation pages, pages mapped ahead); an
+           engine that has not stepped for --idle-ms gives them back unasked
   solo     engine A alone, plain and in a shared budget nobody else uses: what membership
            costs step() (its decode p50/p99)
   kill     shared, and engine B is killed with SIGKILL in the middle of its first burst:
@@ -156,7 +157,7 @@ def engine_main(name: str, spec: dict, connection) -> None:
             store = MeasuredStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, device,
                                   spec["max_context"], phase["memory_budget"], spec["max_slots"], "interleaved",
                                   spec["page_size"], shared_budget=phase["shared_budget"],
-                                  idle_ms=spec["idle_ms"] if phase["shared_budget"] else 0)
+                                  idle_ms=phase["idle_ms"])
             engine = Engine(model, store, spec["max_prefill_tokens"], cuda_graphs=spec["cuda_graphs"])
             try:
                 engine.run(copy.deepcopy(phase["warmup"]), show_progress=False)  # compiles, captures
@@ -238,6 +239,8 @@ def run_phase(phase: str, engines: Dict[str, EngineProcess], args, workloads, bu
                 request.arrival = 0.0
             engines[name].connection.send(("run", {
                 "shared_budget": shared, "memory_budget": None if shared else (budget if phase == "solo" else budget // 2),
+                # With another engine only: alone, giving back would only cost the next burst.
+                "idle_ms": args.idle_ms if phase in ("shared", "kill") else 0,
                 "trace": workloads[name], "warmup": warmup,
                 "per_burst": args.requests_per_burst[ENGINES.index(name)]}))
         for name in taking_part:
@@ -365,7 +368,7 @@ def main(argv=None) -> int:
     context = multiprocessing.get_context("spawn")  # CUDA in children needs spawn
     spec = dict(device=str(device), max_context=args.max_context, max_slots=args.max_slots, seed=args.seed,
                 page_size=args.page_size_kib << 10, max_prefill_tokens=args.max_prefill_tokens,
-                cuda_graphs=args.cuda_graphs and device.type == "cuda", idle_ms=args.idle_ms)
+                cuda_graphs=args.cuda_graphs and device.type == "cuda")
     budget = vkv.SharedBudget.create(budget_name, args.kv_budget_mib << 20, device=str(device))
     engines = {name: EngineProcess(context, name, {**spec, "model": model}) for name, model in zip(ENGINES, args.models)}
     out = {"phases": {}}
