@@ -40,9 +40,11 @@ void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::s
 std::size_t KvCache::Impl::budget_ask_headroom(std::size_t missing) const {
   // In a burst every admission's step() is short by about one prompt: asking for the next
   // prompt's pages too (eager allocation's estimate) halves the asks. At most `missing`
-  // more, so that one ask's wait stays within twice what it would have been.
+  // more, and only where the others cache plenty (twice what this would ask): when they
+  // are busy too, taking more than needed would make them ask it back (and preempt).
   const std::size_t next_prompt = layout_.pages_for_tokens(eager_tokens()) * layout_.num_regions();
-  return std::min(missing, next_prompt);
+  const std::size_t headroom = std::min(missing, next_prompt);
+  return membership_->others_cached_pages() >= 2 * (missing + headroom) ? headroom : 0;
 }
 
 bool KvCache::Impl::reap_dead_members() noexcept { return membership_ && membership_->reap_dead() > 0; }

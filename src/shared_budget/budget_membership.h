@@ -70,6 +70,8 @@ class BudgetMembership final : public PageAccount {
   // ---- running short -----------------------------------------------------------------
   /// Whether asking could bring anything: the others hold pages their requests do not claim.
   bool others_may_give() const noexcept { return ledger_.others_cached(member_) > 0; }
+  /// What the others hold and their requests do not claim, in pages (a hint).
+  std::size_t others_cached_pages() const noexcept { return ledger_.others_cached(member_) / page_bytes_; }
   /// Counts back the bytes of members whose process is gone (SIGKILLed, crashed), so that a
   /// shortage sees them free at once; returns how many it found (0 also when the books
   /// cannot be read: the shortage is then decided without them). Reads /proc per member.

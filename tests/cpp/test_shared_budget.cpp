@@ -504,21 +504,38 @@ TEST_P(SharedBudgetCacheTest, AnAskBringsTheNextPromptsPagesToo) {
   auto a = member();
   auto b = member();
   const std::size_t warm = b->alloc_reqid();
-  b->step(lens({{warm, tokens(2)}}));  // b's prompts are 2 pages long (eager allocation's estimate)
+  b->step(lens({{warm, tokens(1)}}));  // b's prompts are 1 page long (eager allocation's estimate)
   const std::size_t freed = a->alloc_reqid();
-  a->step(lens({{freed, tokens(6)}}));
-  a->free_reqid(freed);  // the rest of the budget cached in a
+  a->step(lens({{freed, tokens(7)}}));
+  a->free_reqid(freed);  // the rest of the budget cached in a: plenty
+  const std::size_t first = b->alloc_reqid();
+  b->step(lens({{warm, tokens(1)}, {first, tokens(1)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 1u);
+  EXPECT_EQ(a->stats().pages_created, 5 * regions());  // 1 short, 1 more for the next prompt
+  // b waited for the one it needed; the other came to it or, after its wait, to the free capacity.
+  EXPECT_GE(b->stats().budget_asks.units, 1 * regions());
+  EXPECT_LE(b->stats().budget_asks.units, 2 * regions());
+  const std::size_t second = b->alloc_reqid();
+  b->step(lens({{warm, tokens(1)}, {first, tokens(1)}, {second, tokens(1)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 1u);  // no second ask
+  EXPECT_EQ(b->stats().pages_in_use, 3 * regions());
+  expect_books_add_up({a.get(), b.get()});
+}
+
+// Where the others cache little (they are busy too), the asker asks for what it is short
+// of only: taking more would make them ask it back.
+TEST_P(SharedBudgetCacheTest, AnAskTakesNoHeadroomFromMembersThatCacheLittle) {
+  auto a = member();
+  auto b = member();
+  const std::size_t warm = b->alloc_reqid();
+  b->step(lens({{warm, tokens(2)}}));
+  const std::size_t kept = a->alloc_reqid();
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{kept, tokens(3)}, {freed, tokens(3)}}));
+  a->free_reqid(freed);  // 3 cached: less than twice 2 short + 2 headroom
   const std::size_t first = b->alloc_reqid();
   b->step(lens({{warm, tokens(2)}, {first, tokens(2)}}));
-  EXPECT_EQ(b->stats().budget_asks.calls, 1u);
-  EXPECT_EQ(a->stats().pages_created, 2 * regions());  // 2 short, 2 more for the next prompt
-  // b waited for the 2 it needed; the rest came to it or, after its wait, to the free capacity.
-  EXPECT_GE(b->stats().budget_asks.units, 2 * regions());
-  EXPECT_LE(b->stats().budget_asks.units, 4 * regions());
-  const std::size_t second = b->alloc_reqid();
-  b->step(lens({{warm, tokens(2)}, {first, tokens(2)}, {second, tokens(2)}}));
-  EXPECT_EQ(b->stats().budget_asks.calls, 1u);  // no second ask
-  EXPECT_EQ(b->stats().pages_in_use, 6 * regions());
+  EXPECT_EQ(a->stats().pages_created, 4 * regions());  // gave the 2 missing, no more
   expect_books_add_up({a.get(), b.get()});
 }
 
