@@ -83,7 +83,11 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
   X(backend_statistics, bool, true, "count every backend call and its time (stats()['backend'])")                     \
   X(shared_budget, std::string, "",                                                                                   \
     "name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the "         \
-    "device; '' = none. memory_budget, when set, caps this cache within it")
+    "device; '' = none. memory_budget, when set, caps this cache within it")                                          \
+  X(shared_budget_idle_ms, std::size_t, 0,                                                                            \
+    "with shared_budget: after this many milliseconds without a step(), the cache gives its freed requests' pages "  \
+    "and its free pages back to the budget on its own, so that a busy member finds them free without asking; "       \
+    "0 = only when asked")
 
 /// What a KV cache looks like. Plain data; validate() checks it field by field.
 struct CacheConfig {
@@ -101,6 +105,7 @@ CacheConfig llama3_8b_config(std::size_t max_batch_size, std::size_t max_context
 /// Upper limits on shape fields; far above real models, low enough that byte
 /// counts cannot overflow 64 bits before the address-space check rejects them.
 inline constexpr std::size_t kMaxLayers = 4096;
+inline constexpr std::size_t kMaxIdleMs = 24ull * 3600 * 1000;  ///< shared_budget_idle_ms: a day
 inline constexpr std::size_t kMaxKvHeads = 4096;
 inline constexpr std::size_t kMaxHeadDim = 65536;
 inline constexpr std::size_t kMaxBatch = 1 << 20;

@@ -447,6 +447,16 @@ py::dict stats(const KvCache& cache) {
   out["swapped_bytes"] = stats.swapped_bytes;
   out["step"] = call_stats(stats.step);
   out["budget_asks"] = call_stats(stats.budget_asks);
+  py::dict handoff;
+  handoff["ask_relock_seconds"] = static_cast<double>(stats.budget_handoff.ask_relock_ns) / 1e9;
+  handoff["answers"] = stats.budget_handoff.answers;
+  handoff["answer_pages"] = stats.budget_handoff.answer_pages;
+  handoff["answer_seconds"] = static_cast<double>(stats.budget_handoff.answer_ns) / 1e9;
+  handoff["answer_lock_wait_seconds"] = static_cast<double>(stats.budget_handoff.answer_lock_wait_ns) / 1e9;
+  handoff["answer_event_wait_seconds"] = static_cast<double>(stats.budget_handoff.answer_event_wait_ns) / 1e9;
+  handoff["answer_pages_in_calls"] = stats.budget_handoff.answer_pages_in_calls;
+  handoff["idle_pages"] = stats.budget_handoff.idle_pages;
+  out["budget_handoff"] = handoff;
   py::dict backend;
   backend["reserve"] = call_stats(stats.backend.reserve);
   backend["create"] = call_stats(stats.backend.create);

@@ -50,6 +50,7 @@ class CacheConfig:
         reclaim_watermark_pages: int = 0,
         backend_statistics: bool = True,
         shared_budget: str = '',
+        shared_budget_idle_ms: int = 0,
     ) -> None: ...
     @staticmethod
     def fields() -> List[Tuple[str, str, Any, str]]: ...
@@ -98,6 +99,8 @@ class CacheConfig:
     """count every backend call and its time (stats()['backend'])"""
     shared_budget: str
     """name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the device; '' = none. memory_budget, when set, caps this cache within it"""
+    shared_budget_idle_ms: int
+    """with shared_budget: after this many milliseconds without a step(), the cache gives its freed requests' pages and its free pages back to the budget on its own, so that a busy member finds them free without asking; 0 = only when asked"""
 # -- end of generated part --
 
 class KvCache:

@@ -266,16 +266,43 @@ class KvCache::Impl {
   // Pages this cache cannot find itself: asks the budget's other members for them, with
   // the lock released, and puts what they gave into the pool as free pages. The caller
   // plans again (the wait let other threads in).
-  void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages);
+  // `headroom`: pages asked for beyond them, not waited for (what comes after the wait is
+  // free capacity: the next call finds it without asking).
+  void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages, std::size_t headroom = 0);
+  // Pages step() asks for beyond a shortage of `missing`: the next prompt's (what the
+  // pool keeps as free pages), at most `missing`.
+  std::size_t budget_ask_headroom(std::size_t missing) const;
   // Before a shortage asks the others or gives up: counts out members whose process is
   // gone, so that their bytes are free at once. True when it found any (plan again).
   bool reap_dead_members() noexcept;
   // What the cache could give back without touching a claimed page, in bytes: free pages,
-  // and mapped pages above every slot's floor that the mapper is not working on.
+  // and mapped pages above every slot's floor that the mapper is not working on (while a
+  // call holds the lock: the figure last published to the budget, without waiting).
   std::size_t cached_bytes_for_budget() const;
   // Releases up to `bytes` to the device: free pages, then freed slots' pages (least
   // recently freed first), then allocated slots' surplus (the watcher's call).
+  // When a call of the owner holds the lock, it posts the bytes in give_back_wanted_
+  // first, for serve_give_back() to give what it can meanwhile, and waits for the lock.
   void give_back_to_budget(std::size_t bytes);
+  // With the lock held: enqueues the deferred fills of slots with pages above `floors`,
+  // and records an event on each stream where such a slot's last readers (its fill) may
+  // still run, for the watcher to wait on with the lock released. The caller destroys them.
+  std::vector<std::pair<Stream, Event>> events_behind_readers(const std::vector<std::size_t>& floors);
+  // With the lock held, in a call that maps many pages (map_missing()): gives back what a
+  // watcher waiting for the lock wants, from free pages and freed slots above `floors`
+  // (the call's claims: it never takes a page the call is about to claim), so that the
+  // asker in another process does not wait for the whole call. What it cannot give stays
+  // posted for the watcher.
+  void serve_give_back(const std::vector<std::size_t>& floors);
+  // With the lock held: releases up to `wanted` pages, free pages first, then from slots of
+  // `kinds` above `floors` whose last readers are done, then (`may_wait`) from the others,
+  // waiting for their readers; returns how many.
+  std::size_t release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors, detail::VictimKinds kinds,
+                                 bool may_wait);
+  // The watcher's, every shared_budget_idle_ms / 4 without a request: once no step() came
+  // for shared_budget_idle_ms, releases free pages and freed slots' pages (waiting for their
+  // readers with the lock released), once per idle spell. Skips when a call holds the lock.
+  void release_when_idle();
   // Tells the budget what allocated slots claim now (after calls that change claims).
   void publish_in_use() noexcept;
 
@@ -324,6 +351,11 @@ class KvCache::Impl {
   CallTiming free_timing_, alloc_timing_;
   std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
+  CacheStats::BudgetHandoff budget_handoff_;
+  std::chrono::steady_clock::time_point last_step_at_ = std::chrono::steady_clock::now();
+  bool idle_released_ = false;  // release_when_idle() ran since the last step()
+  std::atomic<int> steps_waiting_{0};  // step() calls waiting for the lock
+  std::atomic<std::size_t> give_back_wanted_{0};  // bytes a watcher waiting for the lock wants given back
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
   mutable std::mutex mutex_;

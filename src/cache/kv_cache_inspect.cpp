@@ -63,6 +63,7 @@ CacheStats KvCache::Impl::stats() const {
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
   stats.step = step_stats_;
   stats.budget_asks = budget_asks_;
+  stats.budget_handoff = budget_handoff_;
   if (statistics_ != nullptr) stats.backend = statistics_->stats();
   stats.backend.cleanup_failures = backend_->cleanup_failures();
   return stats;

@@ -6,20 +6,25 @@
 
 #include "kv_cache_impl.h"
 #include "util/fork_guard.h"
+#include "util/format.h"
+#include "util/log.h"
 #include "vkv/error.h"
 
 namespace vkv {
 
-void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages) {
+void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages, std::size_t headroom) {
   const auto start = std::chrono::steady_clock::now();
   lock.unlock();
   try {
-    membership_->ask(pages);
+    membership_->ask(pages + headroom, pages);
   } catch (...) {
     lock.lock();
     throw;
   }
+  const auto relock = std::chrono::steady_clock::now();
   lock.lock();
+  budget_handoff_.ask_relock_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - relock).count());
   membership_->claim_reserved();
   budget_asks_.calls += 1;
   budget_asks_.nanoseconds += static_cast<std::uint64_t>(
@@ -32,10 +37,23 @@ void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::s
   membership_->release_claimed();  // what the pool could not take goes back
 }
 
+std::size_t KvCache::Impl::budget_ask_headroom(std::size_t missing) const {
+  // In a burst every admission's step() is short by about one prompt: asking for the next
+  // prompt's pages too (eager allocation's estimate) halves the asks. At most `missing`
+  // more, and only where the others cache plenty (twice what this would ask): when they
+  // are busy too, taking more than needed would make them ask it back (and preempt).
+  const std::size_t next_prompt = layout_.pages_for_tokens(eager_tokens()) * layout_.num_regions();
+  const std::size_t headroom = std::min(missing, next_prompt);
+  return membership_->others_cached_pages() >= 2 * (missing + headroom) ? headroom : 0;
+}
+
 bool KvCache::Impl::reap_dead_members() noexcept { return membership_ && membership_->reap_dead() > 0; }
 
 std::size_t KvCache::Impl::cached_bytes_for_budget() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  // A call holding the lock (a step mapping hundreds of pages) must not hold up the pledge:
+  // the published figure serves (give_back_to_budget() gives what it can, no more).
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return membership_->published_cached_bytes();
   std::size_t pages = pool_.free_pages();
   const std::vector<std::size_t> floors = reclaimable_floors();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
@@ -48,21 +66,178 @@ std::size_t KvCache::Impl::cached_bytes_for_budget() const {
 
 void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   if (detail::fork_generation() != fork_generation_) return;
+  using Clock = std::chrono::steady_clock;
+  auto since = [](Clock::time_point from) {
+    return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count());
+  };
+  const auto start = Clock::now();
+  const std::size_t page = layout_.page_bytes();
+  std::size_t released = 0;
+  std::uint64_t lock_wait_ns = 0;
+  std::uint64_t event_wait_ns = 0;
+  // Takes the lock. When a call of the owner holds it, maybe for a while (a step mapping
+  // hundreds of pages), that call gives what it can from freed slots meanwhile
+  // (serve_give_back()); the watcher gives the rest once the call is over.
+  std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+  auto lock_or_post = [&] {
+    if (lock.try_lock()) return;
+    const auto waiting = Clock::now();
+    give_back_wanted_.store(bytes - std::min(bytes, released * page));
+    lock.lock();
+    const std::size_t left = give_back_wanted_.exchange(0);
+    bytes = released * page + left;  // what the owner's calls gave is theirs to count
+    lock_wait_ns += since(waiting);
+  };
+  lock_or_post();
+  std::uint64_t event_wait_before = event_wait_ns_;
   // Pages the mapper is moving are in no slot's books nor in the pool: they are left alone,
   // and so is a slot it works on (choose_victim() skips busy slots). No wait for it.
-  std::lock_guard<std::mutex> lock(mutex_);
+  auto wanted = [&] { return (bytes + page - 1) / page; };
+  released = release_for_budget(wanted(), reclaimable_floors(), detail::VictimKinds::freed_then_surplus,
+                                /*may_wait=*/false);
+  if (released < wanted()) {
+    // The rest is in slots whose last readers may still run (the owner's queue may hold a
+    // whole iteration): wait for them with the lock released, so that the owner's calls go
+    // on meanwhile, then take what is ready.
+    std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
+    if (!behind.empty()) {
+      event_wait_ns += event_wait_ns_ - event_wait_before;  // the owner's calls' waits are not the watcher's
+      lock.unlock();
+      const auto waiting = Clock::now();
+      try {
+        for (const auto& [stream, event] : behind) backend_->wait_event(event);
+      } catch (...) {
+        for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+        throw;
+      }
+      for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+      event_wait_ns += since(waiting);
+      lock_or_post();
+      event_wait_before = event_wait_ns_;
+    }
+    released += release_for_budget(wanted() - std::min(wanted(), released), reclaimable_floors(),
+                                   detail::VictimKinds::freed_then_surplus, /*may_wait=*/true);
+  }
+  publish_in_use();
+  budget_handoff_.answers += 1;
+  budget_handoff_.answer_pages += released;
+  budget_handoff_.answer_lock_wait_ns += lock_wait_ns;
+  budget_handoff_.answer_event_wait_ns += event_wait_ns + (event_wait_ns_ - event_wait_before);
+  budget_handoff_.answer_ns += since(start);
+}
+
+std::vector<std::pair<Stream, Event>> KvCache::Impl::events_behind_readers(const std::vector<std::size_t>& floors) {
+  std::vector<std::pair<Stream, Event>> behind;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    Slot& slot = slots_[s];
+    if (slot.busy() || slot.mapped() <= round_up_to_whole(slot, floors[s])) continue;
+    enqueue_fill(s);  // its pages are zero-filled before they go; a no-op when done
+    if (slot.free_event == 0 || backend_->event_done(slot.free_event)) continue;
+    const bool seen = std::any_of(behind.begin(), behind.end(),
+                                  [&](const auto& entry) { return entry.first == slot.free_event_stream; });
+    if (!seen) behind.emplace_back(slot.free_event_stream, 0);
+  }
+  // One event per stream, behind every fill just enqueued and every reader before them.
+  try {
+    for (auto& entry : behind) entry.second = backend_->record_event(entry.first);
+  } catch (...) {
+    for (const auto& entry : behind)
+      if (entry.second != 0) backend_->destroy_event(entry.second);
+    throw;
+  }
+  return behind;
+}
+
+void KvCache::Impl::serve_give_back(const std::vector<std::size_t>& floors) {
+  if (give_back_wanted_.load(std::memory_order_relaxed) == 0) return;
+  const std::size_t bytes = give_back_wanted_.exchange(0);
+  if (bytes == 0) return;  // the watcher got the lock first
   const std::size_t page = layout_.page_bytes();
   const std::size_t wanted = (bytes + page - 1) / page;
+  std::size_t released = 0;
+  try {
+    // Freed slots only (an allocated slot's pages above its claim may be what this call
+    // is about to claim: its claims are not in the books yet), and only pages no device
+    // work reads any more: this call does not wait for its own queue.
+    released = release_for_budget(wanted, floors, detail::VictimKinds::freed_only, /*may_wait=*/false);
+  } catch (const std::exception& error) {
+    // The owner's call goes on; the watcher tries again once it is over.
+    detail::log_debug(detail::concat("shared budget: giving pages back during a call failed: ", error.what()));
+  } catch (...) {
+    detail::log_debug("shared budget: giving pages back during a call failed");
+  }
+  budget_handoff_.answer_pages += released;
+  budget_handoff_.answer_pages_in_calls += released;
+  if (released < wanted) give_back_wanted_.fetch_add((wanted - released) * page);
+}
+
+std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors,
+                                              detail::VictimKinds kinds, bool may_wait) {
   std::size_t released = pool_.trim(pool_.free_pages() - std::min(pool_.free_pages(), wanted));
-  const std::vector<std::size_t> floors = reclaimable_floors();
-  while (released < wanted) {
-    std::vector<Page> pages;
-    if (!reclaim_coldest(pages, wanted - released, floors, detail::VictimKinds::freed_then_surplus)) break;
-    for (const Page& unmapped : pages) {
-      released += pool_.is_large(unmapped.handle) ? pool_.large_page_pages() : 1;
-      pool_.release(unmapped);
+  // First the slots whose last readers are done (no wait for device work the asker does not
+  // need: the owner's queue may hold a whole iteration), then, if `may_wait`, the others.
+  std::vector<std::size_t> ready = floors;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    if (slot.deferred_fill != 0 || (slot.free_event != 0 && !backend_->event_done(slot.free_event)))
+      ready[s] = std::max(ready[s], slot.mapped());
+  }
+  const std::vector<std::size_t>* passes[] = {&ready, may_wait ? &floors : nullptr};
+  for (const std::vector<std::size_t>* pass : passes) {
+    if (pass == nullptr) break;
+    while (released < wanted) {
+      std::vector<Page> pages;
+      if (!reclaim_coldest(pages, wanted - released, *pass, kinds)) break;
+      for (const Page& unmapped : pages) {
+        released += pool_.is_large(unmapped.handle) ? pool_.large_page_pages() : 1;
+        pool_.release(unmapped);
+      }
     }
   }
+  return released;
+}
+
+void KvCache::Impl::release_when_idle() {
+  if (detail::fork_generation() != fork_generation_) return;
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || idle_released_) return;  // a call holds it: not idle
+  const auto idle = std::chrono::milliseconds(config_.shared_budget_idle_ms);
+  if (std::chrono::steady_clock::now() - last_step_at_ < idle) return;
+  idle_released_ = true;
+  // Allocated slots keep what they map ahead: a paused request's next step needs it. In
+  // chunks (~2 ms of driver calls on a GPU), stopping as soon as a step() waits for the lock:
+  // its idle spell is over.
+  constexpr std::size_t kChunk = 64;
+  std::size_t released = 0;
+  auto release_ready = [&] {
+    for (;;) {
+      const std::size_t given =
+          release_for_budget(kChunk, reclaimable_floors(), detail::VictimKinds::freed_only, /*may_wait=*/false);
+      released += given;
+      if (given < kChunk || steps_waiting_.load() > 0) return given >= kChunk;
+    }
+  };
+  if (release_ready()) {  // a step() waits: it goes first
+    budget_handoff_.idle_pages += released;
+    publish_in_use();
+    return;
+  }
+  std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
+  if (!behind.empty()) {
+    lock.unlock();
+    try {
+      for (const auto& [stream, event] : behind) backend_->wait_event(event);
+    } catch (...) {
+      for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+      throw;
+    }
+    for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+    lock.lock();
+    if (!idle_released_) return;  // a step() meanwhile ended the idle spell: its pages stay
+  }
+  // What the fills just enqueued (done at once on some backends) or the wait made ready.
+  release_ready();
+  budget_handoff_.idle_pages += released;
   publish_in_use();
 }
 

@@ -34,7 +34,11 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   const bool contended = !lock.owns_lock();
-  if (contended) lock.lock();
+  if (contended) {
+    steps_waiting_.fetch_add(1);  // an idle give-back stops for it (release_when_idle())
+    lock.lock();
+    steps_waiting_.fetch_sub(1);
+  }
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
   step_profile_.lock_contended = contended;
   lock.unlock();
@@ -160,7 +164,7 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
         continue;  // a dead member's bytes are free now (each member is counted out once)
       } else if (!asked && membership_ && membership_->others_may_give()) {
         asked = true;
-        ask_shared_budget(lock, shortage.missing_pages());
+        ask_shared_budget(lock, shortage.missing_pages(), budget_ask_headroom(shortage.missing_pages()));
         expect_valid_seq_lens(seq_lens, count);  // other threads may have freed slots meanwhile
       } else {
         throw;
@@ -187,6 +191,8 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   const Clock::time_point end = Clock::now();
   step_profile_.finish_ns = nanoseconds_between(lap_start, end);
   step_profile_.total_ns = nanoseconds_between(start, end);
+  last_step_at_ = end;
+  idle_released_ = false;
   step_profile_.event_wait_ns = event_wait_ns_ - event_wait_before;
   step_stats_.calls += 1;
   step_stats_.nanoseconds += step_profile_.total_ns;
@@ -334,6 +340,9 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       throw;
     }
   }
+  // From here on the call holds every page it maps: a watcher waiting for the lock may
+  // have freed slots' pages at once (serve_give_back()), between slots' driver calls.
+  serve_give_back(claims);
   if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
 
   struct Fresh {
@@ -369,6 +378,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       slot.backed_end = std::max(backed_end, claims[s]);
       undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
     }
+    serve_give_back(claims);
   }
   VKV_ASSERT(next == pages.size());                 // every page obtained found its place
   if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them

@@ -156,10 +156,11 @@ std::size_t BudgetLedger::others_cached(std::size_t member) const noexcept {
   return cached;
 }
 
-bool BudgetLedger::ask_settled(std::size_t member, std::uint32_t request) {
+bool BudgetLedger::ask_settled(std::size_t member, std::uint32_t request, std::size_t enough) {
   Lock lock(*this);
   reap_locked();
-  return segment_.reserved >= segment_.members[member].wanted || all_answered_locked(request, member);
+  return segment_.reserved >= std::min<std::uint64_t>(enough, segment_.members[member].wanted) ||
+         all_answered_locked(request, member);
 }
 
 bool BudgetLedger::all_answered(std::uint32_t request, std::size_t except) {

@@ -126,9 +126,10 @@ class BudgetLedger {
   /// Bytes the other live members hold and their requests do not claim (as of their last
   /// published call): what asking could bring at most. Lock-free reads; a hint.
   std::size_t others_cached(std::size_t member) const noexcept;
-  /// Whether the asker should stop waiting: the reservation covers what it wants, or every
-  /// other live member answered `request` and no pledge is outstanding. Reaps dead members.
-  bool ask_settled(std::size_t member, std::uint32_t request);
+  /// Whether the asker should stop waiting: the reservation covers `enough` bytes (at most
+  /// what it wants), or every other live member answered `request` and no pledge is
+  /// outstanding. Reaps dead members.
+  bool ask_settled(std::size_t member, std::uint32_t request, std::size_t enough);
   /// Every live member but `except` has answered `request`, and no pledge is outstanding.
   bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers);
   /// Ends the member's ask and moves up to what it wanted from the reservation into its

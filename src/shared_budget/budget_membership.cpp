@@ -116,13 +116,13 @@ std::size_t BudgetMembership::reap_dead() noexcept {
   }
 }
 
-void BudgetMembership::ask(std::size_t pages) {
+void BudgetMembership::ask(std::size_t pages, std::size_t needed) {
   const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_);
   BudgetSegment& segment = ledger_.segment();
   const auto deadline = std::chrono::steady_clock::now() + kAskTimeout;
   for (;;) {
     const std::uint32_t releases = segment.releases.load();
-    if (ledger_.ask_settled(member_, request)) break;
+    if (ledger_.ask_settled(member_, request, needed * page_bytes_)) break;
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       log_debug(concat("shared budget '", name_, "': members did not answer within ", kAskTimeout.count(), " ms"));
@@ -146,7 +146,15 @@ void BudgetMembership::watch(std::uint32_t seen) noexcept {
   while (!stopping_.load()) {
     const std::uint32_t request = segment.requests.load();
     if (request == seen) {
-      futex_wait(segment.requests, seen, std::chrono::seconds(1));
+      const bool idle = callbacks_.idle && callbacks_.idle_period.count() > 0;
+      futex_wait(segment.requests, seen, idle ? callbacks_.idle_period : std::chrono::milliseconds(1000));
+      if (idle && !stopping_.load() && segment.requests.load() == seen) {
+        try {
+          callbacks_.idle();
+        } catch (const std::exception& error) {
+          log_debug(concat("shared budget '", name_, "': giving pages back when idle failed: ", error.what()));
+        }
+      }
       continue;
     }
     seen = request;

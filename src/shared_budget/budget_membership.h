@@ -41,6 +41,8 @@ class BudgetMembership final : public PageAccount {
   struct Callbacks {
     std::function<std::size_t()> cached_bytes;   ///< what it could give back now
     std::function<void(std::size_t)> give_back;  ///< release up to that many bytes
+    std::function<void()> idle;                  ///< called every `idle_period` with no request (may be null)
+    std::chrono::milliseconds idle_period{0};
   };
   /// How long an asker waits for the others' answers at most (a member that never
   /// answers, e.g. a stopped process, costs no more).
@@ -68,14 +70,17 @@ class BudgetMembership final : public PageAccount {
   // ---- running short -----------------------------------------------------------------
   /// Whether asking could bring anything: the others hold pages their requests do not claim.
   bool others_may_give() const noexcept { return ledger_.others_cached(member_) > 0; }
+  /// What the others hold and their requests do not claim, in pages (a hint).
+  std::size_t others_cached_pages() const noexcept { return ledger_.others_cached(member_) / page_bytes_; }
   /// Counts back the bytes of members whose process is gone (SIGKILLed, crashed), so that a
   /// shortage sees them free at once; returns how many it found (0 also when the books
   /// cannot be read: the shortage is then decided without them). Reads /proc per member.
   std::size_t reap_dead() noexcept;
   /// Asks the others for `pages` and waits (kAskTimeout at most) until what they gave
-  /// covers it or they all answered; the caller holds no lock the watcher or the mapper
-  /// takes. Then claim_reserved() takes what was given. @throws Error (a broken budget).
-  void ask(std::size_t pages);
+  /// covers `needed` of them or they all answered; the caller holds no lock the watcher or
+  /// the mapper takes. Then claim_reserved() takes what was given by then; what comes
+  /// after is free capacity. @throws Error (a broken budget).
+  void ask(std::size_t pages, std::size_t needed);
   /// Ends the ask: what the others gave becomes this member's to create pages from.
   void claim_reserved() noexcept;
   /// Returns what was claimed and not used (end of the call that asked).
@@ -85,6 +90,13 @@ class BudgetMembership final : public PageAccount {
   void publish_in_use(std::size_t bytes) noexcept { ledger_.publish_in_use(member_, bytes); }
   /// Bytes this member holds in the books (pages it created and claimed reservation).
   std::size_t held_bytes() { return ledger_.held(member_); }
+  /// Bytes this member holds and its requests do not claim, as of its last published call
+  /// (what the others see of it): the watcher's estimate while a call holds the cache's lock.
+  std::size_t published_cached_bytes() {
+    const std::size_t held = ledger_.held(member_);
+    const std::size_t in_use = ledger_.segment().members[member_].in_use.load(std::memory_order_relaxed);
+    return held > in_use ? held - in_use : 0;
+  }
   /// Pages claimed from the others and not created yet.
   std::size_t claimed_pages() const noexcept { return claimed_pages_.load(std::memory_order_relaxed); }
 

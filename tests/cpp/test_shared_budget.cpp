@@ -9,7 +9,10 @@
 #include <sys/stat.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <future>
+#include <thread>
 
 #include "shared_budget/budget_ledger.h"
 #include "shared_budget/budget_membership.h"
@@ -127,12 +130,20 @@ class SharedBudgetCacheTest : public testing::CacheTest {
     std::string why_not;
     return std::make_unique<KvCache>(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
   }
+  // A watcher may still be giving back the part of an ask its asker did not wait for
+  // (step()'s headroom): the books add up once it is done.
   void expect_books_add_up(std::initializer_list<KvCache*> caches) const {
-    const SharedBudgetStats stats = budget_->stats();
+    SharedBudgetStats stats;
     std::size_t created = 0;
-    for (KvCache* cache : caches) {
-      cache->check_invariants();
-      created += cache->stats().bytes_created();
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      stats = budget_->stats();
+      created = 0;
+      for (KvCache* cache : caches) {
+        cache->check_invariants();
+        created += cache->stats().bytes_created();
+      }
+      if (stats.used_bytes == created) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     EXPECT_EQ(stats.used_bytes, created);
     EXPECT_LE(stats.used_bytes, stats.capacity_bytes);
@@ -323,6 +334,209 @@ TEST_P(SharedBudgetCacheTest, AShortClaimInStepReclaimsTheRestOrFailsCleanly) {
   a->step(lens({{held, tokens(8)}}));  // the whole budget, once the claims are whole again
   expect_tokens(*a, held, 0, tokens(2), testing::mark(5));
   expect_books_add_up({a.get()});
+}
+
+// map() waits while `closed` is set (and says so in `entered`): a step() that holds its
+// cache's lock for as long as a test wants, as one mapping hundreds of pages does.
+class GatedMapBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::atomic<bool> closed{false};
+  std::atomic<bool> entered{false};
+
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    while (closed) {
+      entered = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    upstream_->map(address, pages, count);
+  }
+};
+
+// A member asked while its own step() holds the lock, mapping slot after slot: the step
+// gives the asker its freed slots' pages between slots (those no device work reads any
+// more), rather than making it wait for the whole step; nobody loses a page.
+TEST_P(SharedBudgetCacheTest, AStepHoldingTheLockGivesBackBetweenSlotsToAnAskerWaiting) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  std::string why_not;
+  auto gated = std::make_shared<GatedMapBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  KvCache a(config, gated);  // row 0 of the fresh budget
+  auto b = member();
+  const std::size_t first = a.alloc_reqid();
+  const std::size_t second = a.alloc_reqid();
+  const std::size_t freed = a.alloc_reqid();
+  a.step(lens({{freed, tokens(4)}}));
+  a.free_reqid(freed);         // 4 pages per region cached
+  a.step(lens({}));            // enqueues its zero-fill...
+  gated->synchronize_device();  // ...which is done: its pages may go without a wait
+  gated->closed = true;
+  std::thread owner([&] { a.step(lens({{first, tokens(1)}, {second, tokens(1)}})); });
+  while (!gated->entered) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // 2 pages per region free in the budget: b asks a for the rest while a's step maps.
+  std::size_t slot = 0;
+  std::thread asker([&] {
+    slot = b->alloc_reqid();
+    b->step(lens({{slot, tokens(6)}}));
+  });
+  const detail::SharedMapping mapping = detail::open_budget_object(name_.str());
+  const auto& row = static_cast<const detail::BudgetSegment*>(mapping.data())->members[0];
+  while (__atomic_load_n(&row.pledged, __ATOMIC_RELAXED) == 0)  // a's watcher took the request
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and found the lock taken
+  gated->closed = false;
+  owner.join();
+  asker.join();
+  const CacheStats stats = a.stats();  // the watcher may still be finishing its answer: it gives nothing more
+  EXPECT_EQ(stats.budget_handoff.answer_pages_in_calls, 4 * regions());
+  EXPECT_EQ(stats.budget_handoff.answer_pages, 4 * regions());
+  EXPECT_EQ(stats.pages_in_use, 2 * regions());
+  EXPECT_EQ(b->stats().pages_in_use, 6 * regions());
+  expect_books_add_up({&a, b.get()});
+}
+
+// Events complete in the order they were recorded (one stream, as on a GPU); wait_event()
+// blocks while `hold` is set (saying so in `waiting`), then completes the event and every
+// earlier one, after the device work queued so far.
+class HeldEventBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::atomic<bool> hold{false};
+  std::atomic<bool> waiting{false};
+
+  Event record_event(Stream) override { return ++recorded_; }
+  bool event_done(Event event) override { return event <= done_; }
+  void wait_event(Event event) override {
+    while (hold) {
+      waiting = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    upstream_->synchronize_device();
+    Event done = done_;
+    while (done < event && !done_.compare_exchange_weak(done, event)) {}
+  }
+  void stream_wait_event(Stream, Event) override {}
+  void destroy_event(Event) noexcept override {}
+
+ private:
+  std::atomic<Event> recorded_{0};
+  std::atomic<Event> done_{0};
+};
+
+// The watcher waits for device work that still reads the pages it gives back with the
+// cache's lock released: the owner's calls go on meanwhile.
+TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  std::string why_not;
+  auto held = std::make_shared<HeldEventBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  KvCache a(config, held);
+  auto b = member();
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t freed = a.alloc_reqid();
+  a.step(lens({{kept, tokens(1)}, {freed, tokens(4)}}));
+  write_tokens(a, kept, 0, tokens(1), testing::mark(11));
+  a.free_reqid(freed);
+  a.step(lens({{kept, tokens(1)}}));  // enqueues the freed slot's zero-fill: its event is pending
+  held->hold = true;
+  std::size_t slot = 0;
+  std::thread asker([&] {  // 3 pages per region free, 4 more wanted: a's freed slot's
+    slot = b->alloc_reqid();
+    try {
+      b->step(lens({{slot, tokens(7)}}));
+    } catch (const OutOfMemory&) {  // the answer came after kAskTimeout (a loaded machine)
+      b->step(lens({{slot, tokens(7)}}));
+    }
+  });
+  while (!held->waiting) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  auto owner = std::async(std::launch::async, [&] { a.step(lens({{kept, tokens(1)}})); });
+  const bool went_on = owner.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  held->hold = false;
+  asker.join();
+  owner.get();
+  EXPECT_TRUE(went_on) << "the owner's step() waited for its watcher's event wait";
+  EXPECT_EQ(a.stats().budget_handoff.answer_pages, 4 * regions());
+  EXPECT_EQ(b->stats().pages_in_use, 7 * regions());
+  expect_tokens(a, kept, 0, tokens(1), testing::mark(11));
+  expect_books_add_up({&a, b.get()});
+}
+
+// With shared_budget_idle_ms, a member that stops stepping gives its freed requests' pages
+// and its free pages back on its own; its running requests keep theirs and what is mapped
+// ahead of them, and the next member finds the room free without asking.
+TEST_P(SharedBudgetCacheTest, AnIdleMemberGivesBackOnItsOwnWithIdleMs) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  config.shared_budget_idle_ms = 20;
+  std::string why_not;
+  KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  auto b = member();
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t freed = a.alloc_reqid();
+  a.step(lens({{kept, tokens(2)}, {freed, tokens(4)}}));
+  write_tokens(a, kept, 0, tokens(2), testing::mark(21));
+  a.free_reqid(freed);
+  for (int i = 0; i < 500 && a.stats().pages_created > 2 * regions(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(a.stats().pages_created, 2 * regions());
+  EXPECT_EQ(a.stats().budget_handoff.idle_pages, 4 * regions());
+  const std::size_t slot = b->alloc_reqid();
+  b->step(lens({{slot, tokens(6)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 0u);  // nobody was asked
+  expect_tokens(a, kept, 0, tokens(2), testing::mark(21));
+  a.step(lens({{kept, tokens(2)}}));  // a's requests go on as before
+  expect_books_add_up({&a, b.get()});
+}
+
+TEST(SharedBudgetConfig, IdleMsNeedsASharedBudgetAndADayAtMost) {
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.shared_budget_idle_ms = 5;
+  EXPECT_THROW(validate(config), InvalidArgument);
+  config.shared_budget = "x";
+  config.shared_budget_idle_ms = kMaxIdleMs + 1;
+  EXPECT_THROW(validate(config), InvalidArgument);
+}
+
+// The asker asks for the next prompt's pages too (at most what it is short of) without
+// waiting for them: what it does not use waits in its pool or in the free capacity, and
+// the next admission of a burst asks nobody.
+TEST_P(SharedBudgetCacheTest, AnAskBringsTheNextPromptsPagesToo) {
+  auto a = member();
+  auto b = member();
+  const std::size_t warm = b->alloc_reqid();
+  b->step(lens({{warm, tokens(1)}}));  // b's prompts are 1 page long (eager allocation's estimate)
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{freed, tokens(7)}}));
+  a->free_reqid(freed);  // the rest of the budget cached in a: plenty
+  const std::size_t first = b->alloc_reqid();
+  b->step(lens({{warm, tokens(1)}, {first, tokens(1)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 1u);
+  EXPECT_EQ(a->stats().pages_created, 5 * regions());  // 1 short, 1 more for the next prompt
+  // b waited for the one it needed; the other came to it or, after its wait, to the free capacity.
+  EXPECT_GE(b->stats().budget_asks.units, 1 * regions());
+  EXPECT_LE(b->stats().budget_asks.units, 2 * regions());
+  const std::size_t second = b->alloc_reqid();
+  b->step(lens({{warm, tokens(1)}, {first, tokens(1)}, {second, tokens(1)}}));
+  EXPECT_EQ(b->stats().budget_asks.calls, 1u);  // no second ask
+  EXPECT_EQ(b->stats().pages_in_use, 3 * regions());
+  expect_books_add_up({a.get(), b.get()});
+}
+
+// Where the others cache little (they are busy too), the asker asks for what it is short
+// of only: taking more would make them ask it back.
+TEST_P(SharedBudgetCacheTest, AnAskTakesNoHeadroomFromMembersThatCacheLittle) {
+  auto a = member();
+  auto b = member();
+  const std::size_t warm = b->alloc_reqid();
+  b->step(lens({{warm, tokens(2)}}));
+  const std::size_t kept = a->alloc_reqid();
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{kept, tokens(3)}, {freed, tokens(3)}}));
+  a->free_reqid(freed);  // 3 cached: less than twice 2 short + 2 headroom
+  const std::size_t first = b->alloc_reqid();
+  b->step(lens({{warm, tokens(2)}, {first, tokens(2)}}));
+  EXPECT_EQ(a->stats().pages_created, 4 * regions());  // gave the 2 missing, no more
+  expect_books_add_up({a.get(), b.get()});
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetCacheTest, testing::every_backend_with_both_layouts(),

@@ -114,6 +114,29 @@ def test_a_member_short_of_pages_gets_another_process_cached_pages(budget):
         other.close()
 
 
+def test_an_idle_member_gives_back_on_its_own_and_stats_break_the_hand_off_down(budget):
+    import time
+
+    with small_cache(shared_budget=budget.name, shared_budget_idle_ms=20) as idle:
+        kept, freed = idle.alloc_reqid(), idle.alloc_reqid()
+        idle.step([pages(2) if s == kept else pages(6) if s == freed else 0 for s in range(idle.max_batch_size)])
+        idle.free_reqid(freed)  # 6 pages cached, given back after 20 ms without a step()
+        deadline = time.monotonic() + 10
+        while idle.stats()["pages_created"] > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        handoff = idle.stats()["budget_handoff"]
+        assert idle.stats()["pages_created"] == 2 and handoff["idle_pages"] == 6
+        assert set(handoff) == {"ask_relock_seconds", "answers", "answer_pages", "answer_seconds",
+                                "answer_lock_wait_seconds", "answer_event_wait_seconds", "answer_pages_in_calls",
+                                "idle_pages"}
+        with local_member(budget) as busy:
+            slot = busy.alloc_reqid()
+            busy.step([pages(14) if s == slot else 0 for s in range(busy.max_batch_size)])
+            assert busy.stats()["budget_asks"]["calls"] == 0  # the room was free: nobody asked
+    with pytest.raises(ValueError, match="shared_budget_idle_ms = 5 needs a shared_budget"):
+        small_cache(shared_budget_idle_ms=5)
+
+
 def test_claimed_pages_are_never_given_away(budget):
     other = Member(budget.name)
     try:

@@ -223,9 +223,10 @@ class VkvStore(ContiguousStore):
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
                  max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "",
-                 large_page_size: int = 0, ready: float = 0.0) -> None:
+                 large_page_size: int = 0, ready: float = 0.0, idle_ms: int = 0) -> None:
         """``shared_budget``: a vkv.SharedBudget's name to draw pages from (budget_bytes None:
-        no cap of its own). ``large_page_size``: KVCache's (a prompt's whole spans of that
+        no cap of its own); ``idle_ms``: its shared_budget_idle_ms (give freed requests'
+        pages back after that long without a step). ``large_page_size``: KVCache's (a prompt's whole spans of that
         size mapped as one allocation). ``ready``: the share of the budget made ready before
         the first request, as the paged stores allocate their whole pool up front: every
         page of the budget created (``precreate_pages``) and that share of it mapped, as
@@ -244,6 +245,8 @@ class VkvStore(ContiguousStore):
         options = dict(max_batch_size=max_slots, max_context_len=max_context, device=device, layout=layout,
                        memory_budget=budget_bytes, page_size=page_size, shared_budget=shared_budget,
                        large_page_size=large_page_size)
+        if idle_ms:
+            options["shared_budget_idle_ms"] = idle_ms
         self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, **options)
         if ready:  # the page size is the backend's: known once a cache is made
             pages = budget_bytes // self.cache.page_size

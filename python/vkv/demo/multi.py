@@ -6,7 +6,8 @@ each idling while the other is busy. Every phase serves the same seeded traces:
 
   static   each engine's cache has half the KV memory (memory_budget), whatever the other does
   shared   both caches draw from one vkv.SharedBudget of all of it: the busy engine takes
-           the idle one's cached pages (deferred-reclamation pages, pages mapped ahead)
+           the idle one's cached pages (deferred-reclamation pages, pages mapped ahead); an
+           engine that has not stepped for --idle-ms gives them back unasked
   solo     engine A alone, plain and in a shared budget nobody else uses: what membership
            costs step() (its decode p50/p99)
   kill     shared, and engine B is killed with SIGKILL in the middle of its first burst:
@@ -51,15 +52,17 @@ from .workload import make_bursty_trace
 
 # models: engine A's and B's shapes. bursts: per engine. burst_seconds: requests of one
 # burst arrive over this long; period: A's bursts start every period seconds, B's half a
-# period later. kv_budget_mib: the whole KV memory (static: half each).
+# period later. kv_budget_mib: the whole KV memory (static: half each). idle_ms: in a shared
+# budget, an engine that has not stepped for this long gives its freed requests' pages back
+# on its own (shared_budget_idle_ms), so that the other finds them free without asking; 0: off.
 PRESETS = {
     "small": dict(models=["tiny", "tiny-b"], bursts=2, requests_per_burst=[24, 32], burst_seconds=0.2, period=4.0,
                   kv_budget_mib=3, max_context=1024, length_scale=0.25, page_size_kib=32, max_slots=64,
-                  max_prefill_tokens=2048, kill_at=0.0),
+                  max_prefill_tokens=2048, kill_at=0.0, idle_ms=200),
     # KV memory well under what a burst wants (A's: ~8 GiB), so that it decides the speed.
     "h100": dict(models=["llama3-8b", "llama3.2-1b"], bursts=3, requests_per_burst=[128, 384], burst_seconds=0.5,
                  period=16.0, kv_budget_mib=4096, max_context=2048, length_scale=1.0, page_size_kib=0, max_slots=256,
-                 max_prefill_tokens=8192, kill_at=0.0),
+                 max_prefill_tokens=8192, kill_at=0.0, idle_ms=200),
 }
 GPU_PRESETS = {"small": dict(page_size_kib=0, kv_budget_mib=256)}
 PHASES = ["static", "shared", "solo", "kill"]
@@ -103,8 +106,19 @@ class MeasuredStore(VkvStore):
         self.samples: List[tuple] = []   # (seconds since the common start, bytes created, bytes in use)
         self.asks_ms: List[float] = []   # per ask: the wait for the other members' pages
         self.step_us: List[float] = []
-        asks = self.cache.stats()["budget_asks"]
+        stats = self.cache.stats()
+        asks = stats["budget_asks"]
         self._asks, self._asks_seconds, self._next_sample = asks["calls"], asks["seconds"], 0.0
+        self._handoff_zero = dict(stats["budget_handoff"], asks=asks["calls"], ask_seconds=asks["seconds"])
+
+    def handoff(self) -> dict:
+        """The hand-off's breakdown since start_clock(): this engine's asks (their wait, of
+        which taking its own lock back) and its answers to the other's (time, of which
+        waiting for its lock and for device work; pages, of which its own calls gave)."""
+        stats = self.cache.stats()
+        now = dict(stats["budget_handoff"], asks=stats["budget_asks"]["calls"],
+                   ask_seconds=stats["budget_asks"]["seconds"])
+        return {key: now[key] - self._handoff_zero[key] for key in now}
 
     def reserve(self, lens):
         began = time.perf_counter()
@@ -142,7 +156,8 @@ def engine_main(name: str, spec: dict, connection) -> None:
                 return
             store = MeasuredStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, device,
                                   spec["max_context"], phase["memory_budget"], spec["max_slots"], "interleaved",
-                                  spec["page_size"], shared_budget=phase["shared_budget"])
+                                  spec["page_size"], shared_budget=phase["shared_budget"],
+                                  idle_ms=phase["idle_ms"])
             engine = Engine(model, store, spec["max_prefill_tokens"], cuda_graphs=spec["cuda_graphs"])
             try:
                 engine.run(copy.deepcopy(phase["warmup"]), show_progress=False)  # compiles, captures
@@ -152,6 +167,7 @@ def engine_main(name: str, spec: dict, connection) -> None:
                 time.sleep(max(0.0, start_at - time.time()))
                 result = engine.run(copy.deepcopy(phase["trace"]), show_progress=False)
                 finished = time.time() - start_at
+                handoff = store.handoff()
             finally:
                 engine.decoder.release()
                 store.close()
@@ -160,7 +176,7 @@ def engine_main(name: str, spec: dict, connection) -> None:
                     torch.cuda.empty_cache()
             connection.send(("result", {
                 "summary": result.summary(), "finished_s": finished, "bursts_s": burst_times(result.requests, phase),
-                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us}))
+                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us, "handoff": handoff}))
     except Exception:  # noqa: BLE001 (the parent reports it)
         connection.send(("error", traceback.format_exc()))
 
@@ -223,6 +239,8 @@ def run_phase(phase: str, engines: Dict[str, EngineProcess], args, workloads, bu
                 request.arrival = 0.0
             engines[name].connection.send(("run", {
                 "shared_budget": shared, "memory_budget": None if shared else (budget if phase == "solo" else budget // 2),
+                # With another engine only: alone, giving back would only cost the next burst.
+                "idle_ms": args.idle_ms if phase in ("shared", "kill") else 0,
                 "trace": workloads[name], "warmup": warmup,
                 "per_burst": args.requests_per_burst[ENGINES.index(name)]}))
         for name in taking_part:
@@ -278,6 +296,21 @@ def report(args, out: dict) -> str:
                     f"{' / '.join(f'{s:.1f}' for s in result['bursts_s'])} | {summary['preemptions']} | "
                     f"{summary['ttft_p50_ms']:.0f} / {summary['ttft_p99_ms']:.0f} | {len(result['asks_ms'])} | "
                     f"{spread(result['asks_ms'], 2)} | {spread(result['step_us'], 0, maximum=False)} |")
+    lines += ["", "| phase | engine | asks | ask wait ms | of it: own lock ms | answers | answering ms | "
+              "of it: waiting for its lock ms | of it: device work ms | pages given | of them: by its own calls | "
+              "given unasked when idle |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for phase, variants in out["phases"].items():
+        for label, results in variants.items():
+            for name, result in results.items():
+                h = result.get("handoff")
+                if not h or not (h["asks"] or h["answers"] or h["idle_pages"]):
+                    continue
+                lines.append(
+                    f"| {label} | {name} | {h['asks']} | {h['ask_seconds'] * 1e3:.1f} | {h['ask_relock_seconds'] * 1e3:.1f} | "
+                    f"{h['answers']} | {h['answer_seconds'] * 1e3:.1f} | {h['answer_lock_wait_seconds'] * 1e3:.1f} | "
+                    f"{h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} | "
+                    f"{h['idle_pages']} |")
     return "\n".join(lines)
 
 
