@@ -1,5 +1,5 @@
 """Replay block decisions recorded with vLLM 0.33's real scheduler and the vkv connector
-on vkv memory (BLNHC views of the reservation) and on a torch.empty pool; attention
+on vkv memory (BLNHC views of the reservation) and on a torch.zeros pool; attention
 outputs must be bitwise equal; reports map/unmap cost per block and per-step overhead.
 
     record (CPU, needs vllm: scripts/install_vllm.sh):
@@ -193,7 +193,9 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     memory = BlockMemory(engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, num_layers=layers,
                          num_kv_heads=heads, head_dim=dim, dtype=dtype, device=device, shared_budget="",
                          memory_budget=0, headroom_blocks=8)
-    fixed = torch.empty(nb * memory.block_bytes, dtype=torch.int8, device=device)
+    # Zeroed, as vLLM's allocate_kv_cache() zeroes its pool: a kernel that reads a padded
+    # position must see the same bytes in both pools (vkv's new pages are zeros too).
+    fixed = torch.zeros(nb * memory.block_bytes, dtype=torch.int8, device=device)
     pools = {"vkv": _views(memory.buffer(), nb, layers, heads, dim, block, dtype),
              "fixed": _views(fixed, nb, layers, heads, dim, block, dtype)}
     paged = {name: [_paged_kv(v, dim) for v in views] for name, views in pools.items()}

@@ -3,7 +3,7 @@
 # the block decisions recorded on a CPU with vLLM 0.33's real scheduler
 # (benchmarks/results/vllm_trace.json: 64 requests, 42 steps, decode batch up to 64) replayed
 # at Llama-3-8B's shape (32 layers, 8 KV heads, 32 query heads, head_dim 128: one 16-token
-# block = one 2 MiB page) over vkv memory and over a torch.empty pool, attention by
+# block = one 2 MiB page) over vkv memory and over a torch.zeros pool (as vLLM zeroes its own), attention by
 # FlashInfer's paged decode/prefill reading the block tables straight out of the BLNHC views.
 # Each run asserts the outputs bitwise equal and writes map/unmap cost per block and the
 # per-step overhead against the fixed pool (all steps, and decode steps at batch 60-64):
