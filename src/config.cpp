@@ -83,8 +83,9 @@ void validate(const CacheConfig& config) {
   VKV_EXPECTS(config.page_size == 0 || (config.page_size & (config.page_size - 1)) == 0,
               "page_size = ", config.page_size, " must be 0 (backend default) or a power of two");
   VKV_EXPECTS(config.device.index >= 0, "device index = ", config.device.index, " must be >= 0");
-  VKV_EXPECTS(config.shared_budget_idle_ms == 0 || !config.shared_budget.empty(), "shared_budget_idle_ms = ",
-              config.shared_budget_idle_ms, " needs a shared_budget (it gives pages back to one)");
+  VKV_EXPECTS(config.shared_budget_idle_ms == 0 || !config.shared_budget.empty(),
+              "shared_budget_idle_ms = ", config.shared_budget_idle_ms,
+              " needs a shared_budget (it gives pages back to one)");
   VKV_EXPECTS(config.shared_budget_idle_ms <= kMaxIdleMs, "shared_budget_idle_ms = ", config.shared_budget_idle_ms,
               " exceeds ", kMaxIdleMs, " (a day)");
   if (!config.shared_budget.empty()) {

@@ -85,8 +85,8 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
     "name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the "         \
     "device; '' = none. memory_budget, when set, caps this cache within it")                                          \
   X(shared_budget_idle_ms, std::size_t, 0,                                                                            \
-    "with shared_budget: after this many milliseconds without a step(), the cache gives its freed requests' pages "  \
-    "and its free pages back to the budget on its own, so that a busy member finds them free without asking; "       \
+    "with shared_budget: after this many milliseconds without a step(), the cache gives its freed requests' pages "   \
+    "and its free pages back to the budget on its own, so that a busy member finds them free without asking; "        \
     "0 = only when asked")
 
 /// What a KV cache looks like. Plain data; validate() checks it field by field.

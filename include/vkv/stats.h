@@ -90,15 +90,15 @@ struct CacheStats {
   CallStats budget_asks;
   /// The hand-off's breakdown, both sides of it (config.shared_budget).
   struct BudgetHandoff {
-    std::uint64_t ask_relock_ns = 0;         ///< of budget_asks' time: taking this cache's lock back after
-    std::uint64_t answers = 0;               ///< the others' asks this cache gave pages back for
-    std::uint64_t answer_pages = 0;          ///< pages it gave back (by its watcher or its own calls)
-    std::uint64_t answer_ns = 0;             ///< the watcher's time giving back, the waits below included
-    std::uint64_t answer_lock_wait_ns = 0;   ///< of that: waiting for this cache's lock (a call held it)
-    std::uint64_t answer_event_wait_ns = 0;  ///< of that: waiting for device work that read the pages
-    std::uint64_t answer_pages_in_calls = 0; ///< pages this cache's own calls gave back mid-mapping, for a
-                                             ///< watcher waiting for their lock
-    std::uint64_t idle_pages = 0;            ///< pages given back unasked after idling (shared_budget_idle_ms)
+    std::uint64_t ask_relock_ns = 0;          ///< of budget_asks' time: taking this cache's lock back after
+    std::uint64_t answers = 0;                ///< the others' asks this cache gave pages back for
+    std::uint64_t answer_pages = 0;           ///< pages it gave back (by its watcher or its own calls)
+    std::uint64_t answer_ns = 0;              ///< the watcher's time giving back, the waits below included
+    std::uint64_t answer_lock_wait_ns = 0;    ///< of that: waiting for this cache's lock (a call held it)
+    std::uint64_t answer_event_wait_ns = 0;   ///< of that: waiting for device work that read the pages
+    std::uint64_t answer_pages_in_calls = 0;  ///< pages this cache's own calls gave back mid-mapping, for a
+                                              ///< watcher waiting for their lock
+    std::uint64_t idle_pages = 0;             ///< pages given back unasked after idling (shared_budget_idle_ms)
   } budget_handoff;
   BackendStats backend;
 

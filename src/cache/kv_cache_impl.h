@@ -353,8 +353,8 @@ class KvCache::Impl {
   CallStats budget_asks_;
   CacheStats::BudgetHandoff budget_handoff_;
   std::chrono::steady_clock::time_point last_step_at_ = std::chrono::steady_clock::now();
-  bool idle_released_ = false;  // release_when_idle() ran since the last step()
-  std::atomic<int> steps_waiting_{0};  // step() calls waiting for the lock
+  bool idle_released_ = false;                    // release_when_idle() ran since the last step()
+  std::atomic<int> steps_waiting_{0};             // step() calls waiting for the lock
   std::atomic<std::size_t> give_back_wanted_{0};  // bytes a watcher waiting for the lock wants given back
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction

@@ -68,7 +68,8 @@ void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   if (detail::fork_generation() != fork_generation_) return;
   using Clock = std::chrono::steady_clock;
   auto since = [](Clock::time_point from) {
-    return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count());
+    return static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count());
   };
   const auto start = Clock::now();
   const std::size_t page = layout_.page_bytes();

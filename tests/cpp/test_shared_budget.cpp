@@ -367,8 +367,8 @@ TEST_P(SharedBudgetCacheTest, AStepHoldingTheLockGivesBackBetweenSlotsToAnAskerW
   const std::size_t second = a.alloc_reqid();
   const std::size_t freed = a.alloc_reqid();
   a.step(lens({{freed, tokens(4)}}));
-  a.free_reqid(freed);         // 4 pages per region cached
-  a.step(lens({}));            // enqueues its zero-fill...
+  a.free_reqid(freed);          // 4 pages per region cached
+  a.step(lens({}));             // enqueues its zero-fill...
   gated->synchronize_device();  // ...which is done: its pages may go without a wait
   gated->closed = true;
   std::thread owner([&] { a.step(lens({{first, tokens(1)}, {second, tokens(1)}})); });
