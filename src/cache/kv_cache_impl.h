@@ -288,6 +288,9 @@ class KvCache::Impl {
   // and records an event on each stream where such a slot's last readers (its fill) may
   // still run, for the watcher to wait on with the lock released. The caller destroys them.
   std::vector<std::pair<Stream, Event>> events_behind_readers(const std::vector<std::size_t>& floors);
+  // Waits for each of events_behind_readers()'s events, then destroys them all (also when a
+  // wait throws). Called with the lock released: the owner's calls go on meanwhile.
+  void wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events);
   // With the lock held, in a call that maps many pages (map_missing()): gives back what a
   // watcher waiting for the lock wants, from free pages and freed slots above `floors`
   // (the call's claims: it never takes a page the call is about to claim), so that the

@@ -105,13 +105,7 @@ void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
       event_wait_ns += event_wait_ns_ - event_wait_before;  // the owner's calls' waits are not the watcher's
       lock.unlock();
       const auto waiting = Clock::now();
-      try {
-        for (const auto& [stream, event] : behind) backend_->wait_event(event);
-      } catch (...) {
-        for (const auto& [stream, event] : behind) backend_->destroy_event(event);
-        throw;
-      }
-      for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+      wait_then_destroy(behind);
       event_wait_ns += since(waiting);
       lock_or_post();
       event_wait_before = event_wait_ns_;
@@ -147,6 +141,16 @@ std::vector<std::pair<Stream, Event>> KvCache::Impl::events_behind_readers(const
     throw;
   }
   return behind;
+}
+
+void KvCache::Impl::wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events) {
+  try {
+    for (const auto& [stream, event] : events) backend_->wait_event(event);
+  } catch (...) {
+    for (const auto& [stream, event] : events) backend_->destroy_event(event);
+    throw;
+  }
+  for (const auto& [stream, event] : events) backend_->destroy_event(event);
 }
 
 void KvCache::Impl::serve_give_back(const std::vector<std::size_t>& floors) {
@@ -226,13 +230,7 @@ void KvCache::Impl::release_when_idle() {
   std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
   if (!behind.empty()) {
     lock.unlock();
-    try {
-      for (const auto& [stream, event] : behind) backend_->wait_event(event);
-    } catch (...) {
-      for (const auto& [stream, event] : behind) backend_->destroy_event(event);
-      throw;
-    }
-    for (const auto& [stream, event] : behind) backend_->destroy_event(event);
+    wait_then_destroy(behind);
     lock.lock();
     if (!idle_released_) return;  // a step() meanwhile ended the idle spell: its pages stay
   }
