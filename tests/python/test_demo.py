@@ -87,6 +87,32 @@ def test_a_tight_budget_preempts_and_recomputes_without_losing_requests(kind):
     store.close()
 
 
+@pytest.mark.parametrize("kind", ["vkv-interleaved", "paged-16"])
+@pytest.mark.parametrize("budget_bytes", [64 << 20, 512 << 10], ids=["ample", "tight"])
+def test_admitting_at_once_admits_what_one_by_one_does_in_fewer_reservations(kind, budget_bytes):
+    """One store call per iteration for its arrivals where they all fit, one per request
+    where they do not: the same requests admitted, preempted and served either way."""
+    trace = small_trace(count=16, seed=5)
+    runs = {}
+    for at_once in (True, False):
+        model = LlamaModel(SHAPE, torch.device("cpu"), torch.float32, MAX_CONTEXT)
+        store = make_store(kind, SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, budget_bytes, 16,
+                           flex_for("cpu"), page_size=16 << 10)
+        calls = []
+        reserve = store.reserve
+        store.reserve = lambda lens, reserve=reserve: calls.append(len(lens)) or reserve(lens)
+        result = Engine(model, store, max_prefill_tokens=512, admit_at_once=at_once).run(
+            copy.deepcopy(trace), show_progress=False)
+        assert_all_served(result)
+        runs[at_once] = (result, len(calls))
+        store.close()
+    (together, together_calls), (alone, alone_calls) = runs[True], runs[False]
+    assert [r.tokens for r in together.requests] == [r.tokens for r in alone.requests]
+    assert together.preemptions == alone.preemptions and together.iterations == alone.iterations
+    if budget_bytes == 64 << 20:  # everything fits: 16 arrivals at once take one call, not 16
+        assert together_calls <= alone_calls - 15
+
+
 def test_a_request_larger_than_the_budget_is_rejected_not_waited_for():
     trace = small_trace(count=3)
     for request, prompt_len in zip(trace, (10, 200, 10)):  # 200 tokens > the 64-token budget

@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -163,8 +163,12 @@ class Engine:
     (captured at the first run, before its clock starts). Not thread-safe."""
 
     def __init__(self, model: LlamaModel, store: KvStore, max_prefill_tokens: int, share: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, admit_at_once: bool = True) -> None:
+        """``admit_at_once``: reserve an iteration's arrivals in one store call when they all
+        fit (vkv's step() is meant to be called once per iteration), one by one otherwise;
+        off, one call per admitted request. Either way the same requests are admitted."""
         self.model, self.store, self.max_prefill_tokens, self.share = model, store, max_prefill_tokens, share
+        self.admit_at_once = admit_at_once and not share  # prefixes are shared request by request
         self.pinned: Dict[int, int] = {}      # prefix slot -> its tokens, held for the whole run
         self.prefixes: Dict[tuple, int] = {}  # system prompt tokens -> its prefix slot
         self.decoder = DecodeRunner(model, store, store.max_slots, graphs=cuda_graphs)
@@ -216,6 +220,36 @@ class Engine:
     def _synchronize(self) -> None:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
+
+    def _admit_at_once(self, waiting, lens: Dict[int, int], clock, result: RunResult) -> Optional[List[Request]]:
+        """The arrived requests that the prefill budget and the free slots allow, reserved in
+        one store call; None when they do not all fit (nothing changed: the caller admits one
+        by one, which finds how many do). The same requests the one-by-one loop admits when
+        all fit."""
+        chosen, slots = [], []
+        budget = self.max_prefill_tokens
+        for request in waiting:  # in arrival order
+            if request.arrival > clock() or (chosen and request.prompt_len > budget):
+                break
+            slot = self.store.alloc()
+            if slot is None:
+                break
+            chosen.append(request)
+            slots.append(slot)
+            budget -= request.prompt_len
+        if not chosen:
+            return []
+        lens.update(zip(slots, (r.prompt_len for r in chosen)))
+        if not self._reserve(lens, result):
+            for slot in reversed(slots):
+                del lens[slot]
+                self.store.free(slot)
+            return None
+        for request, slot in zip(chosen, slots):
+            waiting.popleft()
+            request.cached = 0
+            request.slot, request.generated = slot, 0
+        return chosen
 
     def _reserve(self, lens: Dict[int, int], result: RunResult) -> bool:
         start = time.perf_counter()
@@ -295,7 +329,10 @@ class Engine:
             # 1. admit
             admitted: List[Request] = []
             prefill_budget = self.max_prefill_tokens
-            while waiting and waiting[0].arrival <= clock():
+            at_once = self._admit_at_once(waiting, lens, clock, result) if self.admit_at_once else None
+            if at_once is not None:
+                admitted = at_once  # everything admissible now: the loop below would add nothing
+            while at_once is None and waiting and waiting[0].arrival <= clock():
                 request = waiting[0]
                 if admitted and request.prompt_len > prefill_budget:
                     break
