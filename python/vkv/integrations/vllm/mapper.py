@@ -57,7 +57,7 @@ class BackgroundMapper:
         self.wait()
         event = None
         if self._cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the thread sleeps on it instead of spinning a core
             event.record(torch.cuda.current_stream(self._device))
         self._submitted += 1
         self._idle.clear()
