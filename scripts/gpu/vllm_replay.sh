@@ -13,10 +13,11 @@
 #                   release and backing on the worker's background mapper thread (the connector's
 #                   default on CUDA); vkv's step ends when its forward and that job are both done
 #   fi_ahead_dense  the previous measurement's mode (synchronous, after the forward is queued)
+#   gpu_tests       the background mapper's GPU tests (tests/python/test_vllm_gpu_placement.py)
 #   memcheck        the first 11 steps (prefills, then a decode step at batch 63 that unmaps 107
 #                   blocks) with the background mapping under compute-sanitizer memcheck
 # VLLM_REPLAY_ALL=1 adds the attention-only runs and the mapping before the forward (~1 minute
-# more); VLLM_REPLAY_PARTS ("replay memcheck" by default) runs one part per call where the
+# more); VLLM_REPLAY_PARTS ("tests replay memcheck" by default) runs one part per call where the
 # machine's limit is near. Needs .whl/flashinfer-*.tar.xz (carry .whl): scripts/gpu/flashinfer_env.sh.
 #   scripts/gpu/vllm_replay.sh [OUT]      results: OUT/vllm_replay_*.json, OUT/*.log, OUT/summary.txt
 set -uo pipefail
@@ -59,7 +60,13 @@ if d["overhead_vs_fixed"] is not None:
 EOF
 }
 
-parts=" ${VLLM_REPLAY_PARTS:-replay memcheck} "
+parts=" ${VLLM_REPLAY_PARTS:-tests replay memcheck} "
+: > "$out/summary.txt"
+if [[ "$parts" == *" tests "* ]]; then
+  step gpu_tests 120 python3 -m pytest "$src/tests/python/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rs \
+    -k "background or vllm_buffer"
+  echo "gpu_tests: $(tail -1 "$out/gpu_tests.log")" | tee -a "$out/summary.txt"
+fi
 if [[ "$parts" == *" replay "* ]]; then
   # FlashInfer JIT-compiles its decode (~13 s) and prefill (~90 s) kernels in the first run's
   # warm-up, outside the timings; the later runs find them in FLASHINFER_WORKSPACE_BASE.
@@ -70,7 +77,7 @@ if [[ "$parts" == *" replay "* ]]; then
     step fi_bg 60 python3 "${replay[@]}" "${llama[@]}" --mapping background
   fi
   echo "=== summary"
-  for f in "$out"/vllm_replay_*.json; do [ -f "$f" ] && summary "$f"; done | tee "$out/summary.txt"
+  for f in "$out"/vllm_replay_*.json; do [ -f "$f" ] && summary "$f"; done | tee -a "$out/summary.txt"
 fi
 
 sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
