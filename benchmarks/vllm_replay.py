@@ -2,15 +2,16 @@
 on vkv memory (BLNHC views of the reservation) and on a torch.zeros pool; attention
 outputs must be bitwise equal; reports map/unmap cost per block and per-step overhead.
 
-    record (CPU, needs vllm: scripts/install_vllm.sh):
-        python benchmarks/vllm_replay.py record benchmarks/results/vllm_trace.json
+    record (CPU, needs vllm: scripts/install_vllm.sh; the committed trace was made so):
+        python benchmarks/vllm_replay.py record benchmarks/results/vllm_trace.json \
+            --requests 64 --gen 160 --num-blocks 1536
     replay (no vllm needed):
         python benchmarks/vllm_replay.py replay benchmarks/results/vllm_trace.json --device cuda
 
     with FlashInfer's paged kernels (CUDA; FlashInfer importable: scripts/gpu/flashinfer_env.sh),
-    Llama-3-8B's shape and its weight GEMMs, the mapping made while the forward runs:
+    Llama-3-8B's shape and its weight GEMMs, the mapping on the background mapper (default):
         python benchmarks/vllm_replay.py replay benchmarks/results/vllm_trace.json --device cuda \
-            --attention flashinfer --shape 32,8,128,32 --dense --map-ahead
+            --attention flashinfer --shape 32,8,128,32 --dense
 
 Attention (the same kernels on both pools, so bitwise equality is meaningful):
   torch       SDPA over each request's gathered blocks (runs on a CPU; timings include the
@@ -19,8 +20,12 @@ Attention (the same kernels on both pools, so bitwise equality is meaningful):
               paged causal prefill for the rest, reading the block tables straight out of the
               BLNHC views (NHD pages whose stride is a whole block of every layer)
 Timings alternate which pool goes first; the per-step plan and random inputs are made once,
-outside them. --map-ahead maps/unmaps after the vkv forward is queued (the GPU computes
-meanwhile) instead of before it.
+outside them. --mapping says when the worker's job (release, then back up to the target) runs:
+  background  the connector's default on CUDA, in vLLM's order: the hand-over (bind) before
+              the vkv forward is queued, the job on the background mapper meanwhile; vkv's step
+              ends when both are done (conservative), so no job overlaps the fixed pool's step
+  before      synchronously before the forward; ahead (--map-ahead): synchronously after the
+              forward is queued (the GPU computes meanwhile)
 """
 
 import argparse
