@@ -102,10 +102,20 @@ def test_same_outputs_as_vllms_fixed_pool(background):
     assert outputs[0] == outputs[1]
 
 
-def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forward():
+@pytest.mark.parametrize("slow_jobs", [False, True])
+def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forward(slow_jobs):
+    import time
     engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": True})
     memory = engine.worker._memory
-    seen = set()
+    seen, overlapped = set(), []
+    if slow_jobs:  # each job outlasts the step: the scheduler runs while it is in flight
+        job = memory.mapper._job
+
+        def slow(release, target, settle):
+            time.sleep(0.05)
+            job(release, target, settle)
+
+        memory.mapper._job = slow
 
     def check(engine, out):
         # The step's job may still run (it backs blocks for later steps): what this step's
@@ -116,6 +126,7 @@ def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forw
         for b in map(int, (states == BACKED).nonzero()[0]):
             assert memory.cache.mapped_pages(b) >= 1, b
         seen.update(b for table in engine.block_tables(out).values() for b in table)
+        overlapped.append(memory.mapper.busy())
 
     try:
         assert memory.mapper is not None and memory.mapper._thread.is_alive()
@@ -123,6 +134,8 @@ def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forw
         _run(engine, check)  # the fake forward checks every token read back
         assert memory.mapper._submitted > 10 and len(seen) > 3 * HEADROOM
         assert all(len(v) >= 6 for v in engine.outputs.values())
+        if slow_jobs:
+            assert sum(overlapped) > len(overlapped) // 2, overlapped
     finally:
         engine.close()
     assert not memory.mapper._thread.is_alive()
