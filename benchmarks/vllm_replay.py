@@ -2,15 +2,16 @@
 on vkv memory (BLNHC views of the reservation) and on a torch.zeros pool; attention
 outputs must be bitwise equal; reports map/unmap cost per block and per-step overhead.
 
-    record (CPU, needs vllm: scripts/install_vllm.sh):
-        python benchmarks/vllm_replay.py record benchmarks/results/vllm_trace.json
+    record (CPU, needs vllm: scripts/install_vllm.sh; the committed trace was made so):
+        python benchmarks/vllm_replay.py record benchmarks/results/vllm_trace.json \
+            --requests 64 --gen 160 --num-blocks 1536
     replay (no vllm needed):
         python benchmarks/vllm_replay.py replay benchmarks/results/vllm_trace.json --device cuda
 
     with FlashInfer's paged kernels (CUDA; FlashInfer importable: scripts/gpu/flashinfer_env.sh),
-    Llama-3-8B's shape and its weight GEMMs, the mapping made while the forward runs:
+    Llama-3-8B's shape and its weight GEMMs, the mapping on the background mapper (default):
         python benchmarks/vllm_replay.py replay benchmarks/results/vllm_trace.json --device cuda \
-            --attention flashinfer --shape 32,8,128,32 --dense --map-ahead
+            --attention flashinfer --shape 32,8,128,32 --dense
 
 Attention (the same kernels on both pools, so bitwise equality is meaningful):
   torch       SDPA over each request's gathered blocks (runs on a CPU; timings include the
@@ -19,8 +20,12 @@ Attention (the same kernels on both pools, so bitwise equality is meaningful):
               paged causal prefill for the rest, reading the block tables straight out of the
               BLNHC views (NHD pages whose stride is a whole block of every layer)
 Timings alternate which pool goes first; the per-step plan and random inputs are made once,
-outside them. --map-ahead maps/unmaps after the vkv forward is queued (the GPU computes
-meanwhile) instead of before it.
+outside them. --mapping says when the worker's job (release, then back up to the target) runs:
+  background  the connector's default on CUDA, in vLLM's order: the hand-over (bind) before
+              the vkv forward is queued, the job on the background mapper meanwhile; vkv's step
+              ends when both are done (conservative), so no job overlaps the fixed pool's step
+  before      synchronously before the forward; ahead (--map-ahead): synchronously after the
+              forward is queued (the GPU computes meanwhile)
 """
 
 import argparse
@@ -29,6 +34,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 
@@ -38,18 +44,43 @@ def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int) -> 
     engine = vt.Engine(num_blocks, {"headroom_blocks": 8}, max_num_seqs=requests, max_num_batched_tokens=2048)
     for i in range(requests):
         engine.add(f"r{i}", [(13 * i + t) % 1000 for t in range(prompt + (i % 7) * 9)], gen)
-    steps = []
+    steps, last = [], {}
     while engine.scheduler.has_unfinished_requests():
         out = engine.step(read_back=False)
         meta = out.kv_connector_metadata
         reqs = engine.scheduler.requests
         tables = engine.block_tables(out)
-        steps.append({"release": meta.release, "target": meta.target_backed,
-                      "batch": [[r, tables[r], reqs[r].num_computed_tokens if r in reqs else 0, n]
-                                for r, n in out.num_scheduled_tokens.items() if r in reqs]})
+        batch = []
+        for r, n in out.num_scheduled_tokens.items():
+            if r not in reqs:
+                continue
+            # A table as what it keeps of the request's last recorded one + its new blocks.
+            table, before = tables[r], last.get(r, [])
+            keep = next((i for i, (a, b) in enumerate(zip(before, table)) if a != b), min(len(before), len(table)))
+            batch.append([r, keep, table[keep:], reqs[r].num_computed_tokens, n])
+            last[r] = table
+        steps.append({"release": meta.release, "target": meta.target_backed, "batch": batch})
     engine.close()
-    json.dump({"num_blocks": num_blocks, "block_size": vt.BLOCK, "steps": steps}, open(path, "w"))
+    trace = {"num_blocks": num_blocks, "block_size": vt.BLOCK, "requests": requests, "prompt": prompt, "gen": gen,
+             "tables": "incremental", "steps": steps}
+    with open(path, "w") as f:
+        json.dump(trace, f, separators=(",", ":"))
     print(f"recorded {len(steps)} steps, {requests} requests -> {path}")
+
+
+def load(path: str) -> dict:
+    """The trace with every batch entry as [request, block table, tokens computed, tokens
+    scheduled] (traces recorded with incremental tables: [request, kept, new blocks, ...])."""
+    trace = json.load(open(path))
+    if trace.get("tables") == "incremental":
+        last = {}
+        for step in trace["steps"]:
+            batch = []
+            for rid, keep, new, end, n in step["batch"]:
+                last[rid] = last.get(rid, [])[:keep] + new
+                batch.append([rid, last[rid], end, n])
+            step["batch"] = batch
+    return trace
 
 
 def _views(buf, num_blocks, layers, heads, dim, block, dtype):
@@ -180,19 +211,40 @@ def _flashinfer_forward(views, paged, plan, new_kv, q, attention, dense, x):
     return result
 
 
+MAPPINGS = {
+    "background": "vLLM's order: bind before the forward, the job on the background mapper",
+    "before": "synchronous, before the forward",
+    "ahead": "synchronous, after the forward is queued (during it)",
+}
+_SUFFIX = {"background": "_bg", "before": "", "ahead": "_ahead"}  # result file names, as before for the old modes
+
+
+def _spread(vkv, fixed, steps):
+    """Per-step vkv - fixed over ``steps``: median and p90, in ms and relative to the fixed step."""
+    if not steps:
+        return None
+    diff = np.array([vkv[i] - fixed[i] for i in steps])
+    rel = np.array([(vkv[i] - fixed[i]) / fixed[i] for i in steps])
+    return {"ms": {"median": round(1e3 * float(np.median(diff)), 4), "p90": round(1e3 * float(np.percentile(diff, 90)), 4)},
+            "relative": {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90))}}
+
+
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
-           map_ahead: bool, dense_gemms: bool, max_steps: int) -> None:
+           mapping: str, dense_gemms: bool, max_steps: int) -> dict:
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import BlockMemory
     cuda = device.startswith("cuda")
+    if mapping not in MAPPINGS:
+        raise ValueError(f"vllm_replay: mapping {mapping!r} is not one of {sorted(MAPPINGS)}")
     if dense_gemms and attention_name != "flashinfer":
         raise ValueError("vllm_replay: --dense needs --attention flashinfer (the torch path times its Python)")
-    trace = json.load(open(path))
+    trace = load(path)
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
     nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
+    background = mapping == "background"
     memory = BlockMemory(engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, num_layers=layers,
                          num_kv_heads=heads, head_dim=dim, dtype=dtype, device=device, shared_budget="",
-                         memory_budget=0, headroom_blocks=8)
+                         memory_budget=0, headroom_blocks=8, background_mapping=background)
     # Zeroed, as vLLM's allocate_kv_cache() zeroes its pool: a kernel that reads a padded
     # position must see the same bytes in both pools (vkv's new pages are zeros too).
     fixed = torch.zeros(nb * memory.block_bytes, dtype=torch.int8, device=device)
@@ -208,29 +260,35 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         for name in pools:
             attention.run(warm, torch.zeros(warm.tokens, q_heads, dim, device=device, dtype=dtype), paged[name][0])
         sync()
+    states = memory.states.states  # the scheduler's side of the shared states: never timed
 
-    def map_step(step):  # as the worker's bind_connector_metadata(): release, then grow
-        states = memory.states.states  # the scheduler's side of the shared states: not timed
-        states[step["release"]] = RECLAIMING
-        t = time.perf_counter()
-        memory.release(step["release"])
-        memory.grow(step["target"])
-        if not map_ahead:
-            sync()  # the zero-fill free_reqid() queued is the mapping's cost too
-        seconds["map"] += time.perf_counter() - t
+    def take_into_pool():  # the scheduler frees what the worker backed into its pool
         pool = states[1:]
-        pool[pool == BACKED] = IN_POOL  # the scheduler takes the new blocks into its pool
+        pool[pool == BACKED] = IN_POOL
 
-    seconds = {"vkv": 0.0, "fixed": 0.0, "map": 0.0}
-    per_step = {"vkv": [], "fixed": [], "map": []}  # seconds of each step
+    def map_step(step):  # synchronous (before, ahead): the worker's bind_connector_metadata() of old
+        t = time.perf_counter()
+        memory.submit(step["release"], step["target"])
+        if mapping == "before":
+            sync()  # the zero-fill free_reqid() queued is the mapping's cost too
+        per_step["map"][-1] += time.perf_counter() - t
+        take_into_pool()
+
+    take_into_pool()  # the blocks backed when the worker started (headroom)
+    memory.submit([], 0)  # an empty job: the mapper thread's first CUDA calls out of the timings
+    memory.wait()
+    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": []}  # seconds of each step
     for index, step in enumerate(steps):
-        mapped = seconds["map"]
-        if not map_ahead:
+        for key in ("map", "bind", "wait"):
+            per_step[key].append(0.0)
+        states[step["release"]] = RECLAIMING  # the scheduler took them back (what the trace says)
+        if mapping == "before":
             map_step(step)
         for _rid, table, _end, _n in step["batch"]:
             # The scheduler hands out backed blocks only: a step never waits for its own mapping.
             assert all(memory.cache.is_allocated(b) for b in table), (index, _rid, table)
-            # Unmapping during the forward (--map-ahead) is safe only for blocks it does not read.
+            assert all(states[b] == IN_POOL for b in table), (index, _rid, table)
+            # Unmapping during the forward (ahead, background) is safe only for blocks it does not read.
             assert not set(table) & set(step["release"]), (index, _rid, table)
         g = torch.Generator(device=device).manual_seed(index)
         if attention is not None:  # inputs and the plan: the same for both pools, out of the timings
@@ -244,43 +302,59 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         for name in (("vkv", "fixed") if index % 2 == 0 else ("fixed", "vkv")):
             sync()
             t = time.perf_counter()
+            if name == "vkv" and background:
+                # vLLM's order: bind_connector_metadata() before the forward is queued. It waits
+                # for the previous step's job (done: the last vkv step waited for it) and hands
+                # this step's over; the job runs while the forward computes.
+                memory.submit(step["release"], step["target"])
+                per_step["bind"][-1] = time.perf_counter() - t
             if attention is None:
                 outs[name] = _torch_forward(pools[name], step, index, block, heads, dim, dtype, device, g)
             else:
                 outs[name] = _flashinfer_forward(pools[name], paged[name], plan, new_kv, q, attention, dense, x)
-            if name == "vkv" and map_ahead:
+            if name == "vkv" and mapping == "ahead":
                 # The step's forward is queued; the mapping for the steps after it runs on the
                 # CPU meanwhile. Released blocks are RECLAIMING: out of every block table of this
                 # step, and the last step that read them was synchronized.
                 map_step(step)
             sync()
+            if name == "vkv" and background:
+                # The clock stops when the forward and the job are both done (conservative: the
+                # next step's forward would only need the job by its own bind), and no job
+                # runs while the fixed pool's forward is timed.
+                w = time.perf_counter()
+                memory.wait()
+                per_step["wait"][-1] = time.perf_counter() - w
+                per_step["map"][-1] = memory.mapper.last_job_seconds
             per_step[name].append(time.perf_counter() - t)
-            seconds[name] += per_step[name][-1]
-        per_step["map"].append(seconds["map"] - mapped)
-        if not map_ahead:
-            per_step["vkv"][-1] += per_step["map"][-1]
+        if background:
+            take_into_pool()
+        if mapping == "before":
+            per_step["vkv"][-1] += per_step["map"][-1]  # before the forward: on its critical path
         assert len(outs["vkv"]) == len(outs["fixed"])
         assert all(torch.equal(a, b) for a, b in zip(outs["vkv"], outs["fixed"])), f"step {index}: outputs differ"
-    seconds["vkv"] += 0.0 if map_ahead else seconds["map"]  # before the forward: on its critical path
+    seconds = {k: sum(v) for k, v in per_step.items()}
     st = memory.cache.stats()["backend"]
     decode_steps = [i for i, s in enumerate(steps) if s["batch"] and all(r[3] == 1 for r in s["batch"])]
-    # The goal's point: decode steps at batch 64 (the trace's are 60 to 64 requests).
+    # The goal's point: decode steps at batch 64 (60 to 64 requests).
     full = [i for i in decode_steps if len(steps[i]["batch"]) >= 60]
     full_seconds = {k: sum(v[i] for i in full) for k, v in per_step.items()}
-    report = {"device": device, "steps": len(steps), "decode_steps": len(decode_steps),
+    report = {"device": device, "trace": os.path.basename(path), "steps": len(steps), "decode_steps": len(decode_steps),
               "max_batch": max((len(s["batch"]) for s in steps), default=0),
               "shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
-              "map": "ahead (during the forward)" if map_ahead else "before the forward",
+              "mapping": mapping, "map": MAPPINGS[mapping],
               "dense_gemms": dense_gemms, "bitwise_equal": True,
               "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
               "unmap_us_per_block": st["unmap"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
               "map_calls": st["map"]["calls"], "unmap_calls": st["unmap"]["calls"],
               "seconds": seconds, "step_ms": {k: 1e3 * v / max(len(steps), 1) for k, v in seconds.items()},
               "overhead_vs_fixed": (seconds["vkv"] - seconds["fixed"]) / seconds["fixed"],
+              "per_step_overhead": _spread(per_step["vkv"], per_step["fixed"], range(len(steps))),
               "decode_batch_ge_60": {"steps": len(full), "step_ms": {k: 1e3 * v / max(len(full), 1)
                                                                      for k, v in full_seconds.items()},
                                      "overhead_vs_fixed": (full_seconds["vkv"] - full_seconds["fixed"])
-                                     / full_seconds["fixed"] if full else None},
+                                     / full_seconds["fixed"] if full else None,
+                                     "per_step_overhead": _spread(per_step["vkv"], per_step["fixed"], full)},
               "per_step_ms": {k: [round(1e3 * x, 3) for x in v] for k, v in per_step.items()}}
     print(json.dumps({k: v for k, v in report.items() if k != "per_step_ms"}, indent=1))  # those in the file
     out = os.environ.get("OUT")
@@ -288,10 +362,11 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from common import machine, write_json
 
-        name = f"vllm_replay_{attention_name}{'_ahead' if map_ahead else ''}{'_dense' if dense_gemms else ''}.json"
+        name = f"vllm_replay_{attention_name}{_SUFFIX[mapping]}{'_dense' if dense_gemms else ''}.json"
         write_json({"machine": machine(device), **report}, os.path.join(out, name))
     memory.states.unlink()
     memory.close()
+    return report
 
 
 if __name__ == "__main__":
@@ -301,14 +376,15 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=100)
-    parser.add_argument("--gen", type=int, default=24)
-    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--gen", type=int, default=160)
+    parser.add_argument("--num-blocks", type=int, default=1536)
     parser.add_argument("--shape", default="2,2,64",
                         help="layers,kv_heads,head_dim[,q_heads] (Llama-3-8B: 32,8,128,32); q_heads defaults to kv_heads")
     parser.add_argument("--attention", choices=["torch", "flashinfer"], default="torch",
                         help="torch: SDPA over gathered blocks; flashinfer: its paged decode/prefill over the views")
-    parser.add_argument("--map-ahead", action="store_true",
-                        help="map/unmap while the step's forward runs instead of before it")
+    parser.add_argument("--mapping", choices=sorted(MAPPINGS), default="background",
+                        help="; ".join(f"{k}: {v}" for k, v in MAPPINGS.items()))
+    parser.add_argument("--map-ahead", action="store_true", help="the old name of --mapping ahead")
     parser.add_argument("--dense", action="store_true", help="add Llama-3-8B's weight GEMMs to every layer (flashinfer)")
     parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
     args = parser.parse_args()
@@ -324,4 +400,5 @@ if __name__ == "__main__":
             raise ValueError(f"vllm_replay: --attention flashinfer needs a CUDA --device, got {args.device!r}")
         if args.attention == "torch" and q_heads != heads:
             raise ValueError(f"vllm_replay: the torch path has q_heads == kv_heads, got q_heads={q_heads}, kv_heads={heads}")
-        replay(args.trace, args.device, layers, heads, dim, q_heads, args.attention, args.map_ahead, args.dense, args.steps)
+        mapping = "ahead" if args.map_ahead else args.mapping
+        replay(args.trace, args.device, layers, heads, dim, q_heads, args.attention, mapping, args.dense, args.steps)

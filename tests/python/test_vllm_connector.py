@@ -7,6 +7,7 @@ Skips only where vllm is not importable and CI is not set; scripts/install_vllm.
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -19,7 +20,9 @@ except ImportError:
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_testing as vt  # noqa: E402
-from vkv.integrations.vllm.block_states import IN_POOL  # noqa: E402
+import torch  # noqa: E402
+
+from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED  # noqa: E402
 
 HEADROOM = 4
 
@@ -63,9 +66,11 @@ def test_every_scheduled_block_is_backed_and_reads_back():
         engine.close()
 
 
-def test_shortage_only_makes_requests_wait():
+@pytest.mark.parametrize("background", [False, True])
+def test_shortage_only_makes_requests_wait(background):
     block_bytes = engine_block_bytes()
-    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "memory_budget": 10 * block_bytes})
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "memory_budget": 10 * block_bytes,
+                            "background_mapping": background})
     waited = 0
     try:
         _trace(engine, n=10)
@@ -83,10 +88,11 @@ def engine_block_bytes():
     return vt.BLOCK * vt.LAYERS * 2 * vt.KV_HEADS * vt.HEAD_DIM * 2
 
 
-def test_same_outputs_as_vllms_fixed_pool():
+@pytest.mark.parametrize("background", [False, True])
+def test_same_outputs_as_vllms_fixed_pool(background):
     outputs = []
     for connector in (True, False):
-        engine = vt.Engine(64, {"headroom_blocks": HEADROOM}, connector=connector)
+        engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": background}, connector=connector)
         try:
             _trace(engine)
             _run(engine)
@@ -94,6 +100,128 @@ def test_same_outputs_as_vllms_fixed_pool():
         finally:
             engine.close()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("slow_jobs", [False, True])
+def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forward(slow_jobs):
+    import time
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": True})
+    memory = engine.worker._memory
+    seen, overlapped = set(), []
+    if slow_jobs:  # each job outlasts the step: the scheduler runs while it is in flight
+        job = memory.mapper._job
+
+        def slow(release, target, settle):
+            time.sleep(0.05)
+            job(release, target, settle)
+
+        memory.mapper._job = slow
+
+    def check(engine, out):
+        # The step's job may still run (it backs blocks for later steps): what this step's
+        # tables hold must already be mapped, and every block the mapper has marked BACKED
+        # (not yet in the pool) has its pages.
+        _every_scheduled_block_backed(engine, out)
+        states = memory.states.states
+        for b in map(int, (states == BACKED).nonzero()[0]):
+            assert memory.cache.mapped_pages(b) >= 1, b
+        seen.update(b for table in engine.block_tables(out).values() for b in table)
+        overlapped.append(memory.mapper.busy())
+
+    try:
+        assert memory.mapper is not None and memory.mapper._thread.is_alive()
+        _trace(engine, n=12)
+        _run(engine, check)  # the fake forward checks every token read back
+        assert memory.mapper._submitted > 10 and len(seen) > 3 * HEADROOM
+        assert all(len(v) >= 6 for v in engine.outputs.values())
+        if slow_jobs:
+            assert sum(overlapped) > len(overlapped) // 2, overlapped
+    finally:
+        engine.close()
+    assert not memory.mapper._thread.is_alive()
+
+
+def _memory(blocks=32, **kwargs):
+    from vkv.integrations.vllm.memory import BlockMemory
+    return BlockMemory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=blocks, block_size=vt.BLOCK,
+                       num_layers=vt.LAYERS, num_kv_heads=vt.KV_HEADS, head_dim=vt.HEAD_DIM, dtype=torch.float16,
+                       device="cpu", shared_budget="", memory_budget=kwargs.pop("memory_budget", 0),
+                       headroom_blocks=2, background_mapping=True, **kwargs)
+
+
+def test_background_mapping_backs_zeroed_blocks_and_gives_released_ones_back():
+    memory = _memory(memory_budget=12 * engine_block_bytes())
+    try:
+        states, buf = memory.states.states, memory.buffer()
+        memory.submit([], 20)  # more than the budget: backs what it can, no error
+        memory.wait()
+        backed = [int(b) for b in (states == BACKED).nonzero()[0]]
+        assert len(backed) == memory.backed == 11 and 0 not in backed  # + the null block = 12 pages
+        bb = memory.block_bytes
+        for b in backed:
+            assert memory.cache.mapped_pages(b) >= 1 and not buf[b * bb:(b + 1) * bb].any()
+            buf[b * bb:(b + 1) * bb] = 7
+        states[backed[:5]] = RECLAIMING  # the scheduler takes five back
+        memory.submit(backed[:5], 6)
+        memory.wait()
+        assert memory.backed == 6 and all(states[b] == UNBACKED for b in backed[:5])
+        assert all(not memory.cache.is_allocated(b) for b in backed[:5])
+        assert all((buf[b * bb:(b + 1) * bb] == 7).all() for b in backed[5:])  # the others keep their data
+        memory.submit([], 8)
+        memory.wait()
+        again = [int(b) for b in (states == BACKED).nonzero()[0] if b not in backed[5:]]
+        assert len(again) == 2 and all(not buf[b * bb:(b + 1) * bb].any() for b in again)  # backed again: zeros
+    finally:
+        memory.states.unlink()
+        memory.close()
+
+
+def test_a_failed_background_job_raises_at_the_next_hand_over():
+    memory = _memory()
+    try:
+        free = int((memory.states.states == UNBACKED).nonzero()[0][-1])
+        memory.states.states[free] = RECLAIMING  # a block the worker never backed: vkv's double free
+        memory.submit([free], 2)  # returns: the job fails on the mapper's thread
+        with pytest.raises(ValueError, match=str(free)) as raised:
+            memory.submit([], 4)
+        assert any("background mapping of job 1" in note for note in getattr(raised.value, "__notes__", []))
+        with pytest.raises(ValueError):  # and every later one: the blocks' state is not known
+            memory.wait()
+    finally:
+        memory.states.unlink()
+        memory.close()  # does not raise the job's error
+
+
+def test_close_with_a_job_in_flight_lets_it_finish_first():
+    import threading
+    import time
+
+    from vkv.integrations.vllm.mapper import BackgroundMapper
+    gate, done = threading.Event(), []
+
+    def job(release, target, settle):
+        gate.wait(30)
+        settle()
+        done.append((release, target))
+
+    mapper = BackgroundMapper(job, torch.device("cpu"))
+    mapper.submit([3], 5)
+    assert mapper.busy()
+    closer = threading.Thread(target=mapper.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive() and not done  # close() waits for the job in flight
+    gate.set()
+    closer.join(30)
+    assert done == [([3], 5)] and not mapper._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        mapper.submit([], 1)
+    # A BlockMemory closed right after a hand-over: the job ends before the cache does.
+    memory = _memory(64)
+    memory.submit([], 60)
+    memory.states.unlink()
+    memory.close()
+    assert not memory.mapper._thread.is_alive()
 
 
 def test_an_idle_engine_gives_pages_back_within_two_steps():
@@ -195,6 +323,9 @@ def test_bad_extra_config_is_one_line_naming_the_key():
         VkvConnectorConfig.from_extra_config({"headroom_blocks": 0})
     with pytest.raises(ValueError, match=r"\['shared_budget'\] = 3 must be a string"):
         VkvConnectorConfig.from_extra_config({"shared_budget": 3})
+    with pytest.raises(ValueError, match=r"\['background_mapping'\] = 1 must be true or false"):
+        VkvConnectorConfig.from_extra_config({"background_mapping": 1})
+    assert VkvConnectorConfig.from_extra_config({}).background_mapping is None  # the device decides
     assert VkvConnectorConfig.from_extra_config({"vkv_headroom_blocks": 2, "other": 1}).headroom_blocks == 2
 
 

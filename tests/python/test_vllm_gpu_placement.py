@@ -188,3 +188,64 @@ def test_close_gives_the_memory_back():
     # Every block's page and the scratch page (18 MiB) went back; 4 MiB of slack for the
     # driver's own bookkeeping (events, streams, the zero-fill module).
     assert free_after >= free_before - (4 << 20), (free_before, free_after)
+
+
+@cuda
+def test_the_background_mapper_waits_for_kernels_queued_before_the_hand_over():
+    memory = _memory()  # background mapping: on by default with CUDA
+    pool = ReservationPool(memory.buffer())
+    try:
+        assert memory.mapper is not None
+        buffer = _allocate(memory, pool)
+        views = _views(buffer)
+        states = memory.states.states
+        backed = [b for b in range(1, NUM_BLOCKS) if states[b] == BACKED]
+        block = backed[0]
+        for layer, view in enumerate(views):
+            view[block].copy_(_pattern(block, layer))
+        # A forward still reading the block when the scheduler takes it back: ~0.5 s of sleep
+        # on the current stream, then a read of the block, both queued before the hand-over.
+        torch.cuda._sleep(1 << 30)
+        read = views[0][block].clone()
+        states[block] = RECLAIMING
+        memory.submit([block], memory.backed - 1)
+        assert memory.mapper.busy() and memory.cache.mapped_pages(block) >= 1, "unmapped under a queued read"
+        memory.wait()
+        assert memory.cache.mapped_pages(block) == 0 and states[block] == UNBACKED
+        torch.cuda.synchronize()
+        assert torch.equal(read, _pattern(block, 0)), "the read queued before the hand-over lost the block"
+    finally:
+        memory.states.unlink()
+        memory.close()
+
+
+@cuda
+def test_the_background_mapper_marks_blocks_backed_only_after_their_zero_fill():
+    memory = _memory()
+    pool = ReservationPool(memory.buffer())
+    try:
+        buffer = _allocate(memory, pool)
+        views = _views(buffer)
+        states = memory.states.states
+        before = {b for b in range(1, NUM_BLOCKS) if states[b] == BACKED}
+        for view in views:  # the scratch page under every unbacked block holds garbage
+            for b in range(1, NUM_BLOCKS):
+                if b not in before:
+                    view[b].fill_(-1.0)
+        torch.cuda.synchronize()
+        memory.submit([], NUM_BLOCKS - 1)
+        seen = set()
+        while True:
+            done = not memory.mapper.busy()  # before the scan: a done job's blocks are all in it
+            # The moment a block is BACKED, a kernel on the forward's stream reads zeros there.
+            new = [b for b in range(1, NUM_BLOCKS) if states[b] == BACKED and b not in before | seen]
+            for b in new:
+                assert all(torch.count_nonzero(view[b]).item() == 0 for view in views), b
+            seen.update(new)
+            if done:
+                break
+        memory.wait()
+        assert len(seen) == NUM_BLOCKS - 1 - len(before), (seen, before)
+    finally:
+        memory.states.unlink()
+        memory.close()

@@ -7,7 +7,9 @@ exactly one writer, so single-byte stores need no lock:
     IN_POOL --scheduler takes it out of the pool--> RECLAIMING --worker unmaps it--> UNBACKED
 
 Only IN_POOL blocks can reach a block table, and only BACKED ones become IN_POOL, so vLLM
-never hands out a block whose pages are not mapped.
+never hands out a block whose pages are not mapped. The worker's transitions may run on its
+background mapper thread (mapper.py), which sets BACKED only once the pages are mapped and
+their zero-fill is complete.
 """
 
 import mmap

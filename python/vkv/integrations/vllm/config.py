@@ -1,7 +1,7 @@
 """The connector's own settings: kv_transfer_config's kv_connector_extra_config, checked."""
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 _DEFAULT_HEADROOM_BLOCKS = 8
 
@@ -17,18 +17,24 @@ class VkvConnectorConfig:
     headroom_blocks: free blocks kept backed in vLLM's pool ahead of need, so scheduling
         never waits on the driver; free blocks beyond it go back to the budget.
     device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
+    background_mapping: give back and back blocks on the worker's background mapper thread
+        (mapper.py), so that bind_connector_metadata() only hands the step's job over and the
+        forward never waits on the driver; None (unset) = on with CUDA, off on the CPU. (Not
+        vkv.KVCache's option of that name, vkv's own mapper thread, which stays as it is.)
     """
 
     shared_budget: str = ""
     memory_budget: int = 0
     headroom_blocks: int = _DEFAULT_HEADROOM_BLOCKS
     device: str = "auto"
+    background_mapping: Optional[bool] = None
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "VkvConnectorConfig":
         """Parse ``kv_connector_extra_config`` (keys prefixed ``vkv_`` or not); raises
         ValueError naming the key, its value and what it must be."""
-        known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str}
+        known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str,
+                 "background_mapping": bool}
         values = {}
         for key, value in (extra or {}).items():
             name = key[4:] if key.startswith("vkv_") else key
@@ -37,6 +43,8 @@ class VkvConnectorConfig:
             kind = known[name]
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r} must be an int")
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r} must be true or false")
             if kind is str and not isinstance(value, str):
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r} must be a string")
             values[name] = value

@@ -8,8 +8,8 @@ Loaded by configuration alone:
 Scheduler role: bind_gpu_block_pool() balloons the pool (balloon.py); every step
 build_connector_meta() releases newly backed blocks, takes back excess free ones and tells
 the worker. Worker role: the buffer is a vkv reservation (memory.py); bind_connector_metadata()
-(called before each forward) unmaps what the scheduler took back and backs ahead to the
-scheduler's target. No silent fallback: what this version cannot do raises with the reason.
+(called before each forward) hands the background mapper (mapper.py; on CUDA by default) the
+job of unmapping what the scheduler took back and backing ahead to the scheduler's target. No silent fallback: what this version cannot do raises with the reason.
 """
 
 import contextlib
@@ -155,8 +155,9 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._memory is None:
             raise RuntimeError("VkvConnector: bind_connector_metadata() before the KV buffer was made")
         meta: VkvConnectorMetadata = connector_metadata
-        self._memory.release(meta.release)
-        self._memory.grow(meta.target_backed)
+        # Called before the step's forward is queued, on its stream. With background mapping
+        # this waits for the previous step's job (raising its error) and hands this one over.
+        self._memory.submit(meta.release, meta.target_backed)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None
@@ -188,4 +189,4 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             block_size=spec.block_size, num_layers=layers, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_size, dtype=spec.dtype, device=self.settings.device,
             shared_budget=self.settings.shared_budget, memory_budget=self.settings.memory_budget,
-            headroom_blocks=self.settings.headroom_blocks)
+            headroom_blocks=self.settings.headroom_blocks, background_mapping=self.settings.background_mapping)

@@ -10,9 +10,12 @@ pages to its budget (a vkv.SharedBudget when named), as for any freed slot. On a
 cache has a writable scratch page (``scratch_page=True``) under every unbacked block, so
 vLLM's zero-fill of the whole buffer and writes to blocks it does not own do not fault;
 a block given back is scratch again, and a block backed again starts as zeros.
+
+Each step's release and backing is one job (``submit()``); on CUDA it runs on the
+background mapper's thread and stream (mapper.py), off the step's critical path.
 """
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -20,6 +23,7 @@ import vkv
 from vkv._parameters import resolve_device
 
 from .block_states import BACKED, RECLAIMING, UNBACKED, BlockStates
+from .mapper import BackgroundMapper
 
 _HOST_PAGE = 4096
 _CUDA_PAGE = 2 << 20
@@ -37,12 +41,14 @@ def block_geometry_error(block_size: int, block_bytes: int, page_bytes: int, num
 
 
 class BlockMemory:
-    """The reservation and which blocks are backed. Not thread-safe: vLLM's worker calls it
-    from its one model-runner thread."""
+    """The reservation and which blocks are backed. ``submit()``, ``wait()``, ``buffer()`` and
+    ``close()`` are for vLLM's one model-runner thread; with ``background_mapping`` the jobs run
+    on the background mapper's thread (mapper.py), otherwise on the caller's, inside ``submit()``."""
 
     def __init__(self, *, engine_id: str, num_blocks: int, block_size: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-                 shared_budget: str, memory_budget: int, headroom_blocks: int) -> None:
+                 shared_budget: str, memory_budget: int, headroom_blocks: int,
+                 background_mapping: Optional[bool] = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.block_bytes = block_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
@@ -60,46 +66,83 @@ class BlockMemory:
             # writable scratch page, mapped under all of them from the start.
             zero_page=device != "cpu", scratch_page=device != "cpu")
         assert self.cache.reserved_bytes == num_blocks * self.block_bytes, "slot b must be block b"
+        self._pages_per_block = self.block_bytes // self.cache.page_size
         self.states = BlockStates(engine_id, num_blocks)
         # vLLM's null block (0) is read by padded kernels and written by none that matter: one real page.
         null = self.cache.alloc_reqid()
         if null != 0:
             raise RuntimeError(f"vkv.integrations.vllm: the null block got vkv slot {null}, expected 0")
         self.cache.step({0: block_size})
-        self.backed = 0  # blocks other than the null block with mapped pages
+        self.backed = 0  # blocks other than the null block with mapped pages (the job's thread writes it)
         self.grow(headroom_blocks)
+        if background_mapping is None:
+            background_mapping = device != "cpu"
+        self.mapper = BackgroundMapper(self._job, torch.device(device)) if background_mapping else None
 
     def buffer(self) -> torch.Tensor:
         """The whole reservation as vLLM's flat int8 backing buffer (``num_blocks * block_bytes``)."""
         return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
 
-    def grow(self, target: int) -> int:
-        """Back blocks until ``target`` are backed or the budget says no; marks them BACKED
+    def submit(self, release: List[int], target: int) -> None:
+        """What ``bind_connector_metadata()`` does each step: unmap ``release`` (blocks the
+        scheduler took back, RECLAIMING) and back blocks up to ``target``. With background
+        mapping this waits for the previous step's job (raising its exception), hands this one
+        to the mapper and returns; otherwise it does the job now. Call before queueing the
+        step's forward, on its stream."""
+        if self.mapper is not None:
+            self.mapper.submit(release, target)
+        else:
+            self._job(release, target, None)
+
+    def wait(self) -> None:
+        """Until the job in flight is done (raising its exception); at once without background mapping."""
+        if self.mapper is not None:
+            self.mapper.wait()
+
+    def _job(self, release: List[int], target: int, settle: Optional[Callable[[], None]]) -> None:
+        self.release(release)
+        self.grow(target, settle)
+
+    def grow(self, target: int, settle: Optional[Callable[[], None]] = None) -> int:
+        """Back blocks until ``target`` are backed or the budget says no, in one ``step()``;
+        ``settle()`` (the background mapper's stream sync) runs before they are marked BACKED
         for the scheduler. Returns how many it backed now."""
-        done = 0
-        while self.backed < min(target, self.num_blocks - 1):
-            slot = self.cache.alloc_reqid()
+        want = min(target, self.num_blocks - 1) - self.backed
+        while want > 0:
+            slots = self.cache.alloc_reqids(want)
             try:
-                self.cache.step({slot: self.block_size})
-            except MemoryError:
-                self.cache.free_reqid(slot)  # a shortage: the scheduler keeps what it has
-                break
-            assert self.states.states[slot] == UNBACKED, f"block {slot} was handed out unbacked"
-            self.states.states[slot] = BACKED
-            self.backed += 1
-            done += 1
-        return done
+                self.cache.step(dict.fromkeys(slots, self.block_size))
+            except MemoryError as error:
+                # A shortage: nothing changed; try again with what the budget has (the
+                # scheduler keeps what it has when that is nothing).
+                for slot in slots:
+                    self.cache.free_reqid(slot)
+                missing = getattr(error, "missing_pages", 0)
+                want -= max(1, -(-missing // self._pages_per_block))
+                continue
+            if settle is not None:
+                settle()  # their zero-fill is done before any forward can be given them
+            states = self.states.states
+            assert (states[slots] == UNBACKED).all(), f"blocks {slots} were handed out unbacked"
+            states[slots] = BACKED
+            self.backed += len(slots)
+            return len(slots)
+        return 0
 
     def release(self, blocks: List[int]) -> int:
         """Unmap blocks the scheduler took out of its pool; returns the bytes given back."""
         if not blocks:
             return 0
+        states = self.states.states
         for block in blocks:
-            assert self.states.states[block] == RECLAIMING, f"block {block} released while in use"
+            assert states[block] == RECLAIMING, f"block {block} released while in use"
             self.cache.free_reqid(block)
-            self.states.states[block] = UNBACKED
+            states[block] = UNBACKED
         self.backed -= len(blocks)
         return self.cache.trim()
 
     def close(self) -> None:
+        """Stop the background mapper (its job in flight finishes first), then the cache."""
+        if self.mapper is not None:
+            self.mapper.close()
         self.cache.close()
