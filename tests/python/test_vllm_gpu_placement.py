@@ -98,7 +98,9 @@ def _views(buffer: torch.Tensor):
 
 def _allocate(memory: BlockMemory, pool: ReservationPool) -> torch.Tensor:
     with pool.context():  # what vLLM's allocate_kv_cache() does inside get_mem_pool_context()
-        return torch.zeros(NUM_BLOCKS * memory.block_bytes, dtype=torch.int8, device="cuda")
+        buffer = torch.zeros(NUM_BLOCKS * memory.block_bytes, dtype=torch.int8, device="cuda")
+    assert buffer.data_ptr() == memory.buffer().data_ptr(), "torch.zeros did not return the reservation"
+    return buffer
 
 
 def _pattern(block: int, layer: int) -> torch.Tensor:
