@@ -43,7 +43,18 @@ class BudgetMembership final : public PageAccount {
     std::function<void(std::size_t)> give_back;  ///< release up to that many bytes
     std::function<void()> idle;                  ///< called every `idle_period` with no request (may be null)
     std::chrono::milliseconds idle_period{0};
+    /// Gives back one chunk unasked; returns whether more is left (may be null). Called for
+    /// `pressure_period` after another member asked, between requests, every kTrimPoll
+    /// while it has nothing to give.
+    std::function<bool()> trim;
+    std::chrono::milliseconds pressure_period{0};
   };
+  /// How often a member under pressure looks for pages to give back unasked (its freed
+  /// requests' pages become free once the device work reading them is done).
+  static constexpr std::chrono::milliseconds kTrimPoll{2};
+  /// How often an asker counts dead members out while it waits (each look reads /proc per
+  /// member, under the budget's lock: not at every release it is woken for).
+  static constexpr std::chrono::milliseconds kReapPeriod{10};
   /// How long an asker waits for the others' answers at most (a member that never
   /// answers, e.g. a stopped process, costs no more).
   static constexpr std::chrono::milliseconds kAskTimeout{200};
@@ -103,7 +114,10 @@ class BudgetMembership final : public PageAccount {
  private:
   std::size_t take_claimed(std::size_t pages) noexcept;
   void watch(std::uint32_t seen) noexcept;
-  void answer(std::uint32_t request) noexcept;
+  // Returns whether another member (or a resize) wanted pages.
+  bool answer(std::uint32_t request) noexcept;
+  // Callbacks::trim, its errors logged; returns whether more is left.
+  bool trim_once() noexcept;
 
   std::string name_;
   SharedMapping mapping_;
