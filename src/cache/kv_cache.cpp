@@ -296,13 +296,11 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   slot.free_event_stream = stream;
   std::vector<Page> pages;
   unmap_tail(slot_index, 0, pages);
-  for (const Page& page : pages) {
-    if (return_to_device) {
-      pool_.release(page);
-    } else {
-      pool_.give_back(page);
-    }
+  if (return_to_device) {
+    pool_.release_all(pages);  // counted back to a shared budget once
+    return;
   }
+  for (const Page& page : pages) pool_.give_back(page);
 }
 
 // ---- the public calls: the fork check, then the part that does the work ------------
