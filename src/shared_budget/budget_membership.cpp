@@ -117,6 +117,7 @@ std::size_t BudgetMembership::reap_dead() noexcept {
 }
 
 void BudgetMembership::ask(std::size_t pages, std::size_t needed) {
+  last_ask_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count());
   const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_);
   BudgetSegment& segment = ledger_.segment();
   const auto begin = std::chrono::steady_clock::now();
@@ -157,7 +158,10 @@ void BudgetMembership::watch(std::uint32_t seen) noexcept {
   while (!stopping_.load()) {
     const std::uint32_t request = segment.requests.load();
     if (request == seen) {
-      const bool pressed = trims && Clock::now() < pressure_until;
+      const Clock::time_point now = Clock::now();
+      const Clock::time_point asked_at{Clock::duration(last_ask_ns_.load())};
+      const bool short_itself = last_ask_ns_.load() != 0 && now - asked_at < callbacks_.pressure_period;
+      const bool pressed = trims && now < pressure_until && !short_itself;
       if (pressed && more) {  // the next chunk at once; a request in between goes first
         more = trim_once();
         continue;

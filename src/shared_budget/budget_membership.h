@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <thread>
@@ -45,7 +46,8 @@ class BudgetMembership final : public PageAccount {
     std::chrono::milliseconds idle_period{0};
     /// Gives back one chunk unasked; returns whether more is left (may be null). Called for
     /// `pressure_period` after another member asked, between requests, every kTrimPoll
-    /// while it has nothing to give.
+    /// while it has nothing to give; not while this member asked within `pressure_period`
+    /// itself (it is short too: what it gave it would ask back).
     std::function<bool()> trim;
     std::chrono::milliseconds pressure_period{0};
   };
@@ -125,6 +127,7 @@ class BudgetMembership final : public PageAccount {
   std::size_t page_bytes_;
   std::size_t member_ = 0;
   std::atomic<std::size_t> claimed_pages_{0};  // held in the books, not yet pages
+  std::atomic<std::int64_t> last_ask_ns_{0};   // steady_clock of this member's last ask (0: none)
   Callbacks callbacks_;
   std::atomic<bool> stopping_{false};
   std::thread watcher_;

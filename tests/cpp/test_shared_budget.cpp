@@ -528,6 +528,38 @@ TEST_P(SharedBudgetCacheTest, AMemberUnderPressureTrimsToItsHeadroomUnasked) {
   expect_books_add_up({&a, b.get()});
 }
 
+// A member that asked the others itself within shared_budget_pressure_ms is short too: it
+// answers what is asked of it and gives nothing unasked (it would only ask it back).
+TEST_P(SharedBudgetCacheTest, AMemberShortItselfGivesNothingUnasked) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  config.shared_budget_pressure_ms = 10000;
+  config.eager_tokens = tokens(1);
+  config.background_mapping = false;
+  std::string why_not;
+  KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  auto b = member();
+  const std::size_t old = b->alloc_reqid();
+  b->step(lens({{old, tokens(3)}}));
+  b->free_reqid(old);
+  b->step(lens({}));  // b caches 3 pages per region
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t first = a.alloc_reqid();
+  a.step(lens({{kept, tokens(1)}, {first, tokens(5)}}));  // 5 free, 1 asked of b
+  ASSERT_EQ(a.stats().budget_asks.calls, 1u);
+  a.free_reqid(first);
+  a.step(lens({{kept, tokens(1)}}));  // a caches 5
+  const std::size_t slot = b->alloc_reqid();
+  b->step(lens({{slot, tokens(4)}}));  // b's own 2, then 2 asked of a
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const CacheStats stats = a.stats();
+  EXPECT_EQ(stats.budget_handoff.answers, 1u);
+  EXPECT_EQ(stats.budget_handoff.pressure_pages, 0u);
+  EXPECT_EQ(stats.pages_created, 6 * regions() - stats.budget_handoff.answer_pages);
+  EXPECT_GT(stats.pages_created, 3 * regions());  // above its request's page and its headroom: kept
+  expect_books_add_up({&a, b.get()});
+}
+
 // Without shared_budget_pressure_ms nothing is given unasked: an answer gives what was
 // asked (in chunks), the rest stays cached for the member's own next requests.
 TEST_P(SharedBudgetCacheTest, WithoutPressureMsAMemberKeepsWhatWasNotAsked) {
