@@ -65,8 +65,7 @@ Result run(const std::string& name, std::size_t pages, std::size_t chunk, bool r
   for (std::size_t given = 0; given < pages; given += chunk) {
     const std::size_t now = std::min(chunk, pages - given);
     const auto spin = Clock::now() + std::chrono::nanoseconds(static_cast<long long>(driver_us * 1000 * now));
-    while (Clock::now() < spin) {
-    }
+    while (Clock::now() < spin) {}
     const auto start = Clock::now();
     giver.release(giving, now * page);
     counting_us += micros(Clock::now() - start);
@@ -89,9 +88,10 @@ int main(int argc, char** argv) {
   }
   const std::string name = "vkv-count-cost-" + std::to_string(getpid());
   vkv::SharedBudget::create(name, pages * (2 << 20), vkv::Device{vkv::Device::Kind::host, 0});
-  std::printf("%zu pages given while the other member waits for them, %.0f us of driver work a page spun; "
-              "median of %zu rounds, %u cores\n",
-              pages, driver_us, rounds, std::thread::hardware_concurrency());
+  std::printf(
+      "%zu pages given while the other member waits for them, %.0f us of driver work a page spun; "
+      "median of %zu rounds, %u cores\n",
+      pages, driver_us, rounds, std::thread::hardware_concurrency());
   std::printf("| counted back | asker reaps | books per page given (us) | ask wait (ms) |\n|---|---|---|---|\n");
   for (const std::size_t chunk : {std::size_t{1}, std::size_t{32}}) {
     for (const bool every_wake : {true, false}) {

@@ -103,13 +103,11 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   if (membership_) {
     const std::chrono::milliseconds idle(config_.shared_budget_idle_ms);
     const std::chrono::milliseconds pressure(config_.shared_budget_pressure_ms);
-    membership_->start_watching({[this] { return cached_bytes_for_budget(); },
-                                 [this](std::size_t bytes) { give_back_to_budget(bytes); },
-                                 idle.count() > 0 ? std::function<void()>([this] { release_when_idle(); }) : nullptr,
-                                 std::max(std::chrono::milliseconds(1), idle / 4),
-                                 pressure.count() > 0 ? std::function<bool()>([this] { return trim_under_pressure(); })
-                                                      : nullptr,
-                                 pressure});
+    membership_->start_watching(
+        {[this] { return cached_bytes_for_budget(); }, [this](std::size_t bytes) { give_back_to_budget(bytes); },
+         idle.count() > 0 ? std::function<void()>([this] { release_when_idle(); }) : nullptr,
+         std::max(std::chrono::milliseconds(1), idle / 4),
+         pressure.count() > 0 ? std::function<bool()>([this] { return trim_under_pressure(); }) : nullptr, pressure});
   }
 }
 

@@ -219,8 +219,7 @@ std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vec
       std::vector<Page> pages;
       const auto start = Clock::now();
       // One victim's tail, at most a chunk: one cuMemUnmap per region over the whole run.
-      const bool found =
-          reclaim_coldest(pages, std::min(kReleaseChunkPages, wanted - released), *pass, kinds);
+      const bool found = reclaim_coldest(pages, std::min(kReleaseChunkPages, wanted - released), *pass, kinds);
       release_times_.unmap_ns += since(start);
       if (!found) break;
       release(pages);

@@ -175,8 +175,8 @@ std::size_t PagePool::release_all(const std::vector<Page>& pages, ReleaseTimes* 
   const auto counting = Clock::now();
   count_released(released);
   if (times != nullptr) {
-    times->release_ns += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(counting - start).count());
+    times->release_ns +=
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(counting - start).count());
     times->count_ns += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - counting).count());
   }

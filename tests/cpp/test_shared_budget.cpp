@@ -496,8 +496,8 @@ TEST_P(SharedBudgetCacheTest, AMemberUnderPressureTrimsToItsHeadroomUnasked) {
   CacheConfig config = config_;
   config.shared_budget = name_.str();
   config.shared_budget_pressure_ms = 10000;
-  config.eager_tokens = tokens(1);      // its next prompt: 1 page; its headroom: 2 per region
-  config.background_mapping = false;    // nothing mapped ahead of its running request
+  config.eager_tokens = tokens(1);    // its next prompt: 1 page; its headroom: 2 per region
+  config.background_mapping = false;  // nothing mapped ahead of its running request
   std::string why_not;
   KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
   auto b = member();
