@@ -6,7 +6,8 @@
 # the kill. About 5 minutes after the build (the demo stops at 8). The summary also splits
 # the answers' time (unmap / release / count back) and shows, per engine, its bursts and the
 # memory it held and used while the other's last burst ran: what bounds the makespan.
-# --pressure-ms 0 (an argument for the demo) runs it as before shared_budget_pressure_ms.
+# --pressure-ms 0 (an argument for the demo) runs it as before shared_budget_pressure_ms;
+# VKV_HANDOFF_COST=1 adds benchmarks/handoff_cost.py (one ask of N pages, its split).
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine.sh OUT_DIR [demo arguments...]
 #   VKV_BUILD_ONLY=1 scripts/gpu/multi_engine.sh OUT_DIR    # the build alone, on a fresh machine
 # Writes OUT_DIR/summary.txt (the goal table and the hand-off's breakdown) and
@@ -29,6 +30,11 @@ echo "cores $(nproc); commit ${commit:-unknown}" | tee -a "$out/gpu.txt"
 install_vkv || { echo "build failed"; exit 1; }
 [ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first call that only builds (the next one skips it)
 step multi_engine "${VKV_MULTI_SECONDS:-480}" env PYTHONUNBUFFERED=1 python3 -m vkv.demo.multi --preset h100 --no-progress --out "$out" "$@"
+# VKV_HANDOFF_COST=1: then one ask of 32 / 128 / 512 pages between two processes, the
+# answer's time per page split (benchmarks/handoff_cost.py, about a minute).
+if [ -n "${VKV_HANDOFF_COST:-}" ]; then
+  step handoff_cost 180 python3 "$PWD/benchmarks/handoff_cost.py" --device cuda --out "$out"
+fi
 
 python3 - "$out" > "$top/summary.txt" <<'EOF'
 import glob, json, sys
