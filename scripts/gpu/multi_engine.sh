@@ -109,6 +109,13 @@ if shared:
         print(f"  {name}: {' / '.join(f'{b:.2f}' for b in result['bursts_s'])}; {' | '.join(points)}; "
               f"step() total {sum(result['step_us']) / 1e6:.2f} s, of it > 1 ms {sum(x for x in result['step_us'] if x > 1000) / 1e6:.2f} s; "
               f"GPU busy {s['gpu_busy_pct']:.0f}%, decode step p50 {s['decode_step_ms_p50']:.2f} ms, TTFT p50 {s['ttft_p50_ms']:.0f} ms")
+        slow = result.get("slow_steps") or {}
+        if slow.get("steps"):
+            parts = ", ".join(f"{key[:-3]} {slow.get(key, 0) / 1e9:.2f}" for key in
+                              ("ask_ns", "lock_wait_ns", "mapper_wait_ns", "map_ns", "event_wait_ns", "fills_ns",
+                               "plan_ns", "finish_ns"))
+            print(f"     its {slow['steps']:.0f} steps over 1 ms: {slow['wall_ns'] / 1e9:.2f} s, of it (s) {parts}; "
+                  f"{slow.get('pages_mapped', 0):.0f} pages mapped")
 EOF
 cat "$top/summary.txt"
 cp "$top/summary.txt" "$out/"

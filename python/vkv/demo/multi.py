@@ -110,6 +110,9 @@ class MeasuredStore(VkvStore):
         self.samples: List[tuple] = []   # (seconds since the common start, bytes created, bytes in use)
         self.asks_ms: List[float] = []   # per ask: the wait for the other members' pages
         self.step_us: List[float] = []
+        # Steps over 1 ms: how many, and their last_step_profile() phases summed (ns), with
+        # the wait for the others' pages: where a slow step's time went.
+        self.slow_steps: Dict[str, float] = {}
         stats = self.cache.stats()
         asks = stats["budget_asks"]
         self._asks, self._asks_seconds, self._next_sample = asks["calls"], asks["seconds"], 0.0
@@ -133,6 +136,15 @@ class MeasuredStore(VkvStore):
         if took > 50e-6 or now >= self._next_sample:
             stats = self.cache.stats()
             asks = stats["budget_asks"]
+            if took > 1e-3:
+                profile = self.cache.last_step_profile()
+                slow = self.slow_steps
+                slow["steps"] = slow.get("steps", 0) + 1
+                slow["wall_ns"] = slow.get("wall_ns", 0) + took * 1e9
+                slow["ask_ns"] = slow.get("ask_ns", 0) + (asks["seconds"] - self._asks_seconds) * 1e9
+                for key, value in profile.items():
+                    if key.endswith("_ns") and not key.startswith(("free", "alloc")) or key == "pages_mapped":
+                        slow[key] = slow.get(key, 0) + value
             if asks["calls"] > self._asks:  # one step asks at most once
                 self.asks_ms.append((asks["seconds"] - self._asks_seconds) * 1e3)
             self._asks, self._asks_seconds = asks["calls"], asks["seconds"]
@@ -180,7 +192,8 @@ def engine_main(name: str, spec: dict, connection) -> None:
                     torch.cuda.empty_cache()
             connection.send(("result", {
                 "summary": result.summary(), "finished_s": finished, "bursts_s": burst_times(result.requests, phase),
-                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us, "handoff": handoff}))
+                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us, "handoff": handoff,
+                "slow_steps": store.slow_steps}))
     except Exception:  # noqa: BLE001 (the parent reports it)
         connection.send(("error", traceback.format_exc()))
 
