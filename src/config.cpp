@@ -88,6 +88,11 @@ void validate(const CacheConfig& config) {
               " needs a shared_budget (it gives pages back to one)");
   VKV_EXPECTS(config.shared_budget_idle_ms <= kMaxIdleMs, "shared_budget_idle_ms = ", config.shared_budget_idle_ms,
               " exceeds ", kMaxIdleMs, " (a day)");
+  VKV_EXPECTS(config.shared_budget_pressure_ms == 0 || !config.shared_budget.empty(),
+              "shared_budget_pressure_ms = ", config.shared_budget_pressure_ms,
+              " needs a shared_budget (it gives pages back to one)");
+  VKV_EXPECTS(config.shared_budget_pressure_ms <= kMaxIdleMs,
+              "shared_budget_pressure_ms = ", config.shared_budget_pressure_ms, " exceeds ", kMaxIdleMs, " (a day)");
   if (!config.shared_budget.empty()) {
     try {
       detail::budget_object_name(config.shared_budget);

@@ -87,7 +87,12 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
   X(shared_budget_idle_ms, std::size_t, 0,                                                                            \
     "with shared_budget: after this many milliseconds without a step(), the cache gives its freed requests' pages "   \
     "and its free pages back to the budget on its own, so that a busy member finds them free without asking; "        \
-    "0 = only when asked")
+    "0 = only when asked")                                                                                            \
+  X(shared_budget_pressure_ms, std::size_t, 0,                                                                        \
+    "with shared_budget: for this many milliseconds after another member asked for pages, the cache's watcher "       \
+    "thread gives its free pages and its freed requests' pages back on its own, in chunks, down to a headroom "       \
+    "(twice its next prompt's pages), so that the other's next steps find them free; not while it asked the "         \
+    "others itself within that time; 0 = only what is asked")
 
 /// What a KV cache looks like. Plain data; validate() checks it field by field.
 struct CacheConfig {

@@ -99,6 +99,16 @@ struct CacheStats {
     std::uint64_t answer_pages_in_calls = 0;  ///< pages this cache's own calls gave back mid-mapping, for a
                                               ///< watcher waiting for their lock
     std::uint64_t idle_pages = 0;             ///< pages given back unasked after idling (shared_budget_idle_ms)
+    /// Of answer_ns, where the pages' own time went: unmapping them (choosing the victims and
+    /// their zero-fills included), releasing them to the device, counting them back to the
+    /// budget (its lock, waking the askers); the rest is the pledge and waits above.
+    std::uint64_t answer_unmap_ns = 0;
+    std::uint64_t answer_release_ns = 0;
+    std::uint64_t answer_count_ns = 0;
+    /// Pages given back unasked while another member asked recently (shared_budget_pressure_ms),
+    /// and the watcher's time doing so (its waits for device work included).
+    std::uint64_t pressure_pages = 0;
+    std::uint64_t pressure_ns = 0;
   } budget_handoff;
   BackendStats backend;
 

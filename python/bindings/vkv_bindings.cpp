@@ -456,6 +456,11 @@ py::dict stats(const KvCache& cache) {
   handoff["answer_event_wait_seconds"] = static_cast<double>(stats.budget_handoff.answer_event_wait_ns) / 1e9;
   handoff["answer_pages_in_calls"] = stats.budget_handoff.answer_pages_in_calls;
   handoff["idle_pages"] = stats.budget_handoff.idle_pages;
+  handoff["answer_unmap_seconds"] = static_cast<double>(stats.budget_handoff.answer_unmap_ns) / 1e9;
+  handoff["answer_release_seconds"] = static_cast<double>(stats.budget_handoff.answer_release_ns) / 1e9;
+  handoff["answer_count_seconds"] = static_cast<double>(stats.budget_handoff.answer_count_ns) / 1e9;
+  handoff["pressure_pages"] = stats.budget_handoff.pressure_pages;
+  handoff["pressure_seconds"] = static_cast<double>(stats.budget_handoff.pressure_ns) / 1e9;
   out["budget_handoff"] = handoff;
   py::dict backend;
   backend["reserve"] = call_stats(stats.backend.reserve);

@@ -51,6 +51,7 @@ class CacheConfig:
         backend_statistics: bool = True,
         shared_budget: str = '',
         shared_budget_idle_ms: int = 0,
+        shared_budget_pressure_ms: int = 0,
     ) -> None: ...
     @staticmethod
     def fields() -> List[Tuple[str, str, Any, str]]: ...
@@ -101,6 +102,8 @@ class CacheConfig:
     """name of a shared budget (vkv.SharedBudget) to draw pages from, with the caches of other engines on the device; '' = none. memory_budget, when set, caps this cache within it"""
     shared_budget_idle_ms: int
     """with shared_budget: after this many milliseconds without a step(), the cache gives its freed requests' pages and its free pages back to the budget on its own, so that a busy member finds them free without asking; 0 = only when asked"""
+    shared_budget_pressure_ms: int
+    """with shared_budget: for this many milliseconds after another member asked for pages, the cache's watcher thread gives its free pages and its freed requests' pages back on its own, in chunks, down to a headroom (twice its next prompt's pages), so that the other's next steps find them free; not while it asked the others itself within that time; 0 = only what is asked"""
 # -- end of generated part --
 
 class KvCache:

@@ -3,7 +3,11 @@
 # halves, one shared budget, engine A solo, engine B SIGKILLed mid-burst) and the hand-off
 # goal of issue 30 item 7: per engine the ask wait (stats()['budget_asks'], per ask) p99
 # <= 5 ms and max <= 10 ms, combined throughput >= 1.3x the static split, nothing lost at
-# the kill. About 5 minutes after the build (the demo stops at 8).
+# the kill. About 5 minutes after the build (the demo stops at 8). The summary also splits
+# the answers' time (unmap / release / count back) and shows, per engine, its bursts and the
+# memory it held and used while the other's last burst ran: what bounds the makespan.
+# --pressure-ms 0 (an argument for the demo) runs it as before shared_budget_pressure_ms;
+# VKV_HANDOFF_COST=1 adds benchmarks/handoff_cost.py (one ask of N pages, its split).
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine.sh OUT_DIR [demo arguments...]
 #   VKV_BUILD_ONLY=1 scripts/gpu/multi_engine.sh OUT_DIR    # the build alone, on a fresh machine
 # Writes OUT_DIR/summary.txt (the goal table and the hand-off's breakdown) and
@@ -26,6 +30,11 @@ echo "cores $(nproc); commit ${commit:-unknown}" | tee -a "$out/gpu.txt"
 install_vkv || { echo "build failed"; exit 1; }
 [ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first call that only builds (the next one skips it)
 step multi_engine "${VKV_MULTI_SECONDS:-480}" env PYTHONUNBUFFERED=1 python3 -m vkv.demo.multi --preset h100 --no-progress --out "$out" "$@"
+# VKV_HANDOFF_COST=1: then one ask of 32 / 128 / 512 pages between two processes, the
+# answer's time per page split (benchmarks/handoff_cost.py, about a minute).
+if [ -n "${VKV_HANDOFF_COST:-}" ]; then
+  step handoff_cost 180 python3 "$PWD/benchmarks/handoff_cost.py" --device cuda --out "$out"
+fi
 
 python3 - "$out" > "$top/summary.txt" <<'EOF'
 import glob, json, sys
@@ -67,18 +76,46 @@ if "kill" in r["phases"]:
 print(f"left after every phase: {r['left_after']['used_bytes']} bytes used, {len(r['left_after']['members'])} members")
 print("\nhand-off breakdown (totals per engine and phase; ms):")
 print("| phase | engine | asks | ask wait | of it: own lock | answers | answering | of it: waiting for its lock "
-      "| of it: device work | pages given | of them: by its own calls | given unasked when idle |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "| of it: device work | of it: unmap / release / count | pages given | of them: by its own calls "
+      "| given unasked when idle | given under pressure (ms) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for phase, variants in r["phases"].items():
     for label, results in variants.items():
         for name, result in results.items():
             h = result.get("handoff")
-            if not h or not (h["asks"] or h["answers"] or h.get("idle_pages")):
+            if not h or not (h["asks"] or h["answers"] or h.get("idle_pages") or h.get("pressure_pages")):
                 continue
+            split = " / ".join(f"{h.get(key, 0) * 1e3:.1f}" for key in
+                               ("answer_unmap_seconds", "answer_release_seconds", "answer_count_seconds"))
             print(f"| {label} | {name} | {h['asks']} | {h['ask_seconds'] * 1e3:.1f} | {h['ask_relock_seconds'] * 1e3:.1f} "
                   f"| {h['answers']} | {h['answer_seconds'] * 1e3:.1f} | {h['answer_lock_wait_seconds'] * 1e3:.1f} "
-                  f"| {h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} "
-                  f"| {h.get('idle_pages', 0)} |")
+                  f"| {h['answer_event_wait_seconds'] * 1e3:.1f} | {split} | {h['answer_pages']} "
+                  f"| {h['answer_pages_in_calls']} | {h.get('idle_pages', 0)} "
+                  f"| {h.get('pressure_pages', 0)} ({h.get('pressure_seconds', 0) * 1e3:.1f}) |")
+# What bounds the makespan: each engine's bursts, and per engine the memory it held and
+# used while the other's last burst ran (the samples: seconds, bytes created, bytes in use).
+shared = r["phases"].get("shared", {}).get("shared", {})
+if shared:
+    print("\nshared phase, per engine: bursts served in (s); at the last burst's start + 0/1/2/3 s: "
+          "held / in use MiB")
+    last = max(result["finished_s"] - result["bursts_s"][-1] for result in shared.values() if "bursts_s" in result)
+    for name, result in shared.items():
+        samples = np.array(result.get("samples") or [[0, 0, 0]])
+        points = []
+        for offset in (0, 1, 2, 3):
+            i = min(np.searchsorted(samples[:, 0], last + offset), len(samples) - 1)
+            points.append(f"{samples[i, 1] / 2**20:.0f} / {samples[i, 2] / 2**20:.0f}")
+        s = result["summary"]
+        print(f"  {name}: {' / '.join(f'{b:.2f}' for b in result['bursts_s'])}; {' | '.join(points)}; "
+              f"step() total {sum(result['step_us']) / 1e6:.2f} s, of it > 1 ms {sum(x for x in result['step_us'] if x > 1000) / 1e6:.2f} s; "
+              f"GPU busy {s['gpu_busy_pct']:.0f}%, decode step p50 {s['decode_step_ms_p50']:.2f} ms, TTFT p50 {s['ttft_p50_ms']:.0f} ms")
+        slow = result.get("slow_steps") or {}
+        if slow.get("steps"):
+            parts = ", ".join(f"{key[:-3]} {slow.get(key, 0) / 1e9:.2f}" for key in
+                              ("ask_ns", "lock_wait_ns", "mapper_wait_ns", "map_ns", "event_wait_ns", "fills_ns",
+                               "plan_ns", "finish_ns"))
+            print(f"     its {slow['steps']:.0f} steps over 1 ms: {slow['wall_ns'] / 1e9:.2f} s, of it (s) {parts}; "
+                  f"{slow.get('pages_mapped', 0):.0f} pages mapped")
 EOF
 cat "$top/summary.txt"
 cp "$top/summary.txt" "$out/"

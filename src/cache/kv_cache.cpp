@@ -102,10 +102,12 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   if (config.background_mapping) mapper_ = std::make_unique<Mapper>([this] { return background_work(); });
   if (membership_) {
     const std::chrono::milliseconds idle(config_.shared_budget_idle_ms);
-    membership_->start_watching({[this] { return cached_bytes_for_budget(); },
-                                 [this](std::size_t bytes) { give_back_to_budget(bytes); },
-                                 idle.count() > 0 ? std::function<void()>([this] { release_when_idle(); }) : nullptr,
-                                 std::max(std::chrono::milliseconds(1), idle / 4)});
+    const std::chrono::milliseconds pressure(config_.shared_budget_pressure_ms);
+    membership_->start_watching(
+        {[this] { return cached_bytes_for_budget(); }, [this](std::size_t bytes) { give_back_to_budget(bytes); },
+         idle.count() > 0 ? std::function<void()>([this] { release_when_idle(); }) : nullptr,
+         std::max(std::chrono::milliseconds(1), idle / 4),
+         pressure.count() > 0 ? std::function<bool()>([this] { return trim_under_pressure(); }) : nullptr, pressure});
   }
 }
 
@@ -292,13 +294,11 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   slot.free_event_stream = stream;
   std::vector<Page> pages;
   unmap_tail(slot_index, 0, pages);
-  for (const Page& page : pages) {
-    if (return_to_device) {
-      pool_.release(page);
-    } else {
-      pool_.give_back(page);
-    }
+  if (return_to_device) {
+    pool_.release_all(pages);  // counted back to a shared budget once
+    return;
   }
+  for (const Page& page : pages) pool_.give_back(page);
 }
 
 // ---- the public calls: the fork check, then the part that does the work ------------

@@ -299,7 +299,9 @@ class KvCache::Impl {
   void serve_give_back(const std::vector<std::size_t>& floors);
   // With the lock held: releases up to `wanted` pages, free pages first, then from slots of
   // `kinds` above `floors` whose last readers are done, then (`may_wait`) from the others,
-  // waiting for their readers; returns how many.
+  // waiting for their readers; returns how many. In chunks of kReleaseChunkPages, each
+  // counted back to the budget as it goes (release_times_ adds up where the time went).
+  static constexpr std::size_t kReleaseChunkPages = 32;  // ~1 ms of driver calls on an H100
   std::size_t release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors, detail::VictimKinds kinds,
                                  bool may_wait);
   // The watcher's, every shared_budget_idle_ms / 4 without a request: once no step() came
@@ -308,6 +310,16 @@ class KvCache::Impl {
   void release_when_idle();
   // Tells the budget what allocated slots claim now (after calls that change claims).
   void publish_in_use() noexcept;
+  // The watcher's, while another member asked within shared_budget_pressure_ms: releases
+  // one chunk of free pages and freed slots' pages above budget_trim_headroom() (waiting
+  // for their readers with the lock released where none is ready). Skips when a call holds
+  // the lock. Returns whether more is left above the headroom.
+  bool trim_under_pressure();
+  // Pages a member under pressure keeps free or in freed slots: twice what its next prompt
+  // maps (eager allocation's estimate), so that its own next admissions do not ask back.
+  std::size_t budget_trim_headroom() const;
+  // Free pages and freed slots' pages above their floors (what trim_under_pressure() may give).
+  std::size_t freed_cached_pages(const std::vector<std::size_t>& floors) const;
 
   // ---- the mapper's work (kv_cache_background_plan.cpp, kv_cache_background_units.cpp) ------------
   // A unit's exit, however it leaves (done or thrown): the lock held again, its slot no
@@ -355,6 +367,11 @@ class KvCache::Impl {
   std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
   CacheStats::BudgetHandoff budget_handoff_;
+  // release_for_budget()'s time so far: unmapping (victims' choice and fills included), the
+  // backend's releases, counting them back to the budget.
+  struct ReleaseTimes {
+    std::uint64_t unmap_ns = 0, release_ns = 0, count_ns = 0;
+  } release_times_;
   std::chrono::steady_clock::time_point last_step_at_ = std::chrono::steady_clock::now();
   bool idle_released_ = false;                    // release_when_idle() ran since the last step()
   std::atomic<int> steps_waiting_{0};             // step() calls waiting for the lock

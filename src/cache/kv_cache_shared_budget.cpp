@@ -91,6 +91,7 @@ void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   };
   lock_or_post();
   std::uint64_t event_wait_before = event_wait_ns_;
+  const ReleaseTimes times_before = release_times_;  // what the owner's calls give meanwhile serves this answer too
   // Pages the mapper is moving are in no slot's books nor in the pool: they are left alone,
   // and so is a slot it works on (choose_victim() skips busy slots). No wait for it.
   auto wanted = [&] { return (bytes + page - 1) / page; };
@@ -114,6 +115,9 @@ void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
                                    detail::VictimKinds::freed_then_surplus, /*may_wait=*/true);
   }
   publish_in_use();
+  budget_handoff_.answer_unmap_ns += release_times_.unmap_ns - times_before.unmap_ns;
+  budget_handoff_.answer_release_ns += release_times_.release_ns - times_before.release_ns;
+  budget_handoff_.answer_count_ns += release_times_.count_ns - times_before.count_ns;
   budget_handoff_.answers += 1;
   budget_handoff_.answer_pages += released;
   budget_handoff_.answer_lock_wait_ns += lock_wait_ns;
@@ -178,7 +182,28 @@ void KvCache::Impl::serve_give_back(const std::vector<std::size_t>& floors) {
 
 std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors,
                                               detail::VictimKinds kinds, bool may_wait) {
-  std::size_t released = pool_.trim(pool_.free_pages() - std::min(pool_.free_pages(), wanted));
+  using Clock = std::chrono::steady_clock;
+  auto since = [](Clock::time_point from) {
+    return static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count());
+  };
+  // In chunks, each counted back to the budget as soon as it is released: an asker waiting
+  // for a few pages goes on after the first chunk, not after the whole answer (on a GPU,
+  // ~30 us a page of unmapping and releasing), and the books are updated (their lock, the
+  // askers' wake-up) once a chunk, not once a page.
+  std::size_t released = 0;
+  auto release = [&](const std::vector<Page>& pages) {
+    PagePool::ReleaseTimes times;
+    released += pool_.release_all(pages, &times);
+    release_times_.release_ns += times.release_ns;
+    release_times_.count_ns += times.count_ns;
+  };
+  while (released < wanted) {  // free pages first: nothing to unmap
+    std::vector<Page> pages = pool_.take_free(std::min(kReleaseChunkPages, wanted - released));
+    if (pages.empty()) pages = pool_.take_free_large(1);
+    if (pages.empty()) break;
+    release(pages);
+  }
   // First the slots whose last readers are done (no wait for device work the asker does not
   // need: the owner's queue may hold a whole iteration), then, if `may_wait`, the others.
   std::vector<std::size_t> ready = floors;
@@ -192,11 +217,12 @@ std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vec
     if (pass == nullptr) break;
     while (released < wanted) {
       std::vector<Page> pages;
-      if (!reclaim_coldest(pages, wanted - released, *pass, kinds)) break;
-      for (const Page& unmapped : pages) {
-        released += pool_.is_large(unmapped.handle) ? pool_.large_page_pages() : 1;
-        pool_.release(unmapped);
-      }
+      const auto start = Clock::now();
+      // One victim's tail, at most a chunk: one cuMemUnmap per region over the whole run.
+      const bool found = reclaim_coldest(pages, std::min(kReleaseChunkPages, wanted - released), *pass, kinds);
+      release_times_.unmap_ns += since(start);
+      if (!found) break;
+      release(pages);
     }
   }
   return released;
@@ -238,6 +264,44 @@ void KvCache::Impl::release_when_idle() {
   release_ready();
   budget_handoff_.idle_pages += released;
   publish_in_use();
+}
+
+std::size_t KvCache::Impl::budget_trim_headroom() const {
+  return 2 * layout_.pages_for_tokens(eager_tokens()) * layout_.num_regions();
+}
+
+std::size_t KvCache::Impl::freed_cached_pages(const std::vector<std::size_t>& floors) const {
+  std::size_t pages = pool_.free_pages();
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    if (slot.allocated || slot.busy()) continue;
+    const std::size_t floor = round_up_to_whole(slot, floors[s]);
+    if (slot.mapped() > floor) pages += (slot.mapped() - floor) * layout_.num_regions();
+  }
+  return pages;
+}
+
+bool KvCache::Impl::trim_under_pressure() {
+  if (detail::fork_generation() != fork_generation_) return false;
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;  // a call holds it: the next poll tries again
+  const std::size_t headroom = budget_trim_headroom();
+  std::vector<std::size_t> floors = reclaimable_floors();
+  const std::size_t cached = freed_cached_pages(floors);
+  if (cached <= headroom) return false;
+  // Freed slots only (a running request's pages mapped ahead are its next steps'), and only
+  // pages whose readers are done: no wait here, where the watcher would answer an ask late.
+  // The owner's next step() enqueues the others' zero-fills; a later poll finds them ready.
+  const std::size_t released = release_for_budget(std::min(kReleaseChunkPages, cached - headroom), floors,
+                                                  detail::VictimKinds::freed_only, /*may_wait=*/false);
+  budget_handoff_.pressure_pages += released;
+  budget_handoff_.pressure_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  if (released == 0) return false;
+  publish_in_use();
+  floors = reclaimable_floors();
+  return freed_cached_pages(floors) > headroom && steps_waiting_.load() == 0;
 }
 
 void KvCache::Impl::publish_in_use() noexcept {

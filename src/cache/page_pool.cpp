@@ -1,6 +1,8 @@
 // PagePool: lazy creation under a budget, LIFO reuse, all-or-nothing take().
 #include "page_pool.h"
 
+#include <chrono>
+
 #include "util/internal_assert.h"
 #include "vkv/error.h"
 
@@ -157,6 +159,30 @@ void PagePool::release(Page page) noexcept {
   }
 }
 
+std::size_t PagePool::release_all(const std::vector<Page>& pages, ReleaseTimes* times) noexcept {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  std::size_t released = 0;
+  for (const Page& page : pages) {
+    backend_.release_page(page.handle);
+    if (is_large(page.handle)) {
+      large_.erase(page.handle);
+      released += large_page_pages_;
+    } else {
+      released += 1;
+    }
+  }
+  const auto counting = Clock::now();
+  count_released(released);
+  if (times != nullptr) {
+    times->release_ns +=
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(counting - start).count());
+    times->count_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - counting).count());
+  }
+  return released;
+}
+
 std::size_t PagePool::add_free(std::size_t count) {
   const std::size_t counted = begin_create(count);
   const std::vector<Page> pages = create_pages(counted);
@@ -178,18 +204,20 @@ void PagePool::precreate(std::size_t count) {
 }
 
 std::size_t PagePool::trim(std::size_t keep) noexcept {
-  std::size_t released = 0;
-  while (free_pages() > keep && !free_.empty()) {
-    release(free_.back());
+  // Counted back once (release_all()): one update of a shared budget's books, not one a page.
+  std::vector<Page> going;
+  std::size_t left = free_pages();
+  while (left > keep && !free_.empty()) {
+    going.push_back(free_.back());
     free_.pop_back();
-    ++released;
+    --left;
   }
-  while (free_pages() > keep) {
-    release_large(free_large_.back());
+  while (left > keep) {
+    going.push_back(free_large_.back());
     free_large_.pop_back();
-    released += large_page_pages_;
+    left -= large_page_pages_;
   }
-  return released;
+  return release_all(going);
 }
 
 }  // namespace vkv

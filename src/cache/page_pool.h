@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <unordered_set>
 #include <vector>
@@ -119,6 +120,15 @@ class PagePool {
   /// Releases a handed-out page that is mapped nowhere to the backend (a large page whole):
   /// the owner's way to free at once instead of giving back.
   void release(Page page) noexcept;
+  /// Where release_all()'s time went: the backend's releases, then counting them back to
+  /// the account (a shared budget: its lock and the askers' wake-up), in nanoseconds.
+  struct ReleaseTimes {
+    std::uint64_t release_ns = 0, count_ns = 0;
+  };
+  /// release() for each of `pages` (a large page once), counted back to the account once
+  /// for all of them: one update of a shared budget's books and one wake-up of its askers
+  /// instead of one per page. Returns how many pages went (a large page as its pages).
+  std::size_t release_all(const std::vector<Page>& pages, ReleaseTimes* times = nullptr) noexcept;
   /// Creates up to `count` single pages into the free list, as far as the budget and the
   /// account allow (pages a shared budget's members just gave). Returns how many.
   /// @throws OutOfMemory / DriverError from the device (then none was added).

@@ -156,9 +156,9 @@ std::size_t BudgetLedger::others_cached(std::size_t member) const noexcept {
   return cached;
 }
 
-bool BudgetLedger::ask_settled(std::size_t member, std::uint32_t request, std::size_t enough) {
+bool BudgetLedger::ask_settled(std::size_t member, std::uint32_t request, std::size_t enough, bool reap) {
   Lock lock(*this);
-  reap_locked();
+  if (reap) reap_locked();
   return segment_.reserved >= std::min<std::uint64_t>(enough, segment_.members[member].wanted) ||
          all_answered_locked(request, member);
 }
@@ -195,7 +195,7 @@ std::size_t BudgetLedger::claim_reserved(std::size_t member) noexcept {
   return taken;
 }
 
-std::size_t BudgetLedger::pledge(std::size_t member, std::size_t can_give) {
+std::size_t BudgetLedger::pledge(std::size_t member, std::size_t can_give, std::uint64_t* asked_out) {
   Lock lock(*this);
   std::uint64_t wanted = 0;
   std::uint64_t pledged = 0;
@@ -207,6 +207,7 @@ std::size_t BudgetLedger::pledge(std::size_t member, std::size_t can_give) {
   }
   const std::uint64_t promised = segment_.reserved + pledged;
   const std::uint64_t asked = wanted + excess();
+  if (asked_out != nullptr) *asked_out = asked;
   const std::uint64_t given = std::min<std::uint64_t>(can_give, asked > promised ? asked - promised : 0);
   segment_.members[member].pledged += given;
   return given;

@@ -128,8 +128,8 @@ class BudgetLedger {
   std::size_t others_cached(std::size_t member) const noexcept;
   /// Whether the asker should stop waiting: the reservation covers `enough` bytes (at most
   /// what it wants), or every other live member answered `request` and no pledge is
-  /// outstanding. Reaps dead members.
-  bool ask_settled(std::size_t member, std::uint32_t request, std::size_t enough);
+  /// outstanding. With `reap`, counts dead members out first (a read of /proc per member).
+  bool ask_settled(std::size_t member, std::uint32_t request, std::size_t enough, bool reap = true);
   /// Every live member but `except` has answered `request`, and no pledge is outstanding.
   bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers);
   /// Ends the member's ask and moves up to what it wanted from the reservation into its
@@ -137,8 +137,9 @@ class BudgetLedger {
   std::size_t claim_reserved(std::size_t member) noexcept;
 
   /// What the other members ask for and no one has pledged yet, plus any excess over the
-  /// capacity: the member pledges up to `can_give` of it and returns its pledge.
-  std::size_t pledge(std::size_t member, std::size_t can_give);
+  /// capacity: the member pledges up to `can_give` of it and returns its pledge. `asked`
+  /// (may be null): what the others want plus the excess, pledged or not.
+  std::size_t pledge(std::size_t member, std::size_t can_give, std::uint64_t* asked = nullptr);
   /// The member has given back what it could of its pledge for `request`.
   void answered(std::size_t member, std::uint32_t request) noexcept;
 

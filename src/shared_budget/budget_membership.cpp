@@ -117,18 +117,26 @@ std::size_t BudgetMembership::reap_dead() noexcept {
 }
 
 void BudgetMembership::ask(std::size_t pages, std::size_t needed) {
+  last_ask_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count());
   const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_);
   BudgetSegment& segment = ledger_.segment();
-  const auto deadline = std::chrono::steady_clock::now() + kAskTimeout;
+  const auto begin = std::chrono::steady_clock::now();
+  const auto deadline = begin + kAskTimeout;
+  // The answers come in chunks, each a wake-up: dead members (an answerer that died
+  // mid-answer never answers) are counted out at the first look and then every kReapPeriod.
+  auto reaped_at = begin;
+  bool reap = true;
   for (;;) {
     const std::uint32_t releases = segment.releases.load();
-    if (ledger_.ask_settled(member_, request, needed * page_bytes_)) break;
+    if (ledger_.ask_settled(member_, request, needed * page_bytes_, reap)) break;
     const auto now = std::chrono::steady_clock::now();
+    if (reap) reaped_at = now;
     if (now >= deadline) {
       log_debug(concat("shared budget '", name_, "': members did not answer within ", kAskTimeout.count(), " ms"));
       break;
     }
-    futex_wait(segment.releases, releases, deadline - now);
+    futex_wait(segment.releases, releases, std::min<std::chrono::nanoseconds>(deadline - now, kReapPeriod));
+    reap = std::chrono::steady_clock::now() - reaped_at >= kReapPeriod;
   }
 }
 
@@ -142,13 +150,30 @@ void BudgetMembership::release_claimed() noexcept {
 }
 
 void BudgetMembership::watch(std::uint32_t seen) noexcept {
+  using Clock = std::chrono::steady_clock;
   const BudgetSegment& segment = ledger_.segment();
+  const bool trims = callbacks_.trim && callbacks_.pressure_period.count() > 0;
+  Clock::time_point pressure_until{};  // another member asked before this, give back unasked until then
+  bool more = false;                   // the last trim left more to give
   while (!stopping_.load()) {
     const std::uint32_t request = segment.requests.load();
     if (request == seen) {
+      const Clock::time_point now = Clock::now();
+      const Clock::time_point asked_at{Clock::duration(last_ask_ns_.load())};
+      const bool short_itself = last_ask_ns_.load() != 0 && now - asked_at < callbacks_.pressure_period;
+      const bool pressed = trims && now < pressure_until && !short_itself;
+      if (pressed && more) {  // the next chunk at once; a request in between goes first
+        more = trim_once();
+        continue;
+      }
       const bool idle = callbacks_.idle && callbacks_.idle_period.count() > 0;
-      futex_wait(segment.requests, seen, idle ? callbacks_.idle_period : std::chrono::milliseconds(1000));
-      if (idle && !stopping_.load() && segment.requests.load() == seen) {
+      std::chrono::milliseconds wait = idle ? callbacks_.idle_period : std::chrono::milliseconds(1000);
+      if (pressed) wait = std::min(wait, kTrimPoll);
+      futex_wait(segment.requests, seen, wait);
+      if (stopping_.load() || segment.requests.load() != seen) continue;
+      if (pressed) {
+        more = trim_once();
+      } else if (idle) {
         try {
           callbacks_.idle();
         } catch (const std::exception& error) {
@@ -158,18 +183,34 @@ void BudgetMembership::watch(std::uint32_t seen) noexcept {
       continue;
     }
     seen = request;
-    answer(request);
+    if (answer(request) && trims) {
+      pressure_until = Clock::now() + callbacks_.pressure_period;
+      more = true;
+    }
   }
 }
 
-void BudgetMembership::answer(std::uint32_t request) noexcept {
+bool BudgetMembership::trim_once() noexcept {
   try {
-    const std::size_t pledged = ledger_.pledge(member_, callbacks_.cached_bytes());
+    return callbacks_.trim();
+  } catch (const std::exception& error) {
+    log_debug(concat("shared budget '", name_, "': giving pages back under pressure failed: ", error.what()));
+    return false;
+  }
+}
+
+bool BudgetMembership::answer(std::uint32_t request) noexcept {
+  bool asked = false;
+  try {
+    std::uint64_t wanted = 0;
+    const std::size_t pledged = ledger_.pledge(member_, callbacks_.cached_bytes(), &wanted);
+    asked = wanted > 0;
     if (pledged > 0) callbacks_.give_back(pledged);
   } catch (const std::exception& error) {
     log_debug(concat("shared budget '", name_, "': giving pages back failed: ", error.what()));
   }
   ledger_.answered(member_, request);
+  return asked;
 }
 
 }  // namespace vkv::detail

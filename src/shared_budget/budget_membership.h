@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <thread>
@@ -43,7 +44,19 @@ class BudgetMembership final : public PageAccount {
     std::function<void(std::size_t)> give_back;  ///< release up to that many bytes
     std::function<void()> idle;                  ///< called every `idle_period` with no request (may be null)
     std::chrono::milliseconds idle_period{0};
+    /// Gives back one chunk unasked; returns whether more is left (may be null). Called for
+    /// `pressure_period` after another member asked, between requests, every kTrimPoll
+    /// while it has nothing to give; not while this member asked within `pressure_period`
+    /// itself (it is short too: what it gave it would ask back).
+    std::function<bool()> trim;
+    std::chrono::milliseconds pressure_period{0};
   };
+  /// How often a member under pressure looks for pages to give back unasked (its freed
+  /// requests' pages become free once the device work reading them is done).
+  static constexpr std::chrono::milliseconds kTrimPoll{2};
+  /// How often an asker counts dead members out while it waits (each look reads /proc per
+  /// member, under the budget's lock: not at every release it is woken for).
+  static constexpr std::chrono::milliseconds kReapPeriod{10};
   /// How long an asker waits for the others' answers at most (a member that never
   /// answers, e.g. a stopped process, costs no more).
   static constexpr std::chrono::milliseconds kAskTimeout{200};
@@ -103,7 +116,10 @@ class BudgetMembership final : public PageAccount {
  private:
   std::size_t take_claimed(std::size_t pages) noexcept;
   void watch(std::uint32_t seen) noexcept;
-  void answer(std::uint32_t request) noexcept;
+  // Returns whether another member (or a resize) wanted pages.
+  bool answer(std::uint32_t request) noexcept;
+  // Callbacks::trim, its errors logged; returns whether more is left.
+  bool trim_once() noexcept;
 
   std::string name_;
   SharedMapping mapping_;
@@ -111,6 +127,7 @@ class BudgetMembership final : public PageAccount {
   std::size_t page_bytes_;
   std::size_t member_ = 0;
   std::atomic<std::size_t> claimed_pages_{0};  // held in the books, not yet pages
+  std::atomic<std::int64_t> last_ask_ns_{0};   // steady_clock of this member's last ask (0: none)
   Callbacks callbacks_;
   std::atomic<bool> stopping_{false};
   std::thread watcher_;

@@ -145,11 +145,13 @@ class ShortAccount : public PageAccount {
   void give(std::size_t pages) noexcept override {
     held_ -= pages;
     grants_ += pages;
+    ++gives_;
   }
   std::size_t held() const { return held_; }
+  std::size_t gives() const { return gives_; }  // calls of give(): a shared budget's lock and wake-up each
 
  private:
-  std::size_t hint_, grants_, held_ = 0;
+  std::size_t hint_, grants_, held_ = 0, gives_ = 0;
 };
 
 TEST_F(PagePoolTest, TakeUpToHandsOutWhatTheAccountGrantsNotWhatItsHintSaid) {
@@ -173,6 +175,26 @@ TEST_F(PagePoolTest, TakeUpToHandsOutWhatTheAccountGrantsNotWhatItsHintSaid) {
   pool.release(again[0]);
   EXPECT_EQ(account.held(), 0u);
   EXPECT_EQ(pool.created_pages(), 0u);
+}
+
+// A batch of pages goes back to the account at once: a shared budget's books are updated
+// (its lock, the askers' wake-up) once, not once a page.
+TEST_F(PagePoolTest, ReleasingManyPagesCountsThemBackOnce) {
+  ShortAccount account(/*hint=*/8, /*grants=*/8);
+  PagePool pool(backend_, 8, 0, &account);
+  const std::vector<Page> pages = pool.take(5);
+  EXPECT_EQ(pool.release_all(pages), 5u);
+  EXPECT_EQ(account.gives(), 1u);
+  EXPECT_EQ(account.held(), 0u);
+  EXPECT_EQ(pool.created_pages(), 0u);
+  for (const Page& page : pool.take(6)) pool.give_back(page);
+  EXPECT_EQ(pool.trim(2), 4u);  // free pages down to 2: counted back once too
+  EXPECT_EQ(account.gives(), 2u);
+  EXPECT_EQ(account.held(), 2u);
+  EXPECT_EQ(pool.free_pages(), 2u);
+  EXPECT_EQ(pool.release_all({}), 0u);  // nothing: no call
+  EXPECT_EQ(account.gives(), 2u);
+  pool.trim(0);
 }
 
 }  // namespace

@@ -488,6 +488,107 @@ TEST_P(SharedBudgetCacheTest, AnIdleMemberGivesBackOnItsOwnWithIdleMs) {
   expect_books_add_up({&a, b.get()});
 }
 
+// With shared_budget_pressure_ms, a member another one asked gives back, after its answer,
+// its freed requests' pages and its free pages down to its headroom (twice its next
+// prompt's pages) on its own; its running requests keep theirs, and the asker's next
+// admissions find the room free without asking again.
+TEST_P(SharedBudgetCacheTest, AMemberUnderPressureTrimsToItsHeadroomUnasked) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  config.shared_budget_pressure_ms = 10000;
+  config.eager_tokens = tokens(1);    // its next prompt: 1 page; its headroom: 2 per region
+  config.background_mapping = false;  // nothing mapped ahead of its running request
+  std::string why_not;
+  KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  auto b = member();
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t first = a.alloc_reqid();
+  const std::size_t second = a.alloc_reqid();
+  a.step(lens({{kept, tokens(1)}, {first, tokens(3)}, {second, tokens(3)}}));  // 7 of the 8 pages per region
+  write_tokens(a, kept, 0, tokens(1), testing::mark(31));
+  a.free_reqid(first);
+  a.free_reqid(second);
+  a.step(lens({{kept, tokens(1)}}));  // enqueues the freed slots' zero-fills
+  const std::size_t slot = b->alloc_reqid();
+  b->step(lens({{slot, tokens(2)}}));  // 1 page per region free: asks a for the other
+  const std::size_t asks = b->stats().budget_asks.calls;
+  EXPECT_EQ(asks, 1u);
+  for (int i = 0; i < 500 && a.stats().pages_created > 3 * regions(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const CacheStats trimmed = a.stats();
+  EXPECT_LE(trimmed.pages_created, 3 * regions());  // its request's page and at most the headroom
+  EXPECT_GE(trimmed.pages_created, 1 * regions());  // never its request's
+  EXPECT_GT(trimmed.budget_handoff.pressure_pages, 0u);
+  EXPECT_EQ(trimmed.budget_handoff.answers, 1u);  // one ask, the rest unasked
+  const std::size_t next = b->alloc_reqid();
+  b->step(lens({{slot, tokens(2)}, {next, tokens(3)}}));  // 5 of the 8: free already
+  EXPECT_EQ(b->stats().budget_asks.calls, asks);
+  expect_tokens(a, kept, 0, tokens(1), testing::mark(31));
+  a.step(lens({{kept, tokens(1)}}));  // a's request goes on as before
+  expect_books_add_up({&a, b.get()});
+}
+
+// A member that asked the others itself within shared_budget_pressure_ms is short too: it
+// answers what is asked of it and gives nothing unasked (it would only ask it back).
+TEST_P(SharedBudgetCacheTest, AMemberShortItselfGivesNothingUnasked) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  config.shared_budget_pressure_ms = 10000;
+  config.eager_tokens = tokens(1);
+  config.background_mapping = false;
+  std::string why_not;
+  KvCache a(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  auto b = member();
+  const std::size_t old = b->alloc_reqid();
+  b->step(lens({{old, tokens(3)}}));
+  b->free_reqid(old);
+  b->step(lens({}));  // b caches 3 pages per region
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t first = a.alloc_reqid();
+  a.step(lens({{kept, tokens(1)}, {first, tokens(5)}}));  // 5 free, 1 asked of b
+  ASSERT_EQ(a.stats().budget_asks.calls, 1u);
+  a.free_reqid(first);
+  a.step(lens({{kept, tokens(1)}}));  // a caches 5
+  const std::size_t slot = b->alloc_reqid();
+  b->step(lens({{slot, tokens(4)}}));  // b's own 2, then 2 asked of a
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const CacheStats stats = a.stats();
+  EXPECT_EQ(stats.budget_handoff.answers, 1u);
+  EXPECT_EQ(stats.budget_handoff.pressure_pages, 0u);
+  EXPECT_EQ(stats.pages_created, 6 * regions() - stats.budget_handoff.answer_pages);
+  EXPECT_GT(stats.pages_created, 3 * regions());  // above its request's page and its headroom: kept
+  expect_books_add_up({&a, b.get()});
+}
+
+// Without shared_budget_pressure_ms nothing is given unasked: an answer gives what was
+// asked (in chunks), the rest stays cached for the member's own next requests.
+TEST_P(SharedBudgetCacheTest, WithoutPressureMsAMemberKeepsWhatWasNotAsked) {
+  auto a = member();
+  auto b = member();
+  const std::size_t kept = a->alloc_reqid();
+  const std::size_t freed = a->alloc_reqid();
+  a->step(lens({{kept, tokens(1)}, {freed, tokens(6)}}));
+  a->free_reqid(freed);
+  a->step(lens({{kept, tokens(1)}}));
+  const std::size_t slot = b->alloc_reqid();
+  b->step(lens({{slot, tokens(2)}}));  // 1 short
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const CacheStats stats = a->stats();
+  EXPECT_EQ(stats.budget_handoff.pressure_pages, 0u);
+  EXPECT_LE(stats.budget_handoff.answer_pages, 2 * regions());  // what it is short of, and as much again at most
+  EXPECT_GE(stats.pages_created, 5 * regions());
+  expect_books_add_up({a.get(), b.get()});
+}
+
+TEST(SharedBudgetConfig, PressureMsNeedsASharedBudgetAndADayAtMost) {
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.shared_budget_pressure_ms = 5;
+  EXPECT_THROW(validate(config), InvalidArgument);
+  config.shared_budget = "x";
+  config.shared_budget_pressure_ms = kMaxIdleMs + 1;
+  EXPECT_THROW(validate(config), InvalidArgument);
+}
+
 TEST(SharedBudgetConfig, IdleMsNeedsASharedBudgetAndADayAtMost) {
   CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
   config.shared_budget_idle_ms = 5;

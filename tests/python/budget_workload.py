@@ -227,7 +227,10 @@ def member_main(name: str, index: int, seed: int, until: float, device: str, res
     member: Optional[Member] = None
     op, count = "join", 0
     try:
-        cache = vkv.KVCache(shared_budget=name, **cache_arguments(device))
+        # Every other member gives back unasked after an ask (shared_budget_pressure_ms): its
+        # watcher then trims between the others' asks, racing its own calls.
+        pressure = dict(shared_budget_pressure_ms=50) if index % 2 else {}
+        cache = vkv.KVCache(shared_budget=name, **cache_arguments(device), **pressure)
         member = Member(cache, vkv.SharedBudget.open(name), rng, device)
         start = last_progress = time.monotonic()  # member-time counts from here
         while time.time() < until:

@@ -128,13 +128,50 @@ def test_an_idle_member_gives_back_on_its_own_and_stats_break_the_hand_off_down(
         assert idle.stats()["pages_created"] == 2 and handoff["idle_pages"] == 6
         assert set(handoff) == {"ask_relock_seconds", "answers", "answer_pages", "answer_seconds",
                                 "answer_lock_wait_seconds", "answer_event_wait_seconds", "answer_pages_in_calls",
-                                "idle_pages"}
+                                "idle_pages", "answer_unmap_seconds", "answer_release_seconds",
+                                "answer_count_seconds", "pressure_pages", "pressure_seconds"}
         with local_member(budget) as busy:
             slot = busy.alloc_reqid()
             busy.step([pages(14) if s == slot else 0 for s in range(busy.max_batch_size)])
             assert busy.stats()["budget_asks"]["calls"] == 0  # the room was free: nobody asked
     with pytest.raises(ValueError, match="shared_budget_idle_ms = 5 needs a shared_budget"):
         small_cache(shared_budget_idle_ms=5)
+
+
+def test_a_member_under_pressure_gives_back_down_to_its_headroom_unasked(budget):
+    import time
+
+    def lens(cache, by_slot):
+        return [by_slot.get(s, 0) for s in range(cache.max_batch_size)]
+
+    # Its next prompt: 1 page (eager_tokens), so its headroom is 2; nothing mapped ahead.
+    with small_cache(shared_budget=budget.name, shared_budget_pressure_ms=10_000, eager_tokens=pages(1),
+                     background_mapping=False) as asked:
+        kept, first, second = (asked.alloc_reqid() for _ in range(3))
+        asked.step(lens(asked, {kept: pages(2), first: pages(6), second: pages(6)}))  # 14 of the 16 pages
+        asked.free_reqid(first)
+        asked.free_reqid(second)
+        asked.step(lens(asked, {kept: pages(2)}))  # enqueues the freed slots' zero-fills
+        with local_member(budget) as asker:
+            slot = asker.alloc_reqid()
+            asker.step(lens(asker, {slot: pages(3)}))  # 2 free, 1 asked for
+            asks = asker.stats()["budget_asks"]["calls"]
+            assert asks == 1
+            deadline = time.monotonic() + 10
+            while asked.stats()["pages_created"] > 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stats = asked.stats()
+            # Its request's 2 pages and at most its headroom: the rest went unasked, after one answer.
+            assert 2 <= stats["pages_created"] <= 4
+            assert stats["budget_handoff"]["pressure_pages"] > 0 and stats["budget_handoff"]["answers"] == 1
+            following = asker.alloc_reqid()
+            asker.step(lens(asker, {slot: pages(3), following: pages(9)}))  # 12 of the 12 left: free already
+            assert asker.stats()["budget_asks"]["calls"] == asks
+            asker.check_invariants()
+        asked.check_invariants()
+        asked.step(lens(asked, {kept: pages(3)}))  # its request goes on
+    with pytest.raises(ValueError, match="shared_budget_pressure_ms = 5 needs a shared_budget"):
+        small_cache(shared_budget_pressure_ms=5)
 
 
 def test_claimed_pages_are_never_given_away(budget):

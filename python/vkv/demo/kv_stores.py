@@ -223,10 +223,12 @@ class VkvStore(ContiguousStore):
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
                  max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "",
-                 large_page_size: int = 0, ready: float = 0.0, idle_ms: int = 0) -> None:
+                 large_page_size: int = 0, ready: float = 0.0, idle_ms: int = 0, pressure_ms: int = 0) -> None:
         """``shared_budget``: a vkv.SharedBudget's name to draw pages from (budget_bytes None:
         no cap of its own); ``idle_ms``: its shared_budget_idle_ms (give freed requests'
-        pages back after that long without a step). ``large_page_size``: KVCache's (a prompt's whole spans of that
+        pages back after that long without a step); ``pressure_ms``: its shared_budget_pressure_ms
+        (after another member asked, give freed requests' pages back unasked, down to a headroom,
+        for that long). ``large_page_size``: KVCache's (a prompt's whole spans of that
         size mapped as one allocation). ``ready``: the share of the budget made ready before
         the first request, as the paged stores allocate their whole pool up front: every
         page of the budget created (``precreate_pages``) and that share of it mapped, as
@@ -247,6 +249,8 @@ class VkvStore(ContiguousStore):
                        large_page_size=large_page_size)
         if idle_ms:
             options["shared_budget_idle_ms"] = idle_ms
+        if pressure_ms:
+            options["shared_budget_pressure_ms"] = pressure_ms
         self.cache = vkv.KVCache(num_layers, num_kv_heads, head_dim, dtype, **options)
         if ready:  # the page size is the backend's: known once a cache is made
             pages = budget_bytes // self.cache.page_size

@@ -7,7 +7,8 @@ each idling while the other is busy. Every phase serves the same seeded traces:
   static   each engine's cache has half the KV memory (memory_budget), whatever the other does
   shared   both caches draw from one vkv.SharedBudget of all of it: the busy engine takes
            the idle one's cached pages (deferred-reclamation pages, pages mapped ahead); an
-           engine that has not stepped for --idle-ms gives them back unasked
+           engine that has not stepped for --idle-ms gives them back unasked, and so does one
+           the other asked within --pressure-ms (down to a headroom)
   solo     engine A alone, plain and in a shared budget nobody else uses: what membership
            costs step() (its decode p50/p99)
   kill     shared, and engine B is killed with SIGKILL in the middle of its first burst:
@@ -55,14 +56,17 @@ from .workload import make_bursty_trace
 # period later. kv_budget_mib: the whole KV memory (static: half each). idle_ms: in a shared
 # budget, an engine that has not stepped for this long gives its freed requests' pages back
 # on its own (shared_budget_idle_ms), so that the other finds them free without asking; 0: off.
+# pressure_ms: in a shared budget, for this long after the other engine asked, an engine gives
+# its freed requests' pages back on its own down to a headroom (shared_budget_pressure_ms),
+# so that the other's next admissions find them free instead of asking; 0: off.
 PRESETS = {
     "small": dict(models=["tiny", "tiny-b"], bursts=2, requests_per_burst=[24, 32], burst_seconds=0.2, period=4.0,
                   kv_budget_mib=3, max_context=1024, length_scale=0.25, page_size_kib=32, max_slots=64,
-                  max_prefill_tokens=2048, kill_at=0.0, idle_ms=200),
+                  max_prefill_tokens=2048, kill_at=0.0, idle_ms=200, pressure_ms=500),
     # KV memory well under what a burst wants (A's: ~8 GiB), so that it decides the speed.
     "h100": dict(models=["llama3-8b", "llama3.2-1b"], bursts=3, requests_per_burst=[128, 384], burst_seconds=0.5,
                  period=16.0, kv_budget_mib=4096, max_context=2048, length_scale=1.0, page_size_kib=0, max_slots=256,
-                 max_prefill_tokens=8192, kill_at=0.0, idle_ms=200),
+                 max_prefill_tokens=8192, kill_at=0.0, idle_ms=200, pressure_ms=500),
 }
 GPU_PRESETS = {"small": dict(page_size_kib=0, kv_budget_mib=256)}
 PHASES = ["static", "shared", "solo", "kill"]
@@ -106,6 +110,9 @@ class MeasuredStore(VkvStore):
         self.samples: List[tuple] = []   # (seconds since the common start, bytes created, bytes in use)
         self.asks_ms: List[float] = []   # per ask: the wait for the other members' pages
         self.step_us: List[float] = []
+        # Steps over 1 ms: how many, and their last_step_profile() phases summed (ns), with
+        # the wait for the others' pages: where a slow step's time went.
+        self.slow_steps: Dict[str, float] = {}
         stats = self.cache.stats()
         asks = stats["budget_asks"]
         self._asks, self._asks_seconds, self._next_sample = asks["calls"], asks["seconds"], 0.0
@@ -129,6 +136,15 @@ class MeasuredStore(VkvStore):
         if took > 50e-6 or now >= self._next_sample:
             stats = self.cache.stats()
             asks = stats["budget_asks"]
+            if took > 1e-3:
+                profile = self.cache.last_step_profile()
+                slow = self.slow_steps
+                slow["steps"] = slow.get("steps", 0) + 1
+                slow["wall_ns"] = slow.get("wall_ns", 0) + took * 1e9
+                slow["ask_ns"] = slow.get("ask_ns", 0) + (asks["seconds"] - self._asks_seconds) * 1e9
+                for key, value in profile.items():
+                    if key.endswith("_ns") and not key.startswith(("free", "alloc")) or key == "pages_mapped":
+                        slow[key] = slow.get(key, 0) + value
             if asks["calls"] > self._asks:  # one step asks at most once
                 self.asks_ms.append((asks["seconds"] - self._asks_seconds) * 1e3)
             self._asks, self._asks_seconds = asks["calls"], asks["seconds"]
@@ -157,7 +173,7 @@ def engine_main(name: str, spec: dict, connection) -> None:
             store = MeasuredStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, device,
                                   spec["max_context"], phase["memory_budget"], spec["max_slots"], "interleaved",
                                   spec["page_size"], shared_budget=phase["shared_budget"],
-                                  idle_ms=phase["idle_ms"])
+                                  idle_ms=phase["idle_ms"], pressure_ms=phase["pressure_ms"])
             engine = Engine(model, store, spec["max_prefill_tokens"], cuda_graphs=spec["cuda_graphs"])
             try:
                 engine.run(copy.deepcopy(phase["warmup"]), show_progress=False)  # compiles, captures
@@ -176,7 +192,8 @@ def engine_main(name: str, spec: dict, connection) -> None:
                     torch.cuda.empty_cache()
             connection.send(("result", {
                 "summary": result.summary(), "finished_s": finished, "bursts_s": burst_times(result.requests, phase),
-                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us, "handoff": handoff}))
+                "samples": store.samples, "asks_ms": store.asks_ms, "step_us": store.step_us, "handoff": handoff,
+                "slow_steps": store.slow_steps}))
     except Exception:  # noqa: BLE001 (the parent reports it)
         connection.send(("error", traceback.format_exc()))
 
@@ -241,6 +258,7 @@ def run_phase(phase: str, engines: Dict[str, EngineProcess], args, workloads, bu
                 "shared_budget": shared, "memory_budget": None if shared else (budget if phase == "solo" else budget // 2),
                 # With another engine only: alone, giving back would only cost the next burst.
                 "idle_ms": args.idle_ms if phase in ("shared", "kill") else 0,
+                "pressure_ms": args.pressure_ms if phase in ("shared", "kill") else 0,
                 "trace": workloads[name], "warmup": warmup,
                 "per_burst": args.requests_per_burst[ENGINES.index(name)]}))
         for name in taking_part:
@@ -297,20 +315,22 @@ def report(args, out: dict) -> str:
                     f"{summary['ttft_p50_ms']:.0f} / {summary['ttft_p99_ms']:.0f} | {len(result['asks_ms'])} | "
                     f"{spread(result['asks_ms'], 2)} | {spread(result['step_us'], 0, maximum=False)} |")
     lines += ["", "| phase | engine | asks | ask wait ms | of it: own lock ms | answers | answering ms | "
-              "of it: waiting for its lock ms | of it: device work ms | pages given | of them: by its own calls | "
-              "given unasked when idle |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "of it: waiting for its lock ms | of it: device work ms | of it: unmap / release / count ms | "
+              "pages given | of them: by its own calls | given unasked when idle | under pressure (ms) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for phase, variants in out["phases"].items():
         for label, results in variants.items():
             for name, result in results.items():
                 h = result.get("handoff")
-                if not h or not (h["asks"] or h["answers"] or h["idle_pages"]):
+                if not h or not (h["asks"] or h["answers"] or h["idle_pages"] or h["pressure_pages"]):
                     continue
                 lines.append(
                     f"| {label} | {name} | {h['asks']} | {h['ask_seconds'] * 1e3:.1f} | {h['ask_relock_seconds'] * 1e3:.1f} | "
                     f"{h['answers']} | {h['answer_seconds'] * 1e3:.1f} | {h['answer_lock_wait_seconds'] * 1e3:.1f} | "
-                    f"{h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_pages']} | {h['answer_pages_in_calls']} | "
-                    f"{h['idle_pages']} |")
+                    f"{h['answer_event_wait_seconds'] * 1e3:.1f} | {h['answer_unmap_seconds'] * 1e3:.1f} / "
+                    f"{h['answer_release_seconds'] * 1e3:.1f} / {h['answer_count_seconds'] * 1e3:.1f} | "
+                    f"{h['answer_pages']} | {h['answer_pages_in_calls']} | {h['idle_pages']} | "
+                    f"{h['pressure_pages']} ({h['pressure_seconds'] * 1e3:.1f}) |")
     return "\n".join(lines)
 
 
