@@ -21,7 +21,7 @@ Attention (the same kernels on both pools, so bitwise equality is meaningful):
               BLNHC views (NHD pages whose stride is a whole block of every layer)
 Timings alternate which pool goes first; the per-step plan and random inputs are made once,
 outside them. --mapping says when the worker's job (release, then back up to the target) runs:
-  background  the connector's default on CUDA, in vLLM's order: the hand-over (bind) before
+  background  the connector with "background_mapping": true, in vLLM's order: the hand-over (bind) before
               the vkv forward is queued, the job on the background mapper meanwhile; vkv's step
               ends when both are done (conservative), so no job overlaps the fixed pool's step
   before      synchronously before the forward; ahead (--map-ahead): synchronously after the

@@ -325,7 +325,7 @@ def test_bad_extra_config_is_one_line_naming_the_key():
         VkvConnectorConfig.from_extra_config({"shared_budget": 3})
     with pytest.raises(ValueError, match=r"\['background_mapping'\] = 1 must be true or false"):
         VkvConnectorConfig.from_extra_config({"background_mapping": 1})
-    assert VkvConnectorConfig.from_extra_config({}).background_mapping is None  # the device decides
+    assert VkvConnectorConfig.from_extra_config({}).background_mapping is None  # unset: off
     assert VkvConnectorConfig.from_extra_config({"vkv_headroom_blocks": 2, "other": 1}).headroom_blocks == 2
 
 
