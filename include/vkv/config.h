@@ -70,7 +70,9 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
   X(scratch_page, bool, false,                                                                                        \
     "with zero_page: the shared page is writable scratch, one per cache, mapped under the whole reservation from "    \
     "the start; writes to pages no step() backed land there and do not fault (vLLM zero-fills its whole KV buffer), " \
-    "reads there return whatever was last written; backed pages still start as zeros")                                \
+    "reads there return whatever was last written; backed pages still start as zeros. The mapper then maps nothing "  \
+    "ahead and reclaims nothing (lookahead, eager allocation and the watermark are off): it would swap pages under "  \
+    "the caller's writes")                                                                                            \
   X(background_mapping, bool, true, "a background thread maps ahead what the next iterations will need")              \
   X(lookahead_tokens, std::size_t, 32, "tokens mapped ahead beyond each allocated slot's seq_len")                    \
   X(eager_tokens, std::size_t, kAdaptive,                                                                             \

@@ -85,7 +85,7 @@ class CacheConfig:
     zero_page: bool
     """pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads touch unmapped memory"""
     scratch_page: bool
-    """with zero_page: the shared page is writable scratch, one per cache, mapped under the whole reservation from the start; writes to pages no step() backed land there and do not fault (vLLM zero-fills its whole KV buffer), reads there return whatever was last written; backed pages still start as zeros"""
+    """with zero_page: the shared page is writable scratch, one per cache, mapped under the whole reservation from the start; writes to pages no step() backed land there and do not fault (vLLM zero-fills its whole KV buffer), reads there return whatever was last written; backed pages still start as zeros. The mapper then maps nothing ahead and reclaims nothing (lookahead, eager allocation and the watermark are off): it would swap pages under the caller's writes"""
     background_mapping: bool
     """a background thread maps ahead what the next iterations will need"""
     lookahead_tokens: int

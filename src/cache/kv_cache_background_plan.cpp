@@ -39,9 +39,14 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
     slot.free_event = 0;
     return true;
   };
+  // With a scratch page the caller may write anywhere at any time (vLLM zero-fills its whole
+  // buffer): a page mapped ahead or reclaimed here would be swapped under its writes (a fault
+  // between the unmap and the map, or its bytes in a page a slot later claims as zeros). So
+  // the mapper maps nothing ahead and reclaims nothing then; it only creates pages (4.).
+  const bool may_remap = !config_.scratch_page;
   // 1. Lookahead: each allocated slot's next iterations, where no work in flight reads
   //    (with zero backing, below the read horizon only step() may swap pages).
-  for (std::size_t s = 0; s < slots_.size() && can_grow; ++s) {
+  for (std::size_t s = 0; s < slots_.size() && can_grow && may_remap; ++s) {
     const Slot& slot = slots_[s];
     if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
     const std::size_t target =
@@ -53,7 +58,7 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
   // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
   const std::size_t eager = eager_tokens();
   const std::size_t next = slots_.next_to_allocate();
-  if (can_grow && eager > 0 && next < slots_.size() && !slots_[next].busy()) {
+  if (may_remap && can_grow && eager > 0 && next < slots_.size() && !slots_[next].busy()) {
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(eager));
     if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(slots_[next])))
       return {BackgroundUnit::Kind::grow, next, target};
@@ -61,7 +66,7 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
   // 3. Below the watermark, unmap the least recently freed slot's pages into the pool, so
   //    that step() does not have to; only once that slot's last readers are done.
   const std::size_t obtainable = pool_.obtainable_pages();
-  if (obtainable < watermark_pages_) {
+  if (may_remap && obtainable < watermark_pages_) {
     // Not the slot handed out next: its pages are the next prefill's.
     const std::size_t victim = detail::choose_victim(slots_, std::vector<std::size_t>(slots_.size(), 0),
                                                      detail::VictimKinds::freed_only, next);
@@ -82,7 +87,7 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
       return {BackgroundUnit::Kind::create, 0, wanted - pool_.free_pages()};
   }
   // 5. Zero backing of slots not yet handed out (where it costs per page), the next one first.
-  if (config_.zero_page) {
+  if (config_.zero_page && may_remap) {
     for (std::size_t k = 0; k <= slots_.size(); ++k) {
       const std::size_t s = k == 0 ? next : k - 1;
       if (s >= slots_.size() || slots_[s].allocated || slots_[s].busy()) continue;

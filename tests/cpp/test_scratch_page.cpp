@@ -91,6 +91,33 @@ TEST_P(ScratchPageTest, AFreedSlotsPagesGoBackToTheScratchAndComeBackAsZeros) {
   cache.check_invariants();
 }
 
+// The mapper's work (lookahead, eager allocation, reclaiming below the watermark) would swap
+// pages under the caller's writes: with a scratch page it maps nothing ahead. Before, the
+// slot handed out next got a page mapped eagerly; a write meant for the scratch landed in it,
+// and the request that got the slot read that write instead of zeros (an H200 run of the
+// vLLM worker's GPU test saw it; a write during the swap faulted).
+TEST_P(ScratchPageTest, TheMapperMapsNothingAheadUnderWritesToTheScratch) {
+  config_.lookahead_tokens = config_.max_context_len;
+  config_.eager_tokens = 1;
+  KvCache cache(config_, backend_);
+  const KvLayout& layout = cache.layout();
+  const std::size_t a = cache.alloc_reqid();
+  cache.step(lens({{a, layout.tokens_in_pages(1)}}));
+  backend_->synchronize(0);
+  cache.map_ahead_now();  // what the mapper thread would do
+  EXPECT_EQ(cache.mapped_pages(a), 1u) << "mapped ahead of a's seq_len";
+  for (std::size_t s = 0; s < config_.max_batch_size; ++s)
+    if (s != a) EXPECT_EQ(cache.mapped_pages(s), 0u) << "slot " << s << " got a page eagerly";
+  // The caller writes every page no step() backed, as vLLM's zero-fill does: the scratch.
+  for (std::size_t s = 0; s < config_.max_batch_size; ++s)
+    if (s != a) testing::fill_bytes(*backend_, cache.base() + layout.page_offset(0, s, 0), layout.page_bytes(), 0x77);
+  const std::size_t b = cache.alloc_reqid();
+  cache.step(lens({{a, layout.tokens_in_pages(1)}, {b, layout.tokens_in_pages(1)}}));
+  backend_->synchronize(0);
+  EXPECT_TRUE(testing::all_zero(page_bytes_of(cache, b, 0))) << "slot " << b << " started with the scratch's bytes";
+  cache.check_invariants();
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, ScratchPageTest,
                          ::testing::Values(BackendKind::host, BackendKind::host_deferred, BackendKind::cuda),
                          [](const auto& info) { return testing::backend_label(info.param); });

@@ -63,7 +63,8 @@ class BlockMemory:
             page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
             shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0,
             # On a GPU vLLM zero-fills the whole buffer (pool.py): unbacked blocks are one
-            # writable scratch page, mapped under all of them from the start.
+            # writable scratch page, mapped under all of them from the start (vkv's mapper then
+            # maps nothing ahead: eager_tokens counts on the CPU only).
             zero_page=device != "cpu", scratch_page=device != "cpu")
         assert self.cache.reserved_bytes == num_blocks * self.block_bytes, "slot b must be block b"
         self._pages_per_block = self.block_bytes // self.cache.page_size
