@@ -29,10 +29,10 @@ void PagePool::count_released(std::size_t count) noexcept {
   if (account_ != nullptr && count > 0) account_->give(count);
 }
 
-void PagePool::release_large(Page page) noexcept {
+std::size_t PagePool::release_uncounted(Page page) noexcept {
   backend_.release_page(page.handle);
-  large_.erase(page.handle);
-  count_released(large_page_pages_);
+  if (large_.erase(page.handle) == 0) return 1;
+  return large_page_pages_;
 }
 
 // `count` new pages, counted as created already; on failure none stays and the count is undone.
@@ -55,7 +55,7 @@ std::vector<Page> PagePool::create_pages(std::size_t count) {
 
 void PagePool::make_room_for_singles(std::size_t count) noexcept {
   while (free_.size() + creatable_pages() < count && !free_large_.empty()) {
-    release_large(free_large_.back());
+    count_released(release_uncounted(free_large_.back()));
     free_large_.pop_back();
   }
 }
@@ -150,28 +150,13 @@ void PagePool::give_back(Page page) {
   }
 }
 
-void PagePool::release(Page page) noexcept {
-  if (is_large(page.handle)) {
-    release_large(page);
-  } else {
-    backend_.release_page(page.handle);
-    count_released(1);
-  }
-}
+void PagePool::release(Page page) noexcept { count_released(release_uncounted(page)); }
 
 std::size_t PagePool::release_all(const std::vector<Page>& pages, ReleaseTimes* times) noexcept {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   std::size_t released = 0;
-  for (const Page& page : pages) {
-    backend_.release_page(page.handle);
-    if (is_large(page.handle)) {
-      large_.erase(page.handle);
-      released += large_page_pages_;
-    } else {
-      released += 1;
-    }
-  }
+  for (const Page& page : pages) released += release_uncounted(page);
   const auto counting = Clock::now();
   count_released(released);
   if (times != nullptr) {

@@ -160,7 +160,9 @@ class PagePool {
   // Counts `count` pages as created, with the account's leave; false (no change) without.
   bool count_created(std::size_t count);
   void count_released(std::size_t count) noexcept;
-  void release_large(Page page) noexcept;
+  // Releases `page` to the backend (a large page whole) without counting it back; returns
+  // the pages it stood for, for the caller's one count_released().
+  std::size_t release_uncounted(Page page) noexcept;
   std::vector<Page> create_pages(std::size_t count);
 
   std::size_t large_page_pages_;
