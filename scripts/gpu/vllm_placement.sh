@@ -9,12 +9,13 @@ out="${OUT:?}"
 src="$(pwd)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
-(python3 -m pip install -q --no-build-isolation --no-deps . > "$out/pip.log" 2>&1 \
-  || { tail -30 "$out/pip.log"; echo "vllm_placement.sh: pip install failed" >&2; exit 1; }) &
+# shellcheck source=scripts/gpu/common.sh
+source scripts/gpu/common.sh
+install_vkv > "$out/pip.log" 2>&1 &  # once per machine and tree; says why where it fails
 pip_pid=$!
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVKV_ASSERTS=ON -DVKV_BUILD_BENCHMARKS=OFF \
   -DVKV_BUILD_EXAMPLES=OFF >/dev/null && cmake --build build-gpu --target vkv_tests -j12 2>&1 | tail -1
-wait $pip_pid || exit 1
+wait $pip_pid || { cat "$out/pip.log"; exit 1; }
 status=0
 filter='*Scratch*:*ZeroPage*cuda*'
 timeout 60 build-gpu/tests/cpp/vkv_tests --gtest_filter="$filter" 2>&1 | tee "$out/cpp.log" | tail -4
