@@ -2,7 +2,7 @@
 # vLLM connector replay on CUDA (issue 31; ~4 minutes after vkv's build on a fresh H100, ≤ 6):
 # the block decisions recorded on a CPU with vLLM 0.33's real scheduler
 # (benchmarks/results/vllm_trace.json: 64 requests of 100-154 prompt tokens and 160 generated,
-# 245 steps, 115 of them decode steps at batch 60-64) replayed at Llama-3-8B's shape (32 layers,
+# 164 steps, 155 of them decode steps at batch >= 60; vLLM's scheduler makes the same 164 steps on its fixed pool) replayed at Llama-3-8B's shape (32 layers,
 # 8 KV heads, 32 query heads, head_dim 128: one 16-token block = one 2 MiB page) over vkv
 # memory and over a torch.zeros pool (as vLLM zeroes its own), attention by FlashInfer's paged
 # decode/prefill reading the block tables straight out of the BLNHC views, with Llama-3-8B's

@@ -102,6 +102,61 @@ def test_same_outputs_as_vllms_fixed_pool(background):
     assert outputs[0] == outputs[1]
 
 
+def _schedule_of(connector, background, requests=48, gen=40):
+    """(steps, preemptions, step each request was first scheduled) of a burst that outgrows the
+    headroom many times over: requests of 7 lengths, so that several cross a block boundary
+    in the same decode step."""
+    engine = vt.Engine(1024, {"headroom_blocks": HEADROOM, "background_mapping": background}, connector=connector,
+                       max_num_seqs=requests, max_num_batched_tokens=1024)
+    try:
+        for i in range(requests):
+            engine.add(f"r{i}", [(13 * i + t) % 1000 for t in range(100 + (i % 7) * 9)], gen)
+        steps, preemptions, first = 0, 0, {}
+        while engine.scheduler.has_unfinished_requests():
+            out = engine.step(read_back=False)
+            steps += 1
+            assert steps < 500, "the trace did not finish"
+            preemptions += sum(r.req_id in first for r in out.scheduled_new_reqs)
+            for request_id in out.num_scheduled_tokens:
+                first.setdefault(request_id, steps)
+        return steps, preemptions, first
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_burst_is_scheduled_as_on_vllms_fixed_pool(background):
+    # The pool is backed for what the next steps admit and grow, not a fixed headroom: no
+    # preemption the fixed pool does not make, and a request first runs at most one step
+    # later (two with the background mapper: its backing lands a step later).
+    steps, preemptions, first = _schedule_of(True, background)
+    fixed_steps, fixed_preemptions, fixed_first = _schedule_of(False, False)
+    lag = 2 if background else 1
+    assert preemptions == fixed_preemptions == 0
+    assert steps <= fixed_steps + lag, (steps, fixed_steps)
+    late = {r: (first[r], fixed_first[r]) for r in first if first[r] > fixed_first[r] + lag}
+    assert not late, late
+
+
+def test_a_finished_requests_blocks_go_to_the_next_arrival_without_unmapping():
+    # One request finishes, the next arrives a step later: its blocks stay mapped for it
+    # (taken back only when free beyond need two steps running).
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM})
+    try:
+        engine.add("first", list(range(100)), 3)
+        _run(engine)
+        engine.add("second", list(range(100, 200)), 3)
+        released = 0
+        while engine.scheduler.has_unfinished_requests():
+            released += len(engine.step().kv_connector_metadata.release)
+        assert released == 0
+        for _ in range(2):
+            released += len(engine.step().kv_connector_metadata.release)
+        assert released > 0, "an idle engine kept its blocks"
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("slow_jobs", [False, True])
 def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forward(slow_jobs):
     import time

@@ -3,8 +3,11 @@
 At bind time every free block is taken out of the pool's free list ("ballooned") with the
 pool's public get_new_blocks(); the worker backs blocks ahead of need and marks them
 BACKED; the balloon frees those into the pool, where the scheduler can hand them out. When
-more than headroom blocks sit free in the pool, the balloon takes the excess back
-(RECLAIMING) and tells the worker to unmap them: their pages go back to the budget. A
+more than headroom (+ the blocks the next steps will ask for, demand.py) sit free in the
+pool for two steps running, the balloon takes the excess back (RECLAIMING) and tells the
+worker to unmap them: their pages go back to the budget. Two steps, not one: a finished
+request's blocks are usually what the next arrival takes, and unmapping them one step only
+to map them again the next costs the driver twice for nothing. A
 shortage of pages therefore shows as a smaller pool, and vLLM's own answer to that is to
 keep requests waiting or preempt them; schedule() never raises and never waits on the driver.
 """
@@ -23,6 +26,7 @@ class Balloon:
         self.states = states
         self.headroom = headroom_blocks
         self.held: Dict[int, object] = {}  # block id -> KVCacheBlock taken out of the pool
+        self._last_excess = 0  # free blocks beyond need at the previous plan()
         free = pool.get_num_free_blocks()
         for block in pool.get_new_blocks(free) if free else []:
             self.held[block.block_id] = block
@@ -51,19 +55,21 @@ class Balloon:
             self.pool.free_blocks(blocks)
         return len(ready)
 
-    def plan(self, waiting_blocks: int = 0) -> "tuple[List[int], int]":
-        """Once per step: release what is backed, take back free blocks beyond the headroom
-        and what the waiting requests the scheduler looked at need (``waiting_blocks``:
-        without it a prompt longer than the headroom would wait for ever); returns (blocks
-        the worker must unmap, blocks the worker should keep backed)."""
+    def plan(self, demand_blocks: int = 0) -> "tuple[List[int], int]":
+        """Once per step: release what is backed; take back the free blocks beyond the headroom
+        and ``demand_blocks`` (what the next steps will ask for, demand.py: without it a
+        prompt longer than the headroom would wait for ever, and requests crossing a block
+        boundary together would be preempted) that were beyond them at the previous plan too;
+        returns (blocks the worker must unmap, blocks the worker should keep backed)."""
         self.release_backed()
         reclaim: List[int] = []
-        excess = self.pool.get_num_free_blocks() - self.headroom - waiting_blocks
-        if excess > 0:
+        excess = max(0, self.pool.get_num_free_blocks() - self.headroom - demand_blocks)
+        settled, self._last_excess = min(excess, self._last_excess), excess
+        if settled > 0:
             # The free list's head: the least recently used, prefix-cached blocks go first.
-            for block in self.pool.get_new_blocks(excess):
+            for block in self.pool.get_new_blocks(settled):
                 self.held[block.block_id] = block
                 reclaim.append(block.block_id)
             self.states.states[reclaim] = RECLAIMING
-        target = min(self.usable_blocks, self.in_use() + self.headroom + waiting_blocks)
+        target = min(self.usable_blocks, self.in_use() + self.headroom + demand_blocks)
         return reclaim, target

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .balloon import Balloon
 from .block_states import BlockStates
 from .config import VkvConnectorConfig
+from .demand import Demand
 from .memory import BlockMemory
 from .pool import ReservationPool
 
@@ -64,7 +65,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._balloon: Optional[Balloon] = None
         self._memory: Optional[BlockMemory] = None
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
-        self._waiting_blocks = 0  # blocks the waiting requests seen this step need
+        self._demand: Optional[Demand] = None
 
     # ---- both ----------------------------------------------------------------------
     @classmethod
@@ -75,16 +76,24 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- scheduler side --------------------------------------------------------------
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         states = BlockStates(_engine_id(self._vllm_config), gpu_block_pool.num_gpu_blocks)
-        self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks,
-                                self._vllm_config.cache_config.block_size)
+        block_size = self._vllm_config.cache_config.block_size
+        self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks, block_size)
+        # A step writes 1 token per running request, + the speculative/lookahead ones.
+        config = self._vllm_config
+        tokens_per_step = 1 + config.num_speculative_tokens + config.num_lookahead_tokens
+        # The background mapper's backing lands one step later (mapper.py): plan one step further.
+        self._demand = Demand(block_size, tokens_per_step, config.scheduler_config.max_num_seqs,
+                              config.scheduler_config.max_num_batched_tokens,
+                              steps_ahead=3 if self.settings.background_mapping else 2)
+
+    def on_new_request(self, request) -> None:
+        if self._demand is not None:
+            self._demand.added(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self._balloon is not None:
             self._balloon.release_backed()  # what the worker backed since the last step
-            # What this waiting request needs: the worker backs it for the next step.
-            block = self._balloon.block_size
-            self._waiting_blocks += -(-(request.num_tokens - num_computed_tokens) // block)
-        return 0, False
+        return 0, False  # this connector loads nothing
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         return None
@@ -94,17 +103,18 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             self._balloon.release_backed()
 
     def build_connector_meta(self, scheduler_output) -> VkvConnectorMetadata:
-        if self._balloon is None:
+        if self._balloon is None or self._demand is None:
             raise RuntimeError("VkvConnector: build_connector_meta() before bind_gpu_block_pool()")
-        release, target = self._balloon.plan(self._waiting_blocks)
-        self._waiting_blocks = 0
+        release, target = self._balloon.plan(self._demand.blocks(scheduler_output))
         return VkvConnectorMetadata(release=release, target_backed=target)
 
     def request_finished(self, request, block_ids):
+        if self._demand is not None:
+            self._demand.finished(request.request_id)
         return False, None
 
     def request_finished_all_groups(self, request, block_ids):
-        return False, None
+        return self.request_finished(request, block_ids)
 
     def stats(self) -> dict:
         """Scheduler side: blocks in use, free in the pool, held out of it."""
