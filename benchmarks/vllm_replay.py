@@ -45,7 +45,7 @@ def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int) -> 
     for i in range(requests):
         engine.add(f"r{i}", [(13 * i + t) % 1000 for t in range(prompt + (i % 7) * 9)], gen)
     steps, last = [], {}
-    while engine.scheduler.has_unfinished_requests():
+    while engine.scheduler.has_requests():  # as vLLM's loop: on while the connector gives back
         out = engine.step(read_back=False)
         meta = out.kv_connector_metadata
         reqs = engine.scheduler.requests
@@ -238,6 +238,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         raise ValueError(f"vllm_replay: mapping {mapping!r} is not one of {sorted(MAPPINGS)}")
     if dense_gemms and attention_name != "flashinfer":
         raise ValueError("vllm_replay: --dense needs --attention flashinfer (the torch path times its Python)")
+    if os.environ.get("VKV_REPLAY_SWITCH_INTERVAL"):  # an experiment: the GIL's forced hand-offs between threads
+        sys.setswitchinterval(float(os.environ["VKV_REPLAY_SWITCH_INTERVAL"]))
     trace = load(path)
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
     nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
@@ -277,9 +279,13 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     take_into_pool()  # the blocks backed when the worker started (headroom)
     memory.submit([], 0)  # an empty job: the mapper thread's first CUDA calls out of the timings
     memory.wait()
-    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": []}  # seconds of each step
+    # Seconds of each step; launch_* (host time to queue the forward) and gpu_* (its kernels,
+    # CUDA events on its stream) tell whether the mapper slows the host or the GPU.
+    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [],
+                "launch_vkv": [], "launch_fixed": [], "gpu_vkv": [], "gpu_fixed": []}
+    events = []  # (step, pool, start, end)
     for index, step in enumerate(steps):
-        for key in ("map", "bind", "wait"):
+        for key in ("map", "bind", "wait", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed"):
             per_step[key].append(0.0)
         states[step["release"]] = RECLAIMING  # the scheduler took them back (what the trace says)
         if mapping == "before":
@@ -308,10 +314,18 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
                 # this step's over; the job runs while the forward computes.
                 memory.submit(step["release"], step["target"])
                 per_step["bind"][-1] = time.perf_counter() - t
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            launch = time.perf_counter()
             if attention is None:
                 outs[name] = _torch_forward(pools[name], step, index, block, heads, dim, dtype, device, g)
             else:
                 outs[name] = _flashinfer_forward(pools[name], paged[name], plan, new_kv, q, attention, dense, x)
+            per_step["launch_" + name][-1] = time.perf_counter() - launch
+            if cuda:
+                end.record()
+                events.append((index, name, begin, end))
             if name == "vkv" and mapping == "ahead":
                 # The step's forward is queued; the mapping for the steps after it runs on the
                 # CPU meanwhile. Released blocks are RECLAIMING: out of every block table of this
@@ -333,6 +347,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             per_step["vkv"][-1] += per_step["map"][-1]  # before the forward: on its critical path
         assert len(outs["vkv"]) == len(outs["fixed"])
         assert all(torch.equal(a, b) for a, b in zip(outs["vkv"], outs["fixed"])), f"step {index}: outputs differ"
+    for index, name, begin, end in events:
+        per_step["gpu_" + name][index] = begin.elapsed_time(end) / 1e3
     seconds = {k: sum(v) for k, v in per_step.items()}
     st = memory.cache.stats()["backend"]
     decode_steps = [i for i, s in enumerate(steps) if s["batch"] and all(r[3] == 1 for r in s["batch"])]

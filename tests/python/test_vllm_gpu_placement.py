@@ -223,10 +223,18 @@ def test_the_background_mapper_waits_for_kernels_queued_before_the_hand_over():
 
 
 @cuda
-@pytest.mark.xfail(reason="H200, tree 3a6a201 (2026-11-26): block 3 read nonzero once marked BACKED. Cause: vkv's "
-                          "own mapper had mapped it eagerly under the scratch; fixed since (ScratchPageTest."
-                          "TheMapperMapsNothingAheadUnderWritesToTheScratch), not rerun on a GPU yet",
-                   strict=False)
+def test_the_background_mapper_is_on_by_default_on_a_gpu():
+    memory = BlockMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                         num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=DTYPE, device="cuda",
+                         shared_budget="", memory_budget=0, headroom_blocks=2)
+    try:
+        assert memory.mapper is not None, "unset background_mapping left the job on vLLM's thread"
+    finally:
+        memory.states.unlink()
+        memory.close()
+
+
+@cuda
 def test_the_background_mapper_marks_blocks_backed_only_after_their_zero_fill():
     memory = _memory(background_mapping=True)
     pool = ReservationPool(memory.buffer())

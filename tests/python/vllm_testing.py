@@ -115,6 +115,16 @@ class Engine:
         self.scheduler.update_from_output(out, mro)
         return out
 
+    def step_while_busy(self, limit: int = 1000) -> int:
+        """Step as vLLM's EngineCore loop does: while ``scheduler.has_requests()`` (unfinished or
+        just-finished requests, or the connector's pending work); returns the steps taken."""
+        steps = 0
+        while self.scheduler.has_requests():
+            self.step()
+            steps += 1
+            assert steps < limit, "the engine never went quiet"
+        return steps
+
     def block_tables(self, out) -> Dict[str, List[int]]:
         """Every scheduled request's whole block table (vLLM's manager's, group 0)."""
         mgr = self.scheduler.kv_cache_manager
@@ -172,8 +182,8 @@ def forward(engine: Engine, out) -> Dict[str, Optional[int]]:
 def engine_process(commands, replies, extra: dict, num_blocks: int) -> None:
     """An engine in its own process (multiprocessing, spawn), driven by commands:
     ("burst", name, n, prompt, gen): add n requests and step until they finish, replying
-    the most pages it held; ("idle", steps): step with nothing to do, replying held pages
-    and blocks in use; ("stop",)."""
+    the most pages it held; ("idle",): step as vLLM's loop does once the burst is done,
+    replying held pages, blocks in use and the steps taken; ("stop",)."""
     engine = Engine(num_blocks, extra)
     cache = engine.worker._memory.cache
     replies.put(("ready", cache.stats()["pages_created"]))
@@ -193,7 +203,6 @@ def engine_process(commands, replies, extra: dict, num_blocks: int) -> None:
                 most = max(most, cache.stats()["pages_created"])
                 replies.put(("progress", most))
             replies.put(("burst", most))
-        if command[0] == "idle":
-            for _ in range(command[1]):
-                engine.step()
-            replies.put(("idle", cache.stats()["pages_created"], engine.connector.stats()["in_use"]))
+        if command[0] == "idle":  # vLLM's own loop: it steps only while it has requests or the connector work
+            steps = engine.step_while_busy(50)
+            replies.put(("idle", cache.stats()["pages_created"], engine.connector.stats()["in_use"], steps))

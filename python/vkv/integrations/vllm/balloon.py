@@ -55,6 +55,10 @@ class Balloon:
             self.pool.free_blocks(blocks)
         return len(ready)
 
+    def giving_back(self) -> bool:
+        """Free blocks beyond need are waiting for their second step before they go back."""
+        return self._last_excess > 0
+
     def plan(self, demand_blocks: int = 0) -> "tuple[List[int], int]":
         """Once per step: release what is backed; take back the free blocks beyond the headroom
         and ``demand_blocks`` (what the next steps will ask for, demand.py: without it a
@@ -64,7 +68,8 @@ class Balloon:
         self.release_backed()
         reclaim: List[int] = []
         excess = max(0, self.pool.get_num_free_blocks() - self.headroom - demand_blocks)
-        settled, self._last_excess = min(excess, self._last_excess), excess
+        settled = min(excess, self._last_excess)
+        self._last_excess = excess - settled
         if settled > 0:
             # The free list's head: the least recently used, prefix-cached blocks go first.
             for block in self.pool.get_new_blocks(settled):

@@ -19,9 +19,8 @@ class VkvConnectorConfig:
     device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
     background_mapping: give back and back blocks on the worker's background mapper thread
         (mapper.py), so that bind_connector_metadata() only hands the step's job over and the
-        forward never waits on the driver; None (unset) = off. Opt-in for now: on an H200 one
-        of its GPU tests read a nonzero byte in a block it had marked BACKED (docs/vllm.md).
-        (Not vkv.KVCache's option of that name, vkv's own mapper thread, which stays as it is.)
+        forward never waits on the driver; None (unset) = on where the device is CUDA, off on
+        the CPU. (Not vkv.KVCache's option of that name, vkv's own mapper thread.)
     """
 
     shared_budget: str = ""

@@ -81,10 +81,11 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         # A step writes 1 token per running request, + the speculative/lookahead ones.
         config = self._vllm_config
         tokens_per_step = 1 + config.num_speculative_tokens + config.num_lookahead_tokens
-        # The background mapper's backing lands one step later (mapper.py): plan one step further.
+        # The background mapper's backing lands one step later (mapper.py): plan one step further
+        # unless it is off (this side does not know the worker's device: unset counts as on).
         self._demand = Demand(block_size, tokens_per_step, config.scheduler_config.max_num_seqs,
                               config.scheduler_config.max_num_batched_tokens,
-                              steps_ahead=3 if self.settings.background_mapping else 2)
+                              steps_ahead=2 if self.settings.background_mapping is False else 3)
 
     def on_new_request(self, request) -> None:
         if self._demand is not None:
@@ -107,6 +108,12 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("VkvConnector: build_connector_meta() before bind_gpu_block_pool()")
         release, target = self._balloon.plan(self._demand.blocks(scheduler_output))
         return VkvConnectorMetadata(release=release, target_backed=target)
+
+    def has_pending_push_work(self) -> bool:
+        """Keeps vLLM's engine loop stepping (empty steps: bind_connector_metadata() still runs on
+        the worker) while free blocks wait to go back: an engine whose last request finished
+        would otherwise stop scheduling and keep their pages from the budget until its next request."""
+        return self._balloon is not None and self._balloon.giving_back()
 
     def request_finished(self, request, block_ids):
         if self._demand is not None:

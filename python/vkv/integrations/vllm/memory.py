@@ -76,7 +76,8 @@ class BlockMemory:
         self.cache.step({0: block_size})
         self.backed = 0  # blocks other than the null block with mapped pages (the job's thread writes it)
         self.grow(headroom_blocks)
-        # Off unless asked (config.py says why: a GPU test of it still fails).
+        if background_mapping is None:  # unset: on a GPU the job runs beside the forward
+            background_mapping = device != "cpu"
         self.mapper = BackgroundMapper(self._job, torch.device(device)) if background_mapping else None
 
     def buffer(self) -> torch.Tensor:
