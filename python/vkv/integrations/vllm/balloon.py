@@ -20,9 +20,8 @@ from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
 class Balloon:
     """Not thread-safe: vLLM calls the scheduler-side connector from its one engine thread."""
 
-    def __init__(self, pool, states: BlockStates, headroom_blocks: int, block_size: int) -> None:
+    def __init__(self, pool, states: BlockStates, headroom_blocks: int) -> None:
         self.pool = pool
-        self.block_size = block_size
         self.states = states
         self.headroom = headroom_blocks
         self.held: Dict[int, object] = {}  # block id -> KVCacheBlock taken out of the pool

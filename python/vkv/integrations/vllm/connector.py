@@ -9,7 +9,8 @@ Scheduler role: bind_gpu_block_pool() balloons the pool (balloon.py); every step
 build_connector_meta() releases newly backed blocks, takes back excess free ones and tells
 the worker. Worker role: the buffer is a vkv reservation (memory.py); bind_connector_metadata()
 (called before each forward) hands the background mapper (mapper.py; on CUDA by default) the
-job of unmapping what the scheduler took back and backing ahead to the scheduler's target. No silent fallback: what this version cannot do raises with the reason.
+job of unmapping what the scheduler took back and backing ahead to the scheduler's target.
+No silent fallback: what this version cannot do raises with the reason.
 """
 
 import contextlib
@@ -76,14 +77,13 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- scheduler side --------------------------------------------------------------
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         states = BlockStates(_engine_id(self._vllm_config), gpu_block_pool.num_gpu_blocks)
-        block_size = self._vllm_config.cache_config.block_size
-        self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks, block_size)
+        self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks)
         # A step writes 1 token per running request, + the speculative/lookahead ones.
         config = self._vllm_config
         tokens_per_step = 1 + config.num_speculative_tokens + config.num_lookahead_tokens
         # The background mapper's backing lands one step later (mapper.py): plan one step further
         # unless it is off (this side does not know the worker's device: unset counts as on).
-        self._demand = Demand(block_size, tokens_per_step, config.scheduler_config.max_num_seqs,
+        self._demand = Demand(config.cache_config.block_size, tokens_per_step, config.scheduler_config.max_num_seqs,
                               config.scheduler_config.max_num_batched_tokens,
                               steps_ahead=2 if self.settings.background_mapping is False else 3)
 

@@ -26,10 +26,9 @@ class Demand:
     def __init__(self, block_size: int, tokens_per_step: int, max_num_seqs: int,
                  max_num_batched_tokens: int, steps_ahead: int = 2) -> None:
         self.block_size = block_size
-        self.steps_ahead = steps_ahead
-        self.tokens_per_step = tokens_per_step
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_ahead = steps_ahead * tokens_per_step  # tokens a running request writes meanwhile
+        self.batch_ahead = steps_ahead * max_num_batched_tokens  # tokens those steps can schedule
         self._requests: Dict[str, Request] = {}  # request id -> vLLM's Request, until it finishes
 
     def _blocks(self, tokens: int) -> int:
@@ -50,14 +49,14 @@ class Demand:
         computed: Dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        tokens_left = self.steps_ahead * self.max_num_batched_tokens
+        tokens_left = self.batch_ahead
         blocks = 0
         for request_id, tokens in scheduled.items():
             held = computed.get(request_id, 0) + tokens
             request = self._requests.get(request_id)
             prefill_left = request.num_tokens - held if request is not None else 0
-            ahead = max(min(prefill_left, tokens_left), self.steps_ahead * self.tokens_per_step)
-            tokens_left -= max(0, ahead)
+            ahead = max(min(prefill_left, tokens_left), self.decode_ahead)
+            tokens_left -= ahead
             blocks += self._blocks(held + ahead) - self._blocks(held)
         seats = self.max_num_seqs - len(scheduled)
         for request_id, request in self._requests.items():
