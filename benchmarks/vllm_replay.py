@@ -219,6 +219,22 @@ MAPPINGS = {
 _SUFFIX = {"background": "_bg", "before": "", "ahead": "_ahead"}  # result file names, as before for the old modes
 
 
+def _difference(index, outs, expected):
+    """None where every output is bitwise equal; else what differs, for telling a kernel's own
+    nondeterminism (the --control run differs too) from bytes a pool got wrong: the outputs that
+    differ (their index: per layer, the decode output then the prefill one), how many elements,
+    the largest difference, and the NaNs on each side."""
+    assert len(outs) == len(expected)
+    which = [i for i, (a, b) in enumerate(zip(outs, expected)) if not torch.equal(a, b)]
+    if not which:
+        return None
+    diff = [(outs[i].float() - expected[i].float()).abs() for i in which]
+    return {"step": index, "outputs": len(outs), "differ": which[:16], "elements": int(sum((d != 0).sum() for d in diff)),
+            "max": max(float(d.nan_to_num(float("inf")).max()) for d in diff),
+            "nan": int(sum(outs[i].isnan().sum() for i in which)),
+            "nan_expected": int(sum(expected[i].isnan().sum() for i in which))}
+
+
 def _spread(vkv, fixed, steps):
     """Per-step vkv - fixed over ``steps``: median and p90, in ms and relative to the fixed step."""
     if not steps:
@@ -230,7 +246,7 @@ def _spread(vkv, fixed, steps):
 
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
-           mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False) -> dict:
+           mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False) -> dict:
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import BlockMemory
     cuda = device.startswith("cuda")
@@ -284,7 +300,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [],
                 "launch_vkv": [], "launch_fixed": [], "gpu_vkv": [], "gpu_fixed": []}
     events = []  # (step, pool, start, end)
-    mismatches = []  # [step, max |vkv - fixed|] of the steps whose outputs differ (--keep-going)
+    mismatches = []  # _difference() of the steps whose outputs differ (--keep-going)
+    control_mismatches = []  # the fixed pool against itself (--control): the kernels' own nondeterminism
     for index, step in enumerate(steps):
         for key in ("map", "bind", "wait", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed"):
             per_step[key].append(0.0)
@@ -346,11 +363,20 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             take_into_pool()
         if mapping == "before":
             per_step["vkv"][-1] += per_step["map"][-1]  # before the forward: on its critical path
-        assert len(outs["vkv"]) == len(outs["fixed"])
-        if not all(torch.equal(a, b) for a, b in zip(outs["vkv"], outs["fixed"])):
-            worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(outs["vkv"], outs["fixed"]))
-            assert keep_going, f"step {index}: outputs differ (max |vkv - fixed| = {worst})"
-            mismatches.append([index, worst])  # --keep-going (under a sanitizer): count, go on
+        if control:  # the fixed pool's forward once more: same inputs, same slots, same bytes expected
+            sync()
+            if attention is None:
+                again = _torch_forward(pools["fixed"], step, index, block, heads, dim, dtype, device, g)
+            else:
+                again = _flashinfer_forward(pools["fixed"], paged["fixed"], plan, new_kv, q, attention, dense, x)
+            sync()
+            differ = _difference(index, again, outs["fixed"])
+            if differ:
+                control_mismatches.append(differ)
+        differ = _difference(index, outs["vkv"], outs["fixed"])
+        if differ:
+            assert keep_going, f"step {index}: outputs differ: {differ}"
+            mismatches.append(differ)  # --keep-going (under a sanitizer): count, go on
     for index, name, begin, end in events:
         per_step["gpu_" + name][index] = begin.elapsed_time(end) / 1e3
     seconds = {k: sum(v) for k, v in per_step.items()}
@@ -364,6 +390,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
               "shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
               "mapping": mapping, "map": MAPPINGS[mapping],
               "dense_gemms": dense_gemms, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
+              **({"control_mismatched_steps": control_mismatches} if control else {}),
               "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
               "unmap_us_per_block": st["unmap"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
               "map_calls": st["map"]["calls"], "unmap_calls": st["unmap"]["calls"],
@@ -409,6 +436,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
     parser.add_argument("--keep-going", action="store_true",
                         help="outputs that differ are counted (mismatched_steps), not fatal: for sanitizer runs")
+    parser.add_argument("--control", action="store_true",
+                        help="run the fixed pool's forward twice a step and count where it differs from itself "
+                             "(control_mismatched_steps): the kernels' own nondeterminism, e.g. under a sanitizer")
     args = parser.parse_args()
     if args.mode == "record":
         record(args.trace, args.requests, args.prompt, args.gen, args.num_blocks)
@@ -424,4 +454,4 @@ if __name__ == "__main__":
             raise ValueError(f"vllm_replay: the torch path has q_heads == kv_heads, got q_heads={q_heads}, kv_heads={heads}")
         mapping = "ahead" if args.map_ahead else args.mapping
         replay(args.trace, args.device, layers, heads, dim, q_heads, args.attention, mapping, args.dense, args.steps,
-               args.keep_going)
+               args.keep_going, args.control)

@@ -89,14 +89,16 @@ elif [ -n "$sanitizer" ]; then
   # attention first (no JIT: 4 layers x 64 KV heads keep a 16-token block one 2 MiB page),
   # then FlashInfer's, compiled outside the sanitizer by a plain run first (application-only:
   # its compiler subprocesses stay outside anyway). --keep-going: a step whose outputs differ
-  # under the sanitizer (seen at step 1 with FlashInfer, tree 112010c) is counted, not fatal.
+  # under the sanitizer (seen at step 1 with FlashInfer, tree 112010c) is counted, not fatal;
+  # --control runs the fixed pool twice a step: a kernel that differs from itself there is
+  # nondeterministic under the sanitizer, not fed wrong bytes by vkv.
   small=("$src/benchmarks/vllm_replay.py" replay "$src/benchmarks/results/vllm_trace_memcheck.json" --device cuda)
   step memcheck_torch 300 env OUT= "$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3 \
-    python3 "${small[@]}" --attention torch --shape 4,64,128,64 --mapping background --keep-going
+    python3 "${small[@]}" --attention torch --shape 4,64,128,64 --mapping background --keep-going --control
   grep -E "ERROR SUMMARY|bitwise_equal|mismatched_steps|unmap_calls" "$out/memcheck_torch.log" | tee -a "$out/summary.txt"
   step memcheck_warm 240 env OUT= python3 "${small[@]}" "${llama[@]}" --mapping background --steps 2
   step memcheck 300 env OUT= "$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3 \
-    python3 "${small[@]}" "${llama[@]}" --mapping background --keep-going
+    python3 "${small[@]}" "${llama[@]}" --mapping background --keep-going --control
   grep -E "ERROR SUMMARY|bitwise_equal|mismatched_steps|unmap_calls" "$out/memcheck.log" | tee -a "$out/summary.txt"
 else
   echo "memcheck: no compute-sanitizer on this machine" | tee -a "$out/summary.txt"

@@ -103,6 +103,22 @@ def test_a_whole_recorded_trace_replays_its_releases_bitwise_equal(tmp_path, mon
     assert report["bitwise_equal"] and report["map_calls"] > 0 and report["unmap_calls"] > 0
 
 
+def test_the_control_run_counts_the_fixed_pools_own_differences(monkeypatch, capsys):
+    monkeypatch.setenv("OUT", "")
+    vllm_replay.replay(str(TRACE), "cpu", 2, 2, 64, 2, "torch", "background", False, 4, keep_going=True, control=True)
+    report = json.loads(capsys.readouterr().out)
+    assert report["control_mismatched_steps"] == [] and report["mismatched_steps"] == [] and report["bitwise_equal"]
+
+
+def test_a_difference_names_the_outputs_the_elements_and_the_nans():
+    same = [torch.ones(2, 3), torch.zeros(4)]
+    assert vllm_replay._difference(5, same, [t.clone() for t in same]) is None
+    off = [torch.ones(2, 3), torch.tensor([0.0, float("nan"), 0.5, 0.0])]
+    differ = vllm_replay._difference(5, off, same)
+    assert differ == {"step": 5, "outputs": 2, "differ": [1], "elements": 2, "max": math.inf, "nan": 1,
+                      "nan_expected": 0}
+
+
 def test_the_trace_is_long_enough_for_the_decode_figure():
     trace = vllm_replay.load(str(TRACE))
     full = [s for s in trace["steps"] if s["batch"] and all(r[3] == 1 for r in s["batch"]) and len(s["batch"]) >= 60]
