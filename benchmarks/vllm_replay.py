@@ -134,7 +134,7 @@ class _FlashInfer:
     """vLLM's attention on Hopper: FlashInfer's paged decode for decode requests, its paged
     (causal) prefill for the rest, over the BLNHC views; one plan per step shared by both pools."""
 
-    def __init__(self, device, kv_heads, q_heads, dim, block, dtype):
+    def __init__(self, device, kv_heads, q_heads, dim, block, dtype, prefill_backend="auto"):
         import flashinfer
         self.shape = (q_heads, kv_heads, dim, block)
         self.dtype = dtype
@@ -144,7 +144,10 @@ class _FlashInfer:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace(), kv_layout="NHD", use_tensor_cores=q_heads // kv_heads > 4, backend="fa2")
         # "auto": FA3 on Hopper (its sm90 paged path reads page, token and head strides too).
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), kv_layout="NHD")
+        # "fa2" for runs under compute-sanitizer memcheck, where FA3's prefill differs from itself
+        # (vllm_replay_memcheck_3d074f7_h100: the fixed pool's own rerun, --control).
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), kv_layout="NHD",
+                                                                      backend=prefill_backend)
 
     def plan(self, plan: _Plan) -> None:
         q_heads, kv_heads, dim, block = self.shape
@@ -246,7 +249,8 @@ def _spread(vkv, fixed, steps):
 
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
-           mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False) -> dict:
+           mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
+           prefill_backend: str = "auto") -> dict:
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import BlockMemory
     cuda = device.startswith("cuda")
@@ -270,7 +274,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
              "fixed": _views(fixed, nb, layers, heads, dim, block, dtype)}
     paged = {name: [_paged_kv(v, dim) for v in views] for name, views in pools.items()}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    attention = _FlashInfer(device, heads, q_heads, dim, block, dtype) if attention_name == "flashinfer" else None
+    attention = (_FlashInfer(device, heads, q_heads, dim, block, dtype, prefill_backend)
+                 if attention_name == "flashinfer" else None)
     dense = _Dense(device, q_heads, heads, dim, dtype) if dense_gemms else None
     if attention is not None:  # JIT compilation and first-call setup out of the timings: block 0 only
         warm = _Plan([["warm", [0], block, block], ["warm2", [0], 1, 1]], block, device)
@@ -388,6 +393,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     report = {"device": device, "trace": os.path.basename(path), "steps": len(steps), "decode_steps": len(decode_steps),
               "max_batch": max((len(s["batch"]) for s in steps), default=0),
               "shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
+              **({"prefill_backend": prefill_backend} if attention is not None else {}),
               "mapping": mapping, "map": MAPPINGS[mapping],
               "dense_gemms": dense_gemms, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
               **({"control_mismatched_steps": control_mismatches} if control else {}),
@@ -432,6 +438,8 @@ if __name__ == "__main__":
     parser.add_argument("--mapping", choices=sorted(MAPPINGS), default="background",
                         help="; ".join(f"{k}: {v}" for k, v in MAPPINGS.items()))
     parser.add_argument("--map-ahead", action="store_true", help="the old name of --mapping ahead")
+    parser.add_argument("--prefill-backend", choices=["auto", "fa2", "fa3"], default="auto",
+                        help="FlashInfer's prefill kernels (auto: FA3 on Hopper, as vLLM gets)")
     parser.add_argument("--dense", action="store_true", help="add Llama-3-8B's weight GEMMs to every layer (flashinfer)")
     parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
     parser.add_argument("--keep-going", action="store_true",
@@ -454,4 +462,4 @@ if __name__ == "__main__":
             raise ValueError(f"vllm_replay: the torch path has q_heads == kv_heads, got q_heads={q_heads}, kv_heads={heads}")
         mapping = "ahead" if args.map_ahead else args.mapping
         replay(args.trace, args.device, layers, heads, dim, q_heads, args.attention, mapping, args.dense, args.steps,
-               args.keep_going, args.control)
+               args.keep_going, args.control, args.prefill_backend)
