@@ -215,11 +215,14 @@ def _flashinfer_forward(views, paged, plan, new_kv, q, attention, dense, x):
 
 
 MAPPINGS = {
-    "background": "vLLM's order: bind before the forward, the job on the background mapper",
+    "background": "vLLM's order: the job taken at the bind (before the forward is queued), started on the "
+                  "background mapper at start_load_kv() (once it is queued)",
+    "background_at_bind": "the job started on the background mapper at the bind, before the forward is queued "
+                          "(the connector until 3d074f7)",
     "before": "synchronous, before the forward",
     "ahead": "synchronous, after the forward is queued (during it)",
 }
-_SUFFIX = {"background": "_bg", "before": "", "ahead": "_ahead"}  # result file names, as before for the old modes
+_SUFFIX = {"background": "_bg", "background_at_bind": "_bg_at_bind", "before": "", "ahead": "_ahead"}  # file names
 
 
 def _difference(index, outs, expected):
@@ -263,7 +266,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     trace = load(path)
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
     nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
-    background = mapping == "background"
+    background = mapping.startswith("background")
     memory = BlockMemory(engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, num_layers=layers,
                          num_kv_heads=heads, head_dim=dim, dtype=dtype, device=device, shared_budget="",
                          memory_budget=0, headroom_blocks=8, background_mapping=background)
@@ -333,9 +336,9 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             t = time.perf_counter()
             if name == "vkv" and background:
                 # vLLM's order: bind_connector_metadata() before the forward is queued. It waits
-                # for the previous step's job (done: the last vkv step waited for it) and hands
-                # this step's over; the job runs while the forward computes.
-                memory.submit(step["release"], step["target"])
+                # for the previous step's job (done: the last vkv step waited for it) and takes
+                # this step's, which start_load_kv() starts once the forward is queued.
+                memory.submit(step["release"], step["target"], start=mapping == "background_at_bind")
                 per_step["bind"][-1] = time.perf_counter() - t
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -349,6 +352,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             if cuda:
                 end.record()
                 events.append((index, name, begin, end))
+            if name == "vkv" and background:
+                memory.start()  # start_load_kv(): the job runs while the forward computes
             if name == "vkv" and mapping == "ahead":
                 # The step's forward is queued; the mapping for the steps after it runs on the
                 # CPU meanwhile. Released blocks are RECLAIMING: out of every block table of this

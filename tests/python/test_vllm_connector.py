@@ -7,6 +7,7 @@ Skips only where vllm is not importable and CI is not set; scripts/install_vllm.
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -278,6 +279,49 @@ def test_close_with_a_job_in_flight_lets_it_finish_first():
     memory.states.unlink()
     memory.close()
     assert not memory.mapper._thread.is_alive()
+
+
+def test_a_job_taken_at_the_bind_starts_once_the_forward_is_queued():
+    # vLLM binds before it queues the forward and calls start_load_kv() after: the job must
+    # not run in between (its driver calls would compete with the forward's launches), and
+    # one never started must not be lost or block a later wait.
+    from vkv.integrations.vllm.mapper import BackgroundMapper
+    ran = []
+    mapper = BackgroundMapper(lambda release, target, settle: ran.append((release, target)), torch.device("cpu"))
+    try:
+        mapper.submit([1], 4, start=False)
+        time.sleep(0.1)
+        assert ran == [] and mapper.busy()  # kept: the forward is being queued
+        mapper.start()
+        mapper.wait()
+        assert ran == [([1], 4)] and not mapper.busy()
+        mapper.start()  # nothing kept: nothing runs twice
+        mapper.submit([2], 5, start=False)
+        mapper.submit([3], 6, start=False)  # the next bind starts and waits for the kept one
+        assert ran[:2] == [([1], 4), ([2], 5)]
+        mapper.wait()  # and wait() starts the last one
+        assert ran == [([1], 4), ([2], 5), ([3], 6)]
+        mapper.submit([4], 7, start=False)
+    finally:
+        mapper.close()  # a kept job runs before the thread stops
+    assert ran[-1] == ([4], 7)
+
+
+def test_the_worker_runs_the_step_job_from_start_load_kv():
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": True})
+    memory = engine.worker._memory
+    try:
+        _trace(engine, n=4)
+        out = engine.scheduler.schedule()
+        submitted = memory.mapper._submitted
+        engine.worker.bind_connector_metadata(out.kv_connector_metadata)
+        assert memory.mapper._submitted == submitted + 1 and memory.mapper._held is not None
+        engine.worker.start_load_kv(None)
+        assert memory.mapper._held is None
+        memory.wait()
+        engine.worker.clear_connector_metadata()
+    finally:
+        engine.close()
 
 
 def test_an_idle_engine_gives_pages_back_within_two_steps():

@@ -93,7 +93,7 @@ class Engine:
         self.outputs[request_id] = []
 
     def step(self, check=None, read_back: bool = True):
-        """One schedule + (worker bind) + fake forward + update; returns the SchedulerOutput.
+        """One schedule + (worker bind) + fake forward + (worker start_load_kv) + update; returns the SchedulerOutput.
         ``read_back`` False: every request samples token 1 (recording traces fast)."""
         from vllm.v1.outputs import ModelRunnerOutput
         out = self.scheduler.schedule()
@@ -108,6 +108,8 @@ class Engine:
             sampled = {r: (1 if reqs[r].num_computed_tokens >= reqs[r].num_prompt_tokens else None)
                        for r in out.num_scheduled_tokens}
         if self.worker is not None:
+            # vLLM 0.33's order without KV loads: start_load_kv() once the forward is queued.
+            self.worker.start_load_kv(None)
             self.worker.clear_connector_metadata()
         ids = list(sampled)
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},

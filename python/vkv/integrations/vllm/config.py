@@ -18,7 +18,7 @@ class VkvConnectorConfig:
         never waits on the driver; free blocks beyond it go back to the budget.
     device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
     background_mapping: give back and back blocks on the worker's background mapper thread
-        (mapper.py), so that bind_connector_metadata() only hands the step's job over and the
+        (mapper.py), so that bind_connector_metadata() only takes the step's job and the
         forward never waits on the driver; None (unset) = on where the device is CUDA, off on
         the CPU. (Not vkv.KVCache's option of that name, vkv's own mapper thread.)
     """

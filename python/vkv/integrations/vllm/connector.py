@@ -8,8 +8,9 @@ Loaded by configuration alone:
 Scheduler role: bind_gpu_block_pool() balloons the pool (balloon.py); every step
 build_connector_meta() releases newly backed blocks, takes back excess free ones and tells
 the worker. Worker role: the buffer is a vkv reservation (memory.py); bind_connector_metadata()
-(called before each forward) hands the background mapper (mapper.py; on CUDA by default) the
-job of unmapping what the scheduler took back and backing ahead to the scheduler's target.
+(called before each forward) takes the job of unmapping what the scheduler took back and
+backing ahead to the scheduler's target, and start_load_kv() (called once the forward is
+queued) hands it to the background mapper (mapper.py; on CUDA by default).
 No silent fallback: what this version cannot do raises with the reason.
 """
 
@@ -173,11 +174,17 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("VkvConnector: bind_connector_metadata() before the KV buffer was made")
         meta: VkvConnectorMetadata = connector_metadata
         # Called before the step's forward is queued, on its stream. With background mapping
-        # this waits for the previous step's job (raising its error) and hands this one over.
-        self._memory.submit(meta.release, meta.target_backed)
+        # this waits for the previous step's job (raising its error) and keeps this one for
+        # start_load_kv(); without, it does the job now.
+        self._memory.submit(meta.release, meta.target_backed, start=False)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        return None
+        # vLLM 0.33 calls this right after queueing the forward when no request loads KV
+        # synchronously (none does here: get_num_new_matched_tokens() matches 0 tokens), and
+        # before it otherwise: either way the job runs beside the forward, and it starts once
+        # the forward's kernels are launched instead of competing with their launches.
+        if self._memory is not None:
+            self._memory.start()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -3,20 +3,24 @@ step's critical path.
 
 vLLM calls ``bind_connector_metadata()`` before it queues the step's forward; with the
 mapping done there, every step waited for the driver (and ``trim()`` for the forwards still
-running). Here the call only hands the step's job (blocks to release, blocks to keep backed)
-to this thread and returns; the job runs while the forward computes.
+running). Here that call only takes the step's job (blocks to release, blocks to keep backed)
+and returns; ``start_load_kv()``, which vLLM 0.33 calls right after the forward is queued
+(no KV loads: off the critical path), hands it to this thread, and the job runs while the
+forward computes. Started at the bind instead, its driver calls slowed the forward's own
+kernel launches (host launch +0.19 ms a decode step, H100: docs/vllm.md).
 
 Ordering (CUDA):
-- At hand-over an event is recorded on the caller's current stream: it completes when every
+- At the bind an event is recorded on the caller's current stream: it completes when every
   forward queued before this bind has, the last ones that may have read a released block
   (a block the scheduler takes back is in no block table of this step or a later one). The
   thread waits for it (``Event.synchronize()`` releases the GIL) before it touches a block.
 - The thread's device work (vkv's zero-fills) goes to a stream of its own, and the job's
   ``settle`` synchronizes that stream before any block is marked BACKED: the scheduler hands
   out only BACKED blocks, so no forward reads a block before its pages are mapped and zeroed.
-- At most one job is in flight: a hand-over first waits for the previous job (a lag of one
+- At most one job is in flight: a bind first waits for the previous job (a lag of one
   step, bounded) and raises the exception that job ended with, so vLLM stops with the
-  reason instead of running on.
+  reason instead of running on. A job not yet started is started by ``wait()``, the next
+  bind and ``close()``: none is lost or waited on forever.
 """
 
 import queue
@@ -31,8 +35,8 @@ Job = Callable[[List[int], int, Callable[[], None]], None]
 
 
 class BackgroundMapper:
-    """Runs one worker's jobs on a thread of its own. ``submit()``, ``wait()`` and ``close()``
-    are for the worker's one model-runner thread (not thread-safe among themselves)."""
+    """Runs one worker's jobs on a thread of its own. ``submit()``, ``start()``, ``wait()`` and
+    ``close()`` are for the worker's one model-runner thread (not thread-safe among themselves)."""
 
     def __init__(self, job: Job, device: torch.device, name: str = "vkv-vllm-mapper") -> None:
         self._job = job
@@ -43,15 +47,18 @@ class BackgroundMapper:
         self._idle = threading.Event()
         self._idle.set()
         self._error: Optional[BaseException] = None
-        self._submitted = 0  # jobs handed over; the failed one's number goes in its error
+        self._submitted = 0  # jobs taken; the failed one's number goes in its error
+        self._held = None  # a job submitted with start=False, until start()
         self.last_job_seconds = 0.0  # the last job's time on the thread, its wait for the event included
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, release: List[int], target: int) -> None:
-        """Hand a step's job over: waits for the previous one (raising what it raised), then
-        returns at once. Call before queueing the step's forward, on the forward's stream."""
+    def submit(self, release: List[int], target: int, start: bool = True) -> None:
+        """Take a step's job: waits for the previous one (raising what it raised), records the
+        event that orders the job after every forward queued so far, and queues the job, or
+        keeps it until ``start()`` (``start=False``). Returns without waiting for it. Call
+        before queueing the step's forward, on the forward's stream."""
         if self._closed:
             raise RuntimeError("vkv.integrations.vllm: job handed to a closed background mapper")
         self.wait()
@@ -60,24 +67,36 @@ class BackgroundMapper:
             event = torch.cuda.Event(blocking=True)  # the thread sleeps on it instead of spinning a core
             event.record(torch.cuda.current_stream(self._device))
         self._submitted += 1
-        self._idle.clear()
-        self._jobs.put((list(release), int(target), event, self._submitted))
+        self._held = (list(release), int(target), event, self._submitted)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Hand the job kept by ``submit(start=False)`` to the thread (none kept: nothing).
+        Call once the step's forward is queued: its launches then have the host to themselves."""
+        if self._held is not None:
+            job, self._held = self._held, None
+            self._idle.clear()
+            self._jobs.put(job)
 
     def wait(self) -> None:
-        """Until the job in flight (if any) is done; raises the exception a job ended with
-        (every later call too: the blocks' state is no longer known)."""
+        """Until the step's job is done (one not yet started is started first); raises the
+        exception a job ended with (every later call too: the blocks' state is no longer known)."""
+        self.start()
         self._idle.wait()
         if self._error is not None:
             raise self._error
 
     def busy(self) -> bool:
-        return not self._idle.is_set()
+        """A job is kept or running."""
+        return self._held is not None or not self._idle.is_set()
 
     def close(self) -> None:
         """Let the job in flight finish, then stop the thread. Does not raise the job's error."""
         if self._closed:
             return
         self._closed = True
+        self.start()
         self._jobs.put(None)
         self._thread.join()
 

@@ -12,7 +12,8 @@ vLLM's zero-fill of the whole buffer and writes to blocks it does not own do not
 a block given back is scratch again, and a block backed again starts as zeros.
 
 Each step's release and backing is one job (``submit()``); on CUDA it runs on the
-background mapper's thread and stream (mapper.py), off the step's critical path.
+background mapper's thread and stream (mapper.py), off the step's critical path, from
+``start()`` (once the step's forward is queued) where ``submit()`` was told to wait for it.
 """
 
 from typing import Callable, List, Optional
@@ -41,8 +42,8 @@ def block_geometry_error(block_size: int, block_bytes: int, page_bytes: int, num
 
 
 class BlockMemory:
-    """The reservation and which blocks are backed. ``submit()``, ``wait()``, ``buffer()`` and
-    ``close()`` are for vLLM's one model-runner thread; with ``background_mapping`` the jobs run
+    """The reservation and which blocks are backed. ``submit()``, ``start()``, ``wait()``,
+    ``buffer()`` and ``close()`` are for vLLM's one model-runner thread; with ``background_mapping`` the jobs run
     on the background mapper's thread (mapper.py), otherwise on the caller's, inside ``submit()``."""
 
     def __init__(self, *, engine_id: str, num_blocks: int, block_size: int, num_layers: int,
@@ -84,16 +85,21 @@ class BlockMemory:
         """The whole reservation as vLLM's flat int8 backing buffer (``num_blocks * block_bytes``)."""
         return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
 
-    def submit(self, release: List[int], target: int) -> None:
+    def submit(self, release: List[int], target: int, start: bool = True) -> None:
         """What ``bind_connector_metadata()`` does each step: unmap ``release`` (blocks the
         scheduler took back, RECLAIMING) and back blocks up to ``target``. With background
         mapping this waits for the previous step's job (raising its exception), hands this one
-        to the mapper and returns; otherwise it does the job now. Call before queueing the
-        step's forward, on its stream."""
+        to the mapper (or, ``start=False``, keeps it for ``start()``) and returns; otherwise it
+        does the job now. Call before queueing the step's forward, on its stream."""
         if self.mapper is not None:
-            self.mapper.submit(release, target)
+            self.mapper.submit(release, target, start)
         else:
             self._job(release, target, None)
+
+    def start(self) -> None:
+        """Start the job ``submit(start=False)`` kept (vLLM's ``start_load_kv()``, after the forward is queued)."""
+        if self.mapper is not None:
+            self.mapper.start()
 
     def wait(self) -> None:
         """Until the job in flight is done (raising its exception); at once without background mapping."""
