@@ -9,16 +9,19 @@
 # weight GEMMs (--dense) so that a step costs what a real one does. Each run asserts the
 # outputs bitwise equal and writes map/unmap cost per block and the per-step overhead against
 # the fixed pool (all steps, and decode steps at batch 60-64: total, per-step median and p90):
-#   fi_bg_dense     vLLM's order: bind_connector_metadata() before the forward is queued, the
-#                   release and backing on the worker's background mapper thread (the connector's
-#                   default on CUDA); vkv's step ends when its forward and that job are both done
-#   fi_ahead_dense  the previous measurement's mode (synchronous, after the forward is queued)
+#   fi_bg_dense     vLLM's order: bind_connector_metadata() before the forward is queued takes the
+#                   step's job, start_load_kv() after it starts the job on the worker's background
+#                   mapper thread (the connector's default on CUDA); vkv's step ends when its
+#                   forward and that job are both done
+#   fi_bg_at_bind_dense  the same, the job started at the bind (the connector until 3d074f7)
 #   gpu_tests       the background mapper's GPU tests (tests/python/test_vllm_gpu_placement.py)
 #   memcheck        the 27-step trace benchmarks/results/vllm_trace_memcheck.json (16 requests, the
 #                   last two steps give 157 blocks back) with the background mapping under
-#                   compute-sanitizer memcheck: torch's attention, then FlashInfer's (~10 minutes)
-# VLLM_REPLAY_ALL=1 adds the attention-only runs and the mapping before the forward (~1 minute
-# more); VLLM_REPLAY_PARTS ("tests replay memcheck" by default) runs one part per call where the
+#                   compute-sanitizer memcheck: torch's attention, then FlashInfer's with its FA2
+#                   prefill and with its FA3 one (~4 minutes; --control: FA3's prefill differs
+#                   from itself under the sanitizer, vllm_replay_memcheck_166f582_h100.log)
+# VLLM_REPLAY_ALL=1 adds the attention-only run and the synchronous mappings, before the forward
+# and after it is queued (~1 minute more); VLLM_REPLAY_PARTS ("tests replay memcheck" by default) runs one part per call where the
 # machine's limit is near. Needs .whl/flashinfer-*.tar.xz (carry .whl): scripts/gpu/flashinfer_env.sh.
 #   scripts/gpu/vllm_replay.sh [OUT]      results: OUT/vllm_replay_*.json, OUT/*.log, OUT/summary.txt
 set -uo pipefail
@@ -72,8 +75,9 @@ if [[ "$parts" == *" replay "* ]]; then
   # FlashInfer JIT-compiles its decode (~13 s) and prefill (~90 s) kernels in the first run's
   # warm-up, outside the timings; the later runs find them in FLASHINFER_WORKSPACE_BASE.
   step fi_bg_dense 240 python3 "${replay[@]}" "${llama[@]}" --dense --mapping background
-  step fi_ahead_dense 90 python3 "${replay[@]}" "${llama[@]}" --dense --mapping ahead
+  step fi_bg_at_bind_dense 90 python3 "${replay[@]}" "${llama[@]}" --dense --mapping background_at_bind
   if [ "${VLLM_REPLAY_ALL:-0}" = 1 ]; then
+    step fi_ahead_dense 90 python3 "${replay[@]}" "${llama[@]}" --dense --mapping ahead
     step fi_before_dense 90 python3 "${replay[@]}" "${llama[@]}" --dense --mapping before
     step fi_bg 60 python3 "${replay[@]}" "${llama[@]}" --mapping background
   fi
@@ -89,17 +93,32 @@ elif [ -n "$sanitizer" ]; then
   # attention first (no JIT: 4 layers x 64 KV heads keep a 16-token block one 2 MiB page),
   # then FlashInfer's, compiled outside the sanitizer by a plain run first (application-only:
   # its compiler subprocesses stay outside anyway). --keep-going: a step whose outputs differ
-  # under the sanitizer (seen at step 1 with FlashInfer, tree 112010c) is counted, not fatal;
-  # --control runs the fixed pool twice a step: a kernel that differs from itself there is
-  # nondeterministic under the sanitizer, not fed wrong bytes by vkv.
+  # under the sanitizer is counted, not fatal; --control runs the fixed pool twice a step: a
+  # kernel that differs from itself there is nondeterministic under the sanitizer, not fed
+  # wrong bytes by vkv (FlashInfer's FA3 prefill at step 1: vllm_replay_memcheck_166f582_h100.log).
   small=("$src/benchmarks/vllm_replay.py" replay "$src/benchmarks/results/vllm_trace_memcheck.json" --device cuda)
-  step memcheck_torch 300 env OUT= "$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3 \
+  memcheck=("$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3)
+  digest() {  # NAME: the sanitizer's verdict and the run's comparisons, one line
+    python3 - "$1" "$out/$1.log" "$out/$1"/*.json <<'EOF'
+import json, re, sys
+name, log, result = sys.argv[1], open(sys.argv[2]).read(), json.load(open(sys.argv[3]))
+errors = re.findall(r"ERROR SUMMARY: (\d+) error", log)
+print(f"{name}: memcheck errors {errors[-1] if errors else 'none reported'}; {result['steps']} steps, "
+      f"{result['unmap_calls']} unmaps; vkv == fixed: {result['bitwise_equal']} {result['mismatched_steps']}; "
+      f"fixed == fixed: {not result['control_mismatched_steps']} {result['control_mismatched_steps']}")
+EOF
+  }
+  mkdir -p "$out/memcheck_torch"
+  step memcheck_torch 300 env OUT="$out/memcheck_torch" "${memcheck[@]}" \
     python3 "${small[@]}" --attention torch --shape 4,64,128,64 --mapping background --keep-going --control
-  grep -E "ERROR SUMMARY|bitwise_equal|mismatched_steps|unmap_calls" "$out/memcheck_torch.log" | tee -a "$out/summary.txt"
-  step memcheck_warm 240 env OUT= python3 "${small[@]}" "${llama[@]}" --mapping background --steps 2
-  step memcheck 300 env OUT= "$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3 \
-    python3 "${small[@]}" "${llama[@]}" --mapping background --keep-going --control
-  grep -E "ERROR SUMMARY|bitwise_equal|mismatched_steps|unmap_calls" "$out/memcheck.log" | tee -a "$out/summary.txt"
+  digest memcheck_torch | tee -a "$out/summary.txt"
+  for backend in fa2 auto; do  # auto: FA3 on Hopper
+    mkdir -p "$out/memcheck_$backend"
+    step memcheck_warm_$backend 240 env OUT= python3 "${small[@]}" "${llama[@]}" --prefill-backend $backend --steps 2
+    step memcheck_$backend 300 env OUT="$out/memcheck_$backend" "${memcheck[@]}" \
+      python3 "${small[@]}" "${llama[@]}" --prefill-backend $backend --mapping background --keep-going --control
+    digest memcheck_$backend | tee -a "$out/summary.txt"
+  done
 else
   echo "memcheck: no compute-sanitizer on this machine" | tee -a "$out/summary.txt"
 fi
