@@ -178,6 +178,16 @@ bool BudgetLedger::all_answered_locked(std::uint32_t request, std::size_t except
   return true;
 }
 
+bool BudgetLedger::answer_may_come(std::uint32_t request, std::size_t except) {
+  Lock lock(*this);
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    if (row.pid == 0 || i == except) continue;
+    if ((row.pledged > 0 || !at_or_after(row.answered, request)) && identity_of(row).running()) return true;
+  }
+  return false;
+}
+
 std::size_t BudgetLedger::claim_reserved(std::size_t member) noexcept {
   std::uint64_t taken = 0;
   try {

@@ -132,6 +132,9 @@ class BudgetLedger {
   bool ask_settled(std::size_t member, std::uint32_t request, std::size_t enough, bool reap = true);
   /// Every live member but `except` has answered `request`, and no pledge is outstanding.
   bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers);
+  /// Some member but `except` that has not answered `request` yet (or owes a pledge) is
+  /// alive and not stopped: slow, not gone. Reads /proc per such member.
+  bool answer_may_come(std::uint32_t request, std::size_t except);
   /// Ends the member's ask and moves up to what it wanted from the reservation into its
   /// `held`; returns those bytes (the caller creates pages from them or releases them).
   std::size_t claim_reserved(std::size_t member) noexcept;

@@ -121,7 +121,8 @@ void BudgetMembership::ask(std::size_t pages, std::size_t needed) {
   const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_);
   BudgetSegment& segment = ledger_.segment();
   const auto begin = std::chrono::steady_clock::now();
-  const auto deadline = begin + kAskTimeout;
+  auto deadline = begin + kAskTimeout;
+  bool extended = false;  // past kAskTimeout: only while an answer may still come
   // The answers come in chunks, each a wake-up: dead members (an answerer that died
   // mid-answer never answers) are counted out at the first look and then every kReapPeriod.
   auto reaped_at = begin;
@@ -131,8 +132,13 @@ void BudgetMembership::ask(std::size_t pages, std::size_t needed) {
     if (ledger_.ask_settled(member_, request, needed * page_bytes_, reap)) break;
     const auto now = std::chrono::steady_clock::now();
     if (reap) reaped_at = now;
+    if (now >= deadline && !extended && ledger_.answer_may_come(request, member_)) {
+      deadline = begin + kAskTimeoutRunning;
+      extended = true;
+    }
     if (now >= deadline) {
-      log_debug(concat("shared budget '", name_, "': members did not answer within ", kAskTimeout.count(), " ms"));
+      log_debug(concat("shared budget '", name_, "': members did not answer within ",
+                       (extended ? kAskTimeoutRunning : kAskTimeout).count(), " ms"));
       break;
     }
     futex_wait(segment.releases, releases, std::min<std::chrono::nanoseconds>(deadline - now, kReapPeriod));

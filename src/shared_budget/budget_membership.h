@@ -57,9 +57,13 @@ class BudgetMembership final : public PageAccount {
   /// How often an asker counts dead members out while it waits (each look reads /proc per
   /// member, under the budget's lock: not at every release it is woken for).
   static constexpr std::chrono::milliseconds kReapPeriod{10};
-  /// How long an asker waits for the others' answers at most (a member that never
-  /// answers, e.g. a stopped process, costs no more).
+  /// How long an asker waits for the others' answers where the members it waits for are
+  /// stopped (SIGSTOP, a debugger): such a member costs no more.
   static constexpr std::chrono::milliseconds kAskTimeout{200};
+  /// How long it waits at most while one of them is alive and not stopped: on a loaded
+  /// machine a watcher thread may not run for longer than kAskTimeout, and giving up then
+  /// raised OutOfMemory that its answer would have spared.
+  static constexpr std::chrono::milliseconds kAskTimeoutRunning{2000};
 
   /// Opens the budget `name` and joins it. @throws InvalidArgument for an unknown budget,
   /// one over another device than `backend`'s, or pages of another size than it can count.
@@ -89,7 +93,8 @@ class BudgetMembership final : public PageAccount {
   /// shortage sees them free at once; returns how many it found (0 also when the books
   /// cannot be read: the shortage is then decided without them). Reads /proc per member.
   std::size_t reap_dead() noexcept;
-  /// Asks the others for `pages` and waits (kAskTimeout at most) until what they gave
+  /// Asks the others for `pages` and waits (kAskTimeout, or kAskTimeoutRunning while a
+  /// member it waits for can still run) until what they gave
   /// covers `needed` of them or they all answered; the caller holds no lock the watcher or
   /// the mapper takes. Then claim_reserved() takes what was given by then; what comes
   /// after is free capacity. @throws Error (a broken budget).

@@ -298,16 +298,32 @@ ProcessIdentity ProcessIdentity::self() {
   return identity;
 }
 
-bool ProcessIdentity::alive() const noexcept {
-  if (pid <= 0) return false;
+namespace {
+
+// '?' when the process is gone or its pid names another one, 0 when it cannot tell.
+char state_of(const ProcessIdentity& process) noexcept {
+  if (process.pid <= 0) return '?';
   std::uint64_t started = 0;
   char state = 0;
   try {
-    if (!read_stat(pid, started, state)) return false;
+    if (!read_stat(process.pid, started, state)) return '?';
   } catch (...) {
-    return true;  // cannot tell (out of memory): keep its share rather than count it twice
+    return 0;  // out of memory
   }
-  return started == start_time && state != 'Z' && state != 'X';
+  return started == process.start_time ? state : '?';
+}
+
+}  // namespace
+
+bool ProcessIdentity::alive() const noexcept {
+  const char state = state_of(*this);
+  // Cannot tell (0): keep its share rather than count it twice.
+  return state != '?' && state != 'Z' && state != 'X';
+}
+
+bool ProcessIdentity::running() const noexcept {
+  const char state = state_of(*this);
+  return state != 0 && state != '?' && state != 'Z' && state != 'X' && state != 'T' && state != 't';
 }
 
 std::string ProcessIdentity::command() const {

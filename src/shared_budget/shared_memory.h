@@ -121,6 +121,9 @@ struct ProcessIdentity {
   /// False once the process has exited (a zombie has: its memory is gone) or its pid
   /// now names another process. Never throws.
   bool alive() const noexcept;
+  /// Alive and able to run: not stopped by a signal (SIGSTOP, a shell's ^Z) or a debugger.
+  /// Never throws (false when it cannot tell).
+  bool running() const noexcept;
   /// The process's command name (/proc/<pid>/comm), "" when gone.
   std::string command() const;
 };

@@ -461,6 +461,36 @@ TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
   expect_books_add_up({&a, b.get()});
 }
 
+// A member whose answer takes longer than kAskTimeout but that can still run (a loaded
+// machine; here its watcher waits for device work held for 3 kAskTimeouts) is waited for:
+// the asker gets the pages, not OutOfMemory.
+TEST_P(SharedBudgetCacheTest, AnAskWaitsPastItsTimeoutForAMemberThatCanStillAnswer) {
+  CacheConfig config = config_;
+  config.shared_budget = name_.str();
+  std::string why_not;
+  auto held = std::make_shared<HeldEventBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  KvCache a(config, held);
+  auto b = member();
+  const std::size_t kept = a.alloc_reqid();
+  const std::size_t freed = a.alloc_reqid();
+  a.step(lens({{kept, tokens(1)}, {freed, tokens(4)}}));
+  a.free_reqid(freed);
+  a.step(lens({{kept, tokens(1)}}));  // enqueues the freed slot's zero-fill: its event is pending
+  held->hold = true;
+  std::thread releaser([&] {
+    while (!held->waiting) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(3 * detail::BudgetMembership::kAskTimeout);
+    held->hold = false;
+  });
+  const std::size_t slot = b->alloc_reqid();
+  const std::string error = error_of([&] { b->step(lens({{slot, tokens(7)}})); });
+  held->hold = false;
+  releaser.join();
+  EXPECT_EQ(error, "(no error)") << "the ask gave up on a member that was still answering";
+  EXPECT_EQ(b->stats().pages_in_use, 7 * regions());
+  expect_books_add_up({&a, b.get()});
+}
+
 // With shared_budget_idle_ms, a member that stops stepping gives its freed requests' pages
 // and its free pages back on its own; its running requests keep theirs and what is mapped
 // ahead of them, and the next member finds the room free without asking.
@@ -771,6 +801,41 @@ TEST(SharedBudgetTest, AKilledMemberIsCountedOutAtTheNextShortage) {
   EXPECT_THROW(survivor.step(seq_lens), OutOfMemory);
   child.kill();
   survivor.step(seq_lens);  // no stats() in between
+  EXPECT_EQ(survivor.stats().bytes_created(), child_bytes);
+  survivor.check_invariants();
+}
+
+// A stopped member (SIGSTOP) never answers: the asker waits kAskTimeout for it, not the
+// longer wait it gives a member that can still run, and fails with OutOfMemory; once the
+// member runs again its pages can be asked for.
+TEST(SharedBudgetTest, AStoppedMemberCostsAnAskOnlyItsShortTimeout) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  config.device = host();
+  config.shared_budget = name.str();
+  MemberProcess child([&] {
+    auto* cache = new KvCache(config);  // lives until the process is killed
+    std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+    const std::size_t slot = cache->alloc_reqid();
+    seq_lens[slot] = config.max_context_len;
+    cache->step(seq_lens);
+    cache->free_reqid(slot);  // its pages stay, unclaimed: what an ask can get back
+  });
+  ASSERT_TRUE(child.started());
+  KvCache survivor(config);
+  const std::size_t child_bytes = budget.stats().used_bytes;
+  ASSERT_GT(child_bytes, 0u);
+  budget.resize(child_bytes);  // the child holds the whole budget
+  ASSERT_EQ(::kill(child.pid(), SIGSTOP), 0);
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+  seq_lens[survivor.alloc_reqid()] = config.max_context_len;
+  const auto begin = std::chrono::steady_clock::now();
+  EXPECT_THROW(survivor.step(seq_lens), OutOfMemory);
+  const auto waited = std::chrono::steady_clock::now() - begin;
+  EXPECT_LT(waited, detail::BudgetMembership::kAskTimeoutRunning) << "waited for a stopped member as for a running one";
+  ASSERT_EQ(::kill(child.pid(), SIGCONT), 0);
+  survivor.step(seq_lens);  // the child answers now
   EXPECT_EQ(survivor.stats().bytes_created(), child_bytes);
   survivor.check_invariants();
 }
