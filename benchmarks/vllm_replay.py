@@ -29,6 +29,7 @@ outside them. --mapping says when the worker's job (release, then back up to the
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -241,19 +242,51 @@ def _difference(index, outs, expected):
             "nan_expected": int(sum(expected[i].isnan().sum() for i in which))}
 
 
+class _GcClock:
+    """Seconds the garbage collector ran (``gc.callbacks``), charged to the pool whose step is
+    being timed: a collection holds the GIL, whichever thread set it off, so it stalls the
+    forward's launch too."""
+
+    def __init__(self):
+        self.pool = None
+        self.seconds = {"vkv": 0.0, "fixed": 0.0}
+        self._start = None
+        gc.callbacks.append(self)
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None and self.pool is not None:
+            self.seconds[self.pool] += time.perf_counter() - self._start
+
+    def close(self):
+        gc.callbacks.remove(self)
+
+
+def _trimmed_mean(x, cut=0.05):
+    """The mean without the ``cut`` largest and smallest values: a host stall of 5-25 ms (either
+    pool's, a few a run) moves a 155-step total by up to 2% on its own."""
+    x = np.sort(np.asarray(x))
+    k = int(len(x) * cut)
+    return float(x[k:len(x) - k].mean())
+
+
 def _spread(vkv, fixed, steps):
-    """Per-step vkv - fixed over ``steps``: median and p90, in ms and relative to the fixed step."""
+    """Per-step vkv - fixed over ``steps``: median, p90 and the 5% trimmed mean, in ms and
+    relative to the fixed step."""
     if not steps:
         return None
     diff = np.array([vkv[i] - fixed[i] for i in steps])
     rel = np.array([(vkv[i] - fixed[i]) / fixed[i] for i in steps])
-    return {"ms": {"median": round(1e3 * float(np.median(diff)), 4), "p90": round(1e3 * float(np.percentile(diff, 90)), 4)},
-            "relative": {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90))}}
+    return {"ms": {"median": round(1e3 * float(np.median(diff)), 4), "p90": round(1e3 * float(np.percentile(diff, 90)), 4),
+                   "trimmed_mean": round(1e3 * _trimmed_mean(diff), 4)},
+            "relative": {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)),
+                         "trimmed_mean": _trimmed_mean(rel)}}
 
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
-           prefill_backend: str = "auto") -> dict:
+           prefill_backend: str = "auto", gc_freeze: bool = True) -> dict:
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import BlockMemory
     cuda = device.startswith("cuda")
@@ -303,16 +336,21 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     take_into_pool()  # the blocks backed when the worker started (headroom)
     memory.submit([], 0)  # an empty job: the mapper thread's first CUDA calls out of the timings
     memory.wait()
+    if gc_freeze:  # as vLLM's worker does after its warm-up (freeze_gc_heap): collections skip the setup's objects
+        for generation in range(3):
+            gc.collect(generation)
+        gc.freeze()
+    gc_clock = _GcClock()
     # Seconds of each step; launch_* (host time to queue the forward) and gpu_* (its kernels,
     # CUDA events on its stream) tell whether the mapper slows the host or the GPU.
     per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [],
-                "launch_vkv": [], "launch_fixed": [], "gpu_vkv": [], "gpu_fixed": []}
+                "launch_vkv": [], "launch_fixed": [], "gpu_vkv": [], "gpu_fixed": [], "gc_vkv": [], "gc_fixed": []}
     events = []  # (step, pool, start, end)
     mismatches = []  # _difference() of the steps whose outputs differ (--keep-going)
     warmed = set()  # the batch shapes (tokens, decodes, prefills) a forward has run with, untimed
     control_mismatches = []  # the fixed pool against itself (--control): the kernels' own nondeterminism
     for index, step in enumerate(steps):
-        for key in ("map", "bind", "wait", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed"):
+        for key in ("map", "bind", "wait", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed", "gc_vkv", "gc_fixed"):
             per_step[key].append(0.0)
         states[step["release"]] = RECLAIMING  # the scheduler took them back (what the trace says)
         if mapping == "before":
@@ -342,6 +380,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         # Alternate which pool goes first: neither gets the other's warm caches every step.
         for name in (("vkv", "fixed") if index % 2 == 0 else ("fixed", "vkv")):
             sync()
+            gc_clock.pool, gc_before = name, gc_clock.seconds[name]
             t = time.perf_counter()
             if name == "vkv" and background:
                 # vLLM's order: bind_connector_metadata() before the forward is queued. It waits
@@ -378,6 +417,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
                 per_step["wait"][-1] = time.perf_counter() - w
                 per_step["map"][-1] = memory.mapper.last_job_seconds
             per_step[name].append(time.perf_counter() - t)
+            per_step["gc_" + name][-1] = gc_clock.seconds[name] - gc_before
+            gc_clock.pool = None
         if background:
             take_into_pool()
         if mapping == "before":
@@ -410,7 +451,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
               "shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
               **({"prefill_backend": prefill_backend} if attention is not None else {}),
               "mapping": mapping, "map": MAPPINGS[mapping],
-              "dense_gemms": dense_gemms, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
+              "dense_gemms": dense_gemms, "gc_freeze": gc_freeze, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
               **({"control_mismatched_steps": control_mismatches} if control else {}),
               "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
               "unmap_us_per_block": st["unmap"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
@@ -432,6 +473,9 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
 
         name = f"vllm_replay_{attention_name}{_SUFFIX[mapping]}{'_dense' if dense_gemms else ''}.json"
         write_json({"machine": machine(device), **report}, os.path.join(out, name))
+    gc_clock.close()
+    if gc_freeze:
+        gc.unfreeze()
     memory.states.unlink()
     memory.close()
     return report
@@ -455,6 +499,8 @@ if __name__ == "__main__":
     parser.add_argument("--map-ahead", action="store_true", help="the old name of --mapping ahead")
     parser.add_argument("--prefill-backend", choices=["auto", "fa2", "fa3"], default="auto",
                         help="FlashInfer's prefill kernels (auto: FA3 on Hopper, as vLLM gets)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave the garbage collector's heap unfrozen (vLLM's worker freezes it after its warm-up)")
     parser.add_argument("--dense", action="store_true", help="add Llama-3-8B's weight GEMMs to every layer (flashinfer)")
     parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
     parser.add_argument("--keep-going", action="store_true",
@@ -477,4 +523,4 @@ if __name__ == "__main__":
             raise ValueError(f"vllm_replay: the torch path has q_heads == kv_heads, got q_heads={q_heads}, kv_heads={heads}")
         mapping = "ahead" if args.map_ahead else args.mapping
         replay(args.trace, args.device, layers, heads, dim, q_heads, args.attention, mapping, args.dense, args.steps,
-               args.keep_going, args.control, args.prefill_backend)
+               args.keep_going, args.control, args.prefill_backend, not args.no_gc_freeze)

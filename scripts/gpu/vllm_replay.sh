@@ -51,7 +51,9 @@ def spread(x):
     if not x:
         return "no spread"
     return (f"per step median {x['ms']['median']:+.3f} ms ({100 * x['relative']['median']:+.2f}%) "
-            f"p90 {x['ms']['p90']:+.3f} ms ({100 * x['relative']['p90']:+.2f}%)")
+            f"p90 {x['ms']['p90']:+.3f} ms ({100 * x['relative']['p90']:+.2f}%)"
+            + (f" trimmed mean {x['ms']['trimmed_mean']:+.3f} ms ({100 * x['relative']['trimmed_mean']:+.2f}%)"
+               if "trimmed_mean" in x["ms"] else ""))
 print(f"{sys.argv[1].rsplit('/', 1)[-1]}: mapping={r.get('mapping', r['map'])} bitwise_equal={r['bitwise_equal']} "
       f"map {r['map_us_per_block']:.1f} us/block unmap {r['unmap_us_per_block']:.1f} us/block")
 print(f"  all {r['steps']} steps: vkv {s['vkv']:.3f} ms fixed {s['fixed']:.3f} ms job {s['map']:.3f} ms "

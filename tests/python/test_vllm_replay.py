@@ -4,6 +4,7 @@ paged K/V views it hands FlashInfer, the dense GEMMs) against a stand-in for Fla
 wrappers that computes paged attention in torch from the same arguments. No timings are
 asserted; FlashInfer itself runs only on CUDA (scripts/gpu/vllm_replay.sh)."""
 
+import gc
 import json
 import math
 import pathlib
@@ -84,7 +85,8 @@ def test_the_torch_replay_is_bitwise_equal_with_each_mapping(tmp_path, monkeypat
     report = json.loads(capsys.readouterr().out)
     assert report["bitwise_equal"] and report["steps"] == 12 and report["attention"] == "torch"
     assert report["mapping"] == mapping and report["map_calls"] > 0
-    assert {"vkv", "fixed", "map", "bind", "wait", "launch_vkv", "gpu_vkv"} <= set(report["seconds"])
+    assert {"vkv", "fixed", "map", "bind", "wait", "launch_vkv", "gpu_vkv", "gc_vkv", "gc_fixed"} <= set(report["seconds"])
+    assert report["gc_freeze"] and gc.get_freeze_count() == 0  # frozen for the steps, unfrozen after
     assert set(report["per_step_overhead"]) == {"ms", "relative"}
     assert (report["seconds"]["bind"] > 0) == mapping.startswith("background")
 
@@ -170,7 +172,7 @@ def test_the_flashinfer_path_attends_over_the_views_as_the_gather_does(stub_flas
         written = json.loads((tmp_path / "vllm_replay_flashinfer_bg_dense.json").read_text())
         assert len(written["per_step_ms"]["vkv"]) == steps and written["machine"]["device"] == "cpu"
         assert written["decode_batch_ge_60"] == report["decode_batch_ge_60"]
-        assert set(written["decode_batch_ge_60"]["per_step_overhead"]["ms"]) == {"median", "p90"}
+        assert set(written["decode_batch_ge_60"]["per_step_overhead"]["ms"]) == {"median", "p90", "trimmed_mean"}
 
 
 def test_the_flashinfer_forward_matches_attention_over_gathered_blocks(stub_flashinfer):
