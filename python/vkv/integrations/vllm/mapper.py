@@ -48,7 +48,7 @@ class BackgroundMapper:
         self._idle.set()
         self._error: Optional[BaseException] = None
         self._submitted = 0  # jobs taken; the failed one's number goes in its error
-        self._held = None  # a job submitted with start=False, until start()
+        self._held: Optional[tuple] = None  # a job submitted with start=False, until start()
         self.last_job_seconds = 0.0  # the last job's time on the thread, its wait for the event included
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
