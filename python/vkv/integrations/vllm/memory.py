@@ -12,8 +12,8 @@ vLLM's zero-fill of the whole buffer and writes to blocks it does not own do not
 a block given back is scratch again, and a block backed again starts as zeros.
 
 Each step's release and backing is one job (``submit()``); on CUDA it runs on the
-background mapper's thread and stream (mapper.py), off the step's critical path, from
-``start()`` (once the step's forward is queued) where ``submit()`` was told to wait for it.
+background mapper's thread and stream (mapper.py), off the step's critical path; a job
+``submit(start=False)`` keeps starts at ``start()``, once the step's forward is queued.
 """
 
 from typing import Callable, List, Optional
