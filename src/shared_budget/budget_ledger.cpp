@@ -33,6 +33,11 @@ bool read_text(const char* from, std::size_t size, std::string& text) {
 
 ProcessIdentity identity_of(const BudgetMemberRecord& row) noexcept { return {row.pid, row.start_time}; }
 
+// A member `request` still waits for: it has not answered it yet, or owes a pledge.
+bool owes_answer(const BudgetMemberRecord& row, std::uint32_t request) noexcept {
+  return row.pledged > 0 || !at_or_after(row.answered, request);
+}
+
 }  // namespace
 
 // Locks the mutex (at most shared_lock_timeout(): a stopped holder costs an error naming
@@ -173,7 +178,7 @@ bool BudgetLedger::all_answered_locked(std::uint32_t request, std::size_t except
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
     if (row.pid == 0 || i == except) continue;
-    if (row.pledged > 0 || !at_or_after(row.answered, request)) return false;
+    if (owes_answer(row, request)) return false;
   }
   return true;
 }
@@ -183,7 +188,7 @@ bool BudgetLedger::answer_may_come(std::uint32_t request, std::size_t except) {
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
     if (row.pid == 0 || i == except) continue;
-    if ((row.pledged > 0 || !at_or_after(row.answered, request)) && identity_of(row).running()) return true;
+    if (owes_answer(row, request) && identity_of(row).running()) return true;
   }
   return false;
 }

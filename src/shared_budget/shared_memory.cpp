@@ -313,17 +313,18 @@ char state_of(const ProcessIdentity& process) noexcept {
   return started == process.start_time ? state : '?';
 }
 
+// Gone, or exited (a zombie's memory is gone already).
+bool gone(char state) noexcept { return state == '?' || state == 'Z' || state == 'X'; }
+
 }  // namespace
 
 bool ProcessIdentity::alive() const noexcept {
-  const char state = state_of(*this);
-  // Cannot tell (0): keep its share rather than count it twice.
-  return state != '?' && state != 'Z' && state != 'X';
+  return !gone(state_of(*this));  // cannot tell (0): keep its share rather than count it twice
 }
 
 bool ProcessIdentity::running() const noexcept {
   const char state = state_of(*this);
-  return state != 0 && state != '?' && state != 'Z' && state != 'X' && state != 'T' && state != 't';
+  return state != 0 && !gone(state) && state != 'T' && state != 't';
 }
 
 std::string ProcessIdentity::command() const {

@@ -130,6 +130,11 @@ class SharedBudgetCacheTest : public testing::CacheTest {
     std::string why_not;
     return std::make_unique<KvCache>(config, testing::make_test_backend(std::get<0>(GetParam()), &why_not));
   }
+  // A member on a HeldEventBackend (below): slot `kept` runs with 1 page per region, and a
+  // freed slot's 4 pages per region wait for their zero-fill, whose event `held` can hold
+  // back: what another member's ask gets from it once that event completes.
+  struct HeldMember;
+  HeldMember member_with_a_pending_fill() const;
   // A watcher may still be giving back the part of an ask its asker did not wait for
   // (step()'s headroom): the books add up once it is done.
   void expect_books_add_up(std::initializer_list<KvCache*> caches) const {
@@ -423,21 +428,37 @@ class HeldEventBackend final : public ForwardingBackend {
   std::atomic<Event> done_{0};
 };
 
-// The watcher waits for device work that still reads the pages it gives back with the
-// cache's lock released: the owner's calls go on meanwhile.
-TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
+struct SharedBudgetCacheTest::HeldMember {
+  std::shared_ptr<HeldEventBackend> held;
+  std::unique_ptr<KvCache> cache;
+  std::size_t kept = 0;
+};
+
+SharedBudgetCacheTest::HeldMember SharedBudgetCacheTest::member_with_a_pending_fill() const {
   CacheConfig config = config_;
   config.shared_budget = name_.str();
   std::string why_not;
-  auto held = std::make_shared<HeldEventBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
-  KvCache a(config, held);
-  auto b = member();
-  const std::size_t kept = a.alloc_reqid();
+  HeldMember member;
+  member.held = std::make_shared<HeldEventBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  member.cache = std::make_unique<KvCache>(config, member.held);
+  KvCache& a = *member.cache;
+  member.kept = a.alloc_reqid();
   const std::size_t freed = a.alloc_reqid();
-  a.step(lens({{kept, tokens(1)}, {freed, tokens(4)}}));
-  write_tokens(a, kept, 0, tokens(1), testing::mark(11));
+  a.step(lens({{member.kept, tokens(1)}, {freed, tokens(4)}}));
   a.free_reqid(freed);
-  a.step(lens({{kept, tokens(1)}}));  // enqueues the freed slot's zero-fill: its event is pending
+  a.step(lens({{member.kept, tokens(1)}}));  // enqueues the freed slot's zero-fill: its event is pending
+  return member;
+}
+
+// The watcher waits for device work that still reads the pages it gives back with the
+// cache's lock released: the owner's calls go on meanwhile.
+TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
+  const HeldMember member_a = member_with_a_pending_fill();  // plain names: lambdas below use them
+  const std::shared_ptr<HeldEventBackend>& held = member_a.held;
+  KvCache& a = *member_a.cache;
+  const std::size_t kept = member_a.kept;
+  auto b = member();
+  write_tokens(a, kept, 0, tokens(1), testing::mark(11));
   held->hold = true;
   std::size_t slot = 0;
   std::thread asker([&] {  // 3 pages per region free, 4 more wanted: a's freed slot's
@@ -465,17 +486,9 @@ TEST_P(SharedBudgetCacheTest, TheWatcherWaitsForReadersWithoutTheCachesLock) {
 // machine; here its watcher waits for device work held for 3 kAskTimeouts) is waited for:
 // the asker gets the pages, not OutOfMemory.
 TEST_P(SharedBudgetCacheTest, AnAskWaitsPastItsTimeoutForAMemberThatCanStillAnswer) {
-  CacheConfig config = config_;
-  config.shared_budget = name_.str();
-  std::string why_not;
-  auto held = std::make_shared<HeldEventBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
-  KvCache a(config, held);
+  const HeldMember a = member_with_a_pending_fill();
+  const std::shared_ptr<HeldEventBackend>& held = a.held;
   auto b = member();
-  const std::size_t kept = a.alloc_reqid();
-  const std::size_t freed = a.alloc_reqid();
-  a.step(lens({{kept, tokens(1)}, {freed, tokens(4)}}));
-  a.free_reqid(freed);
-  a.step(lens({{kept, tokens(1)}}));  // enqueues the freed slot's zero-fill: its event is pending
   held->hold = true;
   std::thread releaser([&] {
     while (!held->waiting) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -488,7 +501,7 @@ TEST_P(SharedBudgetCacheTest, AnAskWaitsPastItsTimeoutForAMemberThatCanStillAnsw
   releaser.join();
   EXPECT_EQ(error, "(no error)") << "the ask gave up on a member that was still answering";
   EXPECT_EQ(b->stats().pages_in_use, 7 * regions());
-  expect_books_add_up({&a, b.get()});
+  expect_books_add_up({a.cache.get(), b.get()});
 }
 
 // With shared_budget_idle_ms, a member that stops stepping gives its freed requests' pages
