@@ -720,6 +720,13 @@ TEST(SharedBudgetTest, MembersOfDifferentShapesAndPageSizesShareTheBytes) {
   b.check_invariants();
 }
 
+// The budget's shared segment as a member process maps it, for tests that reach past the API.
+struct RawBudget {
+  explicit RawBudget(const std::string& name) : object(detail::open_budget_object(name)) {}
+  detail::BudgetSegment& segment() { return *static_cast<detail::BudgetSegment*>(object.data()); }
+  detail::SharedMapping object;
+};
+
 // A child process that runs `body`, then waits to be killed (with SIGKILL, at the latest
 // when this object goes: a failed assertion leaves no process behind). Make it before
 // the test starts any thread (fork() copies only the caller).
@@ -840,7 +847,23 @@ TEST(SharedBudgetTest, AStoppedMemberCostsAnAskOnlyItsShortTimeout) {
   const std::size_t child_bytes = budget.stats().used_bytes;
   ASSERT_GT(child_bytes, 0u);
   budget.resize(child_bytes);  // the child holds the whole budget
-  ASSERT_EQ(::kill(child.pid(), SIGSTOP), 0);
+  // Stopped where it holds no lock of the budget (its watcher may be busy with the resize):
+  // once the child is stopped and this process has taken the lock, the child cannot hold it.
+  RawBudget raw(name.str());
+  for (bool stopped_unlocked = false; !stopped_unlocked;) {
+    ASSERT_EQ(::kill(child.pid(), SIGSTOP), 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(child.pid(), &status, WUNTRACED), child.pid());
+    ASSERT_TRUE(WIFSTOPPED(status));
+    try {
+      raw.segment().mutex.lock(std::chrono::milliseconds(100));
+      raw.segment().mutex.unlock();
+      stopped_unlocked = true;
+    } catch (const Error&) {  // stopped holding it: let it finish, try again
+      ASSERT_EQ(::kill(child.pid(), SIGCONT), 0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
   std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
   seq_lens[survivor.alloc_reqid()] = config.max_context_len;
   const auto begin = std::chrono::steady_clock::now();
@@ -874,12 +897,6 @@ TEST(SharedBudgetTest, AMemberKilledHoldingTheLockBlocksNobody) {
 }
 
 // The segment of an open budget, for tests that write it as a broken or hostile process would.
-struct RawBudget {
-  explicit RawBudget(const std::string& name) : object(detail::open_budget_object(name)) {}
-  detail::BudgetSegment& segment() { return *static_cast<detail::BudgetSegment*>(object.data()); }
-  detail::SharedMapping object;
-};
-
 std::string budget_path(const BudgetName& name) { return "/dev/shm/vkv-budget-" + name.str(); }
 
 TEST(SharedBudgetTest, NamesAShellWouldMisreadAndBudgetsBelowOnePageAreRefused) {
