@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #include "shared_budget/budget_ledger.h"
-#include "shared_budget/shared_memory.h"
+#include "interprocess/shared_memory.h"
 #include "vkv/shared_budget.h"
 
 namespace {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs tests/python/test_transformers_cache.py against the oldest and the newest
+# Runs tests/python/integrations/test_transformers_cache.py against the oldest and the newest
 # transformers 5.x that vkv supports (pyproject.toml: transformers>=5.13,<6), each installed
 # into a throwaway venv over the torch and the vkv that $PYTHON already has, so neither
 # is rebuilt nor is the system's transformers touched.
@@ -37,7 +37,7 @@ for spec in "${specs[@]}"; do
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade "transformers$spec"
   version="$(cd /tmp && "$venv/bin/python" -c 'import transformers; print(transformers.__version__)')"
   echo "transformers$spec: testing $version"
-  if (cd /tmp && "$venv/bin/python" -m pytest "$root/tests/python/test_transformers_cache.py" -q --tb=short -p no:cacheprovider); then
+  if (cd /tmp && "$venv/bin/python" -m pytest "$root/tests/python/integrations/test_transformers_cache.py" -q --tb=short -p no:cacheprovider); then
     echo "transformers $version: passed ($((SECONDS - start)) s)"
   else
     echo "transformers $version: FAILED ($((SECONDS - start)) s)"

@@ -7,7 +7,7 @@
 #include <new>
 #include <vector>
 
-#include "shared_budget/shared_memory.h"
+#include "interprocess/shared_memory.h"
 #include "vkv/error.h"
 
 namespace vkv {

@@ -1,6 +1,6 @@
 // The books of a shared budget: how many bytes of one device's memory each member
 // (a KvCache, in any process on the machine) holds, under one capacity. They live in a
-// named shared-memory object (shared_memory.h), guarded by a robust mutex, so that a
+// named shared-memory object (interprocess/shared_memory.h), guarded by a robust mutex, so that a
 // member killed at any point costs nothing: its bytes are counted back as soon as anyone
 // notices that its process is gone (reap()).
 //
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "shared_memory.h"
+#include "interprocess/shared_memory.h"
 
 namespace vkv::detail {
 

@@ -24,7 +24,7 @@
 
 #include "budget_ledger.h"
 #include "cache/page_pool.h"
-#include "shared_memory.h"
+#include "interprocess/shared_memory.h"
 #include "vkv/backend.h"
 
 namespace vkv::detail {

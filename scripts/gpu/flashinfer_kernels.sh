@@ -3,7 +3,7 @@
 # FlashInfer's paged kernels. FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh);
 # vkv is built once per machine. Logs and results go to OUT (default: $OUT), folders as
 # .tar.gz (the machine returns 8 files).
-#   scripts/gpu/flashinfer.sh PART [OUT]
+#   scripts/gpu/flashinfer_kernels.sh PART [OUT]
 # PART  smoke    (~4 min) FlashInfer unpacks and imports; the flashinfer store's GPU tests
 #                (eager and graph-replayed decode, prefill); one small decode and prefill
 #                shape per kernel and model; the demo's flashinfer stores on 16 requests
@@ -20,7 +20,7 @@
 #                flashinfer stores
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-part="${1:?usage: scripts/gpu/flashinfer.sh smoke|decode|prefill|demo|long|vkvfi [OUT]}"
+part="${1:?usage: scripts/gpu/flashinfer_kernels.sh smoke|decode|prefill|demo|long|vkvfi [OUT]}"
 out="${2:-${OUT:?no OUT given and \$OUT unset}}"
 mkdir -p "$out"
 src="$PWD"
@@ -41,7 +41,7 @@ source scripts/gpu/flashinfer_env.sh || exit 1
 bench=(python3 "$src/benchmarks/attention_bench.py")
 case "$part" in
   smoke)
-    step pytest_flashinfer_store 240 python3 -m pytest "$src/tests/python/test_flashinfer_store.py" -q -p no:cacheprovider -rs
+    step pytest_flashinfer_store 240 python3 -m pytest "$src/tests/python/demo/test_flashinfer_store.py" -q -p no:cacheprovider -rs
     step bench_smoke 300 "${bench[@]}" --only decode prefill --batches 2 --contexts 4096 --rounds 1 --target-ms 1 \
       --flex eager --out "$out/smoke"
     step demo_flashinfer_graphs 200 python3 -m vkv.demo --preset h100 --requests 16 --max-slots 32 --no-progress \
@@ -68,8 +68,8 @@ case "$part" in
       --stores vkv-interleaved flashinfer-16 flashinfer-128 vkv-interleaved-fi-128
     pack results "$out/results" ;;
   vkvfi)
-    step pytest_vkv_flashinfer 120 python3 -m pytest "$src/tests/python/test_vkv_flashinfer.py" \
-      "$src/tests/python/test_flashinfer_store.py" -q -p no:cacheprovider -rs
+    step pytest_vkv_flashinfer 120 python3 -m pytest "$src/tests/python/demo/test_vkv_flashinfer.py" \
+      "$src/tests/python/demo/test_flashinfer_store.py" -q -p no:cacheprovider -rs
     step attention_vkvfi 150 "${bench[@]}" --only decode --cells 1x16384 1x65536 16x16384 64x16384 \
       --out "$out/attention"
     step serving_vkvfi 280 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" \

@@ -2,12 +2,12 @@
 # The serving demo's GPU evidence in one call: build, the CUDA-graph test (plain and under
 # compute-sanitizer memcheck), the default demo (what scripts/demo.sh runs), a decode-step
 # profile and the benchmark presets. Logs go to OUT_DIR, JSON and plots to OUT_DIR/results.
-#   scripts/gpu/serving.sh OUT_DIR [STAGE...]
+#   scripts/gpu/serving_demo.sh OUT_DIR [STAGE...]
 # Stages run in the order given (default: build test sanitize default profile h100 long);
 #   h100-quick: the h100 preset on vkv-interleaved and static only (a smoke run).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/gpu/serving.sh OUT_DIR [STAGE...]}"
+out="${1:?usage: scripts/gpu/serving_demo.sh OUT_DIR [STAGE...]}"
 shift
 stages="${*:-build test sanitize default profile h100 long}"
 mkdir -p "$out/results"
@@ -32,10 +32,10 @@ for stage in $stages; do
       install_vkv || exit 1
       python_info ;;
     test)
-      step test 200 python3 -m pytest "$src/tests/python/test_demo_cuda_graphs.py" -q -p no:cacheprovider -rs ;;
+      step test 200 python3 -m pytest "$src/tests/python/demo/test_demo_cuda_graphs.py" -q -p no:cacheprovider -rs ;;
     sanitize)
       step memcheck_demo_graphs 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest "$src/tests/python/test_demo_cuda_graphs.py" -q -p no:cacheprovider -k vkv ;;
+        python3 -m pytest "$src/tests/python/demo/test_demo_cuda_graphs.py" -q -p no:cacheprovider -k vkv ;;
     default)
       step demo_default 120 python3 -m vkv.demo --no-progress ;;
     profile)

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 vllm_replay = pytest.importorskip("vllm_replay")
 pytest.importorskip("vkv.integrations.vllm.memory")

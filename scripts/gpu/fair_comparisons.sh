@@ -3,7 +3,7 @@
 # fresh machine, vkv's build and FlashInfer's unpacking included). FlashInfer comes from
 # .whl/ (scripts/gpu/flashinfer_env.sh: carry .whl). Logs and results go to OUT (default
 # $OUT), folders as .tar.gz; each part ends with its goal table (summary.txt).
-#   scripts/gpu/fair_bench.sh PART [OUT]
+#   scripts/gpu/fair_comparisons.sh PART [OUT]
 # PART  h100    python -m vkv.demo --preset h100 --repeats 3 (store order rotated each
 #               repeat) over vkv-interleaved, vkv-interleaved-fi-128, flashinfer-16 and
 #               flashinfer-128: tok/s and TTFT p50 median and range, the best vkv store
@@ -22,7 +22,7 @@
 # import vkv), no FlashInfer needed (its stores are skipped), tiny presets.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-part="${1:?usage: scripts/gpu/fair_bench.sh h100|long|long50|decode [OUT]}"
+part="${1:?usage: scripts/gpu/fair_comparisons.sh h100|long|long50|decode [OUT]}"
 out="$(mkdir -p "${2:-${OUT:?no OUT given and \$OUT unset}}" && cd "${2:-$OUT}" && pwd)"
 src="$PWD"
 export PYTHONUNBUFFERED=1

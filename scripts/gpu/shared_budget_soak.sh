@@ -3,10 +3,10 @@
 # processes on the CUDA backend, then 16 on the host backend, each run long enough for
 # >= 30 minutes of member-time (16 x 135 s), SIGKILLs and resizes included: 0 crashes,
 # 0 invariant breaks, 0 bytes changed expected. About 5 minutes plus the build.
-#   [VKV_COMMIT=<sha>] scripts/gpu/budget_soak.sh OUT_DIR [SECONDS]
+#   [VKV_COMMIT=<sha>] scripts/gpu/shared_budget_soak.sh OUT_DIR [SECONDS]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/gpu/budget_soak.sh OUT_DIR [SECONDS]}"
+out="${1:?usage: scripts/gpu/shared_budget_soak.sh OUT_DIR [SECONDS]}"
 seconds="${2:-135}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"

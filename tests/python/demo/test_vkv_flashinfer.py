@@ -23,7 +23,7 @@ from conftest import LAYOUTS, needs_cuda
 from flashinfer_testing import (MAX_CONTEXT, SHAPE, check_a_captured_decode_step_replays_with_each_new_plan,
                                 expected_decode, queries, store_with)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 
 
 needs_flashinfer = pytest.mark.skipif(flashinfer_missing() is not None, reason=str(flashinfer_missing()))

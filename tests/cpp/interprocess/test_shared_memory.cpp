@@ -10,7 +10,7 @@
 #include <new>
 #include <thread>
 
-#include "shared_budget/shared_memory.h"
+#include "interprocess/shared_memory.h"
 #include "vkv/error.h"
 
 namespace vkv::detail {

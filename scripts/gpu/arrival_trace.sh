@@ -7,10 +7,10 @@
 # of zero-fill on torch's streams, zero-page reads and sharing. vAttention runs too
 # when a checkout sits at ../.vattention (arrivals_bench.py --vattention). Everything lands
 # in OUT_DIR/results.tar.gz (logs, JSON, plots) and OUT_DIR/summary.txt.
-#   scripts/gpu/arrivals.sh OUT_DIR [BASE]     # BASE: a commit, default 94b8553
+#   scripts/gpu/arrival_trace.sh OUT_DIR [BASE]     # BASE: a commit, default 94b8553
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/gpu/arrivals.sh OUT_DIR [BASE]}"
+out="${1:?usage: scripts/gpu/arrival_trace.sh OUT_DIR [BASE]}"
 base="${2:-94b8553}"
 work="$out/results"
 mkdir -p "$work/logs" "$work/new" "$work/base"
@@ -51,7 +51,7 @@ if [ -n "$baseline" ]; then
   grep -E "burst|vkv_module" "$work/logs/arrivals_base.log"
 fi
 
-# The CUDA C++ suites (fault injection every 7th call, as scripts/gpu/reliability.sh).
+# The CUDA C++ suites (fault injection every 7th call, as scripts/gpu/fault_safety.sh).
 VKV_FAULT_EVERY=7 timeout "$(budget 150)" \
   ctest --test-dir build-gpu --output-on-failure -j6 -R "cuda|Cuda" > "$work/logs/ctest_cuda.log" 2>&1
 grep -E "tests passed|Failed|\*\*\*" "$work/logs/ctest_cuda.log" | tail -6

@@ -19,8 +19,7 @@ except ImportError:
         raise
     pytest.skip("vllm 0.33 is not installed (scripts/install_vllm.sh installs it)", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(__file__))
-import vllm_testing as vt  # noqa: E402
+import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
 import torch  # noqa: E402
 
 from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED  # noqa: E402

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benchmarks"))
 attention_bench = pytest.importorskip("attention_bench")
 
 

@@ -5,10 +5,10 @@
 # tests, printing/pickling/copying cache views on CUDA (test_view_copies: an unmapped
 # read there would end the CUDA context) and the tensor-parallel wrappers over gloo and
 # shared memory. About 5 minutes on an H100.
-#   scripts/gpu/budget_edges.sh OUT_DIR
+#   scripts/gpu/shared_budget_edges.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/gpu/budget_edges.sh OUT_DIR}"
+out="${1:?usage: scripts/gpu/shared_budget_edges.sh OUT_DIR}"
 mkdir -p "$out"
 src="$PWD"
 source scripts/gpu/common.sh

@@ -16,7 +16,7 @@ pip_pid=$!
   && timeout 150 ctest --test-dir build-gpu -R "install_and_find_package|configure_without_cuda_headers" --output-on-failure 2>&1 | tail -4) > "$out/cpp.log" 2>&1 &
 cpp_pid=$!
 wait $pip_pid || exit 1
-(cd /tmp && timeout 200 python3 -m pytest "$src/tests/python/test_vattention.py" "$src/tests/python/test_transformers_cache.py" \
+(cd /tmp && timeout 200 python3 -m pytest "$src/tests/python/test_vattention.py" "$src/tests/python/integrations/test_transformers_cache.py" \
   "$src/tests/python/test_slot_calls.py" "$src/tests/python/test_docs.py" -q -p no:cacheprovider -rsx --durations=8 2>&1) | tee "$out/pytest.log" | tail -25
 (cd /tmp && timeout 170 python3 "$src/benchmarks/transformers_bench.py" --device cuda --out "$out" 2>&1) | tee "$out/bench.log" | tail -16
 wait $cpp_pid

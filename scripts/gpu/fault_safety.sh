@@ -4,10 +4,10 @@
 # and the Python GPU tests, compute-sanitizer memcheck over the fault-injection, zero-page
 # and sharing suites and the Python zero-page tests, then the zero-page cost benchmark
 # (VKV_SKIP_BENCH=1 leaves it out).
-#   scripts/gpu/reliability.sh OUT_DIR
+#   scripts/gpu/fault_safety.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/gpu/reliability.sh OUT_DIR}"
+out="${1:?usage: scripts/gpu/fault_safety.sh OUT_DIR}"
 mkdir -p "$out/logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build-gpu 2>&1 | tail -2
@@ -20,7 +20,7 @@ python3 -m pip install -q --no-build-isolation --no-deps . > "$out/logs/pip.log"
 # test_demo.py (the demo's CPU runs) is left out with --ignore, which takes a path; what
 # was collected is checked, so a filter that matches nothing fails here instead of
 # silently running everything.
-leave_out=(--ignore "$PWD/tests/python/test_demo.py")
+leave_out=(--ignore "$PWD/tests/python/demo/test_demo.py")
 (cd /tmp && python3 -m pytest "$OLDPWD/tests/python" -q -p no:cacheprovider --collect-only "${leave_out[@]}" 2>&1) \
   > "$out/logs/pytest_collected.log"
 if grep -q "test_demo.py::" "$out/logs/pytest_collected.log" || ! grep -qE "[0-9]+ tests? collected" "$out/logs/pytest_collected.log"; then

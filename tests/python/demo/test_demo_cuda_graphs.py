@@ -1,7 +1,7 @@
 """On a CUDA device: the serving demo's decode step captured once into a CUDA graph and
 replayed while requests come and go, vkv's step() maps pages and trim() unmaps them,
 gives exactly what the same steps run eagerly on an independent store give. Run under compute-sanitizer
-(scripts/gpu/check.sh) it also shows that no replay touches memory that is not mapped.
+(scripts/gpu/all_tests.sh) it also shows that no replay touches memory that is not mapped.
 The tensor-parallel demo captures its model's NCCL all-reduces into the graphs too."""
 
 import random

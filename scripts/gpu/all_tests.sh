@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine: builds vkv, runs every test (CUDA suites included), both demos on
 # the GPU and the map-cost benchmark, and leaves logs and JSON in OUT_DIR.
-#   scripts/gpu/check.sh OUT_DIR
+#   scripts/gpu/all_tests.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/gpu/check.sh OUT_DIR}"
+out="${1:?usage: scripts/gpu/all_tests.sh OUT_DIR}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build-gpu 2>&1 | tail -3
