@@ -180,8 +180,8 @@ def _git(folder: str, *arguments: str) -> Optional[str]:
 def provenance(folder: Optional[str] = None) -> dict:
     """The git commit results come from and whether its tree had uncommitted changes
     (``git_dirty``; None where unknown): of `folder`'s repository, else of this package's
-    source tree, else of the working directory. A copy of a tree without its .git (the
-    lent GPU machines get one) says which commit it is with VKV_GIT_COMMIT (and
+    source tree, else of the working directory. A copy of a tree without its .git (as
+    copied to a remote GPU machine) says which commit it is with VKV_GIT_COMMIT (and
     VKV_GIT_DIRTY=0/1). Every result JSON of the benchmarks and the demo records it."""
     if os.environ.get("VKV_GIT_COMMIT"):
         dirty = os.environ.get("VKV_GIT_DIRTY")
