@@ -18,8 +18,8 @@
 
 #include <unistd.h>
 
-#include "shared_budget/budget_ledger.h"
 #include "interprocess/shared_memory.h"
+#include "shared_budget/budget_ledger.h"
 #include "vkv/shared_budget.h"
 
 namespace {
