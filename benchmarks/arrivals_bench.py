@@ -1,4 +1,4 @@
-"""step() latency in a trace where requests arrive and leave (issue 18's workload), for vkv's
+"""step() latency in a trace where requests arrive and leave (a serving workload), for vkv's
 two layouts and, given a checkout, the public vAttention module, on the same seeded trace.
 
 Llama-3-8B KV shape (32 layers, 8 KV heads, head_dim 128, fp16); max_batch 64, max_context

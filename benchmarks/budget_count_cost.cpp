@@ -1,4 +1,4 @@
-// What keeping a shared budget's books costs an answer, per page given (issue 30 item 7),
+// What keeping a shared budget's books costs an answer, per page given,
 // without a GPU: one member gives N pages back while another waits for them, the giver
 // pacing its counts as the driver would (--driver-us per page: unmapping and releasing,
 // ~28 us on an H100), spun. Four ways: counted back one page at a time or a chunk of 32
@@ -18,8 +18,8 @@
 
 #include <unistd.h>
 
-#include "shared_budget/budget_ledger.h"
 #include "interprocess/shared_memory.h"
+#include "shared_budget/budget_ledger.h"
 #include "vkv/shared_budget.h"
 
 namespace {

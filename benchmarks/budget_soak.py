@@ -53,7 +53,7 @@ def main() -> int:
         "shortages": result.shortages,
         "bytes_checked": result.bytes_checked,
         "wall_seconds": round(time.time() - start, 1),
-        "member_minutes_goal_met": result.member_seconds >= 30 * 60,  # issue 30: >= 30 min per backend
+        "member_minutes_goal_met": result.member_seconds >= 30 * 60,  # the goal: >= 30 min per backend
     }
     progress(f"budget soak {args.device}: " + ", ".join(f"{key} {value}" for key, value in summary.items()))
     details = dataclasses.asdict(result)

@@ -2,8 +2,8 @@
 packages `flashinfer` and `tvm_ffi`, the headers and sources FlashInfer's JIT needs for its
 attention wrappers, and those wrappers' kernels compiled ahead of time for the H100.
 
-Why: the lent GPU machine takes 64 MiB per call (tree and wheels together) and nothing from
-the network. The flashinfer-python wheel alone is 62 MB, 332 MB unpacked, mostly CUDA
+Why: a GPU machine without network access that takes a small upload (e.g. 64 MiB for the tree
+and wheels together) cannot install it. The flashinfer-python wheel alone is 62 MB, 332 MB unpacked, mostly CUDA
 sources of kernels the paged attention wrappers never build; and the wrappers compile
 their kernels with nvcc at first use (~100 s on the H100, on every fresh machine).
 

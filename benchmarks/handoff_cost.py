@@ -1,4 +1,4 @@
-"""What one ask costs (issue 30 item 7): two members of a shared budget in two processes,
+"""What one ask costs: two members of a shared budget in two processes,
 one holding N pages in freed requests (cached), the other asking for all N in one step().
 The budget holds N pages, so every page moves. The roles swap every round. Per N: the
 ask's wait (the asker's budget_asks) and the answer's time, split as

@@ -6,7 +6,9 @@
 #     --lint: also clang-format, ruff and mypy (scripts/lint.sh)
 #     --venv (or VKV_VENV=1): use .venv even where the system Python is not externally managed
 # Python packages go to the Python scripts/python_env.sh picks (a .venv on an externally
-# managed Python).
+# managed Python). It says what it installs, and why, before it does.
+#   VKV_TORCH_CPU_INDEX: where a machine without an NVIDIA GPU gets torch's CPU build
+#     (default https://download.pytorch.org/whl/cpu; unreachable in 5 s: PyPI's torch).
 set -euo pipefail
 source "$(dirname "$0")/python_env.sh"
 demo=0 lint=0
@@ -18,27 +20,36 @@ for arg in "${vkv_args[@]}"; do
   esac
 done
 
+# torch 2.13 and 2.14 need Python 3.10 or newer.
+if ! "$vkv_base_python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "bootstrap: vkv needs Python 3.10 or newer; $vkv_base_python is" \
+    "$("$vkv_base_python" --version 2>&1) (VKV_BASE_PYTHON=python3.12 picks another)" >&2
+  exit 1
+fi
+
 apt_install() {
-  echo "bootstrap: installing $*"
   local sudo_cmd=""
-  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo "
+  echo "bootstrap: running ${sudo_cmd}apt-get install $* (the system packages below are missing):"
+  printf '  %s\n' "${missing_why[@]}"
+  [ -z "$sudo_cmd" ] || echo "bootstrap: sudo may ask for your password"
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "$@" >/dev/null
 }
 
-missing=()
-command -v cmake >/dev/null || missing+=(cmake)
-command -v ninja >/dev/null || missing+=(ninja-build)
-command -v g++ >/dev/null || missing+=(g++)
+missing=() missing_why=()
+need() { missing+=("$1"); missing_why+=("$1: $2"); }
+command -v cmake >/dev/null || need cmake "configures the C++ build"
+command -v ninja >/dev/null || need ninja-build "runs the C++ build"
+command -v g++ >/dev/null || need g++ "compiles the C++ core and the Python bindings"
 if [ "$demo" = 0 ]; then
-  [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
-  [ -f /usr/include/benchmark/benchmark.h ] || missing+=(libbenchmark-dev)
+  [ -f /usr/include/gtest/gtest.h ] || need libgtest-dev "the C++ tests (GoogleTest)"
+  [ -f /usr/include/benchmark/benchmark.h ] || need libbenchmark-dev "the C++ benchmarks (Google Benchmark)"
 fi
-[ "$lint" = 0 ] || command -v clang-format >/dev/null || missing+=(clang-format)
 # Debian splits venv's pip bootstrap (ensurepip) into python3-venv.
 if [[ "$VKV_PYTHON" == "$vkv_root/.venv/"* ]] && [ ! -x "$VKV_PYTHON" ] &&
   ! "$vkv_base_python" -c "import ensurepip" 2>/dev/null; then
-  missing+=(python3-venv)
+  need python3-venv "creates .venv ($vkv_venv_reason)"
 fi
 [ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
 
@@ -55,12 +66,30 @@ if [[ "$VKV_PYTHON" == "$vkv_root/.venv/"* ]] && [ ! -x "$VKV_PYTHON" ]; then
 fi
 [[ "$VKV_PYTHON" != "$vkv_root/.venv/"* ]] || echo "bootstrap: using $vkv_root/.venv ($vkv_venv_reason)"
 
-# Python side. torch is pinned to the CPU build this project's machines carry as a local
-# file; any other torch spec would download gigabytes of CUDA packages. Where a torch is
-# already installed (a GPU machine), it is kept. vkv supports torch 2.11 to 2.14.
-python_missing=()
+# Python side. An installed torch is kept (vkv supports torch 2.11 to 2.14). Otherwise
+# torch 2.13.0: PyPI's build for Linux is the CUDA one, which brings ~3 GB of nvidia-*
+# libraries; on a machine without an NVIDIA GPU, the CPU build from PyTorch's own index
+# (~200 MB) instead, where that index answers within 5 s (else PyPI's, as on a GPU machine).
+torch_version=2.13.0
 have() { "$VKV_PYTHON" -c "import $1" 2>/dev/null; }
-have torch || python_missing+=("torch==2.13.0")
+if ! have torch; then
+  cpu_index="${VKV_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+  if command -v nvidia-smi >/dev/null || [ -e /dev/nvidia0 ]; then
+    echo "bootstrap: installing torch==$torch_version from PyPI: its CUDA build, with its nvidia-* libraries (~3 GB)"
+    "$VKV_PYTHON" -m pip install -q "torch==$torch_version"
+  elif timeout 10 "$VKV_PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" \
+    "$cpu_index" 2>/dev/null; then
+    echo "bootstrap: no NVIDIA GPU here: installing torch==$torch_version's CPU build from $cpu_index (~200 MB)"
+    "$VKV_PYTHON" -m pip install -q --index-url "$cpu_index" --extra-index-url https://pypi.org/simple \
+      "torch==$torch_version"
+  else
+    echo "bootstrap: no NVIDIA GPU here, but $cpu_index did not answer within 5 s: installing" \
+      "torch==$torch_version from the configured index (on PyPI the CUDA build, ~3 GB with its nvidia-* libraries)"
+    "$VKV_PYTHON" -m pip install -q "torch==$torch_version"
+  fi
+fi
+
+python_missing=()
 for module in numpy scikit_build_core tqdm; do
   have "$module" || python_missing+=("${module//_/-}")
 done
@@ -75,11 +104,19 @@ if [ "$demo" = 0 ]; then
   # transformers is kept.
   have transformers || python_missing+=("transformers==5.17.0")
 fi
+# The linters at the versions .pre-commit-config.yaml pins (one source for CI, scripts/lint.sh
+# and pre-commit): ruff, and clang-format from PyPI unless the one on PATH is that version.
 if [ "$lint" = 1 ]; then
-  for module in ruff mypy; do have "$module" || python_missing+=("$module"); done
+  have mypy || python_missing+=(mypy)
+  ruff_version="$(vkv_pinned_version ruff)"
+  [ "$("$VKV_PYTHON" -m ruff --version 2>/dev/null | cut -d' ' -f2)" = "$ruff_version" ] ||
+    python_missing+=("ruff==$ruff_version")
+  clang_format_version="$(vkv_pinned_version clang-format)"
+  [ "$(vkv_clang_format_version "$(vkv_clang_format)")" = "$clang_format_version" ] ||
+    python_missing+=("clang-format==$clang_format_version")
 fi
 if [ ${#python_missing[@]} -gt 0 ]; then
-  echo "bootstrap: pip installing ${python_missing[*]}"
+  echo "bootstrap: pip installing ${python_missing[*]} into $VKV_PYTHON"
   start=$SECONDS
   "$VKV_PYTHON" -m pip install -q "${python_missing[@]}"
   echo "bootstrap: installed in $((SECONDS - start)) s"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Checks the C++ format (clang-format, .clang-format), the Python lint (ruff, configured in
 # pyproject.toml) and the typed package's types (mypy: python/vkv, the demo excluded).
+# clang-format and ruff run at the versions .pre-commit-config.yaml pins (scripts/bootstrap.sh
+# --lint installs them where they are missing), so CI, this script and pre-commit agree.
 #   scripts/lint.sh          check; exit 1 on any finding
 #   scripts/lint.sh --fix    apply clang-format and ruff's fixes, then check
 # VKV_LINT_CLANG_FORMAT=0 skips the clang-format part (while the tree is not yet formatted).
@@ -20,15 +22,16 @@ failed=0
 if [ "${VKV_LINT_CLANG_FORMAT:-1}" = 0 ]; then
   echo "== clang-format: skipped (VKV_LINT_CLANG_FORMAT=0)"
 else
+  clang_format="$(vkv_clang_format)"
   mapfile -t cxx_files < <(git ls-files '*.cpp' '*.h' '*.cu' '*.cuh')
   if [ "$fix" = 1 ]; then
     echo "== clang-format: formatting ${#cxx_files[@]} files"
-    clang-format -i --style=file "${cxx_files[@]}"
+    "$clang_format" -i --style=file "${cxx_files[@]}"
   fi
-  echo "== clang-format $(clang-format --version | grep -o '[0-9][0-9.]*' | head -n1): ${#cxx_files[@]} files"
+  echo "== clang-format $(vkv_clang_format_version "$clang_format"): ${#cxx_files[@]} files"
   unformatted=0 lines=0
   for file in "${cxx_files[@]}"; do
-    changed="$(clang-format --style=file "$file" | diff "$file" - | grep -c '^<' || true)"
+    changed="$("$clang_format" --style=file "$file" | diff "$file" - | grep -c '^<' || true)"
     if [ "$changed" != 0 ]; then
       echo "  $file: $changed lines differ from clang-format's"
       unformatted=$((unformatted + 1)) lines=$((lines + changed))

@@ -39,6 +39,26 @@ else
 fi
 export VKV_PYTHON
 
+# The version .pre-commit-config.yaml pins for a hook repository: ruff or clang-format.
+vkv_pinned_version() {
+  local repo
+  case "$1" in
+    ruff) repo=ruff-pre-commit ;;
+    clang-format) repo=mirrors-clang-format ;;
+  esac
+  awk -v repo="$repo" '$0 ~ "repo:.*/" repo "$" {found = 1; next}
+    found && $1 == "rev:" {sub(/^v/, "", $2); print $2; exit}' "$vkv_root/.pre-commit-config.yaml"
+}
+
+# The clang-format scripts/lint.sh runs: the one pip installed into VKV_PYTHON's environment
+# (scripts/bootstrap.sh --lint does where PATH has another version), else the one on PATH.
+vkv_clang_format() {
+  local scripts
+  scripts="$("$VKV_PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))' 2>/dev/null || true)"
+  if [ -n "$scripts" ] && [ -x "$scripts/clang-format" ]; then echo "$scripts/clang-format"; else echo clang-format; fi
+}
+vkv_clang_format_version() { "$1" --version 2>/dev/null | grep -o '[0-9][0-9.]*' | head -n1; }
+
 # Of pip -v's output, passes on ninja's progress lines, vkv's CMake status lines and CMake's
 # warnings and errors (whole), as they come.
 vkv_build_progress() {

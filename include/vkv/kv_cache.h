@@ -74,7 +74,7 @@ class KvCache {
 
   /// Hands out a free slot: the one that held the most pages when it was freed, lowest
   /// index on ties, so the same call sequence gives the same slots on every
-  /// tensor-parallel rank whatever the mapper did meanwhile. Makes no device call: the new
+  /// tensor-parallel rank whatever the mapper did meanwhile. Makes no driver call: the new
   /// owner's work is ordered after the zero-fill of the previous owner's tokens by its first
   /// call that touches the slot's pages (step(), share_prefix(), fork()), which enqueues
   /// that fill if free_reqid() left it for later; or here, on `stream`, when it is enqueued.
@@ -87,7 +87,7 @@ class KvCache {
   /// reached is enqueued on `stream`, behind the work enqueued there so far, by the next
   /// call that needs it: step() (the next one at the latest; and prepare_step()),
   /// share_prefix() or fork() into this slot, or any call that reclaims these pages. So free_reqid()
-  /// itself makes no device call, and `stream` must stay valid until that next call.
+  /// itself makes no driver call, and `stream` must stay valid until that next call.
   /// Contract: an owner writes only tokens below the seq_len it gave step().
   /// @throws InvalidArgument for a slot out of range or not allocated (double free).
   void free_reqid(std::size_t slot, Stream stream = 0);

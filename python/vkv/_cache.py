@@ -140,7 +140,7 @@ class KVCache:
         """Free ``slot``: its pages are kept for reuse, zero-filled on the current stream
         before anyone else can read them (by the next call that needs it: the next
         ``step()``, ``share_prefix()``/``fork()`` into the slot, reclamation; neither this
-        call nor ``alloc_reqid()`` makes a device call for it).
+        call nor ``alloc_reqid()`` makes a driver call for it).
 
         Raises:
             ValueError: slot out of range or not allocated (double free).

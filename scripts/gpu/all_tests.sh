@@ -12,7 +12,7 @@ status=0
 ctest --test-dir build-gpu --output-on-failure -j4 2>&1 | tee "$out/ctest.log" | grep -E "tests passed|Failed|FAILED|Skipped" || true
 grep -q "100% tests passed" "$out/ctest.log" || status=1
 python3 -m pip install -q --no-build-isolation --no-deps . > "$out/pip.log" 2>&1 \
-  || { tail -30 "$out/pip.log"; echo "check.sh: pip install failed" >&2; exit 1; }
+  || { tail -30 "$out/pip.log"; echo "all_tests.sh: pip install failed" >&2; exit 1; }
 (cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" -q -p no:cacheprovider -rs 2>&1) | tee "$out/pytest.log" | tail -15
 grep -qE "[0-9]+ passed" "$out/pytest.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/pytest.log" || status=1
 # A demo that fails (an exception, a store that failed) fails the check; pipefail carries

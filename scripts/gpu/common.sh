@@ -1,4 +1,4 @@
-# Shell helpers of the GPU runners (serving.sh, flashinfer.sh); source it from the
+# Shell helpers of the GPU runners (scripts/gpu/*.sh); source it from the
 # repository root after setting `out` (the log folder) and `status=0`.
 
 step() {  # step NAME TIMEOUT_S COMMAND...: from /tmp, so that the installed vkv is imported

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 32's fair comparisons, one part per call of the lent H100 (each under 9 minutes on a
-# fresh machine, vkv's build and FlashInfer's unpacking included). FlashInfer comes from
-# .whl/ (scripts/gpu/flashinfer_env.sh: carry .whl). Logs and results go to OUT (default
+# vkv against FlashInfer on equal work (docs/fair_comparisons.md), one part per run (each
+# under 9 minutes on a fresh H100, vkv's build and FlashInfer's unpacking included).
+# FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh). Logs and results go to OUT (default
 # $OUT), folders as .tar.gz; each part ends with its goal table (summary.txt).
 #   scripts/gpu/fair_comparisons.sh PART [OUT]
 # PART  h100    python -m vkv.demo --preset h100 --repeats 3 (store order rotated each
@@ -12,7 +12,7 @@
 #               prefills fresh prompts with the same kind of kernel: PyTorch's FlashAttention-2
 #               varlen for vkv-interleaved, FlashInfer's ragged FA3 for the three others)
 #       long50  the same, its P:D 50 trace (the longest: 4 stores x 3 repeats of all three
-#               traces take ~7 minutes of runs alone, past a fresh machine's 9)
+#               traces take ~7 minutes of runs alone, past 9 minutes on a fresh machine)
 #       decode  attention_bench --only decode on the cells the docs quote (both models,
 #               1x16K 1x64K 16x16K 64x16K), then plot_attention.py's decode tables: both
 #               vkv layouts labelled, flash_varlen beside sdpa_default
@@ -56,7 +56,7 @@ else
   python=python3
   install_vkv || exit 1
   # shellcheck source=scripts/gpu/flashinfer_env.sh
-  source scripts/gpu/flashinfer_env.sh || { echo "fair_bench: FlashInfer is not available: the comparison needs it" >&2; exit 1; }
+  source scripts/gpu/flashinfer_env.sh || { echo "fair_comparisons.sh: FlashInfer is not available: the comparison needs it" >&2; exit 1; }
 fi
 
 case "$part" in

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 25's GPU runs, one part per call of the lent machine (10 minutes each): vkv against
-# FlashInfer's paged kernels. FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh);
+# vkv against FlashInfer's paged kernels on a GPU, one part per run (~4-7 minutes each on an
+# H100). FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh);
 # vkv is built once per machine. Logs and results go to OUT (default: $OUT), folders as
-# .tar.gz (the machine returns 8 files).
+# .tar.gz (few files to copy back from a remote machine).
 #   scripts/gpu/flashinfer_kernels.sh PART [OUT]
 # PART  smoke    (~4 min) FlashInfer unpacks and imports; the flashinfer store's GPU tests
 #                (eager and graph-replayed decode, prefill); one small decode and prefill
@@ -50,8 +50,8 @@ case "$part" in
     find "$FLASHINFER_WORKSPACE_BASE" -name "*.so" 2>/dev/null | tee "$out/jit_compiled.txt"
     pack smoke "$out/smoke" ;;
   decode|prefill)
-    # Outside the tree, which each call copies anew: a warm machine keeps decode's rows for
-    # prefill's call; on a fresh one, the tree's benchmarks/results file is the start.
+    # Outside the tree, which may be copied anew for each run: a machine kept between runs keeps
+    # decode's rows for prefill's run; on a fresh one, the tree's benchmarks/results file is the start.
     results=/tmp/attention-results
     mkdir -p "$results"
     [ -f "$results/attention_h100.json" ] || cp benchmarks/results/attention_h100.json "$results/" 2>/dev/null

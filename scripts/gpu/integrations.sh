@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The glue branch's GPU checks (one call): CUDA variants of the slot tests, the consumer and
-# no-CUDA ctests, the vattention/transformers/docs pytest files, and the transformers benchmark.
+# On a GPU machine, ~4 minutes: the integrations on CUDA: the CUDA variants of the slot tests,
+# the find_package consumer and no-CUDA-headers ctests, the vattention, transformers and docs
+# pytest files, and the transformers benchmark. Logs and the benchmark's JSON go to $OUT.
+#   OUT=DIR scripts/gpu/integrations.sh
 set -uo pipefail
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
-out="${OUT:?}"
+out="${OUT:?usage: OUT=DIR scripts/gpu/integrations.sh}"
 src="$(pwd)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 (python3 -m pip install -q --no-build-isolation --no-deps . > "$out/pip.log" 2>&1 \
-  || { tail -30 "$out/pip.log"; echo "glue_check.sh: pip install failed" >&2; exit 1; }) &
+  || { tail -30 "$out/pip.log"; echo "integrations.sh: pip install failed" >&2; exit 1; }) &
 pip_pid=$!
 (cmake -S . -B build-gpu -G Ninja -DVKV_BUILD_BENCHMARKS=OFF -DVKV_BUILD_EXAMPLES=OFF >/dev/null \
   && cmake --build build-gpu --target vkv_tests -j8 2>&1 | tail -1 \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host: the two-engine demo (python -m vkv.demo.multi --preset h100: static
-# halves, one shared budget, engine A solo, engine B SIGKILLed mid-burst) and the hand-off
-# goal of issue 30 item 7: per engine the ask wait (stats()['budget_asks'], per ask) p99
+# halves, one shared budget, engine A solo, engine B SIGKILLed mid-burst) and the hand-off's
+# goals: per engine the ask wait (stats()['budget_asks'], per ask) p99
 # <= 5 ms and max <= 10 ms, combined throughput >= 1.3x the static split, nothing lost at
 # the kill. About 5 minutes after the build (the demo stops at 8). The summary also splits
 # the answers' time (unmap / release / count back) and shows, per engine, its bursts and the
@@ -28,7 +28,7 @@ commit="${VKV_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
 [ -z "$commit" ] || export VKV_GIT_COMMIT="$commit"
 echo "cores $(nproc); commit ${commit:-unknown}" | tee -a "$out/gpu.txt"
 install_vkv || { echo "build failed"; exit 1; }
-[ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first call that only builds (the next one skips it)
+[ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first run that only builds (the next one skips it)
 step multi_engine "${VKV_MULTI_SECONDS:-480}" env PYTHONUNBUFFERED=1 python3 -m vkv.demo.multi --preset h100 --no-progress --out "$out" "$@"
 # VKV_HANDOFF_COST=1: then one ask of 32 / 128 / 512 pages between two processes, the
 # answer's time per page split (benchmarks/handoff_cost.py, about a minute).

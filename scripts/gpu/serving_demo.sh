@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving demo's GPU evidence in one call: build, the CUDA-graph test (plain and under
+# The serving demo on a GPU in one run: build, the CUDA-graph test (plain and under
 # compute-sanitizer memcheck), the default demo (what scripts/demo.sh runs), a decode-step
 # profile and the benchmark presets. Logs go to OUT_DIR, JSON and plots to OUT_DIR/results.
 #   scripts/gpu/serving_demo.sh OUT_DIR [STAGE...]
@@ -47,7 +47,7 @@ for stage in $stages; do
     long)  # vkv per-layer serves these prompts as vkv interleaved does (see serving_long in docs)
       step serving_long_h100 400 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
         --stores vkv-interleaved paged-16 paged-128 static ;;
-    eager)  # today's engine without CUDA graphs, same lease: what the graphs bring
+    eager)  # the engine without CUDA graphs, on the same machine: what the graphs bring
       step serving_h100_eager 200 python3 -m vkv.demo --preset h100 --stores vkv-interleaved --no-cuda-graphs \
         --no-progress --out "$out/eager" ;;
     *)

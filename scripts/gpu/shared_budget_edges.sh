@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU machine: issue 30's items 3-6 where a GPU changes the outcome. Builds vkv,
+# On a GPU machine: the shared budget's edge cases where a GPU changes the outcome. Builds vkv,
 # runs the shared budget's C++ suites on the CUDA backend (a squatted, widened, truncated
 # or corrupted object; a stopped lock holder), the Python shared-budget and bad-input
 # tests, printing/pickling/copying cache views on CUDA (test_view_copies: an unmapped

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On a 2-GPU machine (kind nvidia-h100-x2), within ~6 minutes including the build: what
+# On a machine with 2 GPUs (two H100s), within ~6 minutes including the build: what
 # TensorParallelCache.step() costs over two ranks, one GPU each, agreeing through shared
-# memory (issue 32 item 5: goal p50 <= 50 us, p99 <= 150 us, against a bare KVCache.step()),
+# memory (goal p50 <= 50 us, p99 <= 150 us, against a bare KVCache.step()),
 # with a 1 ms "forward" between calls and back to back; then the 2-rank serving demo
 # against 1 rank (its throughput ratio must stay ~1.29x). Results and logs in OUT_DIR.
 #   scripts/gpu/tp_agreement.sh OUT_DIR

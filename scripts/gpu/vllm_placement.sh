@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# vLLM's KV buffer on a GPU in vkv memory (issue 31), ≤ 3 minutes after the build: the
-# scratch page's C++ CUDA tests, tests/python/integrations/vllm/test_vllm_gpu_placement.py (no vLLM: what
+# vLLM's KV buffer on a GPU in vkv memory, ≤ 3 minutes after the build: the scratch page's
+# C++ CUDA tests, tests/python/integrations/vllm/test_vllm_gpu_placement.py (no vLLM: what
 # allocate_kv_cache() does inside get_mem_pool_context(), then K/V through BLNHC views), and
 # both under compute-sanitizer memcheck when it is installed. Results: $OUT/*.log.
+#   OUT=DIR scripts/gpu/vllm_placement.sh
 set -uo pipefail
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
-out="${OUT:?}"
+out="${OUT:?usage: OUT=DIR scripts/gpu/vllm_placement.sh}"
 src="$(pwd)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"

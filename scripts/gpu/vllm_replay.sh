@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM connector replay on CUDA (issue 31; ~4 minutes after vkv's build on a fresh H100, ≤ 6):
+# vLLM connector replay on CUDA (~4 minutes after vkv's build on a fresh H100, ≤ 6):
 # the block decisions recorded on a CPU with vLLM 0.33's real scheduler
 # (benchmarks/results/vllm_trace.json: 64 requests of 100-154 prompt tokens and 160 generated,
 # 164 steps, 155 of them decode steps at batch >= 60; vLLM's scheduler makes the same 164 steps on its fixed pool) replayed at Llama-3-8B's shape (32 layers,
@@ -21,8 +21,9 @@
 #                   prefill and with its FA3 one (~4 minutes; --control: FA3's prefill differs
 #                   from itself under the sanitizer, vllm_replay_memcheck_166f582_h100.log)
 # VLLM_REPLAY_ALL=1 adds the attention-only run and the synchronous mappings, before the forward
-# and after it is queued (~1 minute more); VLLM_REPLAY_PARTS ("tests replay memcheck" by default) runs one part per call where the
-# machine's limit is near. Needs .whl/flashinfer-*.tar.xz (carry .whl): scripts/gpu/flashinfer_env.sh.
+# and after it is queued (~1 minute more); VLLM_REPLAY_PARTS ("tests replay memcheck" by default) runs some parts only (one per
+# run where a run's time is limited). Needs .whl/flashinfer-*.tar.xz (benchmarks/flashinfer_pack.py
+# makes it; scripts/gpu/flashinfer_env.sh unpacks it).
 #   scripts/gpu/vllm_replay.sh [OUT]      results: OUT/vllm_replay_*.json, OUT/*.log, OUT/summary.txt
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -283,7 +283,7 @@ def test_a_size_without_a_known_unit_is_refused():
         vkv.budget.parse_args(["create", "x", "10 parsecs"])
 
 
-# -- bad input answers in one line (issue 30, item 4) --------------------------------------
+# -- bad input answers in one line --------------------------------------------------------
 
 
 @pytest.mark.parametrize("call, message", [
@@ -354,7 +354,7 @@ def test_the_command_line_answers_bad_arguments_in_one_line(argv, message):
     assert "Traceback" not in done.stderr
 
 
-# -- a squatted, widened or truncated object (issue 30, item 3) -----------------------------
+# -- a squatted, widened or truncated object --------------------------------------------
 
 
 def budget_path(budget):

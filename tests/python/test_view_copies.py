@@ -1,4 +1,4 @@
-"""Printing, pickling, deep-copying and saving the cache's tensors (issue 30, item 6): with
+"""Printing, pickling, deep-copying and saving the cache's tensors: with
 the default zero_page=False most of the reservation a ``key(l)`` views has no page, and
 reading it faults (SIGSEGV on the host backend too). These calls must copy only what the
 view covers when pages back all of it, and raise a clear error otherwise; the process must

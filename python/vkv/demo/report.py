@@ -45,8 +45,9 @@ CPU_NOTE = ("On a CPU these timings show that the demo runs, not how vkv perform
 
 def table(summaries: Dict[str, dict], device_type: Optional[str] = None) -> str:
     """A Markdown table, one row per store, with vkv interleaved's throughput over each
-    row's, then a one-line summary (and, for ``device_type == "cpu"``, that CPU timings are
-    not GPU evidence). A store that finished no request says so instead of numbers."""
+    row's, then a one-line summary (for ``device_type == "cpu"`` one that ranks nothing, and
+    that CPU timings are not GPU evidence). A store that finished no request says so instead
+    of numbers."""
     reference = summaries.get(REFERENCE, {}).get("throughput_tok_s")
     header = "| KV cache | " + " | ".join(title for _, title, _ in COLUMNS) + f" | {SPEEDUP_TITLE} |"
     lines = [header, "|" + "---|" * (len(COLUMNS) + 2)]
@@ -60,18 +61,24 @@ def table(summaries: Dict[str, dict], device_type: Optional[str] = None) -> str:
         speedup = f"{reference / summary['throughput_tok_s']:.2f}x" if reference and summary["throughput_tok_s"] else "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {speedup} |")
     lines.append("")
-    lines.append(summary_line(summaries))
+    lines.append(summary_line(summaries, device_type))
     if device_type == "cpu":
         lines.append(CPU_NOTE)
     return "\n".join(lines)
 
 
-def summary_line(summaries: Dict[str, dict]) -> str:
-    """One line: the fastest store, and vkv interleaved's throughput over each other store's."""
+def summary_line(summaries: Dict[str, dict], device_type: Optional[str] = None) -> str:
+    """One line: the fastest store, and vkv interleaved's throughput over each other store's.
+    On a CPU (``device_type == "cpu"``) the fastest store changes from run to run with the
+    machine's load, so the line names no winner: only how many requests each store finished."""
     served = {name: s["throughput_tok_s"] for name, s in summaries.items()
               if s["requests"] and s.get("throughput_tok_s")}
     if not served:
         return "Summary: no store finished a request."
+    if device_type == "cpu":
+        finished = ", ".join(f"{name} {s['requests']}" for name, s in summaries.items())
+        return (f"Summary: requests finished: {finished}. No ranking on a CPU: its timings, and so the "
+                "fastest store, change from run to run.")
     best = max(served, key=served.get)
     line = f"Summary: the most tok/s: {best} ({served[best]:.0f})"
     reference = served.get(REFERENCE)
@@ -180,8 +187,8 @@ def _git(folder: str, *arguments: str) -> Optional[str]:
 def provenance(folder: Optional[str] = None) -> dict:
     """The git commit results come from and whether its tree had uncommitted changes
     (``git_dirty``; None where unknown): of `folder`'s repository, else of this package's
-    source tree, else of the working directory. A copy of a tree without its .git (the
-    lent GPU machines get one) says which commit it is with VKV_GIT_COMMIT (and
+    source tree, else of the working directory. A copy of a tree without its .git (as
+    copied to a remote GPU machine) says which commit it is with VKV_GIT_COMMIT (and
     VKV_GIT_DIRTY=0/1). Every result JSON of the benchmarks and the demo records it."""
     if os.environ.get("VKV_GIT_COMMIT"):
         dirty = os.environ.get("VKV_GIT_DIRTY")

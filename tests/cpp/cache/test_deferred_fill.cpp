@@ -43,7 +43,7 @@ TEST_P(DeferredFillTest, FreeAndSwapOutMakeNoCallForTheZeroFill) {
 }
 
 // A new owner touches its slot's pages only from its first step() on: alloc_reqid() makes
-// no device call, and the first call that touches the pages enqueues the fill before.
+// no driver call, and the first call that touches the pages enqueues the fill before.
 TEST_P(DeferredFillTest, AllocReqidMakesNoCallAndTheNewOwnersFirstCallFillsFirst) {
   auto cache = make_cache();
   const std::size_t a = cache->alloc_reqid(), src = cache->alloc_reqid();
