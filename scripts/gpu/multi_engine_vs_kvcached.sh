@@ -47,7 +47,7 @@ export PYTHONUNBUFFERED=1
 for preset in "${presets[@]}"; do
   extra=()
   [ "$preset" = h100 ] && extra=(--phases static shared alone)
-  step "multi_$preset" "${VKV_MULTI_SECONDS:-420}" python3 -m vkv.demo.multi --preset "$preset" --no-progress \
+  step "multi_$preset" "${VKV_MULTI_SECONDS:-420}" python3 -m vkv.demo.multi --preset "$preset" \
     --out "$out" "${extra[@]}" "$@"
 done
 

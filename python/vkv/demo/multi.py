@@ -132,7 +132,8 @@ CPU_PRESETS = {
     "mixed8": dict(_CPU, models=["tiny", "tiny-b"] * 4, requests_per_burst=[4], burst_seconds=0.2, period=2.0,
                    bursts=1),
 }
-PHASES = ["static", "kvcached", "shared", "alone", "solo", "kill"]
+# In this order: the kill phase ends engine B; the kvcached phase runs on engines of its own.
+PHASES = ["static", "shared", "alone", "solo", "kill", "kvcached"]
 PRESET_PHASES = {"small": ["static", "shared", "solo", "kill"], "h100": ["static", "shared", "solo", "kill"],
                  "kvcached3": ["static", "kvcached", "shared"], "contention": ["static", "kvcached", "shared"],
                  "mixed4": ["static", "kvcached", "shared"], "mixed8": ["static", "kvcached", "shared"]}
@@ -464,7 +465,9 @@ def burst_times(requests, phase: dict) -> List[float]:
 
 class EngineProcess:
     def __init__(self, context, name: str, spec: dict, env: Optional[dict] = None) -> None:
+        """``env``: variables the process starts with (besides this one's)."""
         self.name = name
+        self.built = False  # its model built ("built" received)
         self.connection, child = context.Pipe()
         self.progress = context.Array("q", 2, lock=False)  # requests done, tokens emitted
         saved = {key: os.environ.get(key) for key in (env or {})}
@@ -542,6 +545,21 @@ def traces(args) -> Dict[str, list]:
     return out
 
 
+def warmup_requests(trace, max_prefill_tokens: int, max_slots: int) -> list:
+    """What an engine serves before the clock: copies of its trace's requests, all at time 0,
+    two tokens each, enough for one prefill of max_prefill_tokens (at most max_slots, at
+    least 4): it compiles and captures, and its activations reach their largest, so the
+    memory it takes while serving is taken before the phase starts (kvcached's pool is
+    what the device has free)."""
+    out: list = []
+    while trace and len(out) < max(4, max_slots) and (len(out) < 4 or sum(r.prompt_len for r in out) <
+                                                       max_prefill_tokens):
+        request = copy.deepcopy(trace[len(out) % len(trace)])
+        request.id, request.arrival, request.output_len = len(out), 0.0, 2
+        out.append(request)
+    return out
+
+
 def variants(phase: str, names: List[str]) -> List[Tuple[str, List[str]]]:
     """(label, the engines taking part) per run of a phase."""
     if phase == "solo":
@@ -555,33 +573,71 @@ class PhaseUnavailable(RuntimeError):
     """A phase whose store cannot run here: the reason."""
 
 
-def run_phase(phase: str, args, workloads, budget_name: str, context, spec: dict) -> dict:
+class EnginePool:
+    """The run's engine processes: started when a phase first needs them and kept for the
+    next ones (each builds its model once). A kvcached phase starts its own (an environment
+    of their own, one kvcached pool per process), after ending these (their models' memory
+    back first), and ends them after it."""
+
+    def __init__(self, context, args, spec: dict) -> None:
+        self.context, self.args, self.spec = context, args, spec
+        self.names = engine_names(len(args.models))
+        self.engines: Dict[str, EngineProcess] = {}
+
+    def start(self, names: List[str], env_of=None) -> Dict[str, EngineProcess]:
+        """The engines ``names`` (started where not running), each once its model is built;
+        ``env_of(name)``: a fresh process with that environment, not kept."""
+        engines = {}
+        for name in names:
+            engine = self.engines.get(name) if env_of is None else None
+            if engine is None or not engine.process.is_alive():
+                spec = {**self.spec, "model": self.args.models[self.names.index(name)]}
+                engine = EngineProcess(self.context, name, spec, env_of(name) if env_of else None)
+                if env_of is None:
+                    self.engines[name] = engine
+            engines[name] = engine
+        for engine in engines.values():
+            if not engine.built:
+                engine.receive("built")
+                engine.built = True
+        return engines
+
+    def stop(self, names: Optional[List[str]] = None) -> None:
+        for name in list(self.engines) if names is None else names:
+            engine = self.engines.pop(name, None)
+            if engine is not None:
+                engine.stop()
+
+    def drop_dead(self) -> None:
+        self.stop([name for name, engine in self.engines.items() if not engine.process.is_alive()])
+
+
+def run_phase(phase: str, args, workloads, budget_name: str, pool: EnginePool) -> dict:
     names = list(workloads)
     budget = args.kv_budget_mib << 20
     out = {}
+    env_of = None
+    if phase == "kvcached":
+        from .kvcached_store import kvcached_environment, kvcached_missing
+
+        missing = kvcached_missing(args.device)
+        if missing:
+            raise PhaseUnavailable(missing)
+        run_id = f"{os.getpid()}_{uuid.uuid4().hex[:4]}"
+
+        def env_of(name):
+            return kvcached_environment(f"vkvdemo_{run_id}_{name}")
+
+        pool.stop()
+    store = {"static": "static", "kvcached": "kvcached"}.get(phase, "vkv")
     for label, taking_part in variants(phase, names):
         shared = {"shared": budget_name, "kill": budget_name, "in a budget": budget_name}.get(
             phase if phase != "solo" else label, "")
-        env = None
-        if phase == "kvcached":
-            from .kvcached_store import kvcached_environment, kvcached_missing
-
-            missing = kvcached_missing(args.device)
-            if missing:
-                raise PhaseUnavailable(missing)
-        store = {"static": "static", "kvcached": "kvcached"}.get(phase, "vkv")
-        engines = {}
+        engines: Dict[str, EngineProcess] = {}
         try:
+            engines = pool.start(taking_part, env_of)
             for name in taking_part:
-                if phase == "kvcached":
-                    env = kvcached_environment(f"vkvdemo_{os.getpid()}_{uuid.uuid4().hex[:4]}_{name}")
-                engines[name] = EngineProcess(context, name, {**spec, "model": args.models[names.index(name)]}, env)
-            for engine in engines.values():
-                engine.receive("built")
-            for name in taking_part:
-                warmup = copy.deepcopy(workloads[name][:4])
-                for request in warmup:
-                    request.arrival = 0.0
+                warmup = warmup_requests(workloads[name], args.max_prefill_tokens, args.max_slots)
                 engines[name].send(("run", {
                     "store": store, "shared_budget": shared,
                     # static: an equal share each; alone and solo: all of it; shared: the budget's
@@ -622,9 +678,15 @@ def run_phase(phase: str, args, workloads, budget_name: str, context, spec: dict
                 results["B"] = {"killed": killed}
                 killed["at_end"] = vkv.SharedBudget.open(budget_name).stats()
             out[label] = results
+        except BaseException:
+            # Engines mid-phase cannot serve the next one: end them (the next phase starts anew).
+            pool.stop(taking_part)
+            raise
         finally:
-            for engine in engines.values():
-                engine.stop()
+            if env_of is not None:
+                for engine in engines.values():
+                    engine.stop()
+            pool.drop_dead()
     return out
 
 
@@ -900,13 +962,14 @@ def main(argv=None) -> int:
                 page_size=args.page_size_kib << 10, max_prefill_tokens=args.max_prefill_tokens,
                 cuda_graphs=args.cuda_graphs and device.type == "cuda", kernels=args.kernels)
     budget = vkv.SharedBudget.create(budget_name, args.kv_budget_mib << 20, device=str(device))
+    pool = EnginePool(context, args, spec)
     out: dict = {"phases": {}, "unavailable": {}, "errors": {}}
     try:
         for phase in [p for p in PHASES if p in args.phases]:
             began = time.time()
             print(f"phase {phase}...", file=sys.stderr, flush=True)
             try:
-                out["phases"][phase] = run_phase(phase, args, workloads, budget_name, context, spec)
+                out["phases"][phase] = run_phase(phase, args, workloads, budget_name, pool)
             except PhaseUnavailable as error:
                 out["unavailable"][phase] = str(error)
                 print(f"phase {phase}: not run: {error}", file=sys.stderr, flush=True)
@@ -915,6 +978,7 @@ def main(argv=None) -> int:
                 print(f"phase {phase}: failed: {error}", file=sys.stderr, flush=True)
             print(f"phase {phase}: {time.time() - began:.0f} s", file=sys.stderr, flush=True)
     finally:
+        pool.stop()
         left = budget.stats()
         budget.remove()
     totals = {phase: phase_combined(phase, variants_out) for phase, variants_out in out["phases"].items()}

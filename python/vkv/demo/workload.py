@@ -146,7 +146,7 @@ def ramp_arrivals(peak_rps: float, seconds: float, offset: float = 0.0) -> np.nd
     for second in range(int(math.ceil(seconds))):
         middle = second + 0.5
         rate = peak_rps * max(0.0, 1.0 - abs(middle - half) / half) if half > 0 else 0.0
-        count = int(round(rate))
+        count = int(math.floor(rate + 0.5))
         arrivals.extend(offset + second + (i + 0.5) / count for i in range(count))
     return np.array(arrivals)
 
