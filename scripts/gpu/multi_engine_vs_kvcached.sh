@@ -14,7 +14,8 @@
 #               KV memory): phases static shared alone
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine_vs_kvcached.sh OUT_DIR [PRESET...] [-- demo arguments...]
 # One preset per call fits a 10-minute limit with the build (default: kvcached3); more run one
-# after the other. VKV_MULTI_SECONDS (default 420) bounds each preset's run; --scale S (a demo
+# after the other. VKV_BUILD_ONLY=1: vkv, kvcached and FlashInfer only (a first call on a fresh
+# machine; the next calls skip them). VKV_MULTI_SECONDS (default 420) bounds each preset's run; --scale S (a demo
 # argument) shortens the traces. kvcached is built by scripts/gpu/kvcached_build.sh from
 # .whl/kvcached-0.1.6.tar.gz and FlashInfer comes from scripts/gpu/flashinfer_env.sh (.whl/).
 # Writes OUT_DIR/summary.txt and OUT_DIR/results.tar.gz (JSON, plots, logs, the GPU).
@@ -43,6 +44,7 @@ if bash scripts/gpu/kvcached_build.sh > "$out/kvcached_build.log" 2>&1; then
 fi
 tail -4 "$out/kvcached_build.log"
 source scripts/gpu/flashinfer_env.sh || echo "FlashInfer unavailable: the flashinfer phases say why"
+[ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first call that only builds (a warm machine keeps it all in /tmp)
 export PYTHONUNBUFFERED=1
 for preset in "${presets[@]}"; do
   extra=()
@@ -92,6 +94,21 @@ for path in paths:
         for label, c in labels.items():
             print(f"| {label} | {shown(c['throughput_tok_s'], 0)} | {shown(c['makespan_s'], 1)} | "
                   f"{shown(c['ttft_p50_ms'], 0)} / {shown(c['ttft_p99_ms'], 0)} | {c['preemptions']} | {c['failed']} |")
+    for labels in r["phases"].values():
+        for label, results in labels.items():
+            pool = results.get("_kvcached_pool")
+            if pool:
+                print(f"{label}: kvcached's pool {pool['pool_bytes'] / 2**20:.0f} MiB (KV memory "
+                      f"{pool['kv_budget_bytes'] / 2**20:.0f} MiB){': ' + pool['warning'] if pool.get('warning') else ''}")
+            for name, result in results.items():
+                k = result.get("kvcached") if isinstance(result, dict) else None
+                if k:
+                    limit = k.get("limit") or {}
+                    print(f"{label} {name}: kvcached limit {(limit.get('limit_bytes') or 0) / 2**20:.0f} MiB, "
+                          f"{k['misses']} allocs refused, {k['error_count']} errors"
+                          f"{': ' + k['errors'][0] if k['errors'] else ''}")
+                if isinstance(result, dict) and result.get("error"):
+                    print(f"{label} {name}: the engine failed: {result['error'].strip().splitlines()[-1]}")
     for phase, reason in r.get("unavailable", {}).items():
         print(f"{phase}: not run: {reason}")
     for phase, reason in r.get("errors", {}).items():

@@ -111,10 +111,10 @@ PRESETS = {
     "mixed4": dict(BASE, **_H100, models=["llama3-8b", "llama3.2-3b", "llama3.2-1b", "llama3-8b"], bursts=2,
                    requests_per_burst=[96, 128, 192, 96], burst_seconds=1.0, period=16.0, stagger=1.0,
                    kv_budget_mib=12288, kernels="flashinfer"),
-    "mixed8": dict(BASE, **_H100, models=["llama3-8b", "llama3.2-3b", "llama3.2-1b", "llama3.2-1b", "llama3.2-3b",
+    "mixed8": dict(BASE, **dict(_H100, max_prefill_tokens=4096), models=["llama3-8b", "llama3.2-3b", "llama3.2-1b", "llama3.2-1b", "llama3.2-3b",
                                           "llama3.2-1b", "llama3.2-1b", "llama3.2-1b"], bursts=2,
-                   requests_per_burst=[64, 96, 128, 128, 96, 128, 128, 128], burst_seconds=1.0, period=16.0,
-                   stagger=1.0, kv_budget_mib=12288, kernels="flashinfer"),
+                   requests_per_burst=[48, 64, 96, 96, 64, 96, 96, 96], burst_seconds=1.0, period=16.0,
+                   stagger=1.0, kv_budget_mib=8192, kernels="flashinfer"),
 }
 GPU_PRESETS = {"small": dict(page_size_kib=0, kv_budget_mib=256)}
 # On a CPU the GPU-sized presets keep their shape (engines, trace, phases) with tiny models,
@@ -379,6 +379,8 @@ def engine_main(name: str, spec: dict, connection, progress) -> None:
             torch.set_num_threads(1)
         shape = SHAPES[spec["model"]]
         model = LlamaModel(shape, device, dtype, spec["max_context"], seed=spec["seed"])
+        if device.type == "cuda":  # the build's float32 temporaries back to the device
+            torch.cuda.empty_cache()
         connection.send(("built", None))
         while True:
             command, phase = connection.recv()
@@ -656,7 +658,7 @@ def run_phase(phase: str, args, workloads, budget_name: str, pool: EnginePool) -
                     ready[name] = engines[name].receive("ready")
             except StoreUnavailable as error:
                 raise PhaseUnavailable(str(error)) from error
-            ballast = make_ballast(args, ready) if phase == "kvcached" else None
+            ballast, pool_note = make_ballast(args, ready) if phase == "kvcached" else (None, None)
             start_at = time.time() + 1.0
             for name in taking_part:
                 engines[name].send(("go", start_at))
@@ -670,8 +672,9 @@ def run_phase(phase: str, args, workloads, budget_name: str, pool: EnginePool) -
                           "after": vkv.SharedBudget.open(budget_name).stats()}
             serving = [n for n in taking_part if n != "B" or phase != "kill"]
             results = await_results(label, engines, serving, workloads, start_at, args.no_progress)
+            if pool_note is not None:
+                results["_kvcached_pool"] = pool_note
             if ballast is not None:
-                results["_ballast_bytes"] = ballast.numel()
                 del ballast
                 torch.cuda.empty_cache()
             if killed is not None:
@@ -729,18 +732,28 @@ def await_results(label: str, engines: Dict[str, EngineProcess], serving: List[s
     return results
 
 
-def make_ballast(args, ready: Dict[str, dict]) -> Optional[torch.Tensor]:
+def make_ballast(args, ready: Dict[str, dict]) -> Tuple[Optional[torch.Tensor], dict]:
     """Fills the device down to the KV memory the engines may still map plus kvcached's
     headroom (its pool is the device's free memory), once they are ready: a tensor of the
-    parent's, freed after the phase. None where nothing needs filling."""
+    parent's, freed after the phase (None where nothing needs filling), and what kvcached's
+    pool was (its bytes, the KV memory's, the ballast's; a warning where the device had less
+    free than the KV memory)."""
     free, total = torch.cuda.mem_get_info(args.device)
     utilization = float(os.environ.get("KVCACHED_GPU_UTILIZATION", 1 - KVCACHED_HEADROOM))
+    headroom = int(total * (1 - utilization))
     held = sum(r["held_bytes"] for r in ready.values())
-    fill = free - int(total * (1 - utilization)) - max(0, (args.kv_budget_mib << 20) - held)
-    fill = fill // (2 << 20) * (2 << 20)
+    budget = args.kv_budget_mib << 20
+    fill = (free - headroom - max(0, budget - held)) // (2 << 20) * (2 << 20)
+    note = {"kv_budget_bytes": budget, "held_at_start_bytes": held, "headroom_bytes": headroom,
+            "ballast_bytes": max(0, fill), "pool_bytes": held + max(0, free - headroom - max(0, fill))}
+    if fill < 0:
+        note["warning"] = (f"the device had {format_bytes(free)} free for kvcached's pool ({format_bytes(headroom)} "
+                           f"of it its headroom): {format_bytes(note['pool_bytes'])} of KV memory, less than "
+                           f"the {format_bytes(budget)} the other phases have")
+        print(f"  kvcached: {note['warning']}", file=sys.stderr, flush=True)
     if fill <= 0:
-        return None
-    return torch.empty(fill, dtype=torch.uint8, device=args.device)
+        return None, note
+    return torch.empty(fill, dtype=torch.uint8, device=args.device), note
 
 
 # -- what is reported -------------------------------------------------------------------------
@@ -821,6 +834,12 @@ def report(args, out: dict) -> str:
                          f"{', '.join(c['engines_failed']) or '-'} |")
     for phase, variants_out in out["phases"].items():
         for label, results in variants_out.items():
+            pool = results.get("_kvcached_pool")
+            if pool:
+                lines.append(f"\n{label}: kvcached's pool {mib(pool['pool_bytes'])} MiB of device memory (the KV "
+                             f"memory {mib(pool['kv_budget_bytes'])} MiB; a ballast of {mib(pool['ballast_bytes'])} "
+                             f"MiB, its headroom {mib(pool['headroom_bytes'])} MiB)"
+                             + (f": {pool['warning']}" if pool.get("warning") else ""))
             for name, result in serving(results).items():
                 k = result.get("kvcached")
                 if k:

@@ -74,7 +74,7 @@ def test_combined_counts_failed_requests_and_pools_ttft_of_every_engine():
 
     crashed = {"summary": None, "failed": 7, "ttft_ms": [], "error": "engine C ended (exit code -11)"}
     results = {"A": engine(100, 10.0, 0, [10.0] * 97 + [1000.0] * 3, 2), "B": engine(300, 20.0, 2, [30.0] * 100),
-               "C": crashed, "_ballast_bytes": 1 << 30}
+               "C": crashed, "_kvcached_pool": {"pool_bytes": 1 << 30}}
     combined = multi.combined(results)
     assert combined["output_tokens"] == 400 and combined["makespan_s"] == 20.0
     assert combined["throughput_tok_s"] == 20.0 and combined["preemptions"] == 2
@@ -140,3 +140,74 @@ def test_kvcached_engines_start_with_its_runtime_and_names_of_their_own(monkeypa
     assert first["KVCACHED_IPC_NAME"] != second["KVCACHED_IPC_NAME"]
     monkeypatch.delenv("KVCACHED_LD_PRELOAD")
     assert kvcached_store.libstdcxx_path() is None or "libstdc++.so.6" in kvcached_store.libstdcxx_path()
+
+
+class FakeManager:
+    """kvcached's KVCacheManager contract: alloc(n) -> n block ids or None (nothing taken),
+    free(ids), trim(); block 0 is its null block."""
+
+    def __init__(self, blocks):
+        self.free_ids, self.trims, self.fail = list(range(1, blocks)), 0, None
+
+    def alloc(self, count):
+        if self.fail:
+            raise self.fail
+        if count > len(self.free_ids):
+            return None
+        taken, self.free_ids = self.free_ids[:count], self.free_ids[count:]
+        return taken
+
+    def free(self, ids):
+        self.free_ids.extend(ids)
+
+    def trim(self):
+        self.trims += 1
+
+
+def kvcached_store_on(manager, max_slots=4, max_context=256, trim_when_idle=False):
+    """A KvcachedStore's bookkeeping over a fake manager (the real one needs CUDA)."""
+    import numpy as np
+    import torch
+
+    from vkv.demo.kvcached_store import KvcachedStore
+
+    store = KvcachedStore.__new__(KvcachedStore)
+    store.device, store.page_tokens, store.max_slots = torch.device("cpu"), 16, max_slots
+    store.bytes_per_token, store.manager, store.trim_when_idle = 100, manager, trim_when_idle
+    store.errors, store.misses = [], 0
+    store.pages_per_slot = max_context // 16
+    store.table = np.zeros((max_slots, store.pages_per_slot), dtype=np.int32)
+    store.held = np.zeros(max_slots, dtype=np.int64)
+    store._free_slots = list(range(max_slots - 1, -1, -1))
+    store.page_table = torch.zeros(max_slots, store.pages_per_slot, dtype=torch.int64)
+    return store
+
+
+def test_kvcached_store_takes_blocks_from_its_manager_and_a_refusal_changes_nothing():
+    manager = FakeManager(8)
+    store = kvcached_store_on(manager)
+    first, second = store.alloc(), store.alloc()
+    assert store.reserve({first: 20}) and store.table[first, :2].tolist() == [1, 2]
+    assert store.reserve({first: 33, second: 5})  # one more block each
+    assert store.table[first, :3].tolist() == [1, 2, 3] and store.table[second, :1].tolist() == [4]
+    assert store.page_table[first, :3].tolist() == [1, 2, 3] and store.held_bytes() == 4 * 16 * 100
+    # 3 blocks left: a reserve that needs 5 is refused twice by kvcached, and nothing changes.
+    assert not store.reserve({first: 33, second: 80})
+    assert store.misses == 1 and store.held.tolist()[:2] == [3, 1] and len(manager.free_ids) == 3
+    manager.fail = RuntimeError("Failed to map page 7: out of memory")
+    assert not store.reserve({second: 40})
+    assert store.errors == ["RuntimeError: Failed to map page 7: out of memory"] and store.held[second] == 1
+    manager.fail = None
+    store.free(first)
+    assert sorted(manager.free_ids) == [1, 2, 3, 5, 6, 7] and manager.trims == 0
+
+
+def test_kvcached_store_trims_when_its_engine_holds_no_request_where_asked():
+    manager = FakeManager(8)
+    store = kvcached_store_on(manager, trim_when_idle=True)
+    first, second = store.alloc(), store.alloc()
+    assert store.reserve({first: 16, second: 16})
+    store.free(first)
+    assert manager.trims == 0
+    store.free(second)
+    assert manager.trims == 1 and sorted(manager.free_ids) == list(range(1, 8))
