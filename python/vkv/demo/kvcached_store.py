@@ -145,6 +145,7 @@ class KvcachedStore(KvStore):
         if _pool_made_in_this_process:
             raise StoreUnavailable("kvcached keeps its pool in module state: one kvcached store per process")
         try:
+            import kvcached
             from kvcached.cli.utils import get_kv_cache_limit, update_kv_cache_limit
             from kvcached.integration.vllm import interfaces
         except Exception as error:  # not installed, or built for another torch
@@ -158,6 +159,7 @@ class KvcachedStore(KvStore):
         self.errors: List[str] = []   # exceptions kvcached's pool raised (treated as shortages)
         self.misses = 0               # reserves refused: alloc() returned None twice
         self._interfaces = interfaces
+        self.version = getattr(kvcached, "__version__", "unknown")  # the demo reports it
         self._limit_reader = get_kv_cache_limit
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -407,17 +407,17 @@ def serve(store, model, spec: dict, phase: dict, connection, progress) -> dict:
     engine = Engine(model, store, spec["max_prefill_tokens"], cuda_graphs=spec["cuda_graphs"])
     trace = copy.deepcopy(phase["trace"])
     error, summary, finished, handoff = None, None, math.nan, None
+    engine.run(copy.deepcopy(phase["warmup"]), show_progress=False)  # compiles, captures (a failure: the phase's)
+    connection.send(("ready", {"held_bytes": store.memory_now()[0]}))
+    _, start_at = connection.recv()
+    store.start_clock(start_at)
+    engine.idle_hook = store.sample
+
+    def report_progress(done, running, emitted):
+        progress[0], progress[1] = done, emitted
+
+    engine.progress_hook = report_progress
     try:
-        engine.run(copy.deepcopy(phase["warmup"]), show_progress=False)  # compiles, captures
-        connection.send(("ready", {"held_bytes": store.memory_now()[0]}))
-        _, start_at = connection.recv()
-        store.start_clock(start_at)
-        engine.idle_hook = store.sample
-
-        def report_progress(done, running, emitted):
-            progress[0], progress[1] = done, emitted
-
-        engine.progress_hook = report_progress
         time.sleep(max(0.0, start_at - time.time()))
         result = engine.run(trace, show_progress=False)
         summary = result.summary()
@@ -441,7 +441,8 @@ def serve(store, model, spec: dict, phase: dict, connection, progress) -> dict:
            "asks_ms": store.asks_ms, "step_us": store.step_us, "handoff": handoff, "slow_steps": store.slow_steps,
            "idle": idle_memory(store.samples, busy, end), "ttft_ms": ttft, "store": store.name}
     if hasattr(store, "errors"):
-        out["kvcached"] = {"errors": store.errors[:20], "error_count": len(store.errors), "misses": store.misses,
+        out["kvcached"] = {"version": store.version, "errors": store.errors[:20], "error_count": len(store.errors),
+                           "misses": store.misses,
                            "limit": store.limit_state(), "num_blocks": store.num_blocks,
                            "page_bytes": store.compound_page_bytes}
     try:
@@ -844,7 +845,7 @@ def report(args, out: dict) -> str:
                 k = result.get("kvcached")
                 if k:
                     limit = k.get("limit") or {}
-                    lines.append(f"\n{label} {name}: kvcached limit {mib(limit.get('limit_bytes'))} MiB (its "
+                    lines.append(f"\n{label} {name}: kvcached {k['version']}, limit {mib(limit.get('limit_bytes'))} MiB (its "
                                  f"segment {limit.get('ipc')}), {k['num_blocks']} blocks, pages of "
                                  f"{mib(k['page_bytes'])} MiB; {k['misses']} allocs refused, {k['error_count']} "
                                  f"errors{': ' + k['errors'][0] if k['errors'] else ''}")

@@ -211,3 +211,55 @@ def test_kvcached_store_trims_when_its_engine_holds_no_request_where_asked():
     assert manager.trims == 0
     store.free(second)
     assert manager.trims == 1 and sorted(manager.free_ids) == list(range(1, 8))
+
+
+def test_an_engine_whose_store_fails_mid_run_reports_its_unfinished_requests_failed():
+    """An exception in the middle of a run (a CUDA out-of-memory in an engine, say) ends that
+    engine's run only: it still answers the phase, its unfinished requests counted failed."""
+    import time
+
+    import torch
+
+    from vkv.demo.kv_stores import VkvStore
+    from vkv.demo.model import SHAPES, LlamaModel
+    from vkv.demo.workload import make_trace
+
+    class FailingStore(multi.Measured, VkvStore):
+        def start_clock(self, zero):  # at construction, then at the phase's start
+            super().start_clock(zero)
+            self.starts, self.calls = getattr(self, "starts", 0) + 1, 0
+
+        def reserve(self, lens):
+            self.calls += 1
+            if self.starts > 1 and self.calls > 6:
+                raise RuntimeError("CUDA out of memory (a test's)")
+            return super().reserve(lens)
+
+    class Connection:
+        def __init__(self):
+            self.sent, self.inbox = [], [("go", time.time())]
+
+        def send(self, message):
+            self.sent.append(message)
+            if message[0] == "finished":
+                self.inbox.append(("end", None))
+
+        def recv(self):
+            return self.inbox.pop(0)
+
+        def poll(self, timeout=0.0):
+            return bool(self.inbox)
+
+    torch.set_num_threads(1)
+    shape = SHAPES["tiny"]
+    model = LlamaModel(shape, torch.device("cpu"), torch.float32, 256)
+    store = FailingStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch.float32, torch.device("cpu"), 256,
+                         1 << 20, 8, "interleaved", 32 << 10)
+    trace = make_trace(12, 50.0, 256, shape.vocab, seed=3, scale=0.1)
+    connection = Connection()
+    out = multi.serve(store, model, {"max_prefill_tokens": 512, "cuda_graphs": False},
+                      {"trace": trace, "warmup": multi.warmup_requests(trace, 64, 8), "per_burst": 12}, connection,
+                      [0, 0])
+    assert [m[0] for m in connection.sent] == ["ready", "finished"]
+    assert "RuntimeError: CUDA out of memory (a test's)" in out["error"] and out["summary"] is None
+    assert 0 < out["unfinished"] == out["failed"] <= 12 and out["requests"] == 12
