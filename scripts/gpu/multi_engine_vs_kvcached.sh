@@ -14,13 +14,16 @@
 #               KV memory): phases static shared alone
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine_vs_kvcached.sh OUT_DIR [PRESET...] [-- demo arguments...]
 # One preset per call fits a 10-minute limit with the build (default: kvcached3); more run one
-# after the other. VKV_BUILD_ONLY=1: vkv, kvcached and FlashInfer only (a first call on a fresh
-# machine; the next calls skip them). VKV_MULTI_SECONDS (default 420) bounds each preset's run; --scale S (a demo
+# after the other. VKV_BUILD_ONLY=1: vkv, kvcached and FlashInfer only, then kvcached's own
+# check (kvcached_build.sh --check) and tests/python/demo/test_kvcached_store.py (the engine's
+# tokens on kvcached's blocks equal a paged pool's): a first call on a fresh machine; the next
+# calls skip the builds. VKV_MULTI_SECONDS (default 420) bounds each preset's run; --scale S (a demo
 # argument) shortens the traces. kvcached is built by scripts/gpu/kvcached_build.sh from
 # .whl/kvcached-0.1.6.tar.gz and FlashInfer comes from scripts/gpu/flashinfer_env.sh (.whl/).
 # Writes OUT_DIR/summary.txt and OUT_DIR/results.tar.gz (JSON, plots, logs, the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+src="$PWD"
 top="${1:?usage: scripts/gpu/multi_engine_vs_kvcached.sh OUT_DIR [PRESET...] [-- demo arguments...]}"
 shift
 presets=()
@@ -44,8 +47,13 @@ if bash scripts/gpu/kvcached_build.sh > "$out/kvcached_build.log" 2>&1; then
 fi
 tail -4 "$out/kvcached_build.log"
 source scripts/gpu/flashinfer_env.sh || echo "FlashInfer unavailable: the flashinfer phases say why"
-[ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first call that only builds (a warm machine keeps it all in /tmp)
 export PYTHONUNBUFFERED=1
+if [ -n "${VKV_BUILD_ONLY:-}" ]; then  # a first call: the builds (a warm machine keeps them in /tmp) and checks
+  step kvcached_check 120 bash "$src/scripts/gpu/kvcached_build.sh" --check
+  step kvcached_store_test 300 python3 -m pytest "$src/tests/python/demo/test_kvcached_store.py" -q -p no:cacheprovider -rs
+  tar czf "$top/results.tar.gz" -C "$top" results && rm -rf "$out"
+  exit $status
+fi
 for preset in "${presets[@]}"; do
   extra=()
   [ "$preset" = h100 ] && extra=(--phases static shared alone)
