@@ -2,7 +2,8 @@
 device, each with a model of its own shape, under one shared KV budget, the same memory
 split statically, or kvcached's elastic pool.
 
-Every phase serves the same seeded traces, each engine in fresh processes:
+Every phase serves the same seeded traces (the engines' processes are kept from phase to
+phase; the kvcached phase runs on processes of its own, started after the others end):
 
   static    each engine's cache has an equal share of the KV memory (memory_budget),
             whatever the others do (--kernels flashinfer: a paged pool of that size made up
