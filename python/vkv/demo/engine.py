@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from .decode_runner import DecodeRunner
 from .kv_stores import KvStore, pages_note
 from .model import LlamaModel
 from .workload import Request
+
+
+IDLE_TICK = 0.02  # seconds between idle_hook calls
 
 
 @dataclass
@@ -172,6 +175,12 @@ class Engine:
         self.pinned: Dict[int, int] = {}      # prefix slot -> its tokens, held for the whole run
         self.prefixes: Dict[tuple, int] = {}  # system prompt tokens -> its prefix slot
         self.decoder = DecodeRunner(model, store, store.max_slots, graphs=cuda_graphs)
+        # Called at least every IDLE_TICK seconds while the engine waits for its next arrival
+        # with nothing running (the multi-engine demo samples the memory an idle engine holds).
+        self.idle_hook: Optional[Callable[[], None]] = None
+        # Called every iteration with (requests done, running, tokens emitted): progress
+        # another process can show.
+        self.progress_hook: Optional[Callable[[int, int, int], None]] = None
         self._events = None
         if model.device.type == "cuda":  # prefill start/end (the decoder times its steps)
             self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -282,6 +291,13 @@ class Engine:
                 result.shared_requests += 1
         return [greedy[r.id] for r in admitted]
 
+    def _idle_until(self, when: float, clock) -> None:
+        """Sleeps until clock() reaches ``when``, calling idle_hook every IDLE_TICK seconds."""
+        while clock() < when:
+            time.sleep(max(0.0, min(IDLE_TICK if self.idle_hook else math.inf, when - clock())))
+            if self.idle_hook:
+                self.idle_hook()
+
     def run(self, trace: List[Request], show_progress: bool = True) -> RunResult:
         """Serves the trace to completion. Decode steps run one ahead of the host: step i+1
         is launched (its requests' tokens fed from step i on the device) before step i's
@@ -320,7 +336,7 @@ class Engine:
 
         while waiting or running:
             if not running and pending is None and waiting[0].arrival > clock():
-                time.sleep(waiting[0].arrival - clock())  # idle until the next arrival
+                self._idle_until(waiting[0].arrival, clock)
             result.iterations += 1
             result.reserve_us.append(0.0)
             lens = {r.slot: r.seq_len for r in running}  # room for each running request's next token
@@ -441,6 +457,8 @@ class Engine:
                 running = [r for r in running if r.emitted < r.output_len]
                 done += len(finished)
             progress.update(done, len(running), result.emitted)
+            if self.progress_hook:
+                self.progress_hook(done, len(running), result.emitted)
 
         collect(pending)
         result.seconds = clock()

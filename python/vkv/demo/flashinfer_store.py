@@ -336,12 +336,13 @@ class VkvFlashInferStore(VkvStore):
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
                  max_slots: int, layout: str, num_heads: int, page_tokens: int = 0, page_size: int = 0,
-                 large_page_size: int = 0, ready: float = 0.0) -> None:
+                 large_page_size: int = 0, ready: float = 0.0, **vkv_options) -> None:
+        """``vkv_options``: VkvStore's other keywords (shared_budget, idle_ms, pressure_ms)."""
         if torch.device(device).type != "cuda":
             raise StoreUnavailable(f"FlashInfer's kernels run on CUDA only, not on {device}")
         flashinfer = import_flashinfer()
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes, max_slots,
-                         layout, page_size, large_page_size=large_page_size, ready=ready)
+                         layout, page_size, large_page_size=large_page_size, ready=ready, **vkv_options)
         self.name += "-fi" + (f"-{page_tokens}" if page_tokens else "")  # vkv interleaved-fi
         try:
             paged = [(slot_pages(k, page_tokens), slot_pages(v, page_tokens)) for k, v in zip(self.keys, self.values)]

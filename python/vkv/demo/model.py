@@ -42,6 +42,8 @@ SHAPES = {
                             num_kv_heads=8, vocab=128256),
     "llama3.2-1b": ModelShape("llama3.2-1b", num_layers=16, hidden=2048, intermediate=8192, num_heads=32,
                               num_kv_heads=8, vocab=128256),
+    "llama3.2-3b": ModelShape("llama3.2-3b", num_layers=28, hidden=3072, intermediate=8192, num_heads=24,
+                              num_kv_heads=8, vocab=128256),
     "tiny": ModelShape("tiny", num_layers=4, hidden=256, intermediate=688, num_heads=8, num_kv_heads=2,
                        vocab=1024),
     "tiny-b": ModelShape("tiny-b", num_layers=2, hidden=128, intermediate=344, num_heads=4, num_kv_heads=2,

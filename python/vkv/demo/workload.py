@@ -122,3 +122,42 @@ def make_bursty_trace(bursts: int, per_burst: int, burst_seconds: float, period:
         for request, arrival in zip(trace[burst * per_burst:(burst + 1) * per_burst], arrivals):
             request.arrival = float(arrival)
     return trace
+
+
+def fixed_lengths(trace: List[Request], prompt_tokens: int, output_tokens: int, vocab: int, seed: int = 0) -> None:
+    """Gives every request of ``trace`` a prompt of ``prompt_tokens`` random tokens and
+    ``output_tokens`` to generate (as kvcached's own benchmark does: 256-token prompts, one
+    completion length), in place; a length of 0 keeps the request's own."""
+    rng = np.random.default_rng(seed + 5)
+    for request in trace:
+        if prompt_tokens:
+            request.prompt_len = prompt_tokens
+            request.prompt = rng.integers(0, vocab, prompt_tokens).tolist()
+        if output_tokens:
+            request.output_len = output_tokens
+
+
+def ramp_arrivals(peak_rps: float, seconds: float, offset: float = 0.0) -> np.ndarray:
+    """Arrival times of a rate that ramps up linearly from 0 to ``peak_rps`` over the first
+    half of ``seconds`` and back down over the second (kvcached's "ramp-up-down" client: a
+    whole number of requests each second, evenly spaced within it), starting at ``offset``."""
+    arrivals = []
+    half = seconds / 2
+    for second in range(int(math.ceil(seconds))):
+        middle = second + 0.5
+        rate = peak_rps * max(0.0, 1.0 - abs(middle - half) / half) if half > 0 else 0.0
+        count = int(math.floor(rate + 0.5))
+        arrivals.extend(offset + second + (i + 0.5) / count for i in range(count))
+    return np.array(arrivals)
+
+
+def make_ramp_trace(peak_rps: float, seconds: float, offset: float, max_context: int, vocab: int, seed: int = 0,
+                    scale: float = 1.0) -> List[Request]:
+    """ShareGPT-like requests (lengths as ``make_trace``; ``fixed_lengths`` sets kvcached's)
+    arriving at a rate that ramps up to ``peak_rps`` and down again over ``seconds``, from
+    ``offset`` on: one engine of kvcached's staggered ramp-up/ramp-down scenario."""
+    arrivals = ramp_arrivals(peak_rps, seconds, offset)
+    trace = make_trace(len(arrivals), math.inf, max_context, vocab, seed, scale)
+    for request, arrival in zip(trace, arrivals):
+        request.arrival = float(arrival)
+    return trace
