@@ -20,10 +20,13 @@ for arg in "${vkv_args[@]}"; do
   esac
 done
 
-# torch 2.13 and 2.14 need Python 3.10 or newer.
-if ! "$vkv_base_python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-  echo "bootstrap: vkv needs Python 3.10 or newer; $vkv_base_python is" \
-    "$("$vkv_base_python" --version 2>&1) (VKV_BASE_PYTHON=python3.12 picks another)" >&2
+# torch 2.13 and 2.14 need Python 3.10 or newer: the Python vkv goes into (an active or
+# existing venv's), else the one a new .venv is made from.
+python_checked="$VKV_PYTHON"
+[ -x "$python_checked" ] || python_checked="$vkv_base_python"
+if ! "$python_checked" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "bootstrap: vkv needs Python 3.10 or newer; $python_checked is" \
+    "$("$python_checked" --version 2>&1) (VKV_BASE_PYTHON=python3.12 picks another)" >&2
   exit 1
 fi
 

@@ -66,6 +66,7 @@ suite() {
     grep -E 'FAILED|Failed|\[  FAILED|Failure|ERROR|SEGFAULT|Timeout|Exception|Error:' "$log" | head -n 60 >&2 || true
     echo "== the end of $log:" >&2
     tail -n 20 "$log" >&2
+    [ -z "$(tail -c 1 "$log")" ] || echo >&2  # a log cut mid-line
   fi
   summary+=("$name: $counts in $((SECONDS - start)) s ($log)")
   echo "   $counts in $((SECONDS - start)) s"
