@@ -563,7 +563,8 @@ def pages_note(store: KvStore) -> str:
                 + (f", {store.large_page_size >> 20} MiB large pages" if store.large_page_size else "")
                 + (f", {store.ready_tokens} tokens mapped in every slot before the run" if store.ready_tokens else ""))
     if hasattr(store, "page_tokens"):
-        return f"{store.num_pages} pages of {store.page_tokens} tokens"
+        pages = getattr(store, "num_pages", None)  # a pool that sizes itself (kvcached) has no fixed count
+        return f"{pages} pages of {store.page_tokens} tokens" if pages else f"blocks of {store.page_tokens} tokens"
     if isinstance(store, StaticStore):
         return f"{store.slots} slots of {store.max_context} tokens"
     return ""
