@@ -116,3 +116,16 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> 
                 f"VkvConnector: the shared budget {settings.shared_budget!r} (kv_connector_extra_config"
                 f"['shared_budget']) holds {capacity} bytes, less than {what}; resize it (python -m vkv.budget "
                 f"resize {settings.shared_budget} {need}), or lower --max-model-len")
+
+
+def check_view(name: str, view, num_blocks: int, block: int) -> None:
+    """A layer's KV cache view as vLLM made it (register_kv_caches): its blocks must be
+    ``block`` bytes apart, one vkv slot each, whatever the configs said."""
+    if view.dim() == 0 or view.shape[0] != num_blocks:
+        return  # not a [blocks, ...] view: nothing to compare
+    stride = view.stride(0) * view.element_size()
+    if stride != block:
+        raise ValueError(
+            f"VkvConnector: vLLM's KV cache view {name!r} puts its blocks {stride} bytes apart, but vkv backs "
+            f"{block}-byte blocks, one run of all layers' bytes each (a layer-outermost or padded layout); "
+            f"{_WHAT_TO_DO_LAYOUT}")

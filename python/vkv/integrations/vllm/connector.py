@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .balloon import Balloon
 from .block_states import BlockStates
-from .checks import check_startup
+from .checks import check_startup, check_view
 from .config import VkvConnectorConfig
 from .demand import Demand
 from .memory import BlockMemory
@@ -178,6 +178,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         for name, tensor in kv_caches.items():
             if not base <= tensor.data_ptr() < end:
                 raise RuntimeError(f"VkvConnector: KV cache view {name!r} is not in vkv's reservation")
+            check_view(name, tensor, self._memory.num_blocks, self._memory.block_bytes)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

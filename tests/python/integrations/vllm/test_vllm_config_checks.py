@@ -134,6 +134,30 @@ def test_layer_outermost_strides_are_refused_where_the_layout_is_not_named(monke
     _refused(config, kv_config, r"layer-outermost \(layer_stride 524288 bytes, block_stride 8192\)")
 
 
+def test_views_whose_blocks_are_not_vkvs_slots_are_refused_when_registered():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    config = _config()
+    kv_config = _plan(config)
+    worker = _connector(config, kv_config)
+    try:
+        buffer = worker.kv_buffer(kv_config)
+        spec = kv_config.kv_cache_groups[0].kv_cache_spec
+        tensor = kv_config.kv_cache_tensors[0]
+        names = tensor.layers
+        worker.register_kv_caches(dict(zip(names, create_kv_cache_views(
+            buffer, spec, kv_config.num_blocks, KVCacheLayout.BLNHC, tensor))))
+        # The same buffer viewed layer-outermost (what LBNHC strides would make of it).
+        page = spec.page_size_bytes
+        layer_outer = KVCacheTensor(size=tensor.size, layers=names, layer_stride=kv_config.num_blocks * page,
+                                    block_stride=page)
+        views = create_kv_cache_views(buffer, spec, kv_config.num_blocks, KVCacheLayout.LBNHC, layer_outer)
+        with pytest.raises(ValueError, match=f"puts its blocks {page} bytes apart, but vkv backs {BLOCK_BYTES}-byte"):
+            worker.register_kv_caches(dict(zip(names, views)))
+    finally:
+        worker.shutdown()
+
+
 # ---- the KV buffer's size -----------------------------------------------------------------------
 def test_a_padded_page_is_refused():
     spec = _spec()
