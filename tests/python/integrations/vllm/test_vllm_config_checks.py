@@ -382,8 +382,9 @@ def test_reset_with_running_requests_preempts_them_and_does_not_raise(connector)
             engine.step(read_back=False)
         running = list(engine.scheduler.running)
         assert running
-        # pause_generation(clear_cache=True); before: RuntimeError "Failed to reset KV cache ..."
-        assert engine.scheduler.reset_prefix_cache(reset_running_requests=True) is True
+        # What pause_generation(clear_cache=True) calls (EngineCore._reset_caches); before:
+        # RuntimeError "Failed to reset KV cache even when all the running requests are preempted ..."
+        assert engine.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
         assert not engine.scheduler.running and all(r.num_preemptions == 1 for r in running)
         _run(engine)
         assert all(r.is_finished() and r.num_output_tokens == 8 for r in running)
