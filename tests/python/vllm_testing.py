@@ -40,7 +40,8 @@ class Engine:
     same engine on vLLM's fixed pool (a torch.zeros buffer), for comparison."""
 
     def __init__(self, num_blocks: int, extra: Optional[dict] = None, connector: bool = True,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 256) -> None:
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+                 max_model_len: int = 1024, enable_prefix_caching: bool = False) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -49,10 +50,10 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import create_kv_cache_views
 
-        model = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=1024)
-        sched = SchedulerConfig(max_model_len=1024, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
+        model = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=max_model_len)
+        sched = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens)
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
+        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=enable_prefix_caching)
         kv_transfer = None
         if connector:
             kv_transfer = KVTransferConfig(

@@ -15,6 +15,7 @@ keep requests waiting or preempt them; schedule() never raises and never waits o
 from typing import Dict, List
 
 from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
+from .held_blocks import count_held_blocks_as_free
 
 
 class Balloon:
@@ -33,6 +34,7 @@ class Balloon:
             if states.states[block.block_id] != BACKED:
                 states.states[block.block_id] = UNBACKED
         self.release_backed()
+        count_held_blocks_as_free(pool, lambda: len(self.held))  # reset_prefix_cache(), get_usage()
 
     @property
     def usable_blocks(self) -> int:

@@ -1,5 +1,6 @@
 """The connector's own settings: kv_transfer_config's kv_connector_extra_config, checked."""
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -32,14 +33,19 @@ class VkvConnectorConfig:
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "VkvConnectorConfig":
         """Parse ``kv_connector_extra_config`` (keys prefixed ``vkv_`` or not); raises
-        ValueError naming the key, its value and what it must be."""
+        ValueError naming the key, its value and what it must be, or an unknown key and the
+        closest known one. (Under vLLM's MultiConnector each connector gets its own entry's
+        dict: other connectors' keys never reach this one.)"""
         known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str,
                  "background_mapping": bool}
         values = {}
         for key, value in (extra or {}).items():
             name = key[4:] if key.startswith("vkv_") else key
             if name not in known:
-                continue  # other connectors' keys (MultiConnector) are not ours to judge
+                close = difflib.get_close_matches(name, list(known), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"kv_connector_extra_config[{key!r}] is not a VkvConnector setting; {hint}"
+                                 f"known: {', '.join(known)}")
             kind = known[name]
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r} must be an int")

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .balloon import Balloon
 from .block_states import BlockStates
+from .checks import check_startup, check_view
 from .config import VkvConnectorConfig
 from .demand import Demand
 from .memory import BlockMemory
@@ -64,12 +65,22 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         _check_supported(vllm_config)
         self.settings = VkvConnectorConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
+        # What this connector cannot serve stops vLLM here, in one line (checks.py).
+        self._checked = kv_cache_config is not None
+        if self._checked:
+            check_startup(vllm_config, kv_cache_config, self.settings)
         self._balloon: Optional[Balloon] = None
         self._memory: Optional[BlockMemory] = None
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._demand: Optional[Demand] = None
 
     # ---- both ----------------------------------------------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No: vLLM's sleep (CuMemAllocator) would not reach the KV buffer in vkv's reservation,
+        nor the pages vkv maps; vLLM refuses --enable-sleep-mode with this connector."""
+        return False
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
         """Block-outermost: block b of every layer is one contiguous run, one vkv slot."""
@@ -167,6 +178,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         for name, tensor in kv_caches.items():
             if not base <= tensor.data_ptr() < end:
                 raise RuntimeError(f"VkvConnector: KV cache view {name!r} is not in vkv's reservation")
+            check_view(name, tensor, self._memory.num_blocks, self._memory.block_bytes)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -196,18 +208,11 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def _make_memory(self, kv_cache_config) -> BlockMemory:
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"VkvConnector: {len(groups)} KV cache groups (a hybrid model); this version "
-                             "backs models with one full-attention group only")
-        spec = groups[0].kv_cache_spec
-        if type(spec).__name__ != "FullAttentionSpec" or spec.head_size_v != spec.head_size:
-            raise ValueError(f"VkvConnector: KV cache spec {type(spec).__name__} is not supported; this "
-                             "version backs full attention with equal K and V head sizes only")
-        if len(kv_cache_config.kv_cache_tensors) != 1:
-            raise ValueError("VkvConnector: expected one backing KV cache tensor (vLLM's standardised layout), got "
-                             f"{len(kv_cache_config.kv_cache_tensors)}")
-        layers = len(groups[0].layer_names)
+        if not self._checked:  # vLLM gave no KVCacheConfig to __init__
+            check_startup(self._vllm_config, kv_cache_config, self.settings)
+            self._checked = True
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
         return BlockMemory(
             engine_id=_engine_id(self._vllm_config), num_blocks=kv_cache_config.num_blocks,
             block_size=spec.block_size, num_layers=layers, num_kv_heads=spec.num_kv_heads,

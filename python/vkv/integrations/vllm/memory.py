@@ -23,7 +23,7 @@ import torch
 import vkv
 from vkv._parameters import resolve_device
 
-from .block_states import BACKED, RECLAIMING, UNBACKED, BlockStates
+from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
 from .mapper import BackgroundMapper
 
 _HOST_PAGE = 4096
@@ -58,25 +58,30 @@ class BlockMemory:
         error = block_geometry_error(block_size, self.block_bytes, page, num_layers)
         if error:
             raise ValueError(error)
-        self.cache = vkv.KVCache(
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-            max_batch_size=num_blocks, max_context_len=block_size, layout="interleaved",
-            page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
-            shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0,
-            # On a GPU vLLM zero-fills the whole buffer (pool.py): unbacked blocks are one
-            # writable scratch page, mapped under all of them from the start (vkv's mapper then
-            # maps nothing ahead: eager_tokens counts on the CPU only).
-            zero_page=device != "cpu", scratch_page=device != "cpu")
-        assert self.cache.reserved_bytes == num_blocks * self.block_bytes, "slot b must be block b"
-        self._pages_per_block = self.block_bytes // self.cache.page_size
-        self.states = BlockStates(engine_id, num_blocks)
-        # vLLM's null block (0) is read by padded kernels and written by none that matter: one real page.
-        null = self.cache.alloc_reqid()
-        if null != 0:
-            raise RuntimeError(f"vkv.integrations.vllm: the null block got vkv slot {null}, expected 0")
-        self.cache.step({0: block_size})
-        self.backed = 0  # blocks other than the null block with mapped pages (the job's thread writes it)
-        self.grow(headroom_blocks)
+        # First: a reused engine_id is refused before any memory is taken.
+        self.states = BlockStates(engine_id, num_blocks, WORKER)
+        try:
+            self.cache = vkv.KVCache(
+                num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                max_batch_size=num_blocks, max_context_len=block_size, layout="interleaved",
+                page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
+                shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0,
+                # On a GPU vLLM zero-fills the whole buffer (pool.py): unbacked blocks are one
+                # writable scratch page, mapped under all of them from the start (vkv's mapper then
+                # maps nothing ahead: eager_tokens counts on the CPU only).
+                zero_page=device != "cpu", scratch_page=device != "cpu")
+            assert self.cache.reserved_bytes == num_blocks * self.block_bytes, "slot b must be block b"
+            self._pages_per_block = self.block_bytes // self.cache.page_size
+            # vLLM's null block (0) is read by padded kernels and written by none that matter: one real page.
+            null = self.cache.alloc_reqid()
+            if null != 0:
+                raise RuntimeError(f"vkv.integrations.vllm: the null block got vkv slot {null}, expected 0")
+            self.cache.step({0: block_size})
+            self.backed = 0  # blocks other than the null block with mapped pages (the job's thread writes it)
+            self.grow(headroom_blocks)
+        except BaseException:
+            self.states.unlink()  # the scheduler will never come for it
+            raise
         if background_mapping is None:  # unset: on a GPU the job runs beside the forward
             background_mapping = device != "cpu"
         self.mapper = BackgroundMapper(self._job, torch.device(device)) if background_mapping else None

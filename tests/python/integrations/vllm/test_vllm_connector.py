@@ -70,15 +70,17 @@ def test_every_scheduled_block_is_backed_and_reads_back():
 @pytest.mark.parametrize("background", [False, True])
 def test_shortage_only_makes_requests_wait(background):
     block_bytes = engine_block_bytes()
-    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "memory_budget": 10 * block_bytes,
-                            "background_mapping": background})
+    # The smallest budget the connector accepts: one request of max_model_len (6 blocks) +
+    # the headroom + the null block.
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "memory_budget": 11 * block_bytes,
+                            "background_mapping": background}, max_model_len=96)
     waited = 0
     try:
         _trace(engine, n=10)
         while engine.scheduler.has_unfinished_requests():
             engine.step(_every_scheduled_block_backed)  # schedule() must not raise
             waited = max(waited, len(engine.scheduler.waiting))
-            assert engine.worker._memory.cache.stats()["pages_created"] <= 10
+            assert engine.worker._memory.cache.stats()["pages_created"] <= 11
         assert waited > 0
         assert all(len(v) >= 6 for v in engine.outputs.values())
     finally:
@@ -427,7 +429,7 @@ def test_bad_extra_config_is_one_line_naming_the_key():
     with pytest.raises(ValueError, match=r"\['background_mapping'\] = 1 must be true or false"):
         VkvConnectorConfig.from_extra_config({"background_mapping": 1})
     assert VkvConnectorConfig.from_extra_config({}).background_mapping is None  # unset: off
-    assert VkvConnectorConfig.from_extra_config({"vkv_headroom_blocks": 2, "other": 1}).headroom_blocks == 2
+    assert VkvConnectorConfig.from_extra_config({"vkv_headroom_blocks": 2}).headroom_blocks == 2
 
 
 def test_tensor_parallel_is_refused_with_the_reason():
