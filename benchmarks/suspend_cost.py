@@ -1,7 +1,7 @@
 """What suspend() and resume() cost (an engine's sleep that keeps its KV): a cache of
 Llama-3-8B's shape (32 layers, 8 KV heads of 128, bf16 on CUDA / fp16 on the host: 128 KiB
-a token, interleaved layout) filled with N GiB of KV across 8 requests, then suspended
-(the KV copied to page-locked host memory, every page released) and resumed (pages
+a token, interleaved layout) filled with N GiB of KV across 8 requests (--requests), then
+suspended (the KV copied to page-locked host memory, every page released) and resumed (pages
 created and mapped at the same addresses, the KV copied back), several rounds. Per size:
 the wall time of each call (resume() returns once the bytes are back: the wake time), the
 copy bandwidth, where the backend's time went (stats()['backend']: create, map, copy,
@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_tag, machine, progress, write_json  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
-REQUESTS = 8
 BACKEND_CALLS = ("create", "release", "map", "unmap", "copy")
 
 
@@ -42,30 +41,31 @@ def backend_seconds(cache) -> dict:
     return {call: backend[call]["seconds"] for call in BACKEND_CALLS}
 
 
-def measure(device: str, gib: float, rounds: int) -> dict:
+def measure(device: str, gib: float, requests: int, rounds: int) -> dict:
     import vkv
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     token_bytes = LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
-    tokens = int(gib * (1 << 30)) // token_bytes // REQUESTS
-    cache = vkv.KVCache(LAYERS, KV_HEADS, HEAD_DIM, dtype, max_batch_size=REQUESTS, max_context_len=tokens,
+    tokens = int(gib * (1 << 30)) // token_bytes // requests
+    cache = vkv.KVCache(LAYERS, KV_HEADS, HEAD_DIM, dtype, max_batch_size=requests, max_context_len=tokens,
                         device=device, layout="interleaved", background_mapping=False, backend_statistics=True)
-    slots = [cache.alloc_reqid() for _ in range(REQUESTS)]
+    first = cache.alloc_reqids(requests, contiguous=True)[0]
+    rows = slice(first, first + requests)
     seq_lens = [0] * cache.max_batch_size
-    for slot in slots:
-        seq_lens[slot] = tokens
+    seq_lens[rows] = [tokens] * requests
     cache.step(seq_lens)
 
-    def value(slot: int, layer: int, is_value: bool) -> float:
-        return float((slot * LAYERS + layer) * 2 + is_value + 1)
+    # Request r's keys of layer l hold one value, its values another: every byte is checked.
+    def expected(layer: int, is_value: bool) -> torch.Tensor:
+        codes = (torch.arange(requests, device=device) * LAYERS + layer) * 2 + int(is_value)
+        return (codes % 251 + 1).to(dtype).view(requests, 1, 1, 1)  # integers bf16 holds exactly
 
     for layer in range(LAYERS):
-        for slot in slots:
-            cache.key(layer)[slot, :tokens].fill_(value(slot, layer, False))
-            cache.value(layer)[slot, :tokens].fill_(value(slot, layer, True))
+        cache.key(layer)[rows, :tokens] = expected(layer, False)
+        cache.value(layer)[rows, :tokens] = expected(layer, True)
     synchronize(device)
     kv_bytes = cache.stats()["pages_in_use"] * cache.page_size
-    progress(f"{gib} GiB: {REQUESTS} requests of {tokens} tokens, {kv_bytes / (1 << 30):.2f} GiB of pages")
+    progress(f"{gib} GiB: {requests} requests of {tokens} tokens, {kv_bytes / (1 << 30):.2f} GiB of pages")
 
     runs = []
     for round_index in range(rounds):
@@ -91,14 +91,13 @@ def measure(device: str, gib: float, rounds: int) -> dict:
         })
         progress(f"{gib} GiB round {round_index}: suspend {suspend_s:.3f} s, resume {resume_s:.3f} s")
 
-    intact = all(bool((cache.key(layer)[slot, :tokens] == value(slot, layer, False)).all()) and
-                 bool((cache.value(layer)[slot, :tokens] == value(slot, layer, True)).all())
-                 for layer in range(LAYERS) for slot in slots)
+    intact = all(bool((cache.key(layer)[rows, :tokens] == expected(layer, False)).all()) and
+                 bool((cache.value(layer)[rows, :tokens] == expected(layer, True)).all()) for layer in range(LAYERS))
     page_bytes = cache.page_size
     cache.close()
     resume = sorted(run["resume_s"] for run in runs)
     suspend = sorted(run["suspend_s"] for run in runs)
-    return {"gib": gib, "kv_bytes": kv_bytes, "tokens_per_request": tokens, "requests": REQUESTS,
+    return {"gib": gib, "kv_bytes": kv_bytes, "tokens_per_request": tokens, "requests": requests,
             "page_bytes": page_bytes, "bytes_intact_after_rounds": intact,
             "suspend_s_median": suspend[len(suspend) // 2], "resume_s_median": resume[len(resume) // 2],
             "rounds": runs}
@@ -113,6 +112,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--gib", type=float, nargs="+", default=None,
                         help="KV sizes in GiB (default: 8 32 on CUDA, 0.0625 0.25 on the host)")
+    parser.add_argument("--requests", type=int, default=8,
+                        help="requests (slots) the KV is spread over; 512 per GiB gives one 2 MiB page each, "
+                             "the shape of vkv.integrations.vllm (a slot per 16-token block)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
@@ -120,8 +122,9 @@ def main(argv=None) -> int:
     results = {"machine": machine(args.device), "shape": {"model": "Llama-3-8B", "layers": LAYERS,
                                                           "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                                           "layout": "interleaved"},
-               "sizes": [measure(args.device, gib, args.rounds) for gib in sizes]}
-    write_json(results, os.path.join(args.out, f"suspend_cost_{device_tag(args.device)}.json"))
+               "sizes": [measure(args.device, gib, args.requests, args.rounds) for gib in sizes]}
+    suffix = "" if args.requests == 8 else f"_{args.requests}_requests"
+    write_json(results, os.path.join(args.out, f"suspend_cost_{device_tag(args.device)}{suffix}.json"))
     for size in results["sizes"]:
         print(f"{size['gib']:g} GiB: suspend {size['suspend_s_median']:.3f} s, resume (wake) "
               f"{size['resume_s_median']:.3f} s, bytes intact: {size['bytes_intact_after_rounds']}")

@@ -208,8 +208,9 @@ class KvCache {
   // every other call that changes slots or pages (alloc_reqid(s), step(), step_slots(),
   // fork(), share_prefix(), swap_out(), swap_in(), set_budget(), prepare_*(), suspend())
   // throws InvalidArgument naming the state. No device work may touch the cache's memory
-  // from suspend() to the end of resume(): its pages are unmapped (with config.zero_page
-  // it reads as zeros then, and faults on writes; without, any access faults).
+  // from suspend() to the end of resume(): its pages are unmapped (with config.zero_page it
+  // reads as zeros then and faults on writes, with config.scratch_page too it reads and
+  // writes the scratch page; without zero_page any access faults).
 
   /// Copies every page allocated slots claim to page-locked host memory on `stream`,
   /// behind the work enqueued there (all work touching the cache must be on `stream` or
