@@ -196,6 +196,44 @@ class KvCache {
   /// mapper maps ahead again within the budget; set_budget() keeps memory away for good.
   std::size_t trim();
 
+  // ---- suspending (kv_cache_suspend.cpp) --------------------------------------------
+  // An engine that sleeps (vLLM's sleep()) keeps its KV this way: suspend() moves what
+  // allocated slots hold to host memory and gives every physical page back (to the
+  // device, or to the shared budget, where other members may take it); resume() maps
+  // pages again at the same addresses and copies the bytes back, so that views, tensors
+  // and CUDA graphs over the cache stay valid.
+  //
+  // While suspended: free_reqid() works (the slot's kept bytes are forgotten), trim() and
+  // map_ahead_now() do nothing, reads (stats(), seq_lens() of 0, is_allocated(), ...) work;
+  // every other call that changes slots or pages (alloc_reqid(s), step(), step_slots(),
+  // fork(), share_prefix(), swap_out(), swap_in(), set_budget(), prepare_*(), suspend())
+  // throws InvalidArgument naming the state. No device work may touch the cache's memory
+  // from suspend() to the end of resume(): its pages are unmapped (with config.zero_page it
+  // reads as zeros then and faults on writes, with config.scratch_page too it reads and
+  // writes the scratch page; without zero_page any access faults).
+
+  /// Copies every page allocated slots claim to page-locked host memory on `stream`,
+  /// behind the work enqueued there (all work touching the cache must be on `stream` or
+  /// ordered before it), waits for the copies, then unmaps and releases every page: the
+  /// claimed ones, freed slots' kept pages (they hold no request: dropped) and free pages.
+  /// A page mapped at several slots (fork(), share_prefix()) is kept once and comes back
+  /// shared. Swapped-out slots keep their own host copy. Blocks until the pages are gone.
+  /// Thread-safe; other calls wait for it (it holds the cache's lock throughout).
+  /// @throws InvalidArgument when suspended already; OutOfMemory when host memory runs
+  ///         out; DriverError (all with no effect: the cache keeps its pages and bytes).
+  void suspend(Stream stream = 0);
+  /// Maps a page for each kept page at the address it had (a large page comes back as
+  /// single pages), copies the bytes back on `stream` and waits for the copies: when it
+  /// returns, work on any stream reads every allocated slot as it was at suspend(),
+  /// with the same seq_lens and claims. Asks a shared budget's members for what it lacks.
+  /// Thread-safe, as suspend().
+  /// @throws InvalidArgument when not suspended; OutOfMemory carrying the missing pages
+  ///         (nothing changes: the cache stays suspended, and a later resume() may
+  ///         succeed); DriverError (no effect either).
+  void resume(Stream stream = 0);
+  /// Whether suspend() was called and resume() has not succeeded since.
+  bool is_suspended() const;
+
   // ---- agreement between tensor-parallel ranks (kv_cache_prepare.cpp) ----------------
   // Tensor-parallel ranks (vkv.distributed) must all succeed or all fail at each call,
   // and stay in the same logical state: slots, seq_lens, claims, the order alloc_reqid()

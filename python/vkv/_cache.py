@@ -250,6 +250,45 @@ class KVCache:
     def is_swapped(self, slot: int) -> bool:
         return self._live()._core.is_swapped(self._slot(slot))
 
+    def suspend(self) -> None:
+        """Keep every allocated slot's bytes in host memory and give every page back.
+
+        For an engine that sleeps: the pages each allocated slot claims are copied to
+        page-locked host memory on the current stream, behind the work queued there (work
+        on other streams that touches the cache must be ordered before it), and once the
+        copies are done every page is released: to the device, or to the shared budget,
+        whose other members may use it meanwhile. A page several slots share is kept once
+        and comes back shared; freed slots' kept pages are dropped. Returns when the pages
+        are gone. Until ``resume()``, no kernel may touch the cache's tensors (they stay
+        valid objects, over unmapped memory), ``free_reqid()`` forgets a slot's bytes, and
+        calls that change slots or pages (``alloc_reqid()``, ``step()``, ``fork()``,
+        ``swap_out()``, ``set_budget()``, ...) raise ValueError naming the state.
+
+        Raises:
+            ValueError: the cache is suspended already.
+            vkv.OutOfMemory: host memory ran out; nothing changed.
+        """
+        self._live()._core.suspend(self._stream())
+
+    def resume(self) -> None:
+        """Map pages again and copy back what ``suspend()`` kept; returns once it is back.
+
+        Every allocated slot reads as it did at ``suspend()``, at the same addresses: the
+        tensors, views and CUDA graphs made before stay valid; seq_lens are as they were.
+        With a shared budget it asks the other members for what it lacks.
+
+        Raises:
+            ValueError: the cache is not suspended.
+            vkv.OutOfMemory: not enough pages; nothing changed (still suspended, try again
+                later), ``missing_pages`` says how many.
+        """
+        self._live()._core.resume(self._stream())
+
+    @property
+    def is_suspended(self) -> bool:
+        """Whether ``suspend()`` was called and ``resume()`` has not succeeded since."""
+        return self._live()._core.is_suspended()
+
     def set_budget(self, memory_budget: int) -> None:
         """Set the most physical memory (bytes, rounded down to pages) the cache may hold.
 

@@ -156,6 +156,7 @@ KvCache::Impl::~Impl() {
       // The driver is going away (process exit); the pages die with the context.
     }
   }
+  if (suspension_) host_frees_.push_back(suspension_->host);  // its copies were waited for
   try {
     free_finished_host_copies(/*wait=*/true);
   } catch (...) {
@@ -201,6 +202,7 @@ std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   const std::uint64_t lock_wait = nanoseconds_since(start);
+  expect_not_suspended("alloc_reqid");
   // The slot to map the next prefill's pages in may have changed: the next step() wakes
   // the mapper for it, here a wake-up would only make the mapper's driver calls meet ours.
   const std::size_t slot = allocate_slot(lock, slots_.next_to_allocate(), stream);
@@ -254,6 +256,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   Slot& slot = slots_[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
               " is not allocated: double free, or a slot alloc_reqid() did not return");
+  if (suspension_) forget_suspended_slot(slot_index);  // it maps nothing now: the rest changes only books
   free_finished_host_copies(/*wait=*/false);
   // A next owner must never see another request's tokens: shared pages leave the slot now.
   const bool keeps_pages = config_.deferred_reclamation && !sharing_.holds_shared(slot);
@@ -335,6 +338,9 @@ void KvCache::swap_out(std::size_t slot, Stream stream) { impl_->swap_out(slot, 
 void KvCache::swap_in(std::size_t slot, Stream stream) { impl_->swap_in(slot, stream); }
 bool KvCache::is_swapped(std::size_t slot) const { return impl_->is_swapped(slot); }
 void KvCache::set_budget(std::size_t bytes) { impl_->set_budget(bytes); }
+void KvCache::suspend(Stream stream) { impl_->suspend(stream); }
+void KvCache::resume(Stream stream) { impl_->resume(stream); }
+bool KvCache::is_suspended() const { return impl_->is_suspended(); }
 std::size_t KvCache::trim() { return impl_->trim(); }
 KvCache::Preparation KvCache::prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
   return impl_->prepare_step(seq_lens, count, stream);

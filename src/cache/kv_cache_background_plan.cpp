@@ -26,6 +26,7 @@ std::size_t KvCache::Impl::map_ahead_now() {
 // alloc_reqid() no longer wake it. A slot whose zero-fill is still deferred is not
 // touched: no event follows its last owner's work yet.
 KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_events) {
+  if (suspension_) return {};  // nothing takes the pages suspend() gave back (kv_cache_suspend.cpp)
   const std::size_t max_pages = layout_.pages_per_slot();
   const std::size_t regions = layout_.num_regions();
   const bool can_grow = pool_.obtainable_pages() >= regions;  // ahead mapping uses free memory only

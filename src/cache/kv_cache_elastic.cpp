@@ -22,6 +22,7 @@ void KvCache::Impl::set_budget(std::size_t bytes) {
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   const std::size_t budget = bytes / page;
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("set_budget");
   background_done_.wait(lock, [&] { return !background_busy(); });  // pages in flight count too
   const std::size_t in_use = pages_set_budget_keeps();
   if (in_use > budget) {

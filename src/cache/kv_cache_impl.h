@@ -70,6 +70,9 @@ class KvCache::Impl {
   void swap_out(std::size_t slot, Stream stream);
   void swap_in(std::size_t slot, Stream stream);
   bool is_swapped(std::size_t slot) const;
+  void suspend(Stream stream);
+  void resume(Stream stream);
+  bool is_suspended() const;
   void set_budget(std::size_t bytes);
   std::size_t trim();
   Preparation prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream);
@@ -321,6 +324,24 @@ class KvCache::Impl {
   // Free pages and freed slots' pages above their floors (what trim_under_pressure() may give).
   std::size_t freed_cached_pages(const std::vector<std::size_t>& floors) const;
 
+  // ---- suspension (kv_cache_suspend.cpp) ---------------------------------------------
+  // What suspend() kept: each page allocated slots claimed, once (a shared page once),
+  // page k at host.host + k * page_bytes, and where each slot had it.
+  struct Suspension {
+    detail::HostCopy host;
+    struct KeptSlot {
+      std::size_t seq_len = 0, claimed = 0;
+      std::vector<std::vector<std::size_t>> pages;  // [region][page]: k; empty for a slot with nothing kept
+    };
+    std::vector<KeptSlot> slots;
+  };
+  // The first check of a call that changes slots or pages: InvalidArgument naming `call`.
+  void expect_not_suspended(const char* call) const;
+  // free_reqid() while suspended: the slot's kept pages are not brought back.
+  void forget_suspended_slot(std::size_t slot) noexcept;
+  // check_invariants()' part: while suspended no slot maps, claims or holds tokens.
+  void check_suspension() const;
+
   // ---- the mapper's work (kv_cache_background_plan.cpp, kv_cache_background_units.cpp) ------------
   // A unit's exit, however it leaves (done or thrown): the lock held again, its slot no
   // longer busy, waiters told. Constructed with the lock released.
@@ -378,6 +399,8 @@ class KvCache::Impl {
   std::atomic<std::size_t> give_back_wanted_{0};  // bytes a watcher waiting for the lock wants given back
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
+  // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).
+  std::optional<Suspension> suspension_;
   mutable std::mutex mutex_;
   std::condition_variable background_done_;  // a slot stopped being busy
   std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above

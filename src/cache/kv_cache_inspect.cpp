@@ -75,6 +75,7 @@ void KvCache::Impl::check_invariants() const {
   std::lock_guard<std::mutex> lock(mutex_);
   slots_.check(layout_, config_.zero_page);
   sharing_.check(slots_);
+  check_suspension();
   auto expect = [](bool holds, const std::string& what) {
     if (!holds) throw Error("vkv invariant broken: " + what);
   };

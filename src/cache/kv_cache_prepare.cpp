@@ -27,6 +27,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("prepare_step");
   expect_valid_seq_lens(seq_lens, count);
   enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
   const std::size_t regions = layout_.num_regions();
@@ -87,6 +88,7 @@ std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mu
 KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("prepare_swap_in");
   expect_slot_in_range(slot_index);
   const std::size_t regions = layout_.num_regions();
   if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
@@ -111,6 +113,7 @@ KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stre
 KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("prepare_fork");
   expect_slot_in_range(src);
   for (;;) {
     expect_valid_fork(src);
@@ -130,6 +133,7 @@ KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
 KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("prepare_share_prefix");
   expect_slot_in_range(src);
   expect_slot_in_range(dst);
   for (;;) {
@@ -149,6 +153,7 @@ KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
   const std::size_t page = layout_.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   std::lock_guard<std::mutex> lock(mutex_);
+  expect_not_suspended("prepare_set_budget");
   const std::size_t in_use = pages_set_budget_keeps();
   Preparation plan;
   plan.missing_pages = in_use > bytes / page ? in_use - bytes / page : 0;

@@ -34,6 +34,7 @@ void KvCache::Impl::expect_valid_share(std::size_t src, std::size_t dst, std::si
 std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("fork");
   expect_slot_in_range(src);
   auto expect_source = [&] { expect_valid_fork(src); };
   expect_source();
@@ -57,6 +58,7 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
 void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("share_prefix");
   expect_slot_in_range(src);
   expect_slot_in_range(dst);
   auto expect_valid = [&] { expect_valid_share(src, dst, tokens); };

@@ -39,6 +39,7 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
     lock.lock();
     steps_waiting_.fetch_sub(1);
   }
+  expect_not_suspended("step");
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
   step_profile_.lock_contended = contended;
   lock.unlock();

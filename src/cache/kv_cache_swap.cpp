@@ -22,6 +22,7 @@ bool KvCache::Impl::is_swapped(std::size_t slot) const {
 void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("swap_out");
   expect_slot_in_range(slot_index);
   auto expect_valid = [&] {
     VKV_EXPECTS(slots_[slot_index].allocated, "swap_out: slot ", slot_index, " is not allocated");
@@ -67,6 +68,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
 void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
+  expect_not_suspended("swap_in");
   expect_slot_in_range(slot_index);
   auto expect_valid = [&] {
     VKV_EXPECTS(slots_[slot_index].allocated && slots_[slot_index].swapped, "swap_in: slot ", slot_index,

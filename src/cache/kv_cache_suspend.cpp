@@ -1,0 +1,274 @@
+// KvCache: suspending a cache (an engine's sleep) with its contents kept, and resuming it.
+//
+// suspend() composes what swap_out() and trim() do for one slot and for unclaimed pages,
+// over the whole cache at once: the claimed pages of every allocated slot go to one host
+// buffer (page-locked on CUDA), each physical page once, so that a page several slots
+// share comes back shared; then every page is unmapped and released, counted back to a
+// shared budget. The order is the one every release follows: copies enqueued on the
+// caller's stream behind its work, an event behind them waited for, and only then a
+// mapping changes. Whole pages are kept, not tokens: resume() gives back the exact bytes
+// of every claimed page (also what an owner left beyond its seq_len after a rollback).
+//
+// Failure: everything fallible (host memory, copies, waits, unmaps) comes before the
+// books change; an unmap that fails maps back what was unmapped before it. resume()
+// takes all its pages first (OutOfMemory then changes nothing), maps, copies, and undoes
+// its mappings after its copies if a later call fails; the host buffer stays until it
+// succeeds.
+//
+// While suspended the mapper plans nothing (next_background_unit()), so that nothing
+// takes pages the suspension gave back; the calls that would are refused
+// (expect_not_suspended()).
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "kv_cache_impl.h"
+#include "read_windows.h"
+#include "undo_log.h"
+#include "util/format.h"
+#include "util/internal_assert.h"
+#include "vkv/error.h"
+
+namespace vkv {
+namespace {
+
+// Runs of device pages whose host copies lie side by side: one copy call each.
+struct CopyRun {
+  Address device = 0;
+  std::size_t first = 0;  // kept page index
+  std::size_t count = 0;
+};
+
+void extend(std::vector<CopyRun>& runs, Address device, std::size_t kept, std::size_t page_bytes) {
+  if (!runs.empty()) {
+    CopyRun& last = runs.back();
+    if (last.device + last.count * page_bytes == device && last.first + last.count == kept) {
+      ++last.count;
+      return;
+    }
+  }
+  runs.push_back({device, kept, 1});
+}
+
+}  // namespace
+
+bool KvCache::Impl::is_suspended() const {
+  expect_usable_in_this_process();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return suspension_.has_value();
+}
+
+void KvCache::Impl::expect_not_suspended(const char* call) const {
+  VKV_EXPECTS(!suspension_, call, ": the cache is suspended (suspend() was called, resume() has not succeeded yet)");
+}
+
+void KvCache::Impl::forget_suspended_slot(std::size_t slot) noexcept { suspension_->slots[slot] = {}; }
+
+void KvCache::Impl::check_suspension() const {
+  if (!suspension_) return;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    if (slot.mapped() != 0 || slot.claimed != 0 || slot.seq_len != 0)
+      throw Error(detail::concat("vkv invariant broken: slot ", s,
+                                 " maps, claims or holds tokens while the cache is suspended"));
+    if (!slot.allocated && !suspension_->slots[s].pages.empty())
+      throw Error(
+          detail::concat("vkv invariant broken: free slot ", s, " has kept pages while the cache is suspended"));
+  }
+}
+
+void KvCache::Impl::suspend(Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  VKV_EXPECTS(!suspension_, "suspend: the cache is suspended already (resume() first)");
+  background_done_.wait(lock, [&] { return !background_busy(); });  // its pages in flight go too
+  free_finished_host_copies(/*wait=*/false);
+  if (!stranded_.empty()) unmap_stranded();
+
+  // Which pages to keep, each once: a shared page is the same physical page at the same
+  // page index of several slots (page_sharing.h), so (handle, index) names it.
+  const std::size_t page_bytes = layout_.page_bytes();
+  const std::size_t regions = layout_.num_regions();
+  Suspension kept;
+  kept.slots.resize(slots_.size());
+  std::map<std::pair<PageHandle, std::size_t>, std::size_t> shared_kept;
+  std::vector<CopyRun> runs;
+  std::size_t kept_pages = 0;
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Slot& slot = slots_[s];
+    Suspension::KeptSlot& to = kept.slots[s];
+    if (!slot.allocated || slot.claimed == 0) continue;  // a swapped-out slot claims nothing
+    to.seq_len = slot.seq_len;
+    to.claimed = slot.claimed;
+    to.pages.assign(regions, std::vector<std::size_t>(slot.claimed));
+    for (std::size_t r = 0; r < regions; ++r) {
+      for (std::size_t i = 0; i < slot.claimed; ++i) {
+        const PageHandle handle = slot.pages[r][i];
+        std::size_t k = kept_pages;
+        bool first = true;
+        if (sharing_.is_shared(handle)) {
+          const auto [at, inserted] = shared_kept.try_emplace({handle, i}, kept_pages);
+          k = at->second;
+          first = inserted;
+        }
+        to.pages[r][i] = k;
+        if (!first) continue;
+        ++kept_pages;
+        extend(runs, page_address(r, s, i), k, page_bytes);
+      }
+    }
+  }
+
+  detail::UndoLog undo;
+  if (kept_pages > 0) {
+    kept.host.bytes = kept_pages * page_bytes;
+    kept.host.host = backend_->allocate_host(kept.host.bytes);
+    undo.push([this, host = kept.host, stream] {
+      try {
+        backend_->synchronize(stream);  // copies already enqueued write into the host memory
+      } catch (...) {
+        // A dead context runs no copy any more.
+      }
+      backend_->free_host(host.host, host.bytes);
+    });
+  }
+  // Freed slots' pages: an event behind their last owner's work, before they are unmapped.
+  enqueue_deferred_fills(stream);
+  for (const CopyRun& run : runs)
+    backend_->copy(kept.host.host + run.first * page_bytes, run.device, run.count * page_bytes, stream);
+  // Nothing is unmapped before the copies, and all work on `stream` ahead of them, are done.
+  const Event copied = backend_->record_event(stream);
+  undo.push([this, copied] { backend_->destroy_event(copied); });
+  backend_->wait_event(copied);
+  if (config_.zero_page) {  // padded reads of the steps so far
+    read_windows_.close_current(stream);
+    read_windows_.wait();
+  }
+  for (Slot& slot : slots_)
+    if (slot.mapped() > 0) wait_free_event(slot);  // previous owners' zero-fills and readers
+
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const std::size_t mapped = slots_[s].mapped();
+    for (std::size_t r = 0; r < regions && mapped > 0; ++r) {
+      unmap_real(s, r, 0, slots_[s].pages[r].data(), mapped);
+      undo.push_remap([this, s, r, mapped] { map_real(s, r, 0, slots_[s].pages[r].data(), mapped); });
+    }
+  }
+  undo.commit();
+  backend_->destroy_event(copied);
+
+  // Every backend call succeeded: the books follow, and the pages go.
+  std::vector<Page> unmapped;
+  for (Slot& slot : slots_) {
+    for (std::vector<PageHandle>& pages : slot.pages) {
+      drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
+      pages.clear();
+    }
+    slot.seq_len = 0;
+    slot.claimed = 0;
+  }
+  pool_.release_all(unmapped);  // counted back to a shared budget once
+  pool_.trim(0);
+  suspension_ = std::move(kept);
+  publish_in_use();
+}
+
+void KvCache::Impl::resume(Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(mutex_);
+  VKV_EXPECTS(suspension_, "resume: the cache is not suspended (suspend() first)");
+  background_done_.wait(lock, [&] { return !background_busy(); });
+  free_finished_host_copies(/*wait=*/false);
+  if (!stranded_.empty()) unmap_stranded();
+
+  // A page for each kept page a slot still holds (free_reqid() may have forgotten some).
+  std::vector<std::size_t> new_index;
+  std::vector<Page> pages;
+  bool asked = false;  // the shared budget's other members, once per call
+  for (;;) {
+    VKV_EXPECTS(suspension_, "resume: the cache is not suspended (another thread resumed it meanwhile)");
+    const std::size_t kept_pages = suspension_->host.bytes / layout_.page_bytes();
+    new_index.assign(kept_pages, kept_pages);
+    std::size_t needed = 0;
+    for (const Suspension::KeptSlot& slot : suspension_->slots)
+      for (const std::vector<std::size_t>& region : slot.pages)
+        for (std::size_t k : region)
+          if (new_index[k] == kept_pages) new_index[k] = needed++;
+    try {
+      const std::vector<std::size_t> claims = slots_.claims();  // all 0: nothing to reclaim
+      expect_obtainable(needed, claims, "resume");
+      pages = obtain_pages(needed, claims);
+      break;
+    } catch (const OutOfMemory& shortage) {
+      if (reap_dead_members()) continue;  // a dead member's bytes are free now
+      if (asked || !membership_ || !membership_->others_may_give()) throw;
+      asked = true;
+      ask_shared_budget(lock, shortage.missing_pages());
+    }
+  }
+
+  const Suspension& kept = *suspension_;
+  const std::size_t page_bytes = layout_.page_bytes();
+  const std::size_t regions = layout_.num_regions();
+  detail::UndoLog undo(stream_waiter(stream));
+  undo.push([this, &pages] {  // unmapped again by the undo below first; the copies may have written them
+    for (const Page& page : pages) pool_.give_back({page.handle, /*clean=*/false});
+  });
+  if (config_.zero_page) read_windows_.close_current(stream);  // nothing should read the cache now; if it did
+  std::vector<std::vector<std::vector<PageHandle>>> handles(slots_.size());
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Suspension::KeptSlot& from = kept.slots[s];
+    if (from.pages.empty()) continue;
+    order_after_readers(s, 0);
+    handles[s].resize(regions);
+    for (std::size_t r = 0; r < regions; ++r) {
+      std::vector<PageHandle>& list = handles[s][r];
+      for (std::size_t k : from.pages[r]) list.push_back(pages[new_index[k]].handle);
+      map_real(s, r, 0, list.data(), list.size());
+      undo.push_remap([this, s, r, list] { unmap_real(s, r, 0, list.data(), list.size()); });
+    }
+  }
+  // Each kept page into the first address mapping it.
+  std::vector<CopyRun> runs;
+  std::vector<bool> copied(new_index.size(), false);
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    for (std::size_t r = 0; r < kept.slots[s].pages.size(); ++r)
+      for (std::size_t i = 0; i < kept.slots[s].pages[r].size(); ++i) {
+        const std::size_t k = kept.slots[s].pages[r][i];
+        if (copied[k]) continue;
+        copied[k] = true;
+        extend(runs, page_address(r, s, i), k, page_bytes);
+      }
+  if (!runs.empty()) undo.enqueued_device_work();
+  for (const CopyRun& run : runs)
+    backend_->copy(run.device, kept.host.host + run.first * page_bytes, run.count * page_bytes, stream);
+  // The bytes are back before it returns, for work on any stream; and the host memory
+  // can go at once.
+  const Event restored = backend_->record_event(stream);
+  undo.push([this, restored] { backend_->destroy_event(restored); });
+  backend_->wait_event(restored);
+  undo.commit();
+  backend_->destroy_event(restored);
+
+  // Every backend call succeeded: the books follow.
+  std::vector<std::size_t> mappings(new_index.size(), 0);
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const Suspension::KeptSlot& from = kept.slots[s];
+    Slot& slot = slots_[s];
+    if (from.pages.empty()) continue;
+    for (std::size_t r = 0; r < regions; ++r) {
+      for (std::size_t i = 0; i < from.pages[r].size(); ++i)
+        if (mappings[from.pages[r][i]]++ > 0) sharing_.add_mapping(handles[s][r][i]);
+      slot.pages[r] = std::move(handles[s][r]);
+    }
+    slot.seq_len = from.seq_len;
+    slot.claimed = from.claimed;
+    if (config_.zero_page) slot.backed_end = std::max(slot.backed_end, slot.claimed);
+  }
+  if (kept.host.host != 0) backend_->free_host(kept.host.host, kept.host.bytes);
+  suspension_.reset();
+  publish_in_use();
+  if (mapper_) mapper_->wake();
+}
+
+}  // namespace vkv
