@@ -55,6 +55,7 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -394,8 +395,13 @@ def engine_main(name: str, spec: dict, connection, progress) -> None:
                 connection.send(("unavailable", str(error)))
                 continue
             connection.send(("result", serve(store, model, spec, phase, connection, progress)))
+    except EOFError:  # the parent is gone: nothing to answer
+        pass
     except Exception:  # noqa: BLE001 (the parent reports it)
-        connection.send(("error", traceback.format_exc()))
+        try:
+            connection.send(("error", traceback.format_exc()))
+        except OSError:  # the parent is gone
+            pass
     finally:
         if used_kvcached:  # past kvcached's shutdown: skip its teardown at exit (driver errors)
             connection.close()
@@ -684,8 +690,10 @@ def run_phase(phase: str, args, workloads, budget_name: str, pool: EnginePool) -
                 killed["at_end"] = vkv.SharedBudget.open(budget_name).stats()
             out[label] = results
         except BaseException:
-            # Engines mid-phase cannot serve the next one: end them (the next phase starts anew).
-            pool.stop(taking_part)
+            # Engines mid-phase cannot serve the next one (nor hear an exit): kill them, the next
+            # phase starts anew.
+            for engine in engines.values():
+                engine.kill()
             raise
         finally:
             if env_of is not None:
@@ -985,6 +993,19 @@ def main(argv=None) -> int:
     budget = vkv.SharedBudget.create(budget_name, args.kv_budget_mib << 20, device=str(device))
     pool = EnginePool(context, args, spec)
     out: dict = {"phases": {}, "unavailable": {}, "errors": {}}
+    command = " ".join(["python -m vkv.demo.multi"] + (argv if argv is not None else sys.argv[1:]))
+    stem = result_stem("multi_engine", args.preset, device, machine)
+
+    def results(totals, measured, left, ratio, partial) -> dict:
+        return {"config": {k: v for k, v in vars(args).items() if k not in ("out", "device")},
+                "device": str(device), "machine": machine, "torch": torch.__version__, "command": command,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "partial": partial, "combined": totals, "goals": measured, "shared_over_static": ratio,
+                "left_after": left, **out}
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # a timeout's SIGTERM: end the engines, keep the results
+        previous = signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     try:
         for phase in [p for p in PHASES if p in args.phases]:
             began = time.time()
@@ -998,10 +1019,15 @@ def main(argv=None) -> int:
                 out["errors"][phase] = str(error)
                 print(f"phase {phase}: failed: {error}", file=sys.stderr, flush=True)
             print(f"phase {phase}: {time.time() - began:.0f} s", file=sys.stderr, flush=True)
+            if args.out:  # what is measured so far, in case a later phase does not finish
+                totals = {p: phase_combined(p, v) for p, v in out["phases"].items()}
+                save_json(results(totals, goals(args.preset, totals), None, None, True), args.out, stem)
     finally:
         pool.stop()
         left = budget.stats()
         budget.remove()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     totals = {phase: phase_combined(phase, variants_out) for phase, variants_out in out["phases"].items()}
     print()
     print(report(args, out))
@@ -1031,13 +1057,8 @@ def main(argv=None) -> int:
                   f"{'-' if g['met'] is None else ('yes' if g['met'] else 'NO')} |")
     print(f"after every phase: {left['used_bytes']} bytes used, {len(left['members'])} members")
     if args.out:
-        results = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "device")},
-                   "device": str(device), "machine": machine, "torch": torch.__version__,
-                   "command": " ".join(["python -m vkv.demo.multi"] + (argv if argv is not None else sys.argv[1:])),
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "combined": totals, "goals": measured, "shared_over_static": ratio, "left_after": left, **out}
-        stem = result_stem("multi_engine", args.preset, device, machine)
-        for path in [save_json(results, args.out, stem), plot(results, os.path.join(args.out, f"{stem}.png"))]:
+        final = results(totals, measured, left, ratio, False)
+        for path in [save_json(final, args.out, stem), plot(final, os.path.join(args.out, f"{stem}.png"))]:
             if path:
                 print(f"wrote {path}")
     return 0
