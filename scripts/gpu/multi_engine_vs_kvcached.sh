@@ -85,7 +85,8 @@ def shown(value, digits=2):
 for path in paths:
     r = json.load(open(path))
     commit = str(r.get("provenance", {}).get("git_commit"))[:7]
-    print(f"== {r['config']['preset']}: {r['command']}  ({r['machine']}, {r['date']}, commit {commit})")
+    print(f"== {r['config']['preset']}: {r['command']}  ({r['machine']}, {r['date']}, commit {commit})"
+          + ("  PARTIAL: stopped after the phases below" if r.get("partial") else ""))
     print("| phase | engine | model | tok/s | TTFT p50 / p99 ms | preempted | failed | idle holds MiB p50 / max |")
     print("|---|---|---|---|---|---|---|---|")
     models = r["config"]["models"]
