@@ -86,12 +86,13 @@ from .workload import fixed_lengths, make_bursty_trace, make_ramp_trace
 # flash-attn (FlashAttention-2 on vkv's contiguous tensors) or flashinfer (FlashInfer's paged
 # kernels on every store; the kvcached store needs it). kvcached_limit: each kvcached
 # instance's limit, a share of kv_budget_mib. kvcached_trim_idle: 1 = kvcached trim() when
-# an engine holds no request (its vLLM integration never does).
+# an engine holds no request (its vLLM integration never does). vkv_page_tokens: with
+# flashinfer, vkv's slots seen as pages of this many tokens (0: one page per request).
 BASE = dict(models=["tiny", "tiny-b"], trace="bursts", bursts=2, requests_per_burst=[24, 32], burst_seconds=0.2,
             period=4.0, stagger=1.0, ramp_peak_rps=[0.0], ramp_seconds=0.0, ramp_stagger_s=0.0, prompt_tokens=0,
             output_tokens=0, kv_budget_mib=3, max_context=1024, length_scale=0.25, page_size_kib=32, max_slots=64,
             max_prefill_tokens=2048, kill_at=0.0, idle_ms=200, pressure_ms=500, kernels="flash-attn",
-            kvcached_limit=1.0, kvcached_trim_idle=0, scale=1.0)
+            kvcached_limit=1.0, kvcached_trim_idle=0, vkv_page_tokens=0, scale=1.0)
 _H100 = dict(page_size_kib=0, max_slots=256, max_prefill_tokens=8192, max_context=2048, length_scale=1.0)
 PRESETS = {
     "small": dict(BASE),
@@ -326,7 +327,7 @@ def make_phase_store(spec: dict, phase: dict, shape, dtype, device):
         from .flashinfer_store import VkvFlashInferStore
 
         return store_class(VkvFlashInferStore)(*common, phase["memory_budget"], spec["max_slots"], "interleaved",
-                                               shape.num_heads, 0, spec["page_size"], **options)
+                                               shape.num_heads, spec["vkv_page_tokens"], spec["page_size"], **options)
     return store_class(VkvStore)(*common, phase["memory_budget"], spec["max_slots"], "interleaved",
                                  spec["page_size"], **options)
 
@@ -989,7 +990,8 @@ def main(argv=None) -> int:
     context = multiprocessing.get_context("spawn")  # CUDA in children needs spawn
     spec = dict(device=str(device), max_context=args.max_context, max_slots=args.max_slots, seed=args.seed,
                 page_size=args.page_size_kib << 10, max_prefill_tokens=args.max_prefill_tokens,
-                cuda_graphs=args.cuda_graphs and device.type == "cuda", kernels=args.kernels)
+                cuda_graphs=args.cuda_graphs and device.type == "cuda", kernels=args.kernels,
+                vkv_page_tokens=args.vkv_page_tokens)
     budget = vkv.SharedBudget.create(budget_name, args.kv_budget_mib << 20, device=str(device))
     pool = EnginePool(context, args, spec)
     out: dict = {"phases": {}, "unavailable": {}, "errors": {}}
