@@ -17,8 +17,9 @@
 # after the other. VKV_BUILD_ONLY=1: vkv, kvcached and FlashInfer only, then kvcached's own
 # check (kvcached_build.sh --check) and tests/python/demo/test_kvcached_store.py (the engine's
 # tokens on kvcached's blocks equal a paged pool's): a first call on a fresh machine; the next
-# calls skip the builds. VKV_MULTI_SECONDS (default 420) bounds each preset's run; --scale S (a demo
-# argument) shortens the traces. kvcached is built by scripts/gpu/kvcached_build.sh from
+# calls skip the builds. VKV_MULTI_SECONDS (default 540) bounds each preset's run, and all of
+# them end VKV_DEADLINE_S (default 580) seconds after the script started (a stopped run keeps
+# the phases it finished); --scale S (a demo argument) shortens the traces. kvcached is built by scripts/gpu/kvcached_build.sh from
 # .whl/kvcached-0.1.6.tar.gz and FlashInfer comes from scripts/gpu/flashinfer_env.sh (.whl/).
 # Writes OUT_DIR/summary.txt and OUT_DIR/results.tar.gz (JSON, plots, logs, the GPU).
 set -uo pipefail
@@ -57,8 +58,12 @@ fi
 for preset in "${presets[@]}"; do
   extra=()
   [ "$preset" = h100 ] && extra=(--phases static shared alone)
-  step "multi_$preset" "${VKV_MULTI_SECONDS:-420}" python3 -m vkv.demo.multi --preset "$preset" \
-    --out "$out" "${extra[@]}" "$@"
+  # Within the call's 10 minutes: the demo is stopped (SIGTERM: it ends its engines and keeps
+  # the JSON of the phases done) in time for the summary.
+  limit=$(( ${VKV_DEADLINE_S:-580} - SECONDS ))
+  [ "$limit" -le "${VKV_MULTI_SECONDS:-540}" ] || limit="${VKV_MULTI_SECONDS:-540}"
+  if [ "$limit" -lt 30 ]; then echo "=== multi_$preset: skipped, ${limit} s left of VKV_DEADLINE_S"; status=1; continue; fi
+  step "multi_$preset" "$limit" python3 -m vkv.demo.multi --preset "$preset" --out "$out" "${extra[@]}" "$@"
 done
 
 python3 - "$out" > "$top/summary.txt" <<'EOF'
@@ -80,7 +85,8 @@ def shown(value, digits=2):
 for path in paths:
     r = json.load(open(path))
     commit = str(r.get("provenance", {}).get("git_commit"))[:7]
-    print(f"== {r['config']['preset']}: {r['command']}  ({r['machine']}, {r['date']}, commit {commit})")
+    print(f"== {r['config']['preset']}: {r['command']}  ({r['machine']}, {r['date']}, commit {commit})"
+          + ("  PARTIAL: stopped after the phases below" if r.get("partial") else ""))
     print("| phase | engine | model | tok/s | TTFT p50 / p99 ms | preempted | failed | idle holds MiB p50 / max |")
     print("|---|---|---|---|---|---|---|---|")
     models = r["config"]["models"]

@@ -55,6 +55,7 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -85,12 +86,13 @@ from .workload import fixed_lengths, make_bursty_trace, make_ramp_trace
 # flash-attn (FlashAttention-2 on vkv's contiguous tensors) or flashinfer (FlashInfer's paged
 # kernels on every store; the kvcached store needs it). kvcached_limit: each kvcached
 # instance's limit, a share of kv_budget_mib. kvcached_trim_idle: 1 = kvcached trim() when
-# an engine holds no request (its vLLM integration never does).
+# an engine holds no request (its vLLM integration never does). vkv_page_tokens: with
+# flashinfer, vkv's slots seen as pages of this many tokens (0: one page per request).
 BASE = dict(models=["tiny", "tiny-b"], trace="bursts", bursts=2, requests_per_burst=[24, 32], burst_seconds=0.2,
             period=4.0, stagger=1.0, ramp_peak_rps=[0.0], ramp_seconds=0.0, ramp_stagger_s=0.0, prompt_tokens=0,
             output_tokens=0, kv_budget_mib=3, max_context=1024, length_scale=0.25, page_size_kib=32, max_slots=64,
             max_prefill_tokens=2048, kill_at=0.0, idle_ms=200, pressure_ms=500, kernels="flash-attn",
-            kvcached_limit=1.0, kvcached_trim_idle=0, scale=1.0)
+            kvcached_limit=1.0, kvcached_trim_idle=0, vkv_page_tokens=0, scale=1.0)
 _H100 = dict(page_size_kib=0, max_slots=256, max_prefill_tokens=8192, max_context=2048, length_scale=1.0)
 PRESETS = {
     "small": dict(BASE),
@@ -325,7 +327,7 @@ def make_phase_store(spec: dict, phase: dict, shape, dtype, device):
         from .flashinfer_store import VkvFlashInferStore
 
         return store_class(VkvFlashInferStore)(*common, phase["memory_budget"], spec["max_slots"], "interleaved",
-                                               shape.num_heads, 0, spec["page_size"], **options)
+                                               shape.num_heads, spec["vkv_page_tokens"], spec["page_size"], **options)
     return store_class(VkvStore)(*common, phase["memory_budget"], spec["max_slots"], "interleaved",
                                  spec["page_size"], **options)
 
@@ -394,8 +396,13 @@ def engine_main(name: str, spec: dict, connection, progress) -> None:
                 connection.send(("unavailable", str(error)))
                 continue
             connection.send(("result", serve(store, model, spec, phase, connection, progress)))
+    except EOFError:  # the parent is gone: nothing to answer
+        pass
     except Exception:  # noqa: BLE001 (the parent reports it)
-        connection.send(("error", traceback.format_exc()))
+        try:
+            connection.send(("error", traceback.format_exc()))
+        except OSError:  # the parent is gone
+            pass
     finally:
         if used_kvcached:  # past kvcached's shutdown: skip its teardown at exit (driver errors)
             connection.close()
@@ -684,8 +691,10 @@ def run_phase(phase: str, args, workloads, budget_name: str, pool: EnginePool) -
                 killed["at_end"] = vkv.SharedBudget.open(budget_name).stats()
             out[label] = results
         except BaseException:
-            # Engines mid-phase cannot serve the next one: end them (the next phase starts anew).
-            pool.stop(taking_part)
+            # Engines mid-phase cannot serve the next one (nor hear an exit): kill them, the next
+            # phase starts anew.
+            for engine in engines.values():
+                engine.kill()
             raise
         finally:
             if env_of is not None:
@@ -981,10 +990,24 @@ def main(argv=None) -> int:
     context = multiprocessing.get_context("spawn")  # CUDA in children needs spawn
     spec = dict(device=str(device), max_context=args.max_context, max_slots=args.max_slots, seed=args.seed,
                 page_size=args.page_size_kib << 10, max_prefill_tokens=args.max_prefill_tokens,
-                cuda_graphs=args.cuda_graphs and device.type == "cuda", kernels=args.kernels)
+                cuda_graphs=args.cuda_graphs and device.type == "cuda", kernels=args.kernels,
+                vkv_page_tokens=args.vkv_page_tokens)
     budget = vkv.SharedBudget.create(budget_name, args.kv_budget_mib << 20, device=str(device))
     pool = EnginePool(context, args, spec)
     out: dict = {"phases": {}, "unavailable": {}, "errors": {}}
+    command = " ".join(["python -m vkv.demo.multi"] + (argv if argv is not None else sys.argv[1:]))
+    stem = result_stem("multi_engine", args.preset, device, machine)
+
+    def results(totals, measured, left, ratio, partial) -> dict:
+        return {"config": {k: v for k, v in vars(args).items() if k not in ("out", "device")},
+                "device": str(device), "machine": machine, "torch": torch.__version__, "command": command,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "partial": partial, "combined": totals, "goals": measured, "shared_over_static": ratio,
+                "left_after": left, **out}
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # a timeout's SIGTERM: end the engines, keep the results
+        previous = signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     try:
         for phase in [p for p in PHASES if p in args.phases]:
             began = time.time()
@@ -998,10 +1021,15 @@ def main(argv=None) -> int:
                 out["errors"][phase] = str(error)
                 print(f"phase {phase}: failed: {error}", file=sys.stderr, flush=True)
             print(f"phase {phase}: {time.time() - began:.0f} s", file=sys.stderr, flush=True)
+            if args.out:  # what is measured so far, in case a later phase does not finish
+                totals = {p: phase_combined(p, v) for p, v in out["phases"].items()}
+                save_json(results(totals, goals(args.preset, totals), None, None, True), args.out, stem)
     finally:
         pool.stop()
         left = budget.stats()
         budget.remove()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     totals = {phase: phase_combined(phase, variants_out) for phase, variants_out in out["phases"].items()}
     print()
     print(report(args, out))
@@ -1031,13 +1059,8 @@ def main(argv=None) -> int:
                   f"{'-' if g['met'] is None else ('yes' if g['met'] else 'NO')} |")
     print(f"after every phase: {left['used_bytes']} bytes used, {len(left['members'])} members")
     if args.out:
-        results = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "device")},
-                   "device": str(device), "machine": machine, "torch": torch.__version__,
-                   "command": " ".join(["python -m vkv.demo.multi"] + (argv if argv is not None else sys.argv[1:])),
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "combined": totals, "goals": measured, "shared_over_static": ratio, "left_after": left, **out}
-        stem = result_stem("multi_engine", args.preset, device, machine)
-        for path in [save_json(results, args.out, stem), plot(results, os.path.join(args.out, f"{stem}.png"))]:
+        final = results(totals, measured, left, ratio, False)
+        for path in [save_json(final, args.out, stem), plot(final, os.path.join(args.out, f"{stem}.png"))]:
             if path:
                 print(f"wrote {path}")
     return 0

@@ -1,6 +1,7 @@
 """python -m vkv.demo.multi with several engines: the presets beside kvcached, at a tiny scale
 on the host backend (each engine a process of its own), and what the demo reports."""
 
+import importlib.util
 import json
 
 import pytest
@@ -128,6 +129,9 @@ def test_a_kvcached_store_says_why_it_cannot_run_here():
     assert "CUDA" in kvcached_missing("cpu")
     with pytest.raises(StoreUnavailable, match="needs a CUDA device"):
         KvcachedStore(2, 2, 64, __import__("torch").float32, "cpu", 256, 4, 4)
+    if importlib.util.find_spec("kvcached") is None:
+        assert kvcached_missing("cuda") == ("kvcached is not importable (no module named 'kvcached'): build it with "
+                                            "scripts/gpu/kvcached_build.sh and put the folder it prints on PYTHONPATH")
 
 
 def test_kvcached_engines_start_with_its_runtime_and_names_of_their_own(monkeypatch):
