@@ -395,7 +395,13 @@ def engine_main(name: str, spec: dict, connection, progress) -> None:
             except StoreUnavailable as error:
                 connection.send(("unavailable", str(error)))
                 continue
-            connection.send(("result", serve(store, model, spec, phase, connection, progress)))
+            teardown: List = []
+            connection.send(("result", serve(store, model, spec, phase, connection, progress, teardown)))
+            for close_phase in teardown:  # after the result: a failure here cannot take the measurement with it
+                try:
+                    close_phase()
+                except Exception:  # noqa: BLE001 (logged; the phase's result is sent)
+                    traceback.print_exc()
     except EOFError:  # the parent is gone: nothing to answer
         pass
     except Exception:  # noqa: BLE001 (the parent reports it)
@@ -411,7 +417,11 @@ def engine_main(name: str, spec: dict, connection, progress) -> None:
             os._exit(0)
 
 
-def serve(store, model, spec: dict, phase: dict, connection, progress) -> dict:
+def serve(store, model, spec: dict, phase: dict, connection, progress, teardown: Optional[List] = None) -> dict:
+    """Serves the phase's trace and returns what was measured. The phase's store and CUDA
+    graphs are closed here, or, with a ``teardown`` list, by the callable appended to it, which
+    the caller runs once the result is sent (kvcached's shutdown has ended engines with a CUDA
+    error after their runs)."""
     engine = Engine(model, store, spec["max_prefill_tokens"], cuda_graphs=spec["cuda_graphs"])
     trace = copy.deepcopy(phase["trace"])
     error, summary, finished, handoff = None, None, math.nan, None
@@ -453,12 +463,18 @@ def serve(store, model, spec: dict, phase: dict, connection, progress) -> dict:
                            "misses": store.misses,
                            "limit": store.limit_state(), "num_blocks": store.num_blocks,
                            "page_bytes": store.compound_page_bytes}
-    try:
+    def close_phase() -> None:
         engine.decoder.release()
         store.close()
         if model.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+    if teardown is not None:
+        teardown.append(close_phase)
+        return out
+    try:
+        close_phase()
     except Exception:  # noqa: BLE001
         out["close_error"] = traceback.format_exc()
     return out
