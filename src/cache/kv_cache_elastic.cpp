@@ -74,6 +74,15 @@ std::size_t KvCache::Impl::trim() {
 // unclaimed mappings, coldest first. The caller made sure the claimed ones fit.
 void KvCache::Impl::shrink_to_budget() {
   const std::vector<std::size_t> claims = reclaimable_floors();
+  if (pool_.created_pages() > pool_.budget_pages() + pool_.free_pages()) {
+    // Mapped pages go too: their last readers first, one event per stream for all slots.
+    std::vector<std::size_t> above;
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (slots_[s].mapped() > round_up_to_whole(slots_[s], claims[s])) above.push_back(s);
+    const ReaderFence fence = fence_readers(above);
+    wait_then_destroy(fence.events);
+    mark_readers_done(fence);
+  }
   while (pool_.created_pages() > pool_.budget_pages()) {
     const std::size_t excess = pool_.created_pages() - pool_.budget_pages();
     if (pool_.free_pages() > 0) {

@@ -387,7 +387,7 @@ class KvCache::Impl {
   std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
   CacheStats::BudgetHandoff budget_handoff_;
-  // release_for_budget()'s time so far: unmapping (victims' choice and fills included), the
+  // release_for_budget()'s time so far: unmapping (victims' choice included), the
   // backend's releases, counting them back to the budget.
   struct ReleaseTimes {
     std::uint64_t unmap_ns = 0, release_ns = 0, count_ns = 0;

@@ -133,6 +133,27 @@ TEST_P(ReclaimTest, PagesLeaveAfterTheirLastOwnersWorkWithOneEventPerStream) {
   cache.check_invariants();
 }
 
+TEST_P(ReclaimTest, SetBudgetWaitsForTheLastOwnersWorkWithOneEventPerStream) {
+  auto counting = std::make_shared<CountingBackend>(backend_);
+  KvCache cache(config_, counting);
+  const Stream other = backend_->create_stream();
+  const std::size_t a = cache.alloc_reqid(), b = cache.alloc_reqid(), c = cache.alloc_reqid();
+  cache.step(lens({{a, tokens(2)}, {b, tokens(2)}, {c, tokens(2)}}));
+  queue_owner_write(cache, b, tokens(2), 6);
+  queue_owner_write(cache, c, tokens(2), 4, other);
+  cache.free_reqid(a);
+  cache.free_reqid(b);
+  cache.free_reqid(c, other);
+  const std::size_t events = counting->events_recorded;
+  cache.set_budget(layout_->page_bytes());
+  EXPECT_LE(cache.stats().pages_created, 1u);
+  EXPECT_EQ(counting->events_recorded, events + (other == 0 ? 1 : 2)) << "one event per stream, not one per slot";
+  EXPECT_NO_THROW(backend_->synchronize(0)) << "a page was unmapped under its last owner's write";
+  EXPECT_NO_THROW(backend_->synchronize(other)) << "a page was unmapped under its last owner's write";
+  backend_->destroy_stream(other);
+  cache.check_invariants();
+}
+
 // A failure anywhere in trim() (the event, its wait, any region's unmap, with the owner's
 // work queued ahead) leaves the freed slot as it was: mapped, its fill still due (its next
 // owner reads zeros), and nothing leaks once the cache is gone.
