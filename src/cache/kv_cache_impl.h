@@ -134,7 +134,8 @@ class KvCache::Impl {
 
   // ---- zero-fills deferred from free_reqid() and swap_out() (kv_cache_fill.cpp) ----
   // The owner leaving `slot` may have written its claimed pages: their zero-fill on
-  // `stream` is due before anyone else reads, maps over or reclaims them. No backend call.
+  // `stream` is due before anyone else reads or maps over them (pages reclaimed meanwhile
+  // leave unfilled, after the owner's last work: fence_readers()). No backend call.
   void defer_fill(std::size_t slot, Stream stream);
   // Enqueues `slot`'s deferred zero-fill, if any, and records free_event behind it; on
   // failure it stays deferred. For an allocated slot (its new owner's first call that
