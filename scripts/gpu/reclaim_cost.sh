@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 commit="$(tree_commit)"
 echo "$commit" > "$out/commit.txt"
 install_vkv || exit 1
-VKV_GIT_COMMIT="$commit" step reclaim_cost 900 python3 "$src/benchmarks/reclaim_cost.py" --device cuda \
+VKV_GIT_COMMIT="$commit" step reclaim_cost 540 python3 "$src/benchmarks/reclaim_cost.py" --device cuda \
   --rounds "$rounds" --out "$out"
 [ "${VKV_SKIP_CPP:-0}" = 1 ] && exit $status  # the tests below need a C++ build too (minutes)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVKV_ASSERTS=ON >/dev/null \
