@@ -61,7 +61,7 @@ void KvCache::Impl::enqueue_deferred_fills(std::optional<Stream> consumer) {
   for (std::size_t s = 0; s < slots_.size() && deferred_fills_ > 0; ++s) enqueue_fill(s, consumer);
 }
 
-KvCache::Impl::ReaderFence KvCache::Impl::fence_readers(const std::vector<std::size_t>& slots) {
+KvCache::Impl::ReaderFence KvCache::Impl::fence_readers(const std::vector<std::size_t>& slots, bool pending_events) {
   ReaderFence fence;
   std::vector<Stream> streams;
   auto behind = [&](Stream stream) {
@@ -74,8 +74,7 @@ KvCache::Impl::ReaderFence KvCache::Impl::fence_readers(const std::vector<std::s
       behind(slot.fill_stream);
       fence.fills.emplace_back(s, slot.fill_mark);
     }
-    // An earlier fill, maybe on another stream (fill_pending: it is retired with the mark).
-    if (slot.free_event != 0 && (fill_pending || !backend_->event_done(slot.free_event)))
+    if (pending_events && slot.free_event != 0 && !backend_->event_done(slot.free_event))
       behind(slot.free_event_stream);
   }
   try {
@@ -93,8 +92,6 @@ void KvCache::Impl::mark_readers_done(const ReaderFence& fence) noexcept {
     // Another deferral since (freed again, or filled and freed again): not what was waited for.
     if (slot.deferred_fill == 0 || slot.fill_mark != mark) continue;
     slot.fill_readers_done = true;
-    if (slot.free_event != 0) backend_->destroy_event(slot.free_event);  // an event of the fence followed it
-    slot.free_event = 0;
   }
 }
 

@@ -147,17 +147,19 @@ class KvCache::Impl {
   // Pages that leave the cache (to the device, the pool's next taker zero-fills them as it
   // does fresh pages) need no fill, only their last readers done. Events behind those
   // readers, one per stream: a deferred fill's stream (the leaving owner's last work, which
-  // no event follows yet) and a pending free_event's.
+  // no event follows yet), and with `pending_events` a pending free_event's stream too (an
+  // event recorded now follows more work than free_event: only worth it for a wait with the
+  // lock released, where it replaces a wait for free_event with the lock held).
   struct ReaderFence {
     std::vector<std::pair<Stream, Event>> events;              // to wait for, then destroy
     std::vector<std::pair<std::size_t, std::uint64_t>> fills;  // deferred fills seen: slot, fill_mark
   };
   // With the lock held: records the events of `slots`' last readers (none enqueues a fill).
   // All or nothing.
-  ReaderFence fence_readers(const std::vector<std::size_t>& slots);
+  ReaderFence fence_readers(const std::vector<std::size_t>& slots, bool pending_events = false);
   // Once `fence`'s events completed (waited for, maybe with the lock released meanwhile):
-  // the deferred fills it saw that are still the same deferral have their readers done;
-  // their free_event, which those events followed, is retired.
+  // the deferred fills it saw that are still the same deferral have their readers done (a
+  // free_event of theirs is still waited for, or queried, as any other).
   void mark_readers_done(const ReaderFence& fence) noexcept;
   // Before pages of `slot` are unmapped: waits for its last readers (an event on its fill
   // stream if its fill is deferred and nobody waited yet, then its free_event).
@@ -303,7 +305,7 @@ class KvCache::Impl {
   // When a call of the owner holds the lock, it posts the bytes in give_back_wanted_
   // first, for serve_give_back() to give what it can meanwhile, and waits for the lock.
   void give_back_to_budget(std::size_t bytes);
-  // With the lock held: fence_readers() of the slots with pages above `floors`, for the
+  // With the lock held: fence_readers(pending_events) of the slots with pages above `floors`, for the
   // watcher to wait on with the lock released (wait_then_destroy(), then
   // mark_readers_done() with the lock held again). No fill is enqueued: the pages leave.
   ReaderFence events_behind_readers(const std::vector<std::size_t>& floors);

@@ -132,7 +132,7 @@ KvCache::Impl::ReaderFence KvCache::Impl::events_behind_readers(const std::vecto
     const Slot& slot = slots_[s];
     if (!slot.busy() && slot.mapped() > round_up_to_whole(slot, floors[s])) above.push_back(s);
   }
-  return fence_readers(above);
+  return fence_readers(above, /*pending_events=*/true);
 }
 
 void KvCache::Impl::wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events) {

@@ -133,6 +133,23 @@ TEST_P(ReclaimTest, PagesLeaveAfterTheirLastOwnersWorkWithOneEventPerStream) {
   cache.check_invariants();
 }
 
+// A slot whose fill is enqueued already has an event behind it: trim() waits for that one
+// and records none (one recorded now would follow whatever was queued since as well).
+TEST_P(ReclaimTest, ASlotsFillEventIsWaitedForAsItIs) {
+  auto counting = std::make_shared<CountingBackend>(backend_);
+  KvCache cache(config_, counting);
+  const std::size_t a = cache.alloc_reqid(), b = cache.alloc_reqid();
+  cache.step(lens({{a, tokens(3)}, {b, tokens(1)}}));
+  queue_owner_write(cache, a, tokens(3), 3);
+  cache.free_reqid(a);
+  cache.step(lens({{b, tokens(1)}}));  // enqueues a's fill and the event behind it
+  const std::size_t events = counting->events_recorded;
+  EXPECT_EQ(cache.trim(), 3 * regions() * layout_->page_bytes());
+  EXPECT_EQ(counting->events_recorded, events);
+  EXPECT_NO_THROW(backend_->synchronize(0)) << "a page was unmapped under its fill";
+  cache.check_invariants();
+}
+
 TEST_P(ReclaimTest, SetBudgetWaitsForTheLastOwnersWorkWithOneEventPerStream) {
   auto counting = std::make_shared<CountingBackend>(backend_);
   KvCache cache(config_, counting);
