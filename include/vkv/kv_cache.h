@@ -86,8 +86,10 @@ class KvCache {
   /// driver, with deferred_reclamation off). The zero-fill of the pages its seq_lens
   /// reached is enqueued on `stream`, behind the work enqueued there so far, by the next
   /// call that needs it: step() (the next one at the latest; and prepare_step()),
-  /// share_prefix() or fork() into this slot, or any call that reclaims these pages. So free_reqid()
-  /// itself makes no driver call, and `stream` must stay valid until that next call.
+  /// share_prefix() or fork() into this slot. Pages reclaimed before it (trim(),
+  /// set_budget(), a shared budget's ask) leave unfilled, once the work enqueued on
+  /// `stream` before this call has completed. So free_reqid() itself makes no driver call,
+  /// and `stream` must stay valid until that next call or that reclamation.
   /// Contract: an owner writes only tokens below the seq_len it gave step().
   /// @throws InvalidArgument for a slot out of range or not allocated (double free).
   void free_reqid(std::size_t slot, Stream stream = 0);

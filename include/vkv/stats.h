@@ -99,8 +99,8 @@ struct CacheStats {
     std::uint64_t answer_pages_in_calls = 0;  ///< pages this cache's own calls gave back mid-mapping, for a
                                               ///< watcher waiting for their lock
     std::uint64_t idle_pages = 0;             ///< pages given back unasked after idling (shared_budget_idle_ms)
-    /// Of answer_ns, where the pages' own time went: unmapping them (choosing the victims and
-    /// their zero-fills included), releasing them to the device, counting them back to the
+    /// Of answer_ns, where the pages' own time went: unmapping them (choosing the victims
+    /// included; pages that leave are not zero-filled), releasing them to the device, counting them back to the
     /// budget (its lock, waking the askers); the rest is the pledge and waits above.
     std::uint64_t answer_unmap_ns = 0;
     std::uint64_t answer_release_ns = 0;

@@ -53,11 +53,19 @@ std::size_t KvCache::Impl::trim() {
   std::unique_lock<std::mutex> lock(mutex_);
   background_done_.wait(lock, [&] { return !background_busy(); });
   free_finished_host_copies(/*wait=*/false);
-  enqueue_deferred_fills();  // before unmapping those pages
+  // The pages leave: no zero-fill, only their last readers done, one event per stream.
+  std::vector<std::size_t> keep(slots_.size());
+  std::vector<std::size_t> above;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
+    keep[s] = round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s));  // large pages go whole
+    if (slots_[s].mapped() > keep[s]) above.push_back(s);
+  }
+  const ReaderFence fence = fence_readers(above);
+  wait_then_destroy(fence.events);
+  mark_readers_done(fence);
+  for (const std::size_t s : above) {
     std::vector<Page> pages;
-    // Waits for a freed slot's last readers; large pages go whole.
-    unmap_tail(s, round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s)), pages);
+    unmap_tail(s, keep[s], pages);
     for (const Page& page : pages) pool_.give_back(page);
   }
   return pool_.trim(0) * layout_.page_bytes();
@@ -67,6 +75,15 @@ std::size_t KvCache::Impl::trim() {
 // unclaimed mappings, coldest first. The caller made sure the claimed ones fit.
 void KvCache::Impl::shrink_to_budget() {
   const std::vector<std::size_t> claims = reclaimable_floors();
+  if (pool_.created_pages() > pool_.budget_pages() + pool_.free_pages()) {
+    // Mapped pages go too: their last readers first, one event per stream for all slots.
+    std::vector<std::size_t> above;
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (slots_[s].mapped() > round_up_to_whole(slots_[s], claims[s])) above.push_back(s);
+    const ReaderFence fence = fence_readers(above);
+    wait_then_destroy(fence.events);
+    mark_readers_done(fence);
+  }
   while (pool_.created_pages() > pool_.budget_pages()) {
     const std::size_t excess = pool_.created_pages() - pool_.budget_pages();
     if (pool_.free_pages() > 0) {

@@ -137,15 +137,36 @@ class KvCache::Impl {
 
   // ---- zero-fills deferred from free_reqid() and swap_out() (kv_cache_fill.cpp) ----
   // The owner leaving `slot` may have written its claimed pages: their zero-fill on
-  // `stream` is due before anyone else reads, maps over or reclaims them. No backend call.
+  // `stream` is due before anyone else reads or maps over them (pages reclaimed meanwhile
+  // leave unfilled, after the owner's last work: fence_readers()). No backend call.
   void defer_fill(std::size_t slot, Stream stream);
   // Enqueues `slot`'s deferred zero-fill, if any, and records free_event behind it; on
   // failure it stays deferred. For an allocated slot (its new owner's first call that
   // touches its pages), `consumer`'s later work is ordered after the fill.
   void enqueue_fill(std::size_t slot, std::optional<Stream> consumer = std::nullopt);
   // enqueue_fill() for every slot: at the start of step() and prepare_step() (`consumer`:
-  // their stream), and before anything reclaims pages (reclaim_coldest, trim).
+  // their stream).
   void enqueue_deferred_fills(std::optional<Stream> consumer = std::nullopt);
+  // Pages that leave the cache (to the device, the pool's next taker zero-fills them as it
+  // does fresh pages) need no fill, only their last readers done. Events behind those
+  // readers, one per stream: a deferred fill's stream (the leaving owner's last work, which
+  // no event follows yet), and with `pending_events` a pending free_event's stream too (an
+  // event recorded now follows more work than free_event: only worth it for a wait with the
+  // lock released, where it replaces a wait for free_event with the lock held).
+  struct ReaderFence {
+    std::vector<std::pair<Stream, Event>> events;              // to wait for, then destroy
+    std::vector<std::pair<std::size_t, std::uint64_t>> fills;  // deferred fills seen: slot, fill_mark
+  };
+  // With the lock held: records the events of `slots`' last readers (none enqueues a fill).
+  // All or nothing.
+  ReaderFence fence_readers(const std::vector<std::size_t>& slots, bool pending_events = false);
+  // Once `fence`'s events completed (waited for, maybe with the lock released meanwhile):
+  // the deferred fills it saw that are still the same deferral have their readers done (a
+  // free_event of theirs is still waited for, or queried, as any other).
+  void mark_readers_done(const ReaderFence& fence) noexcept;
+  // Before pages of `slot` are unmapped: waits for its last readers (an event on its fill
+  // stream if its fill is deferred and nobody waited yet, then its free_event).
+  void wait_last_readers(std::size_t slot);
 
   // ---- step and mapping what is missing (kv_cache_step.cpp) ------------------------
   // What step(seq_lens) must do: the claims it leaves, the shared pages slots are about
@@ -287,10 +308,10 @@ class KvCache::Impl {
   // When a call of the owner holds the lock, it posts the bytes in give_back_wanted_
   // first, for serve_give_back() to give what it can meanwhile, and waits for the lock.
   void give_back_to_budget(std::size_t bytes);
-  // With the lock held: enqueues the deferred fills of slots with pages above `floors`,
-  // and records an event on each stream where such a slot's last readers (its fill) may
-  // still run, for the watcher to wait on with the lock released. The caller destroys them.
-  std::vector<std::pair<Stream, Event>> events_behind_readers(const std::vector<std::size_t>& floors);
+  // With the lock held: fence_readers(pending_events) of the slots with pages above `floors`, for the
+  // watcher to wait on with the lock released (wait_then_destroy(), then
+  // mark_readers_done() with the lock held again). No fill is enqueued: the pages leave.
+  ReaderFence events_behind_readers(const std::vector<std::size_t>& floors);
   // Waits for each of events_behind_readers()'s events, then destroys them all (also when a
   // wait throws). Called with the lock released: the owner's calls go on meanwhile.
   void wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events);
@@ -302,8 +323,9 @@ class KvCache::Impl {
   void serve_give_back(const std::vector<std::size_t>& floors);
   // With the lock held: releases up to `wanted` pages, free pages first, then from slots of
   // `kinds` above `floors` whose last readers are done, then (`may_wait`) from the others,
-  // waiting for their readers; returns how many. In chunks of kReleaseChunkPages, each
-  // counted back to the budget as it goes (release_times_ adds up where the time went).
+  // waiting for their readers; returns how many. In chunks, each counted back to the
+  // budget as it goes (release_times_ adds up where the time went): the first of
+  // kReleaseChunkPages, each next one twice the one before.
   static constexpr std::size_t kReleaseChunkPages = 32;  // ~1 ms of driver calls on an H100
   std::size_t release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors, detail::VictimKinds kinds,
                                  bool may_wait);
@@ -369,6 +391,7 @@ class KvCache::Impl {
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;  // taken by the mapper: neither in the pool nor in a slot
   std::size_t deferred_fills_ = 0;   // slots whose deferred_fill is not 0
+  std::uint64_t fill_marks_ = 0;     // defer_fill() calls so far: each deferral's fill_mark
   // Pages a failed mapper unit could not unmap (its undo failed too): mapped past their
   // slot's books, out of the pool until unmap_stranded() succeeds.
   struct Stranded {
@@ -388,7 +411,7 @@ class KvCache::Impl {
   std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
   CallStats budget_asks_;
   CacheStats::BudgetHandoff budget_handoff_;
-  // release_for_budget()'s time so far: unmapping (victims' choice and fills included), the
+  // release_for_budget()'s time so far: unmapping (victims' choice included), the
   // backend's releases, counting them back to the budget.
   struct ReleaseTimes {
     std::uint64_t unmap_ns = 0, release_ns = 0, count_ns = 0;

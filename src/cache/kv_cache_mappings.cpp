@@ -61,9 +61,7 @@ bool KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted,
   for (std::size_t s = 0; s < floors.size(); ++s) whole_floors[s] = round_up_to_whole(slots_[s], floors[s]);
   const std::size_t victim = detail::choose_victim(slots_, whole_floors, kinds, /*exclude=*/slots_.size());
   if (victim == slots_.size()) return false;
-  // The victim's pages are zero-filled before they go. Only its own: every other deferred
-  // fill is a launch (~7 us) and device work a waiter would queue behind for nothing.
-  enqueue_fill(victim);
+  // No zero-fill: the pages leave (unmap_tail()). A fill still deferred shrinks to what stays.
   const std::size_t regions = layout_.num_regions();
   const std::size_t mapped = slots_[victim].mapped();
   const std::size_t per_region = std::min(mapped - whole_floors[victim], (wanted + regions - 1) / regions);
@@ -78,7 +76,7 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
   const std::size_t mapped = slot.mapped();
   if (mapped <= keep) return;
   VKV_ASSERT(round_down_to_whole(slot, keep) == keep);  // large pages go whole
-  wait_free_event(slot);                                // the driver's unmap does not wait for kernels still reading
+  wait_last_readers(slot_index);                        // the driver's unmap does not wait for kernels still reading
   std::size_t region = 0;
   try {
     for (; region < slot.pages.size(); ++region)
@@ -88,12 +86,22 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
     throw;
   }
   VKV_ASSERT(!slot.busy());  // a busy slot's pages are the mapper's until it is done
-  // Unclaimed pages were zero-filled at free_reqid() (or by the mapper), and waited for
-  // above: clean. A shared page stays with its other slots.
-  const bool clean = keep >= slot.claimed;
+  // Unclaimed pages were zero-filled (by an earlier fill, or by the mapper), and waited for
+  // above: clean; but for those a fill still deferred covers, which they leave without (a
+  // large page is clean or not as a whole). A shared page stays with its other slots.
+  const std::size_t dirty_end =
+      keep < slot.claimed ? mapped : std::min(mapped, round_up_to_whole(slot, std::max(keep, slot.deferred_fill)));
   for (std::vector<PageHandle>& pages : slot.pages) {
-    drop_mappings(pages, keep, mapped, clean, into);
+    drop_mappings(pages, keep, dirty_end, /*clean=*/false, into);
+    drop_mappings(pages, dirty_end, mapped, /*clean=*/true, into);
     pages.resize(keep);
+  }
+  if (slot.deferred_fill > keep) {  // what stays is still filled before anyone reads it
+    slot.deferred_fill = keep;
+    if (keep == 0) {
+      slot.fill_readers_done = false;
+      --deferred_fills_;
+    }
   }
 }
 
@@ -249,7 +257,7 @@ void KvCache::Impl::order_after_readers(std::size_t slot_index, std::size_t firs
   if (!config_.zero_page) return;  // without zero backing nothing reads beyond a slot's tokens
   Slot& slot = slots_[slot_index];
   if (first >= std::max(slot.mapped(), slot.backed_end)) return;  // unmapped from there on: unreadable
-  wait_free_event(slot);                                          // the previous owner's padded reads
+  wait_last_readers(slot_index);                                  // the previous owner's padded reads
   if (slot.allocated && first < read_windows_.horizon(slot.allocated_at, /*include_current=*/false)) {
     const auto start = std::chrono::steady_clock::now();
     read_windows_.wait();
@@ -305,7 +313,7 @@ void KvCache::Impl::order_after_free_event(const Slot& slot, Stream stream) {
 }
 
 void KvCache::Impl::wait_free_event(Slot& slot) {
-  VKV_ASSERT(slot.deferred_fill == 0);  // else no event follows the last owner's work yet
+  VKV_ASSERT(slot.deferred_fill == 0 || slot.fill_readers_done);  // else no event follows the last owner's work yet
   if (slot.free_event == 0) return;
   const auto start = std::chrono::steady_clock::now();
   backend_->wait_event(slot.free_event);

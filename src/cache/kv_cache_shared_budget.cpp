@@ -101,16 +101,17 @@ void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
     // The rest is in slots whose last readers may still run (the owner's queue may hold a
     // whole iteration): wait for them with the lock released, so that the owner's calls go
     // on meanwhile, then take what is ready.
-    std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
-    if (!behind.empty()) {
+    const ReaderFence behind = events_behind_readers(reclaimable_floors());
+    if (!behind.events.empty()) {
       event_wait_ns += event_wait_ns_ - event_wait_before;  // the owner's calls' waits are not the watcher's
       lock.unlock();
       const auto waiting = Clock::now();
-      wait_then_destroy(behind);
+      wait_then_destroy(behind.events);
       event_wait_ns += since(waiting);
       lock_or_post();
       event_wait_before = event_wait_ns_;
     }
+    mark_readers_done(behind);
     released += release_for_budget(wanted() - std::min(wanted(), released), reclaimable_floors(),
                                    detail::VictimKinds::freed_then_surplus, /*may_wait=*/true);
   }
@@ -125,26 +126,13 @@ void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   budget_handoff_.answer_ns += since(start);
 }
 
-std::vector<std::pair<Stream, Event>> KvCache::Impl::events_behind_readers(const std::vector<std::size_t>& floors) {
-  std::vector<std::pair<Stream, Event>> behind;
+KvCache::Impl::ReaderFence KvCache::Impl::events_behind_readers(const std::vector<std::size_t>& floors) {
+  std::vector<std::size_t> above;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    Slot& slot = slots_[s];
-    if (slot.busy() || slot.mapped() <= round_up_to_whole(slot, floors[s])) continue;
-    enqueue_fill(s);  // its pages are zero-filled before they go; a no-op when done
-    if (slot.free_event == 0 || backend_->event_done(slot.free_event)) continue;
-    const bool seen = std::any_of(behind.begin(), behind.end(),
-                                  [&](const auto& entry) { return entry.first == slot.free_event_stream; });
-    if (!seen) behind.emplace_back(slot.free_event_stream, 0);
+    const Slot& slot = slots_[s];
+    if (!slot.busy() && slot.mapped() > round_up_to_whole(slot, floors[s])) above.push_back(s);
   }
-  // One event per stream, behind every fill just enqueued and every reader before them.
-  try {
-    for (auto& entry : behind) entry.second = backend_->record_event(entry.first);
-  } catch (...) {
-    for (const auto& entry : behind)
-      if (entry.second != 0) backend_->destroy_event(entry.second);
-    throw;
-  }
-  return behind;
+  return fence_readers(above, /*pending_events=*/true);
 }
 
 void KvCache::Impl::wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events) {
@@ -189,42 +177,72 @@ std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vec
   };
   // In chunks, each counted back to the budget as soon as it is released: an asker waiting
   // for a few pages goes on after the first chunk, not after the whole answer (on a GPU,
-  // ~30 us a page of unmapping and releasing), and the books are updated (their lock, the
-  // askers' wake-up) once a chunk, not once a page.
+  // ~30 us a page of unmapping and releasing). Each chunk twice the one before: the books
+  // are updated (their lock, the askers' wake-up) a few times an answer, not once a page,
+  // and an asker of n pages waits for at most about 2n of them.
   std::size_t released = 0;
+  std::size_t chunk = kReleaseChunkPages;
+  auto next_chunk = [&] { return std::min(chunk, wanted - released); };
   auto release = [&](const std::vector<Page>& pages) {
     PagePool::ReleaseTimes times;
     released += pool_.release_all(pages, &times);
     release_times_.release_ns += times.release_ns;
     release_times_.count_ns += times.count_ns;
+    chunk *= 2;
   };
+  const std::size_t large = std::max<std::size_t>(pool_.large_page_pages(), 1);
   while (released < wanted) {  // free pages first: nothing to unmap
-    std::vector<Page> pages = pool_.take_free(std::min(kReleaseChunkPages, wanted - released));
-    if (pages.empty()) pages = pool_.take_free_large(1);
+    std::vector<Page> pages = pool_.take_free(next_chunk());
+    if (pages.empty()) pages = pool_.take_free_large(std::max<std::size_t>(next_chunk() / large, 1));
     if (pages.empty()) break;
     release(pages);
   }
   // First the slots whose last readers are done (no wait for device work the asker does not
   // need: the owner's queue may hold a whole iteration), then, if `may_wait`, the others.
   std::vector<std::size_t> ready = floors;
+  std::vector<std::size_t> waiting;  // slots the second pass may take that are not ready
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
-    if (slot.deferred_fill != 0 || (slot.free_event != 0 && !backend_->event_done(slot.free_event)))
+    if ((slot.deferred_fill != 0 && !slot.fill_readers_done) ||
+        (slot.free_event != 0 && !backend_->event_done(slot.free_event))) {
       ready[s] = std::max(ready[s], slot.mapped());
-  }
-  const std::vector<std::size_t>* passes[] = {&ready, may_wait ? &floors : nullptr};
-  for (const std::vector<std::size_t>* pass : passes) {
-    if (pass == nullptr) break;
-    while (released < wanted) {
-      std::vector<Page> pages;
-      const auto start = Clock::now();
-      // One victim's tail, at most a chunk: one cuMemUnmap per region over the whole run.
-      const bool found = reclaim_coldest(pages, std::min(kReleaseChunkPages, wanted - released), *pass, kinds);
-      release_times_.unmap_ns += since(start);
-      if (!found) break;
-      release(pages);
+      if (!slot.busy() && slot.mapped() > round_up_to_whole(slot, floors[s])) waiting.push_back(s);
     }
   }
+  auto release_above = [&](const std::vector<std::size_t>& pass) {
+    while (released < wanted) {
+      // Victims' tails until the chunk is full (one unmap per region over each run), then
+      // released and counted back together.
+      std::vector<Page> pages;
+      std::size_t taken = 0;
+      const auto start = Clock::now();
+      bool found = true;
+      try {
+        while (found && taken < next_chunk()) {
+          const std::size_t before = pages.size();
+          found = reclaim_coldest(pages, next_chunk() - taken, pass, kinds);
+          for (std::size_t i = before; i < pages.size(); ++i) taken += pool_.is_large(pages[i].handle) ? large : 1;
+        }
+      } catch (...) {
+        release_times_.unmap_ns += since(start);
+        if (!pages.empty()) release(pages);  // unmapped already: they go
+        throw;
+      }
+      release_times_.unmap_ns += since(start);
+      if (!pages.empty()) release(pages);
+      if (!found) return;
+    }
+  };
+  release_above(ready);
+  if (!may_wait || released >= wanted) return released;
+  if (!waiting.empty()) {  // one event per stream for them all, not one per victim
+    const ReaderFence fence = fence_readers(waiting);
+    const auto start = Clock::now();
+    wait_then_destroy(fence.events);
+    event_wait_ns_ += since(start);
+    mark_readers_done(fence);
+  }
+  release_above(floors);
   return released;
 }
 
@@ -253,13 +271,14 @@ void KvCache::Impl::release_when_idle() {
     publish_in_use();
     return;
   }
-  std::vector<std::pair<Stream, Event>> behind = events_behind_readers(reclaimable_floors());
-  if (!behind.empty()) {
+  const ReaderFence behind = events_behind_readers(reclaimable_floors());
+  if (!behind.events.empty()) {
     lock.unlock();
-    wait_then_destroy(behind);
+    wait_then_destroy(behind.events);
     lock.lock();
     if (!idle_released_) return;  // a step() meanwhile ended the idle spell: its pages stay
   }
+  mark_readers_done(behind);
   // What the fills just enqueued (done at once on some backends) or the wait made ready.
   release_ready();
   budget_handoff_.idle_pages += released;

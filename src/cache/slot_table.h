@@ -61,6 +61,12 @@ struct Slot {
   // it, is enqueued on fill_stream (kv_cache_fill.cpp); 0 once it is.
   std::size_t deferred_fill = 0;
   Stream fill_stream = 0;
+  // While the fill is deferred: the owner's last work, which no event follows yet, has
+  // been waited for (an event recorded on fill_stream), so pages may leave the cache
+  // without the fill (pages_leave_without_fill(), kv_cache_fill.cpp); and which deferral
+  // this is (a watcher that waited with the lock released marks only the one it saw).
+  bool fill_readers_done = false;
+  std::uint64_t fill_mark = 0;
   std::uint64_t freed_at = 0;    // free order, for least-recently-freed reclamation
   std::size_t kept_at_free = 0;  // claimed when freed: alloc_reqid()'s preference
   // A fork() or share_prefix() since alloc_reqid() put a whole page of this slot's tokens
