@@ -1217,6 +1217,21 @@ TEST(SharedBudgetGuaranteesTest, FloorsAboveTheCapacityAreRefused) {
   EXPECT_EQ(budget.stats().members.size(), 2u);
 }
 
+// A member joining with a floor that others' unclaimed pages occupy: they give those back,
+// and the floor is there for it without an ask.
+TEST(SharedBudgetGuaranteesTest, AFloorJoiningIsFreedFromTheOthersUnclaimedPages) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess other([&] { hold(guaranteed_config(name), 2, 18); });
+  ASSERT_TRUE(other.started());
+  KvCache floored(guaranteed_config(name, /*floor=*/20));  // 12 free: 8 short of its floor
+  EXPECT_TRUE(eventually([&] { return member_of(budget.stats(), other.pid()).held_bytes == pages(12); }));
+  const std::size_t slot = floored.alloc_reqid();
+  step_to(floored, slot, 20);
+  EXPECT_EQ(floored.stats().budget_asks.calls, 0u);
+  floored.check_invariants();
+}
+
 // A member killed with SIGKILL takes its floor with it: the others may grow into it.
 TEST(SharedBudgetGuaranteesTest, ADeadMembersFloorIsCountedOut) {
   BudgetName name;
