@@ -223,6 +223,21 @@ std::size_t BudgetLedger::free_hint(std::size_t member) const noexcept {
   return cap_room(segment_.members[member], capacity > used ? capacity - used : 0);
 }
 
+std::string BudgetLedger::room_text(std::size_t member) const {
+  const BudgetMemberRecord& row = segment_.members[member];
+  const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  const std::uint64_t used = segment_.used.load(std::memory_order_relaxed);
+  const std::uint64_t gaps = floor_gaps(member);
+  const std::uint64_t cap = row.cap.load(std::memory_order_relaxed);
+  std::string text = concat(description(), ": ", format_bytes(capacity > used ? capacity - used : 0), " of ",
+                            format_bytes(capacity), " free");
+  if (gaps > 0) text += concat(", ", format_bytes(gaps), " of it kept for the other members' floors");
+  if (cap != 0)
+    text += concat(", this cache holds ", format_bytes(row.held.load(std::memory_order_relaxed)), " of its cap ",
+                   format_bytes(cap), " (shared_budget_cap)");
+  return text;
+}
+
 std::size_t BudgetLedger::others_cached(std::size_t member) const noexcept {
   std::uint64_t cached = 0;
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {

@@ -221,6 +221,9 @@ class BudgetLedger {
   /// Bytes the member may take now (the free capacity less the others' floors' gaps,
   /// within its cap), without locking: a hint that may be stale when read.
   std::size_t free_hint(std::size_t member) const noexcept;
+  /// Why the member can take no more than free_hint(), for an OutOfMemory's message: the
+  /// free capacity, the others' floors' gaps and its cap (lock-free reads; a hint).
+  std::string room_text(std::size_t member) const;
   std::size_t held(std::size_t member);
   /// The last request the member answered (at joining: the last one before it joined).
   std::uint32_t last_answered(std::size_t member);

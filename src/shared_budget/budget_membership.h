@@ -110,6 +110,8 @@ class BudgetMembership final : public PageAccount {
   /// Returns what was claimed and not used (end of the call that asked).
   void release_claimed() noexcept;
 
+  /// Why the budget gives this member no more now, for an OutOfMemory's message.
+  std::string room_text() const { return ledger_.room_text(member_); }
   /// Bytes this member's allocated slots claim, for the budget's stats.
   void publish_in_use(std::size_t bytes) noexcept { ledger_.publish_in_use(member_, bytes); }
   /// Bytes this member holds in the books (pages it created and claimed reservation).

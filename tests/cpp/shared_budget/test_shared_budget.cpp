@@ -1146,7 +1146,9 @@ TEST(SharedBudgetGuaranteesTest, ACapBoundsWhatAMemberHoldsAndALowerOneIsGivenBa
   ASSERT_TRUE(other.started());
   KvCache capped(guaranteed_config(name, 0, /*cap=*/10));
   const std::size_t slot = capped.alloc_reqid();
-  EXPECT_THROW(step_to(capped, slot, 12), OutOfMemory);                     // 12 free, but the cap is 10
+  const std::string refused = error_of([&] { step_to(capped, slot, 12); });  // 12 free, but the cap is 10
+  EXPECT_NE(refused.find("step needs 12 more pages (768.00 KiB) but only 10 can be had"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("of its cap 640.00 KiB (shared_budget_cap)"), std::string::npos) << refused;
   EXPECT_EQ(member_of(budget.stats(), other.pid()).held_bytes, pages(20));  // nobody was asked
   step_to(capped, slot, 10);
   // Lowered to 6 while a request claims 10: it keeps them, and creates nothing.
