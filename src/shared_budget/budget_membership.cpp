@@ -248,9 +248,13 @@ std::size_t BudgetMembership::pledge_after_lower_priorities(bool& asked) {
 }
 
 void BudgetMembership::give_over_cap() noexcept {
+  // Only what is above the cap: an ask of the others is answered in its turn. While its
+  // requests claim all of it, each poll costs a look at the cache, not the budget's lock.
+  std::size_t pledged = 0;
   try {
-    // Only what is above the cap: an ask of the others is answered in its turn.
-    const std::size_t pledged = ledger_.pledge(member_, std::min(callbacks_.cached_bytes(), ledger_.over_cap(member_)));
+    const std::size_t can_give = std::min(callbacks_.cached_bytes(), ledger_.over_cap(member_));
+    if (can_give == 0) return;
+    pledged = ledger_.pledge(member_, can_give);
     if (pledged > 0) callbacks_.give_back(pledged);
   } catch (const std::exception& error) {
     log_debug(concat("shared budget '", name_, "': giving pages back above the cap failed: ", error.what()));
