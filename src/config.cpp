@@ -1,6 +1,7 @@
 // Field-by-field validation of CacheConfig, the small parsers beside it, and the model shapes.
 #include "vkv/config.h"
 
+#include <algorithm>
 #include <charconv>
 
 #include "shared_budget/budget_ledger.h"
@@ -93,6 +94,25 @@ void validate(const CacheConfig& config) {
               " needs a shared_budget (it gives pages back to one)");
   VKV_EXPECTS(config.shared_budget_pressure_ms <= kMaxIdleMs,
               "shared_budget_pressure_ms = ", config.shared_budget_pressure_ms, " exceeds ", kMaxIdleMs, " (a day)");
+  // Limits within a shared budget, without one.
+  const std::string limit =
+      config.shared_budget_floor != 0       ? detail::concat("shared_budget_floor = ", config.shared_budget_floor)
+      : config.shared_budget_cap != 0       ? detail::concat("shared_budget_cap = ", config.shared_budget_cap)
+      : config.shared_budget_priority != 0  ? detail::concat("shared_budget_priority = ", config.shared_budget_priority)
+      : !config.shared_budget_label.empty() ? detail::concat("shared_budget_label = '", config.shared_budget_label, "'")
+                                            : "";
+  VKV_EXPECTS(limit.empty() || !config.shared_budget.empty(), limit, " needs a shared_budget (it applies within one)");
+  VKV_EXPECTS(config.shared_budget_cap == 0 || config.shared_budget_cap >= config.shared_budget_floor,
+              "shared_budget_cap = ", config.shared_budget_cap,
+              " is less than shared_budget_floor = ", config.shared_budget_floor, ": raise it, or 0 for no cap");
+  VKV_EXPECTS(config.shared_budget_priority <= kMaxBudgetPriority,
+              "shared_budget_priority = ", config.shared_budget_priority, " exceeds ", kMaxBudgetPriority,
+              " (32 bits)");
+  VKV_EXPECTS(config.shared_budget_label.size() <= kMaxBudgetLabel &&
+                  std::all_of(config.shared_budget_label.begin(), config.shared_budget_label.end(),
+                              [](char c) { return c >= 0x20 && c < 0x7f; }),
+              "shared_budget_label = '", config.shared_budget_label, "' must be at most ", kMaxBudgetLabel,
+              " printable ASCII characters (it has ", config.shared_budget_label.size(), ")");
   if (!config.shared_budget.empty()) {
     try {
       detail::budget_object_name(config.shared_budget);

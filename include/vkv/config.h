@@ -94,7 +94,20 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
     "with shared_budget: for this many milliseconds after another member asked for pages, the cache's watcher "       \
     "thread gives its free pages and its freed requests' pages back on its own, in chunks, down to a headroom "       \
     "(twice its next prompt's pages), so that the other's next steps find them free; not while it asked the "         \
-    "others itself within that time; 0 = only what is asked")
+    "others itself within that time; 0 = only what is asked")                                                         \
+  X(shared_budget_floor, std::size_t, 0,                                                                              \
+    "with shared_budget: bytes of the budget kept for this cache: no other member grows into the part of it the "     \
+    "cache does not hold, and no other member's ask takes it below; the members' floors must fit the capacity; "      \
+    "0 = none")                                                                                                       \
+  X(shared_budget_cap, std::size_t, 0,                                                                                \
+    "with shared_budget: the most bytes this cache holds in the budget (at least one page and shared_budget_floor); " \
+    "0 = none")                                                                                                       \
+  X(shared_budget_priority, std::size_t, 0,                                                                           \
+    "with shared_budget: when the budget is short, members of lower priority give back their unclaimed pages "        \
+    "first, and pages given back go to askers of higher priority first; equal priorities give side by side")          \
+  X(shared_budget_label, std::string, "",                                                                             \
+    "with shared_budget: what python -m vkv.budget show and top call this cache (e.g. the engine's id): at most 47 "  \
+    "printable ASCII characters; '' = its process's name")
 
 /// What a KV cache looks like. Plain data; validate() checks it field by field.
 struct CacheConfig {
@@ -113,6 +126,8 @@ CacheConfig llama3_8b_config(std::size_t max_batch_size, std::size_t max_context
 /// counts cannot overflow 64 bits before the address-space check rejects them.
 inline constexpr std::size_t kMaxLayers = 4096;
 inline constexpr std::size_t kMaxIdleMs = 24ull * 3600 * 1000;  ///< shared_budget_idle_ms: a day
+inline constexpr std::size_t kMaxBudgetPriority = 0xffffffffu;  ///< shared_budget_priority: 32 bits
+inline constexpr std::size_t kMaxBudgetLabel = 47;              ///< shared_budget_label's characters
 inline constexpr std::size_t kMaxKvHeads = 4096;
 inline constexpr std::size_t kMaxHeadDim = 65536;
 inline constexpr std::size_t kMaxBatch = 1 << 20;

@@ -10,6 +10,9 @@
 // other members to give back pages no request claims — deferred-reclamation pages, pages
 // mapped ahead, free pages — which each member releases from a thread of its own, and
 // only then throws OutOfMemory. No member ever gives up a page an allocated slot claims.
+// Guarantees between members (docs/multi_engine.md, "Floors, caps and priorities"): a
+// member's floor is kept for it (no other member grows into the part it does not hold, no
+// ask takes it below), its cap bounds what it holds, and lower priorities give back first.
 // A member killed at any point (SIGKILL included) costs nothing: the device frees its
 // memory with the process, and the budget counts its bytes back as soon as a member or a
 // SharedBudget notices the process is gone.
@@ -25,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,12 +41,29 @@ struct SharedBudgetMember {
   std::int32_t pid = 0;
   std::string command;  ///< the process's name
   std::size_t page_bytes = 0;
-  std::size_t held_bytes = 0;    ///< physical pages the member created and holds
-  std::size_t in_use_bytes = 0;  ///< of those, claimed by its allocated slots (published after each call)
-  std::size_t wanted_bytes = 0;  ///< what it is asking the others for now; 0 = not asking
+  std::size_t held_bytes = 0;         ///< physical pages the member created and holds
+  std::size_t in_use_bytes = 0;       ///< of those, claimed by its allocated slots (published after each call)
+  std::size_t wanted_bytes = 0;       ///< what it is asking the others for now; 0 = not asking
+  std::size_t row = 0;                ///< its row in the budget's object: with pid, tells members apart
+  std::string label;                  ///< what its config calls it (shared_budget_label); "" = none
+  std::size_t floor_bytes = 0;        ///< kept for it: no other member grows into it, no ask takes it below
+  std::size_t cap_bytes = 0;          ///< the most it holds; 0 = no cap
+  std::uint32_t priority = 0;         ///< higher gives back later and is given first
+  std::uint64_t asks = 0;             ///< asks it made (counted since it joined)
+  std::uint64_t give_backs = 0;       ///< answers to asks in which it gave bytes back
+  std::uint64_t given_bytes = 0;      ///< bytes it gave back when asked (and above its cap)
+  std::int64_t since_answer_ns = -1;  ///< time since its last answer to an ask; -1 = none yet
 
   /// Held and claimed by nobody: what the member gives back when asked.
   std::size_t cached_bytes() const noexcept { return held_bytes > in_use_bytes ? held_bytes - in_use_bytes : 0; }
+};
+
+/// New limits for the members of one process (SharedBudget::set_limits): the fields set
+/// change, the others stay.
+struct SharedBudgetLimits {
+  std::optional<std::size_t> floor_bytes;
+  std::optional<std::size_t> cap_bytes;  ///< 0 = no cap
+  std::optional<std::uint32_t> priority;
 };
 
 /// A shared budget's state; members whose process is gone are counted out first.
@@ -92,14 +113,24 @@ class SharedBudget {
   /// from its own thread) and waits up to `wait_ms` for their answers; pages requests
   /// claim stay until the requests finish, and meanwhile no member creates a page. Returns
   /// the stats after it.
-  /// @throws InvalidArgument for less than one page of the device or of a member, or more
-  ///         than the device's memory.
+  /// @throws InvalidArgument for less than one page of the device or of a member, more
+  ///         than the device's memory, or less than the members' floors together.
   SharedBudgetStats resize(std::size_t bytes, unsigned wait_ms = 1000);
+  /// Sets the floor, cap or priority of every member of process `pid` while it runs. A cap
+  /// below what a member holds makes it give back unclaimed pages down to the cap (pages
+  /// its requests claim stay until they finish; it creates none meanwhile), and a floor
+  /// that others' unclaimed pages hold makes them give those back; waits up to `wait_ms`
+  /// for their answers. Returns the stats after it.
+  /// @throws InvalidArgument when no member has that pid, for a cap below a member's page
+  ///         or floor, or floors that would add up to more than the capacity (naming the
+  ///         sum and the capacity); nothing changes then.
+  SharedBudgetStats set_limits(std::int32_t pid, const SharedBudgetLimits& limits, unsigned wait_ms = 1000);
   SharedBudgetStats stats() const;
 
  private:
   struct State;
   explicit SharedBudget(std::unique_ptr<State> state) noexcept;
+  SharedBudgetStats wait_for_answers(unsigned wait_ms);
   std::unique_ptr<State> state_;
 };
 

@@ -534,6 +534,16 @@ py::dict budget_stats(const vkv::SharedBudgetStats& stats) {
     row["bytes_held"] = member.held_bytes;
     row["bytes_in_use"] = member.in_use_bytes;
     row["bytes_wanted"] = member.wanted_bytes;
+    row["row"] = member.row;
+    row["label"] = member.label;
+    row["floor_bytes"] = member.floor_bytes;
+    row["cap_bytes"] = member.cap_bytes;
+    row["priority"] = member.priority;
+    row["asks"] = member.asks;
+    row["give_backs"] = member.give_backs;
+    row["given_bytes"] = member.given_bytes;
+    row["seconds_since_answer"] =
+        member.since_answer_ns < 0 ? py::object(py::none()) : py::float_(member.since_answer_ns / 1e9);
     members.append(row);
   }
   out["members"] = members;
@@ -570,6 +580,18 @@ void bind_shared_budget(py::module_& m) {
             return budget_stats(stats);
           },
           arg("bytes"), arg("wait_ms"))
+      .def(
+          "set_limits",
+          [](vkv::SharedBudget& budget, std::int32_t pid, std::optional<std::size_t> floor,
+             std::optional<std::size_t> cap, std::optional<std::uint32_t> priority, unsigned wait_ms) {
+            vkv::SharedBudgetStats stats;
+            {
+              py::gil_scoped_release release;
+              stats = budget.set_limits(pid, {floor, cap, priority}, wait_ms);
+            }
+            return budget_stats(stats);
+          },
+          arg("pid"), arg("floor"), arg("cap"), arg("priority"), arg("wait_ms"))
       .def("stats", [](const vkv::SharedBudget& budget) {
         vkv::SharedBudgetStats stats;
         {

@@ -52,6 +52,10 @@ class CacheConfig:
         shared_budget: str = '',
         shared_budget_idle_ms: int = 0,
         shared_budget_pressure_ms: int = 0,
+        shared_budget_floor: int = 0,
+        shared_budget_cap: int = 0,
+        shared_budget_priority: int = 0,
+        shared_budget_label: str = '',
     ) -> None: ...
     @staticmethod
     def fields() -> List[Tuple[str, str, Any, str]]: ...
@@ -104,6 +108,14 @@ class CacheConfig:
     """with shared_budget: after this many milliseconds without a step(), the cache gives its freed requests' pages and its free pages back to the budget on its own, so that a busy member finds them free without asking; 0 = only when asked"""
     shared_budget_pressure_ms: int
     """with shared_budget: for this many milliseconds after another member asked for pages, the cache's watcher thread gives its free pages and its freed requests' pages back on its own, in chunks, down to a headroom (twice its next prompt's pages), so that the other's next steps find them free; not while it asked the others itself within that time; 0 = only what is asked"""
+    shared_budget_floor: int
+    """with shared_budget: bytes of the budget kept for this cache: no other member grows into the part of it the cache does not hold, and no other member's ask takes it below; the members' floors must fit the capacity; 0 = none"""
+    shared_budget_cap: int
+    """with shared_budget: the most bytes this cache holds in the budget (at least one page and shared_budget_floor); 0 = none"""
+    shared_budget_priority: int
+    """with shared_budget: when the budget is short, members of lower priority give back their unclaimed pages first, and pages given back go to askers of higher priority first; equal priorities give side by side"""
+    shared_budget_label: str
+    """with shared_budget: what python -m vkv.budget show and top call this cache (e.g. the engine's id): at most 47 printable ASCII characters; '' = its process's name"""
 # -- end of generated part --
 
 class KvCache:
@@ -168,6 +180,8 @@ class SharedBudget:
     @property
     def name(self) -> str: ...
     def resize(self, bytes: int, wait_ms: int) -> Dict[str, Any]: ...
+    def set_limits(self, pid: int, floor: Optional[int], cap: Optional[int], priority: Optional[int],
+                   wait_ms: int) -> Dict[str, Any]: ...
     def stats(self) -> Dict[str, Any]: ...
 
 class HostAllReduce:

@@ -13,7 +13,7 @@ killed with SIGKILL costs nothing: its pages are counted back once its process i
 
 from __future__ import annotations
 
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 import math
 
@@ -112,13 +112,39 @@ class SharedBudget:
         bytes = expect_int("bytes", bytes, low=1)  # noqa: A001
         return self._handle.resize(bytes, _expect_wait(wait))
 
+    def set_limits(self, pid: int, floor: Optional[int] = None, cap: Optional[int] = None,
+                   priority: Optional[int] = None, wait: float = 1.0) -> Dict[str, Any]:
+        """Sets the floor, cap or priority (those given; the others stay) of every member of
+        process ``pid`` while it runs, as its cache's ``shared_budget_floor``,
+        ``shared_budget_cap`` and ``shared_budget_priority`` would (cap 0: none). A cap below
+        what a member holds makes it give back unclaimed pages down to it (pages its
+        requests claim stay until they finish; it creates none meanwhile); a floor that the
+        others' unclaimed pages hold makes them give those back. Waits up to ``wait``
+        seconds for their answers and returns ``stats()`` after it.
+
+        Raises:
+            ValueError: no member has that pid, a cap below a member's page or floor,
+                floors that would add up to more than the capacity (naming the sum and the
+                capacity), or an argument out of range (naming it). Nothing changes then.
+        """
+        pid = expect_int("pid", pid, low=1, high=2**31 - 1)
+        floor = None if floor is None else expect_int("floor", floor)
+        cap = None if cap is None else expect_int("cap", cap)
+        priority = None if priority is None else expect_int("priority", priority, high=2**32 - 1)
+        return self._handle.set_limits(pid, floor, cap, priority, _expect_wait(wait))
+
     def stats(self) -> Dict[str, Any]:
         """The budget and its members (members whose process is gone are counted out first):
         ``capacity_bytes``, ``used_bytes``, ``free_bytes``, ``reserved_bytes`` (given back
         for a member that asked, not taken yet), ``device``, ``device_total_bytes`` and
-        ``members``: per member ``pid``, ``command``, ``page_bytes``, ``pages_held``,
-        ``pages_in_use`` (claimed by its requests, as of its last call), ``pages_cached``
-        (held, claimed by none: what it gives back when asked), ``bytes_*`` of the same."""
+        ``members``: per member ``pid``, ``command``, ``label`` (its cache's
+        ``shared_budget_label``), ``row`` (with ``pid``, tells members apart),
+        ``page_bytes``, ``pages_held``, ``pages_in_use`` (claimed by its requests, as of its
+        last call), ``pages_cached`` (held, claimed by none: what it gives back when asked),
+        ``bytes_*`` of the same, ``floor_bytes``, ``cap_bytes`` (0: none), ``priority``,
+        ``asks`` (asks it made), ``give_backs`` (answers in which it gave bytes back),
+        ``given_bytes`` and ``seconds_since_answer`` (since its last answer to another
+        member's ask; None: none yet)."""
         return self._handle.stats()
 
     def remove(self) -> bool:

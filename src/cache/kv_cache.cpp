@@ -57,7 +57,10 @@ std::size_t large_page_pages(const CacheConfig& config, const Backend& backend) 
 std::unique_ptr<detail::BudgetMembership> join_shared_budget(const CacheConfig& config, const Backend& backend,
                                                              std::size_t page_bytes) {
   if (config.shared_budget.empty()) return nullptr;
-  return std::make_unique<detail::BudgetMembership>(config.shared_budget, backend, page_bytes);
+  const detail::MemberLimits limits{config.shared_budget_floor, config.shared_budget_cap,
+                                    static_cast<std::uint32_t>(config.shared_budget_priority)};
+  return std::make_unique<detail::BudgetMembership>(config.shared_budget, backend, page_bytes, limits,
+                                                    config.shared_budget_label);
 }
 
 }  // namespace

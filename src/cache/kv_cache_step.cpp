@@ -238,8 +238,9 @@ void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std
   throw OutOfMemory(
       detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page), ") but only ",
                      obtainable, " can be had: budget ", pool_.budget_pages(), " pages of ", detail::format_bytes(page),
-                     ", ", claimed_mapped * regions - sharing_.duplicate_mappings(),
-                     " held by allocated slots; free, preempt or swap out requests, or raise the budget"),
+                     ", ", claimed_mapped * regions - sharing_.duplicate_mappings(), " held by allocated slots",
+                     membership_ ? "; " + membership_->room_text() : std::string(),
+                     "; free, preempt or swap out requests, or raise the budget"),
       missing - obtainable, page);
 }
 

@@ -2,8 +2,10 @@
 #include "budget_ledger.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
+#include "util/format.h"
 #include "util/log.h"
 #include "vkv/error.h"
 
@@ -38,6 +40,36 @@ bool owes_answer(const BudgetMemberRecord& row, std::uint32_t request) noexcept 
   return row.pledged > 0 || !at_or_after(row.answered, request);
 }
 
+std::uint64_t floor_gap(const BudgetMemberRecord& row) noexcept {
+  const std::uint64_t floor = row.floor.load(std::memory_order_relaxed);
+  const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+  return floor > held ? floor - held : 0;
+}
+
+// What an ask can get from the member: what it holds, its requests do not claim (as of its
+// last published call) and its floor does not keep.
+std::uint64_t giveable(const BudgetMemberRecord& row) noexcept {
+  const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+  const std::uint64_t in_use = row.in_use.load(std::memory_order_relaxed);
+  const std::uint64_t floor = row.floor.load(std::memory_order_relaxed);
+  return held > std::max(in_use, floor) ? held - std::max(in_use, floor) : 0;
+}
+
+// Room the member's cap leaves (all of `bytes` without a cap).
+std::uint64_t cap_room(const BudgetMemberRecord& row, std::uint64_t bytes) noexcept {
+  const std::uint64_t cap = row.cap.load(std::memory_order_relaxed);
+  const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+  if (cap == 0) return bytes;
+  return std::min(bytes, cap > held ? cap - held : 0);
+}
+
+std::int64_t monotonic_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string text_of_bytes(std::uint64_t bytes) { return concat(bytes, " bytes (", format_bytes(bytes), ")"); }
+
 }  // namespace
 
 // Locks the mutex (at most shared_lock_timeout(): a stopped holder costs an error naming
@@ -70,22 +102,43 @@ void BudgetLedger::initialize(BudgetSegment& segment, std::size_t capacity, std:
   segment.magic.store(BudgetSegment::kMagic, std::memory_order_release);
 }
 
-std::size_t BudgetLedger::join(std::size_t page_bytes) {
+std::size_t BudgetLedger::join(std::size_t page_bytes, const MemberLimits& limits, const std::string& label) {
   const ProcessIdentity self = ProcessIdentity::self();
   const std::string command = self.command();
-  Lock lock(*this);
-  reap_locked();
-  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
-    BudgetMemberRecord& row = segment_.members[i];
-    if (row.pid != 0) continue;
-    clear_row(row);
-    row.pid = self.pid;
-    row.start_time = self.start_time;
-    row.page_bytes = page_bytes;
-    copy_text(row.command, sizeof(row.command), command);
-    row.answered = segment_.requests.load();  // requests before it joined are not its to answer
-    return i;
+  VKV_EXPECTS(limits.cap == 0 || limits.cap >= std::max<std::uint64_t>(page_bytes, limits.floor),
+              "shared_budget_cap = ", limits.cap, " is less than ",
+              limits.cap < page_bytes ? concat("one page of this cache, ", page_bytes, " bytes")
+                                      : concat("shared_budget_floor = ", limits.floor),
+              ": raise it, or 0 for no cap");
+  bool asked = false;
+  std::size_t member = BudgetSegment::kMaxMembers;
+  {
+    Lock lock(*this);
+    reap_locked();
+    expect_floors_fit(floors_total(BudgetSegment::kMaxMembers) + limits.floor,
+                      segment_.capacity.load(std::memory_order_relaxed),
+                      concat("with shared_budget_floor = ", limits.floor, " the"));
+    for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+      BudgetMemberRecord& row = segment_.members[i];
+      if (row.pid != 0) continue;
+      clear_row(row);
+      row.pid = self.pid;
+      row.start_time = self.start_time;
+      row.page_bytes = page_bytes;
+      copy_text(row.command, sizeof(row.command), command);
+      copy_text(row.label, sizeof(row.label), label);
+      row.floor.store(limits.floor, std::memory_order_relaxed);
+      row.cap.store(limits.cap, std::memory_order_relaxed);
+      row.priority.store(limits.priority, std::memory_order_relaxed);
+      row.answered = segment_.requests.load();  // requests before it joined are not its to answer
+      member = i;
+      // Its floor may be held by others' unclaimed pages: they give them back.
+      if (limits.floor > 0) asked = request_if_short_locked();
+      break;
+    }
   }
+  if (asked) futex_wake_all(segment_.requests);
+  if (member < BudgetSegment::kMaxMembers) return member;
   throw InvalidArgument(concat("the shared budget has ", BudgetSegment::kMaxMembers,
                                " members already, the most it can hold: close a cache that uses it first"));
 }
@@ -111,15 +164,16 @@ bool BudgetLedger::acquire(std::size_t member, std::size_t bytes) {
 std::size_t BudgetLedger::acquire_up_to(std::size_t member, std::size_t bytes, std::size_t unit) {
   if (bytes == 0) return 0;
   Lock lock(*this);
+  BudgetMemberRecord& row = segment_.members[member];
   auto take = [&] {
     const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
-    const std::uint64_t used = segment_.used.load(std::memory_order_relaxed);
-    const std::uint64_t free = capacity > used ? capacity - used : 0;
+    const std::uint64_t used = segment_.used.load(std::memory_order_relaxed) + floor_gaps(member);
+    const std::uint64_t free = cap_room(row, capacity > used ? capacity - used : 0);
     return std::min<std::uint64_t>(bytes, free / unit * unit);
   };
   std::uint64_t taken = take();
-  if (taken < bytes && reap_locked() > 0) taken = take();  // a dead member's bytes are free
-  segment_.members[member].held += taken;
+  if (taken < bytes && reap_locked() > 0) taken = take();  // a dead member's bytes (and floor) are free
+  row.held += taken;
   segment_.used.fetch_add(taken, std::memory_order_relaxed);
   return taken;
 }
@@ -131,7 +185,9 @@ void BudgetLedger::release(std::size_t member, std::size_t bytes) noexcept {
     BudgetMemberRecord& row = segment_.members[member];
     bytes = std::min<std::uint64_t>(bytes, row.held);
     row.held -= bytes;
-    row.pledged -= std::min<std::uint64_t>(row.pledged, bytes);
+    const std::uint64_t toward_pledge = std::min<std::uint64_t>(row.pledged, bytes);
+    row.pledged -= toward_pledge;
+    row.given_bytes.fetch_add(toward_pledge, std::memory_order_relaxed);
     return_bytes(bytes);
   } catch (...) {
     log_debug("shared budget: a release was not counted (its mutex is broken)");
@@ -139,32 +195,76 @@ void BudgetLedger::release(std::size_t member, std::size_t bytes) noexcept {
   wake_releases();
 }
 
-std::uint32_t BudgetLedger::ask(std::size_t member, std::size_t bytes) {
+std::uint32_t BudgetLedger::ask(std::size_t member, std::size_t bytes, std::size_t needed) {
   std::uint32_t request = 0;
   {
     Lock lock(*this);
-    segment_.members[member].wanted = bytes;
+    BudgetMemberRecord& row = segment_.members[member];
+    // Under a cap, what it may still take beyond what is free for it already.
+    const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+    const std::uint64_t used = segment_.used.load(std::memory_order_relaxed) + floor_gaps(member);
+    const std::uint64_t room = cap_room(row, ~std::uint64_t{0});
+    const std::uint64_t beyond_free = room - std::min(room, capacity > used ? capacity - used : 0);
+    if (beyond_free < std::min(needed, bytes)) {  // the cap refuses it whatever the others give
+      row.wanted = 0;
+      return segment_.requests.load();
+    }
+    row.wanted = std::min<std::uint64_t>(bytes, beyond_free);
     request = segment_.requests.fetch_add(1) + 1;
   }
+  count_ask(member);
   futex_wake_all(segment_.requests);
   return request;
+}
+
+std::size_t BudgetLedger::free_hint(std::size_t member) const noexcept {
+  const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  const std::uint64_t used = segment_.used.load(std::memory_order_relaxed) + floor_gaps(member);
+  return cap_room(segment_.members[member], capacity > used ? capacity - used : 0);
+}
+
+std::string BudgetLedger::room_text(std::size_t member) const {
+  const BudgetMemberRecord& row = segment_.members[member];
+  const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  const std::uint64_t used = segment_.used.load(std::memory_order_relaxed);
+  const std::uint64_t gaps = floor_gaps(member);
+  const std::uint64_t cap = row.cap.load(std::memory_order_relaxed);
+  std::string text = concat(description(), ": ", format_bytes(capacity > used ? capacity - used : 0), " of ",
+                            format_bytes(capacity), " free");
+  if (gaps > 0) text += concat(", ", format_bytes(gaps), " of it kept for the other members' floors");
+  if (cap != 0)
+    text += concat(", this cache holds ", format_bytes(row.held.load(std::memory_order_relaxed)), " of its cap ",
+                   format_bytes(cap), " (shared_budget_cap)");
+  return text;
 }
 
 std::size_t BudgetLedger::others_cached(std::size_t member) const noexcept {
   std::uint64_t cached = 0;
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
-    const std::uint64_t held = row.held.load(std::memory_order_relaxed);
-    const std::uint64_t in_use = row.in_use.load(std::memory_order_relaxed);
-    if (i != member && row.pid.load(std::memory_order_relaxed) != 0 && held > in_use) cached += held - in_use;
+    if (i != member && row.pid.load(std::memory_order_relaxed) != 0) cached += giveable(row);
   }
   return cached;
+}
+
+// What askers of higher priority than `member` want: the reservation serves them first.
+std::uint64_t BudgetLedger::wanted_above(std::size_t member) const noexcept {
+  const std::uint32_t priority = segment_.members[member].priority.load(std::memory_order_relaxed);
+  std::uint64_t wanted = 0;
+  for (const BudgetMemberRecord& row : segment_.members)
+    if (row.pid != 0 && row.priority.load(std::memory_order_relaxed) > priority) wanted += row.wanted;
+  return wanted;
+}
+
+std::uint64_t BudgetLedger::reserved_for(std::size_t member) const noexcept {
+  const std::uint64_t above = wanted_above(member);
+  return segment_.reserved > above ? segment_.reserved - above : 0;
 }
 
 bool BudgetLedger::ask_settled(std::size_t member, std::uint32_t request, std::size_t enough, bool reap) {
   Lock lock(*this);
   if (reap) reap_locked();
-  return segment_.reserved >= std::min<std::uint64_t>(enough, segment_.members[member].wanted) ||
+  return reserved_for(member) >= std::min<std::uint64_t>(enough, segment_.members[member].wanted) ||
          all_answered_locked(request, member);
 }
 
@@ -198,7 +298,7 @@ std::size_t BudgetLedger::claim_reserved(std::size_t member) noexcept {
   try {
     Lock lock(*this);
     BudgetMemberRecord& row = segment_.members[member];
-    taken = std::min(segment_.reserved, row.wanted);
+    taken = cap_room(row, std::min(reserved_for(member), row.wanted));
     segment_.reserved -= taken;  // `used` counts it either way
     row.held += taken;
     row.wanted = 0;
@@ -210,32 +310,73 @@ std::size_t BudgetLedger::claim_reserved(std::size_t member) noexcept {
   return taken;
 }
 
-std::size_t BudgetLedger::pledge(std::size_t member, std::size_t can_give, std::uint64_t* asked_out) {
+// A member of lower priority than `member` that could give something (not asking itself,
+// holding unclaimed bytes above its floor) has not answered `request` yet and can still
+// run: `member` answers after it. Reads /proc per such member.
+bool BudgetLedger::lower_priority_may_give_locked(std::size_t member, std::uint32_t request) const noexcept {
+  const std::uint32_t priority = segment_.members[member].priority.load(std::memory_order_relaxed);
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    if (row.pid == 0 || i == member || row.wanted > 0 || row.priority.load(std::memory_order_relaxed) >= priority)
+      continue;
+    if (owes_answer(row, request) && giveable(row) > 0 && identity_of(row).running()) return true;
+  }
+  return false;
+}
+
+std::size_t BudgetLedger::pledge(std::size_t member, std::size_t can_give, std::uint64_t* asked_out, bool* deferred) {
   Lock lock(*this);
+  BudgetMemberRecord& row = segment_.members[member];
+  // The latest request, not the one the watcher woke for: what is wanted now may be a
+  // newer ask that the lower priorities have not answered yet.
+  if (deferred != nullptr) {
+    *deferred = lower_priority_may_give_locked(member, segment_.requests.load());
+    if (*deferred) return 0;
+  }
   std::uint64_t wanted = 0;
   std::uint64_t pledged = 0;
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
-    const BudgetMemberRecord& row = segment_.members[i];
-    if (row.pid == 0) continue;
-    if (i != member) wanted += row.wanted;
-    pledged += row.pledged;
+    const BudgetMemberRecord& other = segment_.members[i];
+    if (other.pid == 0) continue;
+    if (i != member) wanted += other.wanted;
+    pledged += other.pledged;
   }
-  const std::uint64_t promised = segment_.reserved + pledged;
-  const std::uint64_t asked = wanted + excess();
+  // Never below its floor, whoever asks; what it holds above its cap first.
+  const std::uint64_t held = row.held;
+  const std::uint64_t floor = row.floor.load(std::memory_order_relaxed);
+  std::uint64_t can = std::min<std::uint64_t>(can_give, held > floor ? held - floor : 0);
+  const std::uint64_t cap = row.cap.load(std::memory_order_relaxed);
+  const std::uint64_t over = cap != 0 && held > cap ? held - cap : 0;
+  const std::uint64_t own = std::min(can, over > row.pledged ? over - row.pledged : 0);
+  can -= own;
+  const std::uint64_t promised = segment_.reserved + pledged + own;
+  const std::uint64_t asked = wanted + shortfall_beyond_wanted();
   if (asked_out != nullptr) *asked_out = asked;
-  const std::uint64_t given = std::min<std::uint64_t>(can_give, asked > promised ? asked - promised : 0);
-  segment_.members[member].pledged += given;
+  const std::uint64_t given = own + std::min<std::uint64_t>(can, asked > promised ? asked - promised : 0);
+  row.pledged += given;
   return given;
 }
 
-void BudgetLedger::answered(std::size_t member, std::uint32_t request) noexcept {
+void BudgetLedger::answered(std::size_t member, std::uint32_t request, std::size_t given, bool asked) noexcept {
+  BudgetMemberRecord& row = segment_.members[member];
   try {
     Lock lock(*this);
-    BudgetMemberRecord& row = segment_.members[member];
     row.pledged = 0;
     if (at_or_after(request, row.answered)) row.answered = request;
   } catch (...) {
     log_debug("shared budget: an answer was not recorded (its mutex is broken)");
+  }
+  if (given > 0) row.give_backs.fetch_add(1, std::memory_order_relaxed);
+  if (asked) row.last_answer_ns.store(monotonic_ns(), std::memory_order_relaxed);
+  wake_releases();
+}
+
+void BudgetLedger::end_pledge(std::size_t member) noexcept {
+  try {
+    Lock lock(*this);
+    segment_.members[member].pledged = 0;
+  } catch (...) {
+    log_debug("shared budget: a pledge was not ended (its mutex is broken)");
   }
   wake_releases();
 }
@@ -255,13 +396,55 @@ void BudgetLedger::resize(std::size_t capacity) {
   {
     Lock lock(*this);
     reap_locked();
+    expect_floors_fit(floors_total(BudgetSegment::kMaxMembers), capacity,
+                      concat("bytes = ", capacity, " is refused: the"));
     segment_.capacity.store(capacity, std::memory_order_relaxed);
     fit_reservation();
-    over = excess() > 0;
-    if (over) segment_.requests.fetch_add(1);
+    over = request_if_short_locked();
   }
   if (over) futex_wake_all(segment_.requests);
   wake_releases();
+}
+
+std::size_t BudgetLedger::set_limits(std::int32_t pid, const MemberLimits& limits, LimitChange set) {
+  bool asked = false;
+  std::size_t changed = 0;
+  {
+    Lock lock(*this);
+    reap_locked();
+    std::uint64_t floors = 0;
+    std::string pids;
+    for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+      BudgetMemberRecord& row = segment_.members[i];
+      if (row.pid == 0) continue;
+      pids += concat(pids.empty() ? "" : ", ", row.pid);
+      const bool target = row.pid == pid;
+      const std::uint64_t floor = target && set.floor ? limits.floor : row.floor.load(std::memory_order_relaxed);
+      const std::uint64_t cap = target && set.cap ? limits.cap : row.cap.load(std::memory_order_relaxed);
+      floors += floor;
+      if (!target) continue;
+      ++changed;
+      VKV_EXPECTS(cap == 0 || cap >= std::max<std::uint64_t>(row.page_bytes, floor), "cap = ", cap, " of pid ", pid,
+                  " is less than ",
+                  cap < row.page_bytes ? concat("one page of its cache, ", row.page_bytes, " bytes")
+                                       : concat("its floor, ", floor, " bytes"),
+                  ": raise it, or 0 for no cap");
+    }
+    VKV_EXPECTS(changed > 0, description(), " has no member with pid ", pid,
+                " (its members: ", pids.empty() ? "none" : pids, ")");
+    expect_floors_fit(floors, segment_.capacity.load(std::memory_order_relaxed),
+                      concat("with floor = ", limits.floor, " for pid ", pid, " the"));
+    for (BudgetMemberRecord& row : segment_.members) {
+      if (row.pid != pid) continue;
+      if (set.floor) row.floor.store(limits.floor, std::memory_order_relaxed);
+      if (set.cap) row.cap.store(limits.cap, std::memory_order_relaxed);
+      if (set.priority) row.priority.store(limits.priority, std::memory_order_relaxed);
+    }
+    asked = request_if_short_locked();
+  }
+  if (asked) futex_wake_all(segment_.requests);
+  wake_releases();  // an asker waiting on a reservation for a new priority
+  return changed;
 }
 
 std::size_t BudgetLedger::reap() {
@@ -286,6 +469,7 @@ std::size_t BudgetLedger::largest_page() {
 BudgetView BudgetLedger::view() {
   Lock lock(*this);
   reap_locked();
+  const std::int64_t now = monotonic_ns();
   BudgetView view;
   view.capacity_bytes = segment_.capacity.load(std::memory_order_relaxed);
   view.used_bytes = segment_.used.load(std::memory_order_relaxed);
@@ -297,13 +481,27 @@ BudgetView BudgetLedger::view() {
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
     if (row.pid == 0) continue;
-    BudgetMemberView member{row.pid,   "", row.page_bytes, row.held, row.in_use.load(std::memory_order_relaxed),
-                            row.wanted};
+    BudgetMemberView member;
+    member.pid = row.pid;
+    member.page_bytes = row.page_bytes;
+    member.held_bytes = row.held;
+    member.in_use_bytes = row.in_use.load(std::memory_order_relaxed);
+    member.wanted_bytes = row.wanted;
+    member.row = i;
+    member.limits = {row.floor.load(std::memory_order_relaxed), row.cap.load(std::memory_order_relaxed),
+                     row.priority.load(std::memory_order_relaxed)};
+    member.asks = row.asks.load(std::memory_order_relaxed);
+    member.give_backs = row.give_backs.load(std::memory_order_relaxed);
+    member.given_bytes = row.given_bytes.load(std::memory_order_relaxed);
+    const std::int64_t answered_at = row.last_answer_ns.load(std::memory_order_relaxed);
+    member.since_answer_ns = answered_at == 0 ? -1 : std::max<std::int64_t>(0, now - answered_at);
     const char* broken = nullptr;
     if (row.pid < 0)
       broken = "a negative pid";
     else if (!read_text(row.command, sizeof(row.command), member.command))
       broken = "a command that is not text";
+    else if (!read_text(row.label, sizeof(row.label), member.label))
+      broken = "a label that is not text";
     else if (row.page_bytes == 0 || (row.page_bytes & (row.page_bytes - 1)) != 0)
       broken = "a page size that is not a power of 2";
     if (broken != nullptr)
@@ -343,14 +541,23 @@ void BudgetLedger::clear_row(BudgetMemberRecord& row) noexcept {
   row.start_time = 0;
   row.page_bytes = 0;
   std::memset(row.command, 0, sizeof(row.command));
+  std::memset(row.label, 0, sizeof(row.label));
   row.held = 0;
   row.wanted = 0;
   row.pledged = 0;
   row.in_use.store(0, std::memory_order_relaxed);
+  row.floor.store(0, std::memory_order_relaxed);  // a dead member's floor is counted out with it
+  row.cap.store(0, std::memory_order_relaxed);
+  row.priority.store(0, std::memory_order_relaxed);
+  row.asks.store(0, std::memory_order_relaxed);
+  row.give_backs.store(0, std::memory_order_relaxed);
+  row.given_bytes.store(0, std::memory_order_relaxed);
+  row.last_answer_ns.store(0, std::memory_order_relaxed);
 }
 
 // `bytes` just left some member's `held`: into the reservation as far as askers want them
-// and the capacity allows, the rest out of `used`.
+// and the capacity allows without taking the floors' gaps of members not asking, the rest
+// out of `used`.
 void BudgetLedger::return_bytes(std::size_t bytes) noexcept {
   const std::uint64_t wanted = wanted_total();
   const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
@@ -360,8 +567,9 @@ void BudgetLedger::return_bytes(std::size_t bytes) noexcept {
     segment_.used.fetch_add(bytes, std::memory_order_relaxed);  // `bytes` left a row already
   }
   const std::uint64_t used_without = segment_.used.load(std::memory_order_relaxed) - bytes;
-  const std::uint64_t room = std::min(wanted > segment_.reserved ? wanted - segment_.reserved : 0,
-                                      capacity > used_without ? capacity - used_without : 0);
+  const std::uint64_t kept = used_without + floor_gaps(BudgetSegment::kMaxMembers, /*askers_too=*/false);
+  const std::uint64_t room =
+      std::min(wanted > segment_.reserved ? wanted - segment_.reserved : 0, capacity > kept ? capacity - kept : 0);
   const std::uint64_t reserved = std::min<std::uint64_t>(bytes, room);
   segment_.reserved += reserved;
   segment_.used.store(used_without + reserved, std::memory_order_relaxed);
@@ -387,6 +595,46 @@ std::uint64_t BudgetLedger::excess() const noexcept {
   const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
   const std::uint64_t used = segment_.used.load(std::memory_order_relaxed);
   return used > capacity ? used - capacity : 0;
+}
+
+std::uint64_t BudgetLedger::floor_gaps(std::size_t except, bool askers_too) const noexcept {
+  std::uint64_t gaps = 0;
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    if (i == except || row.pid.load(std::memory_order_relaxed) == 0 || (!askers_too && row.wanted > 0)) continue;
+    gaps += floor_gap(row);
+  }
+  return gaps;
+}
+
+std::uint64_t BudgetLedger::shortfall_beyond_wanted() const noexcept {
+  const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  const std::uint64_t kept =
+      segment_.used.load(std::memory_order_relaxed) + floor_gaps(BudgetSegment::kMaxMembers, /*askers_too=*/false);
+  return kept > capacity ? kept - capacity : 0;
+}
+
+std::uint64_t BudgetLedger::floors_total(std::size_t except) const noexcept {
+  std::uint64_t floors = 0;
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    if (i != except && row.pid != 0) floors += row.floor.load(std::memory_order_relaxed);
+  }
+  return floors;
+}
+
+void BudgetLedger::expect_floors_fit(std::uint64_t floors, std::uint64_t capacity, const std::string& what) const {
+  VKV_EXPECTS(floors <= capacity, description(), ": ", what, " members' floors would add up to ", text_of_bytes(floors),
+              ", more than its capacity, ", text_of_bytes(capacity),
+              ": lower a floor (python -m vkv.budget set) or raise the capacity");
+}
+
+bool BudgetLedger::request_if_short_locked() noexcept {
+  bool short_now = shortfall_beyond_wanted() > 0;
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers && !short_now; ++i)
+    short_now = segment_.members[i].pid != 0 && over_cap(i) > 0;
+  if (short_now) segment_.requests.fetch_add(1);
+  return short_now;
 }
 
 void BudgetLedger::wake_releases() noexcept {

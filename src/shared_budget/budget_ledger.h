@@ -7,6 +7,14 @@
 // A member's bytes: `held`, the pages it created and has not released (and bytes it
 // claimed ahead of creating pages, see claim_reserved()). used = sum of held + reserved.
 //
+// Guarantees (MemberLimits): a member's `floor` is kept for it: no other member acquires
+// or is given the part of it the member does not hold (its floor's gap), and no ask takes
+// it below its floor; the floors add up to at most the capacity. Its `cap` bounds what it
+// holds: above it (a cap lowered at run time) it gives back unclaimed pages down to it.
+// Its `priority` orders the giving: a member answers a request only once every member of
+// lower priority that could give has answered it, so lower priorities give first; and
+// what is given back goes to the askers of higher priority first.
+//
 // Asking, when a member runs short: ask() posts what it wants and bumps `requests`;
 // every other member's watcher wakes, pledge()s what it can give back without touching
 // a claimed page (deferred-reclamation pages, pages mapped ahead, free pages) and
@@ -24,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "interprocess/shared_memory.h"
@@ -42,12 +51,31 @@ struct BudgetMemberRecord {
   std::uint64_t pledged;              ///< bytes it promised to give back and has not released yet
   std::uint32_t answered;             ///< the last request number it answered
   std::atomic<std::uint64_t> in_use;  ///< bytes its allocated slots claim; published by the member alone
+  // Version 3: guarantees, a label, and counters for people watching (python -m vkv.budget top).
+  // The limits are written under the mutex and read without it by the hints.
+  std::atomic<std::uint64_t> floor;          ///< bytes kept for it (MemberLimits::floor)
+  std::atomic<std::uint64_t> cap;            ///< most bytes it holds; 0 = none
+  std::atomic<std::uint32_t> priority;       ///< higher gives later and is given first
+  char label[48];                            ///< what people call it ("" = its command)
+  std::atomic<std::uint64_t> asks;           ///< asks it made
+  std::atomic<std::uint64_t> give_backs;     ///< answers in which it gave bytes back
+  std::atomic<std::uint64_t> given_bytes;    ///< bytes it gave back in answers
+  std::atomic<std::int64_t> last_answer_ns;  ///< CLOCK_MONOTONIC of its last answer; 0 = none yet
+};
+
+/// A member's guarantees (vkv::SharedBudgetLimits without the optionals).
+struct MemberLimits {
+  std::uint64_t floor = 0;
+  std::uint64_t cap = 0;  ///< 0 = none
+  std::uint32_t priority = 0;
 };
 
 /// The shared object's layout. Plain data; zero-filled at creation.
 struct BudgetSegment {
   static constexpr std::uint64_t kMagic = 0x766b762d62756467ull;  // "vkv-budg"
-  static constexpr std::uint32_t kVersion = 2;  // 2: the creator's mode, the page size, the lock's holder
+  // 2: the creator's mode, the page size, the lock's holder; 3: floors, caps, priorities,
+  // labels and counters in the member rows.
+  static constexpr std::uint32_t kVersion = 3;
   static constexpr std::size_t kMaxMembers = 64;
 
   std::atomic<std::uint64_t> magic;  ///< written last at creation: the object is ready
@@ -74,6 +102,13 @@ struct BudgetMemberView {
   std::size_t held_bytes = 0;
   std::size_t in_use_bytes = 0;
   std::size_t wanted_bytes = 0;
+  std::size_t row = 0;
+  std::string label;
+  MemberLimits limits;
+  std::uint64_t asks = 0;
+  std::uint64_t give_backs = 0;
+  std::uint64_t given_bytes = 0;
+  std::int64_t since_answer_ns = -1;  ///< -1: never answered
 };
 
 /// What stats() reports of the whole budget.
@@ -99,21 +134,26 @@ SharedMapping open_budget_object(const std::string& name);
 /// The operations on a BudgetSegment; each locks its mutex. Member indices come from join().
 class BudgetLedger {
  public:
-  /// `segment` must stay mapped while the ledger is used.
-  explicit BudgetLedger(BudgetSegment& segment) noexcept : segment_(segment) {}
+  /// `segment` must stay mapped while the ledger is used; `name` is for messages.
+  explicit BudgetLedger(BudgetSegment& segment, std::string name = "") noexcept
+      : segment_(segment), name_(std::move(name)) {}
 
   /// Lays out a zero-filled segment (the creator, before anyone else maps it).
   static void initialize(BudgetSegment& segment, std::size_t capacity, std::size_t device_total,
                          const std::string& device, const std::string& identity, unsigned mode,
                          std::size_t device_page_bytes);
 
-  /// A row for the calling process. @throws InvalidArgument when all rows are taken by live
-  /// members. (Every call but the noexcept ones may throw Error when the mutex is broken.)
-  std::size_t join(std::size_t page_bytes);
+  /// A row for the calling process, with its limits and `label` (printable ASCII, cut to
+  /// fit). @throws InvalidArgument when all rows are taken by live members, for a cap below
+  /// one page or the floor, or a floor that brings the floors above the capacity (one line
+  /// naming their sum and the capacity). (Every call but the noexcept ones may throw Error
+  /// when the mutex is broken.)
+  std::size_t join(std::size_t page_bytes, const MemberLimits& limits = {}, const std::string& label = "");
   /// Gives the row up; bytes it still holds are counted back.
   void leave(std::size_t member) noexcept;
 
-  /// Takes `bytes` from the free capacity, all or nothing.
+  /// Takes `bytes` from the free capacity, all or nothing. The free capacity of a member:
+  /// the capacity less what is used and less the other members' floors' gaps; within its cap.
   bool acquire(std::size_t member, std::size_t bytes);
   /// Takes as much of `bytes` as is free, in whole `unit`s; returns how much.
   std::size_t acquire_up_to(std::size_t member, std::size_t bytes, std::size_t unit);
@@ -121,13 +161,17 @@ class BudgetLedger {
   /// else to the free capacity.
   void release(std::size_t member, std::size_t bytes) noexcept;
 
-  /// Asks the other members for `bytes`; returns the request's number.
-  std::uint32_t ask(std::size_t member, std::size_t bytes);
-  /// Bytes the other live members hold and their requests do not claim (as of their last
-  /// published call): what asking could bring at most. Lock-free reads; a hint.
+  /// Asks the other members for `bytes`, of which it needs `needed`: at most what its cap
+  /// leaves room for beyond the free capacity, and nothing when that is less than `needed`
+  /// (the cap refuses it whatever the others give). Returns the request's number.
+  std::uint32_t ask(std::size_t member, std::size_t bytes, std::size_t needed = 0);
+  /// Bytes the other live members hold, their requests do not claim (as of their last
+  /// published call) and their floors do not keep: what asking could bring at most.
+  /// Lock-free reads; a hint.
   std::size_t others_cached(std::size_t member) const noexcept;
-  /// Whether the asker should stop waiting: the reservation covers `enough` bytes (at most
-  /// what it wants), or every other live member answered `request` and no pledge is
+  /// Whether the asker should stop waiting: its share of the reservation (what askers of
+  /// higher priority do not want) covers `enough` bytes (at most what it wants), or every
+  /// other live member answered `request` and no pledge is
   /// outstanding. With `reap`, counts dead members out first (a read of /proc per member).
   bool ask_settled(std::size_t member, std::uint32_t request, std::size_t enough, bool reap = true);
   /// Every live member but `except` has answered `request`, and no pledge is outstanding.
@@ -135,33 +179,67 @@ class BudgetLedger {
   /// Some member but `except` that has not answered `request` yet (or owes a pledge) is
   /// alive and not stopped: slow, not gone. Reads /proc per such member.
   bool answer_may_come(std::uint32_t request, std::size_t except);
-  /// Ends the member's ask and moves up to what it wanted from the reservation into its
-  /// `held`; returns those bytes (the caller creates pages from them or releases them).
+  /// Ends the member's ask and moves up to what it wanted from its share of the reservation
+  /// (within its cap) into its `held`; returns those bytes (the caller creates pages from
+  /// them or releases them).
   std::size_t claim_reserved(std::size_t member) noexcept;
 
-  /// What the other members ask for and no one has pledged yet, plus any excess over the
-  /// capacity: the member pledges up to `can_give` of it and returns its pledge. `asked`
-  /// (may be null): what the others want plus the excess, pledged or not.
-  std::size_t pledge(std::size_t member, std::size_t can_give, std::uint64_t* asked = nullptr);
-  /// The member has given back what it could of its pledge for `request`.
-  void answered(std::size_t member, std::uint32_t request) noexcept;
+  /// What the member holds above its cap, then what the other members ask for and no one
+  /// has pledged yet plus any excess over the capacity (the floors' gaps counted as
+  /// used): the member pledges up to `can_give` of it, never going below its floor, and
+  /// returns its pledge. `asked` (may be null): all that, pledged or not.
+  /// With `deferred`: pledges nothing and sets it while a member of lower priority that
+  /// could give (not asking itself, holding unclaimed bytes above its floor) has not
+  /// answered the latest request and can still run (checked under the pledge's lock;
+  /// reads /proc per such member): lower priorities give first.
+  std::size_t pledge(std::size_t member, std::size_t can_give, std::uint64_t* asked = nullptr,
+                     bool* deferred = nullptr);
+  /// The member has given back what it could of its pledge for `request` (`given` bytes,
+  /// counted as a give-back when not 0); `asked`: another member or a resize wanted bytes
+  /// (the time of its last answer is recorded).
+  void answered(std::size_t member, std::uint32_t request, std::size_t given = 0, bool asked = false) noexcept;
+  /// The member has given back what it could of a pledge made outside an answer (its cap).
+  void end_pledge(std::size_t member) noexcept;
+  /// Bytes the member holds above its cap (lock-free; a hint).
+  std::size_t over_cap(std::size_t member) const noexcept {
+    const BudgetMemberRecord& row = segment_.members[member];
+    const std::uint64_t cap = row.cap.load(std::memory_order_relaxed);
+    const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+    return cap != 0 && held > cap ? held - cap : 0;
+  }
+  /// Bytes the member gave back toward its pledges so far (lock-free).
+  std::size_t given_bytes(std::size_t member) const noexcept {
+    return segment_.members[member].given_bytes.load(std::memory_order_relaxed);
+  }
+  /// Counts an ask of the member (for people watching; lock-free).
+  void count_ask(std::size_t member) noexcept { segment_.members[member].asks.fetch_add(1); }
 
   /// Publishes the bytes the member's allocated slots claim (lock-free; for stats()).
   void publish_in_use(std::size_t member, std::size_t bytes) noexcept {
     segment_.members[member].in_use.store(bytes, std::memory_order_relaxed);
   }
-  /// Bytes free now, without locking: a hint that may be stale when read.
-  std::size_t free_hint() const noexcept {
-    const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
-    const std::uint64_t used = segment_.used.load(std::memory_order_relaxed);
-    return capacity > used ? capacity - used : 0;
-  }
+  /// Bytes the member may take now (the free capacity less the others' floors' gaps,
+  /// within its cap), without locking: a hint that may be stale when read.
+  std::size_t free_hint(std::size_t member) const noexcept;
+  /// Why the member can take no more than free_hint(), for an OutOfMemory's message: the
+  /// free capacity, the others' floors' gaps and its cap (lock-free reads; a hint).
+  std::string room_text(std::size_t member) const;
   std::size_t held(std::size_t member);
   /// The last request the member answered (at joining: the last one before it joined).
   std::uint32_t last_answered(std::size_t member);
 
   /// Sets the capacity; when it falls below used, members are asked to give back the excess.
+  /// @throws InvalidArgument below the members' floors (one line naming their sum).
   void resize(std::size_t capacity);
+  /// Sets the limits of every member of process `pid` (the fields `set` names; the others
+  /// stay); members above a new cap, or holding what a new floor keeps, are asked to give
+  /// back. Returns how many members it changed.
+  /// @throws InvalidArgument when no live member has that pid, a cap is below a member's
+  ///         page or floor, or the floors would exceed the capacity; nothing changes then.
+  struct LimitChange {
+    bool floor = false, cap = false, priority = false;
+  };
+  std::size_t set_limits(std::int32_t pid, const MemberLimits& limits, LimitChange set);
   /// Counts back the bytes of members whose process is gone. Returns how many it found.
   std::size_t reap();
   /// @throws Error when a row is corrupted (naming the row and the field).
@@ -177,14 +255,28 @@ class BudgetLedger {
   std::size_t reap_locked() noexcept;
   void recount_locked() noexcept;
   bool all_answered_locked(std::uint32_t request, std::size_t except) const noexcept;
+  bool lower_priority_may_give_locked(std::size_t member, std::uint32_t request) const noexcept;
   void clear_row(BudgetMemberRecord& row) noexcept;
   void return_bytes(std::size_t bytes) noexcept;
   void fit_reservation() noexcept;
   std::uint64_t wanted_total() const noexcept;
   std::uint64_t excess() const noexcept;
+  // The floors' gaps (floor - held) of the live members but `except`, or of those not asking.
+  std::uint64_t floor_gaps(std::size_t except, bool askers_too = true) const noexcept;
+  // What the capacity lacks for the floors' gaps of members not asking (used above it too).
+  std::uint64_t shortfall_beyond_wanted() const noexcept;
+  std::uint64_t floors_total(std::size_t except) const noexcept;
+  void expect_floors_fit(std::uint64_t floors, std::uint64_t capacity, const std::string& what) const;
+  // What askers of higher priority than `member` want; the reservation less that.
+  std::uint64_t wanted_above(std::size_t member) const noexcept;
+  std::uint64_t reserved_for(std::size_t member) const noexcept;
+  std::string description() const { return name_.empty() ? "the shared budget" : budget_description(name_); }
+  // Bumps `requests` when a member is over its cap or the capacity is short (returns whether).
+  bool request_if_short_locked() noexcept;
   void wake_releases() noexcept;
 
   BudgetSegment& segment_;
+  std::string name_;
 };
 
 }  // namespace vkv::detail

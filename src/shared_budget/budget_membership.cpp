@@ -33,10 +33,11 @@ std::size_t kept_of(std::size_t asked, std::size_t granted) noexcept {
 
 void set_short_claim_hook_for_testing(ShortClaimHook hook) noexcept { short_claim_hook.store(hook); }
 
-BudgetMembership::BudgetMembership(const std::string& name, const Backend& backend, std::size_t page_bytes)
+BudgetMembership::BudgetMembership(const std::string& name, const Backend& backend, std::size_t page_bytes,
+                                   const MemberLimits& limits, const std::string& label)
     : name_(name),
       mapping_(open_for_member(name)),
-      ledger_(*static_cast<BudgetSegment*>(mapping_.data())),
+      ledger_(*static_cast<BudgetSegment*>(mapping_.data()), name),
       page_bytes_(page_bytes) {
   const BudgetSegment& segment = ledger_.segment();
   const std::string identity = backend.memory_identity();
@@ -44,7 +45,7 @@ BudgetMembership::BudgetMembership(const std::string& name, const Backend& backe
   VKV_EXPECTS(identity == budget_identity, "shared_budget = '", name, "' is over ", segment.device, " (",
               budget_identity, ") but this cache is on ", backend.name(), " (", identity,
               "): a budget counts one device's memory");
-  member_ = ledger_.join(page_bytes);
+  member_ = ledger_.join(page_bytes, limits, label);
 }
 
 BudgetMembership::~BudgetMembership() {
@@ -68,7 +69,7 @@ void BudgetMembership::stop_watching() noexcept {
 }
 
 std::size_t BudgetMembership::available_pages() const noexcept {
-  return claimed_pages_.load(std::memory_order_relaxed) + ledger_.free_hint() / page_bytes_;
+  return claimed_pages_.load(std::memory_order_relaxed) + ledger_.free_hint(member_) / page_bytes_;
 }
 
 // What the others gave for this member comes first: nobody else may use it.
@@ -118,7 +119,7 @@ std::size_t BudgetMembership::reap_dead() noexcept {
 
 void BudgetMembership::ask(std::size_t pages, std::size_t needed) {
   last_ask_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count());
-  const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_);
+  const std::uint32_t request = ledger_.ask(member_, pages * page_bytes_, needed * page_bytes_);
   BudgetSegment& segment = ledger_.segment();
   const auto begin = std::chrono::steady_clock::now();
   auto deadline = begin + kAskTimeout;
@@ -173,11 +174,15 @@ void BudgetMembership::watch(std::uint32_t seen) noexcept {
         continue;
       }
       const bool idle = callbacks_.idle && callbacks_.idle_period.count() > 0;
+      const bool over_cap = ledger_.over_cap(member_) > 0;
       std::chrono::milliseconds wait = idle ? callbacks_.idle_period : std::chrono::milliseconds(1000);
       if (pressed) wait = std::min(wait, kTrimPoll);
+      if (over_cap) wait = std::min(wait, kCapPoll);
       futex_wait(segment.requests, seen, wait);
       if (stopping_.load() || segment.requests.load() != seen) continue;
-      if (pressed) {
+      if (over_cap) {
+        give_over_cap();
+      } else if (pressed) {
         more = trim_once();
       } else if (idle) {
         try {
@@ -207,16 +212,54 @@ bool BudgetMembership::trim_once() noexcept {
 
 bool BudgetMembership::answer(std::uint32_t request) noexcept {
   bool asked = false;
+  std::size_t given = 0;
   try {
-    std::uint64_t wanted = 0;
-    const std::size_t pledged = ledger_.pledge(member_, callbacks_.cached_bytes(), &wanted);
-    asked = wanted > 0;
+    const std::size_t given_before = ledger_.given_bytes(member_);
+    const std::size_t pledged = pledge_after_lower_priorities(asked);
     if (pledged > 0) callbacks_.give_back(pledged);
+    given = ledger_.given_bytes(member_) - given_before;
   } catch (const std::exception& error) {
     log_debug(concat("shared budget '", name_, "': giving pages back failed: ", error.what()));
   }
-  ledger_.answered(member_, request);
+  ledger_.answered(member_, request, given, asked);
   return asked;
+}
+
+std::size_t BudgetMembership::pledge_after_lower_priorities(bool& asked) {
+  // Lower priorities give first: while one that could give has not answered the latest
+  // request, wait (bounded as an ask is: a member that cannot run is not waited for, nor
+  // one slower than kAskTimeoutRunning), then pledge what they left.
+  const BudgetSegment& segment = ledger_.segment();
+  const auto deadline = std::chrono::steady_clock::now() + kAskTimeoutRunning;
+  for (;;) {
+    const std::uint32_t releases = segment.releases.load();
+    const auto now = std::chrono::steady_clock::now();
+    const bool may_wait = now < deadline && !stopping_.load();
+    bool deferred = false;
+    std::uint64_t wanted = 0;
+    const std::size_t pledged =
+        ledger_.pledge(member_, callbacks_.cached_bytes(), &wanted, may_wait ? &deferred : nullptr);
+    if (!deferred) {
+      asked = wanted > 0;
+      return pledged;
+    }
+    futex_wait(segment.releases, releases, std::min<std::chrono::nanoseconds>(deadline - now, kReapPeriod));
+  }
+}
+
+void BudgetMembership::give_over_cap() noexcept {
+  // Only what is above the cap: an ask of the others is answered in its turn. While its
+  // requests claim all of it, each poll costs a look at the cache, not the budget's lock.
+  std::size_t pledged = 0;
+  try {
+    const std::size_t can_give = std::min(callbacks_.cached_bytes(), ledger_.over_cap(member_));
+    if (can_give == 0) return;
+    pledged = ledger_.pledge(member_, can_give);
+    if (pledged > 0) callbacks_.give_back(pledged);
+  } catch (const std::exception& error) {
+    log_debug(concat("shared budget '", name_, "': giving pages back above the cap failed: ", error.what()));
+  }
+  ledger_.end_pledge(member_);
 }
 
 }  // namespace vkv::detail

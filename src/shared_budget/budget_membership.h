@@ -65,9 +65,15 @@ class BudgetMembership final : public PageAccount {
   /// raised OutOfMemory that its answer would have spared.
   static constexpr std::chrono::milliseconds kAskTimeoutRunning{2000};
 
-  /// Opens the budget `name` and joins it. @throws InvalidArgument for an unknown budget,
-  /// one over another device than `backend`'s, or pages of another size than it can count.
-  BudgetMembership(const std::string& name, const Backend& backend, std::size_t page_bytes);
+  /// How often a member above its cap (lowered at run time below what its requests claimed)
+  /// looks for pages to give back down to it, as its requests finish.
+  static constexpr std::chrono::milliseconds kCapPoll{10};
+
+  /// Opens the budget `name` and joins it with `limits` and `label` (BudgetLedger::join).
+  /// @throws InvalidArgument for an unknown budget, one over another device than
+  /// `backend`'s, pages of another size than it can count, or limits join() refuses.
+  BudgetMembership(const std::string& name, const Backend& backend, std::size_t page_bytes,
+                   const MemberLimits& limits = {}, const std::string& label = "");
   /// Stops the watcher and leaves: what this member still holds is counted back.
   ~BudgetMembership() override;
   BudgetMembership(const BudgetMembership&) = delete;
@@ -104,6 +110,8 @@ class BudgetMembership final : public PageAccount {
   /// Returns what was claimed and not used (end of the call that asked).
   void release_claimed() noexcept;
 
+  /// Why the budget gives this member no more now, for an OutOfMemory's message.
+  std::string room_text() const { return ledger_.room_text(member_); }
   /// Bytes this member's allocated slots claim, for the budget's stats.
   void publish_in_use(std::size_t bytes) noexcept { ledger_.publish_in_use(member_, bytes); }
   /// Bytes this member holds in the books (pages it created and claimed reservation).
@@ -123,6 +131,11 @@ class BudgetMembership final : public PageAccount {
   void watch(std::uint32_t seen) noexcept;
   // Returns whether another member (or a resize) wanted pages.
   bool answer(std::uint32_t request) noexcept;
+  // Pledges once no member of lower priority that could give owes an answer; sets `asked`
+  // when another member (or a resize) wanted pages.
+  std::size_t pledge_after_lower_priorities(bool& asked);
+  // Gives back unclaimed pages down to its cap (a cap lowered below what it holds).
+  void give_over_cap() noexcept;
   // Callbacks::trim, its errors logged; returns whether more is left.
   bool trim_once() noexcept;
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <cstddef>
 #include <sstream>
 #include <thread>
 
@@ -36,7 +37,9 @@ std::string budget_object_name(const std::string& name) {
 
 SharedMapping open_budget_object(const std::string& name) {
   const std::string what = budget_description(name);
-  SharedMapping mapping = SharedMapping::open(budget_object_name(name), sizeof(BudgetSegment), what);
+  // The header first: an object of another layout version is refused as one (its size
+  // differs), not as a truncated object.
+  SharedMapping mapping = SharedMapping::open(budget_object_name(name), offsetof(BudgetSegment, mode), what);
   auto& segment = *static_cast<BudgetSegment*>(mapping.data());
   // The creator writes the magic number last; give a creator that is just finishing a moment.
   for (int tries = 0; segment.magic.load(std::memory_order_acquire) != BudgetSegment::kMagic; ++tries) {
@@ -45,6 +48,8 @@ SharedMapping open_budget_object(const std::string& name) {
   }
   VKV_EXPECTS(segment.version == BudgetSegment::kVersion, what, " has layout version ", segment.version,
               ", this vkv reads version ", BudgetSegment::kVersion, ": use the same vkv in every member");
+  VKV_EXPECTS(mapping.size() >= sizeof(BudgetSegment), what, " is ", mapping.size(), " bytes, less than the ",
+              sizeof(BudgetSegment), " this version of vkv expects: it is not a vkv object, or another version's");
   // Write permission beyond what the creator chose: someone could truncate or lock it.
   const unsigned widened = mapping.mode() & ~segment.mode & 0222;
   if (widened != 0) {
@@ -69,9 +74,25 @@ SharedBudgetStats to_stats(const std::string& name, const detail::BudgetView& vi
   stats.used_bytes = view.used_bytes;
   stats.reserved_bytes = view.reserved_bytes;
   stats.device_total_bytes = view.device_total_bytes;
-  for (const detail::BudgetMemberView& member : view.members)
-    stats.members.push_back(
-        {member.pid, member.command, member.page_bytes, member.held_bytes, member.in_use_bytes, member.wanted_bytes});
+  for (const detail::BudgetMemberView& member : view.members) {
+    SharedBudgetMember row;
+    row.pid = member.pid;
+    row.command = member.command;
+    row.page_bytes = member.page_bytes;
+    row.held_bytes = member.held_bytes;
+    row.in_use_bytes = member.in_use_bytes;
+    row.wanted_bytes = member.wanted_bytes;
+    row.row = member.row;
+    row.label = member.label;
+    row.floor_bytes = member.limits.floor;
+    row.cap_bytes = member.limits.cap;
+    row.priority = member.limits.priority;
+    row.asks = member.asks;
+    row.give_backs = member.give_backs;
+    row.given_bytes = member.given_bytes;
+    row.since_answer_ns = member.since_answer_ns;
+    stats.members.push_back(std::move(row));
+  }
   return stats;
 }
 
@@ -104,7 +125,7 @@ struct SharedBudget::State {
   State(std::string budget_name, detail::SharedMapping object)
       : name(std::move(budget_name)),
         mapping(std::move(object)),
-        ledger(*static_cast<detail::BudgetSegment*>(mapping.data())) {}
+        ledger(*static_cast<detail::BudgetSegment*>(mapping.data()), name) {}
 };
 
 SharedBudget::SharedBudget(std::unique_ptr<State> state) noexcept : state_(std::move(state)) {}
@@ -144,13 +165,35 @@ SharedBudgetStats SharedBudget::resize(std::size_t bytes, unsigned wait_ms) {
   detail::BudgetSegment& segment = state_->ledger.segment();
   expect_valid_capacity(state_->name, bytes, segment.device_total, segment.device, state_->ledger.largest_page());
   state_->ledger.resize(bytes);
-  // Members answer from their own threads; wait until they are under it or all answered.
+  return wait_for_answers(wait_ms);
+}
+
+SharedBudgetStats SharedBudget::set_limits(std::int32_t pid, const SharedBudgetLimits& limits, unsigned wait_ms) {
+  detail::MemberLimits values;
+  detail::BudgetLedger::LimitChange set;
+  set.floor = limits.floor_bytes.has_value();
+  set.cap = limits.cap_bytes.has_value();
+  set.priority = limits.priority.has_value();
+  values.floor = limits.floor_bytes.value_or(0);
+  values.cap = limits.cap_bytes.value_or(0);
+  values.priority = limits.priority.value_or(0);
+  state_->ledger.set_limits(pid, values, set);
+  return wait_for_answers(wait_ms);
+}
+
+// Members answer from their own threads; waits until the budget is within its capacity,
+// no member is above its cap, or all answered.
+SharedBudgetStats SharedBudget::wait_for_answers(unsigned wait_ms) {
+  detail::BudgetSegment& segment = state_->ledger.segment();
   const std::uint32_t request = segment.requests.load();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
   for (;;) {
     const std::uint32_t releases = segment.releases.load();
     const detail::BudgetView view = state_->ledger.view();
-    if (view.used_bytes <= view.capacity_bytes) break;
+    const bool over_cap = std::any_of(view.members.begin(), view.members.end(), [](const auto& member) {
+      return member.limits.cap != 0 && member.held_bytes > member.limits.cap;
+    });
+    if (view.used_bytes <= view.capacity_bytes && !over_cap) break;
     const auto now = std::chrono::steady_clock::now();
     if (state_->ledger.all_answered(request) || now >= deadline) break;
     detail::futex_wait(segment.releases, releases, deadline - now);

@@ -1,6 +1,6 @@
 """A member of a shared budget in a process of its own, driven by the tests over pipes.
 
-    python budget_member.py NAME [--mapper]
+    python budget_member.py NAME [--mapper] [--floor BYTES] [--cap BYTES] [--priority N] [--label TEXT]
 
 Reads one JSON command per line on stdin and answers one JSON line on stdout:
   {"op": "alloc"}                       -> {"slot": s}
@@ -25,10 +25,23 @@ import vkv
 TOKENS_PER_PAGE = 32  # 4 layers, 2 KV heads of 64, fp16, interleaved: 2 KiB a token, 64 KiB pages
 
 
-def make_cache(name, mapper):
+# Options that name a KVCache keyword: --floor -> shared_budget_floor, and so on.
+LIMITS = {"--floor": ("shared_budget_floor", int), "--cap": ("shared_budget_cap", int),
+          "--priority": ("shared_budget_priority", int), "--label": ("shared_budget_label", str)}
+
+
+def limits(argv):
+    options = {}
+    for flag, (keyword, kind) in LIMITS.items():
+        if flag in argv:
+            options[keyword] = kind(argv[argv.index(flag) + 1])
+    return options
+
+
+def make_cache(name, mapper, **options):
     return vkv.KVCache(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=4,
                        max_context_len=4096, device="cpu", page_size=64 << 10, background_mapping=mapper,
-                       shared_budget=name)
+                       shared_budget=name, **options)
 
 
 def step(cache, lengths):
@@ -91,7 +104,7 @@ def answer(cache, command):
 
 
 def main():
-    cache = make_cache(sys.argv[1], mapper="--mapper" in sys.argv)
+    cache = make_cache(sys.argv[1], mapper="--mapper" in sys.argv, **limits(sys.argv))
     print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

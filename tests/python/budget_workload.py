@@ -230,7 +230,12 @@ def member_main(name: str, index: int, seed: int, until: float, device: str, res
         # Every other member gives back unasked after an ask (shared_budget_pressure_ms): its
         # watcher then trims between the others' asks, racing its own calls.
         pressure = dict(shared_budget_pressure_ms=50) if index % 2 else {}
-        cache = vkv.KVCache(shared_budget=name, **cache_arguments(device), **pressure)
+        # Three priorities (lower ones give first, and are waited for), and a floor of a page
+        # in every fourth member (at most one per member: the floors fit the least capacity).
+        limits = dict(shared_budget_priority=index % 3, shared_budget_label=f"member-{index}")
+        if index % 4 == 1:
+            limits["shared_budget_floor"] = page_bytes(device)
+        cache = vkv.KVCache(shared_budget=name, **cache_arguments(device), **pressure, **limits)
         member = Member(cache, vkv.SharedBudget.open(name), rng, device)
         start = last_progress = time.monotonic()  # member-time counts from here
         while time.time() < until:

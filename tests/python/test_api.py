@@ -317,7 +317,8 @@ def test_every_keyword_option_reaches_the_core():
                    zero_page=True, scratch_page=True,
                    background_mapping=False, lookahead_tokens=7, eager_tokens=5, deferred_reclamation=False,
                    reclaim_watermark_pages=3, backend_statistics=False, shared_budget=budget.name,
-                   shared_budget_idle_ms=9, shared_budget_pressure_ms=11)
+                   shared_budget_idle_ms=9, shared_budget_pressure_ms=11, shared_budget_floor=2 * page,
+                   shared_budget_cap=16 * page, shared_budget_priority=3, shared_budget_label="api")
     keywords = [p.name for p in inspect.signature(vkv.KVCache).parameters.values() if p.kind == p.KEYWORD_ONLY]
     assert sorted(options) == sorted(keywords), "a new config field: give it a value here"
     with vkv.KVCache(4, 2, 64, torch.float16, 4, 4096, "cpu", "interleaved", **options) as cache:

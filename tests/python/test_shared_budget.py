@@ -33,8 +33,8 @@ def budget():
 class Member:
     """A cache in another process, in the budget, that does what the test tells it."""
 
-    def __init__(self, budget_name, mapper=False):
-        command = [sys.executable, str(MEMBER), budget_name] + (["--mapper"] if mapper else [])
+    def __init__(self, budget_name, mapper=False, *options):
+        command = [sys.executable, str(MEMBER), budget_name] + (["--mapper"] if mapper else []) + list(options)
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pid = self._reply()["pid"]
 
@@ -385,3 +385,222 @@ def test_a_widened_or_truncated_budget_is_refused_before_it_is_mapped(budget):
         vkv.SharedBudget.open(budget.name)
     with pytest.raises(ValueError, match="is 100 bytes"):
         small_cache(shared_budget=budget.name)
+
+
+# -- guarantees between members: floors, caps, priorities ------------------------------------
+
+
+def exact_member(budget, **limits):
+    """A cache in this process that maps exactly what its steps ask for (no lookahead, no
+    eager allocation): what it holds is what the test computes."""
+    return small_cache(shared_budget=budget.name, lookahead_tokens=0, eager_tokens=0, **limits)
+
+
+def step_one(cache, slot, count):
+    cache.step([pages(count) if s == slot else 0 for s in range(cache.max_batch_size)])
+
+
+def holding(budget, claimed, cached, *options):
+    """A member process whose request claims `claimed` pages and that caches `cached` more."""
+    member = Member(budget.name, False, *options)
+    kept, freed = member("alloc")["slot"], member("alloc")["slot"]
+    assert member("step", lens={kept: pages(claimed), freed: pages(cached)}) == {"ok": True}
+    member("free", slot=freed)
+    assert member("stats")["pages_created"] == claimed + cached
+    return member
+
+
+def row_of(budget, pid):
+    (row,) = [member for member in budget.stats()["members"] if member["pid"] == pid]
+    return row
+
+
+def eventually(done, seconds=10):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done()
+
+
+def test_a_higher_priority_asker_takes_a_member_down_to_its_floor_never_below(budget):
+    low = holding(budget, 2, 10, "--floor", str(6 * HOST_PAGE))  # holds 12 pages of 16
+    try:
+        with exact_member(budget, shared_budget_priority=1) as high:
+            slot = high.alloc_reqid()
+            with pytest.raises(vkv.OutOfMemory) as shortage:
+                step_one(high, slot, 14)  # 4 free, 6 of low's cached above its floor
+            assert shortage.value.missing_pages == 4
+            assert row_of(budget, low.pid)["pages_held"] == 6
+            step_one(high, slot, 10)
+            assert row_of(budget, low.pid)["pages_held"] == 6
+            assert row_of(budget, low.pid)["floor_bytes"] == 6 * HOST_PAGE
+    finally:
+        low.close()
+
+
+def test_lower_priorities_give_back_first(budget):
+    low = holding(budget, 1, 5, "--priority", "0")
+    middle = holding(budget, 1, 5, "--priority", "1")
+    try:
+        with exact_member(budget, shared_budget_priority=2) as asker:
+            slot = asker.alloc_reqid()
+            step_one(asker, slot, 8)  # 4 free, 4 asked for: low gives them all
+            assert row_of(budget, low.pid)["pages_held"] == 2
+            assert row_of(budget, middle.pid)["pages_held"] == 6
+            step_one(asker, slot, 12)  # low's last one, then 3 of middle's
+            assert row_of(budget, low.pid)["pages_held"] == 1
+            assert row_of(budget, middle.pid)["pages_held"] == 3
+    finally:
+        low.close()
+        middle.close()
+
+
+def test_a_cap_bounds_a_member_and_one_set_at_run_time_is_given_back_to(budget, capsys):
+    capped = Member(budget.name, False, "--cap", str(8 * HOST_PAGE))
+    try:
+        slot = capped("alloc")["slot"]
+        assert capped("step", lens={slot: pages(10)}) == {"error": "OutOfMemory", "missing_pages": 2}
+        assert capped("step", lens={slot: pages(8)}) == {"ok": True}
+        # Lowered to 4 while its request claims 8: it keeps them and creates no page...
+        assert vkv.budget.main(["set", budget.name, str(capped.pid), "--max", "256KiB", "--wait", "0.1"]) == 0
+        assert "256.00 KiB" in capsys.readouterr().out
+        assert row_of(budget, capped.pid)["pages_held"] == 8
+        other = capped("alloc")["slot"]
+        assert capped("step", lens={slot: pages(8), other: pages(1)})["error"] == "OutOfMemory"
+        capped("free", slot=slot)  # ...and gives them back once they are unclaimed
+        assert eventually(lambda: row_of(budget, capped.pid)["pages_held"] <= 4)
+        assert capped("step", lens={other: pages(4)}) == {"ok": True}
+    finally:
+        capped.close()
+
+
+def test_limits_set_from_the_command_line_take_effect_in_a_running_member(budget, capsys):
+    running = holding(budget, 2, 10)
+    try:
+        assert vkv.budget.main(["set", budget.name, str(running.pid), "--max", "384KiB", "--priority", "3"]) == 0
+        row = row_of(budget, running.pid)
+        assert (row["pages_held"], row["cap_bytes"], row["priority"]) == (6, 6 * HOST_PAGE, 3)
+        assert vkv.budget.main(["set", budget.name, str(running.pid), "--min", "768KiB", "--max", "0"]) == 0
+        table = capsys.readouterr().out
+        assert "768.00 KiB" in table and "floor" in table
+        with exact_member(budget) as other:  # 10 free, 6 of them the running member's floor
+            slot = other.alloc_reqid()
+            with pytest.raises(vkv.OutOfMemory):
+                step_one(other, slot, 5)
+            step_one(other, slot, 4)
+        assert running("stats")["pages_in_use"] == 2  # its request went on untouched
+    finally:
+        running.close()
+
+
+def test_floors_above_the_capacity_are_refused_in_one_line(budget):
+    floored = holding(budget, 0, 1, "--floor", str(10 * HOST_PAGE))
+    try:
+        with pytest.raises(ValueError, match=r"with shared_budget_floor = 458752 the members' floors would add up to "
+                                             r"1114112 bytes \(1.06 MiB\), more than its capacity, 1048576 bytes"):
+            small_cache(shared_budget=budget.name, shared_budget_floor=7 * HOST_PAGE)
+        with pytest.raises(ValueError, match="floors would add up to 1310720 bytes"):
+            budget.set_limits(floored.pid, floor=20 * HOST_PAGE)
+        with pytest.raises(ValueError, match="bytes = 524288 is refused: the members' floors would add up to 655360"):
+            budget.resize(8 * HOST_PAGE)
+        done = subprocess.run([sys.executable, "-m", "vkv.budget", "set", budget.name, str(floored.pid), "--min",
+                               "2MiB"], capture_output=True, text=True, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and "floors would add up to 2097152 bytes" in lines[0]
+        stats = budget.stats()
+        assert stats["capacity_bytes"] == 16 * HOST_PAGE and stats["members"][0]["floor_bytes"] == 10 * HOST_PAGE
+    finally:
+        floored.close()
+
+
+def test_a_dead_members_floor_is_counted_out(budget):
+    floored = holding(budget, 0, 1, "--floor", str(12 * HOST_PAGE))
+    with exact_member(budget) as other:
+        slot = other.alloc_reqid()
+        with pytest.raises(vkv.OutOfMemory):
+            step_one(other, slot, 5)  # 15 free, 11 of them its floor's gap
+        os.kill(floored.pid, signal.SIGKILL)
+        assert floored.process.wait(REPLY_TIMEOUT_S) == -signal.SIGKILL
+        step_one(other, slot, 16)  # the shortage counts it out, floor and all
+        assert [row["pid"] for row in budget.stats()["members"]] == [os.getpid()]
+
+
+@pytest.mark.parametrize("limits, message", [
+    (dict(shared_budget_floor=5), "shared_budget_floor = 5 needs a shared_budget"),
+    (dict(shared_budget_label="x"), "shared_budget_label = 'x' needs a shared_budget"),
+    (dict(shared_budget="b", shared_budget_floor=8, shared_budget_cap=4),
+     "shared_budget_cap = 4 is less than shared_budget_floor = 8"),
+    (dict(shared_budget="b", shared_budget_priority=2**32), "shared_budget_priority = 4294967296 exceeds"),
+    (dict(shared_budget="b", shared_budget_label="x" * 48), "must be at most 47 printable ASCII characters"),
+])
+def test_limits_the_config_refuses(limits, message):
+    with pytest.raises(ValueError, match=message):
+        small_cache(**limits)
+
+
+# -- python -m vkv.budget top ------------------------------------------------------------
+
+
+def test_top_rates_come_from_two_samples(budget):
+    low = holding(budget, 1, 10, "--label", "engine-b")
+    try:
+        with exact_member(budget, shared_budget_label="engine-a") as asker:
+            before = budget.stats()
+            slot = asker.alloc_reqid()
+            step_one(asker, slot, 9)  # 5 free: one ask
+            assert eventually(lambda: row_of(budget, low.pid)["give_backs"] == 1)
+            sample = vkv.budget.top_sample(before, budget.stats(), 2.0)
+        rows = {row["label"]: row for row in sample["members"]}
+        assert rows["engine-a"]["asks_per_second"] == 0.5 and rows["engine-a"]["give_backs_per_second"] == 0
+        assert rows["engine-b"]["give_backs_per_second"] == 0.5 and rows["engine-b"]["pid"] == low.pid
+        assert rows["engine-b"]["seconds_since_answer"] >= 0 and rows["engine-a"]["seconds_since_answer"] is None
+        assert "engine-a" in vkv.budget.top_table(sample) and "0.5" in vkv.budget.top_table(sample)
+    finally:
+        low.close()
+
+
+def run_top(budget, *arguments):
+    return subprocess.run([sys.executable, "-m", "vkv.budget", "top", budget.name, "--interval", "0.1", *arguments],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_top_once_and_json_show_the_live_members(budget):
+    labelled = holding(budget, 2, 1, "--label", "engine-7", "--floor", str(2 * HOST_PAGE), "--priority", "4")
+    plain = holding(budget, 1, 0, "--cap", str(8 * HOST_PAGE))
+    try:
+        done = run_top(budget, "--once", "--json")
+        assert done.returncode == 0, done.stderr
+        (line,) = done.stdout.strip().splitlines()  # exactly one object
+        shown = json.loads(line)
+        assert shown["name"] == budget.name and shown["capacity_bytes"] == 16 * HOST_PAGE
+        rows = {row["pid"]: row for row in shown["members"]}
+        assert set(rows) == {labelled.pid, plain.pid}
+        assert rows[labelled.pid]["label"] == "engine-7" and rows[plain.pid]["label"].startswith("python")
+        assert (rows[labelled.pid]["bytes_held"], rows[labelled.pid]["bytes_in_use"]) == (3 * HOST_PAGE, 2 * HOST_PAGE)
+        assert (rows[labelled.pid]["floor_bytes"], rows[labelled.pid]["priority"]) == (2 * HOST_PAGE, 4)
+        assert rows[plain.pid]["cap_bytes"] == 8 * HOST_PAGE
+        assert set(rows[plain.pid]) == {"pid", "label", "bytes_held", "bytes_in_use", "floor_bytes", "cap_bytes",
+                                        "priority", "asks_per_second", "give_backs_per_second",
+                                        "seconds_since_answer"}
+        done = run_top(budget, "--once")
+        assert done.returncode == 0, done.stderr
+        table = done.stdout
+        assert "\x1b[" not in table and "asks/s" in table and "give-backs/s" in table
+        assert str(labelled.pid) in table and "engine-7" in table and "never" in table
+    finally:
+        labelled.close()
+        plain.close()
+
+
+def test_top_refreshes_until_ctrl_c(budget):
+    watching = subprocess.Popen([sys.executable, "-m", "vkv.budget", "top", budget.name, "--interval", "0.05"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = watching.stdout.readline()  # once it has drawn, it redraws every 50 ms
+    second = watching.stdout.readline() + watching.stdout.readline()
+    watching.send_signal(signal.SIGINT)
+    out, err = watching.communicate(timeout=60)
+    assert watching.returncode == 0 and "Traceback" not in err, err
+    assert first.startswith("\x1b[H\x1b[2Jshared budget") and "no members" in second
+    assert "\x1b[H\x1b[2J" in second + out  # redrawn

@@ -1027,5 +1027,257 @@ TEST(SharedBudgetTest, AnUnderflowedUsedIsRepairedWhenTheBooksAreRecounted) {
   EXPECT_EQ(budget.stats().used_bytes, 0u);
 }
 
+// ---- guarantees between members: floors, caps, priorities ----------------------------
+
+constexpr std::size_t kPage = testing::kHostTestPageBytes;
+constexpr std::size_t kTokensPerPage = 32;  // small_config, interleaved: 2 KiB a token
+
+std::size_t pages(std::size_t count) { return count * kPage; }
+
+// small_config on the host in budget `name`, with nothing mapped beyond what step() asks
+// (no lookahead, no eager allocation): a member holds exactly the pages its steps make.
+CacheConfig guaranteed_config(const BudgetName& name, std::size_t floor_pages = 0, std::size_t cap_pages = 0,
+                              std::size_t priority = 0) {
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, kPage);
+  config.device = host();
+  config.page_size = kPage;
+  config.shared_budget = name.str();
+  config.lookahead_tokens = 0;
+  config.eager_tokens = 0;
+  config.shared_budget_floor = pages(floor_pages);
+  config.shared_budget_cap = pages(cap_pages);
+  config.shared_budget_priority = priority;
+  return config;
+}
+
+// A member (in a child process: MemberProcess's body) whose request claims `claimed` pages
+// and that caches `cached` more of a freed request: what it gives back when asked.
+void hold(const CacheConfig& config, std::size_t claimed, std::size_t cached) {
+  auto* cache = new KvCache(config);  // lives until the process is killed
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+  if (claimed > 0) seq_lens[cache->alloc_reqid()] = claimed * kTokensPerPage;
+  const std::size_t freed = cache->alloc_reqid();
+  seq_lens[freed] = cached * kTokensPerPage;
+  cache->step(seq_lens);
+  cache->free_reqid(freed);
+}
+
+// step() of one slot to `count` pages.
+void step_to(KvCache& cache, std::size_t slot, std::size_t count) {
+  std::vector<std::size_t> seq_lens(cache.config().max_batch_size, 0);
+  seq_lens[slot] = count * kTokensPerPage;
+  cache.step(seq_lens);
+}
+
+const SharedBudgetMember& member_of(const SharedBudgetStats& stats, pid_t pid) {
+  for (const SharedBudgetMember& member : stats.members)
+    if (member.pid == pid) return member;
+  throw std::runtime_error("no member with pid " + std::to_string(pid));
+}
+
+// Polls until `done` or 10 s: a watcher gives back from its own thread.
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 1000; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return done();
+}
+
+// A higher-priority asker takes a lower member's unclaimed pages down to its floor, never
+// below: the asker gets the rest of what it wants nowhere, and raises OutOfMemory.
+TEST(SharedBudgetGuaranteesTest, AnAskFromAHigherPriorityStopsAtTheOthersFloor) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess low([&] { hold(guaranteed_config(name, /*floor=*/12), 4, 20); });
+  ASSERT_TRUE(low.started());
+  KvCache high(guaranteed_config(name, 0, 0, /*priority=*/1));
+  const std::size_t slot = high.alloc_reqid();
+  try {
+    step_to(high, slot, 28);  // 8 free, 12 of low's 20 cached above its floor
+    FAIL() << "an ask took a member below its floor";
+  } catch (const OutOfMemory& error) {
+    EXPECT_EQ(error.missing_pages(), 8u);
+  }
+  EXPECT_EQ(member_of(budget.stats(), low.pid()).held_bytes, pages(12));
+  step_to(high, slot, 20);
+  EXPECT_EQ(member_of(budget.stats(), low.pid()).held_bytes, pages(12));
+  high.check_invariants();
+}
+
+// Members of lower priority give back first: a member of higher priority gives only what
+// the lower ones could not.
+TEST(SharedBudgetGuaranteesTest, LowerPrioritiesGiveBackFirst) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess low([&] { hold(guaranteed_config(name, 0, 0, /*priority=*/0), 2, 10); });
+  MemberProcess middle([&] { hold(guaranteed_config(name, 0, 0, /*priority=*/1), 2, 10); });
+  ASSERT_TRUE(low.started() && middle.started());
+  KvCache asker(guaranteed_config(name, 0, 0, /*priority=*/2));
+  const std::size_t slot = asker.alloc_reqid();
+  step_to(asker, slot, 16);  // 8 free, 8 asked for: low's
+  SharedBudgetStats stats = budget.stats();
+  EXPECT_EQ(member_of(stats, low.pid()).held_bytes, pages(4));
+  EXPECT_EQ(member_of(stats, middle.pid()).held_bytes, pages(12));
+  step_to(asker, slot, 24);  // 8 more: low's last 2, then 6 of middle's
+  stats = budget.stats();
+  EXPECT_EQ(member_of(stats, low.pid()).held_bytes, pages(2));
+  EXPECT_EQ(member_of(stats, middle.pid()).held_bytes, pages(6));
+  // The counters people watch (python -m vkv.budget top); an answer is counted once the
+  // answerer is done, which may be after the asker went on.
+  EXPECT_TRUE(eventually([&] {
+    stats = budget.stats();
+    return member_of(stats, low.pid()).give_backs == 2 && member_of(stats, middle.pid()).give_backs == 1;
+  }));
+  EXPECT_EQ(member_of(stats, middle.pid()).given_bytes, pages(6));
+  EXPECT_EQ(member_of(stats, getpid()).asks, 2u);
+  EXPECT_GE(member_of(stats, middle.pid()).since_answer_ns, 0);
+  EXPECT_EQ(member_of(stats, getpid()).since_answer_ns, -1);  // nobody else asked
+  asker.check_invariants();
+}
+
+// A cap bounds what a member holds: it neither takes free capacity nor asks beyond it.
+// Lowered at run time below what it holds, the member gives back its unclaimed pages down
+// to it; pages its requests claim stay until they finish, then go too.
+TEST(SharedBudgetGuaranteesTest, ACapBoundsWhatAMemberHoldsAndALowerOneIsGivenBack) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess other([&] { hold(guaranteed_config(name), 0, 20); });
+  ASSERT_TRUE(other.started());
+  KvCache capped(guaranteed_config(name, 0, /*cap=*/10));
+  const std::size_t slot = capped.alloc_reqid();
+  const std::string refused = error_of([&] { step_to(capped, slot, 12); });  // 12 free, but the cap is 10
+  EXPECT_NE(refused.find("step needs 12 more pages (768.00 KiB) but only 10 can be had"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("of its cap 640.00 KiB (shared_budget_cap)"), std::string::npos) << refused;
+  EXPECT_EQ(member_of(budget.stats(), other.pid()).held_bytes, pages(20));  // nobody was asked
+  step_to(capped, slot, 10);
+  // Lowered to 6 while a request claims 10: it keeps them, and creates nothing.
+  SharedBudgetStats stats = budget.set_limits(getpid(), {std::nullopt, pages(6), std::nullopt});
+  EXPECT_EQ(member_of(stats, getpid()).cap_bytes, pages(6));
+  EXPECT_EQ(member_of(stats, getpid()).held_bytes, pages(10));
+  const std::size_t second = capped.alloc_reqid();
+  EXPECT_THROW(step_to(capped, second, 1), OutOfMemory);
+  capped.free_reqid(slot);  // its pages are unclaimed now: the watcher gives them back to 6
+  EXPECT_TRUE(eventually([&] { return member_of(budget.stats(), getpid()).held_bytes <= pages(6); }));
+  step_to(capped, second, 6);
+  capped.check_invariants();
+}
+
+// Limits set while the member runs take effect in it: a lower cap makes it give back its
+// unclaimed pages, a floor keeps the others from growing into it.
+TEST(SharedBudgetGuaranteesTest, LimitsSetAtRunTimeTakeEffectInARunningMember) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess running([&] { hold(guaranteed_config(name), 2, 18); });
+  ASSERT_TRUE(running.started());
+  SharedBudgetStats stats = budget.set_limits(running.pid(), {std::nullopt, pages(8), 3u});
+  EXPECT_EQ(member_of(stats, running.pid()).held_bytes, pages(8));
+  EXPECT_EQ(member_of(stats, running.pid()).priority, 3u);
+  stats = budget.set_limits(running.pid(), {pages(16), 0, std::nullopt});  // a floor above it, and no cap
+  EXPECT_EQ(member_of(stats, running.pid()).floor_bytes, pages(16));
+  EXPECT_EQ(member_of(stats, running.pid()).cap_bytes, 0u);
+  EXPECT_EQ(member_of(stats, running.pid()).held_bytes, pages(8));
+  KvCache other(guaranteed_config(name));
+  const std::size_t slot = other.alloc_reqid();
+  EXPECT_THROW(step_to(other, slot, 17), OutOfMemory);  // 24 free, 8 of them the floor's gap
+  step_to(other, slot, 16);
+  const std::string error = error_of([&] { budget.set_limits(running.pid(), {std::nullopt, pages(4), std::nullopt}); });
+  EXPECT_NE(error.find("cap = 262144 of pid " + std::to_string(running.pid()) + " is less than its floor, 1048576"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error_of([&] {
+              budget.set_limits(1, {std::nullopt, std::nullopt, 1u});
+            }).find("has no member with pid 1"),
+            std::string::npos);
+}
+
+// Floors that together exceed the capacity are refused in one line naming the sum and the
+// capacity: at joining, at setting, at resizing; nothing changes.
+TEST(SharedBudgetGuaranteesTest, FloorsAboveTheCapacityAreRefused) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess floored([&] { hold(guaranteed_config(name, /*floor=*/20), 0, 1); });
+  ASSERT_TRUE(floored.started());
+  const std::string sum = "floors would add up to 2359296 bytes (2.25 MiB), more than its capacity, 2097152 bytes";
+  const std::string joining = error_of([&] { KvCache cache(guaranteed_config(name, /*floor=*/16)); });
+  EXPECT_NE(joining.find("with shared_budget_floor = 1048576 the members' " + sum), std::string::npos) << joining;
+  EXPECT_EQ(joining.find('\n'), std::string::npos);
+  const std::string setting = error_of([&] {
+    budget.set_limits(floored.pid(), {pages(36), std::nullopt, std::nullopt});
+  });
+  EXPECT_NE(setting.find("floors would add up to 2359296 bytes"), std::string::npos) << setting;
+  const std::string resizing = error_of([&] { budget.resize(pages(16)); });
+  EXPECT_NE(resizing.find("bytes = 1048576 is refused: the members' floors would add up to 1310720 bytes (1.25 MiB), "
+                          "more than its capacity, 1048576 bytes"),
+            std::string::npos)
+      << resizing;
+  const SharedBudgetStats stats = budget.stats();
+  EXPECT_EQ(stats.capacity_bytes, pages(32));
+  ASSERT_EQ(stats.members.size(), 1u);
+  EXPECT_EQ(stats.members[0].floor_bytes, pages(20));
+  KvCache fits(guaranteed_config(name, /*floor=*/12));
+  EXPECT_EQ(budget.stats().members.size(), 2u);
+}
+
+// A member joining with a floor that others' unclaimed pages occupy: they give those back,
+// and the floor is there for it without an ask.
+TEST(SharedBudgetGuaranteesTest, AFloorJoiningIsFreedFromTheOthersUnclaimedPages) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess other([&] { hold(guaranteed_config(name), 2, 18); });
+  ASSERT_TRUE(other.started());
+  KvCache floored(guaranteed_config(name, /*floor=*/20));  // 12 free: 8 short of its floor
+  EXPECT_TRUE(eventually([&] { return member_of(budget.stats(), other.pid()).held_bytes == pages(12); }));
+  const std::size_t slot = floored.alloc_reqid();
+  step_to(floored, slot, 20);
+  EXPECT_EQ(floored.stats().budget_asks.calls, 0u);
+  floored.check_invariants();
+}
+
+// A member killed with SIGKILL takes its floor with it: the others may grow into it.
+TEST(SharedBudgetGuaranteesTest, ADeadMembersFloorIsCountedOut) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), pages(32), host());
+  MemberProcess floored([&] { hold(guaranteed_config(name, /*floor=*/24), 0, 1); });
+  ASSERT_TRUE(floored.started());
+  KvCache other(guaranteed_config(name));
+  const std::size_t slot = other.alloc_reqid();
+  EXPECT_THROW(step_to(other, slot, 9), OutOfMemory);  // 31 free, 23 of them its floor's gap
+  floored.kill();
+  step_to(other, slot, 30);  // no stats() in between: the shortage counts the dead out
+  EXPECT_EQ(budget.stats().members.size(), 1u);
+  other.check_invariants();
+}
+
+// What members give back goes to the askers of higher priority first.
+TEST(SharedBudgetGuaranteesTest, GivenBackBytesGoToTheHigherPriorityAskerFirst) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 10 << 20, host());
+  RawBudget raw(name.str());
+  detail::BudgetLedger ledger(raw.segment());
+  const std::size_t giver = ledger.join(1 << 20);
+  const std::size_t low = ledger.join(1 << 20, {0, 0, 1});
+  const std::size_t high = ledger.join(1 << 20, {0, 0, 2});
+  ASSERT_TRUE(ledger.acquire(giver, 10 << 20));
+  ledger.ask(low, 4 << 20);
+  ledger.ask(high, 4 << 20);
+  ledger.release(giver, 4 << 20);
+  EXPECT_EQ(ledger.claim_reserved(low), 0u);  // the high asker's
+  EXPECT_EQ(ledger.claim_reserved(high), std::size_t{4} << 20);
+  for (const std::size_t member : {giver, low, high}) ledger.leave(member);
+}
+
+// The shared object's layout changed: an object of the earlier layout is refused as such.
+TEST(SharedBudgetGuaranteesTest, AnObjectOfAnotherLayoutVersionIsRefused) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  RawBudget(name.str()).segment().version = 2;
+  ASSERT_EQ(truncate(budget_path(name).c_str(), 4096), 0);  // the earlier layout was smaller
+  const std::string error = error_of([&] { SharedBudget::open(name.str()); });
+  EXPECT_NE(error.find("has layout version 2, this vkv reads version 3: use the same vkv in every member"),
+            std::string::npos)
+      << error;
+}
+
 }  // namespace
 }  // namespace vkv
