@@ -44,7 +44,8 @@ def kernel_goal_table(rows: List[dict]) -> str:
             cells[(row["model"], row["context"], row["phase"])].append(row)
     lines = ["| model | context | phase | FlashInfer paged (best) | vkv per_layer | vkv interleaved | goal |",
              "|---|---|---|---|---|---|---|"]
-    for (model, context, phase), found in sorted(cells.items()):
+    for (model, context, phase), found in sorted(cells.items(), key=lambda cell: (cell[0][0], cell[0][1],
+                                                                                 cell[0][2] != "long_decode")):
         paged = _best(found, "flashinfer_paged")
         goal = KERNEL_GOALS[phase]
         cells_text = []
@@ -117,7 +118,8 @@ def serving_goal_table(runs: Dict[str, List[dict]]) -> str:
         rate = share = "-"
         if mapping:
             page = mapping[0]["large_page_bytes"] or mapping[0]["page_bytes"]
-            rate = f"{np.median([m['mapped_ahead_gb_s'] for m in mapping]):.0f} ({page >> 20} MiB)"
+            size = f"{page >> 20} MiB" if page >= 1 << 20 else f"{page >> 10} KiB"
+            rate = f"{np.median([m['mapped_ahead_gb_s'] for m in mapping]):.1f} ({size})"
             share = f"{100 * np.median([m['step_share_of_prefill'] for m in mapping]):.2f}%"
         lines.append(f"| {name} | {len(found)} | {_spread(tok_s)} | {_spread(ttft)} | {rate} | {share} |")
     vkv = {n: m for n, m in medians.items() if n.startswith("vkv")}
@@ -146,7 +148,7 @@ def main(argv=None) -> None:
     if not files:
         print("Serving: no results (the longctx parts did not run)\n")
     else:
-        print(f"Serving, --preset longctx ({len(files)} files):\n")
+        print(f"Serving ({len(files)} result files):\n")
         print(serving_goal_table(serving_runs(files)))
         print()
     for path in args.kernels:
