@@ -8,15 +8,19 @@ and SGLang use), and vkv's own contiguous memory served by the same kernels.
                       ``BatchDecodeWithPagedKVCacheWrapper``; fresh prompts prefilled by
                       ``BatchPrefillWithRaggedKVCacheWrapper`` on their fresh K/V, as
                       ``VkvFlashInferStore`` does (the same work on both: a paged read is
-                      only needed where a cached prefix must be read, and this store
-                      shares none; ``plan_paged_prefill`` stays for that case).
+                      only needed where a cached prefix must be read: the chunks of a
+                      chunked prefill, which ``BatchPrefillWithPagedKVCacheWrapper`` reads
+                      through the page table, as vLLM and SGLang do).
   VkvFlashInferStore  vkv's allocation (``VkvStore``: pages mapped by ``step()``), decode by
                       the same paged decode kernel reading vkv's tensors with no page table:
                       each request's slot is one page of ``max_context`` tokens (``indices``
                       the slots, ``indptr`` a range, ``last_page_len`` the lengths), or cut
                       into pages of ``page_tokens`` that follow each other in the slot;
                       prefill by ``BatchPrefillWithRaggedKVCacheWrapper`` (FA3 on sm90) on
-                      the prompts' fresh K/V, as the other stores run FlashAttention-2.
+                      the prompts' fresh K/V, as the other stores run FlashAttention-2; a
+                      chunk of a chunked prefill by the same kernel over its slot's cached
+                      prefix and itself, one contiguous range of tokens (one wrapper per
+                      chunk: the kernel takes each request's keys as a range of one tensor).
 
 FlashInfer reads the page, token and head strides of the K and V tensors it is given
 (``paged_kv_t``; the two must have equal strides), so vkv's interleaved views, whose token

@@ -519,6 +519,9 @@ class PagedStore(KvStore):
         self.block_mask = BlockMask.from_kv_blocks(
             num_blocks, page_lists, BLOCK_SIZE=(page_tokens, page_tokens),
             mask_mod=self.table.get_mask_mod(None, self._kv_len), seq_lengths=(1, self.num_pages * page_tokens))
+        # Chunks of a chunked prefill through Flex on a GPU; on a CPU gathered (tests turn Flex
+        # on there too, eager, to check its masks against the gathered result).
+        self.chunks_by_flex = self.device.type == "cuda"
 
     def alloc(self):
         return self.pages.alloc()
@@ -585,7 +588,7 @@ class PagedStore(KvStore):
 
     def begin_chunks(self, slots, starts, lengths):
         super().begin_chunks(slots, starts, lengths)
-        if self.device.type != "cuda":
+        if not self.chunks_by_flex:
             return
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -641,7 +644,7 @@ class PagedStore(KvStore):
         return self._mask_mods[index]
 
     def chunk_attention(self, layer, q, k, v, spans):
-        if self.device.type != "cuda":
+        if not self.chunks_by_flex:
             return super().chunk_attention(layer, q, k, v, spans)
         options = {"BLOCK_N": self.page_tokens} if self.page_tokens < 64 else None  # a tile must divide a page
         outputs = []

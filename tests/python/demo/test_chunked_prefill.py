@@ -72,6 +72,36 @@ def test_chunks_of_several_prompts_in_one_pass_match_one_at_a_time(kind):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("page_tokens", [16, 128])
+def test_flex_reads_a_chunks_prefix_through_the_page_table_as_the_gathered_path_does(page_tokens):
+    """The paged store's Flex path for chunks (a GPU's), run eagerly on the CPU: its BlockMask
+    of full and partial pages per 128-query block, padding, the slot's pages scattered over
+    the pool (another slot's pages in between)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    model = LlamaModel(SHAPE, CPU, torch.float32, MAX_CONTEXT)
+    store = make_store(f"paged-{page_tokens}", SHAPE, torch.float32, CPU, MAX_CONTEXT, 16 << 20, 4, flex_attention)
+    store.chunk_tokens = 192
+    prompts = [[(11 * j + i) % SHAPE.vocab for j in range(n)] for i, n in enumerate((420, 300))]
+    slots = [store.alloc() for _ in prompts]
+    for end in (100, 250):  # interleaved, so that each slot's pages are not one run
+        assert store.reserve({s: min(end, len(p)) for s, p in zip(slots, prompts)})
+        start = 0 if end == 100 else 100
+        model.prefill_chunks(store, slots, [p[start:end] for p in prompts], [start, start])
+    assert store.reserve({s: len(p) for s, p in zip(slots, prompts)})
+    store.begin_chunks(slots, [250, 250], [len(p) - 250 for p in prompts])
+    q = torch.randn(sum(len(p) - 250 for p in prompts), SHAPE.num_heads, SHAPE.head_dim)
+    spans = [(0, len(prompts[0]) - 250), (len(prompts[0]) - 250, q.shape[0])]
+    for layer in (0, SHAPE.num_layers - 1):
+        store.chunks_by_flex = True
+        store.begin_chunks(slots, [250, 250], [len(p) - 250 for p in prompts])
+        by_flex = store.chunk_attention(layer, q, None, None, spans)
+        store.chunks_by_flex = False
+        gathered = store.chunk_attention(layer, q, None, None, spans)
+        torch.testing.assert_close(by_flex, gathered, rtol=1e-4, atol=1e-4)
+    store.close()
+
+
 def serve(kind, trace, chunked, max_prefill_tokens=64, budget_bytes=16 << 20, max_slots=8):
     model = LlamaModel(SHAPE, CPU, torch.float32, MAX_CONTEXT)
     store = store_of(kind, budget_bytes, max_slots)
