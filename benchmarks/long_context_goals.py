@@ -107,21 +107,26 @@ def _spread(values: List[float]) -> str:
 def serving_goal_table(runs: Dict[str, List[dict]]) -> str:
     """Each store's tok/s and TTFT p50 (median [min-max] over its runs), then the best vkv
     store against the best paged store (by median tok/s) and the goals."""
-    lines = ["| KV cache | runs | tok/s | TTFT p50 ms | mapped ahead (GB/s, page) | step() share of prefill |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| KV cache | runs | tok/s | TTFT p50 ms | mapped ahead (GB/s, page) | step() share of prefill "
+             "| prompts ready after their first chunk |",
+             "|---|---|---|---|---|---|---|"]
     medians = {}
     for name, found in runs.items():
         tok_s = [r["throughput_tok_s"] for r in found]
         ttft = [r["ttft_p50_ms"] for r in found]
         medians[name] = (float(np.median(tok_s)), float(np.median(ttft)))
         mapping = [r["mapping"] for r in found if r.get("mapping")]
-        rate = share = "-"
+        rate = share = ready = "-"
         if mapping:
             page = mapping[0]["large_page_bytes"] or mapping[0]["page_bytes"]
             size = f"{page >> 20} MiB" if page >= 1 << 20 else f"{page >> 10} KiB"
             rate = f"{np.median([m['mapped_ahead_gb_s'] for m in mapping]):.1f} ({size})"
             share = f"{100 * np.median([m['step_share_of_prefill'] for m in mapping]):.2f}%"
-        lines.append(f"| {name} | {len(found)} | {_spread(tok_s)} | {_spread(ttft)} | {rate} | {share} |")
+            firsts = sum(m.get("first_chunks", 0) for m in mapping)
+            ready_count = sum(m.get("first_chunks", 0) * m.get("first_chunks_ready_pct", 0) / 100 for m in mapping
+                              if m.get("first_chunks"))
+            ready = f"{ready_count:.0f} of {firsts}" if firsts else "-"
+        lines.append(f"| {name} | {len(found)} | {_spread(tok_s)} | {_spread(ttft)} | {rate} | {share} | {ready} |")
     vkv = {n: m for n, m in medians.items() if n.startswith("vkv")}
     paged = {n: m for n, m in medians.items() if not n.startswith("vkv")}
     lines.append("")

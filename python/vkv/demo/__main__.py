@@ -368,6 +368,11 @@ def mapping_rates(result: RunResult) -> dict:
     m["step_mapped_gb"] = m.get("step_pages", 0) * page / 1e9
     prefill_seconds = sum(result.prefill_ms) / 1e3
     m["step_share_of_prefill"] = m.get("step_seconds", 0.0) / prefill_seconds if prefill_seconds else 0.0
+    # Whether an announced prompt's memory was ready when its first chunk's forward ended.
+    unready = result.unready_after_first_chunk
+    m["first_chunks"] = len(unready)
+    m["first_chunks_ready_pct"] = 100.0 * sum(p == 0 for p in unready) / len(unready) if unready else float("nan")
+    m["first_chunk_unready_pages_max"] = max(unready, default=0)
     return m
 
 

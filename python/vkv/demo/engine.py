@@ -70,6 +70,9 @@ class RunResult:
     capture_seconds: float = 0.0                              # CUDA-graph capture, before the clock
     gpu_timed: bool = False                                   # device times measured (on a GPU)
     mapping: dict = field(default_factory=dict)               # the store's mapping cost over the run (vkv)
+    # Chunked prefill: pages of announced prompts still unmapped when a pass with a prompt's
+    # first chunk ended (its tokens read back: the forward is done), one entry per such pass.
+    unready_after_first_chunk: List[int] = field(default_factory=list)
 
     @staticmethod
     def merge(results: List["RunResult"]) -> "RunResult":
@@ -440,7 +443,9 @@ class Engine:
                 began = time.perf_counter()
                 self._record(0)
                 if chunked:
-                    tokens_after = self._prefill_chunks(pieces, result)
+                    tokens_after = self._prefill_chunks(pieces, result)  # read back: the pass has ended
+                    if any(r.prefilled < r.prompt_len for r in admitted):
+                        result.unready_after_first_chunk.append(store.pages_expected())
                     greedy = [t for r, t in zip(pieces, tokens_after) if r.prefilled == r.prompt_len]
                     completed = [r for r in pieces if r.prefilled == r.prompt_len]
                     prefilling = [r for r in prefilling + admitted if r.prefilled < r.prompt_len]

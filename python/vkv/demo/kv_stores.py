@@ -180,6 +180,10 @@ class KvStore:
         """What mapping memory cost so far (vkv: pages and time, the mapper's and step()'s); {} elsewhere."""
         return {}
 
+    def pages_expected(self) -> int:
+        """Pages of announced prompts (``expect``) not mapped yet (vkv); 0 elsewhere."""
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -356,6 +360,9 @@ class VkvStore(ContiguousStore):
 
     def expect(self, slot, tokens):
         self.cache.expect_tokens(slot, tokens)
+
+    def pages_expected(self):
+        return self.cache.stats()["pages_expected"]
 
     def mapping_stats(self):
         stats = self.cache.stats()
@@ -606,16 +613,19 @@ class PagedStore(KvStore):
             total = last // self.page_tokens + 1                               # pages up to the last
             padding = blocks >= length  # blocks of padding only: the slot's first page, masked (rows dropped)
             full[padding], total[padding] = 0, 1
+            # A row of block indices per query block, as wide as the pool has pages (Flex
+            # indexes a dense [rows, kv blocks] mask with them).
             pages = self.pages.pages[slot]
-            columns = np.arange(self.pages_per_slot)
+            columns = np.arange(self.num_pages)
             partial = pages[np.minimum(full[:, None] + columns[None], self.pages_per_slot - 1)]
-            full_pages = np.broadcast_to(pages, (rows, self.pages_per_slot))
+            full_pages = np.zeros((rows, self.num_pages), dtype=pages.dtype)
+            full_pages[:, :min(self.pages_per_slot, self.num_pages)] = pages[:self.num_pages]
             counts = np.stack([total - full, full], axis=1)
             tensors = self._tensor(np.concatenate([counts.T.reshape(-1), partial.reshape(-1), full_pages.reshape(-1)]),
                                    torch.int32)
             partial_counts, full_counts = tensors[:rows].view(1, 1, rows), tensors[rows:2 * rows].view(1, 1, rows)
-            partial_t = tensors[2 * rows:2 * rows + rows * self.pages_per_slot].view(1, 1, rows, -1)
-            full_t = tensors[2 * rows + rows * self.pages_per_slot:].view(1, 1, rows, -1)
+            partial_t = tensors[2 * rows:2 * rows + rows * self.num_pages].view(1, 1, rows, -1)
+            full_t = tensors[2 * rows + rows * self.num_pages:].view(1, 1, rows, -1)
             self._chunk_masks.append(BlockMask.from_kv_blocks(
                 partial_counts, partial_t, full_counts, full_t, BLOCK_SIZE=(self._Q_BLOCK, self.page_tokens),
                 mask_mod=self._chunk_mask_mod(index), seq_lengths=(padded, self.num_pages * self.page_tokens)))

@@ -197,6 +197,7 @@ def test_cli_serves_long_prompts_in_chunks_and_reports_the_mapping_rate(capsys, 
     results = json.loads(path.read_text())
     mapping = results["runs"]["vkv interleaved"]["mapping"]
     assert mapping["page_bytes"] == 32 << 10 and mapping["mapped_ahead_gb_s"] >= 0
+    assert mapping["first_chunks"] == 4 and 0 <= mapping["first_chunks_ready_pct"] <= 100  # every prompt > 64
     assert "mapping" not in results["runs"]["paged-16"]
     assert results["config"]["chunked_prefill"] == 1
 
