@@ -185,9 +185,10 @@ def resolve_device(name) -> torch.device:
 
 def traces(args, vocab):
     """(label, trace) per trace the run serves: the ShareGPT-like trace, the long prompts of
-    --prompt-tokens, or one per P:D ratio."""
+    --prompt-tokens ("documents", prefilled in chunks with --chunked-prefill 1), or one per
+    P:D ratio."""
     if args.prompt_tokens:
-        return [("sharegpt", make_long_prompt_trace(args.requests, args.prompt_tokens,
+        return [("documents", make_long_prompt_trace(args.requests, args.prompt_tokens,
                                                     args.output_tokens or [256, 1024], vocab, args.seed))]
     if not args.pd_ratios:
         return [("sharegpt", make_trace(args.requests, args.rate, args.max_context, vocab, args.seed,
@@ -231,6 +232,9 @@ def main(argv=None) -> int:
               + (f" (ShareGPT-like: {SHAREGPT_MEAN_PROMPT}/{SHAREGPT_MEAN_OUTPUT} x {args.length_scale}), arrival "
                  f"rate {args.rate}/s" if label == "sharegpt" else ", all at once"))
     print(f"KV budget {budget / 2**20:.0f} MiB = {budget // shape.kv_bytes_per_token(dtype)} tokens")
+    if args.chunked_prefill:
+        print(f"chunked prefill: {args.max_prefill_tokens} prompt tokens an iteration, every chunk attending to its "
+              f"slot's cached prefix; vkv is told each prompt's length when it is admitted (expect_tokens)")
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
     vkv_options = dict(page_size=args.page_size_kib << 10, large_page_size=args.large_page_mib << 20,
@@ -279,7 +283,7 @@ def main(argv=None) -> int:
                       f"{result.rejected} of {len(result.requests)} requests rejected (each larger than the KV budget)")
         if len(results) == 1:
             result = results[0][1]
-            entry = {**per_trace["sharegpt"], "waste": result.waste, "pages": result.pages}
+            entry = {**per_trace[results[0][0]], "waste": result.waste, "pages": result.pages}
         else:
             merged = RunResult.merge([result for _, result in results]).summary()
             merged.update(capture_seconds=capture,
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
     for repeat in range(first, first + args.repeats):
         order = args.stores[repeat % len(args.stores):] + args.stores[:repeat % len(args.stores)]
         if args.repeats > 1 or first:
-            print(f"repeat {repeat + 1} ({repeat - first + 1} of {args.repeats} here): {' '.join(order)}")
+            print(f"repeat {repeat + 1} of {first + args.repeats}: {' '.join(order)}")
         for position, kind in enumerate(k for k in order if k not in skipped and k not in failures):
             try:
                 name, entry, generated = serve(kind)
