@@ -5,6 +5,8 @@
 # the goal tables of what OUT_DIR holds so far.
 #   scripts/gpu/long_context.sh OUT_DIR PART...
 # Parts:
+#   test        first: the chunk kernels of every store against fp32 attention, and the
+#               C++ ExpectedTokens and LongSlots suites on CUDA (~3 min with the builds)
 #   longctx-1a longctx-1b longctx-2a ... longctx-3b
 #               repeat 1-3 of the demo, store order rotated by repeat; a: vkv interleaved
 #               (FlashInfer's kernels), FlashInfer paged 16, Flex paged 128; b: vkv per-layer
@@ -17,7 +19,7 @@
 # use, ~100 s on a fresh machine, inside the first part that runs them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-usage="usage: scripts/gpu/long_context.sh OUT_DIR PART... (longctx-{1,2,3}{a,b}, kernels, kernels-gqa, goals)"
+usage="usage: scripts/gpu/long_context.sh OUT_DIR PART... (test, longctx-{1,2,3}{a,b}, kernels, kernels-gqa, goals)"
 mkdir -p "${1:?$usage}"
 out="$(cd "$1" && pwd)"
 shift
@@ -41,6 +43,16 @@ if [ "$parts" != goals ]; then
 fi
 for part in $parts; do
   case "$part" in
+    test)
+      step chunk_kernels 300 python3 -m pytest "$src/tests/python/demo/test_chunked_prefill_gpu.py" \
+        "$src/tests/python/test_expect_tokens.py" -q -p no:cacheprovider -rs
+      echo "=== C++ suites ($(date +%T))"
+      (cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null &&
+        cmake --build build-gpu --target vkv_tests 2>&1 | tail -2 &&
+        ./build-gpu/tests/cpp/vkv_tests --gtest_filter='*ExpectedTokens*:*LongSlots*') > "$out/cpp_tests.log" 2>&1
+      rc=$?
+      tail -4 "$out/cpp_tests.log"
+      [ $rc -eq 0 ] || status=1 ;;
     longctx-[123][ab])
       repeat="${part:8:1}"
       half="${part:9:1}"
