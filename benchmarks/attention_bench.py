@@ -46,6 +46,13 @@ Sections:
   prefill  one causal prompt of 4K-64K tokens (--cached-prefix: also with its first half
            already cached)
   append   writing one layer's new K and V into each storage (Llama-3-8B)
+  long     long contexts, batch 1, FlashInfer's kernels only (no Flex): decode at 128K and
+           512K tokens, and chunked prefill, one 8K-token chunk over a 120K / 504K cached
+           prefix, for llama3-8b and llama3-70b (64 query / 8 KV heads: a GQA group of 8).
+           512K of Llama-3-8B in the interleaved layout is 64 GiB of K/V (every layer, as a
+           server holds it): --vkv-budget-gib 64 keeps all 32 layers on an 80 GB H100 (70B's
+           80 layers are halved to 20). Rows go to attention_long_<gpu>.json (earlier rows
+           of other models kept), then the goal table (long_context_goals.py) is printed.
 
 FlashInfer is optional: where it does not import (CPU, not installed) its kernels are
 skipped with a message. Results are written after every shape, so an interrupted run keeps
@@ -57,6 +64,7 @@ what it measured; a run of some sections keeps the other sections' rows of the f
   python benchmarks/attention_bench.py --out benchmarks/results --only prefill append
   python benchmarks/plot_attention.py benchmarks/results/attention_h100.json
   python benchmarks/attention_bench.py --device cpu --quick --out /tmp/r   # smoke test
+  python benchmarks/attention_bench.py --only long --models llama3-8b --vkv-budget-gib 64 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -103,7 +111,12 @@ class Model:
         return 2 * self.kv_heads * self.head_dim * DTYPE.itemsize
 
 
-MODELS = {"llama3-8b": Model("llama3-8b", 32, 8, 128, 32), "yi-34b": Model("yi-34b", 56, 8, 128, 60)}
+MODELS = {"llama3-8b": Model("llama3-8b", 32, 8, 128, 32), "yi-34b": Model("yi-34b", 56, 8, 128, 60),
+          "llama3-70b": Model("llama3-70b", 64, 8, 128, 80)}
+DEFAULT_MODELS = ["llama3-8b", "yi-34b"]     # decode, prefill
+LONG_MODELS = ["llama3-8b", "llama3-70b"]    # long: a GQA group of 4 and one of 8
+LONG_CONTEXTS = (131072, 524288)
+LONG_CHUNK = 8192
 
 
 # -- timing ------------------------------------------------------------------------------
@@ -489,6 +502,14 @@ class AttentionRun:
         self.args, self.models, self.flex, self.flashinfer = args, models, flex, flashinfer
         self.results, self.path = results, path
         self.timer = Timer(args.device, rounds=args.rounds, target_ms=args.target_ms)
+        # A section may time only some kernels (their names match) and leave Flex's paged rows out.
+        self.kernel_pattern: Optional[str] = None
+        self.flex_paged = True
+
+    def wanted(self, calls: Dict[str, Callable[[], torch.Tensor]]) -> Dict[str, Callable[[], torch.Tensor]]:
+        if self.kernel_pattern is None:
+            return calls
+        return {name: call for name, call in calls.items() if re.fullmatch(self.kernel_pattern, name)}
 
     def trace(self, what: str) -> None:
         """With --trace, name each kernel before it runs: a crash then says which one."""
@@ -527,7 +548,7 @@ class AttentionRun:
                 "prefix": prefix}
         rows = []
 
-        plain_calls = kernels.calls(k, v)
+        plain_calls = self.wanted(kernels.calls(k, v))
         plain_out = {}
         for kernel, call in plain_calls.items():
             self.trace(f"plain {kernel}")
@@ -541,7 +562,7 @@ class AttentionRun:
         for layout in VKV_LAYOUTS:
             storage = VkvStorage(model, layout, k, v, device, self.args.vkv_budget_gib << 30, self.args.layers_per_group)
             working: Dict[str, Callable[[], torch.Tensor]] = {}
-            for kernel, call in kernels.calls(storage.k, storage.v).items():
+            for kernel, call in self.wanted(kernels.calls(storage.k, storage.v)).items():
                 row = {**base, "kernel": kernel, "storage": f"vkv_{layout}", "layers": storage.layers,
                        "layers_per_group": storage.layers_per_group}
                 try:
@@ -578,11 +599,15 @@ class AttentionRun:
         for page in PAGE_SIZES:
             base_paged = {**base, "page_tokens": page}
             try:
+                if not self.flex_paged:
+                    raise _Skipped
                 paged = FlexPaged(k, v, page, seed=context + batch)
                 rows.append(self.timed_row({**base_paged, "kernel": "flex", "storage": f"flex_paged_{page}"},
                                            paged.flex_call(self.flex, q, prefix, context), ref, f"flex_paged_{page}",
                                            counterparts(kept, "flex")))
                 del paged
+            except _Skipped:
+                pass
             except Exception as error:
                 rows.append({**base_paged, "kernel": "flex", "storage": f"flex_paged_{page}", "error": error_text(error)})
                 forget_failed_compiles()
@@ -590,7 +615,7 @@ class AttentionRun:
             if self.flashinfer.module is None:
                 continue
             paged = FlashInferPaged(self.flashinfer, model, k, v, page, seed=context + batch + 1)
-            for kernel, call in paged.calls(q).items():
+            for kernel, call in self.wanted(paged.calls(q)).items():
                 rows.append(self.timed_row({**base_paged, "kernel": kernel, "storage": f"flashinfer_paged_{page}"},
                                            call, ref, f"flashinfer_paged_{page} {kernel}", counterparts(kept, kernel)))
             del paged, call
@@ -686,6 +711,33 @@ def prefill(run: AttentionRun, quick: bool) -> None:
                   f"prefill {model.name} L={context} cached prefix {prefix} ({index + 1}/{len(cells)})")
 
 
+# -- long contexts --------------------------------------------------------------------------
+
+class _Skipped(Exception):
+    """A row a section leaves out on purpose (Flex's paged rows in the long section)."""
+
+
+def long(run: AttentionRun, quick: bool) -> None:
+    """Decode and one chunk of chunked prefill at long contexts, batch 1, FlashInfer only:
+    on vkv's memory (paged decode over slot pages, ragged prefill over the slot's range) in
+    both layouts, against FlashInfer's paged cache."""
+    contexts = run.args.contexts or ((2048, 4096) if quick else LONG_CONTEXTS)
+    chunk = min(LONG_CHUNK, min(contexts) // 2)
+    run.kernel_pattern, run.flex_paged = r"flashinfer_.*", False
+    cells = [(model, c, phase) for model in run.models for c in contexts for phase in ("decode", "chunk")]
+    try:
+        for index, (model, context, phase) in enumerate(progress_bar(cells, "long-context shapes")):
+            queries = 1 if phase == "decode" else chunk
+            run.shape(model, f"long_{phase}", 1, context, queries, context - queries,
+                      f"long {phase} {model.name} L={context}" + (f" (chunk {chunk})" if queries > 1 else "")
+                      + f" ({index + 1}/{len(cells)})")
+    finally:
+        run.kernel_pattern, run.flex_paged = None, True
+    from long_context_goals import kernel_goal_table
+
+    print(kernel_goal_table(run.results["rows"]))
+
+
 # -- append -------------------------------------------------------------------------------
 
 def append(run: AttentionRun, quick: bool) -> None:
@@ -746,7 +798,26 @@ def append(run: AttentionRun, quick: bool) -> None:
 
 
 def section_of(row: dict) -> str:
+    if row["phase"].startswith("long_"):
+        return "long"
     return "append" if row["phase"].startswith("append") else row["phase"]
+
+
+def keep_other_models(results: dict, path: str) -> None:
+    """The long section's file keeps an earlier run's rows of models this run does not
+    measure (one model per run fits a time limit; the file gathers them)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as source:
+        earlier = json.load(source)
+    kept = [row for row in earlier.get("rows", []) if row.get("model") not in results["models"]]
+    if kept:
+        results["rows"] = kept
+        results["models"] = {**{m: earlier["models"][m] for m in {r["model"] for r in kept}}, **results["models"]}
+        results["earlier_runs"] = earlier.get("earlier_runs", []) + [
+            {"machine": earlier["machine"], "flashinfer": earlier.get("flashinfer"),
+             "models": sorted({r["model"] for r in kept})}]
+        progress(f"keeping {len(kept)} rows of models {sorted({r['model'] for r in kept})} from {path}")
 
 
 def keep_other_sections(results: dict, path: str, sections: List[str]) -> None:
@@ -769,9 +840,10 @@ def keep_other_sections(results: dict, path: str, sections: List[str]) -> None:
 
 
 def parse_args(argv=None):
-    parser = argument_parser(__doc__, ("decode", "prefill", "append"))
+    parser = argument_parser(__doc__, ("decode", "prefill", "append", "long"))
     parser.add_argument("--models", nargs="+", choices=list(MODELS),
-                        help="(default: all; with --quick llama3-8b)")
+                        help=f"(default: {' '.join(DEFAULT_MODELS)}; long alone: {' '.join(LONG_MODELS)}; with "
+                             f"--quick llama3-8b)")
     parser.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default: 1 4 16 64)")
     parser.add_argument("--contexts", type=int, nargs="*", help="context lengths (default: 4K-64K)")
     parser.add_argument("--cells", type=decode_cell, nargs="+",
@@ -792,7 +864,12 @@ def parse_args(argv=None):
     parser.add_argument("--dynamic-shapes", action="store_true",
                         help="compile flex with dynamic=True: fewer compiles, maybe slower kernels")
     args = parser.parse_args(argv)
-    args.models = args.models or (["llama3-8b"] if args.quick else list(MODELS))
+    if args.only == ["decode", "prefill", "append", "long"]:  # the default: long only when asked
+        args.only = ["decode", "prefill", "append"]
+    if "long" in args.only and len(args.only) > 1:
+        parser.error("--only long runs alone: its rows go to a file of their own (attention_long_<gpu>.json)")
+    args.models = args.models or (["llama3-8b"] if args.quick else LONG_MODELS if args.only == ["long"]
+                                  else DEFAULT_MODELS)
     if args.device == "cpu" and args.flex == "compiled":
         args.flex = "eager"  # compiling Flex on a CPU takes longer than the whole smoke test
     return args
@@ -812,8 +889,13 @@ def main() -> None:
                "flex": args.flex if args.flex == "eager" else f"compiled, dynamic={args.dynamic_shapes}",
                "flashinfer": flashinfer.version, "timing": "kernels queued behind a sleep: launch cost hidden",
                "rows": []}
-    path = os.path.join(args.out, f"attention_{device_tag(args.device)}{'_quick' if args.quick else ''}.json")
-    keep_other_sections(results, path, args.only)
+    long_only = args.only == ["long"]
+    path = os.path.join(args.out, f"attention_{'long_' if long_only else ''}{device_tag(args.device)}"
+                                  f"{'_quick' if args.quick else ''}.json")
+    if long_only:
+        keep_other_models(results, path)
+    else:
+        keep_other_sections(results, path, args.only)
     run = AttentionRun(args, [MODELS[name] for name in args.models], flex, flashinfer, results, path)
     started = time.perf_counter()
     for name in args.only:

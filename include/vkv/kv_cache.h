@@ -21,6 +21,7 @@
 // need while the current one computes: each allocated slot's seq_len plus a lookahead,
 // and the pages of the next prefill in the slot alloc_reqid() will hand out next. It
 // keeps the pool above a watermark by unmapping freed slots' pages ahead of need.
+// expect_tokens(slot, tokens) adds a slot's coming length (a long prompt's) to its work.
 // step() maps only what is still missing; it waits for the mapper only where the
 // mapper is mapping the very pages it needs.
 //
@@ -136,6 +137,22 @@ class KvCache {
   /// @throws InvalidArgument for a slot out of range or listed twice, and as step();
   ///         OutOfMemory as step().
   void step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream = 0);
+
+  /// Tells the mapper that `slot` will be stepped up to `tokens` tokens soon (a prompt's
+  /// length is known when it is admitted; chunked prefill steps it a chunk at a time), so
+  /// that it maps those pages ahead while earlier chunks compute: in units of a few pages,
+  /// from free memory only (never another slot's), without the lock during driver calls,
+  /// with large pages for whole spans when config.large_page_size is set. Pages mapped
+  /// ahead are not claimed: step() then finds them mapped, and until it claims them they
+  /// are as reclaimable as lookahead pages. Nothing else depends on it: step(),
+  /// OutOfMemory and the slot alloc_reqid() hands out are what they would be without it
+  /// (tensor-parallel ranks may give it or not). The hint lasts until free_reqid() or
+  /// swap_out(); a later call replaces it; 0 drops it. Without the mapper thread,
+  /// map_ahead_now() does the work.
+  /// Thread-safe; makes no device call itself.
+  /// @throws InvalidArgument for a slot out of range, free or swapped out, or tokens >
+  ///         max_context_len (nothing changes); an error of the mapper thread.
+  void expect_tokens(std::size_t slot, std::size_t tokens);
 
   /// Turns deferred reclamation (config.deferred_reclamation) on or off for later free_reqid() calls.
   void set_deferred_reclamation(bool on);

@@ -85,6 +85,14 @@ struct CacheStats {
   std::size_t swapped_slots = 0;  ///< allocated slots swapped out to host memory
   std::size_t swapped_bytes = 0;  ///< host memory holding them
   CallStats step;                 ///< step() itself, waits included; units: pages it mapped
+  /// The mapper's units that mapped pages ahead (lookahead, eager allocation,
+  /// expect_tokens()): units: pages (all regions); time: each unit's work outside the
+  /// lock (creating, mapping and zero-filling its pages). Its mapping rate in bytes per
+  /// second is units * page_bytes / seconds.
+  CallStats mapped_ahead;
+  /// Pages (all regions) that expect_tokens() asked for and the mapper has not mapped
+  /// yet: 0 once a long prompt's memory is ready.
+  std::size_t pages_expected = 0;
   /// Asks to a shared budget's other members (config.shared_budget): units: pages they
   /// gave; time: waiting for their answers.
   CallStats budget_asks;

@@ -446,6 +446,8 @@ py::dict stats(const KvCache& cache) {
   out["swapped_slots"] = stats.swapped_slots;
   out["swapped_bytes"] = stats.swapped_bytes;
   out["step"] = call_stats(stats.step);
+  out["mapped_ahead"] = call_stats(stats.mapped_ahead);
+  out["pages_expected"] = stats.pages_expected;
   out["budget_asks"] = call_stats(stats.budget_asks);
   py::dict handoff;
   handoff["ask_relock_seconds"] = static_cast<double>(stats.budget_handoff.ask_relock_ns) / 1e9;
@@ -702,6 +704,7 @@ PYBIND11_MODULE(_C, m) {
       .def("mapped_pages", &KvCache::mapped_pages, arg("slot"), unlocked)
       .def("check_invariants", &KvCache::check_invariants, unlocked)
       .def("map_ahead_now", &KvCache::map_ahead_now, unlocked)
+      .def("expect_tokens", &KvCache::expect_tokens, arg("slot"), arg("tokens"), unlocked)
       .def("stop_background", &KvCache::stop_background, unlocked)
       .def_property_readonly("num_free_slots",
                              [](const KvCache& cache) {

@@ -389,6 +389,21 @@ class KVCache:
         """Do now, on this thread, what the background mapper would do next; returns units done."""
         return self._live()._core.map_ahead_now()
 
+    def expect_tokens(self, slot: int, tokens: int) -> None:
+        """Tell the background mapper that ``slot`` will be stepped up to ``tokens`` tokens
+        soon (a prompt's length, known at admission; chunked prefill steps it a chunk at a
+        time): it maps those pages ahead while earlier chunks compute, from free memory only,
+        without claiming them, so ``step()`` finds them mapped. A hint: ``step()``, its
+        ``MemoryError`` and the slots handed out are the same without it. It lasts until
+        ``free_reqid()`` or ``swap_out()``; 0 drops it. ``stats()["mapped_ahead"]`` and
+        ``stats()["pages_expected"]`` show the mapper's progress. Thread-safe.
+
+        Raises ValueError for a slot out of range, free or swapped out, or ``tokens`` above
+        ``max_context_len``.
+        """
+        _parameters.expect_int("tokens", tokens)
+        self._live()._core.expect_tokens(self._slot(slot), int(tokens))
+
     def check_invariants(self) -> None:
         """Raise RuntimeError if the cache's bookkeeping is inconsistent (for tests)."""
         self._live()._core.check_invariants()

@@ -331,6 +331,7 @@ void KvCache::step_slots(const std::size_t* slots, const std::size_t* seq_lens, 
 }
 std::vector<std::size_t> KvCache::seq_lens() const { return impl_->seq_lens(); }
 void KvCache::set_deferred_reclamation(bool on) { impl_->set_deferred_reclamation(on); }
+void KvCache::expect_tokens(std::size_t slot, std::size_t tokens) { impl_->expect_tokens(slot, tokens); }
 std::size_t KvCache::map_ahead_now() { return impl_->map_ahead_now(); }
 void KvCache::stop_background() noexcept { impl_->stop_background(); }
 std::size_t KvCache::fork(std::size_t src, Stream stream) { return impl_->fork(src, stream); }

@@ -56,6 +56,17 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
     if (target > slot.mapped() && slot.mapped() >= first_reclaimable_without_waiting(s))
       return {BackgroundUnit::Kind::grow, s, target};
   }
+  // 1b. Expected lengths (expect_tokens()): a long prompt's pages while its earlier chunks
+  //     compute, after every slot's next iterations. Not while the previous owner's
+  //     zero-fill is still deferred or (zero_page) its readers may be in flight.
+  for (std::size_t s = 0; s < slots_.size() && can_grow && may_remap; ++s) {
+    Slot& slot = slots_[s];
+    if (!slot.allocated || slot.swapped || slot.busy() || slot.expected_tokens == 0) continue;
+    const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(slot.expected_tokens));
+    if (target > slot.mapped() && slot.deferred_fill == 0 && (!config_.zero_page || readers_done(slot)) &&
+        slot.mapped() >= first_reclaimable_without_waiting(s))
+      return {BackgroundUnit::Kind::grow, s, target};
+  }
   // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
   const std::size_t eager = eager_tokens();
   const std::size_t next = slots_.next_to_allocate();

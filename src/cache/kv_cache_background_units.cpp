@@ -1,6 +1,7 @@
 // KvCache: the mapper's units of work, planned under the lock, their slow backend
 // calls made without it (the slot's pages at or past busy_from are the mapper's meanwhile).
 #include <algorithm>
+#include <chrono>
 #include <iterator>
 
 #include "kv_cache_impl.h"
@@ -86,6 +87,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   slot.busy_from = first;
   lock.unlock();
   const UnitExit exit(*this, lock, slot_index);
+  const auto started = std::chrono::steady_clock::now();
 
   // Pages at or past busy_from, and backed_end, belong to this thread until it is cleared.
   std::size_t created = 0;
@@ -145,7 +147,12 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     in_flight_pages_ -= count;
     throw;
   }
+  const auto elapsed = std::chrono::steady_clock::now() - started;
   lock.lock();
+  mapped_ahead_.calls += 1;
+  mapped_ahead_.units += count;
+  mapped_ahead_.nanoseconds +=
+      static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count());
   for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
   for (std::size_t r = 0; r < regions; ++r)
     for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);

@@ -63,6 +63,7 @@ class KvCache::Impl {
   void step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream);
   std::vector<std::size_t> seq_lens() const;
   void set_deferred_reclamation(bool on);
+  void expect_tokens(std::size_t slot, std::size_t tokens);
   std::size_t map_ahead_now();
   void stop_background() noexcept;
   std::size_t fork(std::size_t src, Stream stream);
@@ -401,6 +402,7 @@ class KvCache::Impl {
   std::vector<Stranded> stranded_;
   Stream background_stream_ = 0;
   CallStats step_stats_;
+  CallStats mapped_ahead_;                      // the mapper's grow units (CacheStats::mapped_ahead)
   StepProfile step_profile_;                    // the last step()'s, filled as it goes
   std::atomic<std::uint64_t> last_wake_ns_{0};  // its wake-up of the mapper, made after the lock
   // The last free_reqid()'s and alloc_reqid()'s wall time and lock wait (last_step_profile()).

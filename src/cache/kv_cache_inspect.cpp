@@ -53,6 +53,10 @@ CacheStats KvCache::Impl::stats() const {
     stats.tokens_in_use += slot.seq_len;
     stats.swapped_slots += slot.swapped ? 1 : 0;
     stats.swapped_bytes += slot.swap.bytes;
+    if (slot.allocated && slot.expected_tokens > 0) {
+      const std::size_t expected = std::min(layout_.pages_per_slot(), layout_.pages_for_tokens(slot.expected_tokens));
+      stats.pages_expected += (expected - std::min(expected, slot.mapped())) * layout_.num_regions();
+    }
   }
   // Shared pages lie below their slots' claims: each extra mapping is a claimed one.
   const std::size_t duplicates = sharing_.duplicate_mappings();
@@ -62,6 +66,7 @@ CacheStats KvCache::Impl::stats() const {
   stats.pages_in_use = claimed_mappings - duplicates;
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
   stats.step = step_stats_;
+  stats.mapped_ahead = mapped_ahead_;
   stats.budget_asks = budget_asks_;
   stats.budget_handoff = budget_handoff_;
   if (statistics_ != nullptr) stats.backend = statistics_->stats();

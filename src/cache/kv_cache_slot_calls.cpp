@@ -87,4 +87,21 @@ void KvCache::Impl::set_deferred_reclamation(bool on) {
   config_.deferred_reclamation = on;  // read by free_reqid() only, under the same lock
 }
 
+// Only the hint changes: the mapper reads it (kv_cache_background_plan.cpp); nothing that
+// decides slots, claims or shortages does, so ranks that differ in it stay in agreement.
+void KvCache::Impl::expect_tokens(std::size_t slot_index, std::size_t tokens) {
+  rethrow_background_error();
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    expect_slot_in_range(slot_index);
+    const Slot& slot = slots_[slot_index];
+    VKV_EXPECTS(slot.allocated, "expect_tokens: slot ", slot_index, " is not allocated (alloc_reqid it first)");
+    VKV_EXPECTS(!slot.swapped, "expect_tokens: slot ", slot_index, " is swapped out (swap_in it first)");
+    VKV_EXPECTS(tokens <= config_.max_context_len, "expect_tokens: tokens = ", tokens,
+                " exceeds max_context_len = ", config_.max_context_len);
+    slots_[slot_index].expected_tokens = tokens;
+  }
+  if (mapper_) mapper_->wake();  // without the lock: the mapper takes it first thing
+}
+
 }  // namespace vkv

@@ -61,6 +61,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   slot.swap = copy;
   slot.seq_len = 0;
   slot.claimed = 0;
+  slot.expected_tokens = 0;  // swap_in() brings back what it had, no more
   publish_in_use();
   if (mapper_) mapper_->wake();
 }

@@ -43,6 +43,7 @@ void SlotTable::mark_allocated(std::size_t slot, std::uint64_t steps_so_far) noe
   entry.allocated = true;
   entry.seq_len = 0;
   entry.claimed = 0;
+  entry.expected_tokens = 0;
   entry.kept_at_free = 0;
   entry.shared_a_page = false;
   if (!is_free(eager_slot_)) eager_slot_ = most_kept();
@@ -53,6 +54,7 @@ void SlotTable::unmark_allocated(std::size_t slot, std::size_t kept_at_free, std
   entry.allocated = false;
   entry.seq_len = 0;
   entry.claimed = 0;
+  entry.expected_tokens = 0;
   entry.kept_at_free = kept_at_free;
   entry.shared_a_page = false;
   eager_slot_ = eager_slot;
@@ -64,6 +66,7 @@ void SlotTable::mark_freed(std::size_t slot, std::size_t kept) noexcept {
   entry.allocated = false;
   entry.seq_len = 0;
   entry.claimed = 0;
+  entry.expected_tokens = 0;
   entry.shared_a_page = false;
   entry.freed_at = ++frees_;
   if (!is_free(eager_slot_)) eager_slot_ = most_kept();

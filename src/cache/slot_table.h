@@ -78,6 +78,9 @@ struct Slot {
   std::size_t busy_from = kNotBusy;
   bool swapped = false;
   HostCopy swap;  // where swap_out() put the tokens
+  // Tokens the owner said it will step the slot up to (expect_tokens()): the mapper maps
+  // their pages ahead, unclaimed. A hint only: no slot choice, claim or shortage reads it.
+  std::size_t expected_tokens = 0;
 
   std::size_t mapped() const noexcept { return pages.empty() ? 0 : pages.front().size(); }
   bool busy() const noexcept { return busy_from != kNotBusy; }

@@ -4,6 +4,7 @@ same KV memory budget; prints the comparison table, writes JSON and plots.
   python -m vkv.demo                 # on a CPU: small (tiny model, <1 minute); on a GPU: gpu
   python -m vkv.demo --preset h100 --out benchmarks/results    # Llama-3-8B shape on an H100
   python -m vkv.demo --preset long --out benchmarks/results    # long prompts: makespan per P:D ratio
+  python -m vkv.demo --preset longctx --repeats 3 --out benchmarks/results   # 32K-64K prompts, chunked prefill
 
 The gpu preset (Llama-3.2-1B shape, 128 ShareGPT-like requests in 1 GiB of KV, under a
 minute on an H100) shows the memory pressure vkv is for; h100 and long also compare
@@ -31,7 +32,8 @@ from .engine import Engine, RunResult
 from .kv_stores import StoreUnavailable, make_store
 from .model import SHAPES, LlamaModel
 from .report import makespan_table, repeats_table, result_stem, save, table
-from .workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace
+from .workload import (SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_long_prompt_trace, make_prefill_decode_trace,
+                       make_trace)
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
 # FlashInfer's kernels: on its paged cache, and on vkv's memory (one page per request).
@@ -52,6 +54,14 @@ FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"
 # long's prompts (8K-16K tokens, 1-2 GiB) map in whole 128 MiB large pages, one driver
 # call each instead of 64 (the driver's access call costs ~27 us per allocation,
 # whatever its size: shared/probes).
+# longctx: 16 documents of 32K-64K tokens, all at once, prefilled in 8K-token chunks (vLLM's
+# chunked prefill) and decoding 256-1,024 tokens, on the Llama-3-8B shape on one 80 GB H100:
+# 16 GiB of random bf16 weights, ~3 GiB of activations, workspaces and graphs, and KV for
+# 6 requests at once (the engine admits more as they finish): 6 x (64K + 1K) tokens x 128
+# KiB = 48.75 GiB, plus at most one partly used 128 MiB large page per slot, in 51 GiB.
+LONGCTX_CONTEXT = 65536 + 1024  # a prompt and its output; a multiple of 1,024 (per-layer pages) and 128
+LONGCTX_SLOTS = 6
+LONGCTX_KV_MIB = 51 * 1024
 PRESETS = {
     "small": dict(model="tiny", requests=32, rate=math.inf, kv_budget_mib=4, max_context=1024, length_scale=0.25,
                   page_size_kib=32, max_slots=32, max_prefill_tokens=1024, pd_ratios=[],
@@ -65,10 +75,20 @@ PRESETS = {
     "long": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=32768, max_context=16384,
                  length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50],
                  large_page_mib=128, vkv_ready_pct=0),
+    "longctx": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=LONGCTX_KV_MIB,
+                    max_context=LONGCTX_CONTEXT, length_scale=1.0, page_size_kib=0, max_slots=LONGCTX_SLOTS,
+                    max_prefill_tokens=8192, pd_ratios=[], large_page_mib=128, vkv_ready_pct=0, chunked_prefill=1,
+                    prompt_tokens=[32768, 65536], output_tokens=[256, 1024]),
 }
+# Keys only some presets set: what the others get.
+PRESET_FALLBACKS = {"chunked_prefill": 0}
 # The stores a preset compares when --stores is not given.
 PRESET_STORES = {"small": STORES, "gpu": STORES, "h100": STORES + FLASHINFER_STORES,
-                 "long": STORES + FLASHINFER_STORES}
+                 "long": STORES + FLASHINFER_STORES,
+                 # vkv's memory with FlashInfer's kernels (chunks: ragged over the cached prefix) in
+                 # both layouts, against FlashInfer's paged cache (chunks: paged prefill) and Flex's
+                 "longctx": ["vkv-interleaved-fi-128", "vkv-per-layer-fi-128", "flashinfer-16", "flashinfer-128",
+                             "paged-128"]}
 # Without --preset: the first of these for the device --device resolves to.
 DEFAULT_PRESETS = {"cpu": "small", "cuda": "gpu"}
 # On a GPU pages are the device's 2 MiB: the small preset's 4 MiB would be 2 pages, and a
@@ -109,22 +129,29 @@ def parse_args(argv):
                         help="serve the traces this many times on each store, the store order rotated by one each "
                              "time; the table shows each store's median run, and a repeats table the median and "
                              "range of each (default: 1)")
-    args = parse_with_presets(parser, PRESETS, argv, GPU_PRESETS, DEFAULT_PRESETS)
+    parser.add_argument("--first-repeat", type=int, default=1,
+                        help="number the repeats from this one (its store order rotated by first-repeat - 1): "
+                             "repeats run as separate commands, e.g. --repeats 1 --first-repeat 2 (default: 1)")
+    args = parse_with_presets(parser, PRESETS, argv, GPU_PRESETS, DEFAULT_PRESETS, PRESET_FALLBACKS)
     args.stores = args.stores or PRESET_STORES[args.preset]
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least 1")
+    if args.repeats < 1 or args.first_repeat < 1:
+        parser.error(f"--repeats {args.repeats}, --first-repeat {args.first_repeat}: at least 1")
+    if args.chunked_prefill and len(args.prompt_tokens or [0, 0]) != 2:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: the shortest and the longest prompt")
     return args
 
 
-def parse_with_presets(parser, presets, argv, gpu_presets=None, default_presets=None):
+def parse_with_presets(parser, presets, argv, gpu_presets=None, default_presets=None, fallbacks=None):
     """Adds --seed, --out, --no-progress and an option per preset key (a list value takes
     several; CHOICES lists the valid values of some), parses, resolves --device and fills
     what was not given from the chosen --preset (without one: default_presets[device type])
-    and its GPU_PRESETS entry on a GPU."""
+    and its GPU_PRESETS entry on a GPU. A key a preset does not set takes ``fallbacks[key]``,
+    else the first preset's value that sets it (a list: [])."""
     keys = {}
     for preset in presets.values():
         for key, value in preset.items():
             keys.setdefault(key, value)
+    keys.update((key, value) for key, value in (fallbacks or {}).items() if key in keys)
     for key, value in keys.items():
         flag = f"--{key.replace('_', '-')}"
         if isinstance(value, list):
@@ -157,7 +184,12 @@ def resolve_device(name) -> torch.device:
 
 
 def traces(args, vocab):
-    """(label, trace) per trace the run serves: the ShareGPT-like trace, or one per P:D ratio."""
+    """(label, trace) per trace the run serves: the ShareGPT-like trace, the long prompts of
+    --prompt-tokens ("documents", prefilled in chunks with --chunked-prefill 1), or one per
+    P:D ratio."""
+    if args.prompt_tokens:
+        return [("documents", make_long_prompt_trace(args.requests, args.prompt_tokens,
+                                                    args.output_tokens or [256, 1024], vocab, args.seed))]
     if not args.pd_ratios:
         return [("sharegpt", make_trace(args.requests, args.rate, args.max_context, vocab, args.seed,
                                         args.length_scale))]
@@ -200,6 +232,9 @@ def main(argv=None) -> int:
               + (f" (ShareGPT-like: {SHAREGPT_MEAN_PROMPT}/{SHAREGPT_MEAN_OUTPUT} x {args.length_scale}), arrival "
                  f"rate {args.rate}/s" if label == "sharegpt" else ", all at once"))
     print(f"KV budget {budget / 2**20:.0f} MiB = {budget // shape.kv_bytes_per_token(dtype)} tokens")
+    if args.chunked_prefill:
+        print(f"chunked prefill: {args.max_prefill_tokens} prompt tokens an iteration, every chunk attending to its "
+              f"slot's cached prefix; vkv is told each prompt's length when it is admitted (expect_tokens)")
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
     vkv_options = dict(page_size=args.page_size_kib << 10, large_page_size=args.large_page_mib << 20,
@@ -217,7 +252,8 @@ def main(argv=None) -> int:
         try:
             store = make_store(kind, shape, dtype, device, args.max_context, budget, args.max_slots, flex,
                                **vkv_options)
-            engine = Engine(model, store, args.max_prefill_tokens, cuda_graphs=graphs)
+            engine = Engine(model, store, args.max_prefill_tokens, cuda_graphs=graphs,
+                            chunked_prefill=bool(args.chunked_prefill))
             # Short outputs: the warm-up only has to compile, capture and load kernels.
             warmup = make_trace(4, math.inf, min(args.max_context, 512), shape.vocab, seed=args.seed + 1,
                                 scale=args.length_scale)
@@ -237,7 +273,8 @@ def main(argv=None) -> int:
         per_trace = {label: {"summary": result.summary(), "running": result.running,
                              "decode_rows": result.decode_rows, "decode_ms": result.decode_ms,
                              "gpu_decode_ms": result.gpu_decode_ms, "prefill_ms": result.prefill_ms,
-                             "gpu_prefill_ms": result.gpu_prefill_ms, "reserve_us": result.reserve_us}
+                             "gpu_prefill_ms": result.gpu_prefill_ms, "reserve_us": result.reserve_us,
+                             **({"mapping": mapping_rates(result)} if result.mapping else {})}
                      for label, result in results}
         for (label, result), entry in zip(results, per_trace.values()):
             entry["summary"]["capture_seconds"] = capture
@@ -246,7 +283,7 @@ def main(argv=None) -> int:
                       f"{result.rejected} of {len(result.requests)} requests rejected (each larger than the KV budget)")
         if len(results) == 1:
             result = results[0][1]
-            entry = {**per_trace["sharegpt"], "waste": result.waste, "pages": result.pages}
+            entry = {**per_trace[results[0][0]], "waste": result.waste, "pages": result.pages}
         else:
             merged = RunResult.merge([result for _, result in results]).summary()
             merged.update(capture_seconds=capture,
@@ -258,10 +295,11 @@ def main(argv=None) -> int:
     # that no store always runs first (or right after the same one).
     failures, skipped = {}, {}
     served = {}  # kind -> [(name, entry, tokens, repeat, position)]
-    for repeat in range(args.repeats):
+    first = args.first_repeat - 1
+    for repeat in range(first, first + args.repeats):
         order = args.stores[repeat % len(args.stores):] + args.stores[:repeat % len(args.stores)]
-        if args.repeats > 1:
-            print(f"repeat {repeat + 1} of {args.repeats}: {' '.join(order)}")
+        if args.repeats > 1 or first:
+            print(f"repeat {repeat + 1} of {first + args.repeats}: {' '.join(order)}")
         for position, kind in enumerate(k for k in order if k not in skipped and k not in failures):
             try:
                 name, entry, generated = serve(kind)
@@ -321,6 +359,25 @@ def main(argv=None) -> int:
         for path in save(results, args.out, result_stem("serving", args.preset, device, machine)):
             print(f"wrote {path}")
     return 1 if failures else 0
+
+
+def mapping_rates(result: RunResult) -> dict:
+    """A vkv store's mapping over a run, with its rates: the mapper's pages mapped ahead
+    (GB/s over its units' time), step()'s own (pages it mapped and its whole time), and
+    step()'s share of the prefill passes' wall time."""
+    m = dict(result.mapping)
+    page = m.get("page_bytes", 0)
+    m["mapped_ahead_gb"] = m.get("mapped_ahead_pages", 0) * page / 1e9
+    m["mapped_ahead_gb_s"] = m["mapped_ahead_gb"] / m["mapped_ahead_seconds"] if m.get("mapped_ahead_seconds") else 0.0
+    m["step_mapped_gb"] = m.get("step_pages", 0) * page / 1e9
+    prefill_seconds = sum(result.prefill_ms) / 1e3
+    m["step_share_of_prefill"] = m.get("step_seconds", 0.0) / prefill_seconds if prefill_seconds else 0.0
+    # Whether an announced prompt's memory was ready when its first chunk's forward ended.
+    unready = result.unready_after_first_chunk
+    m["first_chunks"] = len(unready)
+    m["first_chunks_ready_pct"] = 100.0 * sum(p == 0 for p in unready) / len(unready) if unready else float("nan")
+    m["first_chunk_unready_pages_max"] = max(unready, default=0)
+    return m
 
 
 def _driver_version() -> str:

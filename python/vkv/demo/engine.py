@@ -72,6 +72,10 @@ class RunResult:
     gpu_prefill_ms: List[float] = field(default_factory=list)
     capture_seconds: float = 0.0                              # CUDA-graph capture, before the clock
     gpu_timed: bool = False                                   # device times measured (on a GPU)
+    mapping: dict = field(default_factory=dict)               # the store's mapping cost over the run (vkv)
+    # Chunked prefill: pages of announced prompts still unmapped when a pass with a prompt's
+    # first chunk ended (its tokens read back: the forward is done), one entry per such pass.
+    unready_after_first_chunk: List[int] = field(default_factory=list)
 
     @staticmethod
     def merge(results: List["RunResult"]) -> "RunResult":
@@ -82,6 +86,10 @@ class RunResult:
                            gpu_timed=results[0].gpu_timed)
         for name, value in list(vars(merged).items()):
             if name in ("store", "requests", "seconds", "pages", "gpu_timed"):
+                continue
+            if name == "mapping":  # counters: added up
+                merged.mapping = {key: sum(r.mapping.get(key, 0) for r in results) if key.endswith(
+                    ("pages", "seconds", "calls")) else results[0].mapping[key] for key in results[0].mapping}
                 continue
             parts = [getattr(result, name) for result in results]
             setattr(merged, name, max(parts) if name == "peak_running" else
@@ -166,12 +174,26 @@ class Engine:
     (captured at the first run, before its clock starts). Not thread-safe."""
 
     def __init__(self, model: LlamaModel, store: KvStore, max_prefill_tokens: int, share: bool = False,
-                 cuda_graphs: bool = False, admit_at_once: bool = True) -> None:
+                 cuda_graphs: bool = False, admit_at_once: bool = True, chunked_prefill: bool = False) -> None:
         """``admit_at_once``: reserve an iteration's arrivals in one store call when they all
         fit (vkv's step() is meant to be called once per iteration), one by one otherwise;
-        off, one call per admitted request. Either way the same requests are admitted."""
+        off, one call per admitted request. Either way the same requests are admitted.
+
+        ``chunked_prefill``: prompts are computed ``max_prefill_tokens`` at a time, as vLLM
+        and SGLang do by default: each iteration the prompts already started go on first,
+        oldest first, then arrivals are admitted while the chunk lasts (a request's first
+        chunk may be the rest of it); each chunk's pages are reserved for that iteration
+        only, and every chunk attends to its slot's cached prefix (the store's
+        chunk_attention). At admission the store is told the prompt's length (``expect``:
+        vkv maps its pages ahead while the earlier chunks compute). Not with ``share``."""
+        if chunked_prefill and share:
+            raise ValueError("chunked_prefill and share together: prefixes are shared whole prompts at a time")
         self.model, self.store, self.max_prefill_tokens, self.share = model, store, max_prefill_tokens, share
-        self.admit_at_once = admit_at_once and not share  # prefixes are shared request by request
+        self.chunked = chunked_prefill
+        if chunked_prefill:
+            store.chunk_tokens = max_prefill_tokens
+        # prefixes are shared request by request; chunks are admitted one by one
+        self.admit_at_once = admit_at_once and not share and not chunked_prefill
         self.pinned: Dict[int, int] = {}      # prefix slot -> its tokens, held for the whole run
         self.prefixes: Dict[tuple, int] = {}  # system prompt tokens -> its prefix slot
         self.decoder = DecodeRunner(model, store, store.max_slots, graphs=cuda_graphs)
@@ -298,6 +320,17 @@ class Engine:
             if self.idle_hook:
                 self.idle_hook()
 
+    def _prefill_chunks(self, pieces: List[Request], result: RunResult) -> List[int]:
+        """One pass over this iteration's chunks (request.chunk tokens of each after its
+        request.prefilled); the greedy token after each."""
+        tokens = self.model.prefill_chunks(
+            self.store, [r.slot for r in pieces], [r.prompt[r.prefilled:r.prefilled + r.chunk] for r in pieces],
+            [r.prefilled for r in pieces])
+        for request in pieces:
+            request.prefilled += request.chunk
+            result.prefill_tokens += request.chunk
+        return tokens
+
     def run(self, trace: List[Request], show_progress: bool = True) -> RunResult:
         """Serves the trace to completion. Decode steps run one ahead of the host: step i+1
         is launched (its requests' tokens fed from step i on the device) before step i's
@@ -305,6 +338,9 @@ class Engine:
         store, model = self.store, self.model
         waiting = collections.deque(sorted(trace, key=lambda r: r.arrival))
         running: List[Request] = []
+        prefilling: List[Request] = []  # chunked prefill: admitted, their prompts not computed to the end
+        chunked = self.chunked
+        mapping_before = store.mapping_stats()
         result = RunResult(store.name, trace, 0.0, pages=pages_note(store), gpu_timed=self._events is not None)
         if self.decoder.graphs and not self.decoder.captured:
             self.decoder.capture()
@@ -334,23 +370,27 @@ class Engine:
                 if len(request.tokens) >= request.output_len:  # its last token (it may be counted for a later step)
                     request.finished_at = now
 
-        while waiting or running:
-            if not running and pending is None and waiting[0].arrival > clock():
+        while waiting or running or prefilling:
+            if not running and not prefilling and pending is None and waiting[0].arrival > clock():
                 self._idle_until(waiting[0].arrival, clock)
             result.iterations += 1
             result.reserve_us.append(0.0)
             lens = {r.slot: r.seq_len for r in running}  # room for each running request's next token
             lens.update(self.pinned)
 
-            # 1. admit
+            # 1. admit (chunked: the prompts already started take their chunks first)
             admitted: List[Request] = []
             prefill_budget = self.max_prefill_tokens
+            for request in prefilling:
+                request.chunk = min(request.prompt_len - request.prefilled, max(0, prefill_budget))
+                prefill_budget -= request.chunk
+                lens[request.slot] = request.prefilled + request.chunk
             at_once = self._admit_at_once(waiting, lens, clock, result) if self.admit_at_once else None
             if at_once is not None:
                 admitted = at_once  # everything admissible now: the loop below would add nothing
             while at_once is None and waiting and waiting[0].arrival <= clock():
                 request = waiting[0]
-                if admitted and request.prompt_len > prefill_budget:
+                if (prefill_budget <= 0) if chunked else (admitted and request.prompt_len > prefill_budget):
                     break
                 if self.share and request.sample > 0 and request.emitted == 0 and any(
                         a.group == request.group for a in admitted):
@@ -362,11 +402,12 @@ class Engine:
                 request.cached = 0
                 if prefix_slot is not None and store.share_prefix(prefix_slot, slot, request.prefix_len):
                     request.cached = request.prefix_len
-                lens[slot] = request.prompt_len
+                request.prefilled, request.chunk = 0, min(request.prompt_len, prefill_budget)
+                lens[slot] = request.chunk if chunked else request.prompt_len
                 if not self._reserve(lens, result):
                     del lens[slot]
                     store.free(slot)
-                    if not running and not admitted:  # alone (with the pinned prefixes) it never fits
+                    if not running and not admitted and not prefilling:  # alone (with the pinned prefixes) it never fits
                         waiting.popleft()
                         request.rejected = True
                         result.rejected += 1
@@ -376,13 +417,27 @@ class Engine:
                 waiting.popleft()
                 request.slot, request.generated = slot, 0
                 admitted.append(request)
-                prefill_budget -= request.prompt_len
+                prefill_budget -= lens[slot]
+                if chunked and request.chunk < request.prompt_len:
+                    store.expect(slot, request.prompt_len)  # vkv maps the rest while the first chunks compute
 
-            # 2. room for the decode tokens: preempt the youngest while there is none
-            while running and not self._reserve(lens, result):
-                collect(pending)  # the victim's last token becomes part of its prompt
-                pending, awaiting = None, {}
-                victim = running.pop()
+            # 2. room for the decode tokens (and the started prompts' chunks): preempt the
+            # youngest while there is none, a started prompt before a running request
+            while (running or prefilling) and not self._reserve(lens, result):
+                if prefilling:
+                    victim = prefilling.pop()
+                    victim.prefilled = 0
+                    if not running and not prefilling and not admitted:  # alone it never fits
+                        del lens[victim.slot]
+                        store.free(victim.slot)
+                        victim.rejected, victim.slot = True, -1
+                        result.rejected += 1
+                        done += 1
+                        continue
+                else:
+                    collect(pending)  # the victim's last token becomes part of its prompt
+                    pending, awaiting = None, {}
+                    victim = running.pop()
                 del lens[victim.slot]
                 store.free(victim.slot)
                 # Recompute later: the tokens it generated since its last prefill become
@@ -398,12 +453,22 @@ class Engine:
             forked: List[Request] = []
             result.prefill_ms.append(0.0)
             result.gpu_prefill_ms.append(0.0)
-            if admitted:
+            pieces = [r for r in prefilling if r.chunk] + admitted if chunked else admitted
+            completed = admitted
+            if pieces:
                 began = time.perf_counter()
                 self._record(0)
-                greedy = self._prefill(admitted, result)
+                if chunked:
+                    tokens_after = self._prefill_chunks(pieces, result)  # read back: the pass has ended
+                    if any(r.prefilled < r.prompt_len for r in admitted):
+                        result.unready_after_first_chunk.append(store.pages_expected())
+                    greedy = [t for r, t in zip(pieces, tokens_after) if r.prefilled == r.prompt_len]
+                    completed = [r for r in pieces if r.prefilled == r.prompt_len]
+                    prefilling = [r for r in prefilling + admitted if r.prefilled < r.prompt_len]
+                else:
+                    greedy = self._prefill(admitted, result)
                 self._record(1)
-                for request, token in zip(admitted, greedy):
+                for request, token in zip(completed, greedy):
                     request.next_token = first_token(request, token, model.shape.vocab)
                     if self.share and request.group >= 0:
                         forked += self._fork_samples(request, waiting, token, result, clock)
@@ -440,7 +505,7 @@ class Engine:
             awaiting = {id(r): row for row, r in enumerate(running)} if pending else {}
             if pending is None:
                 self._synchronize()
-            running.extend(admitted)
+            running.extend(completed)
             running.extend(forked)
             result.running.append(len(running))
             result.peak_running = max(result.peak_running, len(running))
@@ -462,6 +527,9 @@ class Engine:
 
         collect(pending)
         result.seconds = clock()
+        after = store.mapping_stats()
+        result.mapping = {key: value - mapping_before.get(key, 0) if key.endswith(("pages", "seconds", "calls"))
+                          else value for key, value in after.items()}
         for slot in self.pinned:
             store.free(slot)
         self.pinned.clear()

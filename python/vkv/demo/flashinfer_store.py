@@ -8,15 +8,19 @@ and SGLang use), and vkv's own contiguous memory served by the same kernels.
                       ``BatchDecodeWithPagedKVCacheWrapper``; fresh prompts prefilled by
                       ``BatchPrefillWithRaggedKVCacheWrapper`` on their fresh K/V, as
                       ``VkvFlashInferStore`` does (the same work on both: a paged read is
-                      only needed where a cached prefix must be read, and this store
-                      shares none; ``plan_paged_prefill`` stays for that case).
+                      only needed where a cached prefix must be read: the chunks of a
+                      chunked prefill, which ``BatchPrefillWithPagedKVCacheWrapper`` reads
+                      through the page table, as vLLM and SGLang do).
   VkvFlashInferStore  vkv's allocation (``VkvStore``: pages mapped by ``step()``), decode by
                       the same paged decode kernel reading vkv's tensors with no page table:
                       each request's slot is one page of ``max_context`` tokens (``indices``
                       the slots, ``indptr`` a range, ``last_page_len`` the lengths), or cut
                       into pages of ``page_tokens`` that follow each other in the slot;
                       prefill by ``BatchPrefillWithRaggedKVCacheWrapper`` (FA3 on sm90) on
-                      the prompts' fresh K/V, as the other stores run FlashAttention-2.
+                      the prompts' fresh K/V, as the other stores run FlashAttention-2; a
+                      chunk of a chunked prefill by the same kernel over its slot's cached
+                      prefix and itself, one contiguous range of tokens (one wrapper per
+                      chunk: the kernel takes each request's keys as a range of one tensor).
 
 FlashInfer reads the page, token and head strides of the K and V tensors it is given
 (``paged_kv_t``; the two must have equal strides), so vkv's interleaved views, whose token
@@ -41,7 +45,7 @@ otherwise.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -158,6 +162,7 @@ class FlashInferKernels:
         self._decode_wrapper = None
         self._paged_prefill_wrapper = None
         self._ragged_prefill_wrapper = None
+        self._chunk_wrappers: list = []
 
     def page_lists(self, table: np.ndarray, slots: Sequence[int], lens: Sequence[int], rows: int, page_tokens: int):
         """page_lists() in the pinned buffers, once the device took the previous plan's
@@ -205,12 +210,14 @@ class FlashInferKernels:
         return self._decode_wrapper.run(q.contiguous(), kv)
 
     def plan_paged_prefill(self, table: np.ndarray, slots: Sequence[int], lengths: Sequence[int],
-                           page_tokens: int) -> None:
-        """Plans causal prefill of fresh prompts read from their pages in ``table``."""
+                           page_tokens: int, query_lengths: Optional[Sequence[int]] = None) -> None:
+        """Plans causal prefill of fresh prompts read from their pages in ``table``; with
+        ``query_lengths``, of chunks: request i's last query_lengths[i] tokens of its
+        lengths[i] attend to all before them (FlashInfer aligns causality to the last key)."""
         if self._paged_prefill_wrapper is None:
             self._paged_prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         indptr, indices, last_page_len = self.page_lists(table, slots, lengths, len(slots), page_tokens)
-        qo_indptr = self._prompt_offsets(lengths)
+        qo_indptr = self._prompt_offsets(lengths if query_lengths is None else query_lengths)
         self._paged_prefill_wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_heads,
                                          self.num_kv_heads, self.head_dim, page_tokens, causal=True,
                                          q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
@@ -236,6 +243,27 @@ class FlashInferKernels:
     def ragged_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._ragged_prefill_wrapper.run(q.contiguous(), k, v)
 
+    def plan_ragged_chunks(self, query_lengths: Sequence[int], key_lengths: Sequence[int]) -> None:
+        """Plans chunked prefill on contiguous K/V: chunk i's query_lengths[i] queries over
+        key_lengths[i] keys (its slot's cached prefix and itself, one range of tokens handed
+        to ``ragged_chunk``), causal aligned to the last key. One ragged wrapper per chunk:
+        the kernel reads request i's keys at [indptr[i], indptr[i + 1]) of one tensor, and
+        the chunks' slots are not adjacent ranges."""
+        backend = "fa3" if torch.cuda.get_device_capability(self.device) == (9, 0) else "fa2"
+        while len(self._chunk_wrappers) < len(query_lengths):
+            self._chunk_wrappers.append(self.flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self.workspace, "NHD", backend=backend))
+        for wrapper, queries, keys in zip(self._chunk_wrappers, query_lengths, key_lengths):
+            # Pageable host tensors: copied before plan() returns, so nothing is overwritten under a copy.
+            wrapper.plan(torch.tensor([0, queries], dtype=torch.int32), torch.tensor([0, keys], dtype=torch.int32),
+                         self.num_heads, self.num_kv_heads, self.head_dim, causal=True, q_data_type=self.dtype,
+                         kv_data_type=self.dtype)
+
+    def ragged_chunk(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Chunk ``index`` of the last plan_ragged_chunks(): q [queries, heads, d] over k/v
+        [keys, kv_heads, d] (strides as given: a slot's range of vkv's tensors)."""
+        return self._chunk_wrappers[index].run(q.contiguous(), k, v)
+
     def _prompt_offsets(self, lengths: Sequence[int]) -> torch.Tensor:
         """The prompts' token offsets [len + 1] in the pinned buffer (after page_lists or a
         wait for the previous plan)."""
@@ -247,6 +275,7 @@ class FlashInferKernels:
         self._graph_wrappers.clear()
         self._eager_wrapper = self._decode_wrapper = None
         self._paged_prefill_wrapper = self._ragged_prefill_wrapper = None
+        self._chunk_wrappers = []
 
 
 class FlashInferStore(KvStore):
@@ -320,6 +349,16 @@ class FlashInferStore(KvStore):
     def prefill_attention(self, layer, q, k, v, cu, max_len, spans):
         return self.kernels.ragged_prefill(q, k, v)
 
+    # Chunks read the cached prefix through the page table: FlashInfer's paged prefill, as
+    # vLLM and SGLang run every chunk after a prompt's first.
+    def begin_chunks(self, slots, starts, lengths):
+        super().begin_chunks(slots, starts, lengths)
+        self.kernels.plan_paged_prefill(self.pages.pages, slots, [s + n for s, n in zip(starts, lengths)],
+                                        self.page_tokens, query_lengths=lengths)
+
+    def chunk_attention(self, layer, q, k, v, spans):
+        return self.kernels.paged_prefill(q, self.pools[layer])
+
     def close(self):
         self.pools = []
         self.kernels.close()
@@ -371,6 +410,21 @@ class VkvFlashInferStore(VkvStore):
 
     def prefill_attention(self, layer, q, k, v, cu, max_len, spans):
         return self.kernels.ragged_prefill(q, k, v)
+
+    # Chunks read their slot's cached prefix as one contiguous range of tokens: FlashInfer's
+    # ragged prefill (FA3 on sm90) on vkv's tensors, no page table.
+    def begin_chunks(self, slots, starts, lengths):
+        KvStore.begin_chunks(self, slots, starts, lengths)
+        self.kernels.plan_ragged_chunks(lengths, [s + n for s, n in zip(starts, lengths)])
+
+    def chunk_attention(self, layer, q, k, v, spans):
+        flat_k, flat_v = self._flat[layer]
+        outputs = []
+        for index, ((a, b), slot, start) in enumerate(zip(spans, *self._chunks[:2])):
+            first = slot * self.tokens_per_slot
+            end = first + start + b - a
+            outputs.append(self.kernels.ragged_chunk(index, q[a:b], flat_k[first:end], flat_v[first:end]))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def close(self):
         self.paged_kv = []

@@ -146,6 +146,44 @@ class KvStore:
             q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
             is_causal=True, enable_gqa=True)[0].transpose(0, 1) for a, b in spans])
 
+    # Chunked prefill: a long prompt computed a chunk at a time, each chunk attending to the
+    # K/V its slot holds from the earlier chunks and to itself.
+    chunk_tokens = 0  # the longest chunk the engine prefills (Engine sets it): fixed kernel shapes
+
+    def expect(self, slot: int, tokens: int) -> None:
+        """The prompt admitted to ``slot`` will reach ``tokens`` tokens over its chunks: a hint
+        (vkv maps their pages ahead); the store changes nothing else."""
+
+    def begin_chunks(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> None:
+        """Host work before a chunked prefill pass: chunk i of slot ``slots[i]`` covers tokens
+        [starts[i], starts[i] + lengths[i]), the ones before are cached (their pages reserved)."""
+        self._chunks = (list(slots), list(starts), list(lengths))
+
+    def chunk_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        spans: Sequence[tuple]) -> torch.Tensor:
+        """Attention of the chunks of begin_chunks() (their K/V written): q [T, heads, d] and
+        the chunks' own k/v [T, kv_heads, d] concatenated, ``spans`` their (start, end) in
+        them. Each chunk reads its slot's first starts[i] + lengths[i] tokens, causally
+        (aligned to the last key). Here: the store's cached_kv and SDPA, chunk by chunk (the
+        CPU path; the stores' own kernels on a GPU)."""
+        outputs = []
+        for (a, b), slot, start in zip(spans, *self._chunks[:2]):
+            keys, values = self.cached_kv(layer, slot, start + b - a)
+            mask = torch.arange(start + b - a, device=q.device)[None] <= \
+                torch.arange(start, start + b - a, device=q.device)[:, None]
+            outputs.append(F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(outputs)
+
+    def mapping_stats(self) -> dict:
+        """What mapping memory cost so far (vkv: pages and time, the mapper's and step()'s); {} elsewhere."""
+        return {}
+
+    def pages_expected(self) -> int:
+        """Pages of announced prompts (``expect``) not mapped yet (vkv); 0 elsewhere."""
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -187,6 +225,23 @@ class ContiguousStore(KvStore):
         if cache.stride(0) % cache.stride(1):
             raise ValueError(f"slot stride {cache.stride(0)} is not a whole number of tokens ({cache.stride(1)})")
         return cache.stride(0) // cache.stride(1)
+
+    def begin_chunks(self, slots, starts, lengths):
+        super().begin_chunks(slots, starts, lengths)
+        if self.device.type == "cuda":  # FlashAttention-2 varlen: each chunk reads its slot's prefix and itself
+            used = np.asarray(starts) + np.asarray(lengths)
+            self._chunk_args = (
+                self._tensor(np.concatenate([[0], np.cumsum(lengths)]), torch.int32),
+                self._tensor(np.concatenate([np.asarray(slots) * self.tokens_per_slot, [0]]), torch.int32),
+                int(max(lengths)), int(used.max()), self._tensor(used, torch.int32))
+
+    def chunk_attention(self, layer, q, k, v, spans):
+        if self.device.type != "cuda":
+            return super().chunk_attention(layer, q, k, v, spans)
+        flat_k, flat_v = self._flat[layer]
+        cu_q, cu_k, max_q, max_k, used = self._chunk_args
+        return torch.ops.aten._flash_attention_forward(q, flat_k, flat_v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                       seqused_k=used)[0]
 
     def begin_decode(self, batch):
         if self.device.type == "cuda":
@@ -302,6 +357,20 @@ class VkvStore(ContiguousStore):
 
     def held_bytes(self):
         return self.cache.stats()["pages_in_use"] * self.cache.page_size
+
+    def expect(self, slot, tokens):
+        self.cache.expect_tokens(slot, tokens)
+
+    def pages_expected(self):
+        return self.cache.stats()["pages_expected"]
+
+    def mapping_stats(self):
+        stats = self.cache.stats()
+        return {"page_bytes": self.cache.page_size, "large_page_bytes": self.large_page_size,
+                "mapped_ahead_pages": stats["mapped_ahead"]["units"],
+                "mapped_ahead_seconds": stats["mapped_ahead"]["seconds"],
+                "step_pages": stats["step"]["units"], "step_seconds": stats["step"]["seconds"],
+                "step_calls": stats["step"]["calls"]}
 
     def fork(self, slot):
         if not self.cache.num_free_slots:
@@ -457,6 +526,9 @@ class PagedStore(KvStore):
         self.block_mask = BlockMask.from_kv_blocks(
             num_blocks, page_lists, BLOCK_SIZE=(page_tokens, page_tokens),
             mask_mod=self.table.get_mask_mod(None, self._kv_len), seq_lengths=(1, self.num_pages * page_tokens))
+        # Chunks of a chunked prefill through Flex on a GPU; on a CPU gathered (tests turn Flex
+        # on there too, eager, to check its masks against the gathered result).
+        self.chunks_by_flex = self.device.type == "cuda"
 
     def alloc(self):
         return self.pages.alloc()
@@ -507,6 +579,92 @@ class PagedStore(KvStore):
         out = self.flex(queries, self.k_pools[layer], self.v_pools[layer], block_mask=self.block_mask,
                         enable_gqa=True)
         return out[batch.slots, :, 0]
+
+    def cached_kv(self, layer, slot, tokens):
+        pages = torch.as_tensor(self.pages.pages[slot, :-(-tokens // self.page_tokens)], device=self.device)
+        index = (pages[:, None] * self.page_tokens + torch.arange(self.page_tokens, device=self.device)).flatten()
+        index = index[:tokens]
+        return (self.k_pools[layer][0][:, index].transpose(0, 1), self.v_pools[layer][0][:, index].transpose(0, 1))
+
+    # Chunks on a GPU: FlexAttention through the page table, one chunk at a time, its queries
+    # padded to chunk_tokens so that one compiled kernel serves every chunk. Its BlockMask is
+    # built from the slot's pages (as the decode one): for each 128-query block, the pages
+    # wholly before its first query are full blocks, the rest up to its last query partial,
+    # where mask_mod maps a physical position back to the slot's and applies causality.
+    _Q_BLOCK = 128
+
+    def begin_chunks(self, slots, starts, lengths):
+        super().begin_chunks(slots, starts, lengths)
+        if not self.chunks_by_flex:
+            return
+        from torch.nn.attention.flex_attention import BlockMask
+
+        padded = -(-max(self.chunk_tokens, *lengths) // self._Q_BLOCK) * self._Q_BLOCK
+        rows = padded // self._Q_BLOCK
+        self._chunk_masks = []
+        for index, (slot, start, length) in enumerate(zip(slots, starts, lengths)):
+            slot_t, start_t = self._chunk_scalars(index)
+            slot_t.fill_(slot)
+            start_t.fill_(start)
+            blocks = np.arange(rows) * self._Q_BLOCK
+            first = start + blocks                                             # each block's first query
+            last = start + np.minimum(blocks + self._Q_BLOCK, length) - 1     # and last real one
+            full = (first + 1) // self.page_tokens                             # pages wholly before the first
+            total = last // self.page_tokens + 1                               # pages up to the last
+            padding = blocks >= length  # blocks of padding only: the slot's first page, masked (rows dropped)
+            full[padding], total[padding] = 0, 1
+            # A row of block indices per query block, as wide as the pool has pages (Flex
+            # indexes a dense [rows, kv blocks] mask with them).
+            pages = self.pages.pages[slot]
+            columns = np.arange(self.num_pages)
+            partial = pages[np.minimum(full[:, None] + columns[None], self.pages_per_slot - 1)]
+            full_pages = np.zeros((rows, self.num_pages), dtype=pages.dtype)
+            full_pages[:, :min(self.pages_per_slot, self.num_pages)] = pages[:self.num_pages]
+            counts = np.stack([total - full, full], axis=1)
+            tensors = self._tensor(np.concatenate([counts.T.reshape(-1), partial.reshape(-1), full_pages.reshape(-1)]),
+                                   torch.int32)
+            partial_counts, full_counts = tensors[:rows].view(1, 1, rows), tensors[rows:2 * rows].view(1, 1, rows)
+            partial_t = tensors[2 * rows:2 * rows + rows * self.num_pages].view(1, 1, rows, -1)
+            full_t = tensors[2 * rows + rows * self.num_pages:].view(1, 1, rows, -1)
+            self._chunk_masks.append(BlockMask.from_kv_blocks(
+                partial_counts, partial_t, full_counts, full_t, BLOCK_SIZE=(self._Q_BLOCK, self.page_tokens),
+                mask_mod=self._chunk_mask_mod(index), seq_lengths=(padded, self.num_pages * self.page_tokens)))
+        self._chunk_padded = padded
+
+    def _chunk_scalars(self, index):
+        """The persistent device scalars (slot, start) chunk ``index``'s mask_mod reads: the
+        compiled kernel sees the same tensors every chunk and is not compiled again."""
+        if not hasattr(self, "_scalars"):
+            self._scalars, self._mask_mods = [], []
+        while len(self._scalars) <= index:
+            self._scalars.append((torch.zeros((), device=self.device, dtype=torch.int64),
+                                  torch.zeros((), device=self.device, dtype=torch.int64)))
+        return self._scalars[index]
+
+    def _chunk_mask_mod(self, index):
+        while len(self._mask_mods) <= index:
+            slot_t, start_t = self._chunk_scalars(len(self._mask_mods))
+            page_tokens, to_logical = self.page_tokens, self.table.physical_to_logical
+
+            def mask_mod(b, h, q_idx, kv_idx, slot_t=slot_t, start_t=start_t):
+                logical_page = to_logical[slot_t, kv_idx // page_tokens]
+                logical = logical_page * page_tokens + kv_idx % page_tokens
+                return (logical_page >= 0) & (logical <= q_idx + start_t)
+            self._mask_mods.append(mask_mod)
+        return self._mask_mods[index]
+
+    def chunk_attention(self, layer, q, k, v, spans):
+        if not self.chunks_by_flex:
+            return super().chunk_attention(layer, q, k, v, spans)
+        options = {"BLOCK_N": self.page_tokens} if self.page_tokens < 64 else None  # a tile must divide a page
+        outputs = []
+        for (a, b), block_mask in zip(spans, self._chunk_masks):
+            queries = q.new_zeros(1, q.shape[1], self._chunk_padded, q.shape[2])
+            queries[0, :, :b - a] = q[a:b].transpose(0, 1)
+            out = self.flex(queries, self.k_pools[layer], self.v_pools[layer], block_mask=block_mask,
+                            enable_gqa=True, kernel_options=options)
+            outputs.append(out[0, :, :b - a].transpose(0, 1))
+        return torch.cat(outputs)
 
     def _gathered_attention(self, layer, batch, q):
         outputs = []

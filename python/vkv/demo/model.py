@@ -215,6 +215,35 @@ class LlamaModel:
         return self._next_tokens(x[torch.as_tensor(ends - 1, device=self.device)]).tolist()
 
     @torch.inference_mode()
+    def prefill_chunks(self, store, slots: Sequence[int], chunks: Sequence[Sequence[int]],
+                       starts: Sequence[int]) -> List[int]:
+        """Chunked prefill (vLLM's and SGLang's default for long prompts): chunk i (token ids)
+        of slot ``slots[i]`` at positions [starts[i], starts[i] + len), whose slot already
+        holds the K/V of the prompt's first ``starts[i]`` tokens from earlier chunks. Each
+        chunk's K/V is written, then its queries attend to the whole cached prefix and to
+        themselves, causally (the store's chunk_attention: a vkv store reads the prefix
+        contiguously, a paged one through its page table). The next token id after each
+        chunk (meaningful for a prompt's last chunk)."""
+        lengths = np.array([len(c) for c in chunks])
+        ends = np.cumsum(lengths)
+        first = ends - lengths
+        host = np.empty((3, ends[-1]), dtype=np.int64)  # tokens, positions, slots: one copy to the device
+        host[0] = np.concatenate(chunks)
+        host[1] = np.arange(ends[-1]) - np.repeat(first, lengths) + np.repeat(starts, lengths)
+        host[2] = np.repeat(slots, lengths)
+        tokens, positions, token_slots = torch.from_numpy(host).to(self.device).unbind()
+        spans = list(zip(first.tolist(), ends.tolist()))
+        store.begin_chunks(list(slots), list(starts), lengths.tolist())
+        rotary = self._rotary(positions)
+        x = self.embedding[tokens]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms_norm(x, layer["norm1"]), rotary)
+            store.write_kv(index, token_slots, positions, k, v)
+            attention = store.chunk_attention(index, q, k, v, spans)
+            x = self._block_end(layer, x, attention)
+        return self._next_tokens(x[torch.as_tensor(ends - 1, device=self.device)]).tolist()
+
+    @torch.inference_mode()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] of one whole sequence, no KV cache: a teacher-forced check."""
         positions = torch.arange(tokens.numel(), device=self.device)

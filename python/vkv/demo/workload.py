@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Sequence
 
 import numpy as np
 
@@ -37,6 +37,8 @@ class Request:
     sample: int = 0         # which of the n samples: its first token is the sample-th choice
     prefix_len: int = 0     # the prompt starts with this many tokens of a shared system prompt
     cached: int = 0         # prompt tokens it found in the cache (shared) at its last admission
+    prefilled: int = 0      # chunked prefill: prompt tokens computed since its last admission
+    chunk: int = 0          # chunked prefill: prompt tokens computed in this iteration
     slot: int = -1
     next_token: int = 0
     prompt: List[int] = field(default_factory=list)
@@ -161,3 +163,16 @@ def make_ramp_trace(peak_rps: float, seconds: float, offset: float, max_context:
     for request, arrival in zip(trace, arrivals):
         request.arrival = float(arrival)
     return trace
+
+
+def make_long_prompt_trace(count: int, prompt_tokens: Sequence[int], output_tokens: Sequence[int], vocab: int,
+                           seed: int = 0) -> List[Request]:
+    """``count`` requests arriving at once, prompts uniform in [prompt_tokens[0],
+    prompt_tokens[1]] tokens and outputs in [output_tokens[0], output_tokens[1]]: long
+    documents served with chunked prefill (the longctx preset)."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(prompt_tokens[0], prompt_tokens[1] + 1, count)
+    outputs = rng.integers(output_tokens[0], output_tokens[1] + 1, count)
+    return [Request(id=i, arrival=0.0, prompt_len=int(p), output_len=int(o),
+                    prompt=rng.integers(0, vocab, int(p)).tolist())
+            for i, (p, o) in enumerate(zip(prompts, outputs))]

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Long contexts on one H100: the serving demo's longctx preset (16 prompts of 32K-64K
+# tokens, chunked prefill in 8K chunks, 256-1,024 decode tokens) and the attention kernels
+# at 128K and 512K tokens, in parts that each fit one 10-minute call; every call ends with
+# the goal tables of what OUT_DIR holds so far.
+#   scripts/gpu/long_context.sh OUT_DIR PART...
+# Parts:
+#   test        first: the chunk kernels of every store against fp32 attention, and the
+#               C++ ExpectedTokens and LongSlots suites on CUDA (~3 min with the builds)
+#   longctx-1a longctx-1b longctx-2a ... longctx-3b
+#               repeat 1-3 of the demo, store order rotated by repeat; a: vkv interleaved
+#               (FlashInfer's kernels), FlashInfer paged 16, Flex paged 128; b: vkv per-layer
+#               (FlashInfer's kernels), FlashInfer paged 128. ~4-5 min each on an H100.
+#   kernels     attention_bench.py --only long for Llama-3-8B (decode, and an 8K chunk over a
+#               120K / 504K prefix; 512K of K/V is 64 GiB interleaved: --vkv-budget-gib 64)
+#   kernels-gqa the same for the Llama-3-70B shape (64 query / 8 KV heads)
+#   goals       only the tables (no GPU needed)
+# FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh); its kernels compile at first
+# use, ~100 s on a fresh machine, inside the first part that runs them.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+usage="usage: scripts/gpu/long_context.sh OUT_DIR PART... (test, longctx-{1,2,3}{a,b}, kernels, kernels-gqa, goals)"
+mkdir -p "${1:?$usage}"
+out="$(cd "$1" && pwd)"
+shift
+parts="${*:?$usage}"
+src="$PWD"
+export PYTHONUNBUFFERED=1
+status=0
+
+# shellcheck source=scripts/gpu/common.sh
+source scripts/gpu/common.sh
+
+stores_a="vkv-interleaved-fi-128 flashinfer-16 paged-128"
+stores_b="vkv-per-layer-fi-128 flashinfer-128"
+
+if [ "$parts" != goals ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+  echo "commit $(tree_commit)" | tee "$out/commit.txt"
+  install_vkv || exit 1
+  # shellcheck source=scripts/gpu/flashinfer_env.sh
+  source scripts/gpu/flashinfer_env.sh || echo "FlashInfer is not available: its stores and kernels are skipped"
+fi
+for part in $parts; do
+  case "$part" in
+    test)
+      step chunk_kernels 300 python3 -m pytest "$src/tests/python/demo/test_chunked_prefill_gpu.py" \
+        "$src/tests/python/test_expect_tokens.py" -q -p no:cacheprovider -rs
+      echo "=== C++ suites ($(date +%T))"
+      (cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null &&
+        cmake --build build-gpu --target vkv_tests 2>&1 | tail -2 &&
+        ./build-gpu/tests/cpp/vkv_tests --gtest_filter='*ExpectedTokens*:*LongSlots*') > "$out/cpp_tests.log" 2>&1
+      rc=$?
+      tail -4 "$out/cpp_tests.log"
+      [ $rc -eq 0 ] || status=1 ;;
+    longctx-[123][ab])
+      repeat="${part:8:1}"
+      half="${part:9:1}"
+      stores="$stores_a"
+      [ "$half" = b ] && stores="$stores_b"
+      # shellcheck disable=SC2086
+      step "serving_longctx_$repeat$half" 570 python3 -m vkv.demo --preset longctx --repeats 1 \
+        --first-repeat "$repeat" --stores $stores --no-progress --out "$out/longctx-$repeat$half" ;;
+    kernels)
+      step attention_long_llama3_8b 570 python3 "$src/benchmarks/attention_bench.py" --only long \
+        --models llama3-8b --vkv-budget-gib 64 --rounds 3 --out "$out" ;;
+    kernels-gqa)
+      step attention_long_llama3_70b 570 python3 "$src/benchmarks/attention_bench.py" --only long \
+        --models llama3-70b --vkv-budget-gib 64 --rounds 3 --out "$out" ;;
+    goals) ;;
+    *)
+      echo "unknown part $part; $usage"
+      status=1 ;;
+  esac
+done
+echo "=== goals ($(date +%T))"
+(cd /tmp && python3 "$src/benchmarks/long_context_goals.py" --serving "$out"/longctx-* \
+  --kernels "$out"/attention_long_*.json) | tee "$out/goals.md"
+exit $status
