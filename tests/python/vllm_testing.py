@@ -192,8 +192,8 @@ class Engine:
         return self.scheduler.has_requests() or bool(self._in_flight)
 
     def unfinished(self) -> bool:
-        """Requests not finished yet, or a step not yet updated."""
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        """Requests not finished yet, or a step that ran some not yet updated."""
+        return self.scheduler.has_unfinished_requests() or any(o.total_num_scheduled_tokens for o, _ in self._in_flight)
 
     def step_while_busy(self, limit: int = 1000) -> int:
         """Step as vLLM's EngineCore loop does: while ``scheduler.has_requests()`` (unfinished or

@@ -14,6 +14,7 @@ queued) hands it to the background mapper (mapper.py; on CUDA by default).
 No silent fallback: what this version cannot do raises with the reason.
 """
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -73,7 +74,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._asks: Optional[AskBoard] = None  # with a shared budget: the engines that want memory
         self._released_this_step = False
         self._pending = False  # has_pending_push_work(), decided at each build_connector_meta()
-        self._short_steps = 0  # consecutive steps whose need the pool lacked
+        self._targets: "collections.deque" = collections.deque()  # the last targets sent, newest last
         self._expecting_steps = 0  # consecutive steps the worker was told to back more than landed
 
     # ---- both ----------------------------------------------------------------------
@@ -127,15 +128,19 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         balloon, demand = self._balloon, self._demand
         others_want = self._asks is not None and self._asks.others_want()
         need = demand.blocks(scheduler_output)
+        balloon.release_backed()
+        # What the worker was told ``lag`` steps ago has landed by now, as far as the budget gave it.
+        refused = self._targets[0] - balloon.in_pool() if len(self._targets) > self._lag else 0
         release, target = balloon.plan(need, others_want)
+        self._targets.append(target)
+        if len(self._targets) > self._lag + 1:
+            self._targets.popleft()
         self._released_this_step = False
-        # The need lacked blocks for longer than the worker's backing takes: the budget is
-        # short, tell the other engines (they give back what is beyond their own need).
-        self._short_steps = self._short_steps + 1 if balloon.shortfall > 0 else 0
         self._expecting_steps = self._expecting_steps + 1 if balloon.expecting() else 0
         if self._asks is not None:
-            short = balloon.shortfall if self._short_steps > self._lag else 0
-            self._asks.post(short * self._block_bytes)
+            # The budget refused blocks this engine's need lacks: tell the other engines
+            # (each gives back what is beyond its own need).
+            self._asks.post(min(max(refused, 0), balloon.shortfall) * self._block_bytes)
         # Keep vLLM's loop stepping (empty steps still reach the worker) while free blocks wait
         # for their second step, while the worker's backing may still land (they are given
         # back at a step), and, in a shared budget, while this engine holds free blocks beyond
@@ -163,7 +168,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         b = self._balloon
         if b is None:
             return {}
-        return {"in_use": b.in_use(), "free_in_pool": b.pool.get_num_free_blocks(), "held": len(b.held)}
+        return {"in_use": b.in_use(), "free_in_pool": b.pool.get_num_free_blocks(), "held": b.held}
 
     def shutdown(self) -> None:
         if self._asks is not None:
