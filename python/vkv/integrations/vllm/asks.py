@@ -21,7 +21,7 @@ import fcntl
 import mmap
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -65,7 +65,9 @@ class AskBoard:
         self.path = _path(budget)
         self._tag = id(self) & 0x7FFFFFFFFFFF
         self._posted = 0
-        self._budget = None  # vkv.SharedBudget handle, opened on first use
+        self._budget: Any = None  # vkv.SharedBudget handle, opened on first use
+        self._map: Optional[mmap.mmap] = None
+        self.rows: Any = None
         self._stats_at = 0.0
         self._stats_wanted = 0
         self._alive_at: dict = {}  # pid -> (monotonic time checked, alive)
