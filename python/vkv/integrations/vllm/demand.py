@@ -71,18 +71,23 @@ class Demand:
                 self._waiting.move_to_end(request_id, last=False)
         for new in scheduler_output.scheduled_new_reqs:
             self._waiting.pop(new.req_id, None)
-        computed: Dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        size = self.block_size
+        decode_ahead = self.decode_ahead
+        requests = self._requests
         tokens_left = self.batch_ahead
         blocks = 0
         for request_id, tokens in scheduled.items():
-            held = computed.get(request_id, 0) + tokens
-            request = self._requests.get(request_id)
-            prefill_left = request.num_tokens - held if request is not None else 0
-            ahead = max(min(prefill_left, tokens_left), self.decode_ahead)
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            # vLLM advances num_computed_tokens after build_connector_meta(): this step's tokens on top.
+            held = request.num_computed_tokens + tokens
+            prefill_left = request.num_tokens - held
+            ahead = min(prefill_left, tokens_left) if prefill_left > decode_ahead else decode_ahead
+            if ahead < decode_ahead:
+                ahead = decode_ahead
             tokens_left -= ahead
-            blocks += self._blocks(held + ahead) - self._blocks(held)
+            blocks += (held + ahead + size - 1) // size - (held + size - 1) // size
         seats = self.max_num_seqs - len(scheduled)
         gap = 0  # the most a considered request's whole prompt needs beyond its first chunks
         head = True
