@@ -109,12 +109,11 @@ class Balloon:
         return count
 
     def plan(self, demand_blocks: int = 0, others_want: bool = False) -> Tuple[List[int], int]:
-        """Once per step: release what is backed; take back the free blocks beyond the
+        """Once per step, after ``release_backed()``: take back the free blocks beyond the
         headroom + ``demand_blocks`` (what the next steps will ask for, demand.py): at once,
         cached ones included, when ``others_want`` memory; otherwise only those without a
         hash, when they were beyond it at the previous plan too. Returns (blocks the worker
         must unmap, blocks the worker should keep backed)."""
-        self.release_backed()
         need = self.headroom + demand_blocks
         free = self.pool.get_num_free_blocks()
         self.shortfall = max(0, need - free)

@@ -119,8 +119,9 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def update_connector_output(self, connector_output) -> None:
-        if self._balloon is not None:
-            self._balloon.release_backed()
+        if self._balloon is not None and not self._released_this_step:
+            self._balloon.release_backed()  # before the next schedule() hands out blocks (once a step)
+            self._released_this_step = True
 
     def build_connector_meta(self, scheduler_output) -> VkvConnectorMetadata:
         if self._balloon is None or self._demand is None:
@@ -128,7 +129,8 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         balloon, demand = self._balloon, self._demand
         others_want = self._asks is not None and self._asks.others_want()
         need = demand.blocks(scheduler_output)
-        balloon.release_backed()
+        if not self._released_this_step:
+            balloon.release_backed()
         # What the worker was told ``lag`` steps ago has landed by now, as far as the budget gave it.
         refused = self._targets[0] - balloon.in_pool() if len(self._targets) > self._lag else 0
         release, target = balloon.plan(need, others_want)
