@@ -57,9 +57,6 @@ class Demand:
         self._requests.pop(request_id, None)
         self._waiting.pop(request_id, None)
 
-    def has_requests(self) -> bool:
-        return bool(self._requests)
-
     def blocks(self, scheduler_output) -> int:
         """At ``build_connector_meta`` (before vLLM advances its requests): the free blocks
         the pool must have, beyond what this step's block tables hold."""
