@@ -42,7 +42,8 @@ import torch
 def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
     import vllm_testing as vt
-    engine = vt.Engine(num_blocks, {"headroom_blocks": 8}, max_num_seqs=requests, max_num_batched_tokens=2048)
+    engine = vt.Engine(num_blocks, {"headroom_blocks": 8}, max_num_seqs=requests, max_num_batched_tokens=2048,
+                       prefix_caching=False, async_scheduling=False)  # the traces recorded so far
     for i in range(requests):
         engine.add(f"r{i}", [(13 * i + t) % 1000 for t in range(prompt + (i % 7) * 9)], gen)
     steps, last = [], {}

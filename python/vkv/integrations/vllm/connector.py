@@ -14,6 +14,7 @@ queued) hands it to the background mapper (mapper.py; on CUDA by default).
 No silent fallback: what this version cannot do raises with the reason.
 """
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from .asks import AskBoard
 from .balloon import Balloon
 from .block_states import BlockStates
 from .checks import check_startup, check_view
@@ -42,6 +44,7 @@ class VkvConnectorMetadata(KVConnectorMetadata):
 
     release: List[int] = field(default_factory=list)
     target_backed: int = 0
+    forward: bool = True  # False: the step schedules nothing (the worker starts the job at the bind)
 
 
 def _engine_id(vllm_config) -> str:
@@ -73,6 +76,11 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._memory: Optional[BlockMemory] = None
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._demand: Optional[Demand] = None
+        self._asks: Optional[AskBoard] = None  # with a shared budget: the engines that want memory
+        self._released_this_step = False
+        self._pending = False  # has_pending_push_work(), decided at each build_connector_meta()
+        self._targets: "collections.deque" = collections.deque()  # the last targets sent, newest last
+        self._expecting_steps = 0  # consecutive steps the worker was told to back more than landed
 
     # ---- both ----------------------------------------------------------------------
     @classmethod
@@ -92,40 +100,73 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._balloon = Balloon(gpu_block_pool, states, self.settings.headroom_blocks)
         # A step writes 1 token per running request, + the speculative/lookahead ones.
         config = self._vllm_config
+        sched = config.scheduler_config
         tokens_per_step = 1 + config.num_speculative_tokens + config.num_lookahead_tokens
         # The background mapper's backing lands one step later (mapper.py): plan one step further
         # unless it is off (this side does not know the worker's device: unset counts as on).
-        self._demand = Demand(config.cache_config.block_size, tokens_per_step, config.scheduler_config.max_num_seqs,
-                              config.scheduler_config.max_num_batched_tokens,
-                              steps_ahead=2 if self.settings.background_mapping is False else 3)
+        self._lag = 1 if self.settings.background_mapping is False else 2
+        self._demand = Demand(config.cache_config.block_size, tokens_per_step, sched.max_num_seqs,
+                              sched.max_num_batched_tokens, steps_ahead=self._lag + 1,
+                              full_prompt_must_fit=bool(getattr(sched, "scheduler_reserve_full_isl", False)),
+                              # vLLM's KVCacheManager: int(watermark * kv_cache_config.num_blocks)
+                              watermark_blocks=int(getattr(sched, "watermark", 0.0) * gpu_block_pool.num_gpu_blocks),
+                              max_model_len=config.model_config.max_model_len)
+        if self.settings.shared_budget:
+            self._asks = AskBoard(self.settings.shared_budget)
+            tensors = getattr(self._kv_cache_config, "kv_cache_tensors", None) or []
+            self._block_bytes = tensors[0].size // gpu_block_pool.num_gpu_blocks if tensors else 1
 
     def on_new_request(self, request) -> None:
         if self._demand is not None:
             self._demand.added(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        if self._balloon is not None:
-            self._balloon.release_backed()  # what the worker backed since the last step
+        if self._balloon is not None and not self._released_this_step:
+            self._balloon.release_backed()  # what the worker backed since the last step (once a step)
+            self._released_this_step = True
         return 0, False  # this connector loads nothing
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         return None
 
     def update_connector_output(self, connector_output) -> None:
-        if self._balloon is not None:
-            self._balloon.release_backed()
+        if self._balloon is not None and not self._released_this_step:
+            self._balloon.release_backed()  # before the next schedule() hands out blocks (once a step)
+            self._released_this_step = True
 
     def build_connector_meta(self, scheduler_output) -> VkvConnectorMetadata:
         if self._balloon is None or self._demand is None:
             raise RuntimeError("VkvConnector: build_connector_meta() before bind_gpu_block_pool()")
-        release, target = self._balloon.plan(self._demand.blocks(scheduler_output))
-        return VkvConnectorMetadata(release=release, target_backed=target)
+        balloon, demand = self._balloon, self._demand
+        others_want = self._asks is not None and self._asks.others_want()
+        need = demand.blocks(scheduler_output)
+        if not self._released_this_step:
+            balloon.release_backed()
+        # What the worker was told ``lag`` steps ago has landed by now, as far as the budget gave it.
+        refused = self._targets[0] - balloon.in_pool() if len(self._targets) > self._lag else 0
+        release, target = balloon.plan(need, others_want)
+        self._targets.append(target)
+        if len(self._targets) > self._lag + 1:
+            self._targets.popleft()
+        self._released_this_step = False
+        self._expecting_steps = self._expecting_steps + 1 if balloon.expecting() else 0
+        if self._asks is not None:
+            # The budget refused blocks this engine's need lacks: tell the other engines
+            # (each gives back what is beyond its own need).
+            self._asks.post(min(max(refused, 0), balloon.shortfall) * self._block_bytes)
+        # Keep vLLM's loop stepping (empty steps still reach the worker) while free blocks wait
+        # for their second step, while the worker's backing may still land (they are given
+        # back at a step), and, in a shared budget, while this engine holds free blocks beyond
+        # its need that another engine may ask for: an idle engine would otherwise stop
+        # scheduling and keep them until its next request.
+        self._pending = (balloon.giving_back() or 0 < self._expecting_steps <= self._lag + 1
+                         or (self._asks is not None and balloon.spare(balloon.headroom + need) > 0))
+        return VkvConnectorMetadata(release=release, target_backed=target,
+                                    forward=scheduler_output.total_num_scheduled_tokens > 0)
 
     def has_pending_push_work(self) -> bool:
-        """Keeps vLLM's engine loop stepping (empty steps: bind_connector_metadata() still runs on
-        the worker) while free blocks wait to go back: an engine whose last request finished
-        would otherwise stop scheduling and keep their pages from the budget until its next request."""
-        return self._balloon is not None and self._balloon.giving_back()
+        """vLLM steps its engine only while this or a request says so (``Scheduler.has_requests``)."""
+        return self._pending
 
     def request_finished(self, request, block_ids):
         if self._demand is not None:
@@ -140,9 +181,13 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         b = self._balloon
         if b is None:
             return {}
-        return {"in_use": b.in_use(), "free_in_pool": b.pool.get_num_free_blocks(), "held": len(b.held)}
+        return {"in_use": b.in_use(), "free_in_pool": b.pool.get_num_free_blocks(), "held": b.held}
 
     def shutdown(self) -> None:
+        if self._asks is not None:
+            self._asks.post(0)
+            self._asks.close()
+            self._asks = None
         if self._balloon is not None:
             self._balloon.states.unlink()
         if self._memory is not None:
@@ -188,7 +233,9 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         # Called before the step's forward is queued, on its stream. With background mapping
         # this waits for the previous step's job (raising its error) and keeps this one for
         # start_load_kv(); without, it does the job now.
-        self._memory.submit(meta.release, meta.target_backed, start=False)
+        # A step that schedules nothing starts its job here: the give-back of an idle engine
+        # must not wait for a hook the model runner may skip when it has no forward to run.
+        self._memory.submit(meta.release, meta.target_backed, start=not meta.forward)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         # vLLM 0.33 calls this right after queueing the forward when no request loads KV

@@ -1,35 +1,49 @@
-"""Scheduler side: how many blocks vLLM will ask its pool for before the worker's next
-backing lands.
+"""Scheduler side: how many free blocks vLLM's pool must have for the next steps to admit
+and run what they could on a pool that never runs dry.
 
 The worker backs the blocks a step plans for the step after it (one more with the
-background mapper). Measured on vLLM 0.33's scheduler (64 requests of 100-154 prompt
-tokens, 160 generated, 1,536 blocks, headroom 8): a plan of "in use + headroom + the
-waiting requests the scheduler looked at" took 245 steps and preempted 37 times where vLLM's
-fixed pool takes 164 steps and preempts none. Two reasons, each fixed here:
+background mapper). What vLLM 0.33's scheduler asks of its pool, and so what is counted:
 
-- the scheduler looks at one waiting request past the last it can admit, so a burst was
-  admitted one or two requests a step: the plan counts every waiting request the next
-  steps could admit (their remaining prompt, within ``max_num_seqs`` and the token budget);
-- requests of similar length cross a block boundary in the same step, more than the
-  headroom holds: the plan counts, for every scheduled request, the blocks it needs to go on
-  for ``steps_ahead`` steps (its prefill's next chunk, or its next decode tokens).
+- every scheduled request's next ``steps_ahead`` steps: its prefill's next chunks, or its
+  next decode tokens (speculative and lookahead ones included). Requests of similar length
+  cross a block boundary in the same step, more than a fixed headroom holds;
+- the waiting requests (preempted ones first, then in arrival order, as vLLM's queue)
+  that those steps could admit within ``max_num_seqs`` and their token budget: their first
+  chunks. A burst is then admitted at once, not one or two requests a step;
+- full-prompt reservation (``scheduler_reserve_full_isl``, on by default): vLLM admits a
+  waiting request only when its WHOLE prompt fits in the free blocks, and its waiting loop
+  stops at the first request that does not fit. So the head-of-line request's whole
+  remaining prompt is counted, whatever the chunk size (a 5,000-token prompt on 2,048-token
+  chunks, 8,000 on 512): counting chunks alone left it waiting for ever;
+- the watermark (``watermark``: that fraction of the pool's blocks vLLM keeps free when it
+  admits a request while others run), while the engine has requests.
+
+Per step the work is O(scheduled requests + the waiting requests those steps reach).
 """
 
+from collections import OrderedDict
 from typing import Dict
 
 from vllm.v1.request import Request, RequestStatus
+
+_WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class Demand:
     """Not thread-safe: vLLM calls the scheduler-side connector from its one engine thread."""
 
     def __init__(self, block_size: int, tokens_per_step: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, steps_ahead: int = 2) -> None:
+                 max_num_batched_tokens: int, steps_ahead: int = 2, full_prompt_must_fit: bool = False,
+                 watermark_blocks: int = 0, max_model_len: int = 1 << 62) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.decode_ahead = steps_ahead * tokens_per_step  # tokens a running request writes meanwhile
         self.batch_ahead = steps_ahead * max_num_batched_tokens  # tokens those steps can schedule
+        self.full_prompt_must_fit = full_prompt_must_fit
+        self.watermark_blocks = watermark_blocks
+        self.max_model_len = max_model_len
         self._requests: Dict[str, Request] = {}  # request id -> vLLM's Request, until it finishes
+        self._waiting: "OrderedDict[str, Request]" = OrderedDict()  # not scheduled since added or preempted
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -37,36 +51,62 @@ class Demand:
     def added(self, request: Request) -> None:
         """From ``on_new_request``."""
         self._requests[request.request_id] = request
+        self._waiting[request.request_id] = request
 
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def blocks(self, scheduler_output) -> int:
-        """At ``build_connector_meta`` (before vLLM advances its requests): the blocks the pool
-        must have, beyond what this step's block tables hold, for the next ``steps_ahead``
-        steps to admit and run what they could on a pool that never runs dry."""
+        """At ``build_connector_meta`` (before vLLM advances its requests): the free blocks
+        the pool must have, beyond what this step's block tables hold."""
         scheduled = scheduler_output.num_scheduled_tokens
-        computed: Dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for request_id in scheduler_output.preempted_req_ids or ():
+            request = self._requests.get(request_id)
+            if request is not None:  # back at the head of vLLM's waiting queue
+                self._waiting[request_id] = request
+                self._waiting.move_to_end(request_id, last=False)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._waiting.pop(new.req_id, None)
+        size = self.block_size
+        decode_ahead = self.decode_ahead
+        requests = self._requests
         tokens_left = self.batch_ahead
         blocks = 0
         for request_id, tokens in scheduled.items():
-            held = computed.get(request_id, 0) + tokens
-            request = self._requests.get(request_id)
-            prefill_left = request.num_tokens - held if request is not None else 0
-            ahead = max(min(prefill_left, tokens_left), self.decode_ahead)
-            tokens_left -= ahead
-            blocks += self._blocks(held + ahead) - self._blocks(held)
-        seats = self.max_num_seqs - len(scheduled)
-        for request_id, request in self._requests.items():
-            if seats <= 0 or tokens_left <= 0:
-                break
-            if request_id in scheduled or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            request = requests.get(request_id)
+            if request is None:
                 continue
+            # vLLM advances num_computed_tokens after build_connector_meta(): this step's tokens on top.
+            held = request.num_computed_tokens + tokens
+            prefill_left = request.num_tokens - held
+            ahead = min(prefill_left, tokens_left) if prefill_left > decode_ahead else decode_ahead
+            if ahead < decode_ahead:
+                ahead = decode_ahead
+            tokens_left -= ahead
+            blocks += (held + ahead + size - 1) // size - (held + size - 1) // size
+        seats = self.max_num_seqs - len(scheduled)
+        gap = 0  # the most a considered request's whole prompt needs beyond its first chunks
+        head = True
+        stale = []
+        for request_id, request in self._waiting.items():
+            if request_id in scheduled or request.status not in _WAITING:
+                stale.append(request_id)  # scheduled meanwhile (a resumed request, say)
+                continue
+            if not head and (seats <= 0 or tokens_left <= 0):
+                break
             start = request.num_computed_tokens
-            take = min(request.num_tokens - start, tokens_left)
+            total = min(request.num_tokens, self.max_model_len)
+            take = max(0, min(total - start, tokens_left))
             blocks += self._blocks(start + take) - self._blocks(start)
+            if self.full_prompt_must_fit:
+                gap = max(gap, self._blocks(total) - self._blocks(start + take))
             tokens_left -= take
             seats -= 1
+            head = False
+        for request_id in stale:
+            del self._waiting[request_id]
+        blocks += gap
+        if self._requests:
+            blocks += self.watermark_blocks
         return blocks

@@ -360,7 +360,7 @@ def _computed_at_admission(engine, request_id, prompt):
 
 @pytest.mark.parametrize("connector", [True, False])
 def test_reset_prefix_cache_succeeds_on_an_idle_engine_and_evicts_every_cached_block(connector):
-    engine = vt.Engine(64, {"headroom_blocks": 4}, connector=connector, enable_prefix_caching=True)
+    engine = vt.Engine(64, {"headroom_blocks": 4}, connector=connector, prefix_caching=True)
     prompt = [(5 * t) % 1000 for t in range(40)]  # 2 full blocks
     try:
         assert _computed_at_admission(engine, "a", prompt) == 0
@@ -374,7 +374,7 @@ def test_reset_prefix_cache_succeeds_on_an_idle_engine_and_evicts_every_cached_b
 
 @pytest.mark.parametrize("connector", [True, False])
 def test_reset_with_running_requests_preempts_them_and_does_not_raise(connector):
-    engine = vt.Engine(64, {"headroom_blocks": 4}, connector=connector, enable_prefix_caching=True)
+    engine = vt.Engine(64, {"headroom_blocks": 4}, connector=connector, prefix_caching=True)
     try:
         for i in range(4):
             _add_hashed(engine, f"r{i}", [(7 * i + t) % 1000 for t in range(40)], 8)

@@ -34,7 +34,7 @@ def _trace(engine, n=8, prompt=37, gen=6):
 
 def _run(engine, check=None, limit=200):
     steps = 0
-    while engine.scheduler.has_unfinished_requests():
+    while engine.unfinished():
         engine.step(check)
         steps += 1
         assert steps < limit, "the trace did not finish"
@@ -77,7 +77,7 @@ def test_shortage_only_makes_requests_wait(background):
     waited = 0
     try:
         _trace(engine, n=10)
-        while engine.scheduler.has_unfinished_requests():
+        while engine.unfinished():
             engine.step(_every_scheduled_block_backed)  # schedule() must not raise
             waited = max(waited, len(engine.scheduler.waiting))
             assert engine.worker._memory.cache.stats()["pages_created"] <= 11
@@ -115,7 +115,7 @@ def _schedule_of(connector, background, requests=48, gen=40):
         for i in range(requests):
             engine.add(f"r{i}", [(13 * i + t) % 1000 for t in range(100 + (i % 7) * 9)], gen)
         steps, preemptions, first = 0, 0, {}
-        while engine.scheduler.has_unfinished_requests():
+        while engine.unfinished():
             out = engine.step(read_back=False)
             steps += 1
             assert steps < 500, "the trace did not finish"
@@ -136,24 +136,27 @@ def test_a_burst_is_scheduled_as_on_vllms_fixed_pool(background):
     fixed_steps, fixed_preemptions, fixed_first = _schedule_of(False, False)
     lag = 2 if background else 1
     assert preemptions == fixed_preemptions == 0
-    assert steps <= fixed_steps + lag, (steps, fixed_steps)
+    # + 1: the first step, when the pool holds only the headroom and vLLM admits a request
+    # only when its whole prompt fits (scheduler_reserve_full_isl, its default).
+    assert steps <= fixed_steps + lag + 1, (steps, fixed_steps)
     late = {r: (first[r], fixed_first[r]) for r in first if first[r] > fixed_first[r] + lag}
     assert not late, late
 
 
 def test_a_finished_requests_blocks_go_to_the_next_arrival_without_unmapping():
     # One request finishes, the next arrives a step later: its blocks stay mapped for it
-    # (taken back only when free beyond need two steps running).
-    engine = vt.Engine(64, {"headroom_blocks": HEADROOM})
+    # (taken back only when free beyond need two steps running). Without prefix caching:
+    # with it, cached free blocks stay while nobody else wants the memory (test_vllm_defaults.py).
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM}, prefix_caching=False)
     try:
         engine.add("first", list(range(100)), 3)
         _run(engine)
         engine.add("second", list(range(100, 200)), 3)
         released = 0
-        while engine.scheduler.has_unfinished_requests():
+        while engine.unfinished():
             released += len(engine.step().kv_connector_metadata.release)
         assert released == 0
-        while engine.scheduler.has_requests():
+        while engine.busy():
             released += len(engine.step().kv_connector_metadata.release)
         assert released > 0, "an idle engine kept its blocks"
     finally:
@@ -326,7 +329,9 @@ def test_the_worker_runs_the_step_job_from_start_load_kv():
 
 
 def test_an_idle_engine_gives_pages_back_within_two_steps():
-    engine = vt.Engine(64, {"headroom_blocks": HEADROOM})
+    # Free blocks without a prefix-cache entry (here: prefix caching off); cached ones go
+    # when another engine asks (test_vllm_defaults.py).
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM}, prefix_caching=False)
     try:
         _trace(engine, n=12)
         _run(engine)
@@ -359,7 +364,8 @@ def _budget(blocks):
 def _start(context, budget_name):
     commands, replies = context.Queue(), context.Queue()
     process = context.Process(target=vt.engine_process, daemon=True,
-                              args=(commands, replies, {"headroom_blocks": HEADROOM, "shared_budget": budget_name}, 128))
+                              args=(commands, replies, {"headroom_blocks": HEADROOM, "shared_budget": budget_name}, 128,
+                                    {"prefix_caching": False}))  # free blocks hold no cache entry: they go when idle
     process.start()
     assert replies.get(timeout=120)[0] == "ready"
     return process, commands, replies
