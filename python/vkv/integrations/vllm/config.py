@@ -18,6 +18,11 @@ class VkvConnectorConfig:
     headroom_blocks: free blocks kept backed in vLLM's pool ahead of need, so scheduling
         never waits on the driver; free blocks beyond it go back to the budget.
     device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
+    shared_budget_floor, shared_budget_cap, shared_budget_priority: this engine's guarantees
+        in the shared budget (bytes no other member takes from it; the most it holds, 0 = no
+        cap; who gives back first: lower priorities), as vkv.KVCache's parameters of those
+        names (docs/multi_engine.md); ``python -m vkv.budget set`` changes them at run time.
+        The engine's vLLM engine_id labels it in ``python -m vkv.budget top``.
     background_mapping: give back and back blocks on the worker's background mapper thread
         (mapper.py), so that bind_connector_metadata() only takes the step's job and the
         forward never waits on the driver; None (unset) = on where the device is CUDA, off on
@@ -29,6 +34,9 @@ class VkvConnectorConfig:
     headroom_blocks: int = _DEFAULT_HEADROOM_BLOCKS
     device: str = "auto"
     background_mapping: Optional[bool] = None
+    shared_budget_floor: int = 0
+    shared_budget_cap: int = 0
+    shared_budget_priority: int = 0
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "VkvConnectorConfig":
@@ -37,7 +45,8 @@ class VkvConnectorConfig:
         closest known one. (Under vLLM's MultiConnector each connector gets its own entry's
         dict: other connectors' keys never reach this one.)"""
         known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str,
-                 "background_mapping": bool}
+                 "background_mapping": bool, "shared_budget_floor": int, "shared_budget_cap": int,
+                 "shared_budget_priority": int}
         values = {}
         for key, value in (extra or {}).items():
             name = key[4:] if key.startswith("vkv_") else key
@@ -57,6 +66,12 @@ class VkvConnectorConfig:
         config = VkvConnectorConfig(**values)
         if config.memory_budget < 0:
             raise ValueError(f"kv_connector_extra_config['memory_budget'] = {config.memory_budget} must be >= 0")
+        for name in ("shared_budget_floor", "shared_budget_cap", "shared_budget_priority"):
+            if getattr(config, name) < 0:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] = {getattr(config, name)} must be >= 0")
+            if getattr(config, name) and not config.shared_budget:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] = {getattr(config, name)} needs a "
+                                 "shared_budget (the name of a vkv.SharedBudget)")
         if config.headroom_blocks < 1:
             raise ValueError(f"kv_connector_extra_config['headroom_blocks'] = {config.headroom_blocks} must be >= 1")
         return config

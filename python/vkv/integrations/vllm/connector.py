@@ -265,4 +265,6 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             block_size=spec.block_size, num_layers=layers, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_size, dtype=spec.dtype, device=self.settings.device,
             shared_budget=self.settings.shared_budget, memory_budget=self.settings.memory_budget,
-            headroom_blocks=self.settings.headroom_blocks, background_mapping=self.settings.background_mapping)
+            headroom_blocks=self.settings.headroom_blocks, background_mapping=self.settings.background_mapping,
+            shared_budget_floor=self.settings.shared_budget_floor, shared_budget_cap=self.settings.shared_budget_cap,
+            shared_budget_priority=self.settings.shared_budget_priority)

@@ -49,7 +49,8 @@ class BlockMemory:
     def __init__(self, *, engine_id: str, num_blocks: int, block_size: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
                  shared_budget: str, memory_budget: int, headroom_blocks: int,
-                 background_mapping: Optional[bool] = None) -> None:
+                 background_mapping: Optional[bool] = None, shared_budget_floor: int = 0,
+                 shared_budget_cap: int = 0, shared_budget_priority: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.block_bytes = block_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
@@ -66,6 +67,10 @@ class BlockMemory:
                 max_batch_size=num_blocks, max_context_len=block_size, layout="interleaved",
                 page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
                 shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0,
+                # The engine's guarantees in the budget, and its name in `python -m vkv.budget top`.
+                shared_budget_floor=shared_budget_floor, shared_budget_cap=shared_budget_cap,
+                shared_budget_priority=shared_budget_priority,
+                shared_budget_label=engine_id[:47] if shared_budget else "",
                 # On a GPU vLLM zero-fills the whole buffer (pool.py): unbacked blocks are one
                 # writable scratch page, mapped under all of them from the start (vkv's mapper then
                 # maps nothing ahead: eager_tokens counts on the CPU only).

@@ -418,3 +418,34 @@ def test_usage_is_as_on_vllms_pool_and_an_idle_engine_is_at_zero():
     assert max(usage) > 0.3
     assert usage == pytest.approx(fixed_usage)  # before: ~0.4-0.6 higher at every step
     assert idle == fixed_idle == 0.0  # before: 0.94
+
+
+# ---- guarantees in a shared budget ----------------------------------------------------------------
+
+
+def test_floor_cap_and_priority_from_the_extra_config_reach_the_budget_with_the_engine_id_as_label():
+    import vkv
+    need = (MAX_MODEL_LEN // vt.BLOCK + 4 + 1) * BLOCK_BYTES
+    budget = vkv.SharedBudget.create(f"vkv-vllm-test-{uuid.uuid4().hex[:10]}", 4 * need, device="cpu")
+    engine_id = f"engine-{uuid.uuid4().hex[:6]}"
+    try:
+        config = _config({"device": "cpu", "headroom_blocks": 4, "shared_budget": budget.name,
+                          "shared_budget_floor": need, "shared_budget_cap": 2 * need, "shared_budget_priority": 3},
+                         engine_id=engine_id)
+        kv_config = _plan(config)
+        connector = _connector(config, kv_config)
+        connector.kv_buffer(kv_config)
+        try:
+            [member] = [m for m in budget.stats()["members"] if m["pid"] == os.getpid()]
+            assert (member["floor_bytes"], member["cap_bytes"], member["priority"]) == (need, 2 * need, 3)
+            assert member["label"] == engine_id
+        finally:
+            connector.shutdown()
+    finally:
+        budget.remove()
+
+
+def test_a_guarantee_without_a_shared_budget_is_refused_naming_the_setting():
+    from vkv.integrations.vllm import VkvConnectorConfig
+    with pytest.raises(ValueError, match=r"\['shared_budget_priority'\] = 2 needs a shared_budget"):
+        VkvConnectorConfig.from_extra_config({"shared_budget_priority": 2})
