@@ -172,6 +172,11 @@ class KvcachedStore(KvStore):
         self.manager = interfaces.get_kv_cache_manager(None, block_tokens, num_kv_heads * head_dim * dtype.itemsize,
                                                        num_layers)
         self.num_blocks = int(self.manager.num_blocks)
+        # The engine queues a decode step ahead of the host (engine.py), so a request's blocks
+        # may still be read after its free(). kvcached's vLLM integration under async
+        # scheduling (a batch queue) defers the physical release of emptied pages for the
+        # same reason and releases them once the batch that may read them is done: the same here.
+        self.manager.defer_physical_release = True
         self.keys = [view[:, 0] for view in views]    # [blocks, block_tokens, kv_heads, head_dim], strided
         self.values = [view[:, 1] for view in views]
         allocator = self.manager.page_allocator
@@ -188,6 +193,7 @@ class KvcachedStore(KvStore):
             blocks = self.manager.alloc(1)  # an alloc applies the new size (its own _alloc does)
             if blocks:
                 self.manager.free(blocks)
+        self._retired: List[Tuple[int, object]] = []  # (kvcached's release marker, event behind the work)
         self.pages_per_slot = -(-max_context // block_tokens)
         self.table = np.zeros((max_slots, self.pages_per_slot), dtype=np.int32)  # slot -> its blocks
         self.held = np.zeros(max_slots, dtype=np.int64)
@@ -226,6 +232,7 @@ class KvcachedStore(KvStore):
         if count:
             try:
                 self.manager.free(self.table[slot, :count].tolist())
+                self._retire()
             except Exception as error:  # noqa: BLE001
                 self.errors.append(f"{type(error).__name__}: {error}")
         if self.trim_when_idle and len(self._free_slots) == self.max_slots:
@@ -234,7 +241,26 @@ class KvcachedStore(KvStore):
             except Exception as error:  # noqa: BLE001
                 self.errors.append(f"{type(error).__name__}: {error}")
 
+    def _retire(self) -> None:
+        """After a free(): the pages it emptied go back to the device once the work queued so
+        far (the step that may still read them) is done (``_release_retired()``)."""
+        if getattr(self.manager, "defer_physical_release", False):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._retired.append((self.manager.capture_physical_release_marker(), event))
+
+    def _release_retired(self, wait: bool = False) -> None:
+        """Physically releases the retired pages whose readers are done (``wait``: all of them)."""
+        marker = None
+        while self._retired and (wait or self._retired[0][1].query()):
+            marker, event = self._retired.pop(0)
+            if wait:
+                event.synchronize()
+        if marker is not None:
+            self.manager.release_retired_pages_through(marker)
+
     def reserve(self, lens):
+        self._release_retired()
         slots, logical = [], []
         for slot, n in lens.items():
             for index in range(int(self.held[slot]), -(-n // self.page_tokens)):
@@ -309,6 +335,7 @@ class KvcachedStore(KvStore):
         self.keys = self.values = []
         torch.cuda.synchronize(self.device)
         try:
+            self._release_retired(wait=True)
             self.manager.trim()
             self._interfaces.shutdown_kvcached()
         except Exception as error:  # noqa: BLE001 (the process ends after this anyway)

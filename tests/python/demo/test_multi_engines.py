@@ -178,7 +178,7 @@ def kvcached_store_on(manager, max_slots=4, max_context=256, trim_when_idle=Fals
     store = KvcachedStore.__new__(KvcachedStore)
     store.device, store.page_tokens, store.max_slots = torch.device("cpu"), 16, max_slots
     store.bytes_per_token, store.manager, store.trim_when_idle = 100, manager, trim_when_idle
-    store.errors, store.misses = [], 0
+    store.errors, store.misses, store._retired = [], 0, []
     store.pages_per_slot = max_context // 16
     store.table = np.zeros((max_slots, store.pages_per_slot), dtype=np.int32)
     store.held = np.zeros(max_slots, dtype=np.int64)
