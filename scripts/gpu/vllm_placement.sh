@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM's KV buffer on a GPU in vkv memory, ≤ 3 minutes after the build: the scratch page's
-# C++ CUDA tests, tests/python/integrations/vllm/test_vllm_gpu_placement.py (no vLLM: what
+# C++ CUDA tests, tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py (no vLLM: what
 # allocate_kv_cache() does inside get_mem_pool_context(), then K/V through BLNHC views), and
 # both under compute-sanitizer memcheck when it is installed. Results: $OUT/*.log.
 #   OUT=DIR scripts/gpu/vllm_placement.sh
@@ -22,7 +22,7 @@ status=0
 filter='*Scratch*:*ZeroPage*cuda*'
 timeout 60 build-gpu/tests/cpp/vkv_tests --gtest_filter="$filter" 2>&1 | tee "$out/cpp.log" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-(cd /tmp && timeout 90 python3 -m pytest "$src/tests/python/integrations/vllm/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rsx \
+(cd /tmp && timeout 90 python3 -m pytest "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rsx \
   2>&1) | tee "$out/pytest.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if command -v compute-sanitizer >/dev/null; then
@@ -30,7 +30,7 @@ if command -v compute-sanitizer >/dev/null; then
     --gtest_filter='*ScratchPageTest*cuda*' > "$out/memcheck_cpp.log" 2>&1
   echo "memcheck (C++ scratch, CUDA) exit $?"; tail -3 "$out/memcheck_cpp.log"
   (cd /tmp && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest \
-    "$src/tests/python/integrations/vllm/test_vllm_gpu_placement.py" -q -p no:cacheprovider -k "vllm_buffer or refuses") \
+    "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -k "vllm_buffer or refuses") \
     > "$out/memcheck_py.log" 2>&1
   echo "memcheck (pytest GPU placement) exit $?"; tail -3 "$out/memcheck_py.log"
 else

@@ -14,7 +14,7 @@
 #                   mapper thread (the connector's default on CUDA); vkv's step ends when its
 #                   forward and that job are both done
 #   fi_bg_at_bind_dense  the same, the job started at the bind (the connector until 3d074f7)
-#   gpu_tests       the background mapper's GPU tests (tests/python/integrations/vllm/test_vllm_gpu_placement.py)
+#   gpu_tests       the background mapper's GPU tests (tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py)
 #   memcheck        the 27-step trace benchmarks/results/vllm_trace_memcheck.json (16 requests, the
 #                   last two steps give 157 blocks back) with the background mapping under
 #                   compute-sanitizer memcheck: torch's attention, then FlashInfer's with its FA2
@@ -70,7 +70,7 @@ EOF
 parts=" ${VLLM_REPLAY_PARTS:-tests replay memcheck} "
 : > "$out/summary.txt"
 if [[ "$parts" == *" tests "* ]]; then
-  step gpu_tests 120 python3 -m pytest "$src/tests/python/integrations/vllm/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rs \
+  step gpu_tests 120 python3 -m pytest "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rs \
     -k "background or vllm_buffer"
   echo "gpu_tests: $(tail -1 "$out/gpu_tests.log")" | tee -a "$out/summary.txt"
 fi
