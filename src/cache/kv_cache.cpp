@@ -279,6 +279,9 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   // holds shared pages depends, with large pages, on what each rank's pool had.
   const bool keeps_claim = config_.deferred_reclamation && !slot.shared_a_page;
   slots_.mark_freed(slot_index, keeps_claim ? slot.claimed : 0);
+  // A request freed during an idle spell is given back in it too (shared_budget_idle_ms):
+  // the spell's release may have run before it, with nothing freed yet.
+  idle_released_ = false;
   publish_in_use();
   if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
   free_timing_ = {nanoseconds_since(start), lock_wait};
