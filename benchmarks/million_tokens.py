@@ -369,7 +369,7 @@ def _size(size: int) -> str:
 def summary_lines(results: dict) -> List[str]:
     ranks = results["ranks"]
     zero = ranks[0]
-    fill, decode = zero["fill"], zero["decode_run"]
+    fill = zero["fill"]
     page_text = _size(zero["page_bytes"]) + " pages" + (
         f" in {_size(zero['large_page_bytes'])} large pages" if zero["large_page_bytes"] else "")
     lines = [
