@@ -87,6 +87,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- sizes ----------------------------------------------------------------------------------
 
+def rank_shape(shape, world: int):
+    """What one rank's store holds and its kernels are planned for: its share of the query
+    and KV heads (the hidden size divided with them keeps head_dim)."""
+    local = dataclasses.replace(shape, hidden=shape.hidden // world, num_heads=shape.num_heads // world,
+                                num_kv_heads=shape.num_kv_heads // world)
+    if local.head_dim != shape.head_dim or local.num_kv_heads * world != shape.num_kv_heads:
+        raise ValueError(f"{shape.name}'s {shape.num_heads} query / {shape.num_kv_heads} KV heads do not split over "
+                         f"{world} ranks")
+    return local
+
+
 def max_context(args) -> int:
     """The slot's tokens: the context, the decoded ones, rounded up to CONTEXT_ALIGN."""
     needed = args.tokens + args.warmup + args.decode_tokens + 1
@@ -203,9 +214,7 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if gpu else torch.float32
     shape = SHAPES[args.model]
-    if shape.num_kv_heads % world:
-        raise ValueError(f"{shape.name}'s {shape.num_kv_heads} KV heads do not split over {world} ranks")
-    local_shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)
+    local_shape = rank_shape(shape, world)
     context = max_context(args)
     page_bytes = (args.page_size_kib << 10) or (2 << 20)
     large_page_bytes = args.large_page_mib << 20

@@ -21,7 +21,8 @@ def test_a_million_tokens_of_llama3_8b_fit_two_h100s_beside_the_sharded_weights(
     args = million_tokens.parse_args(["--device", "cuda"])
     assert (args.tokens, args.model, args.ranks, args.large_page_mib) == (1 << 20, "llama3-8b", 2, 128)
     shape = SHAPES["llama3-8b"]
-    half = million_tokens.dataclasses.replace(shape, num_kv_heads=4)
+    half = million_tokens.rank_shape(shape, 2)
+    assert (half.num_heads, half.num_kv_heads, half.head_dim) == (16, 4, 128)  # what each rank's kernels plan for
     context = million_tokens.max_context(args)
     assert context >= args.tokens + args.warmup + args.decode_tokens and context % 2048 == 0
     budget = million_tokens.kv_budget(half, torch.bfloat16, context, 128 << 20, 2 << 20)
