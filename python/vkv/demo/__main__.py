@@ -54,9 +54,9 @@ FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"
 # long's prompts (8K-16K tokens, 1-2 GiB) map in whole 128 MiB large pages, one driver
 # call each instead of 64 (the driver's access call costs ~27 us per allocation,
 # whatever its size: shared/probes).
-# map_queue_ahead (every preset but chunked prefill's; 0 turns it off): the requests the next
-# iteration admits get their slots, and vkv their prompts' lengths (expect_tokens), before this
-# iteration's forward, so that vkv's mapper maps their pages while the GPU computes (Engine).
+# map_queue_ahead (every preset; 0 turns it off): the requests the next iteration admits get
+# their slots, and vkv their prompts' lengths (expect_tokens), before this iteration's
+# forward, so that vkv's mapper maps their pages while the GPU computes (Engine).
 # longctx: 16 documents of 32K-64K tokens, all at once, prefilled in 8K-token chunks (vLLM's
 # chunked prefill) and decoding 256-1,024 tokens, on the Llama-3-8B shape on one 80 GB H100:
 # 16 GiB of random bf16 weights, ~3 GiB of activations, workspaces and graphs, and KV for

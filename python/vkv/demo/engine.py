@@ -189,17 +189,17 @@ class Engine:
         vkv maps its pages ahead while the earlier chunks compute). Not with ``share``.
 
         ``map_queue_ahead``: with a store that maps in the background (``KvStore.maps_ahead``:
-        vkv), prompts prefilled whole and no sharing, the arrived requests that the next
-        iteration will admit (the same rule: in order, within the prefill token budget) get
-        their slots before this iteration's forward, their prompts announced (``expect``),
-        so that vkv's mapper maps their pages while the GPU computes and their admission's
-        step() finds them mapped. The same requests are admitted in the same order; only
-        which slot each gets may differ."""
+        vkv) and no sharing, the arrived requests that the next iteration will admit (the same
+        rule: in order, within the prefill token budget; chunked, within what the started
+        prompts leave of it) get their slots before this iteration's forward, their prompts
+        announced (``expect``), so that vkv's mapper maps their pages while the GPU computes
+        and their admission's step() finds them mapped. The same requests are admitted in the
+        same order; only which slot each gets may differ."""
         if chunked_prefill and share:
             raise ValueError("chunked_prefill and share together: prefixes are shared whole prompts at a time")
         self.model, self.store, self.max_prefill_tokens, self.share = model, store, max_prefill_tokens, share
         self.chunked = chunked_prefill
-        self.map_queue_ahead = map_queue_ahead and store.maps_ahead and not share and not chunked_prefill
+        self.map_queue_ahead = map_queue_ahead and store.maps_ahead and not share
         self._held: Dict[int, int] = {}  # id(request) -> the slot held for it until its admission
         if chunked_prefill:
             store.chunk_tokens = max_prefill_tokens
@@ -264,30 +264,36 @@ class Engine:
             torch.cuda.synchronize(self.model.device)
 
     def _slot_for(self, request: Request) -> Optional[int]:
-        """The slot held for request (map_queue_ahead), else a free one; None when none is free."""
-        slot = self._held.pop(id(request), None)
+        """The slot held for request (map_queue_ahead; it stays held until the request is
+        admitted: ``_admitted``), else a free one; None when none is free."""
+        slot = self._held.get(id(request))
         return self.store.alloc() if slot is None else slot
+
+    def _admitted(self, request: Request) -> bool:
+        """request's slot is its own now; whether its prompt was announced while it was held."""
+        return self._held.pop(id(request), None) is not None
 
     def _not_admitted(self, request: Request, slot: int) -> None:
         """request was given ``slot`` but is not admitted now: it keeps the slot for a later
         iteration (its prompt announced) where the queue is mapped ahead; else the slot is freed."""
+        if id(request) in self._held:
+            return
         if self.map_queue_ahead:
-            if id(request) not in self._held:
-                self.store.expect(slot, min(request.prompt_len, self.store.max_context))
             self._held[id(request)] = slot
+            self.store.expect(slot, min(request.prompt_len, self.store.max_context))
         else:
             self.store.free(slot)
 
-    def _hold_next(self, waiting, clock) -> None:
-        """Slots for the arrived requests the next iteration admits (as _admit_at_once and the
-        one-by-one loop choose them: in order, the first whatever its length, the others within
-        the prefill token budget), each prompt announced to the store, which maps its pages
-        while this iteration's forward runs."""
-        budget = self.max_prefill_tokens
+    def _hold_next(self, waiting, clock, budget: int) -> None:
+        """Slots for the arrived requests the next iteration admits with ``budget`` prompt
+        tokens (as _admit_at_once and the one-by-one loop choose them: in order, the first
+        whatever its length and the others within the budget; chunked, while some budget is
+        left), each prompt announced to the store, which maps its pages while this
+        iteration's forward runs."""
         for index, request in enumerate(waiting):
-            if request.arrival > clock() or (index and request.prompt_len > budget):
+            if request.arrival > clock() or (budget <= 0 if self.chunked else index and request.prompt_len > budget):
                 break
-            budget -= request.prompt_len
+            budget -= min(request.prompt_len, budget) if self.chunked else request.prompt_len
             if id(request) in self._held:
                 continue
             slot = self.store.alloc()
@@ -322,6 +328,7 @@ class Engine:
             return None
         for request, slot in zip(chosen, slots):
             waiting.popleft()
+            self._admitted(request)
             request.cached = 0
             request.slot, request.generated = slot, 0
         return chosen
@@ -451,6 +458,7 @@ class Engine:
                 if not self._reserve(lens, result):
                     del lens[slot]
                     if not running and not admitted and not prefilling:  # alone (with the pinned prefixes) it never fits
+                        self._admitted(request)
                         store.free(slot)
                         waiting.popleft()
                         request.rejected = True
@@ -460,10 +468,11 @@ class Engine:
                     self._not_admitted(request, slot)
                     break
                 waiting.popleft()
+                announced = self._admitted(request)
                 request.slot, request.generated = slot, 0
                 admitted.append(request)
                 prefill_budget -= lens[slot]
-                if chunked and request.chunk < request.prompt_len:
+                if chunked and request.chunk < request.prompt_len and not announced:
                     store.expect(slot, request.prompt_len)  # vkv maps the rest while the first chunks compute
 
             # 2. room for the decode tokens (and the started prompts' chunks): preempt the
@@ -497,7 +506,10 @@ class Engine:
             # The next iteration's arrivals: slots and their prompts' pages mapped ahead by the
             # store while this iteration's forward runs (map_queue_ahead).
             if self.map_queue_ahead and waiting:
-                self._hold_next(waiting, clock)
+                budget = self.max_prefill_tokens  # chunked: what the started prompts leave of it next time
+                if chunked:
+                    budget -= sum(r.prompt_len - r.prefilled - r.chunk for r in prefilling + admitted)
+                self._hold_next(waiting, clock, budget)
 
             # 3. prefill, all admitted prompts in one pass (queued behind the decode in flight)
             forked: List[Request] = []
