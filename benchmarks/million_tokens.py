@@ -51,6 +51,7 @@ GIB = 1 << 30
 HEADROOM_BYTES = 3 * GIB  # activations, rotary tables, NCCL, FlashInfer's workspace, graphs, the CUDA context
 CONTEXT_ALIGN = 2048      # max_context's multiple: whole 128 MiB large pages, whole 128-token FlashInfer pages
 REFERENCE_CHUNK = 65536   # keys per step of the fp32 reference
+DECODE_MODES = {"model": "the whole sharded model", "attention": "each layer's attention and output projection"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -234,7 +235,7 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
     result["weights_seconds"] = time.perf_counter() - started
     result["device_used_after_weights"] = device_used(device)
     if rank == 0:
-        progress(f"decode by the {mode}; weights ready in {result['weights_seconds']:.1f} s, KV budget "
+        progress(f"decode: {DECODE_MODES[mode]}; weights ready in {result['weights_seconds']:.1f} s, KV budget "
                  f"{budget / GIB:.2f} GiB a rank")
 
     kind = args.store or "vkv-interleaved-fi-128"
@@ -337,8 +338,9 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
         "tokens": args.decode_tokens, "seconds": decode_seconds, "tok_s": args.decode_tokens / decode_seconds,
         "context_end": seq_len, "step_us": percentiles(decode_step_us),
         "forward_ms": percentiles(device_ms) if any(device_ms) else None,
+        # The step's K/V over its device time: what attention reads, against the HBM's rate.
         "kv_read_gb_s": (seq_len * local_shape.kv_bytes_per_token(dtype) / 1e9) / (np.median(device_ms) / 1e3)
-        if any(device_ms) else None,
+        if gpu and any(device_ms) else None,
         "traffic": stats_delta(decoded, before)}
     result["device_used_after_decode"] = device_used(device)
     result["torch_max_allocated"] = torch.cuda.max_memory_allocated(device) if gpu else 0
@@ -383,7 +385,7 @@ def summary_lines(results: dict) -> List[str]:
         f" in {_size(zero['large_page_bytes'])} large pages" if zero["large_page_bytes"] else "")
     lines = [
         f"{results['model']}, {len(ranks)} ranks ({zero['agreement']}), {zero['kv_heads']} KV heads each, store "
-        f"{zero['store']}, decode by the {zero['decode']}: one request of {fill['tokens']:,} tokens "
+        f"{zero['store']}, decode: {DECODE_MODES[zero['decode']]}: one request of {fill['tokens']:,} tokens "
         f"({sum(r['fill']['kv_bytes'] for r in ranks) / GIB:.1f} GiB of KV, "
         f"{fill['kv_bytes'] / GIB:.1f} GiB a rank)"]
     for r in ranks:
