@@ -4,11 +4,12 @@ attention_bench.py's long section (FlashInfer on vkv against FlashInfer paged: d
 1.00x, chunked prefill >= 1.10x), as Markdown tables.
 
   python benchmarks/long_context_goals.py --serving OUT/longctx-1 OUT/longctx-2 OUT/longctx-3 \\
-      --kernels OUT/attention_long_h100.json
+      --kernels OUT/attention_long_h100.json --mapping OUT/long_prompt_mapping_h100.json
 
 --serving takes the demo's JSON files or folders holding them (one repeat per run, as
 scripts/gpu/long_context.sh runs them, or one run with --repeats); --kernels the long
-section's JSON.
+section's JSON; --mapping long_prompt_mapping.py's (step() per chunk against the chunk's
+forward at 128K, the mapping rate with the page size).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 SERVING_GOALS = {"tok_s": 1.10, "ttft_p50": 0.90}  # vkv / paged: at least, at most
+# long_prompt_mapping.py: step() over the chunk's forward, chunks after the first (at most);
+# the prompt's pages all mapped once its first chunk's forward ended.
+MAPPING_GOALS = {"step_share": 0.01, "ready_after_first_chunk": True}
 KERNEL_GOALS = {"long_decode": 1.00, "long_chunk": 1.10}  # paged ms / vkv ms: at least
 TRUSTED_ERROR = 0.05  # a row whose output is further from the fp32 reference is wrong, not slow
 
@@ -144,10 +148,49 @@ def serving_goal_table(runs: Dict[str, List[dict]]) -> str:
     return "\n".join(lines)
 
 
+# -- mapping ----------------------------------------------------------------------------------
+
+def _size(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def mapping_goal_table(results: dict) -> str:
+    """long_prompt_mapping.py's runs: per configuration, step() per chunk against the chunk's
+    forward, the mapping rates with the page size, and whether the prompt's memory was ready
+    after its first chunk; the goals' verdict for the announced ones."""
+    runs = results["runs"]
+    first = runs[0] if runs else {}
+    lines = [f"One prompt of {first.get('prompt_tokens', 0):,} tokens in chunks of {first.get('chunk', 0):,} "
+             f"({results.get('model')}, {first.get('store')}):", "",
+             "| configuration | pages | step() first chunk ms | step() later chunks p50 ms | step() / forward, later "
+             "chunks: p50, max | chunk forward p50 ms | mapper GB/s | step() GB/s | memory ready after the first "
+             "chunk | goals |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        pages = _size(run["page_bytes"]) + (f" in {_size(run['large_page_bytes'])} large" if run["large_page_bytes"]
+                                            else "")
+        share_ok = run["later_step_share_max"] <= MAPPING_GOALS["step_share"]
+        ready = run["ready_after_first_chunk"]
+        if ready is None:
+            ready_text, verdict = "not announced", "-"
+        else:
+            ready_text = "yes" if ready else f"no ({run['unready_pages_after_first_chunk']} pages left)"
+            verdict = "meets" if share_ok and ready else "short"
+        mapping = run["mapping"]
+        lines.append(f"| {run['config']} | {pages} | {run['first_chunk_step_ms']:.2f} | {run['later_step_ms_p50']:.3f} "
+                     f"| {100 * run['later_step_share_p50']:.3f}%, {100 * run['later_step_share_max']:.3f}% "
+                     f"| {run['forward_ms_p50']:.1f} | {mapping['mapped_ahead_gb_s']:.1f} | {run['step_map_gb_s']:.1f} "
+                     f"| {ready_text} | {verdict} |")
+    lines += ["", f"Goals: step() <= {100 * MAPPING_GOALS['step_share']:.0f}% of the chunk's forward for every chunk "
+              "after the first, and the prompt's memory all mapped when its first chunk's forward ended (the first "
+              "chunk's own pages are mapped by its step(), before any forward)."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serving", nargs="*", default=[], help="the demo's JSON files, or folders of them")
     parser.add_argument("--kernels", nargs="*", default=[], help="attention_long_<gpu>.json")
+    parser.add_argument("--mapping", nargs="*", default=[], help="long_prompt_mapping_<gpu>.json")
     args = parser.parse_args(argv)
     files = serving_files(args.serving)
     if not files:
@@ -165,6 +208,15 @@ def main(argv=None) -> None:
         machine = results["machine"]
         print(f"Kernels on {machine.get('gpu', machine.get('cpu'))}, FlashInfer {results.get('flashinfer')}:\n")
         print(kernel_goal_table(results["rows"]))
+    for path in args.mapping:
+        if not os.path.exists(path):
+            print(f"{path}: not found (the mapping part did not run)")
+            continue
+        with open(path) as source:
+            results = json.load(source)
+        machine = results["machine"]
+        print(f"\nMapping on {machine.get('gpu', machine.get('cpu'))}:\n")
+        print(mapping_goal_table(results))
 
 
 if __name__ == "__main__":

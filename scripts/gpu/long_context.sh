@@ -14,12 +14,16 @@
 #   kernels     attention_bench.py --only long for Llama-3-8B (decode, and an 8K chunk over a
 #               120K / 504K prefix; 512K of K/V is 64 GiB interleaved: --vkv-budget-gib 64)
 #   kernels-gqa the same for the Llama-3-70B shape (64 query / 8 KV heads)
+#   mapping     one 128K-token prompt in 8K chunks, per configuration (128 MiB large pages
+#               announced, 2 MiB pages announced, not announced): step() per chunk against the
+#               chunk's forward, the mapping rate (GB/s) with the page size, and whether the
+#               prompt's memory was mapped when its first chunk's forward ended (~2 min)
 #   goals       only the tables (no GPU needed)
 # FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh); its kernels compile at first
 # use, ~100 s on a fresh machine, inside the first part that runs them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-usage="usage: scripts/gpu/long_context.sh OUT_DIR PART... (test, longctx-{1,2,3}{a,b}, kernels, kernels-gqa, goals)"
+usage="usage: scripts/gpu/long_context.sh OUT_DIR PART... (test, longctx-{1,2,3}{a,b}, kernels, kernels-gqa, mapping, goals)"
 mkdir -p "${1:?$usage}"
 out="$(cd "$1" && pwd)"
 shift
@@ -67,6 +71,8 @@ for part in $parts; do
     kernels-gqa)
       step attention_long_llama3_70b 570 python3 "$src/benchmarks/attention_bench.py" --only long \
         --models llama3-70b --vkv-budget-gib 64 --rounds 3 --out "$out" ;;
+    mapping)
+      step long_prompt_mapping 300 python3 "$src/benchmarks/long_prompt_mapping.py" --out "$out" ;;
     goals) ;;
     *)
       echo "unknown part $part; $usage"
@@ -75,5 +81,5 @@ for part in $parts; do
 done
 echo "=== goals ($(date +%T))"
 (cd /tmp && python3 "$src/benchmarks/long_context_goals.py" --serving "$out"/longctx-* \
-  --kernels "$out"/attention_long_*.json) | tee "$out/goals.md"
+  --kernels "$out"/attention_long_*.json --mapping "$out"/long_prompt_mapping_*.json) | tee "$out/goals.md"
 exit $status

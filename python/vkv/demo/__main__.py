@@ -54,6 +54,9 @@ FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"
 # long's prompts (8K-16K tokens, 1-2 GiB) map in whole 128 MiB large pages, one driver
 # call each instead of 64 (the driver's access call costs ~27 us per allocation,
 # whatever its size: shared/probes).
+# map_queue_ahead (every preset; 0 turns it off): the requests the next iteration admits get
+# their slots, and vkv their prompts' lengths (expect_tokens), before this iteration's
+# forward, so that vkv's mapper maps their pages while the GPU computes (Engine).
 # longctx: 16 documents of 32K-64K tokens, all at once, prefilled in 8K-token chunks (vLLM's
 # chunked prefill) and decoding 256-1,024 tokens, on the Llama-3-8B shape on one 80 GB H100:
 # 16 GiB of random bf16 weights, ~3 GiB of activations, workspaces and graphs, and KV for
@@ -71,7 +74,7 @@ PRESETS = {
                 large_page_mib=0, vkv_ready_pct=0),
     "h100": dict(model="llama3-8b", requests=256, rate=math.inf, kv_budget_mib=8192, max_context=2048,
                  length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192, pd_ratios=[],
-                 large_page_mib=0, vkv_ready_pct=50),
+                 large_page_mib=0, vkv_ready_pct=50, map_queue_ahead=1),
     "long": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=32768, max_context=16384,
                  length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50],
                  large_page_mib=128, vkv_ready_pct=0),
@@ -81,7 +84,7 @@ PRESETS = {
                     prompt_tokens=[32768, 65536], output_tokens=[256, 1024]),
 }
 # Keys only some presets set: what the others get.
-PRESET_FALLBACKS = {"chunked_prefill": 0}
+PRESET_FALLBACKS = {"chunked_prefill": 0, "map_queue_ahead": 1}
 # The stores a preset compares when --stores is not given.
 PRESET_STORES = {"small": STORES, "gpu": STORES, "h100": STORES + FLASHINFER_STORES,
                  "long": STORES + FLASHINFER_STORES,
@@ -253,7 +256,7 @@ def main(argv=None) -> int:
             store = make_store(kind, shape, dtype, device, args.max_context, budget, args.max_slots, flex,
                                **vkv_options)
             engine = Engine(model, store, args.max_prefill_tokens, cuda_graphs=graphs,
-                            chunked_prefill=bool(args.chunked_prefill))
+                            chunked_prefill=bool(args.chunked_prefill), map_queue_ahead=bool(args.map_queue_ahead))
             # Short outputs: the warm-up only has to compile, capture and load kernels.
             warmup = make_trace(4, math.inf, min(args.max_context, 512), shape.vocab, seed=args.seed + 1,
                                 scale=args.length_scale)

@@ -174,7 +174,8 @@ class Engine:
     (captured at the first run, before its clock starts). Not thread-safe."""
 
     def __init__(self, model: LlamaModel, store: KvStore, max_prefill_tokens: int, share: bool = False,
-                 cuda_graphs: bool = False, admit_at_once: bool = True, chunked_prefill: bool = False) -> None:
+                 cuda_graphs: bool = False, admit_at_once: bool = True, chunked_prefill: bool = False,
+                 map_queue_ahead: bool = True) -> None:
         """``admit_at_once``: reserve an iteration's arrivals in one store call when they all
         fit (vkv's step() is meant to be called once per iteration), one by one otherwise;
         off, one call per admitted request. Either way the same requests are admitted.
@@ -185,11 +186,21 @@ class Engine:
         chunk may be the rest of it); each chunk's pages are reserved for that iteration
         only, and every chunk attends to its slot's cached prefix (the store's
         chunk_attention). At admission the store is told the prompt's length (``expect``:
-        vkv maps its pages ahead while the earlier chunks compute). Not with ``share``."""
+        vkv maps its pages ahead while the earlier chunks compute). Not with ``share``.
+
+        ``map_queue_ahead``: with a store that maps in the background (``KvStore.maps_ahead``:
+        vkv) and no sharing, the arrived requests that the next iteration will admit (the same
+        rule: in order, within the prefill token budget; chunked, within what the started
+        prompts leave of it) get their slots before this iteration's forward, their prompts
+        announced (``expect``), so that vkv's mapper maps their pages while the GPU computes
+        and their admission's step() finds them mapped. The same requests are admitted in the
+        same order; only which slot each gets may differ."""
         if chunked_prefill and share:
             raise ValueError("chunked_prefill and share together: prefixes are shared whole prompts at a time")
         self.model, self.store, self.max_prefill_tokens, self.share = model, store, max_prefill_tokens, share
         self.chunked = chunked_prefill
+        self.map_queue_ahead = map_queue_ahead and store.maps_ahead and not share
+        self._held: Dict[int, int] = {}  # id(request) -> the slot held for it until its admission
         if chunked_prefill:
             store.chunk_tokens = max_prefill_tokens
         # prefixes are shared request by request; chunks are admitted one by one
@@ -252,6 +263,45 @@ class Engine:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
 
+    def _slot_for(self, request: Request) -> Optional[int]:
+        """The slot held for request (map_queue_ahead; it stays held until the request is
+        admitted: ``_admitted``), else a free one; None when none is free."""
+        slot = self._held.get(id(request))
+        return self.store.alloc() if slot is None else slot
+
+    def _admitted(self, request: Request) -> bool:
+        """request's slot is its own now; whether its prompt was announced while it was held."""
+        return self._held.pop(id(request), None) is not None
+
+    def _not_admitted(self, request: Request, slot: int) -> None:
+        """request was given ``slot`` but is not admitted now: it keeps the slot for a later
+        iteration (its prompt announced) where the queue is mapped ahead; else the slot is freed."""
+        if id(request) in self._held:
+            return
+        if self.map_queue_ahead:
+            self._held[id(request)] = slot
+            self.store.expect(slot, min(request.prompt_len, self.store.max_context))
+        else:
+            self.store.free(slot)
+
+    def _hold_next(self, waiting, clock, budget: int) -> None:
+        """Slots for the arrived requests the next iteration admits with ``budget`` prompt
+        tokens (as _admit_at_once and the one-by-one loop choose them: in order, the first
+        whatever its length and the others within the budget; chunked, while some budget is
+        left), each prompt announced to the store, which maps its pages while this
+        iteration's forward runs."""
+        for index, request in enumerate(waiting):
+            if request.arrival > clock() or (budget <= 0 if self.chunked else index and request.prompt_len > budget):
+                break
+            budget -= min(request.prompt_len, budget) if self.chunked else request.prompt_len
+            if id(request) in self._held:
+                continue
+            slot = self.store.alloc()
+            if slot is None:
+                break
+            self._held[id(request)] = slot
+            self.store.expect(slot, min(request.prompt_len, self.store.max_context))
+
     def _admit_at_once(self, waiting, lens: Dict[int, int], clock, result: RunResult) -> Optional[List[Request]]:
         """The arrived requests that the prefill budget and the free slots allow, reserved in
         one store call; None when they do not all fit (nothing changed: the caller admits one
@@ -262,7 +312,7 @@ class Engine:
         for request in waiting:  # in arrival order
             if request.arrival > clock() or (chosen and request.prompt_len > budget):
                 break
-            slot = self.store.alloc()
+            slot = self._slot_for(request)
             if slot is None:
                 break
             chosen.append(request)
@@ -272,12 +322,13 @@ class Engine:
             return []
         lens.update(zip(slots, (r.prompt_len for r in chosen)))
         if not self._reserve(lens, result):
-            for slot in reversed(slots):
+            for request, slot in zip(reversed(chosen), reversed(slots)):
                 del lens[slot]
-                self.store.free(slot)
+                self._not_admitted(request, slot)
             return None
         for request, slot in zip(chosen, slots):
             waiting.popleft()
+            self._admitted(request)
             request.cached = 0
             request.slot, request.generated = slot, 0
         return chosen
@@ -396,7 +447,7 @@ class Engine:
                         a.group == request.group for a in admitted):
                     break  # forked from its leader once that is prefilled
                 prefix_slot = self._prefix_slot(request, lens, result)
-                slot = store.alloc()
+                slot = self._slot_for(request)
                 if slot is None:
                     break
                 request.cached = 0
@@ -406,19 +457,22 @@ class Engine:
                 lens[slot] = request.chunk if chunked else request.prompt_len
                 if not self._reserve(lens, result):
                     del lens[slot]
-                    store.free(slot)
                     if not running and not admitted and not prefilling:  # alone (with the pinned prefixes) it never fits
+                        self._admitted(request)
+                        store.free(slot)
                         waiting.popleft()
                         request.rejected = True
                         result.rejected += 1
                         done += 1
                         continue
+                    self._not_admitted(request, slot)
                     break
                 waiting.popleft()
+                announced = self._admitted(request)
                 request.slot, request.generated = slot, 0
                 admitted.append(request)
                 prefill_budget -= lens[slot]
-                if chunked and request.chunk < request.prompt_len:
+                if chunked and request.chunk < request.prompt_len and not announced:
                     store.expect(slot, request.prompt_len)  # vkv maps the rest while the first chunks compute
 
             # 2. room for the decode tokens (and the started prompts' chunks): preempt the
@@ -448,6 +502,14 @@ class Engine:
                 victim.preemptions += 1
                 result.preemptions += 1
                 waiting.appendleft(victim)
+
+            # The next iteration's arrivals: slots and their prompts' pages mapped ahead by the
+            # store while this iteration's forward runs (map_queue_ahead).
+            if self.map_queue_ahead and waiting:
+                budget = self.max_prefill_tokens  # chunked: what the started prompts leave of it next time
+                if chunked:
+                    budget -= sum(r.prompt_len - r.prefilled - r.chunk for r in prefilling + admitted)
+                self._hold_next(waiting, clock, budget)
 
             # 3. prefill, all admitted prompts in one pass (queued behind the decode in flight)
             forked: List[Request] = []
@@ -527,6 +589,9 @@ class Engine:
 
         collect(pending)
         result.seconds = clock()
+        for slot in self._held.values():  # none where every request was admitted or rejected
+            store.free(slot)
+        self._held.clear()
         after = store.mapping_stats()
         result.mapping = {key: value - mapping_before.get(key, 0) if key.endswith(("pages", "seconds", "calls"))
                           else value for key, value in after.items()}

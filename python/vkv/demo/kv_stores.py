@@ -70,6 +70,9 @@ class KvStore:
     done between replays."""
 
     name = "?"
+    # Whether expect() maps a prompt's pages in the background (vkv): the engine then holds
+    # slots for the next iteration's arrivals and announces their prompts ahead.
+    maps_ahead = False
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, max_context: int) -> None:
@@ -275,6 +278,8 @@ class ContiguousStore(KvStore):
 
 class VkvStore(ContiguousStore):
     """vkv: the engine's lens go to KVCache.step(), which maps what they need."""
+
+    maps_ahead = True
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
                  max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "",
