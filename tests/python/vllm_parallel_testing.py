@@ -175,6 +175,9 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
             memory.cache._prepare_step = failing
             conn.send(("armed",))
             continue
+        if command[0] == "backed":
+            conn.send(("backed", _backed(memory)))
+            continue
         _, meta, work = command
         try:
             connector.bind_connector_metadata(meta)
@@ -273,6 +276,13 @@ class ParallelEngine:
     def fail_next_backing(self, rank: int) -> None:
         self.conns[rank].send(("fail_next_backing",))
         assert self._receive(rank, 10)[0] == "armed"
+
+    def backed_now(self) -> List[List[int]]:
+        """Every live worker's backed blocks, asked now."""
+        live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
+        for rank in live:
+            self.conns[rank].send(("backed",))
+        return [self._receive(rank, 10)[1] for rank in live]
 
     def step(self, timeout: float = 30):
         """One schedule, every live worker's bind + forward, the update; raises WorkerError
