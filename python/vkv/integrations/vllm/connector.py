@@ -10,7 +10,9 @@ build_connector_meta() releases newly backed blocks, takes back excess free ones
 the worker. Worker role: the buffer is a vkv reservation (memory.py); bind_connector_metadata()
 (called before each forward) takes the job of unmapping what the scheduler took back and
 backing ahead to the scheduler's target, and start_load_kv() (called once the forward is
-queued) hands it to the background mapper (mapper.py; on CUDA by default).
+queued) hands it to the background mapper (mapper.py; on CUDA by default). With tensor or
+pipeline parallelism every worker applies the same metadata to its shard and the workers
+agree on each step's backing (workers.py).
 No silent fallback: what this version cannot do raises with the reason.
 """
 

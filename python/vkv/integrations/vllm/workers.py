@@ -98,12 +98,13 @@ def check_parallel(vllm_config, settings) -> None:
         raise ValueError(f"VkvConnector: kv_connector_extra_config['shared_budget'] = {name!r}: the only field a "
                          f"budget name may hold is {DEVICE_FIELD} (the GPU's index), e.g. 'gpu{{device}}'")
     if workers > 1 and name and DEVICE_FIELD not in name:
+        stem = name.rstrip("0123456789") or name
         raise ValueError(
             f"VkvConnector: kv_connector_extra_config['shared_budget'] = {name!r} names one budget, but "
             f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {workers} workers each hold their KV "
-            f"shard on their own GPU, a member of that GPU's budget; write {name + DEVICE_FIELD!r} ({DEVICE_FIELD}: "
+            f"shard on their own GPU, a member of that GPU's budget; write {stem + DEVICE_FIELD!r} ({DEVICE_FIELD}: "
             f"the GPU's index, as nvidia-smi numbers it) and create one budget per GPU (python -m vkv.budget "
-            f"create {name}0 SIZE, {name}1 ...)")
+            f"create {stem}0 SIZE, {stem}1 ...)")
     if workers > 1 and settings.device.startswith("cuda:"):
         raise ValueError(f"VkvConnector: kv_connector_extra_config['device'] = {settings.device!r} names one GPU "
                          f"for {workers} workers; leave it unset ('auto': each worker's own GPU)")

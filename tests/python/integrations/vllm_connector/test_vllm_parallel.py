@@ -184,7 +184,7 @@ def _parallel(tp, pp, **parallel):
 def test_a_budget_name_for_one_gpu_is_refused_with_tp_in_one_line():
     settings = VkvConnectorConfig.from_extra_config({"shared_budget": "gpu0", "device": "cpu"})
     with pytest.raises(ValueError, match=r"'gpu0' names one budget, but tensor_parallel_size 2 x "
-                                         r"pipeline_parallel_size 1 = 2 workers .* write 'gpu0\{device\}'") as caught:
+                                         r"pipeline_parallel_size 1 = 2 workers .* write 'gpu\{device\}'") as caught:
         check_parallel(_parallel(2, 1), settings)
     assert "\n" not in str(caught.value)
     check_parallel(_parallel(1, 1), settings)  # one worker: one budget is right
