@@ -154,6 +154,8 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
             connector.register_kv_caches(kv)
         layers, heads = stage_layers(pp, rank // tp), rank_heads(tp, rank % tp)
         memory = connector._memory
+        log: List[List[int]] = []  # the blocks backed at the end of each job, in job order
+        _log_jobs(memory, log)
         conn.send(("ready", os.getpid()))
     except Exception as error:  # noqa: BLE001
         conn.send(("error", f"{type(error).__name__}: {error}"))
@@ -176,23 +178,41 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
             conn.send(("armed",))
             continue
         if command[0] == "backed":
+            try:
+                memory.wait()
+            except Exception:  # noqa: BLE001 (a failed job: its error was the step's)
+                pass
             conn.send(("backed", _backed(memory)))
             continue
         _, meta, work = command
         try:
+            # With the background mapper the step's job runs on after this (it may wait for the
+            # later stages to agree); the blocks of this step's tables were backed by earlier jobs.
             connector.bind_connector_metadata(meta)
-            memory.wait()  # the step's job done (at once without background mapping)
             for request_id, _, _, table in work:
                 for block in table:
                     assert memory.cache.is_allocated(block) and memory.cache.mapped_pages(block) >= 1, \
                         f"rank {rank}: block {block} of {request_id} is scheduled but not backed"
             totals = shard_forward(kv, layers, heads, work)
             connector.start_load_kv(None)
-            conn.send(("ok", totals, _backed(memory)))
+            jobs, log[:] = list(log), []
+            conn.send(("ok", totals, jobs))
         except Exception as error:  # noqa: BLE001
             conn.send(("error", f"{type(error).__name__}: {error}"))
         finally:
             connector.clear_connector_metadata()
+
+
+def _log_jobs(memory, log: List[List[int]]) -> None:
+    """Record the backed blocks when each job of ``memory`` ends (on the thread that runs it)."""
+    def logged(job):
+        def run(release, target, settle):
+            job(release, target, settle)
+            log.append(_backed(memory))
+        return run
+    memory._job = logged(memory._job)
+    if memory.mapper is not None:
+        memory.mapper._job = logged(memory.mapper._job)
 
 
 def _stop(connector, parallel_state) -> None:
@@ -253,7 +273,9 @@ class ParallelEngine:
         self.block_hasher = get_request_block_hasher(vt.BLOCK, hash_fn, self.vllm_config.num_hash_lookahead_tokens)
         self._in_flight: "collections.deque" = collections.deque()
         self.outputs: Dict[str, List[int]] = {}
-        self.backed: List[List[int]] = []  # every worker's backed blocks after the last step
+        self.backed: List[List[int]] = []  # every worker's backed blocks after the last job all have done
+        self.jobs: List[List[List[int]]] = [[] for _ in range(tp * pp)]  # per worker: backed blocks after each job
+        self.jobs_checked = 0
 
     def _receive(self, rank: int, timeout: float):
         if not self.conns[rank].poll(timeout):
@@ -296,13 +318,26 @@ class ParallelEngine:
             end = requests[request_id].num_computed_tokens  # schedule() advanced it
             work.append((request_id, end - tokens, end, list(manager.get_block_ids(request_id)[0])))
         live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
-        for rank in live:
-            self.conns[rank].send(("step", out.kv_connector_metadata, work))
-        replies = {rank: self._receive(rank, timeout) for rank in live}
+        replies = {}
+        for stage in range(self.pp):
+            # As vLLM's pipeline: a stage binds a step once the stage before has run its forward.
+            ranks = [rank for rank in live if rank // self.tp == stage]
+            for rank in ranks:
+                self.conns[rank].send(("step", out.kv_connector_metadata, work))
+            replies.update({rank: self._receive(rank, timeout) for rank in ranks})
         errors = {rank: reply[1] for rank, reply in replies.items() if reply[0] == "error"}
         if errors:
             raise WorkerError(errors)
-        self.backed = [replies[rank][2] for rank in live]
+        for rank in live:
+            self.jobs[rank].extend(replies[rank][2])
+        done = min(len(self.jobs[rank]) for rank in live)
+        for job in range(self.jobs_checked, done):  # every worker backed the same blocks after each job
+            first = self.jobs[live[0]][job]
+            assert all(self.jobs[rank][job] == first for rank in live), \
+                f"job {job}: the workers' backed blocks differ: {[self.jobs[rank][job] for rank in live]}"
+        self.jobs_checked = max(self.jobs_checked, done)
+        if done:
+            self.backed = [self.jobs[rank][done - 1] for rank in live]
         sampled: Dict[str, Optional[int]] = {}
         for request_id, _, end, _ in work:
             # Once per distinct layer and head: ranks that hold a replica of another's heads add nothing.

@@ -36,7 +36,8 @@ from .config import VkvConnectorConfig
 from .demand import Demand
 from .memory import BlockMemory
 from .pool import ReservationPool
-from .workers import AskBoards, ShardMemory, budget_name, check_parallel, engine_budget_names, this_worker
+from .workers import (AskBoards, ShardMemory, background_mapping, budget_name, check_parallel, engine_budget_names,
+                      this_worker)
 
 REQUIRED_LAYOUT = "BLNHC"
 
@@ -264,7 +265,8 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             head_dim=spec.head_size, dtype=spec.dtype, device=settings.device,
             shared_budget=budget_name(settings.shared_budget, worker.device_index),
             memory_budget=settings.memory_budget,
-            headroom_blocks=settings.headroom_blocks, background_mapping=settings.background_mapping,
+            headroom_blocks=settings.headroom_blocks,
+            background_mapping=background_mapping(self._vllm_config, settings),  # on with PP (workers.py)
             shared_budget_floor=settings.shared_budget_floor, shared_budget_cap=settings.shared_budget_cap,
             shared_budget_priority=settings.shared_budget_priority)
         if worker.size > 1:

@@ -105,9 +105,22 @@ def check_parallel(vllm_config, settings) -> None:
             f"shard on their own GPU, a member of that GPU's budget; write {stem + DEVICE_FIELD!r} ({DEVICE_FIELD}: "
             f"the GPU's index, as nvidia-smi numbers it) and create one budget per GPU (python -m vkv.budget "
             f"create {stem}0 SIZE, {stem}1 ...)")
+    if pp > 1 and settings.background_mapping is False:
+        raise ValueError(
+            f"VkvConnector: kv_connector_extra_config['background_mapping'] = false with pipeline_parallel_size {pp}: "
+            "a later stage binds a step only once it received the earlier stage's output of it, so the stages' "
+            "agreement on the step's backing must run beside the forward; leave background_mapping unset or true")
     if workers > 1 and settings.device.startswith("cuda:"):
         raise ValueError(f"VkvConnector: kv_connector_extra_config['device'] = {settings.device!r} names one GPU "
                          f"for {workers} workers; leave it unset ('auto': each worker's own GPU)")
+
+
+def background_mapping(vllm_config, settings) -> Optional[bool]:
+    """The worker's background_mapping: on with pipeline parallelism (check_parallel() says
+    why), else the setting (unset: on where the device is CUDA)."""
+    if settings.background_mapping is None and parallel_sizes(vllm_config)[1] > 1:
+        return True
+    return settings.background_mapping
 
 
 def physical_gpu(index: int) -> int:

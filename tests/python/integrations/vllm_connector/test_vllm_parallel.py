@@ -26,9 +26,11 @@ from vkv.integrations.vllm.config import VkvConnectorConfig  # noqa: E402
 from vkv.integrations.vllm.workers import check_parallel, engine_budget_names, physical_gpu  # noqa: E402
 
 
-def _trace(engine, n=8, prompt=37, gen=6, name="req"):
+def _trace(engine, n=8, prompt=37, gen=6, name="req", first=0):
+    """(The fake model's K/V depend on the request: prompts that share a prefix would hit
+    another request's blocks in vLLM's prefix cache: ``first`` keeps a second burst apart.)"""
     for i in range(n):
-        engine.add(f"{name}{i}", [(7 * i + t) % 1000 for t in range(prompt + 5 * i)], gen + i % 3)
+        engine.add(f"{name}{i}", [(first + 7 * i + t) % 1000 for t in range(prompt + 5 * i)], gen + i % 3)
 
 
 def _fixed_outputs(num_blocks=64, **options):
@@ -52,7 +54,7 @@ def _run(engine, limit=200):
         steps += 1
         assert steps < limit, "the trace did not finish"
         assert all(backed == engine.backed[0] for backed in engine.backed), engine.backed
-        most = max(most, len(engine.backed[0]))
+        most = max(most, len(engine.backed[0]) if engine.backed else 0)
     return most
 
 
@@ -60,11 +62,13 @@ def _agreement_segments():
     return set(glob.glob("/dev/shm/vkv-vllm-agree-*"))
 
 
-@pytest.mark.parametrize("tp,pp,background", [(2, 1, False), (2, 1, True), (1, 2, False), (4, 1, False),
-                                               (2, 2, False)])
+# With PP the background mapper is always on (unset: on; a later stage binds a step only after
+# the earlier stage's forward of it, as the harness delivers it).
+@pytest.mark.parametrize("tp,pp,background", [(2, 1, False), (2, 1, True), (1, 2, None), (4, 1, False),
+                                               (2, 2, None)])
 def test_every_worker_backs_the_same_blocks_and_outputs_equal_the_fixed_pool(tp, pp, background):
     segments = _agreement_segments()
-    engine = pt.ParallelEngine(tp, pp, 64, {"background_mapping": background})
+    engine = pt.ParallelEngine(tp, pp, 64, {} if background is None else {"background_mapping": background})
     try:
         _trace(engine)
         # Each worker asserts that every block of the step's tables is backed on it before its
@@ -128,7 +132,7 @@ def test_a_worker_whose_backing_fails_fails_the_step_on_every_worker():
             engine.step()
         before = engine.backed_now()
         engine.fail_next_backing(3)  # tensor-parallel rank 1 of stage 1
-        _trace(engine, n=4, prompt=60, name="more")
+        _trace(engine, n=4, prompt=60, name="more", first=500)
         with pytest.raises(pt.WorkerError) as caught:
             for _ in range(3):
                 engine.step()
@@ -194,6 +198,9 @@ def test_a_budget_name_for_one_gpu_is_refused_with_tp_in_one_line():
         check_parallel(_parallel(2, 2), VkvConnectorConfig.from_extra_config({"device": "cuda:1"}))
     with pytest.raises(ValueError, match=r"prefill_context_parallel_size = 2: not supported"):
         check_parallel(_parallel(2, 1, prefill_context_parallel_size=2), settings)
+    with pytest.raises(ValueError, match=r"\['background_mapping'\] = false with pipeline_parallel_size 2: .* "
+                                         r"leave background_mapping unset or true"):
+        check_parallel(_parallel(1, 2), VkvConnectorConfig.from_extra_config({"background_mapping": False}))
 
 
 def test_each_gpu_has_its_own_budget_name(monkeypatch):
