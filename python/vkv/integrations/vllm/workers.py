@@ -138,8 +138,12 @@ def budget_name(pattern: str, device_index: int) -> str:
 
 
 def _on_cpu(settings) -> bool:
-    from vkv._parameters import resolve_device
-    return resolve_device(settings.device).type == "cpu"
+    """The workers' device is the host backend. Without creating a CUDA context (the
+    scheduler's process has none, and would hold GPU memory for it)."""
+    if settings.device in ("cpu", "auto"):
+        import torch
+        return settings.device == "cpu" or not (_C.cuda_available() and torch.cuda.is_available())
+    return False
 
 
 def engine_budget_names(vllm_config, settings) -> List[str]:
@@ -356,6 +360,7 @@ class ShardMemory(BlockMemory):
                         return 0
                     return self._commit(slots, settle)
                 self._undo(slots)
+                shrunk = True  # (or failed): the pages prepared for these slots go back to the budget
                 if verdict.failed_rank is not None:
                     raise self._failure(verdict, want, error)
                 if verdict.disagree:
@@ -364,7 +369,6 @@ class ShardMemory(BlockMemory):
                     raise RuntimeError(f"VkvConnector: {self._broken}; nothing was backed; stop the engine")
                 # A GPU's budget is short: every worker tries again with the worst shortfall fewer.
                 limit = self.backed + want - max(1, verdict.missing)
-                shrunk = True
                 error = None
         finally:
             if shrunk:

@@ -23,7 +23,7 @@ import vllm_testing as vt  # noqa: E402
 
 import vkv  # noqa: E402
 from vkv.integrations.vllm.config import VkvConnectorConfig  # noqa: E402
-from vkv.integrations.vllm.workers import check_parallel, engine_budget_names, physical_gpu  # noqa: E402
+from vkv.integrations.vllm.workers import AskBoards, check_parallel, engine_budget_names, physical_gpu  # noqa: E402
 
 
 def _trace(engine, n=8, prompt=37, gen=6, name="req", first=0):
@@ -210,3 +210,22 @@ def test_each_gpu_has_its_own_budget_name(monkeypatch):
     assert [physical_gpu(0), physical_gpu(1)] == [4, 5]  # as nvidia-smi numbers them
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")
     assert physical_gpu(0) == 0
+
+
+def test_the_scheduler_hears_another_engines_ask_on_any_of_its_gpus():
+    from vkv.integrations.vllm.asks import AskBoard
+    prefix = f"vkv-vllm-test-{uuid.uuid4().hex[:8]}-gpu"
+    ours = AskBoards([prefix + "0", prefix + "1"])  # a TP=2 engine on GPUs 0 and 1
+    other = AskBoard(prefix + "1")  # an engine on GPU 1 only
+    try:
+        assert not ours.others_want()
+        other.post(1 << 20)
+        assert ours.others_want()  # its free blocks go back on every GPU: a block is backed on all or none
+        other.post(0)
+        ours.post(4096)  # a shortfall of ours is posted on each GPU's board
+        assert other.others_want()
+        assert [board.rows[board.row, 1] for board in ours.boards] == [4096, 4096]
+    finally:
+        other.close()
+        ours.close()
+    assert not glob.glob(f"/dev/shm/vkv-vllm-asks-{prefix}*")
