@@ -287,7 +287,9 @@ def _spread(vkv, fixed, steps):
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
-           prefill_backend: str = "auto", gc_freeze: bool = True) -> dict:
+           prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "") -> dict:
+    """``make_memory(**BlockMemory's arguments)``: the worker's memory (vllm_tp_replay.py: one
+    tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name."""
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import BlockMemory
     cuda = device.startswith("cuda")
@@ -301,7 +303,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
     nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
     background = mapping.startswith("background")
-    memory = BlockMemory(engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, num_layers=layers,
+    memory = (make_memory or BlockMemory)(engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, num_layers=layers,
                          num_kv_heads=heads, head_dim=dim, dtype=dtype, device=device, shared_budget="",
                          memory_budget=0, headroom_blocks=8, background_mapping=background)
     # Zeroed, as vLLM's allocate_kv_cache() zeroes its pool: a kernel that reads a padded
@@ -472,7 +474,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from common import machine, write_json
 
-        name = f"vllm_replay_{attention_name}{_SUFFIX[mapping]}{'_dense' if dense_gemms else ''}.json"
+        name = f"vllm_replay_{attention_name}{_SUFFIX[mapping]}{'_dense' if dense_gemms else ''}{name_suffix}.json"
         write_json({"machine": machine(device), **report}, os.path.join(out, name))
     gc_clock.close()
     if gc_freeze:

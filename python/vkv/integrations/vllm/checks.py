@@ -108,14 +108,15 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> 
         raise ValueError(
             f"VkvConnector: kv_connector_extra_config['memory_budget'] = {settings.memory_budget} bytes is less "
             f"than {what}; raise memory_budget to at least {need}, or lower --max-model-len")
-    if settings.shared_budget:
+    from .workers import engine_budget_names
+    for name in engine_budget_names(vllm_config, settings):  # with TP/PP: every GPU's budget
         import vkv
-        capacity = vkv.SharedBudget.open(settings.shared_budget).stats()["capacity_bytes"]
+        capacity = vkv.SharedBudget.open(name).stats()["capacity_bytes"]
         if capacity < need:
             raise ValueError(
-                f"VkvConnector: the shared budget {settings.shared_budget!r} (kv_connector_extra_config"
+                f"VkvConnector: the shared budget {name!r} (kv_connector_extra_config"
                 f"['shared_budget']) holds {capacity} bytes, less than {what}; resize it (python -m vkv.budget "
-                f"resize {settings.shared_budget} {need}), or lower --max-model-len")
+                f"resize {name} {need}), or lower --max-model-len")
 
 
 def check_view(name: str, view, num_blocks: int, block: int) -> None:

@@ -27,6 +27,9 @@ class VkvConnectorConfig:
         (mapper.py), so that bind_connector_metadata() only takes the step's job and the
         forward never waits on the driver; None (unset) = on where the device is CUDA, off on
         the CPU. (Not vkv.KVCache's option of that name, vkv's own mapper thread.)
+    worker_timeout_s: with tensor or pipeline parallelism, how long a worker waits for the
+        engine's other workers to agree on a step's backing (workers.py) before it raises
+        naming the missing one; a worker that exits is named at once.
     """
 
     shared_budget: str = ""
@@ -37,6 +40,7 @@ class VkvConnectorConfig:
     shared_budget_floor: int = 0
     shared_budget_cap: int = 0
     shared_budget_priority: int = 0
+    worker_timeout_s: int = 600
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "VkvConnectorConfig":
@@ -46,7 +50,7 @@ class VkvConnectorConfig:
         dict: other connectors' keys never reach this one.)"""
         known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str,
                  "background_mapping": bool, "shared_budget_floor": int, "shared_budget_cap": int,
-                 "shared_budget_priority": int}
+                 "shared_budget_priority": int, "worker_timeout_s": int}
         values = {}
         for key, value in (extra or {}).items():
             name = key[4:] if key.startswith("vkv_") else key
@@ -72,6 +76,8 @@ class VkvConnectorConfig:
             if getattr(config, name) and not config.shared_budget:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] = {getattr(config, name)} needs a "
                                  "shared_budget (the name of a vkv.SharedBudget)")
+        if config.worker_timeout_s < 1:
+            raise ValueError(f"kv_connector_extra_config['worker_timeout_s'] = {config.worker_timeout_s} must be >= 1")
         if config.headroom_blocks < 1:
             raise ValueError(f"kv_connector_extra_config['headroom_blocks'] = {config.headroom_blocks} must be >= 1")
         return config

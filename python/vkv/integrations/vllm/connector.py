@@ -10,14 +10,16 @@ build_connector_meta() releases newly backed blocks, takes back excess free ones
 the worker. Worker role: the buffer is a vkv reservation (memory.py); bind_connector_metadata()
 (called before each forward) takes the job of unmapping what the scheduler took back and
 backing ahead to the scheduler's target, and start_load_kv() (called once the forward is
-queued) hands it to the background mapper (mapper.py; on CUDA by default).
+queued) hands it to the background mapper (mapper.py; on CUDA by default). With tensor or
+pipeline parallelism every worker applies the same metadata to its shard and the workers
+agree on each step's backing (workers.py).
 No silent fallback: what this version cannot do raises with the reason.
 """
 
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,6 +36,8 @@ from .config import VkvConnectorConfig
 from .demand import Demand
 from .memory import BlockMemory
 from .pool import ReservationPool
+from .workers import (AskBoards, ShardMemory, background_mapping, budget_name, check_parallel, engine_budget_names,
+                      this_worker)
 
 REQUIRED_LAYOUT = "BLNHC"
 
@@ -51,23 +55,14 @@ def _engine_id(vllm_config) -> str:
     return str(vllm_config.kv_transfer_config.engine_id)
 
 
-def _check_supported(vllm_config) -> None:
-    parallel = vllm_config.parallel_config
-    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    if world != 1:
-        raise ValueError(
-            f"VkvConnector: tensor_parallel_size = {parallel.tensor_parallel_size}, pipeline_parallel_size = "
-            f"{parallel.pipeline_parallel_size}: this version backs one worker's KV cache only (TP=PP=1)")
-
-
 class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     """The scheduler-side and worker-side halves; vLLM makes one object per role."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _check_supported(vllm_config)
         self.settings = VkvConnectorConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
+        check_parallel(vllm_config, self.settings)  # TP/PP: workers.py
         # What this connector cannot serve stops vLLM here, in one line (checks.py).
         self._checked = kv_cache_config is not None
         if self._checked:
@@ -76,7 +71,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._memory: Optional[BlockMemory] = None
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._demand: Optional[Demand] = None
-        self._asks: Optional[AskBoard] = None  # with a shared budget: the engines that want memory
+        self._asks: Optional[Union[AskBoard, AskBoards]] = None  # with a shared budget: the engines that want memory
         self._released_this_step = False
         self._pending = False  # has_pending_push_work(), decided at each build_connector_meta()
         self._targets: "collections.deque" = collections.deque()  # the last targets sent, newest last
@@ -112,7 +107,9 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
                               watermark_blocks=int(getattr(sched, "watermark", 0.0) * gpu_block_pool.num_gpu_blocks),
                               max_model_len=config.model_config.max_model_len)
         if self.settings.shared_budget:
-            self._asks = AskBoard(self.settings.shared_budget)
+            # One budget per GPU of the engine's workers (workers.py): the asks of every one.
+            names = engine_budget_names(self._vllm_config, self.settings)
+            self._asks = AskBoard(names[0]) if len(names) == 1 else AskBoards(names)
             tensors = getattr(self._kv_cache_config, "kv_cache_tensors", None) or []
             self._block_bytes = tensors[0].size // gpu_block_pool.num_gpu_blocks if tensors else 1
 
@@ -260,11 +257,18 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             self._checked = True
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-        return BlockMemory(
+        settings = self.settings
+        worker = this_worker(self._vllm_config, settings)  # TP/PP: its rank and GPU (workers.py)
+        arguments = dict(
             engine_id=_engine_id(self._vllm_config), num_blocks=kv_cache_config.num_blocks,
             block_size=spec.block_size, num_layers=layers, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size, dtype=spec.dtype, device=self.settings.device,
-            shared_budget=self.settings.shared_budget, memory_budget=self.settings.memory_budget,
-            headroom_blocks=self.settings.headroom_blocks, background_mapping=self.settings.background_mapping,
-            shared_budget_floor=self.settings.shared_budget_floor, shared_budget_cap=self.settings.shared_budget_cap,
-            shared_budget_priority=self.settings.shared_budget_priority)
+            head_dim=spec.head_size, dtype=spec.dtype, device=settings.device,
+            shared_budget=budget_name(settings.shared_budget, worker.device_index),
+            memory_budget=settings.memory_budget,
+            headroom_blocks=settings.headroom_blocks,
+            background_mapping=background_mapping(self._vllm_config, settings),  # on with PP (workers.py)
+            shared_budget_floor=settings.shared_budget_floor, shared_budget_cap=settings.shared_budget_cap,
+            shared_budget_priority=settings.shared_budget_priority)
+        if worker.size > 1:
+            return ShardMemory(worker=worker, timeout_s=float(settings.worker_timeout_s), **arguments)
+        return BlockMemory(**arguments)

@@ -50,7 +50,9 @@ class BlockMemory:
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
                  shared_budget: str, memory_budget: int, headroom_blocks: int,
                  background_mapping: Optional[bool] = None, shared_budget_floor: int = 0,
-                 shared_budget_cap: int = 0, shared_budget_priority: int = 0) -> None:
+                 shared_budget_cap: int = 0, shared_budget_priority: int = 0, states=None) -> None:
+        """``states``: the block states this worker writes; None = the engine's shared file
+        (BlockStates), opened as its one worker (workers.py passes its other workers' own)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.block_bytes = block_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
@@ -60,7 +62,7 @@ class BlockMemory:
         if error:
             raise ValueError(error)
         # First: a reused engine_id is refused before any memory is taken.
-        self.states = BlockStates(engine_id, num_blocks, WORKER)
+        self.states = states if states is not None else BlockStates(engine_id, num_blocks, WORKER)
         try:
             self.cache = vkv.KVCache(
                 num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,

@@ -437,11 +437,3 @@ def test_bad_extra_config_is_one_line_naming_the_key():
     assert VkvConnectorConfig.from_extra_config({}).background_mapping is None  # unset: off
     assert VkvConnectorConfig.from_extra_config({"vkv_headroom_blocks": 2}).headroom_blocks == 2
 
-
-def test_tensor_parallel_is_refused_with_the_reason():
-    from types import SimpleNamespace
-
-    from vkv.integrations.vllm.connector import _check_supported
-    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
-    with pytest.raises(ValueError, match="tensor_parallel_size = 2"):
-        _check_supported(config)

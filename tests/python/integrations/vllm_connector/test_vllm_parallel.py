@@ -1,0 +1,231 @@
+"""VkvConnector with tensor and pipeline parallelism on a CPU (host backend): vLLM 0.33's real
+scheduler here, every worker a separate process with vLLM's own parallel state and its own
+vkv reservation, all fed the same connector metadata (vllm_parallel_testing.py).
+
+Skips only where vllm is not importable and CI is not set (as test_vllm_connector.py)."""
+
+import glob
+import os
+import types
+import uuid
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("vllm 0.33 is not installed (scripts/install_vllm.sh installs it)", allow_module_level=True)
+
+import vllm_parallel_testing as pt  # noqa: E402  (tests/python, on pytest's pythonpath)
+import vllm_testing as vt  # noqa: E402
+
+import vkv  # noqa: E402
+from vkv.integrations.vllm.config import VkvConnectorConfig  # noqa: E402
+from vkv.integrations.vllm.workers import AskBoards, check_parallel, engine_budget_names, physical_gpu  # noqa: E402
+
+
+def _trace(engine, n=8, prompt=37, gen=6, name="req", first=0):
+    """(The fake model's K/V depend on the request: prompts that share a prefix would hit
+    another request's blocks in vLLM's prefix cache: ``first`` keeps a second burst apart.)"""
+    for i in range(n):
+        engine.add(f"{name}{i}", [(first + 7 * i + t) % 1000 for t in range(prompt + 5 * i)], gen + i % 3)
+
+
+def _fixed_outputs(num_blocks=64, **options):
+    """The same trace on vLLM's fixed pool, one process, every layer and head (vllm_testing)."""
+    engine = vt.Engine(num_blocks, connector=False, **options)
+    try:
+        _trace(engine)
+        while engine.unfinished():
+            engine.step()
+        return engine.outputs
+    finally:
+        engine.close()
+
+
+def _run(engine, limit=200):
+    """Steps to the end; after each, every worker has backed exactly the same blocks."""
+    steps = 0
+    most = 0
+    while engine.unfinished():
+        engine.step()
+        steps += 1
+        assert steps < limit, "the trace did not finish"
+        assert all(backed == engine.backed[0] for backed in engine.backed), engine.backed
+        most = max(most, len(engine.backed[0]) if engine.backed else 0)
+    return most
+
+
+def _agreement_segments():
+    return set(glob.glob("/dev/shm/vkv-vllm-agree-*"))
+
+
+# With PP the background mapper is always on (unset: on; a later stage binds a step only after
+# the earlier stage's forward of it, as the harness delivers it).
+@pytest.mark.parametrize("tp,pp,background", [(2, 1, False), (2, 1, True), (1, 2, None), (4, 1, False),
+                                               (2, 2, None)])
+def test_every_worker_backs_the_same_blocks_and_outputs_equal_the_fixed_pool(tp, pp, background):
+    segments = _agreement_segments()
+    engine = pt.ParallelEngine(tp, pp, 64, {} if background is None else {"background_mapping": background})
+    try:
+        _trace(engine)
+        # Each worker asserts that every block of the step's tables is backed on it before its
+        # forward, and reads back every token of its layers and heads.
+        assert _run(engine) > 4
+        outputs = engine.outputs
+    finally:
+        engine.close()
+    assert outputs == _fixed_outputs()
+    assert _agreement_segments() <= segments, "the workers' agreement segment was left in /dev/shm"
+
+
+def _budgets(blocks_per_gpu, block_bytes):
+    """One host-backend budget per (emulated) GPU: PREFIX0, PREFIX1, ..."""
+    prefix = f"vkv-vllm-test-{uuid.uuid4().hex[:8]}-gpu"
+    return prefix, [vkv.SharedBudget.create(f"{prefix}{i}", blocks * block_bytes, device="cpu")
+                    for i, blocks in enumerate(blocks_per_gpu)]
+
+
+def test_a_gpu_short_of_pages_makes_every_worker_back_fewer_blocks():
+    # TP=2: each worker holds 1 of the 2 KV heads, a block is 8 KiB on each GPU. GPU 1's budget
+    # holds the smallest the connector accepts (one 96-token request + headroom + null block).
+    block = vt.block_bytes() // 2
+    prefix, budgets = _budgets([64, 11], block)
+    try:
+        engine = pt.ParallelEngine(2, 1, 64, {"shared_budget": prefix + "{device}"}, max_model_len=96)
+        waited = 0
+        try:
+            _trace(engine, n=10)
+            steps = 0
+            while engine.unfinished():
+                engine.step()
+                steps += 1
+                assert steps < 300
+                assert engine.backed[0] == engine.backed[1]
+                # GPU 0 could back 64, but a block is in vLLM's pool only when every GPU has it.
+                assert len(engine.backed[0]) <= 11, len(engine.backed[0])
+                waited = max(waited, len(engine.scheduler.waiting))
+            outputs = engine.outputs
+        finally:
+            engine.close()
+        assert waited > 0, "the shortage never showed"
+    finally:
+        for budget in budgets:
+            budget.remove()
+    engine = vt.Engine(64, connector=False, max_model_len=96)
+    try:
+        _trace(engine, n=10)
+        while engine.unfinished():
+            engine.step()
+        assert outputs == engine.outputs
+    finally:
+        engine.close()
+
+
+def test_a_worker_whose_backing_fails_fails_the_step_on_every_worker():
+    engine = pt.ParallelEngine(2, 2, 64)
+    try:
+        _trace(engine, n=3)
+        for _ in range(2):
+            engine.step()
+        before = engine.backed_now()
+        engine.fail_next_backing(3)  # tensor-parallel rank 1 of stage 1
+        _trace(engine, n=4, prompt=60, name="more", first=500)
+        with pytest.raises(pt.WorkerError) as caught:
+            for _ in range(3):
+                engine.step()
+        errors = caught.value.errors
+        assert sorted(errors) == [0, 1, 2, 3], errors  # every worker, not only the one that failed
+        for rank, text in errors.items():
+            assert "worker rank 3 (tensor-parallel rank 1 of pipeline stage 1) failed to back" in text, text
+            assert "bytes of its GPU's budget" in text and "no worker backed them" in text, text
+        assert "injected backing failure" in errors[3]
+        after = engine.backed_now()
+        assert all(backed == after[0] for backed in after), after
+        assert set(after[0]) <= set(before[0]), (before[0], after[0])  # nothing backed (released blocks went)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_worker_killed_mid_burst_ends_the_others_with_an_error_naming_it(background):
+    block = vt.block_bytes() // 2
+    prefix, budgets = _budgets([128, 128], block)
+    segments = _agreement_segments()
+    try:
+        engine = pt.ParallelEngine(2, 1, 64, {"shared_budget": prefix + "{device}", "background_mapping": background})
+        try:
+            _trace(engine, n=8)
+            for _ in range(3):
+                engine.step()
+            dead = engine.pids[1]
+            assert any(m["pid"] == dead for m in budgets[1].stats()["members"])
+            engine.kill(1)
+            with pytest.raises(pt.WorkerError) as caught:
+                for _ in range(3):  # with the background mapper, the job's error comes at the next bind
+                    engine.step(timeout=20)
+            text = caught.value.errors[0]
+            assert f"rank 1 (pid {dead}) exited" in text, text
+            assert "cannot agree on this step's backing" in text, text
+            # GPU 1's budget counts the dead worker out: its pages are free again.
+            stats = budgets[1].stats()
+            assert not any(m["pid"] == dead for m in stats["members"]) and stats["used_bytes"] == 0, stats
+        finally:
+            engine.close()
+    finally:
+        for budget in budgets:
+            budget.remove()
+    assert _agreement_segments() <= segments
+
+
+def _parallel(tp, pp, **parallel):
+    return types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, **parallel))
+
+
+def test_a_budget_name_for_one_gpu_is_refused_with_tp_in_one_line():
+    settings = VkvConnectorConfig.from_extra_config({"shared_budget": "gpu0", "device": "cpu"})
+    with pytest.raises(ValueError, match=r"'gpu0' names one budget, but tensor_parallel_size 2 x "
+                                         r"pipeline_parallel_size 1 = 2 workers .* write 'gpu\{device\}'") as caught:
+        check_parallel(_parallel(2, 1), settings)
+    assert "\n" not in str(caught.value)
+    check_parallel(_parallel(1, 1), settings)  # one worker: one budget is right
+    with pytest.raises(ValueError, match=r"the only field a budget name may hold is \{device\}"):
+        check_parallel(_parallel(2, 1), VkvConnectorConfig.from_extra_config({"shared_budget": "gpu{rank}"}))
+    with pytest.raises(ValueError, match=r"\['device'\] = 'cuda:1' names one GPU for 4 workers"):
+        check_parallel(_parallel(2, 2), VkvConnectorConfig.from_extra_config({"device": "cuda:1"}))
+    with pytest.raises(ValueError, match=r"prefill_context_parallel_size = 2: not supported"):
+        check_parallel(_parallel(2, 1, prefill_context_parallel_size=2), settings)
+    with pytest.raises(ValueError, match=r"\['background_mapping'\] = false with pipeline_parallel_size 2: .* "
+                                         r"leave background_mapping unset or true"):
+        check_parallel(_parallel(1, 2), VkvConnectorConfig.from_extra_config({"background_mapping": False}))
+
+
+def test_each_gpu_has_its_own_budget_name(monkeypatch):
+    settings = VkvConnectorConfig.from_extra_config({"shared_budget": "gpu{device}", "device": "cpu"})
+    assert engine_budget_names(_parallel(2, 2), settings) == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert [physical_gpu(0), physical_gpu(1)] == [4, 5]  # as nvidia-smi numbers them
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")
+    assert physical_gpu(0) == 0
+
+
+def test_the_scheduler_hears_another_engines_ask_on_any_of_its_gpus():
+    from vkv.integrations.vllm.asks import AskBoard
+    prefix = f"vkv-vllm-test-{uuid.uuid4().hex[:8]}-gpu"
+    ours = AskBoards([prefix + "0", prefix + "1"])  # a TP=2 engine on GPUs 0 and 1
+    other = AskBoard(prefix + "1")  # an engine on GPU 1 only
+    try:
+        assert not ours.others_want()
+        other.post(1 << 20)
+        assert ours.others_want()  # its free blocks go back on every GPU: a block is backed on all or none
+        other.post(0)
+        ours.post(4096)  # a shortfall of ours is posted on each GPU's board
+        assert other.others_want()
+        assert [board.rows[board.row, 1] for board in ours.boards] == [4096, 4096]
+    finally:
+        other.close()
+        ours.close()
+    assert not glob.glob(f"/dev/shm/vkv-vllm-asks-{prefix}*")

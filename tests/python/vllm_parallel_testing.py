@@ -1,0 +1,381 @@
+"""vLLM 0.33's real scheduler over an engine of tensor- and pipeline-parallel workers on a CPU:
+each worker a separate process (forked: vLLM's import takes ~30 s, a fork none) that sets up
+vLLM's own parallel state (gloo), gets its connector from vLLM's ensure_kv_transfer_initialized()
+with its own KV cache config (its stage's layers, its share of the KV heads, as vLLM's planner
+makes them), and runs a fake forward on its shard through vLLM's BLNHC views: it writes K/V of
+the scheduled tokens and reads back every token of every scheduled request. The scheduler side
+(this process) sends every worker the same SchedulerOutput's connector metadata each step,
+and samples the next token from what all the shards read (vllm_testing.kv_value's content,
+summed once per distinct layer and head): equal to a one-process fixed pool's outputs."""
+
+import collections
+import multiprocessing
+import os
+import tempfile
+import uuid
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+import vllm_testing as vt
+
+# What the workers use, imported here once (a forked worker importing them itself takes seconds).
+import vkv.integrations.vllm  # noqa: E402,F401
+import vllm.distributed.kv_transfer.kv_transfer_state  # noqa: E402,F401
+import vllm.distributed.parallel_state  # noqa: E402,F401
+import vllm.v1.core.sched.async_scheduler  # noqa: E402,F401
+import vllm.v1.worker.utils  # noqa: E402,F401
+
+
+def stage_layers(pp: int, stage: int) -> List[int]:
+    from vllm.distributed.utils import get_pp_indices
+    start, end = get_pp_indices(vt.LAYERS, stage, pp)
+    return list(range(start, end))
+
+
+def rank_heads(tp: int, tp_rank: int) -> List[int]:
+    """The KV heads of a tensor-parallel rank, as vLLM splits (or, past the head count, replicates) them."""
+    per = max(1, vt.KV_HEADS // tp)
+    replicas = max(1, tp // vt.KV_HEADS)
+    first = (tp_rank // replicas) * per
+    return list(range(first, first + per))
+
+
+def make_vllm_config(tp: int, pp: int, num_blocks: int, extra: Optional[dict], connector: bool = True,
+                     max_num_seqs: int = 16, max_num_batched_tokens: int = 256, max_model_len: Optional[int] = None,
+                     engine_id: Optional[str] = None):
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig)
+    if max_model_len is None:
+        max_model_len = min(1024, (num_blocks - 1) * vt.BLOCK)
+    model = ModelConfig(model=vt._model_dir(max_model_len), skip_tokenizer_init=True, dtype="float16",
+                        max_model_len=max_model_len)
+    sched = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, async_scheduling=True)
+    kv_transfer = None
+    if connector:
+        kv_transfer = KVTransferConfig(
+            kv_connector="VkvConnector", kv_connector_module_path="vkv.integrations.vllm", kv_role="kv_both",
+            engine_id=engine_id or f"test-{uuid.uuid4().hex[:12]}",
+            kv_connector_extra_config=dict({"device": "cpu", "headroom_blocks": 4, "worker_timeout_s": 60},
+                                           **(extra or {})))
+    config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=CacheConfig(block_size=vt.BLOCK),
+                        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                        device_config=DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer)
+    config.cache_config.num_gpu_blocks = num_blocks
+    return config
+
+
+def plan(vllm_config, tp: int, pp: int, num_blocks: int):
+    """(every worker's KVCacheConfig, the scheduler's), as vLLM's EngineCore plans them
+    (_initialize_kv_caches) from each worker's layer specs, in the connector's BLNHC layout."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    specs, memory = [], []
+    for rank in range(tp * pp):
+        spec = FullAttentionSpec(block_size=vt.BLOCK, num_kv_heads=len(rank_heads(tp, rank % tp)),
+                                 head_size=vt.HEAD_DIM, dtype=torch.float16)
+        layers = stage_layers(pp, rank // tp)
+        specs.append({f"model.layers.{i}.self_attn.attn": spec for i in layers})
+        memory.append(num_blocks * len(layers) * spec.page_size_bytes)
+    vllm_config.cache_config.kv_cache_layout = "BLNHC"  # the connector's get_required_kvcache_layout()
+    resolve_kv_cache_layout(vllm_config, [["BLNHC"]], [s for worker in specs for s in worker.values()])
+    groups = get_global_kv_cache_groups(vllm_config, specs)
+    configs = get_kv_cache_configs(vllm_config, specs, memory, groups)
+    for config in configs:
+        config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+        assert config.num_blocks == num_blocks, (config.num_blocks, num_blocks)
+    return configs, generate_scheduler_kv_cache_config(configs)
+
+
+def _expected(request_id: str, end: int, layer: int, head: int, value: bool) -> np.ndarray:
+    """vllm_testing.kv_value for positions [0, end), vectorised."""
+    r = sum(map(ord, request_id)) % 61
+    return (r * 131 + np.arange(end) * 7 + layer * 3 + head + (500 if value else 0)) % 2011
+
+
+def shard_forward(kv: Dict[str, torch.Tensor], layers: List[int], heads: List[int], work) -> Dict[str, int]:
+    """A worker's part of vllm_testing.forward: writes the scheduled tokens' K/V of its layers
+    and heads, reads back every token, returns each request's sum of what it read."""
+    totals = {}
+    for request_id, start, end, table in work:
+        pos = np.arange(end)
+        blocks = torch.as_tensor(np.asarray(table, dtype=np.int64)[pos // vt.BLOCK])
+        offsets = torch.as_tensor(pos % vt.BLOCK)
+        total = 0
+        for layer, view in zip(layers, kv.values()):  # [B, H, N, 2*D]
+            for h, head in enumerate(heads):
+                for value, columns in ((False, slice(0, vt.HEAD_DIM)), (True, slice(vt.HEAD_DIM, 2 * vt.HEAD_DIM))):
+                    want = _expected(request_id, end, layer, head, value)
+                    new = torch.as_tensor(want[start:end], dtype=torch.float16)[:, None].expand(-1, vt.HEAD_DIM)
+                    view[blocks[start:end], h, offsets[start:end], columns] = new
+                    got = view[blocks, h, offsets, columns.start].to(torch.int64).numpy()
+                    if not np.array_equal(got, want):
+                        bad = int(np.flatnonzero(got != want)[0])
+                        raise AssertionError(f"{request_id} token {bad} layer {layer} head {head} block "
+                                             f"{int(blocks[bad])}: read {got[bad]}, wrote {want[bad]}")
+                    total += int(want.sum())
+        totals[request_id] = total
+    return totals
+
+
+def _backed(memory) -> List[int]:
+    """The blocks this worker's vkv cache has backed (allocated with mapped pages)."""
+    cache = memory.cache
+    return [b for b in range(memory.num_blocks) if cache.is_allocated(b) and cache.mapped_pages(b) >= 1]
+
+
+def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: str, conn) -> None:
+    """One worker process: vLLM's parallel state, the connector as vLLM's worker makes it,
+    then steps from ``conn`` until ("stop",)."""
+    torch.set_num_threads(1)
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import create_kv_cache_views
+    connector = None
+    try:
+        with set_current_vllm_config(vllm_config):
+            parallel_state.init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank,
+                                                        distributed_init_method=f"file://{init_path}", backend="gloo")
+            parallel_state.ensure_model_parallel_initialized(tp, pp)
+            kv_transfer_state.ensure_kv_transfer_initialized(vllm_config, kv_config)
+            connector = kv_transfer_state.get_kv_transfer_group()
+            spec = kv_config.kv_cache_groups[0].kv_cache_spec
+            tensor = kv_config.kv_cache_tensors[0]
+            with connector.get_mem_pool_context():
+                buf = connector.kv_buffer(kv_config)
+            kv = dict(zip(tensor.layers, create_kv_cache_views(buf, spec, kv_config.num_blocks, KVCacheLayout.BLNHC,
+                                                               tensor)))
+            connector.register_kv_caches(kv)
+        layers, heads = stage_layers(pp, rank // tp), rank_heads(tp, rank % tp)
+        memory = connector._memory
+        log: List[List[int]] = []  # the blocks backed at the end of each job, in job order
+        _log_jobs(memory, log)
+        conn.send(("ready", os.getpid()))
+    except Exception as error:  # noqa: BLE001
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+        _stop(connector, parallel_state)
+        return
+    while True:
+        command = conn.recv()
+        if command[0] == "stop":
+            _stop(connector, parallel_state)
+            conn.send(("stopped",))
+            return
+        if command[0] == "fail_next_backing":  # the next vkv call that backs blocks raises here
+            prepare = memory.cache._prepare_step
+
+            def failing(lens, prepare=prepare):
+                memory.cache._prepare_step = prepare
+                raise RuntimeError("injected backing failure")
+
+            memory.cache._prepare_step = failing
+            conn.send(("armed",))
+            continue
+        if command[0] == "backed":
+            try:
+                memory.wait()
+            except Exception:  # noqa: BLE001 (a failed job: its error was the step's)
+                pass
+            conn.send(("backed", _backed(memory)))
+            continue
+        _, meta, work = command
+        try:
+            # With the background mapper the step's job runs on after this (it may wait for the
+            # later stages to agree); the blocks of this step's tables were backed by earlier jobs.
+            connector.bind_connector_metadata(meta)
+            for request_id, _, _, table in work:
+                for block in table:
+                    assert memory.cache.is_allocated(block) and memory.cache.mapped_pages(block) >= 1, \
+                        f"rank {rank}: block {block} of {request_id} is scheduled but not backed"
+            totals = shard_forward(kv, layers, heads, work)
+            connector.start_load_kv(None)
+            jobs, log[:] = list(log), []
+            conn.send(("ok", totals, jobs))
+        except Exception as error:  # noqa: BLE001
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+        finally:
+            connector.clear_connector_metadata()
+
+
+def _log_jobs(memory, log: List[List[int]]) -> None:
+    """Record the backed blocks when each job of ``memory`` ends (on the thread that runs it)."""
+    def logged(job):
+        def run(release, target, settle):
+            job(release, target, settle)
+            log.append(_backed(memory))
+        return run
+    memory._job = logged(memory._job)
+    if memory.mapper is not None:
+        memory.mapper._job = logged(memory.mapper._job)
+
+
+def _stop(connector, parallel_state) -> None:
+    if connector is not None:
+        connector.shutdown()
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
+
+class WorkerError(RuntimeError):
+    """Some workers raised in a step: ``errors`` maps their ranks to their messages."""
+
+    def __init__(self, errors: Dict[int, str]) -> None:
+        super().__init__("; ".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())))
+        self.errors = errors
+
+
+class ParallelEngine:
+    """The scheduler here, ``tp * pp`` worker processes. Stepped as vllm_testing.Engine (vLLM's
+    AsyncScheduler in its batch-queue order)."""
+
+    def __init__(self, tp: int, pp: int, num_blocks: int, extra: Optional[dict] = None, **options) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+        self.tp, self.pp, self.num_blocks = tp, pp, num_blocks
+        self.vllm_config = make_vllm_config(tp, pp, num_blocks, extra, **options)
+        self.worker_configs, self.kv_config = plan(self.vllm_config, tp, pp, num_blocks)
+        self.init_path = tempfile.mktemp(prefix="vkv-vllm-tp-")
+        context = multiprocessing.get_context("fork")  # vLLM is imported here: the workers start at once
+        self.conns, self.processes, self.pids = [], [], []
+        self.alive = [True] * (tp * pp)
+        self.scheduler = None
+        try:
+            for rank in range(tp * pp):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=worker_main, daemon=True, args=(
+                    rank, tp, pp, self.vllm_config, self.worker_configs[rank], self.init_path, theirs))
+                process.start()
+                self.conns.append(ours)
+                self.processes.append(process)
+            for rank in range(tp * pp):
+                reply = self._receive(rank, 60)
+                if reply[0] != "ready":
+                    raise WorkerError({rank: reply[1]})
+                self.pids.append(reply[1])
+            # After the workers, as in vLLM's EngineCore (its executor is made first).
+            self.scheduler = AsyncScheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_config,
+                                            structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                            block_size=vt.BLOCK)
+        except BaseException:
+            self.close()
+            raise
+        self.connector = self.scheduler.connector
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(vt.BLOCK, hash_fn, self.vllm_config.num_hash_lookahead_tokens)
+        self._in_flight: "collections.deque" = collections.deque()
+        self.outputs: Dict[str, List[int]] = {}
+        self.backed: List[List[int]] = []  # every worker's backed blocks after the last job all have done
+        self.jobs: List[List[List[int]]] = [[] for _ in range(tp * pp)]  # per worker: backed blocks after each job
+        self.jobs_checked = 0
+
+    def _receive(self, rank: int, timeout: float):
+        if not self.conns[rank].poll(timeout):
+            raise TimeoutError(f"worker rank {rank} did not answer within {timeout} s")
+        return self.conns[rank].recv()
+
+    def add(self, request_id: str, prompt: List[int], max_tokens: int) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(Request(request_id, prompt, params, None, block_hasher=self.block_hasher))
+        self.outputs[request_id] = []
+
+    def kill(self, rank: int) -> None:
+        import signal
+        os.kill(self.pids[rank], signal.SIGKILL)
+        self.processes[rank].join(10)
+        self.alive[rank] = False
+
+    def fail_next_backing(self, rank: int) -> None:
+        self.conns[rank].send(("fail_next_backing",))
+        assert self._receive(rank, 10)[0] == "armed"
+
+    def backed_now(self) -> List[List[int]]:
+        """Every live worker's backed blocks, asked now."""
+        live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
+        for rank in live:
+            self.conns[rank].send(("backed",))
+        return [self._receive(rank, 10)[1] for rank in live]
+
+    def step(self, timeout: float = 30):
+        """One schedule, every live worker's bind + forward, the update; raises WorkerError
+        (after every live worker answered) when any raised."""
+        from vllm.v1.outputs import ModelRunnerOutput
+        out = self.scheduler.schedule()
+        manager = self.scheduler.kv_cache_manager
+        requests = self.scheduler.requests
+        work = []
+        for request_id, tokens in out.num_scheduled_tokens.items():
+            end = requests[request_id].num_computed_tokens  # schedule() advanced it
+            work.append((request_id, end - tokens, end, list(manager.get_block_ids(request_id)[0])))
+        live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
+        replies = {}
+        for stage in range(self.pp):
+            # As vLLM's pipeline: a stage binds a step once the stage before has run its forward.
+            ranks = [rank for rank in live if rank // self.tp == stage]
+            for rank in ranks:
+                self.conns[rank].send(("step", out.kv_connector_metadata, work))
+            replies.update({rank: self._receive(rank, timeout) for rank in ranks})
+        errors = {rank: reply[1] for rank, reply in replies.items() if reply[0] == "error"}
+        if errors:
+            raise WorkerError(errors)
+        for rank in live:
+            self.jobs[rank].extend(replies[rank][2])
+        done = min(len(self.jobs[rank]) for rank in live)
+        for job in range(self.jobs_checked, done):  # every worker backed the same blocks after each job
+            first = self.jobs[live[0]][job]
+            assert all(self.jobs[rank][job] == first for rank in live), \
+                f"job {job}: the workers' backed blocks differ: {[self.jobs[rank][job] for rank in live]}"
+        self.jobs_checked = max(self.jobs_checked, done)
+        if done:
+            self.backed = [self.jobs[rank][done - 1] for rank in live]
+        sampled: Dict[str, Optional[int]] = {}
+        for request_id, _, end, _ in work:
+            # Once per distinct layer and head: ranks that hold a replica of another's heads add nothing.
+            replicas = max(1, self.tp // vt.KV_HEADS)
+            total = sum(replies[rank][1][request_id] for rank in live if (rank % self.tp) % replicas == 0)
+            done = end >= requests[request_id].num_prompt_tokens
+            sampled[request_id] = total % 997 if done else None
+            if done:
+                self.outputs[request_id].append(sampled[request_id])
+        ids = list(sampled)
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[sampled[r]] if sampled[r] is not None else [] for r in ids])
+        self._in_flight.appendleft((out, mro))
+        if len(self._in_flight) < 2 and (out.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
+            return out
+        self.scheduler.update_from_output(*self._in_flight.pop())
+        while self._in_flight and not self.scheduler.has_requests():
+            self.scheduler.update_from_output(*self._in_flight.pop())
+        return out
+
+    def unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or any(o.total_num_scheduled_tokens for o, _ in self._in_flight)
+
+    def close(self) -> None:
+        """Stop the live workers (each shuts its connector down), then the scheduler."""
+        for rank, conn in enumerate(self.conns):
+            if self.alive[rank] and self.processes[rank].is_alive():
+                try:
+                    conn.send(("stop",))
+                    self._receive(rank, 30)
+                except (OSError, EOFError, TimeoutError):
+                    pass
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+        for path in (self.init_path,):
+            if os.path.exists(path):
+                os.unlink(path)
