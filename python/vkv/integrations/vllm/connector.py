@@ -36,6 +36,11 @@ from .memory import BlockMemory
 from .pool import ReservationPool
 
 REQUIRED_LAYOUT = "BLNHC"
+SLEEP_REFUSED = (
+    "VkvConnector: --enable-sleep-mode (enable_sleep_mode) is not supported: vLLM 0.33's sleep(level=1) "
+    "empties its prefix cache whatever the connector keeps, and its CuMemAllocator does not reach vkv's pages; "
+    "run without --enable-sleep-mode (with a shared_budget an idle engine's free blocks already go back to the "
+    "budget's other engines when they ask; docs/vllm.md, \"Sleep mode\")")
 
 
 @dataclass
@@ -85,9 +90,12 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- both ----------------------------------------------------------------------
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
-        """No: vLLM's sleep (CuMemAllocator) would not reach the KV buffer in vkv's reservation,
-        nor the pages vkv maps; vLLM refuses --enable-sleep-mode with this connector."""
-        return False
+        """No. vLLM 0.33 asks this only under --enable-sleep-mode, to refuse it at startup
+        (VllmConfig._verify_kv_transfer_compat), with a message that names no remedy: so the
+        refusal is raised here, in one line saying what to do instead. Why: sleep(level >= 1)
+        empties vLLM's prefix cache whatever a connector keeps (docs/vllm.md, "Sleep mode"),
+        and vLLM's CuMemAllocator does not reach the pages vkv maps."""
+        raise ValueError(SLEEP_REFUSED)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
