@@ -110,7 +110,12 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> 
             f"than {what}; raise memory_budget to at least {need}, or lower --max-model-len")
     if settings.shared_budget:
         import vkv
-        capacity = vkv.SharedBudget.open(settings.shared_budget).stats()["capacity_bytes"]
+        try:
+            capacity = vkv.SharedBudget.open(settings.shared_budget).stats()["capacity_bytes"]
+        except ValueError as error:  # no such budget: name the setting and the command that makes it
+            raise ValueError(
+                f"VkvConnector: kv_connector_extra_config['shared_budget'] = {settings.shared_budget!r}: {error} "
+                f"(python -m vkv.budget create {settings.shared_budget} BYTES, e.g. 40GiB)") from None
         if capacity < need:
             raise ValueError(
                 f"VkvConnector: the shared budget {settings.shared_budget!r} (kv_connector_extra_config"

@@ -224,14 +224,17 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches) -> None:
         # vLLM's views must be over the reservation, or the backing would be for nothing.
-        if self._memory is None:
-            return
-        base = self._memory.buffer().data_ptr()
-        end = base + self._memory.num_blocks * self._memory.block_bytes
+        memory = self._memory  # None: vLLM made its buffer without the connector's pool
+        base = memory.buffer().data_ptr() if memory is not None else 0
+        end = base + memory.num_blocks * memory.block_bytes if memory is not None else 0
         for name, tensor in kv_caches.items():
-            if not base <= tensor.data_ptr() < end:
-                raise RuntimeError(f"VkvConnector: KV cache view {name!r} is not in vkv's reservation")
-            check_view(name, tensor, self._memory.num_blocks, self._memory.block_bytes)
+            if memory is None or not base <= tensor.data_ptr() < end:
+                raise ValueError(
+                    f"VkvConnector: KV cache view {name!r} is not in vkv's reservation: vLLM allocated its KV cache "
+                    "outside the connector's memory pool (get_mem_pool_context(), which vLLM 0.33 uses on CUDA "
+                    "only: its CPU backend makes its own buffer); run vLLM on a CUDA GPU with "
+                    "kv_connector_extra_config['device'] 'auto' or 'cuda:N'")
+            check_view(name, tensor, memory.num_blocks, memory.block_bytes)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
