@@ -77,11 +77,15 @@ class Engine:
     def __init__(self, num_blocks: int, extra: Optional[dict] = None, connector: bool = True,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 256, *, prefix_caching: bool = True,
                  async_scheduling: bool = True, reserve_full_prompt: bool = True, watermark: float = 0.0,
-                 max_model_len: Optional[int] = None, engine_id: Optional[str] = None) -> None:
+                 max_model_len: Optional[int] = None, engine_id: Optional[str] = None,
+                 speculative: Optional[dict] = None) -> None:
         """vLLM's shipped defaults unless told otherwise: prefix caching, async scheduling
         (AsyncScheduler, stepped as vLLM's batch queue: step N is updated after step N+1 is
-        scheduled), full-prompt reservation (``scheduler_reserve_full_isl``)."""
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        scheduled), full-prompt reservation (``scheduler_reserve_full_isl``). ``speculative``:
+        vLLM's speculative_config (e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``;
+        ``"draft_model"`` drafts with this same tiny model, which adds lookahead slots)."""
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig, SpeculativeConfig, VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -104,8 +108,16 @@ class Engine:
                 kv_connector="VkvConnector", kv_connector_module_path="vkv.integrations.vllm", kv_role="kv_both",
                 engine_id=engine_id or f"test-{uuid.uuid4().hex[:12]}",
                 kv_connector_extra_config=dict({"device": "cpu", "headroom_blocks": 4}, **(extra or {})))
+        parallel = ParallelConfig()
+        spec_config = None
+        if speculative is not None:
+            speculative = dict(speculative)
+            if speculative.get("method") == "draft_model":
+                speculative.setdefault("model", model.model)
+            spec_config = SpeculativeConfig(**speculative, target_model_config=model, target_parallel_config=parallel)
         self.vllm_config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
-                                      device_config=DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer)
+                                      parallel_config=parallel, device_config=DeviceConfig(device="cpu"),
+                                      kv_transfer_config=kv_transfer, speculative_config=spec_config)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.kv_config = planned_kv_cache_config(self.vllm_config, num_blocks)
         self.num_blocks = num_blocks

@@ -90,7 +90,8 @@ class AskBoard:
                 free = [i for i in range(_ROWS) if self.rows[i, _PID] == 0 or not _alive(int(self.rows[i, _PID]))]
                 if not free:
                     raise RuntimeError(f"vkv.integrations.vllm: {_ROWS} vLLM engines already share budget "
-                                       f"{budget!r} ({self.path}); no row left for this one")
+                                       f"{budget!r} ({self.path}); no row left for this one: give this engine "
+                                       "another kv_connector_extra_config['shared_budget']")
                 self.row = free[0]
                 self.rows[self.row] = (os.getpid(), 0, self._tag)
             finally:

@@ -111,7 +111,12 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> 
     from .workers import engine_budget_names
     for name in engine_budget_names(vllm_config, settings):  # with TP/PP: every GPU's budget
         import vkv
-        capacity = vkv.SharedBudget.open(name).stats()["capacity_bytes"]
+        try:
+            capacity = vkv.SharedBudget.open(name).stats()["capacity_bytes"]
+        except ValueError as error:  # no such budget: name the setting and the command that makes it
+            raise ValueError(
+                f"VkvConnector: kv_connector_extra_config['shared_budget'] = {settings.shared_budget!r}: {error} "
+                f"(python -m vkv.budget create {name} BYTES, e.g. 40GiB)") from None
         if capacity < need:
             raise ValueError(
                 f"VkvConnector: the shared budget {name!r} (kv_connector_extra_config"

@@ -40,6 +40,11 @@ from .workers import (AskBoards, ShardMemory, background_mapping, budget_name, c
                       this_worker)
 
 REQUIRED_LAYOUT = "BLNHC"
+SLEEP_REFUSED = (
+    "VkvConnector: --enable-sleep-mode (enable_sleep_mode) is not supported: vLLM 0.33's sleep(level=1) "
+    "empties its prefix cache whatever the connector keeps, and its CuMemAllocator does not reach vkv's pages; "
+    "run without --enable-sleep-mode (with a shared_budget an idle engine's free blocks already go back to the "
+    "budget's other engines when they ask; docs/vllm.md, \"Sleep mode\")")
 
 
 @dataclass
@@ -80,9 +85,12 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- both ----------------------------------------------------------------------
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
-        """No: vLLM's sleep (CuMemAllocator) would not reach the KV buffer in vkv's reservation,
-        nor the pages vkv maps; vLLM refuses --enable-sleep-mode with this connector."""
-        return False
+        """No. vLLM 0.33 asks this only under --enable-sleep-mode, to refuse it at startup
+        (VllmConfig._verify_kv_transfer_compat), with a message that names no remedy: so the
+        refusal is raised here, in one line saying what to do instead. Why: sleep(level >= 1)
+        empties vLLM's prefix cache whatever a connector keeps (docs/vllm.md, "Sleep mode"),
+        and vLLM's CuMemAllocator does not reach the pages vkv maps."""
+        raise ValueError(SLEEP_REFUSED)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
@@ -213,14 +221,17 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches) -> None:
         # vLLM's views must be over the reservation, or the backing would be for nothing.
-        if self._memory is None:
-            return
-        base = self._memory.buffer().data_ptr()
-        end = base + self._memory.num_blocks * self._memory.block_bytes
+        memory = self._memory  # None: vLLM made its buffer without the connector's pool
+        base = memory.buffer().data_ptr() if memory is not None else 0
+        end = base + memory.num_blocks * memory.block_bytes if memory is not None else 0
         for name, tensor in kv_caches.items():
-            if not base <= tensor.data_ptr() < end:
-                raise RuntimeError(f"VkvConnector: KV cache view {name!r} is not in vkv's reservation")
-            check_view(name, tensor, self._memory.num_blocks, self._memory.block_bytes)
+            if memory is None or not base <= tensor.data_ptr() < end:
+                raise ValueError(
+                    f"VkvConnector: KV cache view {name!r} is not in vkv's reservation: vLLM allocated its KV cache "
+                    "outside the connector's memory pool (get_mem_pool_context(), which vLLM 0.33 uses on CUDA "
+                    "only: its CPU backend makes its own buffer); run vLLM on a CUDA GPU with "
+                    "kv_connector_extra_config['device'] 'auto' or 'cuda:N'")
+            check_view(name, tensor, memory.num_blocks, memory.block_bytes)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -209,15 +209,16 @@ def test_under_multiconnector_each_connector_sees_only_its_own_keys():
 
 
 # ---- sleep mode -----------------------------------------------------------------------------------
-def test_sleep_mode_is_refused_by_vllms_own_check():
-    from vkv.integrations.vllm import VkvConnector
+def test_sleep_mode_is_refused_at_startup_in_one_line_saying_what_to_do():
+    # vLLM's check (VllmConfig._verify_kv_transfer_compat) asks supports_sleep_mode() only
+    # under enable_sleep_mode; its own message would name no remedy. ModelConfig refuses
+    # enable_sleep_mode on a CPU before the check could run, so it is set afterwards here.
     config = _config()
-    assert VkvConnector.supports_sleep_mode(config.kv_transfer_config) is False
-    # vLLM's check (VllmConfig._verify_kv_transfer_compat); ModelConfig refuses
-    # enable_sleep_mode on a CPU before it could run, so it is set afterwards here.
+    config._verify_kv_transfer_compat()  # without sleep mode: not asked
     config.model_config.enable_sleep_mode = True
-    with pytest.raises(ValueError, match="VkvConnector does not support sleep mode"):
+    with pytest.raises(ValueError, match=r"--enable-sleep-mode .* run without --enable-sleep-mode") as raised:
         config._verify_kv_transfer_compat()
+    assert "\n" not in str(raised.value)
 
 
 # ---- the budget -------------------------------------------------------------------------------------
