@@ -27,6 +27,10 @@ class VkvConnectorConfig:
         (mapper.py), so that bind_connector_metadata() only takes the step's job and the
         forward never waits on the driver; None (unset) = on where the device is CUDA, off on
         the CPU. (Not vkv.KVCache's option of that name, vkv's own mapper thread.)
+    page_size: bytes of one vkv page, a power of two (a multiple of the backend's page:
+        2 MiB on a GPU, 4 KiB on the host); 0 = the backend's. A block that is a
+        power-of-two multiple of it is one vkv slot; any other block is backed page by
+        page (docs/vllm.md, "Block geometries").
     """
 
     shared_budget: str = ""
@@ -37,6 +41,7 @@ class VkvConnectorConfig:
     shared_budget_floor: int = 0
     shared_budget_cap: int = 0
     shared_budget_priority: int = 0
+    page_size: int = 0
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "VkvConnectorConfig":
@@ -46,7 +51,7 @@ class VkvConnectorConfig:
         dict: other connectors' keys never reach this one.)"""
         known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str,
                  "background_mapping": bool, "shared_budget_floor": int, "shared_budget_cap": int,
-                 "shared_budget_priority": int}
+                 "shared_budget_priority": int, "page_size": int}
         values = {}
         for key, value in (extra or {}).items():
             name = key[4:] if key.startswith("vkv_") else key
@@ -72,6 +77,9 @@ class VkvConnectorConfig:
             if getattr(config, name) and not config.shared_budget:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] = {getattr(config, name)} needs a "
                                  "shared_budget (the name of a vkv.SharedBudget)")
+        if config.page_size < 0 or config.page_size & (config.page_size - 1):
+            raise ValueError(f"kv_connector_extra_config['page_size'] = {config.page_size} must be 0 or a power "
+                             "of two (a multiple of the backend's page: 2 MiB on a GPU, 4 KiB on the host)")
         if config.headroom_blocks < 1:
             raise ValueError(f"kv_connector_extra_config['headroom_blocks'] = {config.headroom_blocks} must be >= 1")
         return config

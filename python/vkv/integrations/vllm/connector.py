@@ -29,10 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .asks import AskBoard
 from .balloon import Balloon
 from .block_states import BlockStates
-from .checks import check_startup, check_view
+from .checks import block_bytes, check_startup, check_view
 from .config import VkvConnectorConfig
 from .demand import Demand
-from .memory import BlockMemory
+from .memory import BlockMemory, make_memory
 from .pool import ReservationPool
 
 REQUIRED_LAYOUT = "BLNHC"
@@ -73,7 +73,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._checked:
             check_startup(vllm_config, kv_cache_config, self.settings)
         self._balloon: Optional[Balloon] = None
-        self._memory: Optional[BlockMemory] = None
+        self._memory: Optional[BlockMemory] = None  # or a PageMemory (page_memory.py): the same interface
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._demand: Optional[Demand] = None
         self._asks: Optional[AskBoard] = None  # with a shared budget: the engines that want memory
@@ -91,7 +91,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
-        """Block-outermost: block b of every layer is one contiguous run, one vkv slot."""
+        """Block-outermost: block b of every layer and group is one contiguous run of bytes."""
         return REQUIRED_LAYOUT
 
     # ---- scheduler side --------------------------------------------------------------
@@ -110,7 +110,8 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
                               full_prompt_must_fit=bool(getattr(sched, "scheduler_reserve_full_isl", False)),
                               # vLLM's KVCacheManager: int(watermark * kv_cache_config.num_blocks)
                               watermark_blocks=int(getattr(sched, "watermark", 0.0) * gpu_block_pool.num_gpu_blocks),
-                              max_model_len=config.model_config.max_model_len)
+                              max_model_len=config.model_config.max_model_len,
+                              groups=len(getattr(self._kv_cache_config, "kv_cache_groups", None) or [None]))
         if self.settings.shared_budget:
             self._asks = AskBoard(self.settings.shared_budget)
             tensors = getattr(self._kv_cache_config, "kv_cache_tensors", None) or []
@@ -258,12 +259,10 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._checked:  # vLLM gave no KVCacheConfig to __init__
             check_startup(self._vllm_config, kv_cache_config, self.settings)
             self._checked = True
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-        return BlockMemory(
+        return make_memory(
             engine_id=_engine_id(self._vllm_config), num_blocks=kv_cache_config.num_blocks,
-            block_size=spec.block_size, num_layers=layers, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size, dtype=spec.dtype, device=self.settings.device,
+            block_bytes=block_bytes(kv_cache_config), page_bytes=self.settings.page_size,
+            block_size=kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size, device=self.settings.device,
             shared_budget=self.settings.shared_budget, memory_budget=self.settings.memory_budget,
             headroom_blocks=self.settings.headroom_blocks, background_mapping=self.settings.background_mapping,
             shared_budget_floor=self.settings.shared_budget_floor, shared_budget_cap=self.settings.shared_budget_cap,
