@@ -7,7 +7,7 @@ bytes ``[b * block_bytes, (b + 1) * block_bytes)`` of one buffer, whatever the m
 padded pages): vLLM plans ``block_bytes`` (its KVCacheTensor's ``block_stride``), so it is
 any number of bytes. When it is a power-of-two multiple of the page, memory.py's
 BlockMemory makes each block one vkv slot; otherwise this PageMemory makes each PAGE one
-vkv slot (a cache whose one token is one page) and counts, per page, the backed blocks
+vkv slot (a cache whose slot is one page) and counts, per page, the backed blocks
 that touch it:
 
 - backing a block steps the slots of its pages whose count goes 0 -> 1 (vkv zero-fills
@@ -34,6 +34,8 @@ import vkv
 from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
 from .mapper import BackgroundMapper
 
+_TOKEN_BYTES = 4096
+
 
 class PageMemory:
     """BlockMemory's interface (memory.py) for blocks of any size. ``submit()``, ``start()``,
@@ -54,12 +56,17 @@ class PageMemory:
         self._last = ((blocks + 1) * block_bytes - 1) // page_bytes
         self._span = self._last - self._first + 1
         self.users = np.zeros(self.num_pages, dtype=np.int32)  # backed blocks touching each page
+        if page_bytes % _TOKEN_BYTES:
+            raise ValueError(f"vkv.integrations.vllm: page_size = {page_bytes} must be a multiple of {_TOKEN_BYTES}")
+        self._tokens = page_bytes // _TOKEN_BYTES
         self.states = BlockStates(engine_id, num_blocks, WORKER)
         try:
             self.cache = vkv.KVCache(
-                # One token = one page: slot p is page p of the buffer.
-                num_layers=1, num_kv_heads=1, head_dim=page_bytes // 4, dtype=torch.float16,
-                max_batch_size=self.num_pages, max_context_len=1, layout="interleaved", page_size=page_bytes,
+                # One slot = one page: slot p is page p of the buffer (its "tokens": one
+                # layer, one head of 1024 fp16, K and V = 4 KiB each).
+                num_layers=1, num_kv_heads=1, head_dim=_TOKEN_BYTES // 4, dtype=torch.float16,
+                max_batch_size=self.num_pages, max_context_len=self._tokens, layout="interleaved",
+                page_size=page_bytes,
                 device=device, memory_budget=memory_budget or None, shared_budget=shared_budget,
                 eager_tokens=0, lookahead_tokens=0,
                 shared_budget_floor=shared_budget_floor, shared_budget_cap=shared_budget_cap,
@@ -129,7 +136,7 @@ class PageMemory:
         new = pages[self.users[pages] == 0]
         if new.size:
             try:
-                self.cache.step(dict.fromkeys(new.tolist(), 1))
+                self.cache.step(dict.fromkeys(new.tolist(), self._tokens))
             except MemoryError as error:
                 self._shortage = int(getattr(error, "missing_pages", 0)) or 1
                 return False
