@@ -212,7 +212,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._memory is None:
             self._memory = self._make_memory(self._kv_cache_config)
         if self._pool is None:
-            self._pool = ReservationPool(self._memory.buffer())
+            self._pool = ReservationPool(self._memory.buffer(), self._memory.cache.reserved_bytes)
         return self._pool.context()
 
     def register_kv_caches(self, kv_caches) -> None:

@@ -15,8 +15,9 @@ that touch it:
 - giving a block back frees the slots of its pages whose count falls to 0, then
   ``trim()``: vkv zero-fills them and unmaps them behind an event recorded after the
   work queued so far, as for any freed slot; a page a live block still touches stays;
-- the worker backs the blocks that cost the fewest new pages first (those whose pages are
-  already backed cost none), so blocks fill pages densely.
+- the worker backs first the blocks whose pages are all backed already (they cost no
+  page), then the lowest ids, so blocks fill pages densely: the blocks backed at once
+  are one run, with at most one partial page at each end.
 
 A block backed again over pages that stayed mapped keeps what vLLM last wrote there, as in
 vLLM's own pool; a page that went back to the budget comes back as zeros. vkv holds every
@@ -50,7 +51,11 @@ class PageMemory:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.page_bytes = page_bytes
-        self.num_pages = -(-num_blocks * block_bytes // page_bytes)
+        reserve = num_blocks * block_bytes
+        if device != "cpu":  # torch's allocator asks for the buffer's size rounded up (pool.py)
+            from .pool import torch_allocation_bytes
+            reserve = torch_allocation_bytes(reserve)
+        self.num_pages = -(-reserve // page_bytes)
         blocks = np.arange(num_blocks, dtype=np.int64)
         self._first = blocks * block_bytes // page_bytes  # block b's first and last page
         self._last = ((blocks + 1) * block_bytes - 1) // page_bytes
@@ -145,7 +150,7 @@ class PageMemory:
 
     def grow(self, target: int, settle: Optional[Callable[[], None]] = None) -> int:
         """Back blocks until ``target`` (the null block aside) are backed or the budget says
-        no: the cheapest first (fewest pages not yet backed), in one ``step()``; ``settle()``
+        no: those that need no new page first, then the lowest ids, in one ``step()``; ``settle()``
         runs before they are marked BACKED. Returns how many it backed now."""
         want = min(target, self.num_blocks - 1) - self.backed
         if want <= 0:
@@ -155,12 +160,12 @@ class PageMemory:
         free = free[free != 0]
         if not free.size:
             return 0
+        # Blocks whose pages are all backed already (holes in backed pages) cost nothing: those
+        # first, then the lowest ids, so that new blocks continue the backed runs densely.
+        # (Pages strictly inside an unbacked block are its own, so only its end pages count.)
         users, first, last = self.users, self._first[free], self._last[free]
-        # New pages each would cost on its own: its span less its end pages already backed
-        # (pages strictly inside an unbacked block are its own, so unbacked).
-        cost = self._span[free] - (users[first] > 0) - ((users[last] > 0) & (last > first))
-        order = np.argsort(cost.astype(np.int32), kind="stable")  # then by block id: dense runs
-        chosen = free[order[:want]]
+        costless = (users[first] > 0) & (users[last] > 0) & (last - first <= 1)
+        chosen = np.concatenate((free[costless], free[~costless]))[:want]
         while chosen.size:
             if self._back(chosen):
                 if settle is not None:
