@@ -24,7 +24,9 @@ class Model:
     """The fake model's KV geometry: ``layers`` full-attention layers (``mla``: MLA's one
     latent vector of ``head_dim`` per token, one head, no V; else K of ``head_dim`` and V of
     ``head_dim_v``, default the same), then ``window_layers`` sliding-window layers of
-    ``window`` tokens (a hybrid model: vLLM's hybrid KV cache manager, several groups)."""
+    ``window`` tokens (a hybrid model: vLLM's hybrid KV cache manager, several groups), then
+    ``state_layers`` Mamba layers whose state is one full-attention layer's page (vLLM's
+    MambaSpec: a state group; the fake forward does not read them, ``read_back=False``)."""
 
     layers: int = LAYERS
     kv_heads: int = KV_HEADS
@@ -34,9 +36,11 @@ class Model:
     mla: bool = False
     window_layers: int = 0
     window: int = 0
+    state_layers: int = 0
 
     def layer_names(self) -> List[str]:
-        return [f"model.layers.{i}.self_attn.attn" for i in range(self.layers + self.window_layers)]
+        count = self.layers + self.window_layers + self.state_layers
+        return [f"model.layers.{i}.self_attn.attn" for i in range(count)]
 
     def specs(self) -> Dict[str, Any]:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
@@ -51,7 +55,11 @@ class Model:
         if self.window_layers:
             window = SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.kv_heads, head_size=self.head_dim,
                                        dtype=torch.float16, sliding_window=self.window)
-            specs.update(dict.fromkeys(names[self.layers:], window))
+            specs.update(dict.fromkeys(names[self.layers:self.layers + self.window_layers], window))
+        if self.state_layers:
+            from vllm.v1.kv_cache_interface import MambaSpec
+            state = MambaSpec(block_size=self.block_size, shapes=((full.page_size_bytes // 2,),), dtypes=(torch.float16,))
+            specs.update(dict.fromkeys(names[self.layers + self.window_layers:], state))
         return specs
 
     def block_bytes(self) -> int:
@@ -118,7 +126,7 @@ def planned_kv_cache_config(vllm_config, num_blocks: int, model: Model = TINY):
     specs = [model.specs()]
     vllm_config.cache_config.kv_cache_layout = "BLNHC"  # the connector's get_required_kvcache_layout()
     resolve_kv_cache_layout(vllm_config, [["BLNHC"]], list(specs[0].values()))
-    if model.window_layers:
+    if model.window_layers or model.state_layers:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False  # vLLM turns it off on a CPU
     vllm_config.cache_config.num_gpu_blocks_override = num_blocks
     groups = get_global_kv_cache_groups(vllm_config, specs)
