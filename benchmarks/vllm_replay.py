@@ -288,10 +288,10 @@ def _spread(vkv, fixed, steps):
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
            prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "") -> dict:
-    """``make_memory(**BlockMemory's arguments)``: the worker's memory (vllm_tp_replay.py: one
+    """``make_memory(**the memory's arguments)``: the worker's memory (vllm_tp_replay.py: one
     tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name."""
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
-    from vkv.integrations.vllm.memory import BlockMemory
+    from vkv.integrations.vllm.memory import make_memory as default_memory
     cuda = device.startswith("cuda")
     if mapping not in MAPPINGS:
         raise ValueError(f"vllm_replay: mapping {mapping!r} is not one of {sorted(MAPPINGS)}")
@@ -303,9 +303,11 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
     nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
     background = mapping.startswith("background")
-    memory = (make_memory or BlockMemory)(engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, num_layers=layers,
-                         num_kv_heads=heads, head_dim=dim, dtype=dtype, device=device, shared_budget="",
-                         memory_budget=0, headroom_blocks=8, background_mapping=background)
+    # BLNHC block bytes; not a power-of-two multiple of 2 MiB (e.g. --layers 28 --heads 4): page by page.
+    memory = (make_memory or default_memory)(
+        engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block,
+        block_bytes=block * layers * 2 * heads * dim * dtype.itemsize, device=device,
+        shared_budget="", memory_budget=0, headroom_blocks=8, background_mapping=background)
     # Zeroed, as vLLM's allocate_kv_cache() zeroes its pool: a kernel that reads a padded
     # position must see the same bytes in both pools (vkv's new pages are zeros too).
     fixed = torch.zeros(nb * memory.block_bytes, dtype=torch.int8, device=device)
@@ -360,7 +362,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             map_step(step)
         for _rid, table, _end, _n in step["batch"]:
             # The scheduler hands out backed blocks only: a step never waits for its own mapping.
-            assert all(memory.cache.is_allocated(b) for b in table), (index, _rid, table)
+            assert all(memory.mapped_pages(b) > 0 for b in table), (index, _rid, table)
             assert all(states[b] == IN_POOL for b in table), (index, _rid, table)
             # Unmapping during the forward (ahead, background) is safe only for blocks it does not read.
             assert not set(table) & set(step["release"]), (index, _rid, table)
@@ -456,8 +458,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
               "mapping": mapping, "map": MAPPINGS[mapping],
               "dense_gemms": dense_gemms, "gc_freeze": gc_freeze, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
               **({"control_mismatched_steps": control_mismatches} if control else {}),
-              "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
-              "unmap_us_per_block": st["unmap"]["us_per_unit"] * (memory.block_bytes // memory.cache.page_size),
+              "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes / memory.cache.page_size),
+              "unmap_us_per_block": st["unmap"]["us_per_unit"] * (memory.block_bytes / memory.cache.page_size),
               "map_calls": st["map"]["calls"], "unmap_calls": st["unmap"]["calls"],
               "seconds": seconds, "step_ms": {k: 1e3 * v / max(len(steps), 1) for k, v in seconds.items()},
               "overhead_vs_fixed": (seconds["vkv"] - seconds["fixed"]) / seconds["fixed"],

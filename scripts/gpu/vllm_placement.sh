@@ -22,15 +22,15 @@ status=0
 filter='*Scratch*:*ZeroPage*cuda*'
 timeout 60 build-gpu/tests/cpp/vkv_tests --gtest_filter="$filter" 2>&1 | tee "$out/cpp.log" | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-(cd /tmp && timeout 90 python3 -m pytest "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rsx \
+(cd /tmp && timeout 180 python3 -m pytest "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rsx \
   2>&1) | tee "$out/pytest.log" | tail -12
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if command -v compute-sanitizer >/dev/null; then
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 3 build-gpu/tests/cpp/vkv_tests \
     --gtest_filter='*ScratchPageTest*cuda*' > "$out/memcheck_cpp.log" 2>&1
   echo "memcheck (C++ scratch, CUDA) exit $?"; tail -3 "$out/memcheck_cpp.log"
-  (cd /tmp && timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest \
-    "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -k "vllm_buffer or refuses") \
+  (cd /tmp && timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest \
+    "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -k "vllm_buffer or refuses or any_size") \
     > "$out/memcheck_py.log" 2>&1
   echo "memcheck (pytest GPU placement) exit $?"; tail -3 "$out/memcheck_py.log"
 else

@@ -6,16 +6,82 @@ config from vLLM's own planner), the connector loaded the way vLLM loads it
 through vLLM's own BLNHC views of the buffer."""
 
 import collections
+import dataclasses
 import json
 import os
 import tempfile
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 64, 16  # block = 16 * 2 * 2 * 2 * 64 * 2 B = 16 KiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The fake model's KV geometry: ``layers`` full-attention layers (``mla``: MLA's one
+    latent vector of ``head_dim`` per token, one head, no V; else K of ``head_dim`` and V of
+    ``head_dim_v``, default the same), then ``window_layers`` sliding-window layers of
+    ``window`` tokens (a hybrid model: vLLM's hybrid KV cache manager, several groups), then
+    ``state_layers`` Mamba layers whose state is one full-attention layer's page (vLLM's
+    MambaSpec: a state group; the fake forward does not read them, ``read_back=False``)."""
+
+    layers: int = LAYERS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    head_dim_v: Optional[int] = None
+    block_size: int = BLOCK
+    mla: bool = False
+    window_layers: int = 0
+    window: int = 0
+    state_layers: int = 0
+
+    def layer_names(self) -> List[str]:
+        count = self.layers + self.window_layers + self.state_layers
+        return [f"model.layers.{i}.self_attn.attn" for i in range(count)]
+
+    def specs(self) -> Dict[str, Any]:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+        if self.mla:
+            full = MLAAttentionSpec(block_size=self.block_size, num_kv_heads=1, head_size=self.head_dim,
+                                    dtype=torch.float16, cache_dtype_str="auto")
+        else:
+            full = FullAttentionSpec(block_size=self.block_size, num_kv_heads=self.kv_heads, head_size=self.head_dim,
+                                     head_size_v=self.head_dim_v or self.head_dim, dtype=torch.float16)
+        names = self.layer_names()
+        specs = dict.fromkeys(names[:self.layers], full)
+        if self.window_layers:
+            window = SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.kv_heads, head_size=self.head_dim,
+                                       dtype=torch.float16, sliding_window=self.window)
+            specs.update(dict.fromkeys(names[self.layers:self.layers + self.window_layers], window))
+        if self.state_layers:
+            from vllm.v1.kv_cache_interface import MambaSpec
+            state = MambaSpec(block_size=self.block_size, shapes=((full.page_size_bytes // 2,),), dtypes=(torch.float16,))
+            specs.update(dict.fromkeys(names[self.layers + self.window_layers:], state))
+        return specs
+
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer (one group's layers with a single group)."""
+        return sum(spec.page_size_bytes for spec in self.specs().values())
+
+    def config_json(self, max_len: int) -> dict:
+        if self.mla:  # DeepSeek-V2-Lite's attention fields, scaled down
+            return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 128,
+                    "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4,
+                    "num_key_value_heads": 4, "num_hidden_layers": self.layers, "vocab_size": 1000,
+                    "max_position_embeddings": max_len, "torch_dtype": "float16", "kv_lora_rank": 512,
+                    "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy"}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+                "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": self.kv_heads,
+                "num_hidden_layers": self.layers + self.window_layers, "vocab_size": 1000,
+                "max_position_embeddings": max_len, "torch_dtype": "float16", "head_dim": self.head_dim}
+
+
+TINY = Model()
 
 
 def block_bytes() -> int:
@@ -23,12 +89,9 @@ def block_bytes() -> int:
     return BLOCK * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 
 
-def _model_dir(max_len: int = 1024) -> str:
+def _model_dir(max_len: int = 1024, model: Model = TINY) -> str:
     d = tempfile.mkdtemp(prefix="vkv-vllm-model-")
-    json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-               "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
-               "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": max_len,
-               "torch_dtype": "float16", "head_dim": HEAD_DIM}, open(os.path.join(d, "config.json"), "w"))
+    json.dump(model.config_json(max_len), open(os.path.join(d, "config.json"), "w"))
     return d
 
 
@@ -54,17 +117,21 @@ def kv_cache_config(num_blocks: int):
                          kv_cache_layout="BLNHC")
 
 
-def planned_kv_cache_config(vllm_config, num_blocks: int):
+def planned_kv_cache_config(vllm_config, num_blocks: int, model: Model = TINY):
     """What vLLM's EngineCore plans (``_initialize_kv_caches``) for ``num_blocks`` blocks' worth
-    of memory, in the layout the connector requires (BLNHC)."""
+    of memory, in the layout the connector requires (BLNHC): vLLM's own grouping (several
+    groups for a hybrid model, with the hybrid KV cache manager on, as on a GPU)."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    spec = _spec()
-    specs = [dict.fromkeys(_layer_names(), spec)]
+    specs = [model.specs()]
     vllm_config.cache_config.kv_cache_layout = "BLNHC"  # the connector's get_required_kvcache_layout()
     resolve_kv_cache_layout(vllm_config, [["BLNHC"]], list(specs[0].values()))
+    if model.window_layers or model.state_layers:
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False  # vLLM turns it off on a CPU
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
     groups = get_global_kv_cache_groups(vllm_config, specs)
-    config = get_kv_cache_configs(vllm_config, specs, [num_blocks * LAYERS * spec.page_size_bytes], groups)[0]
+    memory = num_blocks * sum(spec.page_size_bytes for spec in specs[0].values())
+    config = get_kv_cache_configs(vllm_config, specs, [memory], groups)[0]
     config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
     assert config.num_blocks == num_blocks, (config.num_blocks, num_blocks)
     return config
@@ -78,7 +145,7 @@ class Engine:
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 256, *, prefix_caching: bool = True,
                  async_scheduling: bool = True, reserve_full_prompt: bool = True, watermark: float = 0.0,
                  max_model_len: Optional[int] = None, engine_id: Optional[str] = None,
-                 speculative: Optional[dict] = None) -> None:
+                 speculative: Optional[dict] = None, model: Model = TINY) -> None:
         """vLLM's shipped defaults unless told otherwise: prefix caching, async scheduling
         (AsyncScheduler, stepped as vLLM's batch queue: step N is updated after step N+1 is
         scheduled), full-prompt reservation (``scheduler_reserve_full_isl``). ``speculative``:
@@ -94,14 +161,15 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import create_kv_cache_views
 
+        self.model = model
         if max_model_len is None:  # vLLM's planner refuses a pool that cannot hold one such request
-            max_model_len = min(1024, (num_blocks - 1) * BLOCK)
-        model = ModelConfig(model=_model_dir(max_model_len), skip_tokenizer_init=True, dtype="float16",
-                            max_model_len=max_model_len)
+            max_model_len = min(1024, (num_blocks - 1) * model.block_size)
+        model_config = ModelConfig(model=_model_dir(max_model_len, model), skip_tokenizer_init=True, dtype="float16",
+                                   max_model_len=max_model_len)
         sched = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
                                 scheduler_reserve_full_isl=reserve_full_prompt, watermark=watermark)
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
+        cache = CacheConfig(block_size=model.block_size, enable_prefix_caching=prefix_caching)
         kv_transfer = None
         if connector:
             kv_transfer = KVTransferConfig(
@@ -113,15 +181,15 @@ class Engine:
         if speculative is not None:
             speculative = dict(speculative)
             if speculative.get("method") == "draft_model":
-                speculative.setdefault("model", model.model)
-            spec_config = SpeculativeConfig(**speculative, target_model_config=model, target_parallel_config=parallel)
-        self.vllm_config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
+                speculative.setdefault("model", model_config.model)
+            spec_config = SpeculativeConfig(**speculative, target_model_config=model_config,
+                                            target_parallel_config=parallel)
+        self.vllm_config = VllmConfig(model_config=model_config, scheduler_config=sched, cache_config=cache,
                                       parallel_config=parallel, device_config=DeviceConfig(device="cpu"),
                                       kv_transfer_config=kv_transfer, speculative_config=spec_config)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.kv_config = planned_kv_cache_config(self.vllm_config, num_blocks)
+        self.kv_config = planned_kv_cache_config(self.vllm_config, num_blocks, model)
         self.num_blocks = num_blocks
-        spec = self.kv_config.kv_cache_groups[0].kv_cache_spec
         tensor = self.kv_config.kv_cache_tensors[0]
         # Worker first, as in vLLM's EngineCore: the executor is made before the scheduler.
         self.worker = None
@@ -131,14 +199,22 @@ class Engine:
                 buf = self.worker.kv_buffer(self.kv_config)
         else:
             buf = torch.zeros(tensor.size, dtype=torch.int8)
-        views = create_kv_cache_views(buf, spec, num_blocks, KVCacheLayout.BLNHC, tensor)
-        self.kv = dict(zip(tensor.layers, views))
+        # vLLM's own views (allocate_kv_cache()'s): one per layer, every group's tensors
+        # overlaying the one buffer; and each layer's group (its block table).
+        self.kv, self.group_of = {}, {}
+        for group_id, group in enumerate(self.kv_config.kv_cache_groups):
+            self.group_of.update(dict.fromkeys(group.layer_names, group_id))
+        for kv_tensor in self.kv_config.kv_cache_tensors:
+            spec = self.kv_config.kv_cache_groups[self.group_of[kv_tensor.layers[0]]].kv_cache_spec
+            views = create_kv_cache_views(buf, spec, num_blocks, KVCacheLayout.BLNHC, kv_tensor)
+            self.kv.update(zip(kv_tensor.layers, views))
+        self.kv = {name: self.kv[name] for name in model.layer_names()}  # in layer order
         if self.worker is not None:
             self.worker.register_kv_caches(self.kv)
         scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = scheduler_cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_config,
                                        structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                       block_size=BLOCK)
+                                       block_size=model.block_size)
         self.connector = self.scheduler.connector
         self.async_scheduling = async_scheduling
         self._in_flight: "collections.deque" = collections.deque()  # (output, model output) not yet updated
@@ -153,7 +229,8 @@ class Engine:
         if prefix_caching or connector:
             hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
-            self.block_hasher = get_request_block_hasher(BLOCK, hash_fn, self.vllm_config.num_hash_lookahead_tokens)
+            self.block_hasher = get_request_block_hasher(model.block_size, hash_fn,
+                                                         self.vllm_config.num_hash_lookahead_tokens)
 
     def add(self, request_id: str, prompt: List[int], max_tokens: int) -> None:
         from vllm.sampling_params import SamplingParams
@@ -218,10 +295,15 @@ class Engine:
             assert steps < limit, "the engine never went quiet"
         return steps
 
-    def block_tables(self, out) -> Dict[str, List[int]]:
-        """Every scheduled request's whole block table (vLLM's manager's, group 0)."""
+    def block_tables(self, out, group: int = 0) -> Dict[str, List[int]]:
+        """Every scheduled request's whole block table (vLLM's manager's) in KV cache ``group``."""
         mgr = self.scheduler.kv_cache_manager
-        return {r: list(mgr.get_block_ids(r)[0]) for r in out.num_scheduled_tokens}
+        return {r: list(mgr.get_block_ids(r)[group]) for r in out.num_scheduled_tokens}
+
+    def all_block_tables(self, out) -> Dict[str, List[int]]:
+        """Every scheduled request's blocks over all groups (the null block left out)."""
+        mgr = self.scheduler.kv_cache_manager
+        return {r: [b for table in mgr.get_block_ids(r) for b in table if b != 0] for r in out.num_scheduled_tokens}
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -237,34 +319,45 @@ def kv_value(request_id: str, position: int, layer: int, head: int, value: bool)
 
 def forward(engine: Engine, out) -> Dict[str, Optional[int]]:
     """Writes K/V of the scheduled tokens at their slots through vLLM's views, reads back
-    every token of every scheduled request, and returns the next token = f(what it read)."""
+    every token of every scheduled request that its layers attend to (a sliding-window
+    layer: the window), and returns the next token = f(what it read)."""
     sampled: Dict[str, Optional[int]] = {}
-    tables = engine.block_tables(out)
+    model = engine.model
+    size = model.block_size
+    groups = len(engine.kv_config.kv_cache_groups)
+    tables = [engine.block_tables(out, g) for g in range(groups)]
     requests = engine.scheduler.requests
+    heads = 1 if model.mla else model.kv_heads
+    k_dim = model.head_dim
     for rid, n in out.num_scheduled_tokens.items():
         req = requests[rid]
         end = req.num_computed_tokens  # schedule() has already advanced it
         start = end - n
-        table = tables[rid]
         for layer, name in enumerate(engine.kv):
-            view = engine.kv[name]  # [B, H, N, 2*D] (BLNHC: block-outermost in memory)
+            view = engine.kv[name]  # [B, H, N, K + V] (BLNHC: block-outermost in memory)
+            table = tables[engine.group_of[name]][rid]
             for pos in range(start, end):
-                b, off = table[pos // BLOCK], pos % BLOCK
-                for h in range(KV_HEADS):
-                    view[b, h, off, :HEAD_DIM] = kv_value(rid, pos, layer, h, False)
-                    view[b, h, off, HEAD_DIM:] = kv_value(rid, pos, layer, h, True)
-        # Read back every token so far, every layer: a mismatch is a lost or shared page.
+                b, off = table[pos // size], pos % size
+                for h in range(heads):
+                    view[b, h, off, :k_dim] = kv_value(rid, pos, layer, h, False)
+                    view[b, h, off, k_dim:] = kv_value(rid, pos, layer, h, True)
+        # Read back what each layer attends to: a mismatch is a lost or shared page.
         total = 0.0
         for layer, name in enumerate(engine.kv):
             view = engine.kv[name]
-            for pos in range(end):
-                b, off = table[pos // BLOCK], pos % BLOCK
-                for h in range(KV_HEADS):
+            table = tables[engine.group_of[name]][rid]
+            first = max(0, start - model.window + 1) if layer >= model.layers else 0
+            for pos in range(first, end):
+                b, off = table[pos // size], pos % size
+                assert b != 0, (rid, pos, layer, "the null block in a table")
+                for h in range(heads):
                     k = view[b, h, off, 0].item()
-                    v = view[b, h, off, HEAD_DIM].item()
                     assert k == kv_value(rid, pos, layer, h, False), (rid, pos, layer, h, b, k)
-                    assert v == kv_value(rid, pos, layer, h, True), (rid, pos, layer, h, b, v)
-                    total += k + v
+                    total += k
+                    if view.shape[-1] > k_dim:
+                        v = view[b, h, off, -1].item()
+                        assert v == kv_value(rid, pos, layer, h, True), (rid, pos, layer, h, b, v)
+                        total += v
         done_prefill = end >= req.num_prompt_tokens
         sampled[rid] = int(total) % 997 if done_prefill else None
         if done_prefill:

@@ -30,6 +30,10 @@ class VkvConnectorConfig:
     worker_timeout_s: with tensor or pipeline parallelism, how long a worker waits for the
         engine's other workers to agree on a step's backing (workers.py) before it raises
         naming the missing one; a worker that exits is named at once.
+    page_size: bytes of one vkv page, a power of two (a multiple of the backend's page:
+        2 MiB on a GPU, 4 KiB on the host); 0 = the backend's. A block that is a
+        power-of-two multiple of it is one vkv slot; any other block is backed page by
+        page (docs/vllm.md, "Block geometries").
     """
 
     shared_budget: str = ""
@@ -41,6 +45,7 @@ class VkvConnectorConfig:
     shared_budget_cap: int = 0
     shared_budget_priority: int = 0
     worker_timeout_s: int = 600
+    page_size: int = 0
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any]) -> "VkvConnectorConfig":
@@ -50,7 +55,7 @@ class VkvConnectorConfig:
         dict: other connectors' keys never reach this one.)"""
         known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str,
                  "background_mapping": bool, "shared_budget_floor": int, "shared_budget_cap": int,
-                 "shared_budget_priority": int, "worker_timeout_s": int}
+                 "shared_budget_priority": int, "worker_timeout_s": int, "page_size": int}
         values = {}
         for key, value in (extra or {}).items():
             name = key[4:] if key.startswith("vkv_") else key
@@ -78,6 +83,9 @@ class VkvConnectorConfig:
                                  "shared_budget (the name of a vkv.SharedBudget)")
         if config.worker_timeout_s < 1:
             raise ValueError(f"kv_connector_extra_config['worker_timeout_s'] = {config.worker_timeout_s} must be >= 1")
+        if config.page_size < 0 or config.page_size & (config.page_size - 1):
+            raise ValueError(f"kv_connector_extra_config['page_size'] = {config.page_size} must be 0 or a power "
+                             "of two (a multiple of the backend's page: 2 MiB on a GPU, 4 KiB on the host)")
         if config.headroom_blocks < 1:
             raise ValueError(f"kv_connector_extra_config['headroom_blocks'] = {config.headroom_blocks} must be >= 1")
         return config

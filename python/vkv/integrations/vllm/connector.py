@@ -31,10 +31,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .asks import AskBoard
 from .balloon import Balloon
 from .block_states import BlockStates
-from .checks import check_startup, check_view
+from .checks import block_bytes, check_startup, check_view
 from .config import VkvConnectorConfig
 from .demand import Demand
-from .memory import BlockMemory
+from .memory import BlockMemory, default_page_bytes, make_memory, one_slot_per_block
 from .pool import ReservationPool
 from .workers import (AskBoards, ShardMemory, background_mapping, budget_name, check_parallel, engine_budget_names,
                       this_worker)
@@ -73,7 +73,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._checked:
             check_startup(vllm_config, kv_cache_config, self.settings)
         self._balloon: Optional[Balloon] = None
-        self._memory: Optional[BlockMemory] = None
+        self._memory: Optional[BlockMemory] = None  # or a PageMemory (page_memory.py): the same interface
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._demand: Optional[Demand] = None
         self._asks: Optional[Union[AskBoard, AskBoards]] = None  # with a shared budget: the engines that want memory
@@ -94,7 +94,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
-        """Block-outermost: block b of every layer is one contiguous run, one vkv slot."""
+        """Block-outermost: block b of every layer and group is one contiguous run of bytes."""
         return REQUIRED_LAYOUT
 
     # ---- scheduler side --------------------------------------------------------------
@@ -113,7 +113,8 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
                               full_prompt_must_fit=bool(getattr(sched, "scheduler_reserve_full_isl", False)),
                               # vLLM's KVCacheManager: int(watermark * kv_cache_config.num_blocks)
                               watermark_blocks=int(getattr(sched, "watermark", 0.0) * gpu_block_pool.num_gpu_blocks),
-                              max_model_len=config.model_config.max_model_len)
+                              max_model_len=config.model_config.max_model_len,
+                              groups=len(getattr(self._kv_cache_config, "kv_cache_groups", None) or [None]))
         if self.settings.shared_budget:
             # One budget per GPU of the engine's workers (workers.py): the asks of every one.
             names = engine_budget_names(self._vllm_config, self.settings)
@@ -216,7 +217,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._memory is None:
             self._memory = self._make_memory(self._kv_cache_config)
         if self._pool is None:
-            self._pool = ReservationPool(self._memory.buffer())
+            self._pool = ReservationPool(self._memory.buffer(), self._memory.cache.reserved_bytes)
         return self._pool.context()
 
     def register_kv_caches(self, kv_caches) -> None:
@@ -266,20 +267,24 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._checked:  # vLLM gave no KVCacheConfig to __init__
             check_startup(self._vllm_config, kv_cache_config, self.settings)
             self._checked = True
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
         settings = self.settings
         worker = this_worker(self._vllm_config, settings)  # TP/PP: its rank and GPU (workers.py)
         arguments = dict(
             engine_id=_engine_id(self._vllm_config), num_blocks=kv_cache_config.num_blocks,
-            block_size=spec.block_size, num_layers=layers, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size, dtype=spec.dtype, device=settings.device,
+            block_bytes=block_bytes(kv_cache_config),
+            block_size=kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size, device=settings.device,
             shared_budget=budget_name(settings.shared_budget, worker.device_index),
-            memory_budget=settings.memory_budget,
-            headroom_blocks=settings.headroom_blocks,
+            memory_budget=settings.memory_budget, headroom_blocks=settings.headroom_blocks,
             background_mapping=background_mapping(self._vllm_config, settings),  # on with PP (workers.py)
             shared_budget_floor=settings.shared_budget_floor, shared_budget_cap=settings.shared_budget_cap,
             shared_budget_priority=settings.shared_budget_priority)
         if worker.size > 1:
+            page = settings.page_size or default_page_bytes(settings.device)
+            if not one_slot_per_block(arguments["block_bytes"], page):
+                raise ValueError(
+                    f"VkvConnector: with tensor or pipeline parallelism a vLLM block must be a power-of-two "
+                    f"multiple of vkv's {page}-byte page, but this model's block is {arguments['block_bytes']} "
+                    "bytes a worker; blocks backed page by page are not supported with several workers yet: "
+                    "pick a --block-size that makes the block a power of two >= the page")
             return ShardMemory(worker=worker, timeout_s=float(settings.worker_timeout_s), **arguments)
-        return BlockMemory(**arguments)
+        return make_memory(page_bytes=settings.page_size, **arguments)

@@ -16,7 +16,11 @@ background mapper). What vLLM 0.33's scheduler asks of its pool, and so what is 
   remaining prompt is counted, whatever the chunk size (a 5,000-token prompt on 2,048-token
   chunks, 8,000 on 512): counting chunks alone left it waiting for ever;
 - the watermark (``watermark``: that fraction of the pool's blocks vLLM keeps free when it
-  admits a request while others run), while the engine has requests.
+  admits a request while others run), while the engine has requests;
+- several KV cache groups (a hybrid model: full and sliding-window attention, Mamba state)
+  each take blocks from the one pool for the same tokens: the count of one group times the
+  groups (a sliding-window group needs at most window / block_size + 1 blocks a request,
+  a Mamba group a few: an upper bound, so the pool never runs dry).
 
 Per step the work is O(scheduled requests + the waiting requests those steps reach).
 """
@@ -34,8 +38,9 @@ class Demand:
 
     def __init__(self, block_size: int, tokens_per_step: int, max_num_seqs: int,
                  max_num_batched_tokens: int, steps_ahead: int = 2, full_prompt_must_fit: bool = False,
-                 watermark_blocks: int = 0, max_model_len: int = 1 << 62) -> None:
+                 watermark_blocks: int = 0, max_model_len: int = 1 << 62, groups: int = 1) -> None:
         self.block_size = block_size
+        self.groups = groups
         self.max_num_seqs = max_num_seqs
         self.decode_ahead = steps_ahead * tokens_per_step  # tokens a running request writes meanwhile
         self.batch_ahead = steps_ahead * max_num_batched_tokens  # tokens those steps can schedule
@@ -107,6 +112,10 @@ class Demand:
         for request_id in stale:
             del self._waiting[request_id]
         blocks += gap
+        # Every KV cache group takes its own blocks from the one pool for the same tokens (a
+        # sliding-window group gives its old ones back as the window moves; a Mamba group
+        # holds fewer): the token blocks of one group times the groups is an upper bound.
+        blocks *= self.groups
         if self._requests:
             blocks += self.watermark_blocks
         return blocks

@@ -1,9 +1,11 @@
-"""Worker side: vLLM's KV backing buffer as a vkv reservation, one vkv slot per vLLM block.
+"""Worker side: vLLM's KV backing buffer as a vkv reservation, one vkv slot per vLLM block
+where a block is a power-of-two multiple of vkv's page (any other block: page_memory.py;
+``make_memory()`` picks).
 
-In vLLM's block-outermost layout (BLNHC) block b of every layer is one contiguous run of
-``block_bytes`` at ``b * block_bytes``; a vkv cache of ``num_blocks`` slots of
-``block_size`` tokens in its interleaved layout, with pages of ``block_bytes``, puts slot
-b at exactly those bytes. So "back block b" is vkv's ``step({b: block_size})`` on slot b,
+In vLLM's block-outermost layouts (BLNHC, BLHNC) block b of every layer and KV cache group
+is one contiguous run of ``block_bytes`` at ``b * block_bytes``; a vkv cache of
+``num_blocks`` slots of ``block_bytes`` in its interleaved layout, with pages of
+``block_bytes``, puts slot b at exactly those bytes. So "back block b" is vkv's ``step()`` of slot b,
 and "give block b back" is ``free_reqid(b)`` + ``trim()``: vkv zero-fills, orders the
 unmapping after an event behind the work queued on the current stream, and returns the
 pages to its budget (a vkv.SharedBudget when named), as for any freed slot. On a GPU the
@@ -28,17 +30,29 @@ from .mapper import BackgroundMapper
 
 _HOST_PAGE = 4096
 _CUDA_PAGE = 2 << 20
+SLOT_TOKEN_BYTES = 4096  # the vkv slot's "token": one layer, one head of 1024 fp16, K and V
 
 
-def block_geometry_error(block_size: int, block_bytes: int, page_bytes: int, num_layers: int) -> Optional[str]:
-    """Why a vLLM block cannot be a whole number of vkv pages, or None when it can."""
-    if block_bytes % page_bytes == 0 and block_bytes & (block_bytes - 1) == 0:
-        return None
-    return (f"vkv.integrations.vllm: a vLLM block of {block_size} tokens is {block_bytes} bytes over all "
-            f"{num_layers} layers, not a power-of-two multiple of vkv's {page_bytes}-byte page; blocks that "
-            f"straddle pages are not supported yet. Pick --block-size so that block_size * num_layers * 2 * "
-            f"num_kv_heads * head_dim * dtype_bytes is a power of two >= {page_bytes} (e.g. Llama-3-8B: 32 "
-            f"layers x 8 heads x 128 x bf16, --block-size 16 = 2 MiB)")
+def default_page_bytes(device: str) -> int:
+    """vkv's page on ``device``: 2 MiB on a GPU, 4 KiB on the host backend."""
+    return _HOST_PAGE if str(resolve_device(device)) == "cpu" else _CUDA_PAGE
+
+
+def one_slot_per_block(block_bytes: int, page_bytes: int) -> bool:
+    """A block is a power-of-two multiple of the page: vkv backs it as one slot of pages of
+    ``block_bytes`` (BlockMemory); otherwise page by page (page_memory.py)."""
+    return block_bytes % page_bytes == 0 and block_bytes & (block_bytes - 1) == 0
+
+
+def make_memory(*, block_bytes: int, page_bytes: int = 0, device: str, **kwargs):
+    """BlockMemory where a block is a power-of-two multiple of the page, else PageMemory:
+    the same interface, for vLLM blocks of ``block_bytes`` (``page_bytes`` 0: the device's)."""
+    device = str(resolve_device(device))
+    page_bytes = page_bytes or default_page_bytes(device)
+    if one_slot_per_block(block_bytes, page_bytes):
+        return BlockMemory(block_bytes=block_bytes, device=device, **kwargs)
+    from .page_memory import PageMemory
+    return PageMemory(block_bytes=block_bytes, page_bytes=page_bytes, device=device, **kwargs)
 
 
 class BlockMemory:
@@ -46,29 +60,31 @@ class BlockMemory:
     ``buffer()`` and ``close()`` are for vLLM's one model-runner thread; with ``background_mapping`` the jobs run
     on the background mapper's thread (mapper.py), otherwise on the caller's, inside ``submit()``."""
 
-    def __init__(self, *, engine_id: str, num_blocks: int, block_size: int, num_layers: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-                 shared_budget: str, memory_budget: int, headroom_blocks: int,
+    def __init__(self, *, engine_id: str, num_blocks: int, block_bytes: int, device: str,
+                 shared_budget: str, memory_budget: int, headroom_blocks: int, block_size: int = 0,
                  background_mapping: Optional[bool] = None, shared_budget_floor: int = 0,
                  shared_budget_cap: int = 0, shared_budget_priority: int = 0, states=None) -> None:
         """``states``: the block states this worker writes; None = the engine's shared file
         (BlockStates), opened as its one worker (workers.py passes its other workers' own)."""
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.block_bytes = block_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
+        self.block_size = block_size  # vLLM's tokens a block (informative)
+        self.block_bytes = block_bytes
         device = str(resolve_device(device))
-        page = _HOST_PAGE if device == "cpu" else _CUDA_PAGE
-        error = block_geometry_error(block_size, self.block_bytes, page, num_layers)
-        if error:
-            raise ValueError(error)
+        page = default_page_bytes(device)
+        if not one_slot_per_block(block_bytes, page):
+            raise ValueError(f"vkv.integrations.vllm: BlockMemory backs blocks of a power-of-two multiple of "
+                             f"{page} bytes, not {block_bytes} (make_memory() picks PageMemory for those)")
+        # vkv's slot b is block b: a "token" of SLOT_TOKEN_BYTES, block_bytes of them a slot.
+        tokens = block_bytes // SLOT_TOKEN_BYTES
+        self._tokens = tokens
         # First: a reused engine_id is refused before any memory is taken.
         self.states = states if states is not None else BlockStates(engine_id, num_blocks, WORKER)
         try:
             self.cache = vkv.KVCache(
-                num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                max_batch_size=num_blocks, max_context_len=block_size, layout="interleaved",
+                num_layers=1, num_kv_heads=1, head_dim=SLOT_TOKEN_BYTES // 4, dtype=torch.float16,
+                max_batch_size=num_blocks, max_context_len=tokens, layout="interleaved",
                 page_size=self.block_bytes, device=device, memory_budget=memory_budget or None,
-                shared_budget=shared_budget, eager_tokens=block_size, lookahead_tokens=0,
+                shared_budget=shared_budget, eager_tokens=tokens, lookahead_tokens=0,
                 # The engine's guarantees in the budget, and its name in `python -m vkv.budget top`.
                 shared_budget_floor=shared_budget_floor, shared_budget_cap=shared_budget_cap,
                 shared_budget_priority=shared_budget_priority,
@@ -83,7 +99,7 @@ class BlockMemory:
             null = self.cache.alloc_reqid()
             if null != 0:
                 raise RuntimeError(f"vkv.integrations.vllm: the null block got vkv slot {null}, expected 0")
-            self.cache.step({0: block_size})
+            self.cache.step({0: tokens})
             self.backed = 0  # blocks other than the null block with mapped pages (the job's thread writes it)
             self.grow(headroom_blocks)
         except BaseException:
@@ -92,6 +108,10 @@ class BlockMemory:
         if background_mapping is None:  # unset: on a GPU the job runs beside the forward
             background_mapping = device != "cpu"
         self.mapper = BackgroundMapper(self._job, torch.device(device)) if background_mapping else None
+
+    def mapped_pages(self, block: int) -> int:
+        """How many of ``block``'s pages are mapped (its whole slot while it is backed)."""
+        return self.cache.mapped_pages(block) if self.cache.is_allocated(block) else 0
 
     def buffer(self) -> torch.Tensor:
         """The whole reservation as vLLM's flat int8 backing buffer (``num_blocks * block_bytes``)."""
@@ -130,7 +150,7 @@ class BlockMemory:
         while want > 0:
             slots = self.cache.alloc_reqids(want)
             try:
-                self.cache.step(dict.fromkeys(slots, self.block_size))
+                self.cache.step(dict.fromkeys(slots, self._tokens))
             except MemoryError as error:
                 # A shortage: nothing changed; try again with what the budget has (the
                 # scheduler keeps what it has when that is nothing).

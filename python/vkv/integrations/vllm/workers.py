@@ -46,7 +46,7 @@ from vkv import _C
 
 from .asks import AskBoard
 from .block_states import BACKED, RECLAIMING, UNBACKED
-from .memory import BlockMemory
+from .memory import SLOT_TOKEN_BYTES, BlockMemory
 
 DEVICE_FIELD = "{device}"
 
@@ -282,12 +282,13 @@ class ShardMemory(BlockMemory):
     as vLLM's connector metadata does."""
 
     def __init__(self, *, worker: Worker, timeout_s: float, **kwargs: Any) -> None:
-        num_blocks, block_size = kwargs["num_blocks"], kwargs["block_size"]
+        num_blocks = kwargs["num_blocks"]
+        tokens = kwargs["block_bytes"] // SLOT_TOKEN_BYTES  # one slot's "tokens" (memory.py)
         self.worker = worker
         self._started = False  # BlockMemory's own headroom backing waits for every worker (below)
         self._broken: Optional[str] = None
         self._lens = np.zeros(num_blocks, dtype=np.int64)  # every slot's tokens, as vkv's step() takes them
-        self._lens[0] = block_size  # vLLM's null block
+        self._lens[0] = tokens  # vLLM's null block
         self.agreement = Agreement(kwargs["engine_id"], worker, timeout_s)
         error: Optional[BaseException] = None
         try:
@@ -349,7 +350,7 @@ class ShardMemory(BlockMemory):
                 if error is None and want > 0:
                     try:
                         slots = cache.alloc_reqids(want)
-                        lens[slots] = self.block_size
+                        lens[slots] = self._tokens
                         pages = cache._prepare_step(lens).missing_pages
                         missing = -(-pages // self._pages_per_block)
                     except Exception as caught:  # noqa: BLE001

@@ -159,15 +159,52 @@ def test_views_whose_blocks_are_not_vkvs_slots_are_refused_when_registered():
 
 
 # ---- the KV buffer's size -----------------------------------------------------------------------
-def test_a_padded_page_is_refused():
+def test_a_padded_page_is_backed_whole():
+    # vLLM pads a page (page_size_padded): vkv backs block b as [b * block_stride, (b + 1) *
+    # block_stride), padding included. Before: refused ("padded pages are not supported").
     spec = _spec()
     padded = _spec(page_size_padded=2 * spec.page_size_bytes)
     config = _config()
     kv_config = _plan(config, spec=padded)
     tensor = kv_config.kv_cache_tensors[0]
-    assert tensor.size == 2 * kv_config.num_blocks * BLOCK_BYTES  # vLLM's page is twice vkv's
-    message = _refused(config, kv_config, "padded pages are not supported")
-    assert f"{tensor.size} bytes" in message and f"{kv_config.num_blocks * BLOCK_BYTES}" in message
+    assert tensor.size == 2 * kv_config.num_blocks * BLOCK_BYTES  # vLLM's page is twice the unpadded one
+    _connector(config, kv_config, "scheduler")
+    worker = _connector(config, kv_config)
+    try:
+        worker.kv_buffer(kv_config)
+        assert worker._memory.block_bytes == tensor.block_stride == 2 * BLOCK_BYTES
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["mla", "k-and-v-of-different-sizes", "sliding-window-groups"])
+def test_mla_different_k_and_v_and_several_groups_are_accepted(kind):
+    # Before: refused ("KV cache spec MLAAttentionSpec is not supported", "... equal K and V
+    # head sizes only", "3 KV cache groups (a hybrid model)").
+    model = {"mla": vt.Model(layers=3, mla=True, head_dim=576), "k-and-v-of-different-sizes":
+             vt.Model(head_dim=64, head_dim_v=32), "sliding-window-groups":
+             vt.Model(layers=2, window_layers=4, window=32)}[kind]
+    config = _config()
+    kv_config = vt.planned_kv_cache_config(config, 64, model)
+    assert len(kv_config.kv_cache_groups) == (3 if model.window_layers else 1)
+    _connector(config, kv_config, "scheduler")
+    worker = _connector(config, kv_config)
+    try:
+        worker.kv_buffer(kv_config)
+        assert worker._memory.block_bytes == kv_config.kv_cache_tensors[0].block_stride
+    finally:
+        worker.shutdown()
+
+
+def test_an_attention_free_model_and_host_resident_groups_are_refused():
+    import dataclasses
+    config = _config()
+    kv_config = _plan(config)
+    empty = dataclasses.replace(kv_config, kv_cache_tensors=[], kv_cache_groups=[])
+    _refused(config, empty, "no KV cache .* leave out --kv-transfer-config")
+    hosted = dataclasses.replace(kv_config, kv_cache_groups=[dataclasses.replace(kv_config.kv_cache_groups[0],
+                                                                                 host_resident=True)])
+    _refused(config, hosted, r"host memory \(HiSparse\) are not supported; turn HiSparse off")
 
 
 # ---- kv_connector_extra_config ------------------------------------------------------------------

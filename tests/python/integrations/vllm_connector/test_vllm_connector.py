@@ -203,10 +203,14 @@ def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forw
 
 
 def _memory(blocks=32, **kwargs):
+    if "block_bytes" in kwargs:  # any geometry: make_memory() picks
+        from vkv.integrations.vllm.memory import make_memory
+        return make_memory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=blocks, device="cpu",
+                           shared_budget="", memory_budget=kwargs.pop("memory_budget", 0), headroom_blocks=2,
+                           background_mapping=True, **kwargs)
     from vkv.integrations.vllm.memory import BlockMemory
-    return BlockMemory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=blocks, block_size=vt.BLOCK,
-                       num_layers=vt.LAYERS, num_kv_heads=vt.KV_HEADS, head_dim=vt.HEAD_DIM, dtype=torch.float16,
-                       device="cpu", shared_budget="", memory_budget=kwargs.pop("memory_budget", 0),
+    return BlockMemory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=blocks,
+                       block_bytes=engine_block_bytes(), device="cpu", shared_budget="", memory_budget=kwargs.pop("memory_budget", 0),
                        headroom_blocks=2, background_mapping=True, **kwargs)
 
 
@@ -347,11 +351,16 @@ def test_an_idle_engine_gives_pages_back_within_two_steps():
         engine.close()
 
 
-def test_unsupported_shapes_are_refused_with_the_reason():
-    from vkv.integrations.vllm.memory import block_geometry_error
-    message = block_geometry_error(16, 28 * 2 * 4 * 128 * 2 * 16, 2 << 20, 28)  # Qwen2.5-7B: 0.875 MiB
-    assert "917504 bytes" in message and "2097152-byte page" in message and "Llama-3-8B" in message
-    assert block_geometry_error(16, 2 << 20, 2 << 20, 32) is None
+def test_blocks_that_are_not_a_power_of_two_multiple_of_the_page_are_backed_page_by_page():
+    from vkv.integrations.vllm.memory import BlockMemory, one_slot_per_block
+    from vkv.integrations.vllm.page_memory import PageMemory
+    qwen = 28 * 2 * 4 * 128 * 2 * 16  # Qwen2.5-7B, --block-size 16: 0.875 MiB
+    assert not one_slot_per_block(qwen, 2 << 20) and one_slot_per_block(2 << 20, 2 << 20)
+    assert one_slot_per_block(4 << 20, 2 << 20) and not one_slot_per_block(6 << 20, 2 << 20)
+    for memory, kind in ((_memory(block_bytes=3 << 10), PageMemory), (_memory(), BlockMemory)):
+        assert isinstance(memory, kind)
+        memory.states.unlink()
+        memory.close()
 
 
 def _budget(blocks):

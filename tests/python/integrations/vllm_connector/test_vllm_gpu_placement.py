@@ -23,6 +23,7 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _C.cuda_available()
 # One block = 2 MiB = one vkv page: 256 tokens x 2 layers x K,V x 8 heads x 128 x bf16.
 BLOCK, LAYERS, HEADS, HEAD_DIM, DTYPE = 256, 2, 8, 128, torch.bfloat16
 NUM_BLOCKS = 8  # 16 MiB: >= 10 MiB, so torch's caching allocator asks for exactly that
+BLOCK_BYTES = BLOCK * LAYERS * 2 * HEADS * HEAD_DIM * DTYPE.itemsize
 
 
 # ---- everywhere -------------------------------------------------------------------------
@@ -85,8 +86,8 @@ def test_pool_malloc_hands_out_only_the_registered_reservation():
 
 # ---- CUDA ---------------------------------------------------------------------------------
 def _memory(headroom: int = 2, background_mapping: bool = False) -> BlockMemory:
-    return BlockMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=NUM_BLOCKS, block_size=BLOCK,
-                       num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=DTYPE, device="cuda",
+    return BlockMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=NUM_BLOCKS,
+                       block_bytes=BLOCK_BYTES, block_size=BLOCK, device="cuda",
                        shared_budget="", memory_budget=0, headroom_blocks=headroom,
                        background_mapping=background_mapping)
 
@@ -224,9 +225,8 @@ def test_the_background_mapper_waits_for_kernels_queued_before_the_hand_over():
 
 @cuda
 def test_the_background_mapper_is_on_by_default_on_a_gpu():
-    memory = BlockMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=NUM_BLOCKS, block_size=BLOCK,
-                         num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=DTYPE, device="cuda",
-                         shared_budget="", memory_budget=0, headroom_blocks=2)
+    memory = BlockMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=NUM_BLOCKS,
+                         block_bytes=BLOCK_BYTES, device="cuda", shared_budget="", memory_budget=0, headroom_blocks=2)
     try:
         assert memory.mapper is not None, "unset background_mapping left the job on vLLM's thread"
     finally:
@@ -261,6 +261,111 @@ def test_the_background_mapper_marks_blocks_backed_only_after_their_zero_fill():
                 break
         memory.wait()
         assert len(seen) == NUM_BLOCKS - 1 - len(before), (seen, before)
+    finally:
+        memory.states.unlink()
+        memory.close()
+
+
+# ---- blocks that are not whole 2 MiB pages (page_memory.py) --------------------------------
+# (block bytes, blocks): a Qwen2.5-7B block (28 layers x 4 KV heads x 128 x K,V x bf16, --block-size
+# 16 = 0.875 MiB: pages shared by 2-3 blocks) and a DeepSeek-V2-Lite MLA block (27 layers x 576 x
+# bf16, --block-size 64 = 1.9 MiB: blocks straddle pages). 24 blocks: over 10 MiB, not whole 2 MiB.
+GEOMETRIES = {"qwen2.5-7b": (28 * 4 * 128 * 2 * 2 * 16, 24), "deepseek-v2-lite-mla": (27 * 576 * 2 * 64, 24)}
+
+
+def _page_memory(block_bytes: int, blocks: int, headroom: int, background_mapping: bool = False):
+    from vkv.integrations.vllm.memory import make_memory
+    from vkv.integrations.vllm.page_memory import PageMemory
+    memory = make_memory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=blocks,
+                         block_bytes=block_bytes, device="cuda", shared_budget="", memory_budget=0,
+                         headroom_blocks=headroom, background_mapping=background_mapping)
+    assert isinstance(memory, PageMemory)
+    return memory
+
+
+def _block_pattern(block: int, block_bytes: int) -> torch.Tensor:
+    return ((torch.arange(block_bytes, device="cuda", dtype=torch.int32) * 7 + 13 * block) % 251 - 125).to(torch.int8)
+
+
+def _shared_page(memory, backed):
+    """A page (not the null block's) that two or more backed blocks touch, and those blocks."""
+    for page in range(1, memory.num_pages):
+        touching = [b for b in backed if memory._first[b] <= page <= memory._last[b]]
+        if len(touching) >= 2 and memory.users[page] == len(touching):
+            return page, touching
+    raise AssertionError(f"no page shared by backed blocks among {backed}")
+
+
+@cuda
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_blocks_of_any_size_read_back_and_a_shared_page_outlives_one_of_its_blocks(name):
+    block_bytes, blocks = GEOMETRIES[name]
+    memory = _page_memory(block_bytes, blocks, headroom=8)
+    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    try:
+        with pool.context():  # vLLM's allocate_kv_cache(): torch.zeros over the whole buffer
+            buffer = torch.zeros(blocks * block_bytes, dtype=torch.int8, device="cuda")
+        assert buffer.data_ptr() == memory.buffer().data_ptr(), "torch.zeros did not return the reservation"
+        states = memory.states.states
+        backed = [b for b in range(1, blocks) if states[b] == BACKED]
+        assert len(backed) == 8
+        span = lambda b: slice(b * block_bytes, (b + 1) * block_bytes)  # noqa: E731
+        for b in backed:
+            buffer[span(b)].copy_(_block_pattern(b, block_bytes))
+        for b in range(1, blocks):  # blocks on no backed page: the scratch page, no fault
+            if states[b] == UNBACKED and memory.mapped_pages(b) == 0:
+                buffer[span(b)].fill_(-1)
+        torch.cuda.synchronize()
+        for b in backed:
+            assert torch.equal(buffer[span(b)], _block_pattern(b, block_bytes)), b
+        page, touching = _shared_page(memory, backed)
+        states[touching[0]] = RECLAIMING
+        memory.release([touching[0]])  # the page stays: the others use it
+        assert memory.cache.mapped_pages(page) == 1, "a page a live block uses was given back"
+        torch.cuda.synchronize()
+        for b in touching[1:]:
+            assert torch.equal(buffer[span(b)], _block_pattern(b, block_bytes)), b
+        states[touching[1:]] = RECLAIMING
+        memory.release(touching[1:])  # its last block: the page goes back
+        assert memory.users[page] == 0 and memory.cache.mapped_pages(page) == 0
+        size = memory.page_bytes
+        buffer[page * size:(page + 1) * size].fill_(-1)  # scratch now: no fault
+        torch.cuda.synchronize()
+        memory.grow(blocks - 1)  # every block: the page comes back from the budget, as zeros
+        torch.cuda.synchronize()
+        assert memory.cache.mapped_pages(page) == 1
+        assert torch.count_nonzero(buffer[page * size:(page + 1) * size]) == 0, "a page back from the budget"
+        del buffer
+    finally:
+        memory.states.unlink()
+        memory.close()
+
+
+@cuda
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_a_shared_page_is_given_back_only_after_the_kernels_queued_before(name):
+    block_bytes, blocks = GEOMETRIES[name]
+    memory = _page_memory(block_bytes, blocks, headroom=8, background_mapping=True)
+    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    try:
+        with pool.context():
+            buffer = torch.zeros(blocks * block_bytes, dtype=torch.int8, device="cuda")
+        states = memory.states.states
+        backed = [b for b in range(1, blocks) if states[b] == BACKED]
+        page, touching = _shared_page(memory, backed)
+        for b in touching:
+            buffer[b * block_bytes:(b + 1) * block_bytes].copy_(_block_pattern(b, block_bytes))
+        torch.cuda._sleep(1 << 30)  # a forward still reading the blocks at the hand-over
+        reads = [buffer[b * block_bytes:(b + 1) * block_bytes].clone() for b in touching]
+        states[touching] = RECLAIMING
+        memory.submit(touching, memory.backed - len(touching))
+        assert memory.mapper.busy() and memory.cache.mapped_pages(page) == 1, "unmapped under a queued read"
+        memory.wait()
+        assert all(states[b] == UNBACKED for b in touching) and memory.cache.mapped_pages(page) == 0
+        torch.cuda.synchronize()
+        for b, read in zip(touching, reads):
+            assert torch.equal(read, _block_pattern(b, block_bytes)), f"the read of block {b} lost its page"
+        del buffer
     finally:
         memory.states.unlink()
         memory.close()
