@@ -34,7 +34,7 @@ from .block_states import BlockStates
 from .checks import block_bytes, check_startup, check_view
 from .config import VkvConnectorConfig
 from .demand import Demand
-from .memory import BlockMemory, default_page_bytes, make_memory, one_slot_per_block
+from .memory import BlockMemory, make_memory
 from .pool import ReservationPool
 from .workers import (AskBoards, ShardMemory, background_mapping, budget_name, check_parallel, engine_budget_names,
                       this_worker)
@@ -278,13 +278,6 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             background_mapping=background_mapping(self._vllm_config, settings),  # on with PP (workers.py)
             shared_budget_floor=settings.shared_budget_floor, shared_budget_cap=settings.shared_budget_cap,
             shared_budget_priority=settings.shared_budget_priority)
-        if worker.size > 1:
-            page = settings.page_size or default_page_bytes(settings.device)
-            if not one_slot_per_block(arguments["block_bytes"], page):
-                raise ValueError(
-                    f"VkvConnector: with tensor or pipeline parallelism a vLLM block must be a power-of-two "
-                    f"multiple of vkv's {page}-byte page, but this model's block is {arguments['block_bytes']} "
-                    "bytes a worker; blocks backed page by page are not supported with several workers yet: "
-                    "pick a --block-size that makes the block a power of two >= the page")
+        if worker.size > 1:  # its blocks are whole slots (checks.py, check_parallel_blocks)
             return ShardMemory(worker=worker, timeout_s=float(settings.worker_timeout_s), **arguments)
         return make_memory(page_bytes=settings.page_size, **arguments)

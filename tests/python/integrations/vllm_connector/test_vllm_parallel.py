@@ -203,6 +203,17 @@ def test_a_budget_name_for_one_gpu_is_refused_with_tp_in_one_line():
         check_parallel(_parallel(1, 2), VkvConnectorConfig.from_extra_config({"background_mapping": False}))
 
 
+def test_blocks_backed_page_by_page_are_refused_with_several_workers_in_one_line():
+    from vkv.integrations.vllm.checks import check_parallel_blocks
+    mib = 1 << 20
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 with a vLLM block of "
+                                         r"917504 bytes .* pick a --block-size") as caught:
+        check_parallel_blocks(_parallel(2, 1), 917504, 2 * mib)  # Qwen2.5-7B's 16-token block on one GPU
+    assert "\n" not in str(caught.value)
+    check_parallel_blocks(_parallel(2, 1), 2 * mib, 2 * mib)  # one slot a block: fine
+    check_parallel_blocks(_parallel(1, 1), 917504, 2 * mib)  # one worker backs it page by page
+
+
 def test_each_gpu_has_its_own_budget_name(monkeypatch):
     settings = VkvConnectorConfig.from_extra_config({"shared_budget": "gpu{device}", "device": "cpu"})
     assert engine_budget_names(_parallel(2, 2), settings) == ["gpu0", "gpu1", "gpu2", "gpu3"]
