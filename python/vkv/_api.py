@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _parameters
+from . import _C, _parameters
 from ._cache import KVCache, SeqLens
 
 _lock = threading.Lock()
@@ -64,7 +64,7 @@ def step(seq_lens: SeqLens) -> None:
     default_cache().step(seq_lens)
 
 
-def stats() -> Dict[str, Any]:
+def stats() -> _C.CacheStats:
     """KVCache.stats() on the default cache."""
     return default_cache().stats()
 

@@ -371,16 +371,18 @@ class KVCache:
 
     # -- inspection ------------------------------------------------------------------
 
-    def stats(self) -> Dict[str, Any]:
-        """Page accounting and backend call counts/times (see docs/api.md)."""
+    def stats(self) -> _C.CacheStats:
+        """Page accounting and backend call counts/times: a dict whose keys, types and
+        meanings include/vkv/stats.h lists once (docs/api.md's tables; ``vkv._C.stats_fields()``)."""
         return self._live()._core.stats()
 
-    def last_step_profile(self) -> Dict[str, Any]:
+    def last_step_profile(self) -> _C.StepProfile:
         """Where the last ``step()`` spent its time, in nanoseconds per phase (lock wait,
         deferred fills, read windows, planning, waiting for the mapper, mapping, the rest),
         host waits for events, counts (fills, pages mapped), whether the lock was contended
         or the mapper busy; and the last ``free_reqid()``/``alloc_reqid()``'s time and lock
-        wait. A debugging aid (benchmarks/arrivals_bench.py's breakdown); see vkv::StepProfile."""
+        wait. A debugging aid (benchmarks/arrivals_bench.py's breakdown); its keys are
+        include/vkv/stats.h's VKV_STEP_PROFILE_FIELDS (docs/api.md's tables)."""
         return self._live()._core.last_step_profile()
 
     @property
