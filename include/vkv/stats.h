@@ -19,46 +19,48 @@
 
 namespace vkv {
 
-#define VKV_CALL_STATS_FIELDS(X)                                                                     \
-  X(calls, std::uint64_t, count, "calls made")                                                       \
-  X(units, std::uint64_t, count, "pages for create/release/map/unmap, bytes for zero/copy (as each " \
-                                 "kind of call says)")                                               \
+#define VKV_CALL_STATS_FIELDS(X)                                        \
+  X(calls, std::uint64_t, count, "calls made")                          \
+  X(units, std::uint64_t, count,                                        \
+    "pages for create/release/map/unmap, bytes for zero/copy (as each " \
+    "kind of call says)")                                               \
   X(nanoseconds, std::uint64_t, seconds, "wall time inside the call, on the caller's thread")
 #define VKV_CALL_STATS_DERIVED(D) \
   D(us_per_unit, microseconds_per_unit, "mean microseconds per unit; 0 when nothing was counted")
 
-#define VKV_BACKEND_STATS_FIELDS(X)                                                                           \
-  X(reserve, CallStats, group, "reserving address space; units: bytes")                                       \
-  X(create, CallStats, group, "creating physical pages; units: pages (a large page: all of its pages)")       \
-  X(release, CallStats, group, "releasing physical pages; units: pages (a large page: all of its pages)")     \
-  X(map, CallStats, group, "mapping; units: pages (a run, or a large page, mapped and made accessible is one " \
-                           "call)")                                                                            \
-  X(unmap, CallStats, group, "unmapping; units: pages (real or zero-backed)")                                 \
-  X(zero_backing, CallStats, group, "back_with_zeros() (zero_page); units: pages")                            \
-  X(zero, CallStats, group, "zero-fills, zero() and zero_strided() one call each; units: bytes")              \
-  X(copy, CallStats, group, "copies; units: bytes")                                                           \
-  X(event, CallStats, group, "event record, query, wait, stream-wait; units: calls")                          \
-  X(cleanup_failures, std::uint64_t, count,                                                                   \
+#define VKV_BACKEND_STATS_FIELDS(X)                                                                       \
+  X(reserve, CallStats, group, "reserving address space; units: bytes")                                   \
+  X(create, CallStats, group, "creating physical pages; units: pages (a large page: all of its pages)")   \
+  X(release, CallStats, group, "releasing physical pages; units: pages (a large page: all of its pages)") \
+  X(map, CallStats, group,                                                                                \
+    "mapping; units: pages (a run, or a large page, mapped and made accessible is one "                   \
+    "call)")                                                                                              \
+  X(unmap, CallStats, group, "unmapping; units: pages (real or zero-backed)")                             \
+  X(zero_backing, CallStats, group, "back_with_zeros() (zero_page); units: pages")                        \
+  X(zero, CallStats, group, "zero-fills, zero() and zero_strided() one call each; units: bytes")          \
+  X(copy, CallStats, group, "copies; units: bytes")                                                       \
+  X(event, CallStats, group, "event record, query, wait, stream-wait; units: calls")                      \
+  X(cleanup_failures, std::uint64_t, count,                                                               \
     "release calls that failed (logged with VKV_LOG=debug), counted with or without backend_statistics")
 #define VKV_BACKEND_STATS_DERIVED(D)
 
-#define VKV_BUDGET_HANDOFF_FIELDS(X)                                                                              \
-  X(ask_relock_ns, std::uint64_t, seconds, "of budget_asks' time: taking this cache's lock back after")           \
-  X(answers, std::uint64_t, count, "the other members' asks this cache gave pages back for")                      \
-  X(answer_pages, std::uint64_t, count, "pages it gave back (by its watcher or its own calls)")                   \
-  X(answer_ns, std::uint64_t, seconds, "the watcher's time giving back, the waits below included")                \
-  X(answer_lock_wait_ns, std::uint64_t, seconds, "of that: waiting for this cache's lock (a call held it)")       \
-  X(answer_event_wait_ns, std::uint64_t, seconds, "of that: waiting for device work that read the pages")         \
-  X(answer_pages_in_calls, std::uint64_t, count,                                                                  \
-    "pages this cache's own calls gave back mid-mapping, for a watcher waiting for their lock")                   \
-  X(idle_pages, std::uint64_t, count, "pages given back unasked after idling (shared_budget_idle_ms)")            \
-  X(answer_unmap_ns, std::uint64_t, seconds,                                                                      \
-    "of the answers' time: unmapping the pages (choosing them included; pages that leave are not zero-filled)")   \
-  X(answer_release_ns, std::uint64_t, seconds, "of the answers' time: releasing the pages to the device")         \
-  X(answer_count_ns, std::uint64_t, seconds,                                                                      \
-    "of the answers' time: counting the pages back to the budget (its lock, waking the askers)")                  \
-  X(pressure_pages, std::uint64_t, count,                                                                         \
-    "pages given back unasked while another member asked recently (shared_budget_pressure_ms)")                   \
+#define VKV_BUDGET_HANDOFF_FIELDS(X)                                                                            \
+  X(ask_relock_ns, std::uint64_t, seconds, "of budget_asks' time: taking this cache's lock back after")         \
+  X(answers, std::uint64_t, count, "the other members' asks this cache gave pages back for")                    \
+  X(answer_pages, std::uint64_t, count, "pages it gave back (by its watcher or its own calls)")                 \
+  X(answer_ns, std::uint64_t, seconds, "the watcher's time giving back, the waits below included")              \
+  X(answer_lock_wait_ns, std::uint64_t, seconds, "of that: waiting for this cache's lock (a call held it)")     \
+  X(answer_event_wait_ns, std::uint64_t, seconds, "of that: waiting for device work that read the pages")       \
+  X(answer_pages_in_calls, std::uint64_t, count,                                                                \
+    "pages this cache's own calls gave back mid-mapping, for a watcher waiting for their lock")                 \
+  X(idle_pages, std::uint64_t, count, "pages given back unasked after idling (shared_budget_idle_ms)")          \
+  X(answer_unmap_ns, std::uint64_t, seconds,                                                                    \
+    "of the answers' time: unmapping the pages (choosing them included; pages that leave are not zero-filled)") \
+  X(answer_release_ns, std::uint64_t, seconds, "of the answers' time: releasing the pages to the device")       \
+  X(answer_count_ns, std::uint64_t, seconds,                                                                    \
+    "of the answers' time: counting the pages back to the budget (its lock, waking the askers)")                \
+  X(pressure_pages, std::uint64_t, count,                                                                       \
+    "pages given back unasked while another member asked recently (shared_budget_pressure_ms)")                 \
   X(pressure_ns, std::uint64_t, seconds, "the watcher's time giving those back, its waits for device work included")
 #define VKV_BUDGET_HANDOFF_DERIVED(D)
 
@@ -70,10 +72,10 @@ namespace vkv {
   X(reserved_bytes, std::size_t, count, "virtual address space held")                                                \
   X(budget_pages, std::size_t, count, "most physical pages the cache may create")                                    \
   X(pages_created, std::size_t, count, "physical pages in existence")                                                \
-  X(pages_free, std::size_t, count, "created, mapped nowhere, ready to map")                                          \
+  X(pages_free, std::size_t, count, "created, mapped nowhere, ready to map")                                         \
   X(pages_mapped, std::size_t, count, "mapped in some slot: pages_in_use + pages_cached")                            \
   X(pages_in_use, std::size_t, count, "mapped in allocated slots, below what they claim")                            \
-  X(pages_cached, std::size_t, count, "mapped, claimed by nobody: kept for reuse or mapped ahead")                    \
+  X(pages_cached, std::size_t, count, "mapped, claimed by nobody: kept for reuse or mapped ahead")                   \
   X(pages_in_reach, std::size_t, count,                                                                              \
     "of pages_cached: in allocated slots below what work in flight may read (zero_page: the largest seq_len of the " \
     "last step()); trim() and set_budget() leave them until a later step() puts them out of reach")                  \
@@ -86,7 +88,7 @@ namespace vkv {
   X(swapped_bytes, std::size_t, count, "host memory holding them")                                                   \
   X(step, CallStats, group, "step() itself, waits included; units: pages it mapped")                                 \
   X(mapped_ahead, CallStats, group,                                                                                  \
-    "the mapper's units that mapped pages ahead (lookahead, eager allocation, expect_tokens()); units: pages (all "   \
+    "the mapper's units that mapped pages ahead (lookahead, eager allocation, expect_tokens()); units: pages (all "  \
     "regions); time: each unit's work outside the lock; its rate in bytes per second is units * page_bytes / "       \
     "seconds")                                                                                                       \
   X(pages_expected, std::size_t, count,                                                                              \
@@ -96,11 +98,11 @@ namespace vkv {
     "asks to a shared budget's other members (shared_budget); units: pages they gave; time: waiting for answers")    \
   X(budget_handoff, BudgetHandoff, group, "the shared budget's hand-off, both sides of it (docs/multi_engine.md)")   \
   X(backend, BackendStats, group, "every backend call by kind (backend_statistics)")
-#define VKV_CACHE_STATS_DERIVED(D)                                                                     \
-  D(bytes_mapped, bytes_mapped, "pages_mapped * page_bytes")                                           \
-  D(bytes_in_use, bytes_in_use, "pages_in_use * page_bytes")                                           \
-  D(bytes_created, bytes_created, "pages_created * page_bytes")                                        \
-  D(bytes_saved_by_sharing, bytes_saved_by_sharing,                                                    \
+#define VKV_CACHE_STATS_DERIVED(D)                              \
+  D(bytes_mapped, bytes_mapped, "pages_mapped * page_bytes")    \
+  D(bytes_in_use, bytes_in_use, "pages_in_use * page_bytes")    \
+  D(bytes_created, bytes_created, "pages_created * page_bytes") \
+  D(bytes_saved_by_sharing, bytes_saved_by_sharing,             \
     "what the shared mappings would take as private copies: (page_mappings - pages_mapped) * page_bytes")
 
 // Where the last step() spent its wall time, phase by phase, and what the last free_reqid()

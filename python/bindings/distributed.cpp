@@ -33,8 +33,8 @@ py::tuple agreed_step(vkv::KvCache& cache, vkv::HostAllReduce& host, py::handle 
   }
   const int outcome = static_cast<int>(result.outcome);
   if (result.outcome == vkv::AgreedStep::Outcome::unsettled)
-    return py::make_tuple(outcome, std::vector<std::int64_t>(result.reduced.begin(), result.reduced.end()),
-                          result.why, result.missing_pages);
+    return py::make_tuple(outcome, std::vector<std::int64_t>(result.reduced.begin(), result.reduced.end()), result.why,
+                          result.missing_pages);
   return py::make_tuple(outcome, py::none(), result.why, result.missing_pages);
 }
 

@@ -4,8 +4,8 @@
 // exceptions into Python's. vkv.vattention needs nothing of its own here: it drives KvCache.
 #include <pybind11/pybind11.h>
 
-#include <vkv/config.h>
 #include <vkv/backend.h>
+#include <vkv/config.h>
 #include <vkv/error.h>
 
 #include <exception>

@@ -39,29 +39,30 @@ void put_group(py::dict& out, const char* name, const Group& value);
 template <typename Struct>
 struct StatsGroup;
 
-#define VKV_STATS_GROUP(Struct, FIELDS, DERIVED)                                                              \
-  template <>                                                                                                 \
-  struct StatsGroup<vkv::Struct> {                                                                            \
-    using Self = vkv::Struct;                                                                                 \
-    static constexpr const char* name = #Struct;                                                              \
-    static py::dict to_python(const vkv::Struct& stats) {                                                     \
-      py::dict out;                                                                                           \
-      FIELDS(VKV_STATS_PUT)                                                                                   \
-      DERIVED(VKV_STATS_PUT_DERIVED)                                                                          \
-      return out;                                                                                             \
-    }                                                                                                         \
-    /* (Python name, Python type, meaning) of every key, in the dict's order. */                             \
-    static py::list describe() {                                                                              \
-      py::list out;                                                                                           \
-      FIELDS(VKV_STATS_DESCRIBE)                                                                              \
-      DERIVED(VKV_STATS_DESCRIBE_DERIVED)                                                                     \
-      return out;                                                                                             \
-    }                                                                                                         \
+#define VKV_STATS_GROUP(Struct, FIELDS, DERIVED)                                 \
+  template <>                                                                    \
+  struct StatsGroup<vkv::Struct> {                                               \
+    using Self = vkv::Struct;                                                    \
+    static constexpr const char* name = #Struct;                                 \
+    static py::dict to_python(const vkv::Struct& stats) {                        \
+      py::dict out;                                                              \
+      FIELDS(VKV_STATS_PUT)                                                      \
+      DERIVED(VKV_STATS_PUT_DERIVED)                                             \
+      return out;                                                                \
+    }                                                                            \
+    /* (Python name, Python type, meaning) of every key, in the dict's order. */ \
+    static py::list describe() {                                                 \
+      py::list out;                                                              \
+      FIELDS(VKV_STATS_DESCRIBE)                                                 \
+      DERIVED(VKV_STATS_DESCRIBE_DERIVED)                                        \
+      return out;                                                                \
+    }                                                                            \
   };
 #define VKV_STATS_PUT(field, type, python, meaning) put_##python(out, #field, stats.field);
 #define VKV_STATS_PUT_DERIVED(name, function, meaning) out[#name] = stats.function();
 #define VKV_STATS_DESCRIBE(field, type, python, meaning) \
-  out.append(py::make_tuple(python_name(#field, #python == std::string("seconds")), python_type<type>(#python), meaning));
+  out.append(                                            \
+      py::make_tuple(python_name(#field, #python == std::string("seconds")), python_type<type>(#python), meaning));
 #define VKV_STATS_DESCRIBE_DERIVED(name, function, meaning) \
   out.append(py::make_tuple(#name, python_type<decltype(std::declval<const Self&>().function())>("count"), meaning));
 

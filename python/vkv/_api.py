@@ -13,7 +13,7 @@ Thread-safety: as KVCache; init() and shutdown() swap the default cache under a 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 

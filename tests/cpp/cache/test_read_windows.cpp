@@ -13,8 +13,8 @@ namespace {
 
 class ReadWindowsTest : public ::testing::Test {
  protected:
-  std::shared_ptr<testing::ControlledEventBackend> events_ = std::make_shared<testing::ControlledEventBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  std::shared_ptr<testing::ControlledEventBackend> events_ =
+      std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   ReadWindows windows_{*events_};
 
   // One step() whose work reads below `horizon_pages`.

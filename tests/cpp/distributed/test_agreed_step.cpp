@@ -69,9 +69,9 @@ TEST(AgreedStep, RanksThatAreAllReadyStepTogether) {
 }
 
 TEST(AgreedStep, ARankShortOfPagesLeavesEveryRankUnstepped) {
-  const std::size_t token_bytes = KvLayout(testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes),
-                                           testing::kHostTestPageBytes)
-                                      .token_bytes();
+  const std::size_t token_bytes =
+      KvLayout(testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes), testing::kHostTestPageBytes)
+          .token_bytes();
   const std::size_t tokens = 4 * testing::kHostTestPageBytes / token_bytes;  // four pages' worth
   std::vector<Rank> ranks = two_ranks("short", /*rank1_budget_pages=*/2);
   const std::vector<AgreedStep> results = step_together(ranks, tokens);
