@@ -66,7 +66,8 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
     "0 = off")                                                                                                        \
   X(zero_page, bool, false,                                                                                           \
     "pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may "      \
-    "read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads touch unmapped memory")           \
+    "read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads give zeros on the host backend "  \
+    "and touch unmapped memory on a GPU (an illegal memory access)")                                                  \
   X(scratch_page, bool, false,                                                                                        \
     "with zero_page: the shared page is writable scratch, one per cache, mapped under the whole reservation from "    \
     "the start; writes to pages no step() backed land there and do not fault (vLLM zero-fills its whole KV buffer), " \

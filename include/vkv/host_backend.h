@@ -1,9 +1,11 @@
 // Backend over CPU memory with the same reserve/map/unmap model as CUDA VMM.
 //
-// A reservation is an mmap(PROT_NONE) range. Physical pages are slices of one
+// A reservation is a private read-only anonymous mmap: memory no page backs reads as
+// zeros (the kernel's zero page, no memory used) and writes there are SIGSEGV, so a read
+// past what step() backed never crashes on this backend. Physical pages are slices of one
 // memfd; mapping is mmap(MAP_FIXED | MAP_SHARED) of a slice, so one page mapped at
-// two addresses shows the same bytes. Unmapping puts PROT_NONE back; zero backing is a
-// private read-only anonymous mapping (the kernel's zero page: reads 0, writes SIGSEGV);
+// two addresses shows the same bytes. Unmapping puts the read-only zeros back; zero
+// backing (back_with_zeros) is the same kind of mapping;
 // releasing a page punches a hole in the memfd so its memory returns to the system.
 // A large page is that many slices side by side, appended to the file and mapped with one
 // mmap; released, its slices are reused one by one as single pages.

@@ -1,4 +1,17 @@
 // Plain counters a KvCache reports: what is mapped where, and what the backend cost.
+//
+// Every counter is declared once, in the field lists below: its name, type, how Python shows
+// it and what it means. The structs, the Python binding (KVCache.stats() and
+// last_step_profile(), vkv._C.stats_fields()), the typing stub and the tables in docs/api.md
+// derive from them (scripts/generate_stubs.py; tests/python/test_generated.py fails when a
+// committed file differs).
+//
+// X(name, type, python, meaning). `python` says how the binding shows the field:
+//   count    an int (a bool for bool fields), under the same name;
+//   seconds  nanoseconds as float seconds, renamed: `x_ns` -> `x_seconds`, `nanoseconds` -> `seconds`;
+//   group    a nested dict of the field's own struct (its own field list).
+// Values derived from the fields are listed as D(python_name, function, meaning): a const
+// member function of the struct, which the binding calls and shows under python_name.
 #pragma once
 
 #include <cstddef>
@@ -6,11 +19,123 @@
 
 namespace vkv {
 
-/// One kind of backend call: how often, over how many pages or bytes, and the wall time spent.
+#define VKV_CALL_STATS_FIELDS(X)                                        \
+  X(calls, std::uint64_t, count, "calls made")                          \
+  X(units, std::uint64_t, count,                                        \
+    "pages for create/release/map/unmap, bytes for zero/copy (as each " \
+    "kind of call says)")                                               \
+  X(nanoseconds, std::uint64_t, seconds, "wall time inside the call, on the caller's thread")
+#define VKV_CALL_STATS_DERIVED(D) \
+  D(us_per_unit, microseconds_per_unit, "mean microseconds per unit; 0 when nothing was counted")
+
+#define VKV_BACKEND_STATS_FIELDS(X)                                                                       \
+  X(reserve, CallStats, group, "reserving address space; units: bytes")                                   \
+  X(create, CallStats, group, "creating physical pages; units: pages (a large page: all of its pages)")   \
+  X(release, CallStats, group, "releasing physical pages; units: pages (a large page: all of its pages)") \
+  X(map, CallStats, group,                                                                                \
+    "mapping; units: pages (a run, or a large page, mapped and made accessible is one "                   \
+    "call)")                                                                                              \
+  X(unmap, CallStats, group, "unmapping; units: pages (real or zero-backed)")                             \
+  X(zero_backing, CallStats, group, "back_with_zeros() (zero_page); units: pages")                        \
+  X(zero, CallStats, group, "zero-fills, zero() and zero_strided() one call each; units: bytes")          \
+  X(copy, CallStats, group, "copies; units: bytes")                                                       \
+  X(event, CallStats, group, "event record, query, wait, stream-wait; units: calls")                      \
+  X(cleanup_failures, std::uint64_t, count,                                                               \
+    "release calls that failed (logged with VKV_LOG=debug), counted with or without backend_statistics")
+#define VKV_BACKEND_STATS_DERIVED(D)
+
+#define VKV_BUDGET_HANDOFF_FIELDS(X)                                                                            \
+  X(ask_relock_ns, std::uint64_t, seconds, "of budget_asks' time: taking this cache's lock back after")         \
+  X(answers, std::uint64_t, count, "the other members' asks this cache gave pages back for")                    \
+  X(answer_pages, std::uint64_t, count, "pages it gave back (by its watcher or its own calls)")                 \
+  X(answer_ns, std::uint64_t, seconds, "the watcher's time giving back, the waits below included")              \
+  X(answer_lock_wait_ns, std::uint64_t, seconds, "of that: waiting for this cache's lock (a call held it)")     \
+  X(answer_event_wait_ns, std::uint64_t, seconds, "of that: waiting for device work that read the pages")       \
+  X(answer_pages_in_calls, std::uint64_t, count,                                                                \
+    "pages this cache's own calls gave back mid-mapping, for a watcher waiting for their lock")                 \
+  X(idle_pages, std::uint64_t, count, "pages given back unasked after idling (shared_budget_idle_ms)")          \
+  X(answer_unmap_ns, std::uint64_t, seconds,                                                                    \
+    "of the answers' time: unmapping the pages (choosing them included; pages that leave are not zero-filled)") \
+  X(answer_release_ns, std::uint64_t, seconds, "of the answers' time: releasing the pages to the device")       \
+  X(answer_count_ns, std::uint64_t, seconds,                                                                    \
+    "of the answers' time: counting the pages back to the budget (its lock, waking the askers)")                \
+  X(pressure_pages, std::uint64_t, count,                                                                       \
+    "pages given back unasked while another member asked recently (shared_budget_pressure_ms)")                 \
+  X(pressure_ns, std::uint64_t, seconds, "the watcher's time giving those back, its waits for device work included")
+#define VKV_BUDGET_HANDOFF_DERIVED(D)
+
+// Physical pages: pages_created = pages_free + pages_mapped (+ pages the mapper is moving);
+// pages_mapped = pages_in_use + pages_cached. A page shared by several slots counts once
+// there, and page_mappings counts it per slot.
+#define VKV_CACHE_STATS_FIELDS(X)                                                                                    \
+  X(page_bytes, std::size_t, count, "bytes per physical page")                                                       \
+  X(reserved_bytes, std::size_t, count, "virtual address space held")                                                \
+  X(budget_pages, std::size_t, count, "most physical pages the cache may create")                                    \
+  X(pages_created, std::size_t, count, "physical pages in existence")                                                \
+  X(pages_free, std::size_t, count, "created, mapped nowhere, ready to map")                                         \
+  X(pages_mapped, std::size_t, count, "mapped in some slot: pages_in_use + pages_cached")                            \
+  X(pages_in_use, std::size_t, count, "mapped in allocated slots, below what they claim")                            \
+  X(pages_cached, std::size_t, count, "mapped, claimed by nobody: kept for reuse or mapped ahead")                   \
+  X(pages_in_reach, std::size_t, count,                                                                              \
+    "of pages_cached: in allocated slots below what work in flight may read (zero_page: the largest seq_len of the " \
+    "last step()); trim() and set_budget() leave them until a later step() puts them out of reach")                  \
+  X(pages_shared, std::size_t, count, "mapped in more than one slot (fork, share_prefix)")                           \
+  X(large_pages, std::size_t, count, "large pages in existence (large_page_size), each counted in pages too")        \
+  X(page_mappings, std::size_t, count, "page-sized runs of slot addresses backed; >= pages_mapped")                  \
+  X(active_slots, std::size_t, count, "allocated slots")                                                             \
+  X(tokens_in_use, std::size_t, count, "sum of the last step's seq_lens")                                            \
+  X(swapped_slots, std::size_t, count, "allocated slots swapped out to host memory")                                 \
+  X(swapped_bytes, std::size_t, count, "host memory holding them")                                                   \
+  X(step, CallStats, group, "step() itself, waits included; units: pages it mapped")                                 \
+  X(mapped_ahead, CallStats, group,                                                                                  \
+    "the mapper's units that mapped pages ahead (lookahead, eager allocation, expect_tokens()); units: pages (all "  \
+    "regions); time: each unit's work outside the lock; its rate in bytes per second is units * page_bytes / "       \
+    "seconds")                                                                                                       \
+  X(pages_expected, std::size_t, count,                                                                              \
+    "pages (all regions) that expect_tokens() asked for and the mapper has not mapped yet: 0 once a long prompt's "  \
+    "memory is ready")                                                                                               \
+  X(budget_asks, CallStats, group,                                                                                   \
+    "asks to a shared budget's other members (shared_budget); units: pages they gave; time: waiting for answers")    \
+  X(budget_handoff, BudgetHandoff, group, "the shared budget's hand-off, both sides of it (docs/multi_engine.md)")   \
+  X(backend, BackendStats, group, "every backend call by kind (backend_statistics)")
+#define VKV_CACHE_STATS_DERIVED(D)                              \
+  D(bytes_mapped, bytes_mapped, "pages_mapped * page_bytes")    \
+  D(bytes_in_use, bytes_in_use, "pages_in_use * page_bytes")    \
+  D(bytes_created, bytes_created, "pages_created * page_bytes") \
+  D(bytes_saved_by_sharing, bytes_saved_by_sharing,             \
+    "what the shared mappings would take as private copies: (page_mappings - pages_mapped) * page_bytes")
+
+// Where the last step() spent its wall time, phase by phase, and what the last free_reqid()
+// and alloc_reqid() cost. Host waits for events are counted in event_wait_ns and also in the
+// phase they fall in.
+#define VKV_STEP_PROFILE_FIELDS(X)                                                                                  \
+  X(total_ns, std::uint64_t, count, "step(): entry to return, as stats()['step']")                                  \
+  X(lock_wait_ns, std::uint64_t, count, "entry until the cache's mutex was held")                                   \
+  X(fills_ns, std::uint64_t, count, "enqueueing deferred zero-fills (launch, event record, stream waits)")          \
+  X(windows_ns, std::uint64_t, count, "zero_page read windows: event queries and the record")                       \
+  X(plan_ns, std::uint64_t, count, "checking seq_lens and planning")                                                \
+  X(mapper_wait_ns, std::uint64_t, count, "waiting for a mapper unit on a slot this step needs")                    \
+  X(map_ns, std::uint64_t, count, "mapping missing pages (driver calls, reclamation, zero-fills)")                  \
+  X(event_wait_ns, std::uint64_t, count, "host waits for device events (free events, read windows), in the phases") \
+  X(finish_ns, std::uint64_t, count, "books, eager size, whether the mapper has work")                              \
+  X(wake_ns, std::uint64_t, count, "waking the mapper, after the lock is released (not in total_ns)")               \
+  X(fills, std::uint32_t, count, "deferred zero-fills enqueued")                                                    \
+  X(pages_mapped, std::uint32_t, count, "pages the step mapped")                                                    \
+  X(mapper_waits, std::uint32_t, count, "times it waited for the mapper")                                           \
+  X(lock_contended, bool, count, "another thread (the mapper, most often) held the mutex at entry")                 \
+  X(mapper_busy, bool, count, "the mapper was inside a unit when the lock was taken")                               \
+  X(woke_mapper, bool, count, "it woke the mapper (work for it)")                                                   \
+  X(free_ns, std::uint64_t, count, "the last free_reqid(), whenever it ran: wall time")                             \
+  X(free_lock_wait_ns, std::uint64_t, count, "of that: waiting for the mutex")                                      \
+  X(alloc_ns, std::uint64_t, count, "the last alloc_reqid(), whenever it ran: wall time")                           \
+  X(alloc_lock_wait_ns, std::uint64_t, count, "of that: waiting for the mutex")
+#define VKV_STEP_PROFILE_DERIVED(D)
+
+#define VKV_DECLARE_STATS_FIELD(name, type, python, meaning) type name{};
+
+/// One kind of call: how often, over how many pages or bytes, and the wall time spent.
 struct CallStats {
-  std::uint64_t calls = 0;
-  std::uint64_t units = 0;        ///< pages for create/release/map/unmap, bytes for zero/copy
-  std::uint64_t nanoseconds = 0;  ///< wall time inside the backend, caller's thread
+  VKV_CALL_STATS_FIELDS(VKV_DECLARE_STATS_FIELD)
 
   /// Mean microseconds per unit (per page for map/unmap); 0 when nothing was counted.
   double microseconds_per_unit() const noexcept {
@@ -18,107 +143,26 @@ struct CallStats {
   }
 };
 
+/// Every backend call by kind (config.backend_statistics).
 struct BackendStats {
-  CallStats reserve;       ///< units: bytes
-  CallStats create;        ///< units: pages (a large page: all of its pages, in one call)
-  CallStats release;       ///< units: pages (a large page: all of its pages)
-  CallStats map;           ///< units: pages (map + access of a run, or of a large page, counts as one call)
-  CallStats unmap;         ///< units: pages (real or zero-backed)
-  CallStats zero_backing;  ///< back_with_zeros(); units: pages
-  CallStats zero;          ///< zero() and zero_strided(), one call each; units: bytes
-  CallStats copy;          ///< units: bytes
-  CallStats event;         ///< record, query, wait, stream-wait; units: calls
-  /// Release calls that failed (logged with VKV_LOG=debug); counted with or without the
-  /// statistics adaptor.
-  std::uint64_t cleanup_failures = 0;
+  VKV_BACKEND_STATS_FIELDS(VKV_DECLARE_STATS_FIELD)
 };
 
-/// Where the last step() spent its wall time, phase by phase, and what the last free_reqid()
-/// and alloc_reqid() cost (a debugging aid, kept on: a handful of clock reads per call). arrivals_bench.py reads it
-/// after every iteration. Host waits for events are counted in event_wait_ns and also in the phase they fall in.
+/// The shared budget's hand-off, both sides of it (config.shared_budget).
+struct BudgetHandoff {
+  VKV_BUDGET_HANDOFF_FIELDS(VKV_DECLARE_STATS_FIELD)
+};
+
+/// Where the last step() spent its time (a debugging aid, kept on: a handful of clock reads
+/// per call). benchmarks/arrivals_bench.py reads it after every iteration.
 struct StepProfile {
-  std::uint64_t total_ns = 0;        ///< entry to return, as step_stats' nanoseconds
-  std::uint64_t lock_wait_ns = 0;    ///< entry until the cache's mutex was held
-  std::uint64_t fills_ns = 0;        ///< enqueueing deferred zero-fills (launch, event record, stream waits)
-  std::uint64_t windows_ns = 0;      ///< zero_page read windows: event queries and the record
-  std::uint64_t plan_ns = 0;         ///< checking seq_lens and planning (plan_step() passes)
-  std::uint64_t mapper_wait_ns = 0;  ///< waiting for a mapper unit on a slot this step needs
-  std::uint64_t map_ns = 0;          ///< mapping missing pages (driver calls, reclamation, zero-fills)
-  std::uint64_t event_wait_ns = 0;   ///< host waits for device events (free events, read windows)
-  std::uint64_t finish_ns = 0;       ///< books, eager size, whether the mapper has work
-  std::uint64_t wake_ns = 0;         ///< waking the mapper, after the lock is released (not in total_ns)
-  std::uint32_t fills = 0;           ///< deferred zero-fills enqueued
-  std::uint32_t pages_mapped = 0;    ///< pages map_missing() mapped
-  std::uint32_t mapper_waits = 0;    ///< times it waited for the mapper
-  bool lock_contended = false;       ///< another thread (the mapper, most often) held the mutex at entry
-  bool mapper_busy = false;          ///< the mapper was inside a unit when the lock was taken
-  bool woke_mapper = false;          ///< it woke the mapper (work for it)
-  // The last free_reqid() and alloc_reqid(), whenever they ran: wall time, and the part
-  // spent waiting for the mutex.
-  std::uint64_t free_ns = 0;
-  std::uint64_t free_lock_wait_ns = 0;
-  std::uint64_t alloc_ns = 0;
-  std::uint64_t alloc_lock_wait_ns = 0;
+  VKV_STEP_PROFILE_FIELDS(VKV_DECLARE_STATS_FIELD)
 };
 
-/// Page accounting of a KvCache. Physical pages: pages_created = pages_free +
-/// pages_mapped (+ pages the mapper is moving); pages_mapped = pages_in_use + pages_cached.
-/// A page shared by several slots counts once there, and page_mappings counts it per slot.
+/// Page accounting of a KvCache (fields: VKV_CACHE_STATS_FIELDS above).
 struct CacheStats {
-  std::size_t page_bytes = 0;
-  std::size_t reserved_bytes = 0;  ///< virtual address space held
-  std::size_t budget_pages = 0;    ///< most physical pages the cache may create
-  std::size_t pages_created = 0;   ///< physical pages in existence
-  std::size_t pages_free = 0;      ///< created, mapped nowhere, ready to map
-  std::size_t pages_mapped = 0;    ///< mapped in some slot
-  std::size_t pages_in_use = 0;    ///< mapped in allocated slots, below what they claim
-  std::size_t pages_cached = 0;    ///< mapped, claimed by nobody: kept for reuse or mapped ahead
-  /// Of pages_cached: in allocated slots below what work in flight may read (zero_page:
-  /// the largest seq_len of the last step()); trim() and set_budget() leave them until
-  /// a later step() puts them out of reach.
-  std::size_t pages_in_reach = 0;
-  std::size_t pages_shared = 0;   ///< mapped in more than one slot (fork, share_prefix)
-  std::size_t large_pages = 0;    ///< large pages in existence (config.large_page_size), each counted in pages too
-  std::size_t page_mappings = 0;  ///< page-sized runs of slot addresses backed; >= pages_mapped
-  std::size_t active_slots = 0;
-  std::size_t tokens_in_use = 0;  ///< sum of the last step's seq_lens
-  std::size_t swapped_slots = 0;  ///< allocated slots swapped out to host memory
-  std::size_t swapped_bytes = 0;  ///< host memory holding them
-  CallStats step;                 ///< step() itself, waits included; units: pages it mapped
-  /// The mapper's units that mapped pages ahead (lookahead, eager allocation,
-  /// expect_tokens()): units: pages (all regions); time: each unit's work outside the
-  /// lock (creating, mapping and zero-filling its pages). Its mapping rate in bytes per
-  /// second is units * page_bytes / seconds.
-  CallStats mapped_ahead;
-  /// Pages (all regions) that expect_tokens() asked for and the mapper has not mapped
-  /// yet: 0 once a long prompt's memory is ready.
-  std::size_t pages_expected = 0;
-  /// Asks to a shared budget's other members (config.shared_budget): units: pages they
-  /// gave; time: waiting for their answers.
-  CallStats budget_asks;
-  /// The hand-off's breakdown, both sides of it (config.shared_budget).
-  struct BudgetHandoff {
-    std::uint64_t ask_relock_ns = 0;          ///< of budget_asks' time: taking this cache's lock back after
-    std::uint64_t answers = 0;                ///< the others' asks this cache gave pages back for
-    std::uint64_t answer_pages = 0;           ///< pages it gave back (by its watcher or its own calls)
-    std::uint64_t answer_ns = 0;              ///< the watcher's time giving back, the waits below included
-    std::uint64_t answer_lock_wait_ns = 0;    ///< of that: waiting for this cache's lock (a call held it)
-    std::uint64_t answer_event_wait_ns = 0;   ///< of that: waiting for device work that read the pages
-    std::uint64_t answer_pages_in_calls = 0;  ///< pages this cache's own calls gave back mid-mapping, for a
-                                              ///< watcher waiting for their lock
-    std::uint64_t idle_pages = 0;             ///< pages given back unasked after idling (shared_budget_idle_ms)
-    /// Of answer_ns, where the pages' own time went: unmapping them (choosing the victims
-    /// included; pages that leave are not zero-filled), releasing them to the device, counting them back to the
-    /// budget (its lock, waking the askers); the rest is the pledge and waits above.
-    std::uint64_t answer_unmap_ns = 0;
-    std::uint64_t answer_release_ns = 0;
-    std::uint64_t answer_count_ns = 0;
-    /// Pages given back unasked while another member asked recently (shared_budget_pressure_ms),
-    /// and the watcher's time doing so (its waits for device work included).
-    std::uint64_t pressure_pages = 0;
-    std::uint64_t pressure_ns = 0;
-  } budget_handoff;
-  BackendStats backend;
+  using BudgetHandoff = vkv::BudgetHandoff;
+  VKV_CACHE_STATS_FIELDS(VKV_DECLARE_STATS_FIELD)
 
   std::size_t bytes_mapped() const noexcept { return pages_mapped * page_bytes; }
   std::size_t bytes_in_use() const noexcept { return pages_in_use * page_bytes; }
@@ -126,5 +170,7 @@ struct CacheStats {
   /// Device memory sharing saves: what the shared mappings would take as private copies.
   std::size_t bytes_saved_by_sharing() const noexcept { return (page_mappings - pages_mapped) * page_bytes; }
 };
+
+#undef VKV_DECLARE_STATS_FIELD
 
 }  // namespace vkv

@@ -1,6 +1,7 @@
 // Umbrella header: everything a custom engine needs from vkv.
 #pragma once
 
+#include "vkv/agreed_step.h"
 #include "vkv/backend.h"
 #include "vkv/config.h"
 #include "vkv/cuda_backend.h"

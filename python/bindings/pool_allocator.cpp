@@ -100,9 +100,13 @@ extern "C" __attribute__((visibility("default"))) void vkv_pool_free(void* ptr, 
   if (state.base != 0 && reinterpret_cast<std::uintptr_t>(ptr) == state.base) state.handed_out = false;
 }
 
+namespace vkv_bindings {
+
 void bind_pool_allocator(py::module_& m) {
   m.def("register_reservation", &register_reservation, py::arg("base"), py::arg("bytes"),
         "The one allocation vkv_pool_malloc hands out next (replaces any earlier). Thread-safe.");
   m.def("unregister_reservation", &unregister_reservation, "vkv_pool_malloc refuses everything again. Thread-safe.");
   m.def("take_pool_error", &take_error, "Why vkv_pool_malloc last refused ('' if it did not), and clears it.");
 }
+
+}  // namespace vkv_bindings

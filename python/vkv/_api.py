@@ -13,11 +13,11 @@ Thread-safety: as KVCache; init() and shutdown() swap the default cache under a 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import _parameters
+from . import _C, _parameters
 from ._cache import KVCache, SeqLens
 
 _lock = threading.Lock()
@@ -64,7 +64,7 @@ def step(seq_lens: SeqLens) -> None:
     default_cache().step(seq_lens)
 
 
-def stats() -> Dict[str, Any]:
+def stats() -> _C.CacheStats:
     """KVCache.stats() on the default cache."""
     return default_cache().stats()
 

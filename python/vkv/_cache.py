@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,7 +41,9 @@ class KVCache:
     rule that keeps this safe while pages come and go: the kernels enqueued after a
     ``step()`` read no slot beyond the largest seq_len of that step (other reads must be
     synchronous, like ``print``). Off (the default, for what it costs on a GPU, see
-    docs/api.md), reading beyond a slot's seq_len touches unmapped memory: a fault.
+    docs/api.md), reading beyond a slot's seq_len gives zeros on the host backend and
+    touches unmapped memory on a GPU: an illegal memory access. ``key(layer, slot)`` is
+    one request's backed tokens, safe to read whole everywhere.
 
     Slots: a request's place in the cache, ``0 <= slot < max_batch_size``, the row it owns
     in every tensor. The vAttention paper calls a slot a *reqid*; the methods keep its
@@ -103,18 +105,39 @@ class KVCache:
 
     # -- tensors -------------------------------------------------------------------
 
-    def key(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s keys, ``[max_batch_size, max_context_len, num_kv_heads, head_dim]``.
+    def key(self, layer: int, slot: Optional[int] = None) -> torch.Tensor:
+        """Layer ``layer``'s keys: with ``slot``, that request's tokens as the last
+        ``step()`` backed them, ``[seq_len, num_kv_heads, head_dim]``, safe to read whole on
+        every backend; without, every slot's whole reservation, ``[max_batch_size,
+        max_context_len, num_kv_heads, head_dim]``, where only the tokens ``step()`` backed
+        have memory: reading the rest gives zeros on the host backend and with
+        ``zero_page=True``, and an illegal memory access (the CUDA context is lost) on a GPU
+        otherwise. ``key(layer, slot)`` is ``key(layer)[slot, :seq_lens()[slot]]``.
 
         A torch.Tensor (``vkv._reservation_view.ReservationView``): printing, pickling, ``copy.deepcopy``
         and ``torch.save`` of it and of its views copy only the elements the view covers,
         and raise RuntimeError (repr: says so) when no page backs some of them, instead of
-        reading unmapped memory."""
-        return self._live()._keys[self._layer(layer)]
+        reading unmapped memory, on every backend alike.
 
-    def value(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s values, same shape as ``key(layer)``."""
-        return self._live()._values[self._layer(layer)]
+        Raises:
+            ValueError: layer out of range; slot out of range or not allocated.
+        """
+        whole = self._live()._keys[self._layer(layer)]
+        return whole if slot is None else self._tokens(whole, slot)
+
+    def value(self, layer: int, slot: Optional[int] = None) -> torch.Tensor:
+        """Layer ``layer``'s values, as ``key(layer, slot)``."""
+        whole = self._live()._values[self._layer(layer)]
+        return whole if slot is None else self._tokens(whole, slot)
+
+    def _tokens(self, whole: torch.Tensor, slot: int) -> torch.Tensor:
+        """The backed tokens of ``slot`` in one layer's whole view."""
+        slot = self._slot(slot)
+        if slot >= self.max_batch_size:
+            raise ValueError(f"slot = {slot} is out of range: max_batch_size = {self.max_batch_size}")
+        if not self._core.is_allocated(slot):
+            raise ValueError(f"slot = {slot} is not allocated: alloc_reqid() hands out slots")
+        return whole[slot, : self._core.seq_lens()[slot]]
 
     def kv_tensors(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """All keys and all values, one tensor per layer each."""
@@ -348,16 +371,18 @@ class KVCache:
 
     # -- inspection ------------------------------------------------------------------
 
-    def stats(self) -> Dict[str, Any]:
-        """Page accounting and backend call counts/times (see docs/api.md)."""
+    def stats(self) -> _C.CacheStats:
+        """Page accounting and backend call counts/times: a dict whose keys, types and
+        meanings include/vkv/stats.h lists once (docs/api.md's tables; ``vkv._C.stats_fields()``)."""
         return self._live()._core.stats()
 
-    def last_step_profile(self) -> Dict[str, Any]:
+    def last_step_profile(self) -> _C.StepProfile:
         """Where the last ``step()`` spent its time, in nanoseconds per phase (lock wait,
         deferred fills, read windows, planning, waiting for the mapper, mapping, the rest),
         host waits for events, counts (fills, pages mapped), whether the lock was contended
         or the mapper busy; and the last ``free_reqid()``/``alloc_reqid()``'s time and lock
-        wait. A debugging aid (benchmarks/arrivals_bench.py's breakdown); see vkv::StepProfile."""
+        wait. A debugging aid (benchmarks/arrivals_bench.py's breakdown); its keys are
+        include/vkv/stats.h's VKV_STEP_PROFILE_FIELDS (docs/api.md's tables)."""
         return self._live()._core.last_step_profile()
 
     @property

@@ -2,8 +2,9 @@
 pickle, deepcopy or torch.save cannot turn into a read of unmapped memory.
 
 Every ``key(l)``/``value(l)`` views one storage the size of the whole reservation, most
-of it not backed by pages (``zero_page=False``): reading there faults (SIGSEGV on the
-host backend, an illegal address that ends the CUDA context on a GPU). Torch's repr,
+of it not backed by pages (``zero_page=False``): reading there is an illegal address that
+ends the CUDA context on a GPU (the host backend reads zeros there; the checks below act
+alike on both, so that what works on the CPU does not crash on a GPU). Torch's repr,
 pickling, deepcopy and torch.save read, or copy the whole storage of, the tensor they are
 given. So these tensors are a ``ReservationView`` subclass that does that only for the
 bytes the view covers, and only when every one of them is backed by a page a request

@@ -27,7 +27,10 @@ using State = detail::PageStates::State;
 
 void* as_pointer(Address address) { return reinterpret_cast<void*>(address); }
 
-constexpr int kReservedProtection = PROT_NONE;
+// Reserved memory no page backs reads as zeros and faults on writes: a private read-only
+// anonymous mapping reads from the kernel's zero page and costs no memory, so a read of a
+// whole view (`cache.key(0).sum()`) past what step() backed gives zeros instead of SIGSEGV.
+constexpr int kReservedProtection = PROT_READ;
 constexpr int kAnonymousFixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE;
 
 }  // namespace
@@ -83,7 +86,7 @@ bool HostBackend::remap(Address address, std::size_t bytes, int protection, int 
 
 Address HostBackend::reserve(std::size_t bytes) {
   void* base = mmap(nullptr, bytes, kReservedProtection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (base == MAP_FAILED) throw_errno("mmap(PROT_NONE, " + std::to_string(bytes) + " bytes)");
+  if (base == MAP_FAILED) throw_errno("mmap(PROT_READ, " + std::to_string(bytes) + " bytes)");
   const auto address = reinterpret_cast<Address>(base);
   if (mapping_mutex_) {
     std::lock_guard<std::mutex> lock(*mapping_mutex_);
@@ -196,8 +199,8 @@ void HostBackend::map_large(Address address, PageHandle page, std::size_t pages)
 void HostBackend::unmap(Address address, std::size_t bytes) {
   std::unique_lock<std::mutex> lock;
   if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
-  // Back to a reserved, inaccessible range rather than a hole another mmap could take.
-  if (!remap(address, bytes, kReservedProtection, kAnonymousFixed, -1, 0)) throw_errno("mmap(PROT_NONE | MAP_FIXED)");
+  // Back to a reserved range (reads zeros, writes fault) rather than a hole another mmap could take.
+  if (!remap(address, bytes, kReservedProtection, kAnonymousFixed, -1, 0)) throw_errno("mmap(PROT_READ | MAP_FIXED)");
   if (page_states_) page_states_->set(address, address + bytes, State::reserved);
 }
 

@@ -1,10 +1,13 @@
 """The parts of python/vkv/_C.pyi and docs/api.md that scripts/generate_stubs.py writes from
-the config fields (include/vkv/config.h) are committed as it writes them now."""
+the config fields (include/vkv/config.h) and the stats' fields (include/vkv/stats.h) are
+committed as it writes them now, and the dicts stats() and last_step_profile() return hold
+exactly the keys those fields declare."""
 
 import importlib.util
 import pathlib
 
 import pytest
+import torch
 
 import vkv
 
@@ -48,3 +51,38 @@ def test_the_check_mode_reports_a_stale_file(tmp_path, monkeypatch):
     assert "num_layers: int = 1," in stale.read_text(), "--check changes nothing"
     assert generator.main([]) == 0
     assert stale.read_text() == generator.generated()[stale]
+
+
+def _check_against_fields(value, struct, groups, where):
+    """Every key of `value` (a dict of `struct`) is a declared field of that type, and none is missing."""
+    fields = {name: python_type for name, python_type, _ in groups[struct]}
+    assert list(value) == list(fields), f"{where}: the keys differ from include/vkv/stats.h's {struct}"
+    for name, python_type in fields.items():
+        if python_type in groups:
+            _check_against_fields(value[name], python_type, groups, f"{where}[{name!r}]")
+        else:
+            assert type(value[name]).__name__ == python_type, f"{where}[{name!r}] = {value[name]!r} is not {python_type}"
+
+
+def test_stats_and_the_step_profile_hold_every_declared_field_and_nothing_else():
+    groups = vkv._C.stats_fields()
+    assert {"CacheStats", "CallStats", "BackendStats", "BudgetHandoff", "StepProfile"} <= set(groups)
+    with vkv.KVCache(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=2,
+                     max_context_len=1024, device="cpu") as cache:
+        slot = cache.alloc_reqid()
+        cache.step({slot: 10})
+        stats, profile = cache.stats(), cache.last_step_profile()
+    _check_against_fields(stats, "CacheStats", groups, "stats()")
+    _check_against_fields(profile, "StepProfile", groups, "last_step_profile()")
+    assert stats["step"]["calls"] == 1 and stats["pages_in_use"] >= 1
+    assert stats["backend"]["cleanup_failures"] == 0
+
+
+def test_the_stub_types_stats_with_the_declared_typed_dicts():
+    stub = (ROOT / "python" / "vkv" / "_C.pyi").read_text()
+    assert "    def stats(self) -> CacheStats: ..." in stub
+    assert "    def last_step_profile(self) -> StepProfile: ..." in stub
+    for struct, fields in vkv._C.stats_fields().items():
+        assert f"class {struct}(TypedDict):" in stub
+        for name, python_type, _ in fields:
+            assert f"    {name}: {python_type}  # " in stub

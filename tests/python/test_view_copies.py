@@ -1,6 +1,7 @@
 """Printing, pickling, deep-copying and saving the cache's tensors: with
 the default zero_page=False most of the reservation a ``key(l)`` views has no page, and
-reading it faults (SIGSEGV on the host backend too). These calls must copy only what the
+reading it faults on a GPU (the host backend reads zeros, but the checks act alike on
+both). These calls must copy only what the
 view covers when pages back all of it, and raise a clear error otherwise; the process must
 never die. Each check runs in a subprocess, so that a crash fails the test instead of
 killing pytest."""

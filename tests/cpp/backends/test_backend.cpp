@@ -202,13 +202,19 @@ TEST(HostBackend, RejectsAPageSizeThatIsNotAMultipleOfTheOsPage) {
   EXPECT_THROW(HostBackend(0), InvalidArgument);
 }
 
-TEST(HostBackend, UnmappedMemoryIsInaccessible) {
+// Reserved memory no page backs reads as zeros (a whole-view read past what step() backed
+// is no crash on this backend) and is never writable: a write there is a fault, not a
+// write into memory nobody owns.
+TEST(HostBackend, UnmappedMemoryReadsAsZerosAndFaultsOnWrites) {
   HostBackend backend(testing::kHostTestPageBytes);
   const Address base = backend.reserve(backend.page_bytes());
+  EXPECT_EQ(*reinterpret_cast<volatile char*>(base + 123), 0) << "never mapped";
+  EXPECT_DEATH(*reinterpret_cast<volatile char*>(base) = 1, "");
   const PageHandle handle = backend.create_page();
   backend.map(base, &handle, 1);
   *reinterpret_cast<volatile char*>(base) = 1;
   backend.unmap(base, backend.page_bytes());
+  EXPECT_EQ(*reinterpret_cast<volatile char*>(base), 0) << "unmapped: the page's bytes are gone from here";
   EXPECT_DEATH(*reinterpret_cast<volatile char*>(base) = 1, "");
   backend.release_page(handle);
   backend.free_reservation(base, backend.page_bytes());

@@ -101,6 +101,28 @@ TEST(ZeroPage, WritesBeyondWhatStepBackedStillFault) {
   EXPECT_DEATH(*beyond = 1, "");  // ...but a write is a fault, not silent corruption
 }
 
+// With the defaults (zero_page off) the host backend still reads zeros wherever no page is:
+// a sum over a whole layer's keys, most of them never backed, is the backed tokens' sum.
+TEST(ZeroPage, OffTheHostBackendReadsZerosPastWhatStepBacked) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  CacheConfig config = testing::small_config(LayoutKind::interleaved, testing::kHostTestPageBytes);
+  ASSERT_FALSE(config.zero_page);
+  KvCache cache(config, std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  const std::size_t slot = cache.alloc_reqid();
+  std::vector<std::size_t> seq_lens(config.max_batch_size, 0);
+  seq_lens[slot] = 1;
+  cache.step(seq_lens);
+  const std::size_t first = cache.layout().page_offset(0, slot, 0);
+  *reinterpret_cast<volatile std::uint8_t*>(cache.base() + first) = 7;
+  std::uint64_t sum = 0;
+  const auto* bytes = reinterpret_cast<const volatile std::uint8_t*>(cache.base());
+  for (std::size_t i = 0; i < cache.layout().reserved_bytes(); i += 64) sum += bytes[i];
+  EXPECT_EQ(sum, 7u) << "every byte but one reads as zero";
+  auto* beyond = reinterpret_cast<volatile std::uint8_t*>(cache.base() + cache.layout().page_offset(0, slot, 1));
+  EXPECT_EQ(*beyond, 0);
+  EXPECT_DEATH(*beyond = 1, "") << "a write where no page is must still fault";
+}
+
 // A slot grows into a page that a padded batch of the last iteration may read (below the
 // largest seq_len of that step): the swap waits for that iteration's work; a page beyond
 // every horizon is mapped without waiting, and the mapper maps ahead only there.
