@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "undo_log.h"
+#include "util/clock.h"
 #include "util/fork_guard.h"
 #include "util/format.h"
 #include "vkv/error.h"
@@ -192,12 +193,7 @@ void KvCache::Impl::rethrow_background_error() {
 }
 
 namespace {
-
-std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point from) {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - from).count());
-}
-
+using detail::nanoseconds_since;
 }  // namespace
 
 std::size_t KvCache::Impl::alloc_reqid(Stream stream) {

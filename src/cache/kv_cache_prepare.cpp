@@ -19,6 +19,7 @@
 #include "kv_cache_impl.h"
 #include "read_windows.h"
 #include "undo_log.h"
+#include "util/clock.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -48,8 +49,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
     plan.missing_pages = *missing;
     if (*missing == 0) {
       step_stats_.units += step.to_map;
-      step_stats_.nanoseconds += static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+      step_stats_.nanoseconds += detail::nanoseconds_since(start);
     }
     return plan;
   }

@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "kv_cache_impl.h"
+#include "util/clock.h"
 #include "util/fork_guard.h"
 #include "util/format.h"
 #include "util/log.h"
@@ -23,12 +24,10 @@ void KvCache::Impl::ask_shared_budget(std::unique_lock<std::mutex>& lock, std::s
   }
   const auto relock = std::chrono::steady_clock::now();
   lock.lock();
-  budget_handoff_.ask_relock_ns += static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - relock).count());
+  budget_handoff_.ask_relock_ns += detail::nanoseconds_since(relock);
   membership_->claim_reserved();
   budget_asks_.calls += 1;
-  budget_asks_.nanoseconds += static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  budget_asks_.nanoseconds += detail::nanoseconds_since(start);
   try {
     budget_asks_.units += pool_.add_free(membership_->claimed_pages());
   } catch (const OutOfMemory&) {
@@ -67,10 +66,7 @@ std::size_t KvCache::Impl::cached_bytes_for_budget() const {
 void KvCache::Impl::give_back_to_budget(std::size_t bytes) {
   if (detail::fork_generation() != fork_generation_) return;
   using Clock = std::chrono::steady_clock;
-  auto since = [](Clock::time_point from) {
-    return static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count());
-  };
+  const auto since = detail::nanoseconds_since;
   const auto start = Clock::now();
   const std::size_t page = layout_.page_bytes();
   std::size_t released = 0;
@@ -171,10 +167,7 @@ void KvCache::Impl::serve_give_back(const std::vector<std::size_t>& floors) {
 std::size_t KvCache::Impl::release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors,
                                               detail::VictimKinds kinds, bool may_wait) {
   using Clock = std::chrono::steady_clock;
-  auto since = [](Clock::time_point from) {
-    return static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count());
-  };
+  const auto since = detail::nanoseconds_since;
   // In chunks, each counted back to the budget as soon as it is released: an asker waiting
   // for a few pages goes on after the first chunk, not after the whole answer (on a GPU,
   // ~30 us a page of unmapping and releasing). Each chunk twice the one before: the books
@@ -315,8 +308,7 @@ bool KvCache::Impl::trim_under_pressure() {
   const std::size_t released = release_for_budget(std::min(kReleaseChunkPages, cached - headroom), floors,
                                                   detail::VictimKinds::freed_only, /*may_wait=*/false);
   budget_handoff_.pressure_pages += released;
-  budget_handoff_.pressure_ns += static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  budget_handoff_.pressure_ns += detail::nanoseconds_since(start);
   if (released == 0) return false;
   publish_in_use();
   floors = reclaimable_floors();

@@ -6,6 +6,7 @@
 
 #include "kv_cache_impl.h"
 #include "undo_log.h"
+#include "util/clock.h"
 #include "util/format.h"
 #include "util/internal_assert.h"
 #include "vkv/error.h"
@@ -14,11 +15,8 @@ namespace vkv {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-std::uint64_t nanoseconds_between(Clock::time_point from, Clock::time_point to) {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count());
-}
+using detail::Clock;
+using detail::nanoseconds_between;
 
 // Adds the time since `from` to `into` and moves `from` on: one clock read per phase.
 void lap(Clock::time_point& from, std::uint64_t& into) {

@@ -2,7 +2,6 @@
 // books themselves are BudgetLedger's; a cache's membership is BudgetMembership's.
 #include "vkv/shared_budget.h"
 
-
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
