@@ -72,12 +72,12 @@ std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mu
       return 0;
     } catch (const OutOfMemory& error) {  // the device ran out, or the budget's room went meanwhile
       if (!background_busy()) {
-        if (reap_dead_members()) return std::nullopt;  // plan again with their bytes
+        if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
         return std::max<std::size_t>(error.missing_pages(), 1);
       }
     }
   } else if (!background_busy()) {
-    if (reap_dead_members()) return std::nullopt;  // plan again with their bytes
+    if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
     return missing - obtainable;
   }
   // Pages the mapper is moving are not lost: decide once it has put them down.
@@ -180,12 +180,12 @@ std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock
         return 0;
       } catch (const OutOfMemory& error) {
         if (!background_busy()) {
-          if (reap_dead_members()) continue;  // plan again with their bytes
+          if (budget_.reap_dead()) continue;  // plan again with their bytes
           return std::max<std::size_t>(error.missing_pages(), 1);
         }
       }
     } else if (!background_busy()) {
-      if (reap_dead_members()) continue;  // plan again with their bytes
+      if (budget_.reap_dead()) continue;  // plan again with their bytes
       return needed - obtainable;
     }
     background_done_.wait(lock, [&] { return !background_busy(); });
