@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <charconv>
 
-#include "shared_budget/budget_ledger.h"
+#include "interprocess/shared_memory.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -115,7 +115,7 @@ void validate(const CacheConfig& config) {
               " printable ASCII characters (it has ", config.shared_budget_label.size(), ")");
   if (!config.shared_budget.empty()) {
     try {
-      detail::budget_object_name(config.shared_budget);
+      detail::expect_valid_object_name(config.shared_budget, kMaxBudgetName, "shared budget name");
     } catch (const InvalidArgument& error) {
       throw InvalidArgument(detail::concat("shared_budget = '", config.shared_budget, "': ", error.what()));
     }

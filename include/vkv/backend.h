@@ -73,6 +73,10 @@ class Backend {
   /// the machine: caches that share a budget must agree on it (CUDA: the GPU's UUID,
   /// whatever CUDA_VISIBLE_DEVICES calls it). By default: name().
   virtual std::string memory_identity() const { return name(); }
+  /// The smallest page any backend over this memory can have: a shared budget's least
+  /// capacity, whatever page size its members choose (host: the OS page). By default:
+  /// page_bytes() (CUDA: a backend made with the default page has the driver's granularity).
+  virtual std::size_t smallest_page_bytes() const noexcept { return page_bytes(); }
   virtual BackendTraits traits() const noexcept { return {}; }
   /// Release calls that failed (they cannot throw: their callers clean up); each is also
   /// logged with VKV_LOG=debug. A dead context at exit fails them all.

@@ -129,6 +129,7 @@ inline constexpr std::size_t kMaxLayers = 4096;
 inline constexpr std::size_t kMaxIdleMs = 24ull * 3600 * 1000;  ///< shared_budget_idle_ms: a day
 inline constexpr std::size_t kMaxBudgetPriority = 0xffffffffu;  ///< shared_budget_priority: 32 bits
 inline constexpr std::size_t kMaxBudgetLabel = 47;              ///< shared_budget_label's characters
+inline constexpr std::size_t kMaxBudgetName = 200;              ///< shared_budget's characters
 inline constexpr std::size_t kMaxKvHeads = 4096;
 inline constexpr std::size_t kMaxHeadDim = 65536;
 inline constexpr std::size_t kMaxBatch = 1 << 20;

@@ -41,6 +41,7 @@ class ForwardingBackend : public Backend {
   void back_with_zeros(Address address, std::size_t bytes, bool writable) override {
     upstream_->back_with_zeros(address, bytes, writable);
   }
+  std::size_t smallest_page_bytes() const noexcept override { return upstream_->smallest_page_bytes(); }
   BackendTraits traits() const noexcept override { return upstream_->traits(); }
   std::uint64_t cleanup_failures() const noexcept override { return upstream_->cleanup_failures(); }
   void zero(Address address, std::size_t bytes, Stream stream) override { upstream_->zero(address, bytes, stream); }

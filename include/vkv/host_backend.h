@@ -66,6 +66,8 @@ class HostBackend final : public Backend {
 
   std::string name() const override { return "host"; }
   std::size_t page_bytes() const noexcept override { return page_bytes_; }
+  /// The OS page: a host backend may have pages of any multiple of it.
+  std::size_t smallest_page_bytes() const noexcept override;
   std::size_t max_reservation_bytes() const noexcept override { return kMaxReservationBytes; }
   std::size_t available_memory_bytes() const override;
   /// MemTotal of /proc/meminfo.

@@ -82,7 +82,7 @@ struct SharedBudgetStats {
 class SharedBudget {
  public:
   /// Names: 1-200 characters of [A-Za-z0-9._-]; not '.' or '..', not starting with '-'.
-  static constexpr std::size_t kMaxNameLength = 200;
+  static constexpr std::size_t kMaxNameLength = kMaxBudgetName;
   /// Default permission bits: the creating user's processes only.
   static constexpr unsigned kDefaultMode = 0600;
 

@@ -35,6 +35,10 @@ constexpr int kAnonymousFixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NO
 
 }  // namespace
 
+std::size_t HostBackend::smallest_page_bytes() const noexcept {
+  return static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+}
+
 HostBackend::HostBackend(std::size_t page_bytes, HostExecution execution) : page_bytes_(page_bytes) {
   const auto os_page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   VKV_EXPECTS(page_bytes >= os_page && page_bytes % os_page == 0, "page_size = ", page_bytes,

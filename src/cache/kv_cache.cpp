@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "undo_log.h"
+#include "util/clock.h"
 #include "util/fork_guard.h"
 #include "util/format.h"
 #include "vkv/error.h"
@@ -53,16 +54,6 @@ std::size_t large_page_pages(const CacheConfig& config, const Backend& backend) 
   return config.large_page_size / page;
 }
 
-// The membership in config.shared_budget, or none.
-std::unique_ptr<detail::BudgetMembership> join_shared_budget(const CacheConfig& config, const Backend& backend,
-                                                             std::size_t page_bytes) {
-  if (config.shared_budget.empty()) return nullptr;
-  const detail::MemberLimits limits{config.shared_budget_floor, config.shared_budget_cap,
-                                    static_cast<std::uint32_t>(config.shared_budget_priority)};
-  return std::make_unique<detail::BudgetMembership>(config.shared_budget, backend, page_bytes, limits,
-                                                    config.shared_budget_label);
-}
-
 }  // namespace
 
 KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
@@ -70,9 +61,9 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       backend_(backend_stack(config, std::move(backend))),
       statistics_(dynamic_cast<StatisticsBackend*>(backend_.get())),
       layout_(config, backend_->page_bytes()),
-      membership_(join_shared_budget(config, *backend_, layout_.page_bytes())),
+      budget_(config, *backend_, layout_.page_bytes(), *this, mutex_),
       pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_),
-            membership_.get()),
+            budget_.account()),
       slots_(config.max_batch_size, layout_.num_regions()),
       read_windows_(*backend_),
       fork_generation_(detail::fork_generation()) {
@@ -103,15 +94,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   }
   undo.commit();
   if (config.background_mapping) mapper_ = std::make_unique<Mapper>([this] { return background_work(); });
-  if (membership_) {
-    const std::chrono::milliseconds idle(config_.shared_budget_idle_ms);
-    const std::chrono::milliseconds pressure(config_.shared_budget_pressure_ms);
-    membership_->start_watching(
-        {[this] { return cached_bytes_for_budget(); }, [this](std::size_t bytes) { give_back_to_budget(bytes); },
-         idle.count() > 0 ? std::function<void()>([this] { release_when_idle(); }) : nullptr,
-         std::max(std::chrono::milliseconds(1), idle / 4),
-         pressure.count() > 0 ? std::function<bool()>([this] { return trim_under_pressure(); }) : nullptr, pressure});
-  }
+  budget_.start();
 }
 
 KvCache::Impl::~Impl() {
@@ -120,7 +103,7 @@ KvCache::Impl::~Impl() {
     // parent's. Releasing anything here would reach into the parent's memory (the host
     // backend's page file is shared), joining the mapper would wait forever: leave all.
     static_cast<void>(mapper_.release());
-    static_cast<void>(membership_.release());  // the row and the watcher thread are the parent's
+    budget_.abandon();  // the row and the watcher thread are the parent's
     read_windows_.abandon();
     static_cast<void>(new std::shared_ptr<Backend>(backend_));
     pool_.abandon();
@@ -129,7 +112,7 @@ KvCache::Impl::~Impl() {
     new (&background_done_) std::condition_variable();
     return;
   }
-  if (membership_) membership_->stop_watching();  // it calls into the cache
+  budget_.stop();  // it calls into the cache
   stop_background();
   std::lock_guard<std::mutex> lock(mutex_);
   try {
@@ -192,12 +175,7 @@ void KvCache::Impl::rethrow_background_error() {
 }
 
 namespace {
-
-std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point from) {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - from).count());
-}
-
+using detail::nanoseconds_since;
 }  // namespace
 
 std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
@@ -222,10 +200,10 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
-  if (pages > 0 && membership_ && pages_short(pages, slot, claim) > 0) {
-    reap_dead_members();  // dead members' bytes first: no need to ask for them
+  if (pages > 0 && budget_.joined() && pages_short(pages, slot, claim) > 0) {
+    budget_.reap_dead();  // dead members' bytes first: no need to ask for them
     const std::size_t short_by = pages_short(pages, slot, claim);
-    if (short_by > 0 && membership_->others_may_give()) ask_shared_budget(lock, short_by);
+    if (short_by > 0 && budget_.may_ask()) budget_.ask(lock, short_by);
   }
   expect_valid();
   wait_not_busy(lock, slot);  // waiting for pages may have let the mapper start on it
@@ -281,8 +259,8 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   slots_.mark_freed(slot_index, keeps_claim ? slot.claimed : 0);
   // A request freed during an idle spell is given back in it too (shared_budget_idle_ms):
   // the spell's release may have run before it, with nothing freed yet.
-  idle_released_ = false;
-  publish_in_use();
+  budget_.request_freed();
+  budget_.publish_in_use();
   if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
   free_timing_ = {nanoseconds_since(start), lock_wait};
 }

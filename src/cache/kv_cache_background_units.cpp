@@ -5,6 +5,7 @@
 #include <iterator>
 
 #include "kv_cache_impl.h"
+#include "util/clock.h"
 #include "util/internal_assert.h"
 
 namespace vkv {
@@ -151,8 +152,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   lock.lock();
   mapped_ahead_.calls += 1;
   mapped_ahead_.units += count;
-  mapped_ahead_.nanoseconds +=
-      static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count());
+  mapped_ahead_.nanoseconds += detail::nanoseconds(elapsed);
   for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
   for (std::size_t r = 0; r < regions; ++r)
     for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);

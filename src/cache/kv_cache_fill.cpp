@@ -20,6 +20,7 @@
 #include <chrono>
 
 #include "kv_cache_impl.h"
+#include "util/clock.h"
 #include "util/internal_assert.h"
 
 namespace vkv {
@@ -101,8 +102,7 @@ void KvCache::Impl::wait_last_readers(std::size_t slot_index) {
     const ReaderFence fence = fence_readers({slot_index});
     const auto start = std::chrono::steady_clock::now();
     wait_then_destroy(fence.events);
-    event_wait_ns_ += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+    event_wait_ns_ += detail::nanoseconds_since(start);
     mark_readers_done(fence);
   }
   wait_free_event(slot);

@@ -1,7 +1,7 @@
 // KvCache::Impl: the parts of a cache and how its calls compose them.
 //
 //   SlotTable     slot_table.h      who is allocated, what each claims and maps, alloc order
-//   BudgetMembership budget_membership.h  a shared budget's account and watcher (optional)
+//   BudgetClient  budget_client.h   the cache's half of a shared budget's protocol (CachePages)
 //   PageSharing   page_sharing.h    pages mapped at several slots (fork, share_prefix)
 //   PagePool      page_pool.h       physical pages: free, created, the budget
 //   ReadWindows   read_windows.h    what device work in flight may still read
@@ -17,7 +17,7 @@
 // kv_cache_mappings.cpp (mapping and unmapping a slot's pages, reclamation),
 // kv_cache_background_plan.cpp and kv_cache_background_units.cpp (the mapper's work),
 // kv_cache_sharing.cpp, kv_cache_swap.cpp, kv_cache_elastic.cpp, kv_cache_prepare.cpp,
-// kv_cache_slot_calls.cpp, kv_cache_shared_budget.cpp, kv_cache_inspect.cpp (stats, invariants).
+// kv_cache_slot_calls.cpp, kv_cache_budget_pages.cpp, kv_cache_inspect.cpp (stats, invariants).
 //
 // Lock order: the cache's mutex, then the backend's own locks; the mapper thread takes
 // the same mutex and makes its slow backend calls without it (a busy slot's pages at or
@@ -40,7 +40,7 @@
 #include "prompt_history.h"
 #include "read_windows.h"
 #include "reclaim_policy.h"
-#include "shared_budget/budget_membership.h"
+#include "shared_budget/budget_client.h"
 #include "slot_table.h"
 #include "vkv/kv_cache.h"
 #include "vkv/statistics_backend.h"
@@ -50,10 +50,10 @@ namespace detail {
 class UndoLog;
 }
 
-class KvCache::Impl {
+class KvCache::Impl final : private detail::BudgetClient::CachePages {
  public:
   Impl(const CacheConfig& config, std::shared_ptr<Backend> backend);
-  ~Impl();
+  ~Impl() override;
 
   // ---- the public calls (kv_cache.h documents them) --------------------------------
   std::size_t alloc_reqid(Stream stream);
@@ -234,7 +234,7 @@ class KvCache::Impl {
   // The first page of `slot` that a call which cannot wait for in-flight readers (trim,
   // set_budget, the mapper) may take: its claim, or the read horizon where that is higher.
   std::size_t first_reclaimable_without_waiting(std::size_t slot) const;
-  std::vector<std::size_t> reclaimable_floors() const;
+  std::vector<std::size_t> reclaimable_floors() const override;
   void wait_free_event(Slot& slot);
   // Work enqueued on `stream` from now on runs after free_event (no call on its own stream).
   void order_after_free_event(const Slot& slot, Stream stream);
@@ -287,65 +287,20 @@ class KvCache::Impl {
   void expect_valid_fork(std::size_t src) const;
   void expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const;
 
-  // ---- a shared budget (kv_cache_shared_budget.cpp) --------------------------------
-  // Pages this cache cannot find itself: asks the budget's other members for them, with
-  // the lock released, and puts what they gave into the pool as free pages. The caller
-  // plans again (the wait let other threads in).
-  // `headroom`: pages asked for beyond them, not waited for (what comes after the wait is
-  // free capacity: the next call finds it without asking).
-  void ask_shared_budget(std::unique_lock<std::mutex>& lock, std::size_t pages, std::size_t headroom = 0);
-  // Pages step() asks for beyond a shortage of `missing`: the next prompt's (what the
-  // pool keeps as free pages), at most `missing`.
-  std::size_t budget_ask_headroom(std::size_t missing) const;
-  // Before a shortage asks the others or gives up: counts out members whose process is
-  // gone, so that their bytes are free at once. True when it found any (plan again).
-  bool reap_dead_members() noexcept;
-  // What the cache could give back without touching a claimed page, in bytes: free pages,
-  // and mapped pages above every slot's floor that the mapper is not working on (while a
-  // call holds the lock: the figure last published to the budget, without waiting).
-  std::size_t cached_bytes_for_budget() const;
-  // Releases up to `bytes` to the device: free pages, then freed slots' pages (least
-  // recently freed first), then allocated slots' surplus (the watcher's call).
-  // When a call of the owner holds the lock, it posts the bytes in give_back_wanted_
-  // first, for serve_give_back() to give what it can meanwhile, and waits for the lock.
-  void give_back_to_budget(std::size_t bytes);
-  // With the lock held: fence_readers(pending_events) of the slots with pages above `floors`, for the
-  // watcher to wait on with the lock released (wait_then_destroy(), then
-  // mark_readers_done() with the lock held again). No fill is enqueued: the pages leave.
-  ReaderFence events_behind_readers(const std::vector<std::size_t>& floors);
-  // Waits for each of events_behind_readers()'s events, then destroys them all (also when a
-  // wait throws). Called with the lock released: the owner's calls go on meanwhile.
+  // ---- the pages it lends its budget client (kv_cache_budget_pages.cpp) -------------
+  using Victims = detail::BudgetClient::Victims;
+  std::size_t cached_pages(const std::vector<std::size_t>& floors, bool freed_only) const override;
+  // In chunks, each counted back to the budget as it goes: the first of
+  // BudgetClient::kReleaseChunkPages, each next one twice the one before.
+  std::size_t release(std::size_t wanted, const std::vector<std::size_t>& floors, Victims victims, bool may_wait,
+                      detail::BudgetClient::ReleaseTimes& times) override;
+  bool wait_for_readers(std::unique_lock<std::mutex>& lock, const std::function<bool()>& relock) override;
+  std::uint64_t event_wait_ns() const override { return event_wait_ns_; }
+  std::size_t claimed_pages() const override;
+  std::size_t next_prompt_pages() const override;
+  std::size_t add_free_pages(std::size_t pages) override { return pool_.add_free(pages); }
+  // Waits for each of `events`, then destroys them all (also when a wait throws).
   void wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events);
-  // With the lock held, in a call that maps many pages (map_missing()): gives back what a
-  // watcher waiting for the lock wants, from free pages and freed slots above `floors`
-  // (the call's claims: it never takes a page the call is about to claim), so that the
-  // asker in another process does not wait for the whole call. What it cannot give stays
-  // posted for the watcher.
-  void serve_give_back(const std::vector<std::size_t>& floors);
-  // With the lock held: releases up to `wanted` pages, free pages first, then from slots of
-  // `kinds` above `floors` whose last readers are done, then (`may_wait`) from the others,
-  // waiting for their readers; returns how many. In chunks, each counted back to the
-  // budget as it goes (release_times_ adds up where the time went): the first of
-  // kReleaseChunkPages, each next one twice the one before.
-  static constexpr std::size_t kReleaseChunkPages = 32;  // ~1 ms of driver calls on an H100
-  std::size_t release_for_budget(std::size_t wanted, const std::vector<std::size_t>& floors, detail::VictimKinds kinds,
-                                 bool may_wait);
-  // The watcher's, every shared_budget_idle_ms / 4 without a request: once no step() came
-  // for shared_budget_idle_ms, releases free pages and freed slots' pages (waiting for their
-  // readers with the lock released), once per idle spell. Skips when a call holds the lock.
-  void release_when_idle();
-  // Tells the budget what allocated slots claim now (after calls that change claims).
-  void publish_in_use() noexcept;
-  // The watcher's, while another member asked within shared_budget_pressure_ms: releases
-  // one chunk of free pages and freed slots' pages above budget_trim_headroom() (waiting
-  // for their readers with the lock released where none is ready). Skips when a call holds
-  // the lock. Returns whether more is left above the headroom.
-  bool trim_under_pressure();
-  // Pages a member under pressure keeps free or in freed slots: twice what its next prompt
-  // maps (eager allocation's estimate), so that its own next admissions do not ask back.
-  std::size_t budget_trim_headroom() const;
-  // Free pages and freed slots' pages above their floors (what trim_under_pressure() may give).
-  std::size_t freed_cached_pages(const std::vector<std::size_t>& floors) const;
 
   // ---- suspension (kv_cache_suspend.cpp) ---------------------------------------------
   // What suspend() kept: each page allocated slots claimed, once (a shared page once),
@@ -381,8 +336,7 @@ class KvCache::Impl {
   std::shared_ptr<Backend> backend_;         // the top of the adaptor stack
   StatisticsBackend* statistics_ = nullptr;  // in that stack when config.backend_statistics
   KvLayout layout_;
-  std::unique_ptr<detail::BudgetMembership>
-      membership_;  // config.shared_budget's; before pool_, which counts against it
+  detail::BudgetClient budget_;  // config.shared_budget's; before pool_, which counts against it
   PagePool pool_;
   Address base_ = 0;
   detail::SlotTable slots_;
@@ -411,17 +365,6 @@ class KvCache::Impl {
   };
   CallTiming free_timing_, alloc_timing_;
   std::uint64_t event_wait_ns_ = 0;  // host waits for events so far (wait_free_event, read windows)
-  CallStats budget_asks_;
-  CacheStats::BudgetHandoff budget_handoff_;
-  // release_for_budget()'s time so far: unmapping (victims' choice included), the
-  // backend's releases, counting them back to the budget.
-  struct ReleaseTimes {
-    std::uint64_t unmap_ns = 0, release_ns = 0, count_ns = 0;
-  } release_times_;
-  std::chrono::steady_clock::time_point last_step_at_ = std::chrono::steady_clock::now();
-  bool idle_released_ = false;                    // release_when_idle() ran since the last step()
-  std::atomic<int> steps_waiting_{0};             // step() calls waiting for the lock
-  std::atomic<std::size_t> give_back_wanted_{0};  // bytes a watcher waiting for the lock wants given back
   detail::ReadWindows read_windows_;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
   // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).

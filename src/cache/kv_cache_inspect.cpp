@@ -67,8 +67,8 @@ CacheStats KvCache::Impl::stats() const {
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
   stats.step = step_stats_;
   stats.mapped_ahead = mapped_ahead_;
-  stats.budget_asks = budget_asks_;
-  stats.budget_handoff = budget_handoff_;
+  stats.budget_asks = budget_.asks();
+  stats.budget_handoff = budget_.handoff();
   if (statistics_ != nullptr) stats.backend = statistics_->stats();
   stats.backend.cleanup_failures = backend_->cleanup_failures();
   return stats;
@@ -97,10 +97,8 @@ void KvCache::Impl::check_invariants() const {
   expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_ + stranded,
          "created pages = free + mapped + in flight in the mapper + stranded by a double failure");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");
-  if (membership_) {
-    expect(membership_->held_bytes() == (pool_.created_pages() + membership_->claimed_pages()) * layout_.page_bytes(),
-           "the shared budget counts exactly the pages this cache created");
-  }
+  expect(budget_.counts_exactly(pool_.created_pages()),
+         "the shared budget counts exactly the pages this cache created");
   // Large pages: whole, at whole spans, the same in every region of a slot, known to the pool.
   const std::size_t span = pool_.large_page_pages();
   for (const Slot& slot : slots_) {

@@ -6,6 +6,7 @@
 #include "kv_cache_impl.h"
 #include "reclaim_policy.h"
 #include "undo_log.h"
+#include "util/clock.h"
 #include "util/format.h"
 #include "util/internal_assert.h"
 #include "vkv/error.h"
@@ -261,8 +262,7 @@ void KvCache::Impl::order_after_readers(std::size_t slot_index, std::size_t firs
   if (slot.allocated && first < read_windows_.horizon(slot.allocated_at, /*include_current=*/false)) {
     const auto start = std::chrono::steady_clock::now();
     read_windows_.wait();
-    event_wait_ns_ += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+    event_wait_ns_ += detail::nanoseconds_since(start);
   }
 }
 
@@ -317,8 +317,7 @@ void KvCache::Impl::wait_free_event(Slot& slot) {
   if (slot.free_event == 0) return;
   const auto start = std::chrono::steady_clock::now();
   backend_->wait_event(slot.free_event);
-  event_wait_ns_ += static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  event_wait_ns_ += detail::nanoseconds_since(start);
   backend_->destroy_event(slot.free_event);
   slot.free_event = 0;
 }

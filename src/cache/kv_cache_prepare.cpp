@@ -19,6 +19,7 @@
 #include "kv_cache_impl.h"
 #include "read_windows.h"
 #include "undo_log.h"
+#include "util/clock.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -48,8 +49,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
     plan.missing_pages = *missing;
     if (*missing == 0) {
       step_stats_.units += step.to_map;
-      step_stats_.nanoseconds += static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+      step_stats_.nanoseconds += detail::nanoseconds_since(start);
     }
     return plan;
   }
@@ -72,12 +72,12 @@ std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mu
       return 0;
     } catch (const OutOfMemory& error) {  // the device ran out, or the budget's room went meanwhile
       if (!background_busy()) {
-        if (reap_dead_members()) return std::nullopt;  // plan again with their bytes
+        if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
         return std::max<std::size_t>(error.missing_pages(), 1);
       }
     }
   } else if (!background_busy()) {
-    if (reap_dead_members()) return std::nullopt;  // plan again with their bytes
+    if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
     return missing - obtainable;
   }
   // Pages the mapper is moving are not lost: decide once it has put them down.
@@ -180,12 +180,12 @@ std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock
         return 0;
       } catch (const OutOfMemory& error) {
         if (!background_busy()) {
-          if (reap_dead_members()) continue;  // plan again with their bytes
+          if (budget_.reap_dead()) continue;  // plan again with their bytes
           return std::max<std::size_t>(error.missing_pages(), 1);
         }
       }
     } else if (!background_busy()) {
-      if (reap_dead_members()) continue;  // plan again with their bytes
+      if (budget_.reap_dead()) continue;  // plan again with their bytes
       return needed - obtainable;
     }
     background_done_.wait(lock, [&] { return !background_busy(); });

@@ -50,7 +50,7 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   share_into(src, dst, slots_[src].seq_len, stream, undo);
   undo.commit();
-  publish_in_use();
+  budget_.publish_in_use();
   if (mapper_) mapper_->wake();
   return dst;
 }
@@ -70,7 +70,7 @@ void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t t
   detail::UndoLog undo(stream_waiter(stream));
   share_into(src, dst, tokens, stream, undo);
   undo.commit();
-  publish_in_use();
+  budget_.publish_in_use();
 }
 
 KvCache::Impl::ShareShape KvCache::Impl::share_shape(std::size_t src, std::size_t dst, std::size_t tokens) const {

@@ -6,6 +6,7 @@
 
 #include "kv_cache_impl.h"
 #include "undo_log.h"
+#include "util/clock.h"
 #include "util/format.h"
 #include "util/internal_assert.h"
 #include "vkv/error.h"
@@ -14,11 +15,8 @@ namespace vkv {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-std::uint64_t nanoseconds_between(Clock::time_point from, Clock::time_point to) {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count());
-}
+using detail::Clock;
+using detail::nanoseconds_between;
 
 // Adds the time since `from` to `into` and moves `from` on: one clock read per phase.
 void lap(Clock::time_point& from, std::uint64_t& into) {
@@ -35,9 +33,9 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   const bool contended = !lock.owns_lock();
   if (contended) {
-    steps_waiting_.fetch_add(1);  // an idle give-back stops for it (release_when_idle())
+    budget_.step_waits();  // an idle give-back stops for it
     lock.lock();
-    steps_waiting_.fetch_sub(1);
+    budget_.step_waited();
   }
   expect_not_suspended("step");
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
@@ -161,11 +159,11 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       // Pages the mapper is moving are not lost: decide once it has put them down.
       if (background_busy()) {
         background_done_.wait(lock, [&] { return !background_busy(); });
-      } else if (reap_dead_members()) {
+      } else if (budget_.reap_dead()) {
         continue;  // a dead member's bytes are free now (each member is counted out once)
-      } else if (!asked && membership_ && membership_->others_may_give()) {
+      } else if (!asked && budget_.may_ask()) {
         asked = true;
-        ask_shared_budget(lock, shortage.missing_pages(), budget_ask_headroom(shortage.missing_pages()));
+        budget_.ask(lock, shortage.missing_pages(), budget_.ask_headroom(shortage.missing_pages()));
         expect_valid_seq_lens(seq_lens, count);  // other threads may have freed slots meanwhile
       } else {
         throw;
@@ -185,15 +183,14 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   }
   if (prefilled) slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
   if (config_.zero_page) read_windows_.end_step(horizon);
-  publish_in_use();
+  budget_.publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
   const bool wake = mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none;
   step_profile_.woke_mapper = wake;
   const Clock::time_point end = Clock::now();
   step_profile_.finish_ns = nanoseconds_between(lap_start, end);
   step_profile_.total_ns = nanoseconds_between(start, end);
-  last_step_at_ = end;
-  idle_released_ = false;
+  budget_.step_ended(end);
   step_profile_.event_wait_ns = event_wait_ns_ - event_wait_before;
   step_stats_.calls += 1;
   step_stats_.nanoseconds += step_profile_.total_ns;
@@ -239,8 +236,7 @@ void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std
       detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page), ") but only ",
                      obtainable, " can be had: budget ", pool_.budget_pages(), " pages of ", detail::format_bytes(page),
                      ", ", claimed_mapped * regions - sharing_.duplicate_mappings(), " held by allocated slots",
-                     membership_ ? "; " + membership_->room_text() : std::string(),
-                     "; free, preempt or swap out requests, or raise the budget"),
+                     budget_.room_text(), "; free, preempt or swap out requests, or raise the budget"),
       missing - obtainable, page);
 }
 
@@ -344,7 +340,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
   }
   // From here on the call holds every page it maps: a watcher waiting for the lock may
   // have freed slots' pages at once (serve_give_back()), between slots' driver calls.
-  serve_give_back(claims);
+  budget_.serve_give_back(claims);
   if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
 
   struct Fresh {
@@ -380,7 +376,7 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
       slot.backed_end = std::max(backed_end, claims[s]);
       undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
     }
-    serve_give_back(claims);
+    budget_.serve_give_back(claims);
   }
   VKV_ASSERT(next == pages.size());                 // every page obtained found its place
   if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them

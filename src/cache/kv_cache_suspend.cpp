@@ -170,7 +170,7 @@ void KvCache::Impl::suspend(Stream stream) {
   pool_.release_all(unmapped);  // counted back to a shared budget once
   pool_.trim(0);
   suspension_ = std::move(kept);
-  publish_in_use();
+  budget_.publish_in_use();
 }
 
 void KvCache::Impl::resume(Stream stream) {
@@ -200,10 +200,10 @@ void KvCache::Impl::resume(Stream stream) {
       pages = obtain_pages(needed, claims);
       break;
     } catch (const OutOfMemory& shortage) {
-      if (reap_dead_members()) continue;  // a dead member's bytes are free now
-      if (asked || !membership_ || !membership_->others_may_give()) throw;
+      if (budget_.reap_dead()) continue;  // a dead member's bytes are free now
+      if (asked || !budget_.may_ask()) throw;
       asked = true;
-      ask_shared_budget(lock, shortage.missing_pages());
+      budget_.ask(lock, shortage.missing_pages());
     }
   }
 
@@ -267,7 +267,7 @@ void KvCache::Impl::resume(Stream stream) {
   }
   if (kept.host.host != 0) backend_->free_host(kept.host.host, kept.host.bytes);
   suspension_.reset();
-  publish_in_use();
+  budget_.publish_in_use();
   if (mapper_) mapper_->wake();
 }
 

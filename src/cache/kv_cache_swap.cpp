@@ -62,7 +62,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   slot.seq_len = 0;
   slot.claimed = 0;
   slot.expected_tokens = 0;  // swap_in() brings back what it had, no more
-  publish_in_use();
+  budget_.publish_in_use();
   if (mapper_) mapper_->wake();
 }
 
@@ -113,7 +113,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   slot.swapped = false;
   slot.seq_len = tokens;
   slot.claimed = claims[slot_index];
-  publish_in_use();
+  budget_.publish_in_use();
   if (mapper_) mapper_->wake();
 }
 

@@ -3,6 +3,7 @@
 
 #include <chrono>
 
+#include "util/clock.h"
 #include "util/internal_assert.h"
 #include "vkv/error.h"
 
@@ -160,10 +161,8 @@ std::size_t PagePool::release_all(const std::vector<Page>& pages, ReleaseTimes* 
   const auto counting = Clock::now();
   count_released(released);
   if (times != nullptr) {
-    times->release_ns +=
-        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(counting - start).count());
-    times->count_ns += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - counting).count());
+    times->release_ns += detail::nanoseconds_between(start, counting);
+    times->count_ns += detail::nanoseconds_since(counting);
   }
   return released;
 }

@@ -12,7 +12,7 @@
 // like the others; take() releases free large pages when single pages must be created
 // and the budget has no room left, and take_large() never splits anything.
 //
-// An account (a shared budget's membership, budget_membership.h) may cap creation beyond
+// An account (shared_budget/page_account.h: a shared budget's membership) may cap creation beyond
 // the pool's own budget: a page is created only once the account gave it, and the account
 // gets it back when the page is released.
 //
@@ -26,6 +26,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "shared_budget/page_account.h"
 #include "vkv/backend.h"
 
 namespace vkv {
@@ -33,20 +34,6 @@ namespace vkv {
 struct Page {
   PageHandle handle = 0;
   bool clean = false;  ///< known to hold zeros
-};
-
-/// Where a pool's pages are counted beyond its own budget: memory others draw from too.
-class PageAccount {
- public:
-  virtual ~PageAccount() = default;
-  /// Pages take() could have now; a hint: others may take them first.
-  virtual std::size_t available_pages() const noexcept = 0;
-  /// Takes `pages`, all or none. @throws Error when the account cannot be read.
-  virtual bool take(std::size_t pages) = 0;
-  /// Takes as many of `pages` as it can; returns how many. @throws as take().
-  virtual std::size_t take_up_to(std::size_t pages) = 0;
-  /// Returns pages taken before (released, or never created).
-  virtual void give(std::size_t pages) noexcept = 0;
 };
 
 class PagePool {

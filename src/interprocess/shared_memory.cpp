@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -82,6 +83,18 @@ void* map_shared(int file, std::size_t bytes, const std::string& what) {
 }
 
 }  // namespace
+
+void expect_valid_object_name(const std::string& name, std::size_t max_length, const std::string& what) {
+  VKV_EXPECTS(!name.empty() && name.size() <= max_length, what, " '", name, "' must have 1 to ", max_length,
+              " characters (it has ", name.size(), ")");
+  const auto allowed = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  };
+  VKV_EXPECTS(std::all_of(name.begin(), name.end(), allowed), what, " '", name,
+              "' may hold only letters, digits, '.', '_' and '-'");
+  VKV_EXPECTS(name != "." && name != ".." && name.front() != '-', what, " '", name,
+              "' is refused: it must not be '.' or '..' nor start with '-' (a shell would read it as an option)");
+}
 
 SharedMapping SharedMapping::create(const std::string& name, std::size_t bytes, unsigned mode,
                                     const std::string& what) {

@@ -22,6 +22,12 @@
 
 namespace vkv::detail {
 
+/// Checks a name a user chose for a shared-memory object (the part after the object's
+/// fixed prefix): 1 to `max_length` of [A-Za-z0-9._-], neither '.' nor '..', not starting
+/// with '-' (a shell would read it as an option). `what` names it in messages ("shared
+/// budget name"). @throws InvalidArgument naming the name and the rule it breaks.
+void expect_valid_object_name(const std::string& name, std::size_t max_length, const std::string& what);
+
 /// A named POSIX shared-memory object (/dev/shm/<name>), mapped read-write.
 class SharedMapping {
  public:

@@ -23,8 +23,8 @@
 #include <thread>
 
 #include "budget_ledger.h"
-#include "cache/page_pool.h"
 #include "interprocess/shared_memory.h"
+#include "page_account.h"
 #include "vkv/backend.h"
 
 namespace vkv::detail {

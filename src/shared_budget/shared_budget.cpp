@@ -2,10 +2,7 @@
 // books themselves are BudgetLedger's; a cache's membership is BudgetMembership's.
 #include "vkv/shared_budget.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cctype>
 #include <chrono>
 #include <cstddef>
 #include <sstream>
@@ -15,7 +12,6 @@
 #include "util/format.h"
 #include "vkv/backend.h"
 #include "vkv/error.h"
-#include "vkv/host_backend.h"
 
 namespace vkv {
 namespace detail {
@@ -23,15 +19,7 @@ namespace detail {
 std::string budget_description(const std::string& name) { return "shared budget '" + name + "'"; }
 
 std::string budget_object_name(const std::string& name) {
-  VKV_EXPECTS(!name.empty() && name.size() <= SharedBudget::kMaxNameLength, "shared budget name '", name,
-              "' must have 1 to ", SharedBudget::kMaxNameLength, " characters (it has ", name.size(), ")");
-  const auto allowed = [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
-  };
-  VKV_EXPECTS(std::all_of(name.begin(), name.end(), allowed), "shared budget name '", name,
-              "' may hold only letters, digits, '.', '_' and '-'");
-  VKV_EXPECTS(name != "." && name != ".." && name.front() != '-', "shared budget name '", name,
-              "' is refused: it must not be '.' or '..' nor start with '-' (a shell would read it as an option)");
+  expect_valid_object_name(name, SharedBudget::kMaxNameLength, "shared budget name");
   return "vkv-budget-" + name;
 }
 
@@ -106,15 +94,6 @@ void expect_valid_capacity(const std::string& name, std::size_t bytes, std::size
               detail::format_bytes(device_total), ")");
 }
 
-// The smallest page a member on the backend's device can have: the least capacity. A
-// CUDA page is at least the driver's granularity (the backend's default page); a host
-// page, one of the OS.
-std::size_t smallest_page(const std::shared_ptr<Backend>& backend) {
-  if (std::dynamic_pointer_cast<HostBackend>(backend) != nullptr)
-    return static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  return backend->page_bytes();
-}
-
 }  // namespace
 
 struct SharedBudget::State {
@@ -137,7 +116,7 @@ SharedBudget SharedBudget::create(const std::string& name, std::size_t bytes, co
   const std::string object = detail::budget_object_name(name);
   const std::shared_ptr<Backend> backend = make_backend(device);
   const std::size_t total = backend->total_memory_bytes();
-  const std::size_t page = smallest_page(backend);
+  const std::size_t page = backend->smallest_page_bytes();
   expect_valid_capacity(name, bytes, total, backend->name(), page);
   const std::string what = detail::budget_description(name);
   detail::SharedMapping mapping = detail::SharedMapping::create(object, sizeof(detail::BudgetSegment), mode, what);

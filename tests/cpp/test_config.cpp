@@ -56,6 +56,14 @@ TEST(Config, RejectsEachShapeFieldOutOfRange) {
   }
 }
 
+TEST(Config, RefusesASharedBudgetNameTheBudgetWouldRefuse) {
+  CacheConfig config = valid_config();
+  config.shared_budget = "a/b";
+  expect_rejected(config, {"shared_budget = 'a/b'", "may hold only letters, digits"});
+  config.shared_budget = std::string(kMaxBudgetName + 1, 'x');
+  expect_rejected(config, {"must have 1 to 200 characters"});
+}
+
 TEST(Config, ParsesLayoutsAndDevices) {
   EXPECT_EQ(parse_layout("per_layer"), LayoutKind::per_layer);
   EXPECT_EQ(parse_layout("interleaved"), LayoutKind::interleaved);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "testing.h"
 
@@ -200,6 +201,13 @@ INSTANTIATE_TEST_SUITE_P(AllBackends, BackendTest,
 TEST(HostBackend, RejectsAPageSizeThatIsNotAMultipleOfTheOsPage) {
   EXPECT_THROW(HostBackend(1000), InvalidArgument);
   EXPECT_THROW(HostBackend(0), InvalidArgument);
+}
+
+TEST(HostBackend, ItsSmallestPageIsTheOsPageWhateverItsOwnAndAdaptorsPassItOn) {
+  const auto os_page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  auto backend = std::make_shared<HostBackend>(4 * os_page);
+  EXPECT_EQ(backend->smallest_page_bytes(), os_page);
+  EXPECT_EQ(LimitingBackend(backend, 1).smallest_page_bytes(), os_page);
 }
 
 // Reserved memory no page backs reads as zeros (a whole-view read past what step() backed

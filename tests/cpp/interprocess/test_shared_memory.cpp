@@ -9,6 +9,8 @@
 #include <cstring>
 #include <new>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "interprocess/shared_memory.h"
 #include "vkv/error.h"
@@ -64,6 +66,30 @@ TEST(SharedMappingTest, ErrorsNameTheObject) {
     EXPECT_NE(std::string(error.what()).find("4096 bytes, less than the 8192"), std::string::npos) << error.what();
   }
   SharedMapping::unlink(name, "test object");
+}
+
+TEST(ObjectNameTest, ANameOfAllowedCharactersWithinTheLengthPasses) {
+  EXPECT_NO_THROW(expect_valid_object_name("team-a_1.v2", 11, "shared budget name"));
+}
+
+TEST(ObjectNameTest, EachBrokenRuleIsNamedWithTheName) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"", "must have 1 to 8 characters (it has 0)"},
+      {"waytoolong", "must have 1 to 8 characters (it has 10)"},
+      {"a/b", "may hold only letters, digits"},
+      {"..", "must not be '.' or '..'"},
+      {"-x", "nor start with '-'"},
+  };
+  for (const auto& [name, fragment] : cases) {
+    try {
+      expect_valid_object_name(name, 8, "shared budget name");
+      ADD_FAILURE() << "accepted '" << name << "'";
+    } catch (const InvalidArgument& error) {
+      const std::string text = error.what();
+      EXPECT_NE(text.find("shared budget name '" + name + "'"), std::string::npos) << text;
+      EXPECT_NE(text.find(fragment), std::string::npos) << text;
+    }
+  }
 }
 
 TEST(RobustMutexTest, TheNextLockerLearnsThatTheOwnerDied) {
