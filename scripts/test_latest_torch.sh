@@ -31,9 +31,7 @@ VKV_PYTHON="$venv/bin/python" VKV_INSTALL_LOG="$vkv_root/build/pip-install-torch
 # vLLM's tests also run there: this venv has none of the packages vLLM's scheduler imports.
 ignore=(--ignore=tests/python/demo/test_demo.py --ignore=tests/python/demo/test_demo_cuda_graphs.py
         --ignore=tests/python/benchmarks/test_attention_bench.py
-        --ignore=tests/python/integrations/vllm_connector/test_vllm_connector.py
-        --ignore=tests/python/integrations/vllm_connector/test_vllm_defaults.py
-        --ignore=tests/python/integrations/vllm_connector/test_vllm_config_checks.py)
+        --ignore=tests/python/integrations/vllm_connector)
 [ "${VKV_LATEST_TORCH_ALL:-0}" = 0 ] || ignore=()
 "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider "${ignore[@]}"
 echo "== torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): passed in $((SECONDS - start)) s"
