@@ -27,7 +27,7 @@ def block_bytes(kv_cache_config) -> int:
 
 def page_bytes(settings: VkvConnectorConfig) -> int:
     """vkv's page for these settings: ``page_size``, else the device's (2 MiB GPU, 4 KiB host)."""
-    from .memory import default_page_bytes
+    from .slot_geometry import default_page_bytes
     return settings.page_size or default_page_bytes(settings.device)
 
 
@@ -35,7 +35,7 @@ def backed_bytes(blocks: int, block: int, page: int) -> int:
     """Bytes of pages ``blocks`` adjacent blocks of ``block`` bytes need at most: whole
     slots where a block is a power-of-two multiple of the page, else the pages they
     touch (partial pages at both ends)."""
-    from .memory import one_slot_per_block
+    from .slot_geometry import one_slot_per_block
     if one_slot_per_block(block, page):
         return blocks * block
     return (-(-blocks * block // page) + 1) * page
@@ -52,7 +52,7 @@ def check_startup(vllm_config, kv_cache_config, settings: VkvConnectorConfig) ->
 def check_parallel_blocks(vllm_config, block: int, page: int) -> None:
     """With several workers every block must be one vkv slot (workers.py's ShardMemory):
     the workers' agreement on blocks backed page by page is not written yet."""
-    from .memory import one_slot_per_block
+    from .slot_geometry import one_slot_per_block
     from .workers import parallel_sizes
     tp, pp = parallel_sizes(vllm_config)
     if tp * pp > 1 and not one_slot_per_block(block, page):

@@ -34,7 +34,7 @@ import vkv
 
 from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
 from .mapper import BackgroundMapper
-from .memory import SLOT_TOKEN_BYTES as _TOKEN_BYTES
+from .slot_geometry import SLOT_TOKEN_BYTES as _TOKEN_BYTES
 
 
 class PageMemory:

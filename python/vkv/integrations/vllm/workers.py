@@ -46,7 +46,8 @@ from vkv import _C
 
 from .asks import AskBoard
 from .block_states import BACKED, RECLAIMING, UNBACKED
-from .memory import SLOT_TOKEN_BYTES, BlockMemory
+from .memory import BlockMemory
+from .slot_geometry import SLOT_TOKEN_BYTES
 
 DEVICE_FIELD = "{device}"
 
