@@ -129,3 +129,43 @@ class BackgroundMapper:
             finally:
                 self.last_job_seconds = time.perf_counter() - start
                 self._idle.set()
+
+
+class StepJobs:
+    """What BlockMemory and PageMemory share: each step's job (give back ``release``, back up
+    to ``target``) run on the background mapper when there is one (``self.mapper``), else on
+    the caller's thread. The class that mixes it in provides ``release()``, ``grow()`` and
+    ``cache``; all calls are for vLLM's one model-runner thread."""
+
+    mapper: Optional["BackgroundMapper"]
+
+    def submit(self, release: List[int], target: int, start: bool = True) -> None:
+        """What ``bind_connector_metadata()`` does each step: unmap ``release`` (blocks the
+        scheduler took back, RECLAIMING) and back blocks up to ``target``. With background
+        mapping this waits for the previous step's job (raising its exception), hands this one
+        to the mapper (or, ``start=False``, keeps it for ``start()``) and returns; otherwise it
+        does the job now. Call before queueing the step's forward, on its stream."""
+        if self.mapper is not None:
+            self.mapper.submit(release, target, start)
+        else:
+            self._job(release, target, None)
+
+    def start(self) -> None:
+        """Start the job ``submit(start=False)`` kept (vLLM's ``start_load_kv()``, after the forward is queued)."""
+        if self.mapper is not None:
+            self.mapper.start()
+
+    def wait(self) -> None:
+        """Until the job in flight is done (raising its exception); at once without background mapping."""
+        if self.mapper is not None:
+            self.mapper.wait()
+
+    def _job(self, release: List[int], target: int, settle: Optional[Callable[[], None]]) -> None:
+        self.release(release)  # type: ignore[attr-defined]
+        self.grow(target, settle)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Stop the background mapper (its job in flight finishes first), then the cache."""
+        if self.mapper is not None:
+            self.mapper.close()
+        self.cache.close()  # type: ignore[attr-defined]

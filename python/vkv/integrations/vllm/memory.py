@@ -26,7 +26,7 @@ import vkv
 from vkv._parameters import resolve_device
 
 from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
-from .mapper import BackgroundMapper
+from .mapper import BackgroundMapper, StepJobs
 from .slot_geometry import SLOT_TOKEN_BYTES, default_page_bytes, one_slot_per_block
 
 def make_memory(*, block_bytes: int, page_bytes: int = 0, device: str, **kwargs):
@@ -40,7 +40,7 @@ def make_memory(*, block_bytes: int, page_bytes: int = 0, device: str, **kwargs)
     return PageMemory(block_bytes=block_bytes, page_bytes=page_bytes, device=device, **kwargs)
 
 
-class BlockMemory:
+class BlockMemory(StepJobs):
     """The reservation and which blocks are backed. ``submit()``, ``start()``, ``wait()``,
     ``buffer()`` and ``close()`` are for vLLM's one model-runner thread; with ``background_mapping`` the jobs run
     on the background mapper's thread (mapper.py), otherwise on the caller's, inside ``submit()``."""
@@ -102,31 +102,6 @@ class BlockMemory:
         """The whole reservation as vLLM's flat int8 backing buffer (``num_blocks * block_bytes``)."""
         return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
 
-    def submit(self, release: List[int], target: int, start: bool = True) -> None:
-        """What ``bind_connector_metadata()`` does each step: unmap ``release`` (blocks the
-        scheduler took back, RECLAIMING) and back blocks up to ``target``. With background
-        mapping this waits for the previous step's job (raising its exception), hands this one
-        to the mapper (or, ``start=False``, keeps it for ``start()``) and returns; otherwise it
-        does the job now. Call before queueing the step's forward, on its stream."""
-        if self.mapper is not None:
-            self.mapper.submit(release, target, start)
-        else:
-            self._job(release, target, None)
-
-    def start(self) -> None:
-        """Start the job ``submit(start=False)`` kept (vLLM's ``start_load_kv()``, after the forward is queued)."""
-        if self.mapper is not None:
-            self.mapper.start()
-
-    def wait(self) -> None:
-        """Until the job in flight is done (raising its exception); at once without background mapping."""
-        if self.mapper is not None:
-            self.mapper.wait()
-
-    def _job(self, release: List[int], target: int, settle: Optional[Callable[[], None]]) -> None:
-        self.release(release)
-        self.grow(target, settle)
-
     def grow(self, target: int, settle: Optional[Callable[[], None]] = None) -> int:
         """Back blocks until ``target`` are backed or the budget says no, in one ``step()``;
         ``settle()`` (the background mapper's stream sync) runs before they are marked BACKED
@@ -164,9 +139,3 @@ class BlockMemory:
             states[block] = UNBACKED
         self.backed -= len(blocks)
         return self.cache.trim()
-
-    def close(self) -> None:
-        """Stop the background mapper (its job in flight finishes first), then the cache."""
-        if self.mapper is not None:
-            self.mapper.close()
-        self.cache.close()

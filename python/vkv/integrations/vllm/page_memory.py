@@ -33,11 +33,11 @@ import torch
 import vkv
 
 from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
-from .mapper import BackgroundMapper
+from .mapper import BackgroundMapper, StepJobs
 from .slot_geometry import SLOT_TOKEN_BYTES as _TOKEN_BYTES
 
 
-class PageMemory:
+class PageMemory(StepJobs):
     """BlockMemory's interface (memory.py) for blocks of any size. ``submit()``, ``start()``,
     ``wait()``, ``buffer()`` and ``close()`` are for vLLM's one model-runner thread; the jobs
     run on the background mapper's thread when it is on, else inside ``submit()``."""
@@ -97,30 +97,6 @@ class PageMemory:
     def buffer(self) -> torch.Tensor:
         """vLLM's flat int8 backing buffer (``num_blocks * block_bytes``) at the reservation's base."""
         return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
-
-    def submit(self, release: List[int], target: int, start: bool = True) -> None:
-        """As BlockMemory.submit()."""
-        if self.mapper is not None:
-            self.mapper.submit(release, target, start)
-        else:
-            self._job(release, target, None)
-
-    def start(self) -> None:
-        if self.mapper is not None:
-            self.mapper.start()
-
-    def wait(self) -> None:
-        if self.mapper is not None:
-            self.mapper.wait()
-
-    def _job(self, release: List[int], target: int, settle: Optional[Callable[[], None]]) -> None:
-        self.release(release)
-        self.grow(target, settle)
-
-    def close(self) -> None:
-        if self.mapper is not None:
-            self.mapper.close()
-        self.cache.close()
 
     # ---- pages ----------------------------------------------------------------------------
     def pages_of(self, blocks: np.ndarray) -> np.ndarray:
