@@ -5,18 +5,14 @@ vkv reservation, all fed the same connector metadata (vllm_parallel_testing.py).
 Skips only where vllm is not importable and CI is not set (as test_vllm_connector.py)."""
 
 import glob
-import os
 import types
 import uuid
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("vllm 0.33 is not installed (scripts/install_vllm.sh installs it)", allow_module_level=True)
+from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's pythonpath)
+
+require_vllm()
 
 import vllm_parallel_testing as pt  # noqa: E402  (tests/python, on pytest's pythonpath)
 import vllm_testing as vt  # noqa: E402

@@ -9,18 +9,14 @@ model of vllm_token_model.py (its KV is a function of the tokens), the host back
 
 Skips only where vllm is not importable and CI is not set."""
 
-import os
 import random
 import uuid
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip("vllm 0.33 is not installed (scripts/install_vllm.sh installs it)", allow_module_level=True)
+from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's pythonpath)
+
+require_vllm()
 
 import numpy as np  # noqa: E402
 import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
