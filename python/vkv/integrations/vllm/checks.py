@@ -10,7 +10,7 @@ vllm (the connector's module does anyway).
 from typing import Optional
 
 from .config import VkvConnectorConfig
-from .slot_geometry import BlockRanges
+from .slot_geometry import BlockRanges, byte_runs
 
 # vLLM's KVCacheLayout names whose outermost dimension is the block: block b of every layer
 # is one run of bytes, which vkv backs (as one slot, or page by page). The others (LBNHC,
@@ -74,7 +74,6 @@ def block_ranges(vllm_config, kv_cache_config) -> BlockRanges:
             shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)  # (B, H, N, C in bytes)
             stride = compute_layout_strides(spec, num_blocks, layers, layout,
                                             fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None))
-            from .slot_geometry import byte_runs
             runs = byte_runs((layers, *shape[1:]), (stride[0], *stride[2:]))
         elif tensor.layer_stride == num_blocks * tensor.block_stride:  # no layout named: a layer's page is one run
             runs = [(layer * tensor.layer_stride, tensor.block_stride) for layer in range(layers)]
@@ -235,7 +234,6 @@ def check_view(name: str, view, num_blocks: int, ranges: BlockRanges, offset: in
     (``ranges``), whatever the configs said. A view of kernel blocks (a manager block split
     into several, as vLLM does for some backends in layer-outermost layouts) counts the kernel
     blocks of a block together."""
-    from .slot_geometry import byte_runs
     if view.dim() == 0 or view.shape[0] % num_blocks:
         return  # not a [blocks, ...] view: nothing to compare
     size = view.element_size()

@@ -21,9 +21,10 @@ that touch it:
 
 In vLLM's layer-outermost layouts (LBNHC, LBHNC: FlexAttention, FlashInfer on SM100,
 ``VLLM_KV_CACHE_LAYOUT=NHD``/``HND``) each layer has a region of its own and block b's bytes are
-one range in each (``block_ranges``, slot_geometry.py's BlockRanges): a block is then the set of
-pages its ranges touch, counted as above, so a page of a layer's region goes back only when
-no backed block has bytes on it, and blocks backed as a run fill each region's pages densely.
+one range in each (in LHBNC one per layer and head; ``block_ranges``, slot_geometry.py's
+BlockRanges): a block is then the set of pages its ranges touch, counted as above, so a
+page of a layer's region goes back only when no backed block has bytes on it, and blocks
+backed as a run fill each region's pages densely.
 
 A block backed again over pages that stayed mapped keeps what vLLM last wrote there, as in
 vLLM's own pool; a page that went back to the budget comes back as zeros. vkv holds every
