@@ -196,6 +196,59 @@ def test_pages_go_back_under_pressure_and_outputs_equal_vllms_own_pool(monkeypat
     assert outputs[0] == outputs[1]
 
 
+def _prompt(seed, length):
+    return [(seed * 7919 + 31 * t) % 997 + 1 for t in range(length)]
+
+
+def test_prefix_hits_under_give_back_pressure_as_on_vllms_own_pool(monkeypatch):
+    # vLLM's defaults (prefix caching, async scheduling) in LBNHC: engine A serves requests sharing
+    # 4 prompts' prefixes while engine B, in the same shared budget, bursts and asks for A's
+    # pages. The model's K/V is a function of the tokens (vllm_token_model.py), so a prefix hit
+    # on a block whose pages went back, or a page given back under a live block, changes A's outputs.
+    import random
+
+    import vllm_token_model as tm
+
+    import vkv
+    layouts, _ = _layouts("NHD", monkeypatch)
+    rng = random.Random(7)
+    prefixes = [_prompt(1000 + p, 48) for p in range(4)]
+    arrivals = {}
+    for i in range(40):
+        prompt = prefixes[rng.randrange(4)] + _prompt(5000 + i, rng.randrange(1, 40))
+        arrivals.setdefault(rng.randrange(120), []).append((f"a{i}", prompt, rng.randrange(4, 17)))
+    budget = vkv.SharedBudget.create(f"vkv-vllm-test-{uuid.uuid4().hex[:10]}", 96 * vt.block_bytes(), device="cpu")
+    extra = {"headroom_blocks": 2, "shared_budget": budget.name, "page_size": 16 * KIB}
+    a = vt.Engine(256, extra, max_num_seqs=8, max_num_batched_tokens=128, layouts=layouts)
+    b = vt.Engine(256, extra, max_num_seqs=16, max_num_batched_tokens=256, layouts=layouts)
+    bursts = []
+    try:
+        def other_engine(step):
+            if rng.random() < 0.08:  # a burst of B: more than the budget has free
+                for i in range(rng.randrange(4, 10)):
+                    b.add(f"b{len(bursts)}r{i}", _prompt(9000 + 50 * len(bursts) + i, rng.randrange(60, 120)), 12)
+                bursts.append(step)
+            if b.busy():
+                b.step(read_back=False)
+
+        outputs = tm.run(a, tm.TokenModel(), arrivals, check=lambda engine, out: check_pages(engine, out),
+                         on_step=other_engine)
+        while b.unfinished():
+            b.step(read_back=False)
+        unmapped = a.worker._memory.cache.stats()["backend"]["unmap"]["units"]
+    finally:
+        a.close()
+        b.close()
+        budget.remove()
+    fixed = vt.Engine(256, connector=False, max_num_seqs=8, max_num_batched_tokens=128, layouts=layouts)
+    try:
+        expected = tm.run(fixed, tm.TokenModel(), arrivals)
+    finally:
+        fixed.close()
+    assert outputs == expected
+    assert len(bursts) >= 3 and unmapped > 0, (bursts, unmapped)  # the pressure was real: A gave pages back
+
+
 def _memory(ranges, num_blocks, block_bytes, page, **options):
     return PageMemory(engine_id=f"test-layers-{uuid.uuid4().hex[:10]}", num_blocks=num_blocks,
                       block_bytes=block_bytes, page_bytes=page, block_ranges=ranges, device="cpu",
