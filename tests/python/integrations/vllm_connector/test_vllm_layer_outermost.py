@@ -152,6 +152,25 @@ def test_a_hybrid_model_in_nhd_overlays_its_groups_in_each_layers_region(monkeyp
     assert outputs[0] == outputs[1]
 
 
+def test_an_mla_model_in_nhd_is_one_range_a_layer(monkeypatch):
+    # MLA (DeepSeek-V2-Lite's 576-wide latent, one head, no V): 3 layers x 16 tokens x 576 x fp16
+    # = 18 KiB a layer's block, straddling the 16 KiB pages of each region.
+    layouts, _ = _layouts("NHD", monkeypatch)
+    model = vt.Model(layers=3, mla=True, head_dim=576)
+    outputs = []
+    for connector in (True, False):
+        engine = _engine(layouts, connector, model=model)
+        try:
+            if connector:
+                assert len(engine.worker._memory.ranges) == 3
+            _trace(engine)
+            _run(engine, check_pages if connector else None)
+            outputs.append(engine.outputs)
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1]
+
+
 def test_with_background_mapping_outputs_equal_vllms_own_pool(monkeypatch):
     layouts, _ = _layouts("HND", monkeypatch)
     outputs = []
