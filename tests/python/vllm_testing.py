@@ -129,15 +129,17 @@ def kv_cache_config(num_blocks: int):
                          kv_cache_layout="BLNHC")
 
 
-def planned_kv_cache_config(vllm_config, num_blocks: int, model: Model = TINY):
+def planned_kv_cache_config(vllm_config, num_blocks: int, model: Model = TINY, layouts: Optional[List[str]] = None):
     """What vLLM's EngineCore plans (``_initialize_kv_caches``) for ``num_blocks`` blocks' worth
-    of memory, in the layout the connector requires (BLNHC): vLLM's own grouping (several
+    of memory, in the layout the connector requires (BLNHC), or, given the ``layouts`` the
+    workers' attention backends support, the one vLLM resolves from them (VLLM_KV_CACHE_LAYOUT,
+    else the connector's where they allow it, else their first): vLLM's own grouping (several
     groups for a hybrid model, with the hybrid KV cache manager on, as on a GPU)."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     specs = [model.specs()]
-    vllm_config.cache_config.kv_cache_layout = "BLNHC"  # the connector's get_required_kvcache_layout()
-    resolve_kv_cache_layout(vllm_config, [["BLNHC"]], list(specs[0].values()))
+    vllm_config.cache_config.kv_cache_layout = None if layouts else "BLNHC"  # the connector's request
+    resolve_kv_cache_layout(vllm_config, [list(layouts or ["BLNHC"])], list(specs[0].values()))
     if model.window_layers or model.state_layers:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False  # vLLM turns it off on a CPU
     vllm_config.cache_config.num_gpu_blocks_override = num_blocks
@@ -157,12 +159,14 @@ class Engine:
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 256, *, prefix_caching: bool = True,
                  async_scheduling: bool = True, reserve_full_prompt: bool = True, watermark: float = 0.0,
                  max_model_len: Optional[int] = None, engine_id: Optional[str] = None,
-                 speculative: Optional[dict] = None, model: Model = TINY) -> None:
+                 speculative: Optional[dict] = None, model: Model = TINY,
+                 layouts: Optional[List[str]] = None) -> None:
         """vLLM's shipped defaults unless told otherwise: prefix caching, async scheduling
         (AsyncScheduler, stepped as vLLM's batch queue: step N is updated after step N+1 is
         scheduled), full-prompt reservation (``scheduler_reserve_full_isl``). ``speculative``:
         vLLM's speculative_config (e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``;
-        ``"draft_model"`` drafts with this same tiny model, which adds lookahead slots)."""
+        ``"draft_model"`` drafts with this same tiny model, which adds lookahead slots).
+        ``layouts``: the KV cache layouts the attention backends support (planned_kv_cache_config)."""
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, SpeculativeConfig, VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -200,7 +204,7 @@ class Engine:
                                       parallel_config=parallel, device_config=DeviceConfig(device="cpu"),
                                       kv_transfer_config=kv_transfer, speculative_config=spec_config)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.kv_config = planned_kv_cache_config(self.vllm_config, num_blocks, model)
+        self.kv_config = planned_kv_cache_config(self.vllm_config, num_blocks, model, layouts)
         self.num_blocks = num_blocks
         tensor = self.kv_config.kv_cache_tensors[0]
         # Worker first, as in vLLM's EngineCore: the executor is made before the scheduler.
@@ -218,7 +222,8 @@ class Engine:
             self.group_of.update(dict.fromkeys(group.layer_names, group_id))
         for kv_tensor in self.kv_config.kv_cache_tensors:
             spec = self.kv_config.kv_cache_groups[self.group_of[kv_tensor.layers[0]]].kv_cache_spec
-            views = create_kv_cache_views(buf, spec, num_blocks, KVCacheLayout.BLNHC, kv_tensor)
+            views = create_kv_cache_views(buf, spec, num_blocks, KVCacheLayout[self.kv_config.kv_cache_layout],
+                                          kv_tensor)
             self.kv.update(zip(kv_tensor.layers, views))
         self.kv = {name: self.kv[name] for name in model.layer_names()}  # in layer order
         if self.worker is not None:
@@ -346,7 +351,7 @@ def forward(engine: Engine, out) -> Dict[str, Optional[int]]:
         end = req.num_computed_tokens  # schedule() has already advanced it
         start = end - n
         for layer, name in enumerate(engine.kv):
-            view = engine.kv[name]  # [B, H, N, K + V] (BLNHC: block-outermost in memory)
+            view = engine.kv[name]  # [B, H, N, K + V] (in memory: the layout's order)
             table = tables[engine.group_of[name]][rid]
             for pos in range(start, end):
                 b, off = table[pos // size], pos % size

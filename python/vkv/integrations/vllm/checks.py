@@ -10,19 +10,87 @@ vllm (the connector's module does anyway).
 from typing import Optional
 
 from .config import VkvConnectorConfig
+from .slot_geometry import BlockRanges, byte_runs
 
 # vLLM's KVCacheLayout names whose outermost dimension is the block: block b of every layer
-# is one run of bytes, which vkv backs (as one slot, or page by page).
+# is one run of bytes, which vkv backs (as one slot, or page by page). The others (LBNHC,
+# LBHNC, LHBNC) give each layer a region of its own: block b is one range in each, backed
+# page by page (block_ranges()).
 BLOCK_OUTERMOST = ("BLNHC", "BLHNC", "BHLNC")
 _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}  # vLLM's legacy names (config/cache.py)
 _WHAT_TO_DO_LAYOUT = ("set VLLM_KV_CACHE_LAYOUT=BLNHC (BLHNC for FlashInfer on Blackwell, SM100) with an attention "
                       "backend that accepts it (FLASH_ATTN, FLASHINFER; not FLEX_ATTENTION)")
 
 
+def layer_outermost(kv_cache_config) -> bool:
+    """vLLM's strides put each layer's blocks in a region of its own (LBNHC, LBHNC, LHBNC):
+    a layer's stride spans all its blocks, as vLLM's own simple_kv_offload tells them apart."""
+    num_blocks = kv_cache_config.num_blocks
+    return num_blocks > 1 and any(tensor.layer_stride >= num_blocks * tensor.block_stride
+                                  for tensor in kv_cache_config.kv_cache_tensors)
+
+
 def block_bytes(kv_cache_config) -> int:
     """One vLLM block over every layer and KV cache group, padding included: what vkv backs
-    for each block (the KVCacheTensors' ``block_stride`` in a block-outermost layout)."""
-    return kv_cache_config.kv_cache_tensors[0].block_stride
+    for each block (the KVCacheTensors' ``block_stride`` in a block-outermost layout; the
+    buffer's size over the blocks in a layer-outermost one, where block_stride is one layer's page)."""
+    tensor = kv_cache_config.kv_cache_tensors[0]
+    if layer_outermost(kv_cache_config):
+        return tensor.size // kv_cache_config.num_blocks
+    return tensor.block_stride
+
+
+def _layer_spec(kv_cache_config, layer: str):
+    """The KV cache spec of one layer (its group's, or its own in a UniformTypeKVCacheSpecs)."""
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            return getattr(spec, "kv_cache_specs", {}).get(layer, spec)
+    raise ValueError(f"VkvConnector: vLLM's KV cache tensor layer {layer!r} is in no KV cache group")
+
+
+def block_ranges(vllm_config, kv_cache_config) -> BlockRanges:
+    """Where block b's bytes lie in vLLM's buffer, from the KVCacheTensors' strides as vLLM's
+    ``create_kv_cache_views()`` computes them (``compute_layout_strides``): one run of
+    ``block_bytes`` in a block-outermost layout; in a layer-outermost one, the runs of each
+    layer's page (one per layer in LBNHC and LBHNC, where K and V share the page; one per layer
+    and head in LHBNC), every KV cache group's tensors together (groups overlay the same bytes)."""
+    if not layer_outermost(kv_cache_config):
+        return BlockRanges.one_run(block_bytes(kv_cache_config))
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes, compute_layout_strides
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    name, _ = _resolved_layout(vllm_config, kv_cache_config)
+    layout = KVCacheLayout.__members__.get(_ALIASES.get(name, name)) if name else None
+    num_blocks = kv_cache_config.num_blocks
+    starts, lengths, strides = [], [], []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        layers = len(tensor.layers)
+        spec = _layer_spec(kv_cache_config, tensor.layers[0])
+        if not getattr(spec, "has_layer_views", True):
+            raise ValueError(
+                f"VkvConnector: vLLM's KV cache layer {tensor.layers[0]!r} ({type(spec).__name__}) lays out its own "
+                f"bytes in a layer-outermost buffer, so vkv cannot tell where a block of it lies; {_WHAT_TO_DO_LAYOUT}")
+        if layout is not None and not layout.is_block_outermost:
+            shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)  # (B, H, N, C in bytes)
+            stride = compute_layout_strides(spec, num_blocks, layers, layout,
+                                            fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None))
+            runs = byte_runs((layers, *shape[1:]), (stride[0], *stride[2:]))
+        elif tensor.layer_stride == num_blocks * tensor.block_stride:  # no layout named: a layer's page is one run
+            runs = [(layer * tensor.layer_stride, tensor.block_stride) for layer in range(layers)]
+        else:
+            raise ValueError(
+                f"VkvConnector: vLLM's KV cache tensor is layer-outermost (layer_stride {tensor.layer_stride} bytes, "
+                f"block_stride {tensor.block_stride}) but names no layout, so vkv cannot tell where a block's bytes "
+                f"lie; {_WHAT_TO_DO_LAYOUT}")
+        starts += [tensor.offset + start for start, _ in runs]
+        lengths += [length for _, length in runs]
+        strides += [tensor.block_stride] * len(runs)
+    ranges = BlockRanges(starts, lengths, strides)
+    size = kv_cache_config.kv_cache_tensors[0].size
+    if ranges.end(num_blocks) > size:
+        raise ValueError(f"VkvConnector: vLLM's KV cache tensors put {ranges.describe()}, past its {size}-byte buffer "
+                         f"of {num_blocks} blocks; {_WHAT_TO_DO_LAYOUT}")
+    return ranges
 
 
 def page_bytes(settings: VkvConnectorConfig) -> int:
@@ -31,30 +99,36 @@ def page_bytes(settings: VkvConnectorConfig) -> int:
     return settings.page_size or default_page_bytes(settings.device)
 
 
-def backed_bytes(blocks: int, block: int, page: int) -> int:
+def backed_bytes(blocks: int, block: int, page: int, ranges: Optional[BlockRanges] = None) -> int:
     """Bytes of pages ``blocks`` adjacent blocks of ``block`` bytes need at most: whole
     slots where a block is a power-of-two multiple of the page, else the pages they
-    touch (partial pages at both ends)."""
+    touch (partial pages at both ends of each of their ``ranges``: one run unless given)."""
     from .slot_geometry import one_slot_per_block
-    if one_slot_per_block(block, page):
+    ranges = ranges or BlockRanges.one_run(block)
+    if ranges.is_one_run and one_slot_per_block(block, page):
         return blocks * block
-    return (-(-blocks * block // page) + 1) * page
+    return ranges.pages_for(blocks, page) * page
 
 
 def check_startup(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> None:
     """Every check below; raises the first failure's ValueError."""
-    check_layout(vllm_config, kv_cache_config)
     check_kv_cache_config(kv_cache_config)
-    check_budget(vllm_config, kv_cache_config, settings)
-    check_parallel_blocks(vllm_config, block_bytes(kv_cache_config), page_bytes(settings))
+    ranges = block_ranges(vllm_config, kv_cache_config)
+    check_budget(vllm_config, kv_cache_config, settings, ranges)
+    check_parallel_blocks(vllm_config, block_bytes(kv_cache_config), page_bytes(settings), ranges)
 
 
-def check_parallel_blocks(vllm_config, block: int, page: int) -> None:
-    """With several workers every block must be one vkv slot (workers.py's ShardMemory):
-    the workers' agreement on blocks backed page by page is not written yet."""
+def check_parallel_blocks(vllm_config, block: int, page: int, ranges: Optional[BlockRanges] = None) -> None:
+    """With several workers every block must be one vkv slot (workers.py's ShardMemory), one
+    run of bytes: the workers' agreement on blocks backed page by page is not written yet."""
     from .slot_geometry import one_slot_per_block
     from .workers import parallel_sizes
     tp, pp = parallel_sizes(vllm_config)
+    if tp * pp > 1 and ranges is not None and not ranges.is_one_run:
+        raise ValueError(
+            f"VkvConnector: tensor_parallel_size {tp} x pipeline_parallel_size {pp} with a layer-outermost KV cache "
+            f"layout ({len(ranges)} ranges a block, one in each layer's region): several workers back only blocks "
+            f"that are one run of bytes, one vkv slot each; {_WHAT_TO_DO_LAYOUT}")
     if tp * pp > 1 and not one_slot_per_block(block, page):
         raise ValueError(
             f"VkvConnector: tensor_parallel_size {tp} x pipeline_parallel_size {pp} with a vLLM block of {block} "
@@ -75,26 +149,12 @@ def _resolved_layout(vllm_config, kv_cache_config) -> "tuple[Optional[str], str]
     return None, ""
 
 
-def check_layout(vllm_config, kv_cache_config) -> None:
-    """The layout vLLM really uses (the attention backend's or VLLM_KV_CACHE_LAYOUT's, which
-    win over the connector's request) must be block-outermost."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-    name, source = _resolved_layout(vllm_config, kv_cache_config)
-    if name is None:
-        return
-    layout = KVCacheLayout.__members__.get(_ALIASES.get(name, name))
-    if layout is not None and not layout.is_block_outermost:
-        alias = f" (= {layout.name})" if layout.name != name else ""
-        raise ValueError(
-            f"VkvConnector: {source}{alias}, layer-outermost: a block's bytes lie in every layer's own region, "
-            f"but vkv backs each block as one run of all its layers' bytes; {_WHAT_TO_DO_LAYOUT}")
-
-
 def check_kv_cache_config(kv_cache_config) -> None:
     """Block b of every KV cache group and layer in the bytes ``[b * block_bytes, (b + 1) *
-    block_bytes)`` of vLLM's one buffer: block-outermost strides. Any spec (full, sliding
-    window, MLA, K and V of different sizes, Mamba state), any number of groups and padded
-    pages qualify; host-resident groups (HiSparse) do not."""
+    block_bytes)`` of vLLM's one buffer where the strides are block-outermost (layer-outermost
+    ones: block_ranges()). Any spec (full, sliding window, MLA, K and V of different sizes,
+    Mamba state), any number of groups and padded pages qualify; host-resident groups
+    (HiSparse) do not."""
     groups = kv_cache_config.kv_cache_groups
     tensors = kv_cache_config.kv_cache_tensors
     if not groups or not tensors:
@@ -107,13 +167,10 @@ def check_kv_cache_config(kv_cache_config) -> None:
                          "off (attention_config.hisparse_config) to serve this model on vkv")
     num_blocks = kv_cache_config.num_blocks
     block = block_bytes(kv_cache_config)
+    if layer_outermost(kv_cache_config):
+        return  # each layer's region: block_ranges() checks where the blocks lie
     for tensor in tensors:
         layers = len(tensor.layers)
-        if layers > 1 and tensor.block_stride < tensor.layer_stride:
-            raise ValueError(
-                f"VkvConnector: vLLM's KV cache tensor is layer-outermost (layer_stride {tensor.layer_stride} "
-                f"bytes, block_stride {tensor.block_stride}), but vkv backs each block as one run of all its "
-                f"layers' bytes; {_WHAT_TO_DO_LAYOUT}")
         end = tensor.offset + layers * min(tensor.layer_stride, block)
         if tensor.block_stride != block or tensor.size != num_blocks * block or end > block:
             raise ValueError(
@@ -136,7 +193,8 @@ def _blocks_of_one_request(vllm_config, kv_cache_config) -> int:
     return total
 
 
-def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> None:
+def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig,
+                 ranges: Optional[BlockRanges] = None) -> None:
     """The budget must back one request of max_model_len, the headroom and the null block:
     with less, such a request would wait for ever."""
     if not settings.memory_budget and not settings.shared_budget:
@@ -145,7 +203,7 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> 
     max_model_len = vllm_config.model_config.max_model_len
     request_blocks = _blocks_of_one_request(vllm_config, kv_cache_config)
     blocks = request_blocks + settings.headroom_blocks + 1
-    need = backed_bytes(blocks, block, page_bytes(settings))
+    need = backed_bytes(blocks, block, page_bytes(settings), ranges)
     groups = len(kv_cache_config.kv_cache_groups)
     where = f" over {groups} KV cache groups" if groups > 1 else ""
     what = (f"one request of max_model_len {max_model_len} tokens ({request_blocks} blocks{where}) + headroom_blocks "
@@ -170,15 +228,22 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig) -> 
                 f"resize {name} {need}), or lower --max-model-len")
 
 
-def check_view(name: str, view, num_blocks: int, block: int) -> None:
-    """A layer's KV cache view as vLLM made it (register_kv_caches): its blocks must be
-    ``block`` bytes apart (vkv backs block b as ``[b * block, (b + 1) * block)``), whatever
-    the configs said."""
-    if view.dim() == 0 or view.shape[0] != num_blocks:
+def check_view(name: str, view, num_blocks: int, ranges: BlockRanges, offset: int) -> None:
+    """A layer's KV cache view as vLLM made it (register_kv_caches), ``offset`` bytes into the
+    buffer: every byte it gives block b must lie in the bytes vkv backs for block b
+    (``ranges``), whatever the configs said. A view of kernel blocks (a manager block split
+    into several, as vLLM does for some backends in layer-outermost layouts) counts the kernel
+    blocks of a block together."""
+    if view.dim() == 0 or view.shape[0] % num_blocks:
         return  # not a [blocks, ...] view: nothing to compare
-    stride = view.stride(0) * view.element_size()
-    if stride != block:
-        raise ValueError(
-            f"VkvConnector: vLLM's KV cache view {name!r} puts its blocks {stride} bytes apart, but vkv backs "
-            f"{block}-byte blocks, one run of all layers' bytes each (a layer-outermost layout); "
-            f"{_WHAT_TO_DO_LAYOUT}")
+    size = view.element_size()
+    split = view.shape[0] // num_blocks
+    stride = view.stride(0) * size * split
+    sizes = (split, *view.shape[1:], size)
+    strides = (view.stride(0) * size, *(s * size for s in view.stride()[1:]), 1)
+    for start, length in byte_runs(sizes, strides):
+        if not ranges.covers(offset + start, length, stride):
+            raise ValueError(
+                f"VkvConnector: vLLM's KV cache view {name!r} puts its blocks {stride} bytes apart, but vkv backs "
+                f"{ranges.describe()} (the view's block 0 has the bytes {offset + start}..{offset + start + length}); "
+                f"{_WHAT_TO_DO_LAYOUT}")

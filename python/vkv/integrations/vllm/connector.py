@@ -31,11 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .asks import AskBoard
 from .balloon import Balloon
 from .block_states import BlockStates
-from .checks import block_bytes, check_startup, check_view
+from .checks import block_bytes, block_ranges, check_startup, check_view
 from .config import VkvConnectorConfig
 from .demand import Demand
 from .memory import BlockMemory, make_memory
+from .page_memory import PageMemory
 from .pool import ReservationPool
+from .slot_geometry import BlockRanges, default_page_bytes
 from .workers import (AskBoards, ShardMemory, background_mapping, budget_name, check_parallel, engine_budget_names,
                       this_worker)
 
@@ -73,7 +75,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._checked:
             check_startup(vllm_config, kv_cache_config, self.settings)
         self._balloon: Optional[Balloon] = None
-        self._memory: Optional[BlockMemory] = None  # or a PageMemory (page_memory.py): the same interface
+        self._memory: Optional[Union[BlockMemory, PageMemory]] = None  # the same interface
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._demand: Optional[Demand] = None
         self._asks: Optional[Union[AskBoard, AskBoards]] = None  # with a shared budget: the engines that want memory
@@ -232,7 +234,13 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
                     "outside the connector's memory pool (get_mem_pool_context(), which vLLM 0.33 uses on CUDA "
                     "only: its CPU backend makes its own buffer); run vLLM on a CUDA GPU with "
                     "kv_connector_extra_config['device'] 'auto' or 'cuda:N'")
-            check_view(name, tensor, memory.num_blocks, memory.block_bytes)
+            check_view(name, tensor, memory.num_blocks, self._block_ranges(memory), tensor.data_ptr() - base)
+
+    @staticmethod
+    def _block_ranges(memory) -> BlockRanges:
+        """Where the memory backs block b: PageMemory's ranges, else one run (a slot) a block."""
+        ranges = getattr(memory, "ranges", None)
+        return ranges if ranges is not None else BlockRanges.one_run(memory.block_bytes)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -263,7 +271,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return None
 
-    def _make_memory(self, kv_cache_config) -> BlockMemory:
+    def _make_memory(self, kv_cache_config) -> Union[BlockMemory, PageMemory]:
         if not self._checked:  # vLLM gave no KVCacheConfig to __init__
             check_startup(self._vllm_config, kv_cache_config, self.settings)
             self._checked = True
@@ -280,4 +288,10 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             shared_budget_priority=settings.shared_budget_priority)
         if worker.size > 1:  # its blocks are whole slots (checks.py, check_parallel_blocks)
             return ShardMemory(worker=worker, timeout_s=float(settings.worker_timeout_s), **arguments)
+        ranges = block_ranges(self._vllm_config, kv_cache_config)
+        if not ranges.is_one_run:  # a layer-outermost layout: a range in each layer's region, page by page
+            from vkv._parameters import resolve_device
+            device = str(resolve_device(settings.device))
+            return PageMemory(**dict(arguments, device=device), block_ranges=ranges,
+                              page_bytes=settings.page_size or default_page_bytes(device))
         return make_memory(page_bytes=settings.page_size, **arguments)

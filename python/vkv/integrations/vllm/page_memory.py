@@ -19,6 +19,13 @@ that touch it:
   page), then the lowest ids, so blocks fill pages densely: the blocks backed at once
   are one run, with at most one partial page at each end.
 
+In vLLM's layer-outermost layouts (LBNHC, LBHNC: FlexAttention, FlashInfer on SM100,
+``VLLM_KV_CACHE_LAYOUT=NHD``/``HND``) each layer has a region of its own and block b's bytes are
+one range in each (in LHBNC one per layer and head; ``block_ranges``, slot_geometry.py's
+BlockRanges): a block is then the set of pages its ranges touch, counted as above, so a
+page of a layer's region goes back only when no backed block has bytes on it, and blocks
+backed as a run fill each region's pages densely.
+
 A block backed again over pages that stayed mapped keeps what vLLM last wrote there, as in
 vLLM's own pool; a page that went back to the budget comes back as zeros. vkv holds every
 page slot allocated (stepped to 0 tokens, i.e. unbacked) except while one is freed and
@@ -35,6 +42,7 @@ import vkv
 from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
 from .mapper import BackgroundMapper, StepJobs
 from .slot_geometry import SLOT_TOKEN_BYTES as _TOKEN_BYTES
+from .slot_geometry import BlockRanges
 
 
 class PageMemory(StepJobs):
@@ -43,6 +51,7 @@ class PageMemory(StepJobs):
     run on the background mapper's thread when it is on, else inside ``submit()``."""
 
     def __init__(self, *, engine_id: str, num_blocks: int, block_bytes: int, page_bytes: int, block_size: int = 0,
+                 block_ranges: Optional[BlockRanges] = None,
                  device: str, shared_budget: str, memory_budget: int, headroom_blocks: int,
                  background_mapping: Optional[bool] = None, shared_budget_floor: int = 0,
                  shared_budget_cap: int = 0, shared_budget_priority: int = 0) -> None:
@@ -55,10 +64,11 @@ class PageMemory(StepJobs):
             from .pool import torch_allocation_bytes
             reserve = torch_allocation_bytes(reserve)
         self.num_pages = -(-reserve // page_bytes)
-        blocks = np.arange(num_blocks, dtype=np.int64)
-        self._first = blocks * block_bytes // page_bytes  # block b's first and last page
-        self._last = ((blocks + 1) * block_bytes - 1) // page_bytes
-        self._span = self._last - self._first + 1
+        # Where block b's bytes lie: one run (block-outermost) or one range per layer (layer-outermost).
+        self.ranges = block_ranges or BlockRanges.one_run(block_bytes)
+        if self.ranges.end(num_blocks) > num_blocks * block_bytes:
+            raise ValueError(f"vkv.integrations.vllm: {self.ranges.describe()} reach byte {self.ranges.end(num_blocks)}, "
+                             f"past the buffer of {num_blocks} blocks of {block_bytes} bytes")
         self.users = np.zeros(self.num_pages, dtype=np.int32)  # backed blocks touching each page
         if page_bytes % _TOKEN_BYTES:
             raise ValueError(f"vkv.integrations.vllm: page_size = {page_bytes} must be a multiple of {_TOKEN_BYTES}")
@@ -99,15 +109,25 @@ class PageMemory(StepJobs):
         return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
 
     # ---- pages ----------------------------------------------------------------------------
+    def _spans(self, blocks: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+        """Each block's first and last page in each of its ranges: two [blocks, ranges] arrays."""
+        starts = self.ranges.starts + np.asarray(blocks, dtype=np.int64)[:, None] * self.ranges.strides
+        return starts // self.page_bytes, (starts + self.ranges.lengths - 1) // self.page_bytes
+
     def pages_of(self, blocks: np.ndarray) -> np.ndarray:
         """Every page the blocks touch, once per block (a page two of them share: twice)."""
-        span = self._span[blocks]
-        starts = np.repeat(self._first[blocks] - np.cumsum(span) + span, span)
-        return starts + np.arange(int(span.sum()), dtype=np.int64)
+        first, last = self._spans(blocks)
+        span = (last - first + 1).ravel()
+        pages = np.repeat(first.ravel() - np.cumsum(span) + span, span) + np.arange(int(span.sum()), dtype=np.int64)
+        if len(self.ranges) == 1:
+            return pages
+        # Several ranges: a page two ranges of one block touch counts once for that block.
+        owner = np.repeat(np.repeat(np.arange(first.shape[0], dtype=np.int64), first.shape[1]), span)
+        return np.unique(owner * self.num_pages + pages) % self.num_pages
 
     def mapped_pages(self, block: int) -> int:
         """How many of ``block``'s pages are backed (all of them while it is backed)."""
-        return int((self.users[self._first[block]:self._last[block] + 1] > 0).sum())
+        return int((self.users[self.pages_of(np.array([block]))] > 0).sum())
 
     def _back(self, blocks: np.ndarray) -> bool:
         """Back the pages ``blocks`` need in one ``step()``; False (nothing changed) when the
@@ -137,9 +157,14 @@ class PageMemory(StepJobs):
             return 0
         # Blocks whose pages are all backed already (holes in backed pages) cost nothing: those
         # first, then the lowest ids, so that new blocks continue the backed runs densely.
-        # (Pages strictly inside an unbacked block are its own, so only its end pages count.)
-        users, first, last = self.users, self._first[free], self._last[free]
-        costless = (users[first] > 0) & (users[last] > 0) & (last - first <= 1)
+        # (Pages strictly inside a range of an unbacked block are its own, so only each range's
+        # end pages count; candidates are those whose first range starts on a backed page.)
+        users = self.users
+        costless = np.zeros(free.size, dtype=bool)
+        candidates = np.flatnonzero(users[(self.ranges.starts[0] + free * self.ranges.strides[0]) // self.page_bytes] > 0)
+        if candidates.size:
+            first, last = self._spans(free[candidates])
+            costless[candidates] = ((users[first] > 0) & (users[last] > 0) & (last - first <= 1)).all(axis=1)
         chosen = np.concatenate((free[costless], free[~costless]))[:want]
         while chosen.size:
             if self._back(chosen):
@@ -160,7 +185,7 @@ class PageMemory(StepJobs):
         new_so_far = []
         users = self.users
         for block in chosen.tolist():
-            for page in range(int(self._first[block]), int(self._last[block]) + 1):
+            for page in self.pages_of(np.array([block])).tolist():
                 if users[page] == 0 and page not in seen:
                     seen.add(page)
             new_so_far.append(len(seen))

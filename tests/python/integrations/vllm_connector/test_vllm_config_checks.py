@@ -87,48 +87,8 @@ def test_the_block_outermost_layout_the_connector_asks_for_is_accepted():
         _connector(config, kv_config, role)
 
 
-@pytest.mark.parametrize("requested, resolved", [("NHD", "LBNHC"), ("HND", "LBHNC"), ("LBNHC", "LBNHC")])
-def test_a_layer_outermost_vllm_kv_cache_layout_is_refused(monkeypatch, requested, resolved):
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", requested)  # wins over the connector's request
-    config = _config()
-    kv_config = _plan(config)
-    assert kv_config.kv_cache_layout == resolved
-    message = _refused(config, kv_config, "layer-outermost")
-    assert resolved in message and "VLLM_KV_CACHE_LAYOUT=BLNHC" in message
-
-
-def test_flex_attention_drops_the_connectors_layout_and_is_refused():
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
-    flex = [layout.name for layout in get_supported_kv_cache_layouts([AttentionBackendEnum.FLEX_ATTENTION.get_class()])]
-    config = _config()
-    kv_config = _plan(config, flex)  # vLLM warns and uses LBNHC instead of the connector's BLNHC
-    assert kv_config.kv_cache_layout == "LBNHC"
-    assert "FLEX_ATTENTION" in _refused(config, kv_config, "layer-outermost")
-
-
-def test_flashinfer_on_sm100_is_refused_unless_blhnc_is_asked_for(monkeypatch):
-    # vllm/v1/attention/backends/flashinfer.py: on capability 10.x the backend supports (LBHNC, BLHNC).
-    sm100 = ["LBHNC", "BLHNC"]
-    config = _config()
-    kv_config = _plan(config, sm100)
-    assert kv_config.kv_cache_layout == "LBHNC"
-    assert "BLHNC for FlashInfer" in _refused(config, kv_config, "layer-outermost")
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
-    config = _config()
-    kv_config = _plan(config, sm100)
-    assert kv_config.kv_cache_layout == "BLHNC"
-    _connector(config, kv_config)
-
-
-def test_layer_outermost_strides_are_refused_where_the_layout_is_not_named(monkeypatch):
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
-    config = _config()
-    kv_config = _plan(config)
-    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
-    kv_config.kv_cache_layout = None  # only the KVCacheTensor's strides tell
-    config.cache_config.kv_cache_layout = None
-    _refused(config, kv_config, r"layer-outermost \(layer_stride 524288 bytes, block_stride 8192\)")
+# Layer-outermost layouts (VLLM_KV_CACHE_LAYOUT=NHD/HND, FlexAttention, FlashInfer on SM100) are
+# served page by page: test_vllm_layer_outermost.py.
 
 
 def test_views_whose_blocks_are_not_vkvs_slots_are_refused_when_registered():

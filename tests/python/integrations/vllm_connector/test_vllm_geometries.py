@@ -81,7 +81,7 @@ def check_pages(engine, out=None):
         for rid, blocks in engine.all_block_tables(out).items():
             for b in blocks:
                 assert states[b] == IN_POOL, (rid, b, states[b])
-                assert memory.mapped_pages(b) == memory._span[b], (rid, b)
+                assert memory.mapped_pages(b) == memory.pages_of(np.array([b])).size, (rid, b)
     if memory.mapper is not None and memory.mapper.busy():
         return  # the job in flight changes the counts as we read them
     users = np.bincount(memory.pages_of(_live_blocks(memory)), minlength=memory.num_pages)

@@ -1,6 +1,7 @@
 """vLLM's KV buffer in vkv memory on a GPU, without vLLM (it cannot be installed on the GPU
 machine): what vLLM's allocate_kv_cache() does inside the connector's get_mem_pool_context()
-(torch.zeros over the whole buffer), then K/V through block-outermost (BLNHC) views.
+(torch.zeros over the whole buffer), then K/V through block-outermost (BLNHC) views, and
+through layer-outermost (LBNHC) ones over blocks backed page by page in every layer's region.
 
 The scratch page and the allocator's refusals run on the host backend everywhere; the rest
 skips without CUDA."""
@@ -9,6 +10,7 @@ import ctypes
 import gc
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -290,7 +292,7 @@ def _block_pattern(block: int, block_bytes: int) -> torch.Tensor:
 def _shared_page(memory, backed):
     """A page (not the null block's) that two or more backed blocks touch, and those blocks."""
     for page in range(1, memory.num_pages):
-        touching = [b for b in backed if memory._first[b] <= page <= memory._last[b]]
+        touching = [b for b in backed if page in memory.pages_of(np.array([b]))]
         if len(touching) >= 2 and memory.users[page] == len(touching):
             return page, touching
     raise AssertionError(f"no page shared by backed blocks among {backed}")
@@ -366,6 +368,109 @@ def test_a_shared_page_is_given_back_only_after_the_kernels_queued_before(name):
         for b, read in zip(touching, reads):
             assert torch.equal(read, _block_pattern(b, block_bytes)), f"the read of block {b} lost its page"
         del buffer
+    finally:
+        memory.states.unlink()
+        memory.close()
+
+
+# ---- a layer-outermost layout --------------------------------------------------------------
+# vLLM's LBNHC (FlexAttention; VLLM_KV_CACHE_LAYOUT=NHD; FlashInfer on SM100's LBHNC has the same
+# block ranges): each layer a region of its own, block b the layer's page at b * 64 KiB in each.
+# Llama-3-8B's layer block at --block-size 16 (16 tokens x 8 KV heads x 128 x K,V x bf16 = 64 KiB):
+# 32 blocks to a 2 MiB page of each region. 4 layers x 64 blocks: 4 regions of 4 MiB, 16 MiB.
+OUTER_LAYERS, OUTER_TOKENS, OUTER_BLOCKS = 4, 16, 64
+OUTER_LAYER_BLOCK = OUTER_TOKENS * HEADS * 2 * HEAD_DIM * DTYPE.itemsize
+
+
+def _layer_outermost_memory(background_mapping: bool):
+    from vkv.integrations.vllm.page_memory import PageMemory
+    from vkv.integrations.vllm.slot_geometry import BlockRanges
+    return PageMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=OUTER_BLOCKS,
+                      block_bytes=OUTER_LAYERS * OUTER_LAYER_BLOCK, page_bytes=2 << 20, device="cuda",
+                      block_ranges=BlockRanges.per_layer(OUTER_LAYERS, OUTER_LAYER_BLOCK, OUTER_BLOCKS),
+                      shared_budget="", memory_budget=0, headroom_blocks=8, background_mapping=background_mapping)
+
+
+def _layer_outermost_views(buffer: torch.Tensor) -> torch.Tensor:
+    """vLLM's LBNHC views, stacked: [layers, blocks, tokens, heads, K + V]."""
+    return buffer.view(DTYPE).view(OUTER_LAYERS, OUTER_BLOCKS, OUTER_TOKENS, HEADS, 2 * HEAD_DIM)
+
+
+def _layer_pattern(block: int, layer: int) -> torch.Tensor:
+    values = torch.arange(OUTER_TOKENS * HEADS * 2 * HEAD_DIM, device="cuda", dtype=torch.float32) % 251
+    return (values + 7 * block + 3 * layer).to(DTYPE).view(OUTER_TOKENS, HEADS, 2 * HEAD_DIM)
+
+
+@cuda
+def test_layer_outermost_blocks_read_back_and_a_page_of_each_region_outlives_one_of_its_blocks():
+    memory = _layer_outermost_memory(background_mapping=False)
+    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    try:
+        with pool.context():  # vLLM's allocate_kv_cache(): torch.zeros over the whole buffer
+            buffer = torch.zeros(OUTER_BLOCKS * OUTER_LAYERS * OUTER_LAYER_BLOCK, dtype=torch.int8, device="cuda")
+        assert buffer.data_ptr() == memory.buffer().data_ptr(), "torch.zeros did not return the reservation"
+        states = memory.states.states
+        memory.grow(40)  # blocks 1-40: page 0 of each region whole, page 1 (blocks 32-63) in part
+        torch.cuda.synchronize()
+        backed = [b for b in range(1, OUTER_BLOCKS) if states[b] == BACKED]
+        assert backed == list(range(1, 41)) and memory.cache.stats()["pages_created"] == 2 * OUTER_LAYERS
+        views = _layer_outermost_views(buffer)
+        for layer in range(OUTER_LAYERS):
+            for b in backed:
+                views[layer, b].copy_(_layer_pattern(b, layer))
+        torch.cuda.synchronize()
+        for layer in range(OUTER_LAYERS):
+            for b in backed:
+                assert torch.equal(views[layer, b], _layer_pattern(b, layer)), (b, layer)
+        second = [2 * layer + 1 for layer in range(OUTER_LAYERS)]  # page 1 of each region
+        states[32] = RECLAIMING
+        memory.release([32])  # blocks 33-40 still use page 1 of every region: it stays
+        assert all(memory.cache.mapped_pages(p) == 1 for p in second), "a page a live block uses was given back"
+        states[list(range(33, 41))] = RECLAIMING
+        memory.release(list(range(33, 41)))  # the last blocks on them: page 1 of every region goes back
+        assert all(memory.users[p] == 0 and memory.cache.mapped_pages(p) == 0 for p in second)
+        views[:, 32:].fill_(-1.0)  # scratch now: no fault
+        torch.cuda.synchronize()
+        for layer in range(OUTER_LAYERS):  # page 0 of each region untouched
+            for b in range(1, 32):
+                assert torch.equal(views[layer, b], _layer_pattern(b, layer)), (b, layer)
+        memory.grow(OUTER_BLOCKS - 1)  # every block: the pages come back from the budget as zeros
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(views[:, 32:]) == 0, "a page back from the budget"
+        del views, buffer
+    finally:
+        memory.states.unlink()
+        memory.close()
+
+
+@cuda
+def test_layer_outermost_pages_are_given_back_only_after_the_kernels_queued_before():
+    memory = _layer_outermost_memory(background_mapping=True)
+    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    try:
+        with pool.context():
+            buffer = torch.zeros(OUTER_BLOCKS * OUTER_LAYERS * OUTER_LAYER_BLOCK, dtype=torch.int8, device="cuda")
+        states = memory.states.states
+        memory.grow(40)
+        torch.cuda.synchronize()
+        views = _layer_outermost_views(buffer)
+        touching = list(range(32, 41))  # every block on page 1 of each region
+        for layer in range(OUTER_LAYERS):
+            for b in touching:
+                views[layer, b].copy_(_layer_pattern(b, layer))
+        torch.cuda._sleep(1 << 30)  # a forward still reading the blocks at the hand-over
+        reads = views[:, 32:41].clone()
+        states[touching] = RECLAIMING
+        memory.submit(touching, memory.backed - len(touching))
+        assert memory.mapper.busy() and memory.cache.mapped_pages(1) == 1, "unmapped under a queued read"
+        memory.wait()
+        assert all(states[b] == UNBACKED for b in touching)
+        assert all(memory.cache.mapped_pages(2 * layer + 1) == 0 for layer in range(OUTER_LAYERS))
+        torch.cuda.synchronize()
+        for layer in range(OUTER_LAYERS):
+            for i, b in enumerate(touching):
+                assert torch.equal(reads[layer, i], _layer_pattern(b, layer)), f"the read of block {b} lost its page"
+        del views, buffer
     finally:
         memory.states.unlink()
         memory.close()
