@@ -28,6 +28,13 @@ command_line="scripts/gpu/vllm_mla_replay.sh $*"
 source scripts/gpu/common.sh
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+# The archive flashinfer_env.sh will unpack must have MLA's sources: said before vkv's build.
+archive="${FLASHINFER_ARCHIVE:-$(ls -t .whl/flashinfer-*.tar.xz 2>/dev/null | head -1)}"
+if [ -n "$archive" ] && ! tar -tJf "$archive" | grep "flashinfer/data/csrc/batch_mla_run.cu" > /dev/null; then
+  echo "vllm_mla_replay: $archive has no MLA sources: pack one with benchmarks/flashinfer_pack.py (it keeps them)" |
+    tee "$out/summary.txt"
+  exit 1
+fi
 install_vkv || exit 1
 # shellcheck source=scripts/gpu/flashinfer_env.sh
 source scripts/gpu/flashinfer_env.sh || exit 1
