@@ -13,7 +13,8 @@ CUTLASS and spdlog include folders, the top-level headers of `data/csrc` and the
 and templates the attention modules below read when they generate their code (traced).
 What is compiled here: the modules the benchmarks and the demo use at head_dim 128, bf16,
 int32 indices, no RoPE/window/soft-cap: batch decode (CUDA cores), batch prefill FA2 (the
-tensor-core decode path too; ragged and paged) and FA3 (sm90). They go to
+tensor-core decode path too; ragged and paged) and FA3 (sm90); and MLA's paged attention
+(head_dim_ckv 512, head_dim_kpe 64, bf16), FA2 and FA3. They go to
 `flashinfer/data/aot/<name>/<name>.so`, which FlashInfer loads before it would build
 (`flashinfer.jit.env.get_aot_artifacts`). Anything else still compiles at first use on
 the GPU machine, from the kept headers.
@@ -77,6 +78,10 @@ specs = [modules.gen_batch_decode_module(*shape),
          modules._gen_batch_prefill_primary_module("fa2", *shape, False),
          modules._gen_batch_prefill_independent_paged_module("fa2", *shape, False),
          modules.gen_batch_prefill_module("fa3", *shape, False)]
+# MLA (BatchMLAPagedAttentionWrapper: DeepSeek's 512-wide compressed KV + 64-wide RoPE part, bf16):
+# its FA2 and FA3 (sm90) modules, for benchmarks/vllm_mla_replay.py.
+mla = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, 512, 64, False)
+specs += [modules.gen_batch_mla_module("fa2", *mla), modules.gen_batch_mla_module("fa3", *mla)]
 if sys.argv[2] == "build":
     build_jit_specs(specs, verbose=False)
 print(json.dumps({"modules": {s.name: str(s.jit_library_path) for s in specs},

@@ -29,6 +29,7 @@ outside them. --mapping says when the worker's job (release, then back up to the
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -39,11 +40,16 @@ import numpy as np
 import torch
 
 
-def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int) -> None:
+def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int, model=None, page_size: int = 0) -> None:
+    """``model``: the KV geometry vLLM's scheduler and the connector see (a vllm_testing.Model;
+    default its tiny Llama-shaped one, 16-token blocks); the trace keeps its block size.
+    ``page_size``: the connector's vkv page (0: the host backend's 4 KiB)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
     import vllm_testing as vt
-    engine = vt.Engine(num_blocks, {"headroom_blocks": 8}, max_num_seqs=requests, max_num_batched_tokens=2048,
-                       prefix_caching=False, async_scheduling=False)  # the traces recorded so far
+    model = model or vt.TINY
+    extra = dict({"headroom_blocks": 8}, **({"page_size": page_size} if page_size else {}))
+    engine = vt.Engine(num_blocks, extra, max_num_seqs=requests, max_num_batched_tokens=2048,
+                       prefix_caching=False, async_scheduling=False, model=model)  # the traces recorded so far
     for i in range(requests):
         engine.add(f"r{i}", [(13 * i + t) % 1000 for t in range(prompt + (i % 7) * 9)], gen)
     steps, last = [], {}
@@ -63,7 +69,8 @@ def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int) -> 
             last[r] = table
         steps.append({"release": meta.release, "target": meta.target_backed, "batch": batch})
     engine.close()
-    trace = {"num_blocks": num_blocks, "block_size": vt.BLOCK, "requests": requests, "prompt": prompt, "gen": gen,
+    trace = {"num_blocks": num_blocks, "block_size": model.block_size, "requests": requests, "prompt": prompt,
+             "gen": gen, **({"model": dataclasses.asdict(model)} if model != vt.TINY else {}),
              "tables": "incremental", "steps": steps}
     with open(path, "w") as f:
         json.dump(trace, f, separators=(",", ":"))
@@ -216,6 +223,58 @@ def _flashinfer_forward(views, paged, plan, new_kv, q, attention, dense, x):
     return result
 
 
+class _Gqa:
+    """The replayed model's KV and attention (``replay(model=...)``): Llama-style K and V in
+    BLNHC views, attended by torch (gathered blocks) or FlashInfer's paged kernels, with the
+    dense GEMMs when asked. benchmarks/vllm_mla_replay.py has the same methods for MLA."""
+
+    def __init__(self, device, layers, heads, dim, q_heads, attention_name, dense_gemms, prefill_backend, block,
+                 dtype):
+        self.device, self.layers, self.heads, self.dim, self.q_heads = device, layers, heads, dim, q_heads
+        self.block, self.dtype, self.name = block, dtype, attention_name
+        self.block_bytes = block * layers * 2 * heads * dim * dtype.itemsize
+        self.attention = (_FlashInfer(device, heads, q_heads, dim, block, dtype, prefill_backend)
+                          if attention_name == "flashinfer" else None)
+        self.dense = _Dense(device, q_heads, heads, dim, dtype) if dense_gemms else None
+        self.report = {"shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
+                       **({"prefill_backend": prefill_backend} if self.attention is not None else {})}
+
+    def pool(self, buffer, num_blocks):
+        """One pool's per-layer views and FlashInfer's paged K/V of each."""
+        views = _views(buffer, num_blocks, self.layers, self.heads, self.dim, self.block, self.dtype)
+        return views, [_paged_kv(v, self.dim) for v in views]
+
+    def warm(self, pools):
+        """JIT compilation and first-call setup, out of the timings: block 0 only."""
+        if self.attention is None:
+            return
+        warm = _Plan([["warm", [0], self.block, self.block], ["warm2", [0], 1, 1]], self.block, self.device)
+        self.attention.plan(warm)
+        q = torch.zeros(warm.tokens, self.q_heads, self.dim, device=self.device, dtype=self.dtype)
+        for views, paged in pools.values():
+            self.attention.run(warm, q, paged[0])
+
+    def inputs(self, step, g):
+        """The step's plan and random inputs, the same for both pools, and the batch shape
+        (None: nothing to warm up); the torch path draws its own inside the forward."""
+        if self.attention is None:
+            return None, None
+        plan = _Plan(step["batch"], self.block, self.device)
+        self.attention.plan(plan)
+        kv = torch.randn(self.layers, plan.tokens, self.heads, 2 * self.dim, generator=g, device=self.device)
+        q = torch.randn(self.layers, plan.tokens, self.q_heads, self.dim, generator=g, device=self.device)
+        x = (torch.randn(plan.tokens, self.dense.hidden, generator=g, device=self.device).to(self.dtype) * 0.01
+             if self.dense else None)
+        return (plan, kv.to(self.dtype), q.to(self.dtype), x), (plan.tokens, plan.decodes, plan.prefills)
+
+    def forward(self, pool, step, index, inputs, g):
+        views, paged = pool
+        if self.attention is None:
+            return _torch_forward(views, step, index, self.block, self.heads, self.dim, self.dtype, self.device, g)
+        plan, new_kv, q, x = inputs
+        return _flashinfer_forward(views, paged, plan, new_kv, q, self.attention, self.dense, x)
+
+
 MAPPINGS = {
     "background": "vLLM's order: the job taken at the bind (before the forward is queued), started on the "
                   "background mapper at start_load_kv() (once it is queued)",
@@ -287,15 +346,18 @@ def _spread(vkv, fixed, steps):
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
-           prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "") -> dict:
+           prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "",
+           model=None) -> dict:
     """``make_memory(**the memory's arguments)``: the worker's memory (vllm_tp_replay.py: one
-    tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name."""
+    tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name;
+    ``model(block_size)``: the replayed model's KV layout and attention (default: _Gqa of
+    layers, heads, dim, q_heads and attention_name; vllm_mla_replay.py's MLA)."""
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import make_memory as default_memory
     cuda = device.startswith("cuda")
     if mapping not in MAPPINGS:
         raise ValueError(f"vllm_replay: mapping {mapping!r} is not one of {sorted(MAPPINGS)}")
-    if dense_gemms and attention_name != "flashinfer":
+    if model is None and dense_gemms and attention_name != "flashinfer":
         raise ValueError("vllm_replay: --dense needs --attention flashinfer (the torch path times its Python)")
     if os.environ.get("VKV_REPLAY_SWITCH_INTERVAL"):  # an experiment: the GIL's forced hand-offs between threads
         sys.setswitchinterval(float(os.environ["VKV_REPLAY_SWITCH_INTERVAL"]))
@@ -303,27 +365,22 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
     nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
     background = mapping.startswith("background")
-    # BLNHC block bytes; not a power-of-two multiple of 2 MiB (e.g. --layers 28 --heads 4): page by page.
+    if model is None:
+        model = lambda block: _Gqa(device, layers, heads, dim, q_heads, attention_name, dense_gemms,  # noqa: E731
+                                   prefill_backend, block, dtype)
+    model = model(block)
+    # Block bytes not a power-of-two multiple of 2 MiB (e.g. --layers 28 --heads 4, MLA): page by page.
     memory = (make_memory or default_memory)(
-        engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block,
-        block_bytes=block * layers * 2 * heads * dim * dtype.itemsize, device=device,
-        shared_budget="", memory_budget=0, headroom_blocks=8, background_mapping=background)
+        engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, block_bytes=model.block_bytes,
+        device=device, shared_budget="", memory_budget=0, headroom_blocks=8, background_mapping=background,
+        **getattr(model, "memory_options", {}))
     # Zeroed, as vLLM's allocate_kv_cache() zeroes its pool: a kernel that reads a padded
     # position must see the same bytes in both pools (vkv's new pages are zeros too).
     fixed = torch.zeros(nb * memory.block_bytes, dtype=torch.int8, device=device)
-    pools = {"vkv": _views(memory.buffer(), nb, layers, heads, dim, block, dtype),
-             "fixed": _views(fixed, nb, layers, heads, dim, block, dtype)}
-    paged = {name: [_paged_kv(v, dim) for v in views] for name, views in pools.items()}
+    pools = {"vkv": model.pool(memory.buffer(), nb), "fixed": model.pool(fixed, nb)}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    attention = (_FlashInfer(device, heads, q_heads, dim, block, dtype, prefill_backend)
-                 if attention_name == "flashinfer" else None)
-    dense = _Dense(device, q_heads, heads, dim, dtype) if dense_gemms else None
-    if attention is not None:  # JIT compilation and first-call setup out of the timings: block 0 only
-        warm = _Plan([["warm", [0], block, block], ["warm2", [0], 1, 1]], block, device)
-        attention.plan(warm)
-        for name in pools:
-            attention.run(warm, torch.zeros(warm.tokens, q_heads, dim, device=device, dtype=dtype), paged[name][0])
-        sync()
+    model.warm(pools)  # JIT compilation and first-call setup, out of the timings
+    sync()
     states = memory.states.states  # the scheduler's side of the shared states: never timed
 
     def take_into_pool():  # the scheduler frees what the worker backed into its pool
@@ -353,6 +410,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     events = []  # (step, pool, start, end)
     mismatches = []  # _difference() of the steps whose outputs differ (--keep-going)
     warmed = set()  # the batch shapes (tokens, decodes, prefills) a forward has run with, untimed
+    backed_most = memory.backed  # the most blocks backed at once (the null block aside)
     control_mismatches = []  # the fixed pool against itself (--control): the kernels' own nondeterminism
     for index, step in enumerate(steps):
         for key in ("map", "bind", "wait", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed", "gc_vkv", "gc_fixed"):
@@ -367,20 +425,16 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             # Unmapping during the forward (ahead, background) is safe only for blocks it does not read.
             assert not set(table) & set(step["release"]), (index, _rid, table)
         g = torch.Generator(device=device).manual_seed(index)
-        if attention is not None:  # inputs and the plan: the same for both pools, out of the timings
-            plan = _Plan(step["batch"], block, device)
-            attention.plan(plan)
-            new_kv = torch.randn(layers, plan.tokens, heads, 2 * dim, generator=g, device=device).to(dtype)
-            q = torch.randn(layers, plan.tokens, q_heads, dim, generator=g, device=device).to(dtype)
-            x = torch.randn(plan.tokens, dense.hidden, generator=g, device=device).to(dtype) * 0.01 if dense else None
-            shape = (plan.tokens, plan.decodes, plan.prefills)
-            if shape not in warmed:
-                # A batch shape's first forward loads kernels and picks GEMM algorithms (~100 ms
-                # at step 0): untimed, on the fixed pool (it writes what its timed forward
-                # writes again), so that neither pool pays it for the other.
-                warmed.add(shape)
-                _flashinfer_forward(pools["fixed"], paged["fixed"], plan, new_kv, q, attention, dense, x)
-                sync()
+        # The plan and the inputs: the same for both pools, out of the timings.
+        inputs, shape = model.inputs(step, g)
+        backed_most = max(backed_most, memory.backed)
+        if shape is not None and shape not in warmed:
+            # A batch shape's first forward loads kernels and picks GEMM algorithms (~100 ms
+            # at step 0): untimed, on the fixed pool (it writes what its timed forward
+            # writes again), so that neither pool pays it for the other.
+            warmed.add(shape)
+            model.forward(pools["fixed"], step, index, inputs, g)
+            sync()
         outs = {}
         # Alternate which pool goes first: neither gets the other's warm caches every step.
         for name in (("vkv", "fixed") if index % 2 == 0 else ("fixed", "vkv")):
@@ -397,10 +451,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
             launch = time.perf_counter()
-            if attention is None:
-                outs[name] = _torch_forward(pools[name], step, index, block, heads, dim, dtype, device, g)
-            else:
-                outs[name] = _flashinfer_forward(pools[name], paged[name], plan, new_kv, q, attention, dense, x)
+            outs[name] = model.forward(pools[name], step, index, inputs, g)
             per_step["launch_" + name][-1] = time.perf_counter() - launch
             if cuda:
                 end.record()
@@ -430,10 +481,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             per_step["vkv"][-1] += per_step["map"][-1]  # before the forward: on its critical path
         if control:  # the fixed pool's forward once more: same inputs, same slots, same bytes expected
             sync()
-            if attention is None:
-                again = _torch_forward(pools["fixed"], step, index, block, heads, dim, dtype, device, g)
-            else:
-                again = _flashinfer_forward(pools["fixed"], paged["fixed"], plan, new_kv, q, attention, dense, x)
+            again = model.forward(pools["fixed"], step, index, inputs, g)
             sync()
             differ = _difference(index, again, outs["fixed"])
             if differ:
@@ -453,8 +501,9 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     report = {"device": device, "trace": os.path.basename(path), "steps": len(steps), "decode_steps": len(decode_steps),
               "max_batch": max((len(s["batch"]) for s in steps), default=0),
               "warmed_shapes": len(warmed),
-              "shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
-              **({"prefill_backend": prefill_backend} if attention is not None else {}),
+              **model.report, "num_blocks": nb, "block_bytes": memory.block_bytes,
+              "memory": type(memory).__name__, "page_bytes": getattr(memory, "page_bytes", memory.block_bytes),
+              "most_blocks_backed": max(backed_most, memory.backed),
               "mapping": mapping, "map": MAPPINGS[mapping],
               "dense_gemms": dense_gemms, "gc_freeze": gc_freeze, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
               **({"control_mismatched_steps": control_mismatches} if control else {}),
@@ -476,7 +525,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from common import machine, write_json
 
-        name = f"vllm_replay_{attention_name}{_SUFFIX[mapping]}{'_dense' if dense_gemms else ''}{name_suffix}.json"
+        name = f"vllm_replay_{model.name}{_SUFFIX[mapping]}{'_dense' if dense_gemms else ''}{name_suffix}.json"
         write_json({"machine": machine(device), **report}, os.path.join(out, name))
     gc_clock.close()
     if gc_freeze:
