@@ -46,21 +46,6 @@ def check_startup(vllm_config, kv_cache_config, settings: VkvConnectorConfig) ->
     check_layout(vllm_config, kv_cache_config)
     check_kv_cache_config(kv_cache_config)
     check_budget(vllm_config, kv_cache_config, settings)
-    check_parallel_blocks(vllm_config, block_bytes(kv_cache_config), page_bytes(settings))
-
-
-def check_parallel_blocks(vllm_config, block: int, page: int) -> None:
-    """With several workers every block must be one vkv slot (workers.py's ShardMemory):
-    the workers' agreement on blocks backed page by page is not written yet."""
-    from .slot_geometry import one_slot_per_block
-    from .workers import parallel_sizes
-    tp, pp = parallel_sizes(vllm_config)
-    if tp * pp > 1 and not one_slot_per_block(block, page):
-        raise ValueError(
-            f"VkvConnector: tensor_parallel_size {tp} x pipeline_parallel_size {pp} with a vLLM block of {block} "
-            f"bytes a worker, not a power-of-two multiple of vkv's {page}-byte page: blocks backed page by page are "
-            "not supported with several workers yet; pick a --block-size that makes a worker's block a power of "
-            f"two >= {page} bytes")
 
 
 def _resolved_layout(vllm_config, kv_cache_config) -> "tuple[Optional[str], str]":
