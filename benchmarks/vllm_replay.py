@@ -287,9 +287,12 @@ def _spread(vkv, fixed, steps):
 
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
-           prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "") -> dict:
+           prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "",
+           step_barrier=None) -> dict:
     """``make_memory(**the memory's arguments)``: the worker's memory (vllm_tp_replay.py: one
-    tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name."""
+    tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name;
+    ``step_barrier()``: called, untimed, before each pool's timed part of a step (the
+    tensor-parallel ranks start it together, as vLLM's broadcast of the step starts them)."""
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import make_memory as default_memory
     cuda = device.startswith("cuda")
@@ -346,16 +349,27 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             gc.collect(generation)
         gc.freeze()
     gc_clock = _GcClock()
+    agreed = [0.0]  # tensor parallelism: the job's seconds inside the workers' all-reduces (waits included)
+    if hasattr(memory, "agreement"):
+        round_ = memory.agreement.round
+
+        def timed_round(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return round_(*args, **kwargs)
+            finally:
+                agreed[0] += time.perf_counter() - t
+        memory.agreement.round = timed_round
     # Seconds of each step; launch_* (host time to queue the forward) and gpu_* (its kernels,
     # CUDA events on its stream) tell whether the mapper slows the host or the GPU.
-    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [],
+    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [], "agree": [],
                 "launch_vkv": [], "launch_fixed": [], "gpu_vkv": [], "gpu_fixed": [], "gc_vkv": [], "gc_fixed": []}
     events = []  # (step, pool, start, end)
     mismatches = []  # _difference() of the steps whose outputs differ (--keep-going)
     warmed = set()  # the batch shapes (tokens, decodes, prefills) a forward has run with, untimed
     control_mismatches = []  # the fixed pool against itself (--control): the kernels' own nondeterminism
     for index, step in enumerate(steps):
-        for key in ("map", "bind", "wait", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed", "gc_vkv", "gc_fixed"):
+        for key in ("map", "bind", "wait", "agree", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed", "gc_vkv", "gc_fixed"):
             per_step[key].append(0.0)
         states[step["release"]] = RECLAIMING  # the scheduler took them back (what the trace says)
         if mapping == "before":
@@ -385,6 +399,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         # Alternate which pool goes first: neither gets the other's warm caches every step.
         for name in (("vkv", "fixed") if index % 2 == 0 else ("fixed", "vkv")):
             sync()
+            if step_barrier is not None:
+                step_barrier()
             gc_clock.pool, gc_before = name, gc_clock.seconds[name]
             t = time.perf_counter()
             if name == "vkv" and background:
@@ -421,6 +437,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
                 memory.wait()
                 per_step["wait"][-1] = time.perf_counter() - w
                 per_step["map"][-1] = memory.mapper.last_job_seconds
+                per_step["agree"][-1], agreed[0] = agreed[0], 0.0
             per_step[name].append(time.perf_counter() - t)
             per_step["gc_" + name][-1] = gc_clock.seconds[name] - gc_before
             gc_clock.pool = None
@@ -453,7 +470,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     report = {"device": device, "trace": os.path.basename(path), "steps": len(steps), "decode_steps": len(decode_steps),
               "max_batch": max((len(s["batch"]) for s in steps), default=0),
               "warmed_shapes": len(warmed),
-              "shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
+              "shape": [layers, heads, dim, block], "block_bytes": memory.block_bytes, "q_heads": q_heads, "attention": attention_name,
               **({"prefill_backend": prefill_backend} if attention is not None else {}),
               "mapping": mapping, "map": MAPPINGS[mapping],
               "dense_gemms": dense_gemms, "gc_freeze": gc_freeze, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
