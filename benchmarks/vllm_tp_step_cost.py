@@ -1,6 +1,7 @@
 """What the vLLM connector's tensor-parallel agreement costs a step on the host: the recorded
 scheduler decisions (benchmarks/results/vllm_trace.json, as vllm_replay.py) applied by 1
-worker (make_memory(): the one-worker path) and by N worker processes (ShardMemory, agreeing
+worker (ShardMemory's own PageMemory without the agreement; --one-worker connector: what
+the connector picks) and by N worker processes (ShardMemory, agreeing
 through the shared-memory all-reduce), each step shaped as vLLM's worker runs it with the
 background mapper: bind_connector_metadata() (submit), the forward's launch (a busy loop that
 holds the GIL, as torch's launches do), start_load_kv() (the job starts on the mapper
@@ -49,8 +50,14 @@ def _worker(rank: int, size: int, args, engine_id: str, barrier, results) -> Non
         arguments = dict(engine_id=engine_id, num_blocks=trace["num_blocks"], block_size=trace["block_size"],
                          block_bytes=args.block_bytes, device="cpu", shared_budget="", memory_budget=0,
                          headroom_blocks=8, background_mapping=True)
-        if size == 1:
+        if size == 1 and args.one_worker == "connector":
             memory = make_memory(page_bytes=args.page_bytes, **arguments)
+        elif size == 1:  # ShardMemory's own memory without the agreement: its pages as ShardMemory picks them
+            from vkv.integrations.vllm.page_memory import PageMemory
+            from vkv.integrations.vllm.slot_geometry import default_page_bytes, one_slot_per_block
+            page = args.page_bytes or default_page_bytes("cpu")
+            memory = PageMemory(page_bytes=args.block_bytes if one_slot_per_block(args.block_bytes, page) else page,
+                                **arguments)
         else:
             from vkv.integrations.vllm.workers import ShardMemory, Worker
             worker = Worker(rank=rank, size=size, tp_size=size, device_index=rank)
@@ -136,6 +143,10 @@ def main() -> int:
     parser.add_argument("--block-bytes", type=int, default=64 << 10,
                         help="a worker's block (64 KiB: a power-of-two multiple of the host's 4 KiB page)")
     parser.add_argument("--page-bytes", type=int, default=0, help="vkv's page (0: the host's 4 KiB)")
+    parser.add_argument("--one-worker", choices=["page", "connector"], default="page",
+                        help="page: one worker on ShardMemory's memory (PageMemory) without the agreement; connector: "
+                             "what the connector picks for one worker (BlockMemory for these blocks, which on the "
+                             "host maps pages ahead of step(): cheaper than a GPU's)")
     parser.add_argument("--launch-us", type=float, default=1000, help="the forward's launch, GIL held")
     parser.add_argument("--gpu-us", type=float, default=2500, help="the forward's time from bind to its end")
     parser.add_argument("--skew-us", type=float, default=0, help="the last worker starts each step this much later")

@@ -35,6 +35,7 @@ from .checks import block_bytes, check_startup, check_view
 from .config import VkvConnectorConfig
 from .demand import Demand
 from .memory import BlockMemory, make_memory
+from .page_memory import PageMemory
 from .pool import ReservationPool
 from .workers import (AskBoards, ShardMemory, background_mapping, budget_name, check_parallel, engine_budget_names,
                       this_worker)
@@ -73,7 +74,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._checked:
             check_startup(vllm_config, kv_cache_config, self.settings)
         self._balloon: Optional[Balloon] = None
-        self._memory: Optional[BlockMemory] = None  # or a PageMemory (page_memory.py): the same interface
+        self._memory: Optional[Union[BlockMemory, PageMemory]] = None  # the same interface
         self._pool: Optional[ReservationPool] = None  # CUDA: holds the reservation for vLLM's buffer
         self._demand: Optional[Demand] = None
         self._asks: Optional[Union[AskBoard, AskBoards]] = None  # with a shared budget: the engines that want memory
@@ -263,7 +264,7 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return None
 
-    def _make_memory(self, kv_cache_config) -> BlockMemory:
+    def _make_memory(self, kv_cache_config) -> Union[BlockMemory, PageMemory]:
         if not self._checked:  # vLLM gave no KVCacheConfig to __init__
             check_startup(self._vllm_config, kv_cache_config, self.settings)
             self._checked = True
