@@ -134,8 +134,12 @@ def _backed(memory) -> List[int]:
     from vkv.integrations.vllm.block_states import UNBACKED
     states = memory.states.states
     backed = [0] + (np.flatnonzero(states[1:] != UNBACKED) + 1).tolist()
-    for block in backed:
-        assert memory.mapped_pages(block) == memory.pages_in(block), (block, memory.mapped_pages(block))
+    # Each page counts the backed blocks on it, and exactly the counted pages are mapped.
+    users = np.zeros_like(memory.users)
+    np.add.at(users, memory.pages_of(np.asarray(backed, dtype=np.int64)), 1)
+    assert np.array_equal(users, memory.users), np.flatnonzero(users != memory.users)
+    mapped = [memory.cache.mapped_pages(page) > 0 for page in range(memory.num_pages)]
+    assert mapped == (users > 0).tolist(), np.flatnonzero(np.asarray(mapped) != (users > 0))
     return backed
 
 

@@ -65,9 +65,9 @@ MODEL_70B = vt.Model(layers=80, kv_heads=4, head_dim=128)
 PAGE = 2 << 20
 
 
-def _fixed_parallel_outputs(tp, n=8, **options):
+def _fixed_parallel_outputs(tp, pp=1, n=8, **options):
     """The same trace on vLLM's fixed pool (a torch.zeros buffer a worker), the same workers."""
-    engine = pt.ParallelEngine(tp, 1, 64, model=MODEL_70B, connector=False, **options)
+    engine = pt.ParallelEngine(tp, pp, 64, model=MODEL_70B, connector=False, **options)
     try:
         _trace(engine, n=n)
         _run(engine)
@@ -95,25 +95,29 @@ def test_every_worker_backs_the_same_blocks_and_outputs_equal_the_fixed_pool(tp,
     assert _agreement_segments() <= segments, "the workers' agreement segment was left in /dev/shm"
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_blocks_of_70b_shards_are_backed_page_by_page_on_every_worker(tp):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 3)])
+def test_blocks_of_70b_shards_are_backed_page_by_page_on_every_worker(tp, pp):
     # Refused at startup before (a block not a power-of-two multiple of the page); now every
-    # worker backs its 1.25 or 0.625 MiB blocks on 2 MiB pages it shares between blocks.
+    # worker backs its 1.25 or 0.625 MiB blocks on 2 MiB pages it shares between blocks. With
+    # 3 pipeline stages of 27, 27 and 26 layers the workers' blocks differ in size (3.375 and
+    # 3.25 MiB): they still choose the same blocks (the lowest ids).
     segments = _agreement_segments()
-    engine = pt.ParallelEngine(tp, 1, 64, {"page_size": PAGE}, model=MODEL_70B)
+    engine = pt.ParallelEngine(tp, pp, 64, {"page_size": PAGE}, model=MODEL_70B)
     try:
-        block = 16 * 80 * 2 * (4 // tp) * 128 * 2
-        assert engine.worker_configs[0].kv_cache_tensors[0].block_stride == block and block % PAGE
+        sizes = {config.kv_cache_tensors[0].block_stride for config in engine.worker_configs}
+        layers = [len(pt.stage_layers(pp, stage, MODEL_70B)) for stage in range(pp)]
+        assert sizes == {16 * n * 2 * (4 // tp) * 128 * 2 for n in layers}, sizes
+        assert all(size % PAGE for size in sizes) and (len(sizes) > 1) == (pp == 3), sizes
         _trace(engine)
         # Each worker asserts every page of every block of the step's tables mapped before its
         # forward and reads back every token; after each job the workers hold the same blocks.
         assert _run(engine) > 4
         outputs = engine.outputs
-        for backed in engine.backed_now():  # the pages each holds: those its backed blocks touch
-            assert backed == engine.backed_now()[0]
+        now = engine.backed_now()  # each worker's backed blocks, every page of each mapped
+        assert all(backed == now[0] for backed in now), now
     finally:
         engine.close()
-    assert outputs == _fixed_parallel_outputs(tp)
+    assert outputs == _fixed_parallel_outputs(tp, pp)
     assert _agreement_segments() <= segments, "the workers' agreement segment was left in /dev/shm"
 
 
