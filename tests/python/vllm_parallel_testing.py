@@ -207,6 +207,14 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
                 pass
             conn.send(("backed", _backed(memory)))
             continue
+        if command[0] == "fail_next_release":  # the next give-back of pages raises here
+            def failing_trim():
+                del memory.cache.trim  # the class's again
+                raise RuntimeError("injected give-back failure")
+
+            memory.cache.trim = failing_trim
+            conn.send(("armed",))
+            continue
         if command[0] == "choose_differently":  # this worker picks other blocks than the rest
             choose = memory.choose
 
@@ -352,6 +360,10 @@ class ParallelEngine:
 
     def fail_next_backing(self, rank: int) -> None:
         self.conns[rank].send(("fail_next_backing",))
+        assert self._receive(rank, 10)[0] == "armed"
+
+    def fail_next_release(self, rank: int) -> None:
+        self.conns[rank].send(("fail_next_release",))
         assert self._receive(rank, 10)[0] == "armed"
 
     def choose_differently(self, rank: int) -> None:

@@ -379,6 +379,8 @@ class ShardMemory(PageMemory):
         GPU is short; returns how many. ``error``: this worker's failure so far (release)."""
         limit = min(target, self.num_blocks - 1)
         first = True
+        # What a failure cost, for the one error: a failed release shows as 0 bytes a block.
+        failed_bytes = 0 if error is not None else self.block_bytes
         while True:
             chosen = self.choose(max(0, limit - self.backed)) if error is None else np.zeros(0, dtype=np.int64)
             if not first and not chosen.size:
@@ -394,7 +396,7 @@ class ShardMemory(PageMemory):
                 except Exception as caught:  # noqa: BLE001 (the round tells every worker)
                     error = caught
             digest = _digest(*chosen.tolist()) if chosen.size else 0
-            verdict = self.agreement.round(missing, error, digest, self.block_bytes)
+            verdict = self.agreement.round(missing, error, digest, failed_bytes)
             if verdict.failed_rank is None and not verdict.disagree and verdict.missing == 0:
                 if not chosen.size:
                     return 0
@@ -417,7 +419,7 @@ class ShardMemory(PageMemory):
         """The one error every worker raises: the first failing worker and the amount."""
         rank = verdict.failed_rank
         who = describe(rank, self.worker.tp_size) if rank is not None else "a worker"
-        if want:
+        if verdict.failed_bytes:
             text = (f"VkvConnector: {who} failed to back {want} blocks ({want * verdict.failed_bytes} bytes of its "
                     "GPU's budget); no worker backed them (every worker's state is as before the step) and the step "
                     "fails on every worker")

@@ -269,6 +269,25 @@ def test_a_worker_whose_backing_fails_fails_the_step_on_every_worker():
         engine.close()
 
 
+def test_a_worker_whose_give_back_fails_fails_the_step_on_every_worker():
+    engine = pt.ParallelEngine(2, 1, 64, {"background_mapping": False})
+    try:
+        engine.fail_next_release(1)
+        _trace(engine, n=8)
+        with pytest.raises(pt.WorkerError) as caught:
+            for _ in range(300):  # the requests end, and their blocks go back
+                engine.step()
+                if not engine.unfinished() and not engine.scheduler.has_requests():
+                    break
+        errors = caught.value.errors
+        assert sorted(errors) == [0, 1], errors
+        for text in errors.values():
+            assert "worker rank 1 (tensor-parallel rank 1 of pipeline stage 0) failed to give back" in text, text
+        assert "injected give-back failure" in errors[1]
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_a_worker_killed_mid_burst_ends_the_others_with_an_error_naming_it(background):
     block = vt.block_bytes() // 2
