@@ -347,11 +347,13 @@ def _spread(vkv, fixed, steps):
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
            prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "",
-           model=None) -> dict:
+           model=None, step_barrier=None) -> dict:
     """``make_memory(**the memory's arguments)``: the worker's memory (vllm_tp_replay.py: one
     tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name;
     ``model(block_size)``: the replayed model's KV layout and attention (default: _Gqa of
-    layers, heads, dim, q_heads and attention_name; vllm_mla_replay.py's MLA)."""
+    layers, heads, dim, q_heads and attention_name; vllm_mla_replay.py's MLA);
+    ``step_barrier()``: called, untimed, before each pool's timed part of a step (the
+    tensor-parallel ranks start it together, as vLLM's broadcast of the step starts them)."""
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     from vkv.integrations.vllm.memory import make_memory as default_memory
     cuda = device.startswith("cuda")
@@ -403,9 +405,20 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             gc.collect(generation)
         gc.freeze()
     gc_clock = _GcClock()
+    agreed = [0.0]  # tensor parallelism: the job's seconds inside the workers' all-reduces (waits included)
+    if hasattr(memory, "agreement"):
+        round_ = memory.agreement.round
+
+        def timed_round(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return round_(*args, **kwargs)
+            finally:
+                agreed[0] += time.perf_counter() - t
+        memory.agreement.round = timed_round
     # Seconds of each step; launch_* (host time to queue the forward) and gpu_* (its kernels,
     # CUDA events on its stream) tell whether the mapper slows the host or the GPU.
-    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [],
+    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [], "agree": [],
                 "launch_vkv": [], "launch_fixed": [], "gpu_vkv": [], "gpu_fixed": [], "gc_vkv": [], "gc_fixed": []}
     events = []  # (step, pool, start, end)
     mismatches = []  # _difference() of the steps whose outputs differ (--keep-going)
@@ -413,7 +426,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
     backed_most = memory.backed  # the most blocks backed at once (the null block aside)
     control_mismatches = []  # the fixed pool against itself (--control): the kernels' own nondeterminism
     for index, step in enumerate(steps):
-        for key in ("map", "bind", "wait", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed", "gc_vkv", "gc_fixed"):
+        for key in ("map", "bind", "wait", "agree", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed", "gc_vkv", "gc_fixed"):
             per_step[key].append(0.0)
         states[step["release"]] = RECLAIMING  # the scheduler took them back (what the trace says)
         if mapping == "before":
@@ -439,6 +452,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
         # Alternate which pool goes first: neither gets the other's warm caches every step.
         for name in (("vkv", "fixed") if index % 2 == 0 else ("fixed", "vkv")):
             sync()
+            if step_barrier is not None:
+                step_barrier()
             gc_clock.pool, gc_before = name, gc_clock.seconds[name]
             t = time.perf_counter()
             if name == "vkv" and background:
@@ -472,6 +487,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
                 memory.wait()
                 per_step["wait"][-1] = time.perf_counter() - w
                 per_step["map"][-1] = memory.mapper.last_job_seconds
+                per_step["agree"][-1], agreed[0] = agreed[0], 0.0
             per_step[name].append(time.perf_counter() - t)
             per_step["gc_" + name][-1] = gc_clock.seconds[name] - gc_before
             gc_clock.pool = None

@@ -16,8 +16,12 @@ After the replay every rank reports the blocks it holds backed: the same on ever
     CPU (host backend, torch attention): --device cpu --shape 4,4,64 and the short trace
     benchmarks/results/vllm_trace_memcheck.json.
 
-Writes OUT/vllm_replay_*_tp{N}_rank{r}.json per rank (vllm_replay.py's report) and
-OUT/vllm_tp_replay.json (every rank's verdict) when OUT is set; exits 1 unless every rank's
+Each pool's timed part of a step starts on every rank together (an untimed barrier: vLLM's
+broadcast of the step starts its workers together; --no-barrier leaves them to drift, so
+that a rank's vkv step also times the other rank's lead from untimed work).
+
+Writes OUT/vllm_replay_*_tp{N}[_TAG]_rank{r}.json per rank (vllm_replay.py's report) and
+OUT/vllm_tp_replay[_TAG].json (every rank's verdict) when OUT is set; exits 1 unless every rank's
 outputs are bitwise equal and the ranks' backed blocks are the same.
 """
 
@@ -32,11 +36,12 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _rank(rank: int, args: argparse.Namespace, engine_id: str, results) -> None:
+def _rank(rank: int, args: argparse.Namespace, engine_id: str, results, barrier) -> None:
     try:
         import torch
 
         import vllm_replay
+        from vkv.integrations.vllm.block_states import UNBACKED
         from vkv.integrations.vllm.workers import ShardMemory, Worker
         device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
         if args.device == "cuda":
@@ -56,16 +61,20 @@ def _rank(rank: int, args: argparse.Namespace, engine_id: str, results) -> None:
         try:
             report = vllm_replay.replay(args.trace, device, layers, heads, dim, q_heads, args.attention, args.mapping,
                                         args.dense, args.steps, make_memory=make_memory,
-                                        name_suffix=f"_tp{args.tp}_rank{rank}")
+                                        name_suffix=f"_tp{args.tp}{args.tag and '_' + args.tag}_rank{rank}",
+                                        step_barrier=None if args.no_barrier else barrier.wait)
         finally:
             ShardMemory.close = close
         memory = memories[0]
-        backed = [b for b in range(memory.num_blocks) if memory.cache.is_allocated(b)]
+        backed = [b for b in range(memory.num_blocks) if memory.states.states[b] != UNBACKED]
         memory.close()
         results.put((rank, {"bitwise_equal": report["bitwise_equal"], "steps": report["steps"],
                             "mismatched_steps": report["mismatched_steps"], "backed_blocks": backed,
                             "overhead_vs_fixed": report["overhead_vs_fixed"],
                             "decode_batch_ge_60": report["decode_batch_ge_60"]["overhead_vs_fixed"],
+                            "decode_batch_ge_60_per_step": report["decode_batch_ge_60"]["per_step_overhead"],
+                            "decode_batch_ge_60_agree_ms": report["decode_batch_ge_60"]["step_ms"]["agree"],
+                            "block_bytes": report["block_bytes"],
                             "map_us_per_block": report["map_us_per_block"],
                             "unmap_us_per_block": report["unmap_us_per_block"]}))
     except BaseException:  # noqa: BLE001 (the parent reports it)
@@ -84,6 +93,10 @@ def main() -> int:
     parser.add_argument("--dense", action="store_true")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=120, help="seconds a rank waits for the others to agree")
+    parser.add_argument("--tag", default="", help="added to the result files' names (two shapes in one OUT)")
+    parser.add_argument("--no-barrier", action="store_true",
+                        help="the ranks' steps start unaligned (each pool's timed part of a step starts on every "
+                             "rank together by default, as vLLM's broadcast of the step starts them)")
     args = parser.parse_args()
     shape = list(map(int, args.shape.split(",")))
     args.layers, args.heads, args.dim = shape[:3]
@@ -93,7 +106,9 @@ def main() -> int:
     engine_id = f"tp-replay-{uuid.uuid4().hex[:12]}"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_rank, args=(rank, args, engine_id, results)) for rank in range(args.tp)]
+    barrier = context.Barrier(args.tp)
+    processes = [context.Process(target=_rank, args=(rank, args, engine_id, results, barrier))
+                 for rank in range(args.tp)]
     for process in processes:
         process.start()
     reports = {}
@@ -115,13 +130,18 @@ def main() -> int:
                          for rank, report in sorted(reports.items())}}
     for rank, report in sorted(reports.items()):
         if "error" not in report:
+            full = report["decode_batch_ge_60_per_step"]
+            at_60 = (f" decode batch>=60: {full['ms']['median']:+.3f} ms a step median "
+                     f"({100 * full['relative']['median']:+.1f}%), {report['decode_batch_ge_60_agree_ms']:.3f} ms in "
+                     "all-reduces a step (mean)") if full else ""
             print(f"rank {rank}: bitwise_equal={report['bitwise_equal']} steps={report['steps']} "
-                  f"backed at the end={len(report['backed_blocks'])} overhead_vs_fixed={report['overhead_vs_fixed']:+.4f}")
-    print(f"tp={args.tp}: every rank bitwise equal: {verdict['every_rank_bitwise_equal']}; "
+                  f"backed at the end={len(report['backed_blocks'])} overhead_vs_fixed={report['overhead_vs_fixed']:+.4f} "
+                  f"block_bytes={report['block_bytes']}{at_60}")
+    print(f"tp={args.tp}{args.tag and ' ' + args.tag}: every rank bitwise equal: {verdict['every_rank_bitwise_equal']}; "
           f"the ranks backed the same blocks: {same_blocks}")
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "vllm_tp_replay.json"), "w") as f:
+        with open(os.path.join(out, f"vllm_tp_replay{args.tag and '_' + args.tag}.json"), "w") as f:
             json.dump(verdict, f, indent=1)
     return 0 if ok else 1
 

@@ -28,29 +28,29 @@ import vllm.v1.core.sched.async_scheduler  # noqa: E402,F401
 import vllm.v1.worker.utils  # noqa: E402,F401
 
 
-def stage_layers(pp: int, stage: int) -> List[int]:
+def stage_layers(pp: int, stage: int, model: vt.Model = vt.TINY) -> List[int]:
     from vllm.distributed.utils import get_pp_indices
-    start, end = get_pp_indices(vt.LAYERS, stage, pp)
+    start, end = get_pp_indices(model.layers, stage, pp)
     return list(range(start, end))
 
 
-def rank_heads(tp: int, tp_rank: int) -> List[int]:
+def rank_heads(tp: int, tp_rank: int, model: vt.Model = vt.TINY) -> List[int]:
     """The KV heads of a tensor-parallel rank, as vLLM splits (or, past the head count, replicates) them."""
-    per = max(1, vt.KV_HEADS // tp)
-    replicas = max(1, tp // vt.KV_HEADS)
+    per = max(1, model.kv_heads // tp)
+    replicas = max(1, tp // model.kv_heads)
     first = (tp_rank // replicas) * per
     return list(range(first, first + per))
 
 
 def make_vllm_config(tp: int, pp: int, num_blocks: int, extra: Optional[dict], connector: bool = True,
                      max_num_seqs: int = 16, max_num_batched_tokens: int = 256, max_model_len: Optional[int] = None,
-                     engine_id: Optional[str] = None):
+                     engine_id: Optional[str] = None, model: vt.Model = vt.TINY):
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
     if max_model_len is None:
         max_model_len = min(1024, (num_blocks - 1) * vt.BLOCK)
-    model = ModelConfig(model=vt._model_dir(max_model_len), skip_tokenizer_init=True, dtype="float16",
-                        max_model_len=max_model_len)
+    model_config = ModelConfig(model=vt._model_dir(max_model_len, model), skip_tokenizer_init=True, dtype="float16",
+                               max_model_len=max_model_len)
     sched = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=True)
     kv_transfer = None
@@ -60,14 +60,14 @@ def make_vllm_config(tp: int, pp: int, num_blocks: int, extra: Optional[dict], c
             engine_id=engine_id or f"test-{uuid.uuid4().hex[:12]}",
             kv_connector_extra_config=dict({"device": "cpu", "headroom_blocks": 4, "worker_timeout_s": 60},
                                            **(extra or {})))
-    config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=CacheConfig(block_size=vt.BLOCK),
+    config = VllmConfig(model_config=model_config, scheduler_config=sched, cache_config=CacheConfig(block_size=vt.BLOCK),
                         parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
                         device_config=DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer)
     config.cache_config.num_gpu_blocks = num_blocks
     return config
 
 
-def plan(vllm_config, tp: int, pp: int, num_blocks: int):
+def plan(vllm_config, tp: int, pp: int, num_blocks: int, model: vt.Model = vt.TINY):
     """(every worker's KVCacheConfig, the scheduler's), as vLLM's EngineCore plans them
     (_initialize_kv_caches) from each worker's layer specs, in the connector's BLNHC layout."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
@@ -76,9 +76,9 @@ def plan(vllm_config, tp: int, pp: int, num_blocks: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     specs, memory = [], []
     for rank in range(tp * pp):
-        spec = FullAttentionSpec(block_size=vt.BLOCK, num_kv_heads=len(rank_heads(tp, rank % tp)),
-                                 head_size=vt.HEAD_DIM, dtype=torch.float16)
-        layers = stage_layers(pp, rank // tp)
+        spec = FullAttentionSpec(block_size=vt.BLOCK, num_kv_heads=len(rank_heads(tp, rank % tp, model)),
+                                 head_size=model.head_dim, dtype=torch.float16)
+        layers = stage_layers(pp, rank // tp, model)
         specs.append({f"model.layers.{i}.self_attn.attn": spec for i in layers})
         memory.append(num_blocks * len(layers) * spec.page_size_bytes)
     vllm_config.cache_config.kv_cache_layout = "BLNHC"  # the connector's get_required_kvcache_layout()
@@ -91,13 +91,15 @@ def plan(vllm_config, tp: int, pp: int, num_blocks: int):
     return configs, generate_scheduler_kv_cache_config(configs)
 
 
-def _expected(request_id: str, end: int, layer: int, head: int, value: bool) -> np.ndarray:
-    """vllm_testing.kv_value for positions [0, end), vectorised."""
+def _expected(request_id: str, end: int, layer: int, heads: List[int], value: bool) -> np.ndarray:
+    """vllm_testing.kv_value for positions [0, end) and ``heads``, vectorised: [end, heads]."""
     r = sum(map(ord, request_id)) % 61
-    return (r * 131 + np.arange(end) * 7 + layer * 3 + head + (500 if value else 0)) % 2011
+    pos = np.arange(end)[:, None]
+    return (r * 131 + pos * 7 + layer * 3 + np.asarray(heads)[None, :] + (500 if value else 0)) % 2011
 
 
-def shard_forward(kv: Dict[str, torch.Tensor], layers: List[int], heads: List[int], work) -> Dict[str, int]:
+def shard_forward(kv: Dict[str, torch.Tensor], layers: List[int], heads: List[int], work,
+                  head_dim: int = vt.HEAD_DIM) -> Dict[str, int]:
     """A worker's part of vllm_testing.forward: writes the scheduled tokens' K/V of its layers
     and heads, reads back every token, returns each request's sum of what it read."""
     totals = {}
@@ -107,30 +109,45 @@ def shard_forward(kv: Dict[str, torch.Tensor], layers: List[int], heads: List[in
         offsets = torch.as_tensor(pos % vt.BLOCK)
         total = 0
         for layer, view in zip(layers, kv.values()):  # [B, H, N, 2*D]
-            for h, head in enumerate(heads):
-                for value, columns in ((False, slice(0, vt.HEAD_DIM)), (True, slice(vt.HEAD_DIM, 2 * vt.HEAD_DIM))):
-                    want = _expected(request_id, end, layer, head, value)
-                    new = torch.as_tensor(want[start:end], dtype=torch.float16)[:, None].expand(-1, vt.HEAD_DIM)
-                    view[blocks[start:end], h, offsets[start:end], columns] = new
-                    got = view[blocks, h, offsets, columns.start].to(torch.int64).numpy()
-                    if not np.array_equal(got, want):
-                        bad = int(np.flatnonzero(got != want)[0])
-                        raise AssertionError(f"{request_id} token {bad} layer {layer} head {head} block "
-                                             f"{int(blocks[bad])}: read {got[bad]}, wrote {want[bad]}")
-                    total += int(want.sum())
+            keys, values = _expected(request_id, end, layer, heads, False), _expected(request_id, end, layer, heads, True)
+            new = torch.empty(end - start, len(heads), 2 * head_dim, dtype=torch.float16)
+            new[:, :, :head_dim] = torch.as_tensor(keys[start:end], dtype=torch.float16)[:, :, None]
+            new[:, :, head_dim:] = torch.as_tensor(values[start:end], dtype=torch.float16)[:, :, None]
+            view[blocks[start:end], :, offsets[start:end], :] = new
+            got = view[blocks, :, offsets, :]  # [end, H, 2*D]
+            for want, column in ((keys, 0), (values, head_dim)):
+                read = got[:, :, column].to(torch.int64).numpy()
+                if not np.array_equal(read, want):
+                    bad, h = map(int, np.argwhere(read != want)[0])
+                    raise AssertionError(f"{request_id} token {bad} layer {layer} head {heads[h]} block "
+                                         f"{int(blocks[bad])}: read {read[bad, h]}, wrote {want[bad, h]}")
+                total += int(want.sum())
         totals[request_id] = total
     return totals
 
 
 def _backed(memory) -> List[int]:
-    """The blocks this worker's vkv cache has backed (allocated with mapped pages)."""
-    cache = memory.cache
-    return [b for b in range(memory.num_blocks) if cache.is_allocated(b) and cache.mapped_pages(b) >= 1]
+    """The blocks this worker has backed (its own states: rank 0's are the scheduler's file),
+    each with every page it touches mapped."""
+    if memory is None:  # vLLM's fixed pool
+        return []
+    from vkv.integrations.vllm.block_states import UNBACKED
+    states = memory.states.states
+    backed = [0] + (np.flatnonzero(states[1:] != UNBACKED) + 1).tolist()
+    # Each page counts the backed blocks on it, and exactly the counted pages are mapped.
+    users = np.zeros_like(memory.users)
+    np.add.at(users, memory.pages_of(np.asarray(backed, dtype=np.int64)), 1)
+    assert np.array_equal(users, memory.users), np.flatnonzero(users != memory.users)
+    mapped = [memory.cache.mapped_pages(page) > 0 for page in range(memory.num_pages)]
+    assert mapped == (users > 0).tolist(), np.flatnonzero(np.asarray(mapped) != (users > 0))
+    return backed
 
 
-def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: str, conn) -> None:
-    """One worker process: vLLM's parallel state, the connector as vLLM's worker makes it,
-    then steps from ``conn`` until ("stop",)."""
+def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: str, conn,
+                model: vt.Model = vt.TINY) -> None:
+    """One worker process: vLLM's parallel state, the connector as vLLM's worker makes it (none:
+    vLLM's fixed pool, a torch.zeros buffer, when the config has no kv_transfer_config), then
+    steps from ``conn`` until ("stop",)."""
     torch.set_num_threads(1)
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
@@ -143,19 +160,26 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
             parallel_state.init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank,
                                                         distributed_init_method=f"file://{init_path}", backend="gloo")
             parallel_state.ensure_model_parallel_initialized(tp, pp)
-            kv_transfer_state.ensure_kv_transfer_initialized(vllm_config, kv_config)
-            connector = kv_transfer_state.get_kv_transfer_group()
             spec = kv_config.kv_cache_groups[0].kv_cache_spec
             tensor = kv_config.kv_cache_tensors[0]
-            with connector.get_mem_pool_context():
-                buf = connector.kv_buffer(kv_config)
+            if vllm_config.kv_transfer_config is not None:
+                kv_transfer_state.ensure_kv_transfer_initialized(vllm_config, kv_config)
+                connector = kv_transfer_state.get_kv_transfer_group()
+                with connector.get_mem_pool_context():
+                    buf = connector.kv_buffer(kv_config)
+            else:
+                buf = torch.zeros(tensor.size, dtype=torch.int8)
             kv = dict(zip(tensor.layers, create_kv_cache_views(buf, spec, kv_config.num_blocks, KVCacheLayout.BLNHC,
                                                                tensor)))
-            connector.register_kv_caches(kv)
-        layers, heads = stage_layers(pp, rank // tp), rank_heads(tp, rank % tp)
-        memory = connector._memory
+            if connector is not None:
+                connector.register_kv_caches(kv)
+        layers, heads = stage_layers(pp, rank // tp, model), rank_heads(tp, rank % tp, model)
+        memory = connector._memory if connector is not None else None
         log: List[List[int]] = []  # the blocks backed at the end of each job, in job order
-        _log_jobs(memory, log)
+        rounds = [0]  # the all-reduces this worker's agreement has run
+        if memory is not None:
+            _log_jobs(memory, log)
+            _count_rounds(memory, rounds)
         conn.send(("ready", os.getpid()))
     except Exception as error:  # noqa: BLE001
         conn.send(("error", f"{type(error).__name__}: {error}"))
@@ -168,39 +192,64 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
             conn.send(("stopped",))
             return
         if command[0] == "fail_next_backing":  # the next vkv call that backs blocks raises here
-            prepare = memory.cache._prepare_step
-
-            def failing(lens, prepare=prepare):
-                memory.cache._prepare_step = prepare
+            def failing(lens):
+                del memory.cache.step  # the class's again
                 raise RuntimeError("injected backing failure")
 
-            memory.cache._prepare_step = failing
+            memory.cache.step = failing
             conn.send(("armed",))
             continue
         if command[0] == "backed":
             try:
-                memory.wait()
+                if memory is not None:
+                    memory.wait()
             except Exception:  # noqa: BLE001 (a failed job: its error was the step's)
                 pass
             conn.send(("backed", _backed(memory)))
+            continue
+        if command[0] == "fail_next_release":  # the next give-back of pages raises here
+            def failing_trim():
+                del memory.cache.trim  # the class's again
+                raise RuntimeError("injected give-back failure")
+
+            memory.cache.trim = failing_trim
+            conn.send(("armed",))
+            continue
+        if command[0] == "choose_differently":  # this worker picks other blocks than the rest
+            choose = memory.choose
+
+            def other(want):
+                chosen = choose(want)
+                return chosen[::-1].copy() if chosen.size > 1 else chosen + 1 if chosen.size else chosen
+
+            memory.choose = other
+            conn.send(("armed",))
+            continue
+        if command[0] == "rounds":  # the all-reduces this worker's agreement has run so far
+            if memory is not None:
+                memory.wait()
+            conn.send(("rounds", rounds[0]))
             continue
         _, meta, work = command
         try:
             # With the background mapper the step's job runs on after this (it may wait for the
             # later stages to agree); the blocks of this step's tables were backed by earlier jobs.
-            connector.bind_connector_metadata(meta)
-            for request_id, _, _, table in work:
-                for block in table:
-                    assert memory.cache.is_allocated(block) and memory.cache.mapped_pages(block) >= 1, \
-                        f"rank {rank}: block {block} of {request_id} is scheduled but not backed"
-            totals = shard_forward(kv, layers, heads, work)
-            connector.start_load_kv(None)
+            if connector is not None:
+                connector.bind_connector_metadata(meta)
+                for request_id, _, _, table in work:
+                    for block in table:
+                        assert memory.mapped_pages(block) == memory.pages_in(block), \
+                            f"rank {rank}: block {block} of {request_id} is scheduled but not backed"
+            totals = shard_forward(kv, layers, heads, work, model.head_dim)
+            if connector is not None:
+                connector.start_load_kv(None)
             jobs, log[:] = list(log), []
             conn.send(("ok", totals, jobs))
         except Exception as error:  # noqa: BLE001
             conn.send(("error", f"{type(error).__name__}: {error}"))
         finally:
-            connector.clear_connector_metadata()
+            if connector is not None:
+                connector.clear_connector_metadata()
 
 
 def _log_jobs(memory, log: List[List[int]]) -> None:
@@ -213,6 +262,16 @@ def _log_jobs(memory, log: List[List[int]]) -> None:
     memory._job = logged(memory._job)
     if memory.mapper is not None:
         memory.mapper._job = logged(memory.mapper._job)
+
+
+def _count_rounds(memory, rounds: List[int]) -> None:
+    """Count the all-reduces of ``memory``'s agreement (from the job's thread) in ``rounds[0]``."""
+    agree = memory.agreement.round
+
+    def counted(*args, **kwargs):
+        rounds[0] += 1
+        return agree(*args, **kwargs)
+    memory.agreement.round = counted
 
 
 def _stop(connector, parallel_state) -> None:
@@ -234,14 +293,18 @@ class ParallelEngine:
     """The scheduler here, ``tp * pp`` worker processes. Stepped as vllm_testing.Engine (vLLM's
     AsyncScheduler in its batch-queue order)."""
 
-    def __init__(self, tp: int, pp: int, num_blocks: int, extra: Optional[dict] = None, **options) -> None:
+    def __init__(self, tp: int, pp: int, num_blocks: int, extra: Optional[dict] = None, model: vt.Model = vt.TINY,
+                 **options) -> None:
+        """``model``: the whole model's geometry (each worker holds its layers and KV heads);
+        ``connector=False`` (an option): every worker on vLLM's fixed pool, for comparison."""
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.structured_output import StructuredOutputManager
         self.tp, self.pp, self.num_blocks = tp, pp, num_blocks
-        self.vllm_config = make_vllm_config(tp, pp, num_blocks, extra, **options)
-        self.worker_configs, self.kv_config = plan(self.vllm_config, tp, pp, num_blocks)
+        self.model = model
+        self.vllm_config = make_vllm_config(tp, pp, num_blocks, extra, model=model, **options)
+        self.worker_configs, self.kv_config = plan(self.vllm_config, tp, pp, num_blocks, model)
         self.init_path = tempfile.mktemp(prefix="vkv-vllm-tp-")
         context = multiprocessing.get_context("fork")  # vLLM is imported here: the workers start at once
         self.conns, self.processes, self.pids = [], [], []
@@ -251,7 +314,7 @@ class ParallelEngine:
             for rank in range(tp * pp):
                 ours, theirs = context.Pipe()
                 process = context.Process(target=worker_main, daemon=True, args=(
-                    rank, tp, pp, self.vllm_config, self.worker_configs[rank], self.init_path, theirs))
+                    rank, tp, pp, self.vllm_config, self.worker_configs[rank], self.init_path, theirs, model))
                 process.start()
                 self.conns.append(ours)
                 self.processes.append(process)
@@ -299,6 +362,21 @@ class ParallelEngine:
         self.conns[rank].send(("fail_next_backing",))
         assert self._receive(rank, 10)[0] == "armed"
 
+    def fail_next_release(self, rank: int) -> None:
+        self.conns[rank].send(("fail_next_release",))
+        assert self._receive(rank, 10)[0] == "armed"
+
+    def choose_differently(self, rank: int) -> None:
+        self.conns[rank].send(("choose_differently",))
+        assert self._receive(rank, 10)[0] == "armed"
+
+    def rounds(self) -> List[int]:
+        """Every live worker's agreement rounds so far (after its job in flight)."""
+        live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
+        for rank in live:
+            self.conns[rank].send(("rounds",))
+        return [self._receive(rank, 30)[1] for rank in live]
+
     def backed_now(self) -> List[List[int]]:
         """Every live worker's backed blocks, asked now."""
         live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
@@ -341,7 +419,7 @@ class ParallelEngine:
         sampled: Dict[str, Optional[int]] = {}
         for request_id, _, end, _ in work:
             # Once per distinct layer and head: ranks that hold a replica of another's heads add nothing.
-            replicas = max(1, self.tp // vt.KV_HEADS)
+            replicas = max(1, self.tp // self.model.kv_heads)
             total = sum(replies[rank][1][request_id] for rank in live if (rank % self.tp) % replicas == 0)
             done = end >= requests[request_id].num_prompt_tokens
             sampled[request_id] = total % 997 if done else None

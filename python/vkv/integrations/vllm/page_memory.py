@@ -54,7 +54,9 @@ class PageMemory(StepJobs):
                  block_ranges: Optional[BlockRanges] = None,
                  device: str, shared_budget: str, memory_budget: int, headroom_blocks: int,
                  background_mapping: Optional[bool] = None, shared_budget_floor: int = 0,
-                 shared_budget_cap: int = 0, shared_budget_priority: int = 0) -> None:
+                 shared_budget_cap: int = 0, shared_budget_priority: int = 0, states=None) -> None:
+        """``states``: the block states this worker writes; None = the engine's shared file
+        (BlockStates), opened as its one worker (workers.py passes its other workers' own)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.block_bytes = block_bytes
@@ -73,7 +75,10 @@ class PageMemory(StepJobs):
         if page_bytes % _TOKEN_BYTES:
             raise ValueError(f"vkv.integrations.vllm: page_size = {page_bytes} must be a multiple of {_TOKEN_BYTES}")
         self._tokens = page_bytes // _TOKEN_BYTES
-        self.states = BlockStates(engine_id, num_blocks, WORKER)
+        self.states = states if states is not None else BlockStates(engine_id, num_blocks, WORKER)
+        # Back blocks whose pages are backed already first (grow()); off where several workers
+        # of different geometries must choose the same blocks (workers.py).
+        self.prefer_costless = True
         try:
             self.cache = vkv.KVCache(
                 # One slot = one page: slot p is page p of the buffer (its "tokens": one
@@ -129,6 +134,10 @@ class PageMemory(StepJobs):
         """How many of ``block``'s pages are backed (all of them while it is backed)."""
         return int((self.users[self.pages_of(np.array([block]))] > 0).sum())
 
+    def pages_in(self, block: int) -> int:
+        """How many pages ``block``'s bytes touch."""
+        return int(self.pages_of(np.array([block])).size)
+
     def _back(self, blocks: np.ndarray) -> bool:
         """Back the pages ``blocks`` need in one ``step()``; False (nothing changed) when the
         budget is short; raises MemoryError's missing_pages through ``_shortage``."""
@@ -147,16 +156,28 @@ class PageMemory(StepJobs):
         """Back blocks until ``target`` (the null block aside) are backed or the budget says
         no: those that need no new page first, then the lowest ids, in one ``step()``; ``settle()``
         runs before they are marked BACKED. Returns how many it backed now."""
-        want = min(target, self.num_blocks - 1) - self.backed
+        chosen = self.choose(min(target, self.num_blocks - 1) - self.backed)
+        while chosen.size:
+            if self._back(chosen):
+                if settle is not None:
+                    settle()  # their zero-fill is done before any forward can be given them
+                self.mark_backed(chosen)
+                return int(chosen.size)
+            # A shortage: nothing changed; drop blocks from the end until their new pages
+            # are ``missing_pages`` fewer (the scheduler keeps what it has when that is nothing).
+            chosen = self._fewer(chosen, self._shortage)
+        return 0
+
+    def choose(self, want: int) -> np.ndarray:
+        """The (at most) ``want`` unbacked blocks to back next, in order: with
+        ``prefer_costless``, those whose pages are all backed already (holes in backed pages
+        cost nothing), then the lowest ids, so that new blocks continue the backed runs densely."""
         if want <= 0:
-            return 0
-        states = self.states.states
-        free = np.flatnonzero(states == UNBACKED)
+            return np.zeros(0, dtype=np.int64)
+        free = np.flatnonzero(self.states.states == UNBACKED)
         free = free[free != 0]
-        if not free.size:
-            return 0
-        # Blocks whose pages are all backed already (holes in backed pages) cost nothing: those
-        # first, then the lowest ids, so that new blocks continue the backed runs densely.
+        if not self.prefer_costless or not free.size:
+            return free[:want]
         # (Pages strictly inside a range of an unbacked block are its own, so only each range's
         # end pages count; candidates are those whose first range starts on a backed page.)
         users = self.users
@@ -165,19 +186,14 @@ class PageMemory(StepJobs):
         if candidates.size:
             first, last = self._spans(free[candidates])
             costless[candidates] = ((users[first] > 0) & (users[last] > 0) & (last - first <= 1)).all(axis=1)
-        chosen = np.concatenate((free[costless], free[~costless]))[:want]
-        while chosen.size:
-            if self._back(chosen):
-                if settle is not None:
-                    settle()  # their zero-fill is done before any forward can be given them
-                assert (states[chosen] == UNBACKED).all(), f"blocks {chosen.tolist()} were handed out unbacked"
-                states[chosen] = BACKED
-                self.backed += int(chosen.size)
-                return int(chosen.size)
-            # A shortage: nothing changed; drop blocks from the end until their new pages
-            # are ``missing_pages`` fewer (the scheduler keeps what it has when that is nothing).
-            chosen = self._fewer(chosen, self._shortage)
-        return 0
+        return np.concatenate((free[costless], free[~costless]))[:want]
+
+    def mark_backed(self, chosen: np.ndarray) -> None:
+        """Blocks ``chosen``, whose pages ``_back()`` backed, are BACKED: the scheduler may hand them out."""
+        states = self.states.states
+        assert (states[chosen] == UNBACKED).all(), f"blocks {chosen.tolist()} were handed out unbacked"
+        states[chosen] = BACKED
+        self.backed += int(chosen.size)
 
     def _fewer(self, chosen: np.ndarray, missing: int) -> np.ndarray:
         """The longest prefix of ``chosen`` that needs at least ``missing`` fewer new pages."""
@@ -203,10 +219,15 @@ class PageMemory(StepJobs):
         states = self.states.states
         ids = np.asarray(blocks, dtype=np.int64)
         assert (states[ids] == RECLAIMING).all(), f"blocks {blocks} released while in use"
-        pages = self.pages_of(ids)
-        np.subtract.at(self.users, pages, 1)
         states[ids] = UNBACKED
         self.backed -= len(blocks)
+        return self._unback(ids)
+
+    def _unback(self, blocks: np.ndarray) -> int:
+        """Take back ``_back(blocks)``: the pages no other backed block touches go back to
+        the budget (zero-filled, unmapped after the work queued so far). Returns the bytes."""
+        pages = self.pages_of(blocks)
+        np.subtract.at(self.users, pages, 1)
         unused = np.unique(pages)
         unused = unused[self.users[unused] == 0].tolist()
         if not unused:

@@ -12,16 +12,24 @@ hand it out. How:
   state file says BACKED, and only the engine's first worker (rank 0: tensor-parallel rank 0
   of stage 0) writes it, after every worker has backed it. So the scheduler never hands out a
   block some GPU could not back; the others keep their block states to themselves.
-- **Agreement** (``ShardMemory.grow``): every worker makes the same vkv calls: allocate the
-  slots, *prepare* the step (map the pages without claiming them: ``_prepare_step``), then
-  one all-reduce among the workers through a shared-memory segment (vkv's HostAllReduce,
-  microseconds): the worst shortfall, the first failure, a digest of the slots. All had the
-  pages: every worker commits (a step whose pages are mapped makes no backend call) and a
-  second all-reduce confirms. A GPU short of pages (its budget said no): every worker frees
-  the slots and they try again with the worst shortfall fewer, so all back the same, fewer
-  blocks and the scheduler sees a smaller pool, as with one worker. A worker whose vkv call
-  raised: every worker frees the slots (nothing backed, nothing leaked, the state as before
-  the step) and raises the same error, naming that worker and the amount.
+- **Blocks of any size** (``ShardMemory``, a PageMemory): a worker's block (its share of the
+  KV heads of its layers: Llama-3.1-70B's 80 layers give 0.625-2.5 MiB at TP=8-2) is backed
+  page by page, a page given back only when no backed block of this worker touches it, zeros
+  when it comes from the budget, given back after the GPU is done with it (page_memory.py).
+  Every worker chooses the same blocks: those on pages already backed first where every
+  worker has the same block and page bytes (checked when they start), else the lowest ids.
+- **Agreement, one all-reduce a step** (``ShardMemory._agreed_grow``): every worker backs the
+  chosen blocks' pages (vkv's ``step()``), then one all-reduce among the workers through a
+  shared-memory segment (vkv's HostAllReduce, microseconds): the worst shortfall, the first
+  failure, a digest of the chosen blocks. All had the pages: each waits for its zero-fills
+  and the blocks are backed (rank 0 marks them BACKED for the scheduler). A GPU short of
+  pages (its budget said no): every worker gives the attempt's pages back and they try again
+  with the worst shortfall fewer blocks, so all back the same, fewer blocks and the scheduler
+  sees a smaller pool, as with one worker. A worker whose vkv call raised: every worker gives
+  the attempt back (nothing backed, nothing leaked, the state as before the step) and raises
+  the same error, naming that worker and the amount. A step that changes no backing (no
+  block released, none to back: what each worker sees alike from the same metadata and the
+  same agreed state) runs no all-reduce at all.
 - **A lost worker.** A worker that exits (SIGKILL included) while the others wait for it to
   agree is seen at once (HostAllReduce checks that the ranks it waits for are alive): they
   raise naming its rank and pid; one that stays away for ``worker_timeout_s`` likewise. Its
@@ -43,11 +51,12 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import numpy as np
 
 from vkv import _C
+from vkv._parameters import resolve_device
 
 from .asks import AskBoard
-from .block_states import BACKED, RECLAIMING, UNBACKED
-from .memory import BlockMemory
-from .slot_geometry import SLOT_TOKEN_BYTES
+from .block_states import RECLAIMING
+from .page_memory import PageMemory
+from .slot_geometry import default_page_bytes, one_slot_per_block
 
 DEVICE_FIELD = "{device}"
 
@@ -212,7 +221,7 @@ class _Verdict(NamedTuple):
     missing: int  # the worst shortfall, in blocks
     failed_rank: Optional[int]  # the lowest rank whose call raised
     failed_bytes: int  # that rank's bytes a block
-    disagree: bool  # the workers' slots (or wants) differ
+    disagree: bool  # the workers' chosen blocks (or geometries, at startup) differ
 
 
 class Agreement:
@@ -227,6 +236,7 @@ class Agreement:
         self.name = f"vkv-vllm-agree-{safe}"[:200]
         self.worker = worker
         self.timeout_s = timeout_s
+        self.rounds = 0  # all-reduces so far (a step that changes no backing runs none)
         if worker.rank == 0:
             try:
                 self.host = _C.HostAllReduce.create(self.name, worker.size, self._VALUES)
@@ -243,7 +253,12 @@ class Agreement:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"VkvConnector: {describe(worker.rank, worker.tp_size)} waited {timeout_s:.0f} s "
                                        f"for worker rank 0 of engine {engine_id!r} to start: {error}") from error
-                time.sleep(0.005)
+                time.sleep(0.005)  # once, at startup: rank 0 makes the segment
+
+    def peers_alive(self) -> bool:
+        """Every worker's process is alive (a few µs a worker: /proc). False where this process
+        cannot tell (workers in other PID namespaces): always false there, on every worker alike."""
+        return self.host.peers_visible()
 
     def round(self, missing: int = 0, error: Optional[BaseException] = None, digest: int = 0,
               block_bytes: int = 0) -> _Verdict:
@@ -252,6 +267,7 @@ class Agreement:
         size, rank = self.worker.size, self.worker.rank
         failed = error is not None
         values = [missing, size - rank if failed else 0, block_bytes if failed else 0, digest, -digest, 0]
+        self.rounds += 1
         try:
             reduced = self.host.reduce_max(values, self.timeout_s)
         except (RuntimeError, ValueError) as lost:
@@ -261,9 +277,9 @@ class Agreement:
         return _Verdict(reduced[0], size - reduced[1] if reduced[1] else None, reduced[2], reduced[3] != -reduced[4])
 
 
-def _digest(want: int, slots: Sequence[int]) -> int:
-    """A 62-bit digest of (want, slots): equal on every worker that chose the same."""
-    text = f"{want}:{','.join(map(str, slots))}".encode()
+def _digest(*numbers: int) -> int:
+    """A 62-bit digest of ``numbers``: equal on every worker that chose the same."""
+    text = ",".join(map(str, numbers)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
 
@@ -277,33 +293,43 @@ class LocalStates:
         return None
 
 
-class ShardMemory(BlockMemory):
-    """One worker's shard of a TP/PP engine's KV cache: BlockMemory whose backing every worker
-    agrees on (the module's comment). Its jobs must come in the same order on every worker,
-    as vLLM's connector metadata does."""
+class ShardMemory(PageMemory):
+    """One worker's shard of a TP/PP engine's KV cache: PageMemory (blocks of any size backed
+    page by page) whose backing every worker agrees on (the module's comment). Its jobs must
+    come in the same order on every worker, as vLLM's connector metadata does.
 
-    def __init__(self, *, worker: Worker, timeout_s: float, **kwargs: Any) -> None:
+    A block that is a power-of-two multiple of vkv's page is one page of its own (as
+    BlockMemory's one slot a block: the same driver calls); any other block is backed on the
+    device's pages (or ``page_bytes``), shared with its neighbours and counted."""
+
+    def __init__(self, *, worker: Worker, timeout_s: float, page_bytes: int = 0, **kwargs: Any) -> None:
+        device = str(resolve_device(kwargs.pop("device")))
+        page_bytes = page_bytes or default_page_bytes(device)
+        if one_slot_per_block(kwargs["block_bytes"], page_bytes):
+            page_bytes = kwargs["block_bytes"]
         num_blocks = kwargs["num_blocks"]
-        tokens = kwargs["block_bytes"] // SLOT_TOKEN_BYTES  # one slot's "tokens" (memory.py)
         self.worker = worker
-        self._started = False  # BlockMemory's own headroom backing waits for every worker (below)
+        self._started = False  # PageMemory's own headroom backing waits for every worker (below)
         self._broken: Optional[str] = None
-        self._lens = np.zeros(num_blocks, dtype=np.int64)  # every slot's tokens, as vkv's step() takes them
-        self._lens[0] = tokens  # vLLM's null block
         self.agreement = Agreement(kwargs["engine_id"], worker, timeout_s)
         error: Optional[BaseException] = None
         try:
-            super().__init__(states=None if worker.rank == 0 else LocalStates(num_blocks), **kwargs)
+            super().__init__(states=None if worker.rank == 0 else LocalStates(num_blocks), device=device,
+                             page_bytes=page_bytes, **kwargs)
         except Exception as caught:  # noqa: BLE001 (every worker hears of it, below)
             error = caught
-        # Every worker started, or all raise: none waits for one that never will.
-        verdict = self.agreement.round(error=error, block_bytes=1)
+        # Every worker started, or all raise: none waits for one that never will. The same
+        # geometry (block and page bytes) on every worker lets them prefer blocks on pages
+        # already backed: each chooses the same ones then; else the lowest ids.
+        geometry = _digest(kwargs["block_bytes"], page_bytes)
+        verdict = self.agreement.round(error=error, digest=geometry, block_bytes=1)
         if verdict.failed_rank is not None:
             if error is None:
                 self.close()
                 raise RuntimeError(f"VkvConnector: {describe(verdict.failed_rank, worker.tp_size)} failed to start "
                                    "its KV cache (its own error says why); no worker of the engine starts")
             raise error
+        self.prefer_costless = not verdict.disagree
         self._started = True
         try:
             self.grow(kwargs["headroom_blocks"])
@@ -318,97 +344,88 @@ class ShardMemory(BlockMemory):
                 self.states.unlink()
 
     def _job(self, release: List[int], target: int, settle) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"VkvConnector: {self._broken}; stop the engine")
+        if not release and self._want(target) == 0 and self.agreement.peers_alive():
+            # Nothing changes on any worker: they hold the same blocks (every change was agreed)
+            # and got the same metadata, so each sees this alike and none waits for the others.
+            # (A worker that died is named by the round its death sends the others to.)
+            return
         error: Optional[BaseException] = None
         try:
             self.release(release)
         except Exception as caught:  # noqa: BLE001 (the round below tells every worker)
             error = caught
+            self._broken = f"{describe(self.worker.rank, self.worker.tp_size)} failed to give blocks back"
         self._agreed_grow(target, settle, error)
 
     def release(self, blocks: List[int]) -> int:
         if self.worker.rank != 0:
             self.states.states[blocks] = RECLAIMING  # what the scheduler wrote in rank 0's file
-        self._lens[blocks] = 0
         return super().release(blocks)
 
     def grow(self, target: int, settle=None) -> int:
         if not self._started:
             return 0
-        return self._agreed_grow(target, settle, None)
-
-    def _agreed_grow(self, target: int, settle, error: Optional[BaseException]) -> int:
-        """Back blocks up to ``target`` on every worker or none; returns how many."""
         if self._broken is not None:
             raise RuntimeError(f"VkvConnector: {self._broken}; stop the engine")
-        lens, cache = self._lens, self.cache
+        return self._agreed_grow(target, settle, None)
+
+    def _want(self, target: int) -> int:
+        return max(0, min(target, self.num_blocks - 1) - self.backed)
+
+    def _agreed_grow(self, target: int, settle, error: Optional[BaseException]) -> int:
+        """Back blocks up to ``target`` on every worker or none, in one all-reduce unless a
+        GPU is short; returns how many. ``error``: this worker's failure so far (release)."""
         limit = min(target, self.num_blocks - 1)
-        shrunk = False
-        try:
-            while True:
-                want = max(0, limit - self.backed)
-                slots: List[int] = []
-                missing = 0
-                if error is None and want > 0:
-                    try:
-                        slots = cache.alloc_reqids(want)
-                        lens[slots] = self._tokens
-                        pages = cache._prepare_step(lens).missing_pages
-                        missing = -(-pages // self._pages_per_block)
-                    except Exception as caught:  # noqa: BLE001
-                        error = caught
-                verdict = self.agreement.round(missing, error, _digest(want, slots), self.block_bytes)
-                if verdict.failed_rank is None and not verdict.disagree and verdict.missing == 0:
-                    if want == 0:
-                        return 0
-                    return self._commit(slots, settle)
-                self._undo(slots)
-                shrunk = True  # (or failed): the pages prepared for these slots go back to the budget
-                if verdict.failed_rank is not None:
-                    raise self._failure(verdict, want, error)
-                if verdict.disagree:
-                    me = describe(self.worker.rank, self.worker.tp_size)
-                    self._broken = f"the engine's workers chose different blocks to back ({me} chose {len(slots)})"
-                    raise RuntimeError(f"VkvConnector: {self._broken}; nothing was backed; stop the engine")
-                # A GPU's budget is short: every worker tries again with the worst shortfall fewer.
-                limit = self.backed + want - max(1, verdict.missing)
-                error = None
-        finally:
-            if shrunk:
-                cache.trim()  # the pages the others prepared for blocks nobody backed
-
-    def _commit(self, slots: List[int], settle) -> int:
-        error: Optional[BaseException] = None
-        try:
-            self.cache.step(self._lens)  # its pages are mapped: no backend call
-        except Exception as caught:  # noqa: BLE001
-            error = caught
-        verdict = self.agreement.round(0, error, 0, self.block_bytes)
-        if verdict.failed_rank is not None:
-            self._undo(slots)
-            self._broken = f"{describe(verdict.failed_rank, self.worker.tp_size)} failed after the workers agreed"
-            raise self._failure(verdict, len(slots), error)
-        if settle is not None:
-            settle()  # their zero-fill is done before any forward can be given them
-        states = self.states.states
-        assert (states[slots] == UNBACKED).all(), f"blocks {slots} were handed out unbacked"
-        states[slots] = BACKED  # rank 0: the scheduler may hand them out now, every worker has them
-        self.backed += len(slots)
-        return len(slots)
-
-    def _undo(self, slots: List[int]) -> None:
-        """Free this attempt's slots, in the same order on every worker (the same calls: the
-        workers' vkv caches keep choosing the same slots)."""
-        self._lens[slots] = 0
-        for slot in slots:
-            self.cache.free_reqid(slot)
+        first = True
+        # What a failure cost, for the one error: a failed release shows as 0 bytes a block.
+        failed_bytes = 0 if error is not None else self.block_bytes
+        while True:
+            chosen = self.choose(max(0, limit - self.backed)) if error is None else np.zeros(0, dtype=np.int64)
+            if not first and not chosen.size:
+                return 0  # after a shortage every worker computed the same smaller limit
+            first = False
+            backed = False
+            missing = 0
+            if chosen.size:
+                try:
+                    backed = self._back(chosen)
+                    if not backed:  # short of pages: nothing changed; how many fewer blocks fit
+                        missing = int(chosen.size - self._fewer(chosen, self._shortage).size)
+                except Exception as caught:  # noqa: BLE001 (the round tells every worker)
+                    error = caught
+            digest = _digest(*chosen.tolist()) if chosen.size else 0
+            verdict = self.agreement.round(missing, error, digest, failed_bytes)
+            if verdict.failed_rank is None and not verdict.disagree and verdict.missing == 0:
+                if not chosen.size:
+                    return 0
+                if settle is not None:
+                    settle()  # their zero-fill is done before any forward can be given them
+                self.mark_backed(chosen)  # rank 0: in the scheduler's file; every worker has them now
+                return int(chosen.size)
+            if backed:
+                self._unback(chosen)  # its pages go back to the budget: nobody backed these blocks
+            if verdict.failed_rank is not None:
+                raise self._failure(verdict, int(chosen.size), error)
+            if verdict.disagree:
+                me = describe(self.worker.rank, self.worker.tp_size)
+                self._broken = f"the engine's workers chose different blocks to back ({me} chose {chosen.size})"
+                raise RuntimeError(f"VkvConnector: {self._broken}; nothing was backed; stop the engine")
+            # A GPU's budget is short: every worker tries again with the worst shortfall fewer.
+            limit = self.backed + int(chosen.size) - max(1, verdict.missing)
 
     def _failure(self, verdict: _Verdict, want: int, error: Optional[BaseException]) -> RuntimeError:
         """The one error every worker raises: the first failing worker and the amount."""
         rank = verdict.failed_rank
         who = describe(rank, self.worker.tp_size) if rank is not None else "a worker"
-        text = (f"VkvConnector: {who} failed to back {want} blocks ({want * verdict.failed_bytes} bytes of its "
-                "GPU's budget); no worker backed them (every worker's state is as before the step) and the step "
-                "fails on every worker")
+        if verdict.failed_bytes:
+            text = (f"VkvConnector: {who} failed to back {want} blocks ({want * verdict.failed_bytes} bytes of its "
+                    "GPU's budget); no worker backed them (every worker's state is as before the step) and the step "
+                    "fails on every worker")
+        else:
+            text = (f"VkvConnector: {who} failed to give back the step's released blocks; the step fails on every "
+                    "worker (stop the engine: the workers' KV caches can no longer be kept alike)")
         if error is not None and rank == self.worker.rank:
             text += f": {type(error).__name__}: {error}"
         failure = RuntimeError(text)

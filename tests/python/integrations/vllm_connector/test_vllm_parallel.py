@@ -58,6 +58,24 @@ def _agreement_segments():
     return set(glob.glob("/dev/shm/vkv-vllm-agree-*"))
 
 
+# Llama-3.1-70B's KV per GPU, scaled down in heads only: 80 layers, head_dim 128, 4 KV heads
+# (70B has 8): 2 a GPU at TP=2, 1 at TP=4, so a 16-token block is 1.25 MiB or 0.625 MiB a
+# worker (70B's at TP=4 and TP=8), on vkv's 2 MiB GPU page: blocks share and straddle pages.
+MODEL_70B = vt.Model(layers=80, kv_heads=4, head_dim=128)
+PAGE = 2 << 20
+
+
+def _fixed_parallel_outputs(tp, pp=1, n=8, **options):
+    """The same trace on vLLM's fixed pool (a torch.zeros buffer a worker), the same workers."""
+    engine = pt.ParallelEngine(tp, pp, 64, model=MODEL_70B, connector=False, **options)
+    try:
+        _trace(engine, n=n)
+        _run(engine)
+        return engine.outputs
+    finally:
+        engine.close()
+
+
 # With PP the background mapper is always on (unset: on; a later stage binds a step only after
 # the earlier stage's forward of it, as the harness delivers it).
 @pytest.mark.parametrize("tp,pp,background", [(2, 1, False), (2, 1, True), (1, 2, None), (4, 1, False),
@@ -77,10 +95,116 @@ def test_every_worker_backs_the_same_blocks_and_outputs_equal_the_fixed_pool(tp,
     assert _agreement_segments() <= segments, "the workers' agreement segment was left in /dev/shm"
 
 
-def _budgets(blocks_per_gpu, block_bytes):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 3)])
+def test_blocks_of_70b_shards_are_backed_page_by_page_on_every_worker(tp, pp):
+    # Refused at startup before (a block not a power-of-two multiple of the page); now every
+    # worker backs its 1.25 or 0.625 MiB blocks on 2 MiB pages it shares between blocks. With
+    # 3 pipeline stages of 27, 27 and 26 layers the workers' blocks differ in size (3.375 and
+    # 3.25 MiB): they still choose the same blocks (the lowest ids).
+    segments = _agreement_segments()
+    engine = pt.ParallelEngine(tp, pp, 64, {"page_size": PAGE}, model=MODEL_70B)
+    try:
+        sizes = {config.kv_cache_tensors[0].block_stride for config in engine.worker_configs}
+        layers = [len(pt.stage_layers(pp, stage, MODEL_70B)) for stage in range(pp)]
+        assert sizes == {16 * n * 2 * (4 // tp) * 128 * 2 for n in layers}, sizes
+        assert all(size % PAGE for size in sizes) and (len(sizes) > 1) == (pp == 3), sizes
+        _trace(engine)
+        # Each worker asserts every page of every block of the step's tables mapped before its
+        # forward and reads back every token; after each job the workers hold the same blocks.
+        assert _run(engine) > 4
+        outputs = engine.outputs
+        now = engine.backed_now()  # each worker's backed blocks, every page of each mapped
+        assert all(backed == now[0] for backed in now), now
+    finally:
+        engine.close()
+    assert outputs == _fixed_parallel_outputs(tp, pp)
+    assert _agreement_segments() <= segments, "the workers' agreement segment was left in /dev/shm"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_70b_shard_worker_killed_mid_burst_is_named_by_the_others(tp):
+    block = 16 * 80 * 2 * (4 // tp) * 128 * 2
+    prefix, budgets = _budgets([96] * tp, block, page=PAGE)
+    segments = _agreement_segments()
+    try:
+        engine = pt.ParallelEngine(tp, 1, 64, {"shared_budget": prefix + "{device}", "page_size": PAGE,
+                                               "background_mapping": True}, model=MODEL_70B)
+        try:
+            _trace(engine, n=8)
+            for _ in range(3):
+                engine.step()
+            victim = tp - 1
+            dead = engine.pids[victim]
+            engine.kill(victim)
+            with pytest.raises(pt.WorkerError) as caught:
+                for _ in range(3):  # the job's error comes at the next bind
+                    engine.step(timeout=20)
+            errors = caught.value.errors
+            assert sorted(errors) == list(range(tp - 1)), errors  # every live worker
+            for text in errors.values():
+                assert f"rank {victim} (pid {dead}) exited" in text and "cannot agree" in text, text
+            stats = budgets[victim].stats()
+            assert not any(m["pid"] == dead for m in stats["members"]) and stats["used_bytes"] == 0, stats
+        finally:
+            engine.close()
+    finally:
+        for budget in budgets:
+            budget.remove()
+    assert _agreement_segments() <= segments
+
+
+def test_a_step_that_changes_no_backing_runs_no_agreement_round():
+    # Decode steps mostly write into blocks already handed out: no block to give back, none to
+    # back. Each worker sees that alike, so none waits for the others then.
+    engine = pt.ParallelEngine(2, 1, 64, {"background_mapping": False})
+    try:
+        _trace(engine, n=4, gen=40)
+        idle = changing = 0
+        rounds = engine.rounds()
+        backed = len(engine.backed_now()[0]) - 1  # the null block aside
+        while engine.unfinished():
+            out = engine.step()
+            meta = out.kv_connector_metadata
+            after = engine.rounds()
+            assert after[0] == after[1], after
+            changes = bool(meta.release) or min(meta.target_backed, 63) > backed
+            assert after[0] - rounds[0] == (1 if changes else 0), (meta, backed, rounds, after)
+            idle += not changes
+            changing += changes
+            rounds = after
+            backed = len(engine.backed_now()[0]) - 1
+        assert idle > 10 and changing > 0, (idle, changing)
+    finally:
+        engine.close()
+
+
+def test_workers_that_choose_different_blocks_fail_the_step_on_every_worker():
+    engine = pt.ParallelEngine(2, 1, 64, {"background_mapping": False})
+    try:
+        _trace(engine, n=2)
+        engine.step()
+        before = engine.backed_now()
+        engine.choose_differently(1)
+        _trace(engine, n=6, prompt=90, name="more", first=500)
+        with pytest.raises(pt.WorkerError) as caught:
+            for _ in range(4):
+                engine.step()
+        errors = caught.value.errors
+        assert sorted(errors) == [0, 1], errors
+        for rank, text in errors.items():
+            assert "the engine's workers chose different blocks to back" in text and "nothing was backed" in text, text
+        after = engine.backed_now()
+        assert after[0] == after[1] and set(after[0]) <= set(before[0]) | set(after[0]), after
+        assert len(after[0]) <= len(before[0]), (before, after)
+    finally:
+        engine.close()
+
+
+def _budgets(blocks_per_gpu, block_bytes, page=0):
     """One host-backend budget per (emulated) GPU: PREFIX0, PREFIX1, ..."""
     prefix = f"vkv-vllm-test-{uuid.uuid4().hex[:8]}-gpu"
-    return prefix, [vkv.SharedBudget.create(f"{prefix}{i}", blocks * block_bytes, device="cpu")
+    size = (lambda blocks: -(-blocks * block_bytes // page) * page) if page else (lambda blocks: blocks * block_bytes)
+    return prefix, [vkv.SharedBudget.create(f"{prefix}{i}", size(blocks), device="cpu")
                     for i, blocks in enumerate(blocks_per_gpu)]
 
 
@@ -145,6 +269,25 @@ def test_a_worker_whose_backing_fails_fails_the_step_on_every_worker():
         engine.close()
 
 
+def test_a_worker_whose_give_back_fails_fails_the_step_on_every_worker():
+    engine = pt.ParallelEngine(2, 1, 64, {"background_mapping": False})
+    try:
+        engine.fail_next_release(1)
+        _trace(engine, n=8)
+        with pytest.raises(pt.WorkerError) as caught:
+            for _ in range(300):  # the requests end, and their blocks go back
+                engine.step()
+                if not engine.unfinished() and not engine.scheduler.has_requests():
+                    break
+        errors = caught.value.errors
+        assert sorted(errors) == [0, 1], errors
+        for text in errors.values():
+            assert "worker rank 1 (tensor-parallel rank 1 of pipeline stage 0) failed to give back" in text, text
+        assert "injected give-back failure" in errors[1]
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_a_worker_killed_mid_burst_ends_the_others_with_an_error_naming_it(background):
     block = vt.block_bytes() // 2
@@ -197,17 +340,6 @@ def test_a_budget_name_for_one_gpu_is_refused_with_tp_in_one_line():
     with pytest.raises(ValueError, match=r"\['background_mapping'\] = false with pipeline_parallel_size 2: .* "
                                          r"leave background_mapping unset or true"):
         check_parallel(_parallel(1, 2), VkvConnectorConfig.from_extra_config({"background_mapping": False}))
-
-
-def test_blocks_backed_page_by_page_are_refused_with_several_workers_in_one_line():
-    from vkv.integrations.vllm.checks import check_parallel_blocks
-    mib = 1 << 20
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 with a vLLM block of "
-                                         r"917504 bytes .* pick a --block-size") as caught:
-        check_parallel_blocks(_parallel(2, 1), 917504, 2 * mib)  # Qwen2.5-7B's 16-token block on one GPU
-    assert "\n" not in str(caught.value)
-    check_parallel_blocks(_parallel(2, 1), 2 * mib, 2 * mib)  # one slot a block: fine
-    check_parallel_blocks(_parallel(1, 1), 917504, 2 * mib)  # one worker backs it page by page
 
 
 def test_each_gpu_has_its_own_budget_name(monkeypatch):
