@@ -40,8 +40,10 @@ class BackgroundMapper:
 
     def __init__(self, job: Job, device: torch.device, name: str = "vkv-vllm-mapper") -> None:
         self._job = job
-        self._device = device
         self._cuda = device.type == "cuda"
+        if self._cuda and device.index is None:  # "cuda": the caller's current device, fixed now
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._idle = threading.Event()
@@ -104,13 +106,26 @@ class BackgroundMapper:
         if self._stream is not None:
             self._stream.synchronize()  # releases the GIL
 
-    def _loop(self) -> None:
+    def _enter_thread(self) -> None:
+        """What the thread sets up before its first job."""
         if self._cuda:
             torch.cuda.set_device(self._device)  # per thread: vkv's calls resolve the current stream here
+
+    def _loop(self) -> None:
+        try:
+            self._enter_thread()
+            started = True
+        except BaseException as error:  # noqa: B036 (raised by every wait(): no job waits forever)
+            self._error = RuntimeError(f"vkv.integrations.vllm: the background mapper could not start on "
+                                       f"{self._device}: {error}")
+            started = False
         while True:
             item = self._jobs.get()
             if item is None:
                 return
+            if not started:
+                self._idle.set()  # the job does not run; wait() raises why
+                continue
             release, target, event, number = item
             start = time.perf_counter()
             try:

@@ -286,6 +286,37 @@ def test_close_with_a_job_in_flight_lets_it_finish_first():
     assert not memory.mapper._thread.is_alive()
 
 
+def test_a_mapper_thread_that_cannot_start_fails_every_wait_instead_of_hanging():
+    # A thread that dies before its first job (on a GPU: torch.cuda.set_device refusing the
+    # device) would leave every wait() blocked forever; it must raise why instead.
+    import threading
+
+    from vkv.integrations.vllm.mapper import BackgroundMapper
+
+    class Unstartable(BackgroundMapper):
+        def _enter_thread(self) -> None:
+            raise ValueError("no such device")
+
+    ran = []
+    mapper = Unstartable(lambda release, target, settle: ran.append(target), torch.device("cpu"))
+    outcome = []
+
+    def hand_over():
+        mapper.submit([], 3)
+        try:
+            mapper.wait()
+        except RuntimeError as error:
+            outcome.append(str(error))
+
+    waiter = threading.Thread(target=hand_over, daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive(), "wait() hung on a mapper whose thread could not start"
+    assert outcome and "could not start" in outcome[0] and "no such device" in outcome[0]
+    assert not ran
+    mapper.close()
+
+
 def test_a_job_taken_at_the_bind_starts_once_the_forward_is_queued():
     # vLLM binds before it queues the forward and calls start_load_kv() after: the job must
     # not run in between (its driver calls would compete with the forward's launches), and
