@@ -302,8 +302,8 @@ def test_a_mapper_thread_that_cannot_start_fails_every_wait_instead_of_hanging()
     outcome = []
 
     def hand_over():
-        mapper.submit([], 3)
-        try:
+        try:  # the hand-over raises (submit() waits for the job before, wait() for this one)
+            mapper.submit([], 3)
             mapper.wait()
         except RuntimeError as error:
             outcome.append(str(error))
