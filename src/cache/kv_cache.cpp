@@ -65,7 +65,10 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_),
             budget_.account()),
       slots_(config.max_batch_size, layout_.num_regions()),
+      mappings_(*backend_, layout_, config_, slots_, sharing_, pool_),
       read_windows_(*backend_),
+      readers_(*backend_, layout_, config_, slots_, mappings_, read_windows_, profile_),
+      planner_(*backend_, layout_, config_, slots_, pool_, mappings_, readers_),
       fork_generation_(detail::fork_generation()) {
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
@@ -83,6 +86,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
     undo.push([this] { backend_->destroy_stream(background_stream_); });
   }
   base_ = backend_->reserve(needed);
+  mappings_.set_base(base_);
   undo.push([this, needed] { backend_->free_reservation(base_, needed); });
   // Where backing with zeros costs one call, the whole reservation reads as zeros from the
   // start; elsewhere (CUDA: ~37 us a page) slots are backed as they are handed out, and
@@ -126,15 +130,15 @@ KvCache::Impl::~Impl() {
     slot.deferred_fill = 0;  // its pages go back to the device: nobody reads them again
     if (slot.swapped) host_frees_.push_back(slot.swap);
     try {
-      wait_free_event(slot);
+      readers_.wait_free_event(slot);
       // One call per region unmaps real and zero-backed pages alike.
       const std::size_t backed = std::max(slot.mapped(), slot.backed_end);
       if (backed > 0)
         for (std::size_t r = 0; r < layout_.num_regions(); ++r)
-          backend_->unmap(page_address(r, s, 0), backed * layout_.page_bytes());
+          backend_->unmap(mappings_.address(r, s, 0), backed * layout_.page_bytes());
       for (std::vector<PageHandle>& pages : slot.pages) {
         std::vector<Page> unmapped;
-        drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
+        mappings_.drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
         for (const Page& page : unmapped) pool_.give_back(page);
         pages.clear();
       }
@@ -174,20 +178,16 @@ void KvCache::Impl::rethrow_background_error() {
   if (std::exception_ptr error = mapper_->take_error()) std::rethrow_exception(error);
 }
 
-namespace {
-using detail::nanoseconds_since;
-}  // namespace
-
 std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = detail::Clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  const std::uint64_t lock_wait = nanoseconds_since(start);
+  const auto locked = detail::Clock::now();
   expect_not_suspended("alloc_reqid");
   // The slot to map the next prefill's pages in may have changed: the next step() wakes
   // the mapper for it, here a wake-up would only make the mapper's driver calls meet ours.
   const std::size_t slot = allocate_slot(lock, slots_.next_to_allocate(), stream);
-  alloc_timing_ = {nanoseconds_since(start), lock_wait};
+  profile_.record_alloc(start, locked);
   return slot;
 }
 
@@ -217,22 +217,22 @@ std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std
     // Not yet backed by the mapper: an allocated slot reads as zeros to its end. Pages
     // past backed_end are unmapped, so nothing in flight reads them.
     wait_not_busy(lock, best);
-    back_with_zeros(best, layout_.pages_per_slot());
+    mappings_.back_with_zeros(best, layout_.pages_per_slot());
   }
   // The new owner's work must not overtake the zero-fill of the previous owner's tokens. A
   // fill still deferred is enqueued by the owner's first call that touches the slot's pages
   // (kv_cache_fill.cpp), which orders its stream after it; one enqueued already is waited
   // for here. The event stays: reclaiming this slot's surplus pages later waits for it.
-  if (slot.deferred_fill == 0) order_after_free_event(slot, stream);
+  if (slot.deferred_fill == 0) readers_.order_after_free_event(slot, stream);
   slots_.mark_allocated(best, read_windows_.steps());
   return best;
 }
 
 void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = detail::Clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  const std::uint64_t lock_wait = nanoseconds_since(start);
+  const auto locked = detail::Clock::now();
   expect_slot_in_range(slot_index);
   Slot& slot = slots_[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
@@ -247,7 +247,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   }
   // Nothing can fail from here on: the pages kept are zero-filled on `stream` by the next
   // call that needs them (kv_cache_fill.cpp), and nothing the mapper could do changed.
-  if (keeps_pages) defer_fill(slot_index, stream);
+  if (keeps_pages) readers_.defer_fill(slot_index, stream);
   if (slot.swapped) {
     host_frees_.push_back(slot.swap);
     slot.swap = {};
@@ -262,7 +262,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   budget_.request_freed();
   budget_.publish_in_use();
   if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
-  free_timing_ = {nanoseconds_since(start), lock_wait};
+  profile_.record_free(start, locked);
 }
 
 // Waits for the slot's last readers (work on `stream` so far), then unmaps every page
@@ -272,8 +272,8 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   Slot& slot = slots_[slot_index];
   if (slot.mapped() == 0) return;
   if (slot.deferred_fill != 0) {  // a swapped-out slot freed without deferred reclamation
-    enqueue_fill(slot_index);
-    wait_free_event(slot);  // the pages go back clean
+    readers_.enqueue_fill(slot_index);
+    readers_.wait_free_event(slot);  // the pages go back clean
   }
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);

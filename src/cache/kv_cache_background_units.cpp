@@ -1,4 +1,4 @@
-// KvCache: the mapper's units of work, planned under the lock, their slow backend
+// KvCache: the mapper's units of work, planned under the lock (background_planner.h), their slow backend
 // calls made without it (the slot's pages at or past busy_from are the mapper's meanwhile).
 #include <algorithm>
 #include <chrono>
@@ -9,6 +9,38 @@
 #include "util/internal_assert.h"
 
 namespace vkv {
+
+bool KvCache::Impl::background_busy() const noexcept {
+  return in_flight_pages_ > 0 ||
+         std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
+}
+
+std::size_t KvCache::Impl::map_ahead_now() {
+  rethrow_background_error();
+  std::size_t units = 0;
+  while (background_work()) ++units;
+  return units;
+}
+
+bool KvCache::Impl::background_work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  // While suspended nothing takes the pages suspend() gave back (kv_cache_suspend.cpp).
+  const detail::BackgroundUnit unit =
+      suspension_ ? detail::BackgroundUnit{} : planner_.next(/*settle_events=*/true, eager_tokens(), watermark_pages_);
+  switch (unit.kind) {
+    case detail::BackgroundUnit::Kind::grow:
+      return grow_in_background(lock, unit.slot, unit.pages);
+    case detail::BackgroundUnit::Kind::shrink:
+      return shrink_in_background(lock, unit.slot, unit.pages);
+    case detail::BackgroundUnit::Kind::cover:
+      return cover_in_background(lock, unit.slot, unit.pages);
+    case detail::BackgroundUnit::Kind::create:
+      return create_in_background(lock, unit.pages);
+    case detail::BackgroundUnit::Kind::none:
+      break;
+  }
+  return false;
+}
 
 class KvCache::Impl::UnitExit {
  public:
@@ -56,7 +88,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   std::size_t to_create = 0;
   if (per_region == 0) {
     per_region = std::min({target - first, pool_.obtainable_pages() / regions,
-                           std::max<std::size_t>(1, kPagesPerBackgroundUnit / regions)});
+                           std::max<std::size_t>(1, detail::BackgroundPlanner::kPagesPerUnit / regions)});
     if (span > 0) {  // leave a whole span ahead to a large page
       const std::size_t boundary = (first / span + 1) * span;
       if (boundary + span <= target) per_region = std::min(per_region, boundary - first);
@@ -103,12 +135,12 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
     for (; regions_mapped < regions; ++regions_mapped) {
       const Page* run = &pages[regions_mapped * per_region];
       for (std::size_t i = 0; i < per_region; ++i) handles[i] = run[i].handle;
-      map_real(slot_index, regions_mapped, first, handles.data(), per_region);
+      mappings_.map_real(slot_index, regions_mapped, first, handles.data(), per_region);
     }
     // Published pages must read as zeros to whoever gets them, on any stream.
     if (std::any_of(pages.begin(), pages.end(), [](const Page& page) { return !page.clean; })) {
       zero_filling = true;
-      zero_fresh_regions(slot_index, first, pages.data(), per_region, background_stream_);
+      mappings_.zero_fresh_regions(slot_index, first, pages.data(), per_region, background_stream_);
       backend_->synchronize(background_stream_);
     }
   } catch (...) {
@@ -124,7 +156,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
       std::vector<PageHandle> handles(per_region);
       for (std::size_t i = 0; i < per_region; ++i) handles[i] = pages[r * per_region + i].handle;
       try {
-        unmap_real(slot_index, r, first, handles.data(), per_region);
+        mappings_.unmap_real(slot_index, r, first, handles.data(), per_region);
       } catch (...) {
         stranded.push_back({slot_index, r, first, std::move(handles)});  // the first error is reported
       }
@@ -150,9 +182,7 @@ bool KvCache::Impl::grow_in_background(std::unique_lock<std::mutex>& lock, std::
   }
   const auto elapsed = std::chrono::steady_clock::now() - started;
   lock.lock();
-  mapped_ahead_.calls += 1;
-  mapped_ahead_.units += count;
-  mapped_ahead_.nanoseconds += detail::nanoseconds(elapsed);
+  profile_.count_mapped_ahead(count, elapsed);
   for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
   for (std::size_t r = 0; r < regions; ++r)
     for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);
@@ -169,19 +199,12 @@ bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std
   slot.busy_from = keep;
   lock.unlock();
   const UnitExit exit(*this, lock, slot_index);
-  std::size_t region = 0;
-  try {
-    for (; region < layout_.num_regions(); ++region)
-      unmap_real(slot_index, region, keep, slot.pages[region].data() + keep, pages);
-  } catch (...) {
-    remap_unmapped_regions(slot_index, region, keep, pages);
-    throw;
-  }
+  mappings_.unmap_regions(slot_index, keep, pages);
   lock.lock();
   // Unclaimed (step() waits for a busy slot before claiming past busy_from): clean.
   for (std::vector<PageHandle>& handles : slot.pages) {
     std::vector<Page> unmapped;
-    drop_mappings(handles, keep, mapped, /*clean=*/true, unmapped);
+    mappings_.drop_mappings(handles, keep, mapped, /*clean=*/true, unmapped);
     for (const Page& page : unmapped) pool_.give_back(page);
     handles.resize(keep);
   }
@@ -194,7 +217,7 @@ bool KvCache::Impl::cover_in_background(std::unique_lock<std::mutex>& lock, std:
   slot.busy_from = from;  // nobody maps there meanwhile; the range is unmapped, so nothing reads it
   lock.unlock();
   const UnitExit exit(*this, lock, slot_index);
-  back_regions_with_zeros(slot_index, from, until);
+  mappings_.back_regions_with_zeros(slot_index, from, until);
   lock.lock();
   slot.backed_end = until;
   return true;

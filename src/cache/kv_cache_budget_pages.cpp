@@ -12,7 +12,7 @@ std::size_t KvCache::Impl::cached_pages(const std::vector<std::size_t>& floors, 
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
     if (slot.busy() || (freed_only && slot.allocated)) continue;
-    const std::size_t floor = round_up_to_whole(slot, floors[s]);
+    const std::size_t floor = mappings_.round_up_to_whole(slot, floors[s]);
     if (slot.mapped() > floor) pages += (slot.mapped() - floor) * layout_.num_regions();
   }
   return pages;
@@ -23,16 +23,16 @@ bool KvCache::Impl::wait_for_readers(std::unique_lock<std::mutex>& lock, const s
   std::vector<std::size_t> above;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
-    if (!slot.busy() && slot.mapped() > round_up_to_whole(slot, floors[s])) above.push_back(s);
+    if (!slot.busy() && slot.mapped() > mappings_.round_up_to_whole(slot, floors[s])) above.push_back(s);
   }
   // No fill is enqueued: the pages leave.
-  const ReaderFence behind = fence_readers(above, /*pending_events=*/true);
+  const detail::SlotReaders::Fence behind = readers_.fence(above, /*pending_events=*/true);
   if (!behind.events.empty()) {
     lock.unlock();
-    wait_then_destroy(behind.events);  // a throw leaves the lock released
+    readers_.wait_then_destroy(behind.events);  // a throw leaves the lock released
     if (!relock()) return false;
   }
-  mark_readers_done(behind);
+  readers_.mark_done(behind);
   return true;
 }
 
@@ -44,16 +44,6 @@ std::size_t KvCache::Impl::claimed_pages() const {
 
 std::size_t KvCache::Impl::next_prompt_pages() const {
   return layout_.pages_for_tokens(eager_tokens()) * layout_.num_regions();
-}
-
-void KvCache::Impl::wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events) {
-  try {
-    for (const auto& [stream, event] : events) backend_->wait_event(event);
-  } catch (...) {
-    for (const auto& [stream, event] : events) backend_->destroy_event(event);
-    throw;
-  }
-  for (const auto& [stream, event] : events) backend_->destroy_event(event);
 }
 
 std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::size_t>& floors, Victims victims,
@@ -93,7 +83,7 @@ std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::si
     if ((slot.deferred_fill != 0 && !slot.fill_readers_done) ||
         (slot.free_event != 0 && !backend_->event_done(slot.free_event))) {
       ready[s] = std::max(ready[s], slot.mapped());
-      if (!slot.busy() && slot.mapped() > round_up_to_whole(slot, floors[s])) waiting.push_back(s);
+      if (!slot.busy() && slot.mapped() > mappings_.round_up_to_whole(slot, floors[s])) waiting.push_back(s);
     }
   }
   auto release_above = [&](const std::vector<std::size_t>& pass) {
@@ -123,11 +113,7 @@ std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::si
   release_above(ready);
   if (!may_wait || released >= wanted) return released;
   if (!waiting.empty()) {  // one event per stream for them all, not one per victim
-    const ReaderFence fence = fence_readers(waiting);
-    const auto start = Clock::now();
-    wait_then_destroy(fence.events);
-    event_wait_ns_ += since(start);
-    mark_readers_done(fence);
+    readers_.wait_for(waiting, /*timed=*/true);
   }
   release_above(floors);
   return released;

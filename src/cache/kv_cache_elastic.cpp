@@ -11,7 +11,8 @@ namespace vkv {
 std::size_t KvCache::Impl::pages_set_budget_keeps() const {
   std::size_t pages = 0;  // claimed, or (zero_page) in reach of work in flight: neither can go now
   for (std::size_t s = 0; s < slots_.size(); ++s)
-    pages += std::min(slots_[s].mapped(), round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s))) *
+    pages += std::min(slots_[s].mapped(),
+                      mappings_.round_up_to_whole(slots_[s], readers_.first_reclaimable_without_waiting(s))) *
              layout_.num_regions();
   return pages - sharing_.duplicate_mappings();  // shared pages lie below their slots' claims
 }
@@ -57,12 +58,11 @@ std::size_t KvCache::Impl::trim() {
   std::vector<std::size_t> keep(slots_.size());
   std::vector<std::size_t> above;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    keep[s] = round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s));  // large pages go whole
+    keep[s] =
+        mappings_.round_up_to_whole(slots_[s], readers_.first_reclaimable_without_waiting(s));  // large pages go whole
     if (slots_[s].mapped() > keep[s]) above.push_back(s);
   }
-  const ReaderFence fence = fence_readers(above);
-  wait_then_destroy(fence.events);
-  mark_readers_done(fence);
+  readers_.wait_for(above);
   for (const std::size_t s : above) {
     std::vector<Page> pages;
     unmap_tail(s, keep[s], pages);
@@ -79,10 +79,8 @@ void KvCache::Impl::shrink_to_budget() {
     // Mapped pages go too: their last readers first, one event per stream for all slots.
     std::vector<std::size_t> above;
     for (std::size_t s = 0; s < slots_.size(); ++s)
-      if (slots_[s].mapped() > round_up_to_whole(slots_[s], claims[s])) above.push_back(s);
-    const ReaderFence fence = fence_readers(above);
-    wait_then_destroy(fence.events);
-    mark_readers_done(fence);
+      if (slots_[s].mapped() > mappings_.round_up_to_whole(slots_[s], claims[s])) above.push_back(s);
+    readers_.wait_for(above);
   }
   while (pool_.created_pages() > pool_.budget_pages()) {
     const std::size_t excess = pool_.created_pages() - pool_.budget_pages();

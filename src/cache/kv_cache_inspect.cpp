@@ -46,7 +46,7 @@ CacheStats KvCache::Impl::stats() const {
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
     stats.pages_in_reach +=
-        (std::min(slot.mapped(), first_reclaimable_without_waiting(s)) - slot.claimed) * layout_.num_regions();
+        (std::min(slot.mapped(), readers_.first_reclaimable_without_waiting(s)) - slot.claimed) * layout_.num_regions();
     stats.page_mappings += slot.mapped() * layout_.num_regions();
     claimed_mappings += slot.claimed * layout_.num_regions();
     stats.active_slots += slot.allocated ? 1 : 0;
@@ -65,8 +65,8 @@ CacheStats KvCache::Impl::stats() const {
   stats.pages_mapped = stats.page_mappings - duplicates;
   stats.pages_in_use = claimed_mappings - duplicates;
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
-  stats.step = step_stats_;
-  stats.mapped_ahead = mapped_ahead_;
+  stats.step = profile_.steps();
+  stats.mapped_ahead = profile_.mapped_ahead();
   stats.budget_asks = budget_.asks();
   stats.budget_handoff = budget_.handoff();
   if (statistics_ != nullptr) stats.backend = statistics_->stats();

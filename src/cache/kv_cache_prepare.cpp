@@ -30,7 +30,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
   std::unique_lock<std::mutex> lock(mutex_);
   expect_not_suspended("prepare_step");
   expect_valid_seq_lens(seq_lens, count);
-  enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
+  readers_.enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
   const std::size_t regions = layout_.num_regions();
   if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
   const std::size_t horizon =
@@ -48,8 +48,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
     plan.copied_pages = step.copies.size();
     plan.missing_pages = *missing;
     if (*missing == 0) {
-      step_stats_.units += step.to_map;
-      step_stats_.nanoseconds += detail::nanoseconds_since(start);
+      profile_.count_prepared(step.to_map, start);
     }
     return plan;
   }

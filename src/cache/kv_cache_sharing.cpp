@@ -46,7 +46,7 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   undo.push([this, dst, kept_at_free, eager_slot] { slots_.unmark_allocated(dst, kept_at_free, eager_slot); });
   // The mapper may be mapping ahead into the slot handed out next; room for dst's own pages.
   settle(lock, dst, share_shape(src, dst, slots_[src].seq_len).fresh * layout_.num_regions(), 0, expect_source);
-  enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
+  readers_.enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   share_into(src, dst, slots_[src].seq_len, stream, undo);
   undo.commit();
@@ -64,8 +64,8 @@ void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t t
   auto expect_valid = [&] { expect_valid_share(src, dst, tokens); };
   expect_valid();
   settle(lock, dst, share_shape(src, dst, tokens).fresh * layout_.num_regions(), 0,
-         expect_valid);       // room for dst's own pages
-  enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
+         expect_valid);                // room for dst's own pages
+  readers_.enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
   if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
   detail::UndoLog undo(stream_waiter(stream));
   share_into(src, dst, tokens, stream, undo);
@@ -79,9 +79,9 @@ KvCache::Impl::ShareShape KvCache::Impl::share_shape(std::size_t src, std::size_
   ShareShape shape;
   shape.full = tokens * layout_.token_bytes() / page_bytes;
   shape.partial_bytes = tokens * layout_.token_bytes() - shape.full * page_bytes;
-  shape.aliased = round_down_to_whole(slots_[src], shape.full);
+  shape.aliased = mappings_.round_down_to_whole(slots_[src], shape.full);
   const std::size_t mapped = to.mapped();
-  shape.replaced = round_down_to_whole(to, shape.full) == shape.full ? std::min(mapped, shape.full) : mapped;
+  shape.replaced = mappings_.round_down_to_whole(to, shape.full) == shape.full ? std::min(mapped, shape.full) : mapped;
   shape.keeps_tail = mapped > shape.replaced;
   shape.fresh = shape.full - shape.aliased + (shape.partial_bytes > 0 && !shape.keeps_tail ? 1 : 0);
   return shape;
@@ -117,36 +117,39 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
   const std::size_t full = shape.full;
   const std::size_t aliased = shape.aliased;
   const std::size_t replaced = shape.replaced;
-  wait_free_event(to);          // the previous owner's zero-fill still writes the pages replaced
-  order_after_readers(dst, 0);  // and reads of dst in flight (zero_page)
+  readers_.wait_free_event(to);          // the previous owner's zero-fill still writes the pages replaced
+  readers_.order_after_readers(dst, 0);  // and reads of dst in flight (zero_page)
 
   std::vector<PageHandle> fresh_handles(shape.fresh);
   for (std::size_t r = 0; r < regions; ++r) {
     if (replaced > 0) {
-      unmap_real(dst, r, 0, to.pages[r].data(), replaced);
-      undo.push_remap([this, dst, r, replaced] { map_real(dst, r, 0, slots_[dst].pages[r].data(), replaced); });
+      mappings_.unmap_real(dst, r, 0, to.pages[r].data(), replaced);
+      undo.push_remap(
+          [this, dst, r, replaced] { mappings_.map_real(dst, r, 0, slots_[dst].pages[r].data(), replaced); });
     }
     if (aliased > 0) {
-      map_real(dst, r, 0, from.pages[r].data(), aliased);
-      undo.push_remap([this, src, dst, r, aliased] { unmap_real(dst, r, 0, slots_[src].pages[r].data(), aliased); });
+      mappings_.map_real(dst, r, 0, from.pages[r].data(), aliased);
+      undo.push_remap(
+          [this, src, dst, r, aliased] { mappings_.unmap_real(dst, r, 0, slots_[src].pages[r].data(), aliased); });
     }
     if (shape.fresh > 0) {
       const Page* own = &fresh[r * shape.fresh];
       for (std::size_t i = 0; i < shape.fresh; ++i) fresh_handles[i] = own[i].handle;
-      map_real(dst, r, aliased, fresh_handles.data(), shape.fresh);
-      undo.push_remap(
-          [this, dst, r, aliased, own = fresh_handles] { unmap_real(dst, r, aliased, own.data(), own.size()); });
+      mappings_.map_real(dst, r, aliased, fresh_handles.data(), shape.fresh);
+      undo.push_remap([this, dst, r, aliased, own = fresh_handles] {
+        mappings_.unmap_real(dst, r, aliased, own.data(), own.size());
+      });
       undo.enqueued_device_work();
       if (full > aliased)  // whole pages of src's tokens
-        backend_->copy(page_address(r, dst, aliased), page_address(r, src, aliased), (full - aliased) * page_bytes,
-                       stream);
+        backend_->copy(mappings_.address(r, dst, aliased), mappings_.address(r, src, aliased),
+                       (full - aliased) * page_bytes, stream);
       if (!shape.keeps_tail && shape.partial_bytes > 0)
-        zero_fresh_pages(page_address(r, dst, full), &own[full - aliased], 1, stream);
+        mappings_.zero_fresh_pages(mappings_.address(r, dst, full), &own[full - aliased], 1, stream);
     }
     if (shape.partial_bytes == 0) continue;
-    const Address partial = page_address(r, dst, full);
+    const Address partial = mappings_.address(r, dst, full);
     undo.enqueued_device_work();
-    backend_->copy(partial, page_address(r, src, full), shape.partial_bytes, stream);
+    backend_->copy(partial, mappings_.address(r, src, full), shape.partial_bytes, stream);
     // A page dst keeps held zeros (it claimed nothing) and stays mapped if the call fails.
     if (shape.keeps_tail)
       undo.push_enqueue([this, partial, page_bytes, stream] { backend_->zero(partial, page_bytes, stream); });
@@ -156,7 +159,7 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
   for (std::size_t r = 0; r < regions; ++r) {
     std::vector<PageHandle>& pages = to.pages[r];
     std::vector<Page> unmapped;
-    drop_mappings(pages, 0, replaced, /*clean=*/true, unmapped);  // zeroed at free, waited for
+    mappings_.drop_mappings(pages, 0, replaced, /*clean=*/true, unmapped);  // zeroed at free, waited for
     for (const Page& page : unmapped) pool_.give_back(page);
     std::vector<PageHandle> now(from.pages[r].begin(), from.pages[r].begin() + static_cast<std::ptrdiff_t>(aliased));
     for (std::size_t i = 0; i < shape.fresh; ++i) now.push_back(fresh[r * shape.fresh + i].handle);
@@ -208,12 +211,12 @@ void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std:
       std::vector<PageHandle> fresh(count);
       for (std::size_t i = 0; i < count; ++i) fresh[i] = pages[next + i].handle;
       const std::vector<PageHandle> shared_run(count, shared);
-      const Address address = page_address(r, ref.slot, ref.page);
+      const Address address = mappings_.address(r, ref.slot, ref.page);
       backend_->unmap(address, count * page_bytes);
       try {
         backend_->map(address, fresh.data(), count);
       } catch (...) {
-        map_handles(address, shared_run.data(), count);
+        mappings_.map_handles(address, shared_run.data(), count);
         throw;
       }
       next += count;
@@ -222,14 +225,14 @@ void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std:
       sharing_.drop_mapping(shared);
       undo.push_remap([this, ref, r, address, shared_run, fresh, page_bytes] {
         backend_->unmap(address, shared_run.size() * page_bytes);
-        map_handles(address, shared_run.data(), shared_run.size());
+        mappings_.map_handles(address, shared_run.data(), shared_run.size());
         std::vector<PageHandle>& pages_now = slots_[ref.slot].pages[r];
         std::copy(shared_run.begin(), shared_run.end(), pages_now.begin() + static_cast<std::ptrdiff_t>(ref.page));
         sharing_.add_mapping(shared_run.front(), shared_run.size());
         for (PageHandle page : fresh) pool_.give_back({page, false});
       });
       undo.enqueued_device_work();
-      backend_->copy(address, page_address(r, holder, ref.page), count * page_bytes, stream);
+      backend_->copy(address, mappings_.address(r, holder, ref.page), count * page_bytes, stream);
     }
     c += count;
   }

@@ -77,7 +77,7 @@ void KvCache::Impl::step_slots(const std::size_t* slots, const std::size_t* seq_
   }
   if (step_locked(lock, lengths.data(), lengths.size(), stream, start)) {
     lock.unlock();
-    wake_mapper();
+    profile_.time_wake([this] { mapper_->wake(); });
   }
 }
 

@@ -13,19 +13,7 @@
 
 namespace vkv {
 
-namespace {
-
 using detail::Clock;
-using detail::nanoseconds_between;
-
-// Adds the time since `from` to `into` and moves `from` on: one clock read per phase.
-void lap(Clock::time_point& from, std::uint64_t& into) {
-  const Clock::time_point now = Clock::now();
-  into += nanoseconds_between(from, now);
-  from = now;
-}
-
-}  // namespace
 
 void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
   const auto start = Clock::now();
@@ -39,26 +27,14 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
   }
   expect_not_suspended("step");
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
-  step_profile_.lock_contended = contended;
+  profile_.step().lock_contended = contended;
   lock.unlock();
-  if (wake) wake_mapper();
-}
-
-void KvCache::Impl::wake_mapper() {
-  const auto start = Clock::now();
-  mapper_->wake();
-  last_wake_ns_.store(nanoseconds_between(start, Clock::now()), std::memory_order_relaxed);
+  if (wake) profile_.time_wake([this] { mapper_->wake(); });
 }
 
 StepProfile KvCache::Impl::last_step_profile() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  StepProfile profile = step_profile_;
-  profile.free_ns = free_timing_.total_ns;
-  profile.free_lock_wait_ns = free_timing_.lock_wait_ns;
-  profile.alloc_ns = alloc_timing_.total_ns;
-  profile.alloc_lock_wait_ns = alloc_timing_.lock_wait_ns;
-  profile.wake_ns = profile.woke_mapper ? last_wake_ns_.load(std::memory_order_relaxed) : 0;
-  return profile;
+  return profile_.last_step();
 }
 
 void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const {
@@ -95,7 +71,8 @@ KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, st
       // A shared large page is copied whole.
       const std::vector<PageHandle>& pages = slot.pages.front();
       const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
-      std::size_t page = round_down_to_whole(slot, slot.seq_len * layout_.token_bytes() / layout_.page_bytes());
+      std::size_t page =
+          mappings_.round_down_to_whole(slot, slot.seq_len * layout_.token_bytes() / layout_.page_bytes());
       while (page < end) {
         const std::size_t run =
             detail::run_end(pages.data(), page, pages.size(), [](PageHandle handle) { return handle; });
@@ -116,21 +93,17 @@ KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, st
 
 bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
                                 Stream stream, std::chrono::steady_clock::time_point start) {
-  Clock::time_point lap_start = Clock::now();
-  step_profile_ = {};
-  step_profile_.lock_wait_ns = nanoseconds_between(start, lap_start);
-  step_profile_.mapper_busy = background_busy();
-  const std::uint64_t event_wait_before = event_wait_ns_;
+  profile_.begin_step(start, background_busy());
   expect_valid_seq_lens(seq_lens, count);
-  lap(lap_start, step_profile_.plan_ns);
+  profile_.lap(&StepProfile::plan_ns);
   // Zero-fills left by free_reqid() and swap_out(): enqueued here at the latest, before
   // this step reclaims those pages and before the iteration's kernels.
-  step_profile_.fills = static_cast<std::uint32_t>(deferred_fills_);
-  enqueue_deferred_fills(stream);
-  lap(lap_start, step_profile_.fills_ns);
+  profile_.step().fills = static_cast<std::uint32_t>(readers_.deferred_fills());
+  readers_.enqueue_deferred_fills(stream);
+  profile_.lap(&StepProfile::fills_ns);
   // The work enqueued since the last step() ends its read window here (zero_page).
   if (config_.zero_page) read_windows_.begin_step(stream);
-  lap(lap_start, step_profile_.windows_ns);
+  profile_.lap(&StepProfile::windows_ns);
   // What the iteration's kernels may read in every allocated slot: a padded batch's length.
   const std::size_t horizon =
       config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
@@ -138,11 +111,11 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   bool asked = false;  // the shared budget's other members, once per call
   for (;;) {
     plan = plan_step(seq_lens, count, horizon);
-    lap(lap_start, step_profile_.plan_ns);
+    profile_.lap(&StepProfile::plan_ns);
     if (plan.waits_for_mapper) {
       background_done_.wait(lock);
-      ++step_profile_.mapper_waits;
-      lap(lap_start, step_profile_.mapper_wait_ns);
+      ++profile_.step().mapper_waits;
+      profile_.lap(&StepProfile::mapper_wait_ns);
       continue;
     }
     if (plan.missing == 0) break;
@@ -150,12 +123,11 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       detail::UndoLog undo(stream_waiter(stream));
       map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
       undo.commit();
-      step_stats_.units += plan.missing;
-      step_profile_.pages_mapped += static_cast<std::uint32_t>(plan.missing);
-      lap(lap_start, step_profile_.map_ns);
+      profile_.count_step_pages(plan.missing);
+      profile_.lap(&StepProfile::map_ns);
       break;
     } catch (const OutOfMemory& shortage) {
-      lap(lap_start, step_profile_.map_ns);
+      profile_.lap(&StepProfile::map_ns);
       // Pages the mapper is moving are not lost: decide once it has put them down.
       if (background_busy()) {
         background_done_.wait(lock, [&] { return !background_busy(); });
@@ -185,15 +157,13 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   if (config_.zero_page) read_windows_.end_step(horizon);
   budget_.publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
-  const bool wake = mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none;
-  step_profile_.woke_mapper = wake;
+  const bool wake = mapper_ && !suspension_ &&
+                    planner_.next(/*settle_events=*/false, eager_tokens(), watermark_pages_).kind !=
+                        detail::BackgroundUnit::Kind::none;
+  profile_.step().woke_mapper = wake;
   const Clock::time_point end = Clock::now();
-  step_profile_.finish_ns = nanoseconds_between(lap_start, end);
-  step_profile_.total_ns = nanoseconds_between(start, end);
+  profile_.end_step(end);
   budget_.step_ended(end);
-  step_profile_.event_wait_ns = event_wait_ns_ - event_wait_before;
-  step_stats_.calls += 1;
-  step_stats_.nanoseconds += step_profile_.total_ns;
   return wake;
 }
 
@@ -201,7 +171,7 @@ std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& clai
   std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const std::size_t mapped = slots_[s].mapped();
-    const std::size_t floor = round_up_to_whole(slots_[s], claims[s]);  // large pages go whole
+    const std::size_t floor = mappings_.round_up_to_whole(slots_[s], claims[s]);  // large pages go whole
     if (!slots_[s].busy() && mapped > floor) unclaimed += mapped - floor;
   }
   return pool_.obtainable_pages() + unclaimed * layout_.num_regions();
@@ -317,12 +287,12 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
   if (!stranded_.empty()) unmap_stranded();  // before mapping past slots' books; pages for the pool
   expect_obtainable(missing, claims, call);
   for (std::size_t s = 0; s < slots_.size(); ++s)
-    if (claims[s] > slots_[s].mapped()) order_after_readers(s, slots_[s].mapped());
+    if (claims[s] > slots_[s].mapped()) readers_.order_after_readers(s, slots_[s].mapped());
   const std::size_t regions = layout_.num_regions();
   std::vector<Page> pages;  // every page in the order it is used
   std::size_t next = 0;     // pages[next...] are not mapped yet
   detail::UndoLog unused;
-  unused.push([&] { give_back_pages(pages.data() + next, pages.size() - next); });
+  unused.push([&] { mappings_.give_back_pages(pages.data() + next, pages.size() - next); });
   {
     const std::vector<std::vector<Page>> large = take_large_pages(claims);
     std::size_t large_total = 0;
@@ -359,14 +329,14 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
     for (std::size_t r = 0; r < regions; ++r) {
       handles.clear();
       for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[next + i].handle);
-      map_real(s, r, mapped, handles.data(), count);
+      mappings_.map_real(s, r, mapped, handles.data(), count);
       slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
       next += count;
       undo.push_remap([this, s, r, mapped] {
         std::vector<PageHandle>& list = slots_[s].pages[r];
-        unmap_real(s, r, mapped, list.data() + mapped, list.size() - mapped);
+        mappings_.unmap_real(s, r, mapped, list.data() + mapped, list.size() - mapped);
         std::vector<Page> unmapped;
-        drop_mappings(list, mapped, list.size(), /*clean=*/false, unmapped);
+        mappings_.drop_mappings(list, mapped, list.size(), /*clean=*/false, unmapped);
         for (const Page& page : unmapped) pool_.give_back(page);
         list.resize(mapped);
       });
@@ -380,7 +350,8 @@ void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const st
   }
   VKV_ASSERT(next == pages.size());                 // every page obtained found its place
   if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
-  for (const Fresh& run : fresh) zero_fresh_regions(run.slot, run.first_page, &pages[run.first], run.count, stream);
+  for (const Fresh& run : fresh)
+    mappings_.zero_fresh_regions(run.slot, run.first_page, &pages[run.first], run.count, stream);
   unused.commit();
 }
 

@@ -15,7 +15,7 @@
 // its mappings after its copies if a later call fails; the host buffer stays until it
 // succeeds.
 //
-// While suspended the mapper plans nothing (next_background_unit()), so that nothing
+// While suspended the mapper plans nothing (background_work()), so that nothing
 // takes pages the suspension gave back; the calls that would are refused
 // (expect_not_suspended()).
 #include <algorithm>
@@ -114,7 +114,7 @@ void KvCache::Impl::suspend(Stream stream) {
         to.pages[r][i] = k;
         if (!first) continue;
         ++kept_pages;
-        extend(runs, page_address(r, s, i), k, page_bytes);
+        extend(runs, mappings_.address(r, s, i), k, page_bytes);
       }
     }
   }
@@ -133,7 +133,7 @@ void KvCache::Impl::suspend(Stream stream) {
     });
   }
   // Freed slots' pages: an event behind their last owner's work, before they are unmapped.
-  enqueue_deferred_fills(stream);
+  readers_.enqueue_deferred_fills(stream);
   for (const CopyRun& run : runs)
     backend_->copy(kept.host.host + run.first * page_bytes, run.device, run.count * page_bytes, stream);
   // Nothing is unmapped before the copies, and all work on `stream` ahead of them, are done.
@@ -145,13 +145,13 @@ void KvCache::Impl::suspend(Stream stream) {
     read_windows_.wait();
   }
   for (Slot& slot : slots_)
-    if (slot.mapped() > 0) wait_free_event(slot);  // previous owners' zero-fills and readers
+    if (slot.mapped() > 0) readers_.wait_free_event(slot);  // previous owners' zero-fills and readers
 
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const std::size_t mapped = slots_[s].mapped();
     for (std::size_t r = 0; r < regions && mapped > 0; ++r) {
-      unmap_real(s, r, 0, slots_[s].pages[r].data(), mapped);
-      undo.push_remap([this, s, r, mapped] { map_real(s, r, 0, slots_[s].pages[r].data(), mapped); });
+      mappings_.unmap_real(s, r, 0, slots_[s].pages[r].data(), mapped);
+      undo.push_remap([this, s, r, mapped] { mappings_.map_real(s, r, 0, slots_[s].pages[r].data(), mapped); });
     }
   }
   undo.commit();
@@ -161,7 +161,7 @@ void KvCache::Impl::suspend(Stream stream) {
   std::vector<Page> unmapped;
   for (Slot& slot : slots_) {
     for (std::vector<PageHandle>& pages : slot.pages) {
-      drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
+      mappings_.drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
       pages.clear();
     }
     slot.seq_len = 0;
@@ -219,13 +219,13 @@ void KvCache::Impl::resume(Stream stream) {
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Suspension::KeptSlot& from = kept.slots[s];
     if (from.pages.empty()) continue;
-    order_after_readers(s, 0);
+    readers_.order_after_readers(s, 0);
     handles[s].resize(regions);
     for (std::size_t r = 0; r < regions; ++r) {
       std::vector<PageHandle>& list = handles[s][r];
       for (std::size_t k : from.pages[r]) list.push_back(pages[new_index[k]].handle);
-      map_real(s, r, 0, list.data(), list.size());
-      undo.push_remap([this, s, r, list] { unmap_real(s, r, 0, list.data(), list.size()); });
+      mappings_.map_real(s, r, 0, list.data(), list.size());
+      undo.push_remap([this, s, r, list] { mappings_.unmap_real(s, r, 0, list.data(), list.size()); });
     }
   }
   // Each kept page into the first address mapping it.
@@ -237,7 +237,7 @@ void KvCache::Impl::resume(Stream stream) {
         const std::size_t k = kept.slots[s].pages[r][i];
         if (copied[k]) continue;
         copied[k] = true;
-        extend(runs, page_address(r, s, i), k, page_bytes);
+        extend(runs, mappings_.address(r, s, i), k, page_bytes);
       }
   if (!runs.empty()) undo.enqueued_device_work();
   for (const CopyRun& run : runs)

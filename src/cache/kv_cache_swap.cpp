@@ -47,7 +47,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
       backend_->free_host(copy.host, copy.bytes);
     });
     for (std::size_t r = 0; r < layout_.num_regions(); ++r)
-      backend_->copy(copy.host + r * region_bytes, page_address(r, slot_index, 0), region_bytes, stream);
+      backend_->copy(copy.host + r * region_bytes, mappings_.address(r, slot_index, 0), region_bytes, stream);
     copy.ready = backend_->record_event(stream);
     undo.push([this, ready = copy.ready] { backend_->destroy_event(ready); });
   }
@@ -56,7 +56,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   const bool shares = sharing_.holds_shared(slot);
   if (shares) drop_all_pages(slot_index, stream, /*return_to_device=*/false);
   undo.commit();
-  if (!shares) defer_fill(slot_index, stream);  // behind the copy on the stream (kv_cache_fill.cpp)
+  if (!shares) readers_.defer_fill(slot_index, stream);  // behind the copy on the stream (kv_cache_fill.cpp)
   slot.swapped = true;
   slot.swap = copy;
   slot.seq_len = 0;
@@ -79,7 +79,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   const std::size_t claim = layout_.pages_for_tokens(swapped_tokens(slots_[slot_index]));
   settle(lock, slot_index, claim * layout_.num_regions(), claim, expect_valid);
   free_finished_host_copies(/*wait=*/false);
-  enqueue_fill(slot_index);                                    // before the copy back
+  readers_.enqueue_fill(slot_index);                           // before the copy back
   if (config_.zero_page) read_windows_.close_current(stream);  // undo and reclamation may wait for it
 
   Slot& slot = slots_[slot_index];
@@ -92,11 +92,11 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   map_missing(claims, {}, missing, stream, undo, "swap_in");
   if (slot.swap.bytes > 0) {
     // After the zero-fill of the slot's kept pages, and after the copy out.
-    order_after_free_event(slot, stream);
+    readers_.order_after_free_event(slot, stream);
     backend_->stream_wait_event(stream, slot.swap.ready);
     const std::size_t region_bytes = tokens * layout_.token_bytes();
     for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
-      const Address address = page_address(r, slot_index, 0);
+      const Address address = mappings_.address(r, slot_index, 0);
       undo.enqueued_device_work();
       backend_->copy(address, slot.swap.host + r * region_bytes, region_bytes, stream);
       // Pages this slot keeps must read as zeros again if the call fails.
