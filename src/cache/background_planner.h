@@ -8,7 +8,9 @@
 // Internal. Thread-safety: none; the cache serializes every call under its mutex.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
+#include <mutex>
 
 #include "page_pool.h"
 #include "slot_mappings.h"
@@ -27,6 +29,28 @@ struct BackgroundUnit {
   // grow: target pages per region; shrink: pages per region to unmap; cover: back with
   // zeros up to; create: pages to create into the pool
   std::size_t pages = 0;
+};
+
+/// A unit's exit, however it leaves (done or thrown): the lock held again, its slot no
+/// longer busy, waiters told. Constructed with the lock released.
+class UnitExit {
+ public:
+  /// `slot`: slots.size() for a unit that works on no slot.
+  UnitExit(SlotTable& slots, std::condition_variable& done, std::unique_lock<std::mutex>& lock, std::size_t slot)
+      : slots_(slots), done_(done), lock_(lock), slot_(slot) {}
+  ~UnitExit() {
+    if (!lock_.owns_lock()) lock_.lock();
+    if (slot_ < slots_.size()) slots_[slot_].busy_from = kNotBusy;
+    done_.notify_all();
+  }
+  UnitExit(const UnitExit&) = delete;
+  UnitExit& operator=(const UnitExit&) = delete;
+
+ private:
+  SlotTable& slots_;
+  std::condition_variable& done_;
+  std::unique_lock<std::mutex>& lock_;
+  std::size_t slot_;
 };
 
 class BackgroundPlanner {

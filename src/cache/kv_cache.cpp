@@ -69,6 +69,9 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       read_windows_(*backend_),
       readers_(*backend_, layout_, config_, slots_, mappings_, read_windows_, profile_),
       planner_(*backend_, layout_, config_, slots_, pool_, mappings_, readers_),
+      source_(layout_, slots_, pool_, sharing_, mappings_, readers_, budget_),
+      growth_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, budget_, profile_,
+              background_done_, in_flight_pages_),
       fork_generation_(detail::fork_generation()) {
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
@@ -124,7 +127,7 @@ KvCache::Impl::~Impl() {
   } catch (...) {
     // A dead context has no running kernels left to fault.
   }
-  unmap_stranded();
+  growth_.unmap_stranded();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
     slot.deferred_fill = 0;  // its pages go back to the device: nobody reads them again
@@ -280,7 +283,7 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   slot.free_event = event;
   slot.free_event_stream = stream;
   std::vector<Page> pages;
-  unmap_tail(slot_index, 0, pages);
+  source_.unmap_tail(slot_index, 0, pages);
   if (return_to_device) {
     pool_.release_all(pages);  // counted back to a shared budget once
     return;

@@ -97,7 +97,7 @@ std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::si
       try {
         while (found && taken < next_chunk()) {
           const std::size_t before = pages.size();
-          found = reclaim_coldest(pages, next_chunk() - taken, pass, kinds);
+          found = source_.reclaim_coldest(pages, next_chunk() - taken, pass, kinds);
           for (std::size_t i = before; i < pages.size(); ++i) taken += pool_.is_large(pages[i].handle) ? large : 1;
         }
       } catch (...) {

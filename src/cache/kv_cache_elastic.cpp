@@ -65,7 +65,7 @@ std::size_t KvCache::Impl::trim() {
   readers_.wait_for(above);
   for (const std::size_t s : above) {
     std::vector<Page> pages;
-    unmap_tail(s, keep[s], pages);
+    source_.unmap_tail(s, keep[s], pages);
     for (const Page& page : pages) pool_.give_back(page);
   }
   return pool_.trim(0) * layout_.page_bytes();
@@ -89,7 +89,8 @@ void KvCache::Impl::shrink_to_budget() {
       continue;
     }
     std::vector<Page> pages;
-    if (!reclaim_coldest(pages, excess, claims)) throw Error("internal: set_budget found no unclaimed mapped page");
+    if (!source_.reclaim_coldest(pages, excess, claims))
+      throw Error("internal: set_budget found no unclaimed mapped page");
     for (const Page& page : pages) pool_.give_back(page);
   }
 }

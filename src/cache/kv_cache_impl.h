@@ -4,10 +4,12 @@
 //   BudgetClient  budget_client.h   the cache's half of a shared budget's protocol (CachePages)
 //   PageSharing   page_sharing.h    pages mapped at several slots (fork, share_prefix)
 //   SlotMappings  slot_mappings.h   which pages back which range of a slot's addresses
+//   SlotGrowth    slot_growth.h     fresh pages mapped at the end of slots: step()'s and the mapper's way
 //   PagePool      page_pool.h       physical pages: free, created, the budget
 //   ReadWindows   read_windows.h    what device work in flight may still read
 //   SlotReaders   slot_readers.h    waiting for a slot's last readers; the zero-fills owed
 //   choose_victim reclaim_policy.h  which pages go back first
+//   PageSource    page_source.h     where a call's pages come from: the pool, then reclamation
 //   Mapper        mapper.h          the background thread
 //   BackgroundPlanner background_planner.h  what the mapper does next
 //   CallProfile   call_profile.h    what the calls cost (stats' counters, last_step_profile())
@@ -17,7 +19,6 @@
 // changes the parts under one mutex; a call that fails undoes what it did (undo_log.h),
 // in stream order. The methods live in the files named after what they do:
 // kv_cache.cpp (construction, alloc, free, the public forwarders), kv_cache_step.cpp,
-// kv_cache_mappings.cpp (mapping and unmapping a slot's pages, reclamation),
 // kv_cache_background_units.cpp (the mapper's work),
 // kv_cache_sharing.cpp, kv_cache_swap.cpp, kv_cache_elastic.cpp, kv_cache_prepare.cpp,
 // kv_cache_slot_calls.cpp, kv_cache_budget_pages.cpp, kv_cache_inspect.cpp (stats, invariants).
@@ -42,10 +43,12 @@
 #include "mapper.h"
 #include "page_pool.h"
 #include "page_sharing.h"
+#include "page_source.h"
 #include "prompt_history.h"
 #include "read_windows.h"
 #include "reclaim_policy.h"
 #include "shared_budget/budget_client.h"
+#include "slot_growth.h"
 #include "slot_mappings.h"
 #include "slot_readers.h"
 #include "slot_table.h"
@@ -102,10 +105,7 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
 
  private:
   using Slot = detail::Slot;
-  // Page `page` (of every region) of slot `slot`.
-  struct PageRef {
-    std::size_t slot, page;
-  };
+  using PageRef = detail::PageRef;
   // The seq_len a swapped-out slot had: its host copy holds that many tokens per region.
   std::size_t swapped_tokens(const Slot& slot) const noexcept {
     return slot.swap.bytes / (layout_.token_bytes() * layout_.num_regions());
@@ -147,36 +147,13 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
   // Tokens eager allocation maps in the eager slot: config.eager_tokens, or the prompt
   // history's estimate when adaptive; never past max_context_len.
   std::size_t eager_tokens() const noexcept;
-  std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
   void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
   // The claims after `slot` claims `claim` pages, and how many of `missing` they leave short.
   std::size_t pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const;
-  void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
-  void map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies, std::size_t missing,
-                   Stream stream, detail::UndoLog& undo, const char* call);
-  std::vector<std::vector<Page>> take_large_pages(const std::vector<std::size_t>& claims);
-  std::vector<Page> lay_out_grant(const std::vector<std::size_t>& claims, const std::vector<std::vector<Page>>& large,
-                                  const std::vector<Page>& singles, std::size_t copies) const;
   // Undo log for an engine call on `stream`: undoing a mapping waits for the call's device work.
   std::function<void()> stream_waiter(Stream stream);
 
-  // ---- reclamation (kv_cache_mappings.cpp) -------------------------------------------
-  // Tries again to unmap stranded_ pages (of slots the mapper is not working on) and gives
-  // back those it could; before anything maps past a slot's books. Caller holds the lock.
-  void unmap_stranded() noexcept;
-  std::vector<std::size_t> reclaimable_floors() const override { return readers_.reclaimable_floors(); }
-  std::vector<Page> obtain_pages(std::size_t count, const std::vector<std::size_t>& floors);
-  // Unmaps up to `wanted` pages (all regions) of the slot choose_victim(kinds) names into
-  // `into`; false when no slot has a page above its floor.
-  bool reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors,
-                       detail::VictimKinds kinds = detail::VictimKinds::surplus_then_freed);
-  // Unmaps pages [keep, mapped) of every region of a slot (`keep` splits no large page):
-  // those mapped nowhere else go into `into`.
-  void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
-
   // ---- sharing, swapping, elastic memory, preparation ------------------------------
-  void copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
-                     Stream stream, detail::UndoLog& undo);
   void share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, detail::UndoLog& undo);
   // What share_into(src, dst, tokens) does with pages (per region): src's [0, aliased)
   // mapped at dst, dst's [0, replaced) given up, `fresh` pages from the pool for src's
@@ -203,6 +180,7 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
 
   // ---- the pages it lends its budget client (kv_cache_budget_pages.cpp) -------------
   using Victims = detail::BudgetClient::Victims;
+  std::vector<std::size_t> reclaimable_floors() const override { return readers_.reclaimable_floors(); }
   std::size_t cached_pages(const std::vector<std::size_t>& floors, bool freed_only) const override;
   // In chunks, each counted back to the budget as it goes: the first of
   // BudgetClient::kReleaseChunkPages, each next one twice the one before.
@@ -233,12 +211,8 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
   void check_suspension() const;
 
   // ---- the mapper's work, planned by planner_ (kv_cache_background_units.cpp) ---------
-  // A unit's exit, however it leaves (done or thrown): the lock held again, its slot no
-  // longer busy, waiters told. Constructed with the lock released.
-  class UnitExit;
   bool background_work();
   bool background_busy() const noexcept;
-  bool grow_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target);
   bool shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages);
   bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
   bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
@@ -257,18 +231,13 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
   detail::PromptHistory prompts_;             // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;  // taken by the mapper: neither in the pool nor in a slot
-  // Pages a failed mapper unit could not unmap (its undo failed too): mapped past their
-  // slot's books, out of the pool until unmap_stranded() succeeds.
-  struct Stranded {
-    std::size_t slot, region, first;
-    std::vector<PageHandle> handles;  // a large page once per page it covers
-  };
-  std::vector<Stranded> stranded_;
   Stream background_stream_ = 0;
   detail::CallProfile profile_;  // what the calls cost: stats() and last_step_profile()
   detail::ReadWindows read_windows_;
   detail::SlotReaders readers_;        // who may still read a slot's pages; the zero-fills owed
   detail::BackgroundPlanner planner_;  // what the mapper does next
+  detail::PageSource source_;          // where a call's pages come from: the pool, then reclamation
+  detail::SlotGrowth growth_;          // fresh pages mapped at the end of slots (step() and the mapper)
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
   // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).
   std::optional<Suspension> suspension_;

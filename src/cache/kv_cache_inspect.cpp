@@ -92,8 +92,7 @@ void KvCache::Impl::check_invariants() const {
     for (const auto& pages : slot.pages)
       for (PageHandle page : pages) physical += sharing_.is_shared(page) ? 0 : 1;
   physical += sharing_.shared_pages();
-  std::size_t stranded = 0;
-  for (const Stranded& range : stranded_) stranded += range.handles.size();
+  const std::size_t stranded = growth_.stranded_pages();
   expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_ + stranded,
          "created pages = free + mapped + in flight in the mapper + stranded by a double failure");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");

@@ -59,14 +59,14 @@ std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mu
                                                         std::size_t to_free, Stream stream, const char* call) {
   const std::size_t missing = to_map + to_free;
   if (missing == 0) return 0;
-  const std::size_t obtainable = obtainable_pages(claims);
+  const std::size_t obtainable = source_.obtainable_pages(claims);
   if (missing <= obtainable) {
     try {
       detail::UndoLog undo(stream_waiter(stream));
-      if (to_map > 0) map_missing(claims, {}, to_map, stream, undo, call);
+      if (to_map > 0) growth_.map_missing(claims, {}, to_map, stream, undo, call);
       // The copies' pages wait in the pool: the call takes them without creating any.
       if (to_free > 0)
-        for (const Page& page : obtain_pages(to_free, claims)) pool_.give_back(page);
+        for (const Page& page : source_.obtain(to_free, claims)) pool_.give_back(page);
       undo.commit();
       return 0;
     } catch (const OutOfMemory& error) {  // the device ran out, or the budget's room went meanwhile
@@ -172,10 +172,10 @@ std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock
     // No stream to wait on here: pages work in flight may read stay where they are.
     std::vector<std::size_t> claims = reclaimable_floors();
     if (shape.keeps_tail) claims[dst] = slots_[dst].mapped();
-    const std::size_t obtainable = obtainable_pages(claims);
+    const std::size_t obtainable = source_.obtainable_pages(claims);
     if (obtainable >= needed) {
       try {
-        for (const Page& fresh : obtain_pages(needed, claims)) pool_.give_back(fresh);
+        for (const Page& fresh : source_.obtain(needed, claims)) pool_.give_back(fresh);
         return 0;
       } catch (const OutOfMemory& error) {
         if (!background_busy()) {

@@ -105,8 +105,8 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
     // dst's own kept pages count as obtainable where all of them are about to be replaced.
     std::vector<std::size_t> claims = slots_.claims();
     if (shape.keeps_tail) claims[dst] = to.mapped();
-    expect_obtainable(shape.fresh * regions, claims, "copying the pages a shared prefix ends in");
-    fresh = obtain_pages(shape.fresh * regions, claims);
+    source_.expect_obtainable(shape.fresh * regions, claims, "copying the pages a shared prefix ends in");
+    fresh = source_.obtain(shape.fresh * regions, claims);
     undo.push([this, fresh] {  // the copies below may have written them
       for (const Page& page : fresh) pool_.give_back({page.handle, /*clean=*/false});
     });
@@ -173,69 +173,6 @@ void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tok
   to.seq_len = tokens;
   to.claimed = layout_.pages_for_tokens(tokens);
   if (full > 0) from.shared_a_page = to.shared_a_page = true;  // also where large pages made it a copy
-}
-
-// Gives each slot in `copies` a private copy of the shared page it names, from
-// pages[next...]; a shared large page is copied whole, into single pages, its pages
-// following each other in `copies`. The copy comes from another slot mapping the same
-// page that keeps it (an allocated one, whose claimed pages nothing unmaps under the
-// lock): never from one copied later in this loop, which unmaps it under the queued copy.
-void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
-                                  Stream stream, detail::UndoLog& undo) {
-  // The writer's earlier kernels may still read the shared page through its address.
-  const Event readers = backend_->record_event(stream);
-  try {
-    backend_->wait_event(readers);
-  } catch (...) {
-    backend_->destroy_event(readers);
-    throw;
-  }
-  backend_->destroy_event(readers);
-
-  const std::size_t page_bytes = layout_.page_bytes();
-  auto identity = [](PageHandle page) { return page; };
-  std::set<std::pair<std::size_t, std::size_t>> copied;  // (slot, page)
-  for (const PageRef& ref : copies) copied.emplace(ref.slot, ref.page);
-  for (std::size_t c = 0; c < copies.size();) {
-    const PageRef ref = copies[c];
-    const std::vector<PageHandle>& writer = slots_[ref.slot].pages.front();
-    const std::size_t count = detail::run_end(writer.data(), ref.page, writer.size(), identity) - ref.page;
-    for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
-      const PageHandle shared = slots_[ref.slot].pages[r][ref.page];
-      std::size_t holder = 0;
-      while (holder < slots_.size() &&
-             (slots_[holder].mapped() <= ref.page || slots_[holder].pages[r][ref.page] != shared ||
-              copied.count({holder, ref.page}) != 0))
-        ++holder;
-      if (holder == slots_.size()) throw Error("internal: a shared page has no other slot mapping it");
-      std::vector<PageHandle> fresh(count);
-      for (std::size_t i = 0; i < count; ++i) fresh[i] = pages[next + i].handle;
-      const std::vector<PageHandle> shared_run(count, shared);
-      const Address address = mappings_.address(r, ref.slot, ref.page);
-      backend_->unmap(address, count * page_bytes);
-      try {
-        backend_->map(address, fresh.data(), count);
-      } catch (...) {
-        mappings_.map_handles(address, shared_run.data(), count);
-        throw;
-      }
-      next += count;
-      std::vector<PageHandle>& list = slots_[ref.slot].pages[r];
-      std::copy(fresh.begin(), fresh.end(), list.begin() + static_cast<std::ptrdiff_t>(ref.page));
-      sharing_.drop_mapping(shared);
-      undo.push_remap([this, ref, r, address, shared_run, fresh, page_bytes] {
-        backend_->unmap(address, shared_run.size() * page_bytes);
-        mappings_.map_handles(address, shared_run.data(), shared_run.size());
-        std::vector<PageHandle>& pages_now = slots_[ref.slot].pages[r];
-        std::copy(shared_run.begin(), shared_run.end(), pages_now.begin() + static_cast<std::ptrdiff_t>(ref.page));
-        sharing_.add_mapping(shared_run.front(), shared_run.size());
-        for (PageHandle page : fresh) pool_.give_back({page, false});
-      });
-      undo.enqueued_device_work();
-      backend_->copy(address, mappings_.address(r, holder, ref.page), count * page_bytes, stream);
-    }
-    c += count;
-  }
 }
 
 }  // namespace vkv

@@ -121,7 +121,7 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
     if (plan.missing == 0) break;
     try {
       detail::UndoLog undo(stream_waiter(stream));
-      map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
+      growth_.map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
       undo.commit();
       profile_.count_step_pages(plan.missing);
       profile_.lap(&StepProfile::map_ns);
@@ -167,192 +167,25 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   return wake;
 }
 
-std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& claims) const {
-  std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const std::size_t mapped = slots_[s].mapped();
-    const std::size_t floor = mappings_.round_up_to_whole(slots_[s], claims[s]);  // large pages go whole
-    if (!slots_[s].busy() && mapped > floor) unclaimed += mapped - floor;
-  }
-  return pool_.obtainable_pages() + unclaimed * layout_.num_regions();
-}
-
 // Pages the mapper is moving are not lost: a shortage is decided once it has put them down.
 void KvCache::Impl::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot,
                                    std::size_t claim) {
   background_done_.wait(lock, [&] {
     std::vector<std::size_t> claims = slots_.claims();
     claims[slot] = std::max(claims[slot], claim);
-    return !background_busy() || obtainable_pages(claims) >= missing;
+    return !background_busy() || source_.obtainable_pages(claims) >= missing;
   });
 }
 
 std::size_t KvCache::Impl::pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const {
   std::vector<std::size_t> claims = slots_.claims();
   claims[slot] = std::max(claims[slot], claim);
-  const std::size_t obtainable = obtainable_pages(claims);
+  const std::size_t obtainable = source_.obtainable_pages(claims);
   return missing > obtainable ? missing - obtainable : 0;
-}
-
-void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims,
-                                      const char* call) const {
-  const std::size_t obtainable = obtainable_pages(claims);
-  if (missing <= obtainable) return;
-  std::size_t claimed_mapped = 0;
-  for (std::size_t s = 0; s < slots_.size(); ++s) claimed_mapped += std::min(slots_[s].mapped(), claims[s]);
-  const std::size_t regions = layout_.num_regions();
-  const std::size_t page = layout_.page_bytes();
-  throw OutOfMemory(
-      detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page), ") but only ",
-                     obtainable, " can be had: budget ", pool_.budget_pages(), " pages of ", detail::format_bytes(page),
-                     ", ", claimed_mapped * regions - sharing_.duplicate_mappings(), " held by allocated slots",
-                     budget_.room_text(), "; free, preempt or swap out requests, or raise the budget"),
-      missing - obtainable, page);
 }
 
 std::function<void()> KvCache::Impl::stream_waiter(Stream stream) {
   return [this, stream] { backend_->synchronize(stream); };
-}
-
-// Large pages for the whole large-page spans slots grow into (claims[s] beyond what they
-// map), in every region of a span or in none, as far as the pool has them without
-// reclaiming: [slot] -> `regions` pages per span, the slot's first spans in order.
-std::vector<std::vector<Page>> KvCache::Impl::take_large_pages(const std::vector<std::size_t>& claims) {
-  std::vector<std::vector<Page>> large(slots_.size());
-  const std::size_t span = pool_.large_page_pages();
-  if (span == 0) return large;
-  const std::size_t regions = layout_.num_regions();
-  try {
-    for (std::size_t s = 0; s < slots_.size(); ++s) {
-      for (std::size_t first = (slots_[s].mapped() + span - 1) / span * span; first + span <= claims[s];
-           first += span) {
-        const std::size_t taken = large[s].size();
-        while (large[s].size() < taken + regions) {
-          std::optional<Page> page = pool_.take_large();
-          if (!page) {
-            for (std::size_t i = taken; i < large[s].size(); ++i) pool_.give_back(large[s][i]);
-            large[s].resize(taken);
-            return large;
-          }
-          large[s].push_back(*page);
-        }
-      }
-    }
-  } catch (...) {
-    for (const std::vector<Page>& pages : large)
-      for (const Page& page : pages) pool_.give_back(page);
-    throw;
-  }
-  return large;
-}
-
-// The pages of a grant in the order map_missing() uses them: `copies` single pages first,
-// then slot by slot, region by region, each slot's large pages at its first whole spans
-// (one entry per page they cover), single pages around them.
-std::vector<Page> KvCache::Impl::lay_out_grant(const std::vector<std::size_t>& claims,
-                                               const std::vector<std::vector<Page>>& large,
-                                               const std::vector<Page>& singles, std::size_t copies) const {
-  std::vector<Page> pages(singles.begin(), singles.begin() + static_cast<std::ptrdiff_t>(copies));
-  std::size_t next_single = copies;
-  const std::size_t span = pool_.large_page_pages();
-  const std::size_t regions = layout_.num_regions();
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const std::size_t mapped = slots_[s].mapped();
-    if (claims[s] <= mapped) continue;
-    const std::size_t spans = large[s].size() / regions;
-    const std::size_t first_span = span == 0 ? mapped : (mapped + span - 1) / span * span;
-    for (std::size_t r = 0; r < regions; ++r) {
-      for (std::size_t page = mapped; page < claims[s];) {
-        if (page >= first_span && page < first_span + spans * span) {
-          pages.insert(pages.end(), span, large[s][(page - first_span) / span * regions + r]);
-          page += span;
-        } else {
-          pages.push_back(singles[next_single++]);
-          page += 1;
-        }
-      }
-    }
-  }
-  VKV_ASSERT(next_single == singles.size());
-  return pages;
-}
-
-// Maps every slot up to claims[s] pages per region and gives `copies` private copies of
-// the shared pages they name, with `missing` pages in all. Each backend step registers
-// its undo in `undo`; the caller commits. Every mapping is made before any zero-fill is
-// enqueued, so a failed map is undone at once; once device work is queued, undoing waits
-// for it (the undo log's stream waiter).
-void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies,
-                                std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
-  if (!stranded_.empty()) unmap_stranded();  // before mapping past slots' books; pages for the pool
-  expect_obtainable(missing, claims, call);
-  for (std::size_t s = 0; s < slots_.size(); ++s)
-    if (claims[s] > slots_[s].mapped()) readers_.order_after_readers(s, slots_[s].mapped());
-  const std::size_t regions = layout_.num_regions();
-  std::vector<Page> pages;  // every page in the order it is used
-  std::size_t next = 0;     // pages[next...] are not mapped yet
-  detail::UndoLog unused;
-  unused.push([&] { mappings_.give_back_pages(pages.data() + next, pages.size() - next); });
-  {
-    const std::vector<std::vector<Page>> large = take_large_pages(claims);
-    std::size_t large_total = 0;
-    for (const std::vector<Page>& taken : large) large_total += taken.size() * pool_.large_page_pages();
-    std::vector<Page> singles;
-    try {
-      singles = obtain_pages(missing - large_total, claims);
-      pages = lay_out_grant(claims, large, singles, copies.size() * regions);
-    } catch (...) {
-      for (const std::vector<Page>& taken : large)
-        for (const Page& page : taken) pool_.give_back(page);
-      for (const Page& page : singles) pool_.give_back(page);
-      throw;
-    }
-  }
-  // From here on the call holds every page it maps: a watcher waiting for the lock may
-  // have freed slots' pages at once (serve_give_back()), between slots' driver calls.
-  budget_.serve_give_back(claims);
-  if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
-
-  struct Fresh {
-    std::size_t slot, first_page;
-    std::size_t first;  // index into pages: region r's run starts at first + r * count
-    std::size_t count;
-  };
-  std::vector<Fresh> fresh;
-  std::vector<PageHandle> handles;
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    Slot& slot = slots_[s];
-    const std::size_t mapped = slot.mapped();
-    if (claims[s] <= mapped) continue;
-    const std::size_t count = claims[s] - mapped;
-    fresh.push_back({s, mapped, next, count});
-    for (std::size_t r = 0; r < regions; ++r) {
-      handles.clear();
-      for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[next + i].handle);
-      mappings_.map_real(s, r, mapped, handles.data(), count);
-      slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
-      next += count;
-      undo.push_remap([this, s, r, mapped] {
-        std::vector<PageHandle>& list = slots_[s].pages[r];
-        mappings_.unmap_real(s, r, mapped, list.data() + mapped, list.size() - mapped);
-        std::vector<Page> unmapped;
-        mappings_.drop_mappings(list, mapped, list.size(), /*clean=*/false, unmapped);
-        for (const Page& page : unmapped) pool_.give_back(page);
-        list.resize(mapped);
-      });
-    }
-    if (config_.zero_page) {
-      const std::size_t backed_end = slot.backed_end;
-      slot.backed_end = std::max(backed_end, claims[s]);
-      undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
-    }
-    budget_.serve_give_back(claims);
-  }
-  VKV_ASSERT(next == pages.size());                 // every page obtained found its place
-  if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
-  for (const Fresh& run : fresh)
-    mappings_.zero_fresh_regions(run.slot, run.first_page, &pages[run.first], run.count, stream);
-  unused.commit();
 }
 
 }  // namespace vkv

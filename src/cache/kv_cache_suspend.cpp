@@ -83,7 +83,7 @@ void KvCache::Impl::suspend(Stream stream) {
   VKV_EXPECTS(!suspension_, "suspend: the cache is suspended already (resume() first)");
   background_done_.wait(lock, [&] { return !background_busy(); });  // its pages in flight go too
   free_finished_host_copies(/*wait=*/false);
-  if (!stranded_.empty()) unmap_stranded();
+  growth_.unmap_stranded();
 
   // Which pages to keep, each once: a shared page is the same physical page at the same
   // page index of several slots (page_sharing.h), so (handle, index) names it.
@@ -179,7 +179,7 @@ void KvCache::Impl::resume(Stream stream) {
   VKV_EXPECTS(suspension_, "resume: the cache is not suspended (suspend() first)");
   background_done_.wait(lock, [&] { return !background_busy(); });
   free_finished_host_copies(/*wait=*/false);
-  if (!stranded_.empty()) unmap_stranded();
+  growth_.unmap_stranded();
 
   // A page for each kept page a slot still holds (free_reqid() may have forgotten some).
   std::vector<std::size_t> new_index;
@@ -196,8 +196,8 @@ void KvCache::Impl::resume(Stream stream) {
           if (new_index[k] == kept_pages) new_index[k] = needed++;
     try {
       const std::vector<std::size_t> claims = slots_.claims();  // all 0: nothing to reclaim
-      expect_obtainable(needed, claims, "resume");
-      pages = obtain_pages(needed, claims);
+      source_.expect_obtainable(needed, claims, "resume");
+      pages = source_.obtain(needed, claims);
       break;
     } catch (const OutOfMemory& shortage) {
       if (budget_.reap_dead()) continue;  // a dead member's bytes are free now

@@ -89,7 +89,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   const std::size_t missing =
       claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * layout_.num_regions() : 0;
   detail::UndoLog undo(stream_waiter(stream));
-  map_missing(claims, {}, missing, stream, undo, "swap_in");
+  growth_.map_missing(claims, {}, missing, stream, undo, "swap_in");
   if (slot.swap.bytes > 0) {
     // After the zero-fill of the slot's kept pages, and after the copy out.
     readers_.order_after_free_event(slot, stream);

@@ -1,32 +1,24 @@
-// KvCache: changing a slot's mappings (real pages in, zero backing back), and taking
-// pages back from slots (reclamation: which slot is choose_victim()'s, this is how).
-#include <algorithm>
-#include <chrono>
+// PageSource: pages for a call, from the pool and then from slots (reclamation: which
+// slot is choose_victim()'s, this is how).
+#include "page_source.h"
 
-#include "kv_cache_impl.h"
-#include "reclaim_policy.h"
-#include "undo_log.h"
-#include "util/clock.h"
+#include <algorithm>
+
 #include "util/format.h"
 #include "util/internal_assert.h"
 #include "vkv/error.h"
 
-namespace vkv {
+namespace vkv::detail {
 
-// Pages from the pool, then reclaimed from slots above their floors (claims, for an engine
-// call that waits for in-flight readers after ReadWindows::close_current(); or
-// reclaimable_floors() for a call that cannot). Exactly `count` pages, or OutOfMemory with
-// every page given back: what the pool grants may fall short of what obtainable_pages()
-// said (a shared budget's room is a hint), so a shortage is found here too.
-std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vector<std::size_t>& floors) {
+std::vector<Page> PageSource::obtain(std::size_t count, const std::vector<std::size_t>& floors) {
   std::vector<Page> pages = pool_.take_up_to(count);
   try {
     while (pages.size() < count) {
       std::vector<Page> reclaimed;
       if (!reclaim_coldest(reclaimed, count - pages.size(), floors)) {
-        throw OutOfMemory(detail::concat(count, " pages needed, ", pages.size(),
-                                         " obtained and no unclaimed mapped page left: the shared budget's room went"
-                                         " to another member or a resize meanwhile"),
+        throw OutOfMemory(concat(count, " pages needed, ", pages.size(),
+                                 " obtained and no unclaimed mapped page left: the shared budget's room went"
+                                 " to another member or a resize meanwhile"),
                           count - pages.size(), layout_.page_bytes());
       }
       // Single pages serve as they are; a large page serves as room for single ones.
@@ -55,12 +47,12 @@ std::vector<Page> KvCache::Impl::obtain_pages(std::size_t count, const std::vect
   return pages;
 }
 
-bool KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors,
-                                    detail::VictimKinds kinds) {
+bool PageSource::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, const std::vector<std::size_t>& floors,
+                                 VictimKinds kinds) {
   // Large pages go whole: a slot keeps the one its floor falls in.
   std::vector<std::size_t> whole_floors(floors.size());
   for (std::size_t s = 0; s < floors.size(); ++s) whole_floors[s] = mappings_.round_up_to_whole(slots_[s], floors[s]);
-  const std::size_t victim = detail::choose_victim(slots_, whole_floors, kinds, /*exclude=*/slots_.size());
+  const std::size_t victim = choose_victim(slots_, whole_floors, kinds, /*exclude=*/slots_.size());
   if (victim == slots_.size()) return false;
   // No zero-fill: the pages leave (unmap_tail()). A fill still deferred shrinks to what stays.
   const std::size_t regions = layout_.num_regions();
@@ -72,7 +64,7 @@ bool KvCache::Impl::reclaim_coldest(std::vector<Page>& into, std::size_t wanted,
   return true;
 }
 
-void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<Page>& into) {
+void PageSource::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<Page>& into) {
   Slot& slot = slots_[slot_index];
   const std::size_t mapped = slot.mapped();
   if (mapped <= keep) return;
@@ -94,23 +86,29 @@ void KvCache::Impl::unmap_tail(std::size_t slot_index, std::size_t keep, std::ve
   readers_.shrink_fill(slot_index, keep);
 }
 
-void KvCache::Impl::unmap_stranded() noexcept {
-  auto unmap_and_give_back = [this](const Stranded& range) {
-    // The mapper's range, or one whose readers no event follows yet: try again later.
-    if (slots_[range.slot].busy() || slots_[range.slot].deferred_fill != 0) return false;
-    try {
-      readers_.order_after_readers(range.slot, range.first);  // padded reads of zero-backed addresses read them
-      mappings_.unmap_real(range.slot, range.region, range.first, range.handles.data(), range.handles.size());
-    } catch (...) {
-      return false;  // still failing: try again later
-    }
-    const std::size_t count = range.handles.size();
-    auto identity = [](PageHandle page) { return page; };
-    for (std::size_t i = 0; i < count; i = detail::run_end(range.handles.data(), i, count, identity))
-      pool_.give_back({range.handles[i], false});  // a large page once
-    return true;
-  };
-  stranded_.erase(std::remove_if(stranded_.begin(), stranded_.end(), unmap_and_give_back), stranded_.end());
+std::size_t PageSource::obtainable_pages(const std::vector<std::size_t>& claims) const {
+  std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    const std::size_t mapped = slots_[s].mapped();
+    const std::size_t floor = mappings_.round_up_to_whole(slots_[s], claims[s]);  // large pages go whole
+    if (!slots_[s].busy() && mapped > floor) unclaimed += mapped - floor;
+  }
+  return pool_.obtainable_pages() + unclaimed * layout_.num_regions();
 }
 
-}  // namespace vkv
+void PageSource::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims,
+                                   const char* call) const {
+  const std::size_t obtainable = obtainable_pages(claims);
+  if (missing <= obtainable) return;
+  std::size_t claimed_mapped = 0;
+  for (std::size_t s = 0; s < slots_.size(); ++s) claimed_mapped += std::min(slots_[s].mapped(), claims[s]);
+  const std::size_t regions = layout_.num_regions();
+  const std::size_t page = layout_.page_bytes();
+  throw OutOfMemory(concat(call, " needs ", missing, " more pages (", format_bytes(missing * page), ") but only ",
+                           obtainable, " can be had: budget ", pool_.budget_pages(), " pages of ", format_bytes(page),
+                           ", ", claimed_mapped * regions - sharing_.duplicate_mappings(), " held by allocated slots",
+                           budget_.room_text(), "; free, preempt or swap out requests, or raise the budget"),
+                    missing - obtainable, page);
+}
+
+}  // namespace vkv::detail
