@@ -61,7 +61,8 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       backend_(backend_stack(config, std::move(backend))),
       statistics_(dynamic_cast<StatisticsBackend*>(backend_.get())),
       layout_(config, backend_->page_bytes()),
-      budget_(config, *backend_, layout_.page_bytes(), *this, mutex_),
+      lent_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, prompts_, profile_),
+      budget_(config, *backend_, layout_.page_bytes(), lent_, mutex_),
       pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_),
             budget_.account()),
       slots_(config.max_batch_size, layout_.num_regions()),
@@ -82,7 +83,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
               "): lower max_batch_size or max_context_len");
   watermark_pages_ = config.reclaim_watermark_pages != 0 ? config.reclaim_watermark_pages : pool_.budget_pages() / 32;
   pool_.precreate(config.precreate_pages);
-  slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
+  slots_.set_eager_pages(layout_.pages_for_tokens(detail::eager_tokens(config_, prompts_)));
   detail::UndoLog undo;
   if (config.background_mapping) {
     background_stream_ = backend_->create_stream();

@@ -26,7 +26,8 @@ bool KvCache::Impl::background_work() {
   std::unique_lock<std::mutex> lock(mutex_);
   // While suspended nothing takes the pages suspend() gave back (kv_cache_suspend.cpp).
   const detail::BackgroundUnit unit =
-      suspension_ ? detail::BackgroundUnit{} : planner_.next(/*settle_events=*/true, eager_tokens(), watermark_pages_);
+      suspension_ ? detail::BackgroundUnit{}
+                  : planner_.next(/*settle_events=*/true, detail::eager_tokens(config_, prompts_), watermark_pages_);
   switch (unit.kind) {
     case detail::BackgroundUnit::Kind::grow:
       return growth_.grow_ahead(lock, unit.slot, unit.pages, background_stream_);

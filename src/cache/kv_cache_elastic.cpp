@@ -74,7 +74,7 @@ std::size_t KvCache::Impl::trim() {
 // Releases pages until no more exist than the budget allows: free ones first, then
 // unclaimed mappings, coldest first. The caller made sure the claimed ones fit.
 void KvCache::Impl::shrink_to_budget() {
-  const std::vector<std::size_t> claims = reclaimable_floors();
+  const std::vector<std::size_t> claims = readers_.reclaimable_floors();
   if (pool_.created_pages() > pool_.budget_pages() + pool_.free_pages()) {
     // Mapped pages go too: their last readers first, one event per stream for all slots.
     std::vector<std::size_t> above;

@@ -1,7 +1,8 @@
 // KvCache::Impl: the parts of a cache and how its calls compose them.
 //
 //   SlotTable     slot_table.h      who is allocated, what each claims and maps, alloc order
-//   BudgetClient  budget_client.h   the cache's half of a shared budget's protocol (CachePages)
+//   BudgetClient  budget_client.h   the cache's half of a shared budget's protocol
+//   LentPages     lent_pages.h      the pages the cache lends it (BudgetClient::CachePages)
 //   PageSharing   page_sharing.h    pages mapped at several slots (fork, share_prefix)
 //   SlotMappings  slot_mappings.h   which pages back which range of a slot's addresses
 //   SlotGrowth    slot_growth.h     fresh pages mapped at the end of slots: step()'s and the mapper's way
@@ -21,7 +22,7 @@
 // kv_cache.cpp (construction, alloc, free, the public forwarders), kv_cache_step.cpp,
 // kv_cache_background_units.cpp (the mapper's work),
 // kv_cache_sharing.cpp, kv_cache_swap.cpp, kv_cache_elastic.cpp, kv_cache_prepare.cpp,
-// kv_cache_slot_calls.cpp, kv_cache_budget_pages.cpp, kv_cache_inspect.cpp (stats, invariants).
+// kv_cache_slot_calls.cpp, kv_cache_inspect.cpp (stats, invariants).
 //
 // Lock order: the cache's mutex, then the backend's own locks; the mapper thread takes
 // the same mutex and makes its slow backend calls without it (a busy slot's pages at or
@@ -40,6 +41,7 @@
 
 #include "background_planner.h"
 #include "call_profile.h"
+#include "lent_pages.h"
 #include "mapper.h"
 #include "page_pool.h"
 #include "page_sharing.h"
@@ -60,10 +62,10 @@ namespace detail {
 class UndoLog;
 }
 
-class KvCache::Impl final : private detail::BudgetClient::CachePages {
+class KvCache::Impl final {
  public:
   Impl(const CacheConfig& config, std::shared_ptr<Backend> backend);
-  ~Impl() override;
+  ~Impl();
 
   // ---- the public calls (kv_cache.h documents them) --------------------------------
   std::size_t alloc_reqid(Stream stream);
@@ -144,9 +146,6 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
   bool step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
                    std::chrono::steady_clock::time_point start);
   void expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const;
-  // Tokens eager allocation maps in the eager slot: config.eager_tokens, or the prompt
-  // history's estimate when adaptive; never past max_context_len.
-  std::size_t eager_tokens() const noexcept;
   void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
   // The claims after `slot` claims `claim` pages, and how many of `missing` they leave short.
   std::size_t pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const;
@@ -178,20 +177,6 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
   void expect_valid_fork(std::size_t src) const;
   void expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const;
 
-  // ---- the pages it lends its budget client (kv_cache_budget_pages.cpp) -------------
-  using Victims = detail::BudgetClient::Victims;
-  std::vector<std::size_t> reclaimable_floors() const override { return readers_.reclaimable_floors(); }
-  std::size_t cached_pages(const std::vector<std::size_t>& floors, bool freed_only) const override;
-  // In chunks, each counted back to the budget as it goes: the first of
-  // BudgetClient::kReleaseChunkPages, each next one twice the one before.
-  std::size_t release(std::size_t wanted, const std::vector<std::size_t>& floors, Victims victims, bool may_wait,
-                      detail::BudgetClient::ReleaseTimes& times) override;
-  bool wait_for_readers(std::unique_lock<std::mutex>& lock, const std::function<bool()>& relock) override;
-  std::uint64_t event_wait_ns() const override { return profile_.event_wait_ns(); }
-  std::size_t claimed_pages() const override;
-  std::size_t next_prompt_pages() const override;
-  std::size_t add_free_pages(std::size_t pages) override { return pool_.add_free(pages); }
-
   // ---- suspension (kv_cache_suspend.cpp) ---------------------------------------------
   // What suspend() kept: each page allocated slots claimed, once (a shared page once),
   // page k at host.host + k * page_bytes, and where each slot had it.
@@ -221,6 +206,7 @@ class KvCache::Impl final : private detail::BudgetClient::CachePages {
   std::shared_ptr<Backend> backend_;         // the top of the adaptor stack
   StatisticsBackend* statistics_ = nullptr;  // in that stack when config.backend_statistics
   KvLayout layout_;
+  detail::LentPages lent_;       // what the budget client may take back (its calls come after start())
   detail::BudgetClient budget_;  // config.shared_budget's; before pool_, which counts against it
   PagePool pool_;
   Address base_ = 0;

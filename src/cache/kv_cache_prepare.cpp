@@ -170,7 +170,7 @@ std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock
     const std::size_t needed = shape.fresh * layout_.num_regions();
     if (needed == 0) return 0;
     // No stream to wait on here: pages work in flight may read stay where they are.
-    std::vector<std::size_t> claims = reclaimable_floors();
+    std::vector<std::size_t> claims = readers_.reclaimable_floors();
     if (shape.keeps_tail) claims[dst] = slots_[dst].mapped();
     const std::size_t obtainable = source_.obtainable_pages(claims);
     if (obtainable >= needed) {

@@ -51,11 +51,6 @@ void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size
   }
 }
 
-std::size_t KvCache::Impl::eager_tokens() const noexcept {
-  const std::size_t tokens = config_.eager_tokens == kAdaptive ? prompts_.estimate() : config_.eager_tokens;
-  return std::min(tokens, config_.max_context_len);
-}
-
 KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, std::size_t count,
                                                  std::size_t horizon) const {
   StepPlan plan;
@@ -153,13 +148,14 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
     slot.claimed = plan.claims[s];
     VKV_ASSERT(slot.claimed <= slot.mapped());
   }
-  if (prefilled) slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
+  if (prefilled) slots_.set_eager_pages(layout_.pages_for_tokens(detail::eager_tokens(config_, prompts_)));
   if (config_.zero_page) read_windows_.end_step(horizon);
   budget_.publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
-  const bool wake = mapper_ && !suspension_ &&
-                    planner_.next(/*settle_events=*/false, eager_tokens(), watermark_pages_).kind !=
-                        detail::BackgroundUnit::Kind::none;
+  const bool wake =
+      mapper_ && !suspension_ &&
+      planner_.next(/*settle_events=*/false, detail::eager_tokens(config_, prompts_), watermark_pages_).kind !=
+          detail::BackgroundUnit::Kind::none;
   profile_.step().woke_mapper = wake;
   const Clock::time_point end = Clock::now();
   profile_.end_step(end);
