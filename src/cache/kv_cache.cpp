@@ -67,10 +67,13 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
             budget_.account()),
       slots_(config.max_batch_size, layout_.num_regions()),
       mappings_(*backend_, layout_, config_, slots_, sharing_, pool_),
+      host_frees_(*backend_),
       read_windows_(*backend_),
       readers_(*backend_, layout_, config_, slots_, mappings_, read_windows_, profile_),
       planner_(*backend_, layout_, config_, slots_, pool_, mappings_, readers_),
       source_(layout_, slots_, pool_, sharing_, mappings_, readers_, budget_),
+      step_planner_(layout_, config_, slots_, sharing_, mappings_),
+      prefixes_(*backend_, layout_, slots_, pool_, sharing_, mappings_, readers_, source_),
       growth_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, budget_, profile_,
               background_done_, in_flight_pages_),
       fork_generation_(detail::fork_generation()) {
@@ -132,7 +135,7 @@ KvCache::Impl::~Impl() {
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
     slot.deferred_fill = 0;  // its pages go back to the device: nobody reads them again
-    if (slot.swapped) host_frees_.push_back(slot.swap);
+    if (slot.swapped) host_frees_.add(slot.swap);
     try {
       readers_.wait_free_event(slot);
       // One call per region unmaps real and zero-backed pages alike.
@@ -150,9 +153,9 @@ KvCache::Impl::~Impl() {
       // The driver is going away (process exit); the pages die with the context.
     }
   }
-  if (suspension_) host_frees_.push_back(suspension_->host);  // its copies were waited for
+  if (suspension_) host_frees_.add(suspension_->host);  // its copies were waited for
   try {
-    free_finished_host_copies(/*wait=*/true);
+    host_frees_.free_finished(/*wait=*/true);
   } catch (...) {
     // Only allocation can fail here; the memory goes with the process.
   }
@@ -164,20 +167,8 @@ void KvCache::Impl::stop_background() noexcept {
   if (mapper_ && detail::fork_generation() == fork_generation_) mapper_->stop();
 }
 
-void KvCache::Impl::expect_slot_in_range(std::size_t slot) const {
-  VKV_EXPECTS(slot < slots_.size(), "slot = ", slot, " is out of range: max_batch_size = ", slots_.size());
-}
-
-void KvCache::Impl::expect_usable_in_this_process() const {
-  if (detail::fork_generation() == fork_generation_) return;
-  throw Error(
-      "this vkv cache was created before fork() and cannot be used in the child process: its mapper thread, "
-      "device context and pages belong to the parent. Create a new cache in the child, or start workers with "
-      "the 'spawn' method");
-}
-
 void KvCache::Impl::rethrow_background_error() {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   if (!mapper_) return;
   if (std::exception_ptr error = mapper_->take_error()) std::rethrow_exception(error);
 }
@@ -187,7 +178,7 @@ std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   const auto locked = detail::Clock::now();
-  expect_not_suspended("alloc_reqid");
+  detail::expect_not_suspended(suspension_, "alloc_reqid");
   // The slot to map the next prefill's pages in may have changed: the next step() wakes
   // the mapper for it, here a wake-up would only make the mapper's driver calls meet ours.
   const std::size_t slot = allocate_slot(lock, slots_.next_to_allocate(), stream);
@@ -204,9 +195,9 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
-  if (pages > 0 && budget_.joined() && pages_short(pages, slot, claim) > 0) {
+  if (pages > 0 && budget_.joined() && source_.pages_short(pages, slot, claim) > 0) {
     budget_.reap_dead();  // dead members' bytes first: no need to ask for them
-    const std::size_t short_by = pages_short(pages, slot, claim);
+    const std::size_t short_by = source_.pages_short(pages, slot, claim);
     if (short_by > 0 && budget_.may_ask()) budget_.ask(lock, short_by);
   }
   expect_valid();
@@ -225,7 +216,7 @@ std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std
   }
   // The new owner's work must not overtake the zero-fill of the previous owner's tokens. A
   // fill still deferred is enqueued by the owner's first call that touches the slot's pages
-  // (kv_cache_fill.cpp), which orders its stream after it; one enqueued already is waited
+  // (slot_readers.cpp), which orders its stream after it; one enqueued already is waited
   // for here. The event stays: reclaiming this slot's surplus pages later waits for it.
   if (slot.deferred_fill == 0) readers_.order_after_free_event(slot, stream);
   slots_.mark_allocated(best, read_windows_.steps());
@@ -237,12 +228,13 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   const auto locked = detail::Clock::now();
-  expect_slot_in_range(slot_index);
+  slots_.expect_in_range(slot_index);
   Slot& slot = slots_[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
               " is not allocated: double free, or a slot alloc_reqid() did not return");
-  if (suspension_) forget_suspended_slot(slot_index);  // it maps nothing now: the rest changes only books
-  free_finished_host_copies(/*wait=*/false);
+  // While suspended it maps nothing: its kept pages are not brought back, the rest changes only books.
+  if (suspension_) suspension_->slots[slot_index] = {};
+  host_frees_.free_finished(/*wait=*/false);
   // A next owner must never see another request's tokens: shared pages leave the slot now.
   const bool keeps_pages = config_.deferred_reclamation && !sharing_.holds_shared(slot);
   if (!keeps_pages) {
@@ -250,10 +242,10 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
     drop_all_pages(slot_index, stream, /*return_to_device=*/!config_.deferred_reclamation);
   }
   // Nothing can fail from here on: the pages kept are zero-filled on `stream` by the next
-  // call that needs them (kv_cache_fill.cpp), and nothing the mapper could do changed.
+  // call that needs them (slot_readers.cpp), and nothing the mapper could do changed.
   if (keeps_pages) readers_.defer_fill(slot_index, stream);
   if (slot.swapped) {
-    host_frees_.push_back(slot.swap);
+    host_frees_.add(slot.swap);
     slot.swap = {};
     slot.swapped = false;
   }

@@ -10,11 +10,6 @@
 
 namespace vkv {
 
-bool KvCache::Impl::background_busy() const noexcept {
-  return in_flight_pages_ > 0 ||
-         std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
-}
-
 std::size_t KvCache::Impl::map_ahead_now() {
   rethrow_background_error();
   std::size_t units = 0;

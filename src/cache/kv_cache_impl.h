@@ -4,7 +4,9 @@
 //   BudgetClient  budget_client.h   the cache's half of a shared budget's protocol
 //   LentPages     lent_pages.h      the pages the cache lends it (BudgetClient::CachePages)
 //   PageSharing   page_sharing.h    pages mapped at several slots (fork, share_prefix)
+//   PrefixSharing prefix_sharing.h  putting a slot's prefix at another slot
 //   SlotMappings  slot_mappings.h   which pages back which range of a slot's addresses
+//   StepPlanner   step_planner.h    what step(seq_lens) must map and copy
 //   SlotGrowth    slot_growth.h     fresh pages mapped at the end of slots: step()'s and the mapper's way
 //   PagePool      page_pool.h       physical pages: free, created, the budget
 //   ReadWindows   read_windows.h    what device work in flight may still read
@@ -14,6 +16,7 @@
 //   Mapper        mapper.h          the background thread
 //   BackgroundPlanner background_planner.h  what the mapper does next
 //   CallProfile   call_profile.h    what the calls cost (stats' counters, last_step_profile())
+//   HostFrees     host_frees.h      host memory freed once its copy completed
 //   Backend       backend.h         the device (behind the statistics adaptor if asked)
 //
 // Each public call checks its arguments, waits for the mapper where it must, and then
@@ -41,11 +44,13 @@
 
 #include "background_planner.h"
 #include "call_profile.h"
+#include "host_frees.h"
 #include "lent_pages.h"
 #include "mapper.h"
 #include "page_pool.h"
 #include "page_sharing.h"
 #include "page_source.h"
+#include "prefix_sharing.h"
 #include "prompt_history.h"
 #include "read_windows.h"
 #include "reclaim_policy.h"
@@ -54,6 +59,8 @@
 #include "slot_mappings.h"
 #include "slot_readers.h"
 #include "slot_table.h"
+#include "step_planner.h"
+#include "suspension.h"
 #include "vkv/kv_cache.h"
 #include "vkv/statistics_backend.h"
 
@@ -108,15 +115,7 @@ class KvCache::Impl final {
  private:
   using Slot = detail::Slot;
   using PageRef = detail::PageRef;
-  // The seq_len a swapped-out slot had: its host copy holds that many tokens per region.
-  std::size_t swapped_tokens(const Slot& slot) const noexcept {
-    return slot.swap.bytes / (layout_.token_bytes() * layout_.num_regions());
-  }
 
-  // ---- entry checks and waits (kv_cache.cpp) ---------------------------------------
-  void expect_slot_in_range(std::size_t slot) const;
-  // Every public call's first check: the cache is unusable in a forked child.
-  void expect_usable_in_this_process() const;
   void rethrow_background_error();
   void wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot);
   // The opening of fork, share_prefix, swap_out and swap_in: check, wait until `slot` is
@@ -129,44 +128,14 @@ class KvCache::Impl final {
   void drop_all_pages(std::size_t slot, Stream stream, bool return_to_device);
 
   // ---- step and mapping what is missing (kv_cache_step.cpp) ------------------------
-  // What step(seq_lens) must do: the claims it leaves, the shared pages slots are about
-  // to write into (copy-on-write), the pages to map, and whether the mapper is busy on
-  // pages it needs (then wait and plan again). prepare_step() plans the same way.
-  struct StepPlan {
-    std::vector<std::size_t> claims;
-    std::vector<PageRef> copies;
-    std::size_t to_map = 0;   // pages, all regions
-    std::size_t missing = 0;  // to_map and a page per region for every copy
-    bool waits_for_mapper = false;
-  };
-  StepPlan plan_step(const std::size_t* seq_lens, std::size_t count, std::size_t horizon) const;
   // step() with mutex_ held (step_slots() builds its seq_lens under the same lock).
   // Returns whether the mapper has work: the caller wakes it once it released the lock,
   // so that the mapper does not wake up only to block on it (and the unlock wake it again).
   bool step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
                    std::chrono::steady_clock::time_point start);
-  void expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const;
   void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
-  // The claims after `slot` claims `claim` pages, and how many of `missing` they leave short.
-  std::size_t pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const;
-  // Undo log for an engine call on `stream`: undoing a mapping waits for the call's device work.
-  std::function<void()> stream_waiter(Stream stream);
 
   // ---- sharing, swapping, elastic memory, preparation ------------------------------
-  void share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, detail::UndoLog& undo);
-  // What share_into(src, dst, tokens) does with pages (per region): src's [0, aliased)
-  // mapped at dst, dst's [0, replaced) given up, `fresh` pages from the pool for src's
-  // [aliased, full) and, without a kept page of dst's there, the partly filled page.
-  struct ShareShape {
-    std::size_t full = 0, partial_bytes = 0, aliased = 0, replaced = 0, fresh = 0;
-    bool keeps_tail = false;  // dst keeps its pages [replaced, mapped), the partly filled one first
-  };
-  ShareShape share_shape(std::size_t src, std::size_t dst, std::size_t tokens) const;
-  void free_finished_host_copies(bool wait);
-  // Pages set_budget() cannot release now: what allocated slots claim, and (zero_page)
-  // pages work in flight may read.
-  std::size_t pages_set_budget_keeps() const;
-  void shrink_to_budget();
   std::size_t obtain_share_pages(std::unique_lock<std::mutex>& lock, std::size_t src, std::size_t dst,
                                  std::size_t tokens);
   // Maps `to_map` pages a call will claim (`claims`) without claiming them, and makes
@@ -174,30 +143,9 @@ class KvCache::Impl final {
   // none), or nothing when it waited for the mapper and the caller must plan again.
   std::optional<std::size_t> map_unclaimed(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& claims,
                                            std::size_t to_map, std::size_t to_free, Stream stream, const char* call);
-  void expect_valid_fork(std::size_t src) const;
-  void expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const;
-
-  // ---- suspension (kv_cache_suspend.cpp) ---------------------------------------------
-  // What suspend() kept: each page allocated slots claimed, once (a shared page once),
-  // page k at host.host + k * page_bytes, and where each slot had it.
-  struct Suspension {
-    detail::HostCopy host;
-    struct KeptSlot {
-      std::size_t seq_len = 0, claimed = 0;
-      std::vector<std::vector<std::size_t>> pages;  // [region][page]: k; empty for a slot with nothing kept
-    };
-    std::vector<KeptSlot> slots;
-  };
-  // The first check of a call that changes slots or pages: InvalidArgument naming `call`.
-  void expect_not_suspended(const char* call) const;
-  // free_reqid() while suspended: the slot's kept pages are not brought back.
-  void forget_suspended_slot(std::size_t slot) noexcept;
-  // check_invariants()' part: while suspended no slot maps, claims or holds tokens.
-  void check_suspension() const;
 
   // ---- the mapper's work, planned by planner_ (kv_cache_background_units.cpp) ---------
   bool background_work();
-  bool background_busy() const noexcept;
   bool shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t pages);
   bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
   bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
@@ -212,9 +160,9 @@ class KvCache::Impl final {
   Address base_ = 0;
   detail::SlotTable slots_;
   detail::PageSharing sharing_;
-  detail::SlotMappings mappings_;             // which pages back which range of a slot
-  std::vector<detail::HostCopy> host_frees_;  // host memory to free once `ready` completes
-  detail::PromptHistory prompts_;             // recent prompt lengths, for adaptive eager allocation
+  detail::SlotMappings mappings_;  // which pages back which range of a slot
+  detail::HostFrees host_frees_;   // host memory to free once its copy completed
+  detail::PromptHistory prompts_;  // recent prompt lengths, for adaptive eager allocation
   std::size_t watermark_pages_ = 0;
   std::size_t in_flight_pages_ = 0;  // taken by the mapper: neither in the pool nor in a slot
   Stream background_stream_ = 0;
@@ -223,10 +171,12 @@ class KvCache::Impl final {
   detail::SlotReaders readers_;        // who may still read a slot's pages; the zero-fills owed
   detail::BackgroundPlanner planner_;  // what the mapper does next
   detail::PageSource source_;          // where a call's pages come from: the pool, then reclamation
+  detail::StepPlanner step_planner_;   // what step(seq_lens) must map and copy
+  detail::PrefixSharing prefixes_;     // a slot's prefix at another slot (fork, share_prefix)
   detail::SlotGrowth growth_;          // fresh pages mapped at the end of slots (step() and the mapper)
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
   // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).
-  std::optional<Suspension> suspension_;
+  std::optional<detail::Suspension> suspension_;
   mutable std::mutex mutex_;
   std::condition_variable background_done_;  // a slot stopped being busy
   std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above

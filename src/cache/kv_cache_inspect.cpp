@@ -5,6 +5,7 @@
 
 #include "kv_cache_impl.h"
 #include "undo_log.h"
+#include "util/fork_guard.h"
 #include "util/format.h"
 #include "vkv/error.h"
 
@@ -13,28 +14,28 @@ namespace vkv {
 // ---- inspection -----------------------------------------------------------------------
 
 std::size_t KvCache::Impl::num_free_slots() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<std::size_t>(
       std::count_if(slots_.begin(), slots_.end(), [](const Slot& slot) { return !slot.allocated; }));
 }
 
 bool KvCache::Impl::is_allocated(std::size_t slot) const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
-  expect_slot_in_range(slot);
+  slots_.expect_in_range(slot);
   return slots_[slot].allocated;
 }
 
 std::size_t KvCache::Impl::mapped_pages(std::size_t slot) const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
-  expect_slot_in_range(slot);
+  slots_.expect_in_range(slot);
   return slots_[slot].mapped();
 }
 
 CacheStats KvCache::Impl::stats() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   CacheStats stats;
   stats.page_bytes = layout_.page_bytes();
@@ -76,11 +77,11 @@ CacheStats KvCache::Impl::stats() const {
 
 // Each part checks its own; what they must agree on together is checked here.
 void KvCache::Impl::check_invariants() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   slots_.check(layout_, config_.zero_page);
   sharing_.check(slots_);
-  check_suspension();
+  if (suspension_) suspension_->check(slots_);
   auto expect = [](bool holds, const std::string& what) {
     if (!holds) throw Error("vkv invariant broken: " + what);
   };

@@ -25,7 +25,7 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
     lock.lock();
     budget_.step_waited();
   }
-  expect_not_suspended("step");
+  detail::expect_not_suspended(suspension_, "step");
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
   profile_.step().lock_contended = contended;
   lock.unlock();
@@ -37,59 +37,10 @@ StepProfile KvCache::Impl::last_step_profile() const {
   return profile_.last_step();
 }
 
-void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const {
-  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ", slots_.size(),
-              " (0 for slots not in use)");
-  VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
-  for (std::size_t s = 0; s < count; ++s) {
-    VKV_EXPECTS(seq_lens[s] <= config_.max_context_len, "seq_lens[", s, "] = ", seq_lens[s],
-                " exceeds max_context_len = ", config_.max_context_len);
-    VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
-                " is not allocated (alloc_reqid() first)");
-    VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
-                " is swapped out (swap_in() first, or give it 0)");
-  }
-}
-
-KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, std::size_t count,
-                                                 std::size_t horizon) const {
-  StepPlan plan;
-  plan.claims.assign(count, 0);
-  const std::size_t regions = layout_.num_regions();
-  std::unordered_map<PageHandle, std::size_t> copies_of;  // the last slot mapping a page keeps it
-  for (std::size_t s = 0; s < count; ++s) {
-    const Slot& slot = slots_[s];
-    plan.claims[s] = std::max(slot.claimed, layout_.pages_for_tokens(seq_lens[s]));
-    if (plan.claims[s] > slot.mapped()) plan.to_map += (plan.claims[s] - slot.mapped()) * regions;
-    if (!sharing_.empty() && seq_lens[s] > slot.seq_len) {
-      // Tokens [seq_len, new seq_len) are about to be written: a shared page there is copied.
-      // A shared large page is copied whole.
-      const std::vector<PageHandle>& pages = slot.pages.front();
-      const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
-      std::size_t page =
-          mappings_.round_down_to_whole(slot, slot.seq_len * layout_.token_bytes() / layout_.page_bytes());
-      while (page < end) {
-        const std::size_t run =
-            detail::run_end(pages.data(), page, pages.size(), [](PageHandle handle) { return handle; });
-        const PageHandle handle = pages[page];
-        if (sharing_.is_shared(handle) && copies_of[handle]++ != sharing_.mappings(handle) - 1)
-          for (std::size_t i = page; i < run; ++i) plan.copies.push_back({s, i});
-        page = run;
-      }
-    }
-    // The mapper is mapping (or unmapping) pages this slot needs, or pages the new horizon
-    // puts in reach of the next iteration's reads: they are nearly done.
-    if (slot.busy() && (plan.claims[s] > slot.busy_from || (slot.allocated && slot.busy_from < horizon)))
-      plan.waits_for_mapper = true;
-  }
-  plan.missing = plan.to_map + plan.copies.size() * regions;
-  return plan;
-}
-
 bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
                                 Stream stream, std::chrono::steady_clock::time_point start) {
-  profile_.begin_step(start, background_busy());
-  expect_valid_seq_lens(seq_lens, count);
+  profile_.begin_step(start, growth_.mapper_busy());
+  step_planner_.expect_valid(seq_lens, count);
   profile_.lap(&StepProfile::plan_ns);
   // Zero-fills left by free_reqid() and swap_out(): enqueued here at the latest, before
   // this step reclaims those pages and before the iteration's kernels.
@@ -102,10 +53,10 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   // What the iteration's kernels may read in every allocated slot: a padded batch's length.
   const std::size_t horizon =
       config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
-  StepPlan plan;
+  detail::StepPlan plan;
   bool asked = false;  // the shared budget's other members, once per call
   for (;;) {
-    plan = plan_step(seq_lens, count, horizon);
+    plan = step_planner_.plan(seq_lens, count, horizon);
     profile_.lap(&StepProfile::plan_ns);
     if (plan.waits_for_mapper) {
       background_done_.wait(lock);
@@ -115,7 +66,7 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
     }
     if (plan.missing == 0) break;
     try {
-      detail::UndoLog undo(stream_waiter(stream));
+      detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
       growth_.map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
       undo.commit();
       profile_.count_step_pages(plan.missing);
@@ -124,14 +75,14 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
     } catch (const OutOfMemory& shortage) {
       profile_.lap(&StepProfile::map_ns);
       // Pages the mapper is moving are not lost: decide once it has put them down.
-      if (background_busy()) {
-        background_done_.wait(lock, [&] { return !background_busy(); });
+      if (growth_.mapper_busy()) {
+        background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
       } else if (budget_.reap_dead()) {
         continue;  // a dead member's bytes are free now (each member is counted out once)
       } else if (!asked && budget_.may_ask()) {
         asked = true;
         budget_.ask(lock, shortage.missing_pages(), budget_.ask_headroom(shortage.missing_pages()));
-        expect_valid_seq_lens(seq_lens, count);  // other threads may have freed slots meanwhile
+        step_planner_.expect_valid(seq_lens, count);  // other threads may have freed slots meanwhile
       } else {
         throw;
       }
@@ -169,19 +120,8 @@ void KvCache::Impl::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size
   background_done_.wait(lock, [&] {
     std::vector<std::size_t> claims = slots_.claims();
     claims[slot] = std::max(claims[slot], claim);
-    return !background_busy() || source_.obtainable_pages(claims) >= missing;
+    return !growth_.mapper_busy() || source_.obtainable_pages(claims) >= missing;
   });
-}
-
-std::size_t KvCache::Impl::pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const {
-  std::vector<std::size_t> claims = slots_.claims();
-  claims[slot] = std::max(claims[slot], claim);
-  const std::size_t obtainable = source_.obtainable_pages(claims);
-  return missing > obtainable ? missing - obtainable : 0;
-}
-
-std::function<void()> KvCache::Impl::stream_waiter(Stream stream) {
-  return [this, stream] { backend_->synchronize(stream); };
 }
 
 }  // namespace vkv

@@ -111,4 +111,41 @@ void PageSource::expect_obtainable(std::size_t missing, const std::vector<std::s
                     missing - obtainable, page);
 }
 
+std::size_t PageSource::pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const {
+  std::vector<std::size_t> claims = slots_.claims();
+  claims[slot] = std::max(claims[slot], claim);
+  const std::size_t obtainable = obtainable_pages(claims);
+  return missing > obtainable ? missing - obtainable : 0;
+}
+
+std::size_t PageSource::pages_held_now() const {
+  std::size_t pages = 0;  // claimed, or (zero_page) in reach of work in flight: neither can go now
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    pages += std::min(slots_[s].mapped(),
+                      mappings_.round_up_to_whole(slots_[s], readers_.first_reclaimable_without_waiting(s))) *
+             layout_.num_regions();
+  return pages - sharing_.duplicate_mappings();  // shared pages lie below their slots' claims
+}
+
+void PageSource::shrink_to_budget() {
+  const std::vector<std::size_t> claims = readers_.reclaimable_floors();
+  if (pool_.created_pages() > pool_.budget_pages() + pool_.free_pages()) {
+    // Mapped pages go too: their last readers first, one event per stream for all slots.
+    std::vector<std::size_t> above;
+    for (std::size_t s = 0; s < slots_.size(); ++s)
+      if (slots_[s].mapped() > mappings_.round_up_to_whole(slots_[s], claims[s])) above.push_back(s);
+    readers_.wait_for(above);
+  }
+  while (pool_.created_pages() > pool_.budget_pages()) {
+    const std::size_t excess = pool_.created_pages() - pool_.budget_pages();
+    if (pool_.free_pages() > 0) {
+      pool_.trim(pool_.free_pages() - std::min(pool_.free_pages(), excess));
+      continue;
+    }
+    std::vector<Page> pages;
+    if (!reclaim_coldest(pages, excess, claims)) throw Error("internal: set_budget found no unclaimed mapped page");
+    for (const Page& page : pages) pool_.give_back(page);
+  }
+}
+
 }  // namespace vkv::detail

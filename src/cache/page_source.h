@@ -39,6 +39,9 @@ class PageSource {
   /// Pages (all regions) a call could have with slots keeping `claims` (per region): the
   /// pool's, and what slots the mapper is not working on map above them (whole large pages).
   std::size_t obtainable_pages(const std::vector<std::size_t>& claims) const;
+  /// How many of `missing` pages could not be had with `slot` claiming `claim` pages
+  /// (the others what they claim now).
+  std::size_t pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const;
   /// @throws OutOfMemory naming `call`, `missing`, what can be had and why, when
   /// obtainable_pages(claims) falls short of `missing`.
   void expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims, const char* call) const;
@@ -55,6 +58,15 @@ class PageSource {
   /// Unmaps pages [keep, mapped) of every region of a slot (`keep` splits no large page)
   /// after their last readers: those mapped nowhere else go into `into`.
   void unmap_tail(std::size_t slot, std::size_t keep, std::vector<Page>& into);
+
+  // ---- the budget (set_budget(), prepare_set_budget()) --------------------------------
+  /// Pages that cannot be released now: what allocated slots claim, and (zero_page) pages
+  /// work in flight may read; a shared page once.
+  std::size_t pages_held_now() const;
+  /// Releases pages until no more exist than the pool's budget allows: free ones first,
+  /// then unclaimed mappings (after their last readers), coldest first. The caller made
+  /// sure pages_held_now() fits. @throws as the backend's calls.
+  void shrink_to_budget();
 
  private:
   const KvLayout& layout_;

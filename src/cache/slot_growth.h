@@ -15,6 +15,7 @@
 // mapper's grow_ahead() releases it for its backend calls).
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <mutex>
@@ -34,11 +35,6 @@
 #include "vkv/layout.h"
 
 namespace vkv::detail {
-
-/// Page `page` (of every region) of slot `slot`.
-struct PageRef {
-  std::size_t slot, page;
-};
 
 class SlotGrowth {
  public:
@@ -78,6 +74,12 @@ class SlotGrowth {
   /// the lock held; releases it for the backend calls. False when there was nothing to take.
   bool grow_ahead(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t target, Stream stream);
 
+  /// Whether the mapper is moving pages: pages it took (in flight), or a slot it works on.
+  /// A shortage is decided once it has put them down.
+  bool mapper_busy() const noexcept {
+    return in_flight_pages_ > 0 ||
+           std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
+  }
   /// Tries again to unmap stranded pages (of slots the mapper is not working on) and
   /// gives back those it could; before anything maps past a slot's books.
   void unmap_stranded() noexcept;

@@ -9,7 +9,11 @@
 #include <memory>
 #include <vector>
 
+#include <mutex>
+
+#include "cache/page_source.h"
 #include "cache/slot_mappings.h"
+#include "cache/slot_readers.h"
 #include "shared_budget/budget_client.h"
 #include "testing.h"
 
@@ -82,6 +86,27 @@ class SlotParts : public ::testing::Test {
   PagePool pool_;
   detail::SlotMappings mappings_{*backend_, layout_, config_, slots_, sharing_, pool_};
   Address base_ = 0;
+};
+
+/// With the parts that wait for a slot's readers.
+class ReaderParts : public SlotParts {
+ protected:
+  using SlotParts::SlotParts;
+
+  detail::ReadWindows windows_{*backend_};
+  detail::CallProfile profile_;
+  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
+};
+
+/// With a budget client (no shared budget) and where pages come from.
+class SourceParts : public ReaderParts {
+ protected:
+  using ReaderParts::ReaderParts;
+
+  NoPages none_;
+  std::mutex mutex_;
+  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), none_, mutex_};
+  detail::PageSource source_{layout_, slots_, pool_, sharing_, mappings_, readers_, budget_};
 };
 
 }  // namespace vkv::testing

@@ -11,7 +11,7 @@ namespace {
 using detail::BackgroundUnit;
 using Kind = detail::BackgroundUnit::Kind;
 
-class BackgroundPlannerTest : public testing::SlotParts {
+class BackgroundPlannerTest : public testing::ReaderParts {
  protected:
   BackgroundPlannerTest() {
     config_.zero_page = false;  // the cases that need it turn it on
@@ -22,9 +22,6 @@ class BackgroundPlannerTest : public testing::SlotParts {
     return planner_.next(/*settle_events=*/true, eager_tokens, watermark);
   }
 
-  detail::ReadWindows windows_{*backend_};
-  detail::CallProfile profile_;
-  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
   detail::BackgroundPlanner planner_{*backend_, layout_, config_, slots_, pool_, mappings_, readers_};
 };
 

@@ -10,17 +10,10 @@
 namespace vkv {
 namespace {
 
-class LentPagesTest : public testing::SlotParts {
+class LentPagesTest : public testing::SourceParts {
  protected:
   std::size_t regions() const { return layout_.num_regions(); }
 
-  detail::ReadWindows windows_{*backend_};
-  detail::CallProfile profile_;
-  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
-  testing::NoPages none_;
-  std::mutex mutex_;
-  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), none_, mutex_};
-  detail::PageSource source_{layout_, slots_, pool_, sharing_, mappings_, readers_, budget_};
   detail::PromptHistory prompts_;
   detail::LentPages lent_{*backend_, layout_,  config_, slots_,   pool_,   sharing_,
                           mappings_, readers_, source_, prompts_, profile_};

@@ -10,18 +10,10 @@
 namespace vkv {
 namespace {
 
-class PageSourceTest : public testing::SlotParts {
+class PageSourceTest : public testing::SourceParts {
  protected:
   std::size_t regions() const { return layout_.num_regions(); }
   std::vector<std::size_t> claims() const { return slots_.claims(); }
-
-  detail::ReadWindows windows_{*backend_};
-  detail::CallProfile profile_;
-  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
-  testing::NoPages lent_;
-  std::mutex mutex_;
-  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), lent_, mutex_};
-  detail::PageSource source_{layout_, slots_, pool_, sharing_, mappings_, readers_, budget_};
 };
 
 TEST_F(PageSourceTest, WhatCanBeHadIsThePoolsAndWhatSlotsMapAboveTheirClaims) {

@@ -13,9 +13,9 @@
 namespace vkv {
 namespace {
 
-class SlotGrowthTest : public testing::SlotParts {
+class SlotGrowthTest : public testing::SourceParts {
  protected:
-  explicit SlotGrowthTest(std::size_t large_page_pages = 0) : SlotParts(large_page_pages) {}
+  explicit SlotGrowthTest(std::size_t large_page_pages = 0) : SourceParts(large_page_pages) {}
   std::size_t regions() const { return layout_.num_regions(); }
   // step()'s way, as a call does it: undone unless it succeeds.
   void map(std::vector<std::size_t> claims) {
@@ -38,13 +38,6 @@ class SlotGrowthTest : public testing::SlotParts {
           testing::read_bytes(*backend_, mappings_.address(r, slot, 0), slots_[slot].mapped() * page())));
   }
 
-  detail::ReadWindows windows_{*backend_};
-  detail::CallProfile profile_;
-  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
-  testing::NoPages lent_;
-  std::mutex mutex_;
-  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), lent_, mutex_};
-  detail::PageSource source_{layout_, slots_, pool_, sharing_, mappings_, readers_, budget_};
   std::condition_variable unit_done_;
   std::size_t in_flight_ = 0;
   detail::SlotGrowth growth_{*backend_, layout_, config_, slots_,   pool_,      sharing_,  mappings_,

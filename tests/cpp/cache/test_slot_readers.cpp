@@ -9,7 +9,7 @@
 namespace vkv {
 namespace {
 
-class SlotReadersTest : public testing::SlotParts {
+class SlotReadersTest : public testing::ReaderParts {
  protected:
   // A slot whose owner wrote its 2 claimed pages and left: the fill is owed.
   void leave(std::size_t slot, Stream stream) {
@@ -25,10 +25,6 @@ class SlotReadersTest : public testing::SlotParts {
       if (!testing::all_zero(testing::read_bytes(*backend_, mappings_.address(r, slot, 0), 2 * page()))) return false;
     return true;
   }
-
-  detail::ReadWindows windows_{*backend_};
-  detail::CallProfile profile_;
-  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
 };
 
 TEST_F(SlotReadersTest, AFillIsDeferredWithNoBackendCallAndEnqueuedOnce) {
