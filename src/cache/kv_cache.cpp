@@ -61,11 +61,21 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       backend_(backend_stack(config, std::move(backend))),
       statistics_(dynamic_cast<StatisticsBackend*>(backend_.get())),
       layout_(config, backend_->page_bytes()),
-      budget_(config, *backend_, layout_.page_bytes(), *this, mutex_),
+      lent_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, prompts_, profile_),
+      budget_(config, *backend_, layout_.page_bytes(), lent_, mutex_),
       pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_),
             budget_.account()),
       slots_(config.max_batch_size, layout_.num_regions()),
+      mappings_(*backend_, layout_, config_, slots_, sharing_, pool_),
+      host_frees_(*backend_),
       read_windows_(*backend_),
+      readers_(*backend_, layout_, config_, slots_, mappings_, read_windows_, profile_),
+      planner_(*backend_, layout_, config_, slots_, pool_, mappings_, readers_),
+      source_(layout_, slots_, pool_, sharing_, mappings_, readers_, budget_),
+      step_planner_(layout_, config_, slots_, sharing_, mappings_),
+      prefixes_(*backend_, layout_, slots_, pool_, sharing_, mappings_, readers_, source_),
+      growth_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, budget_, profile_,
+              background_done_, in_flight_pages_),
       fork_generation_(detail::fork_generation()) {
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
@@ -76,13 +86,14 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
               "): lower max_batch_size or max_context_len");
   watermark_pages_ = config.reclaim_watermark_pages != 0 ? config.reclaim_watermark_pages : pool_.budget_pages() / 32;
   pool_.precreate(config.precreate_pages);
-  slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
+  slots_.set_eager_pages(layout_.pages_for_tokens(detail::eager_tokens(config_, prompts_)));
   detail::UndoLog undo;
   if (config.background_mapping) {
     background_stream_ = backend_->create_stream();
     undo.push([this] { backend_->destroy_stream(background_stream_); });
   }
   base_ = backend_->reserve(needed);
+  mappings_.set_base(base_);
   undo.push([this, needed] { backend_->free_reservation(base_, needed); });
   // Where backing with zeros costs one call, the whole reservation reads as zeros from the
   // start; elsewhere (CUDA: ~37 us a page) slots are backed as they are handed out, and
@@ -120,21 +131,21 @@ KvCache::Impl::~Impl() {
   } catch (...) {
     // A dead context has no running kernels left to fault.
   }
-  unmap_stranded();
+  growth_.unmap_stranded();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     Slot& slot = slots_[s];
     slot.deferred_fill = 0;  // its pages go back to the device: nobody reads them again
-    if (slot.swapped) host_frees_.push_back(slot.swap);
+    if (slot.swapped) host_frees_.add(slot.swap);
     try {
-      wait_free_event(slot);
+      readers_.wait_free_event(slot);
       // One call per region unmaps real and zero-backed pages alike.
       const std::size_t backed = std::max(slot.mapped(), slot.backed_end);
       if (backed > 0)
         for (std::size_t r = 0; r < layout_.num_regions(); ++r)
-          backend_->unmap(page_address(r, s, 0), backed * layout_.page_bytes());
+          backend_->unmap(mappings_.address(r, s, 0), backed * layout_.page_bytes());
       for (std::vector<PageHandle>& pages : slot.pages) {
         std::vector<Page> unmapped;
-        drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
+        mappings_.drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
         for (const Page& page : unmapped) pool_.give_back(page);
         pages.clear();
       }
@@ -142,9 +153,9 @@ KvCache::Impl::~Impl() {
       // The driver is going away (process exit); the pages die with the context.
     }
   }
-  if (suspension_) host_frees_.push_back(suspension_->host);  // its copies were waited for
+  if (suspension_) host_frees_.add(suspension_->host);  // its copies were waited for
   try {
-    free_finished_host_copies(/*wait=*/true);
+    host_frees_.free_finished(/*wait=*/true);
   } catch (...) {
     // Only allocation can fail here; the memory goes with the process.
   }
@@ -156,38 +167,22 @@ void KvCache::Impl::stop_background() noexcept {
   if (mapper_ && detail::fork_generation() == fork_generation_) mapper_->stop();
 }
 
-void KvCache::Impl::expect_slot_in_range(std::size_t slot) const {
-  VKV_EXPECTS(slot < slots_.size(), "slot = ", slot, " is out of range: max_batch_size = ", slots_.size());
-}
-
-void KvCache::Impl::expect_usable_in_this_process() const {
-  if (detail::fork_generation() == fork_generation_) return;
-  throw Error(
-      "this vkv cache was created before fork() and cannot be used in the child process: its mapper thread, "
-      "device context and pages belong to the parent. Create a new cache in the child, or start workers with "
-      "the 'spawn' method");
-}
-
 void KvCache::Impl::rethrow_background_error() {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   if (!mapper_) return;
   if (std::exception_ptr error = mapper_->take_error()) std::rethrow_exception(error);
 }
 
-namespace {
-using detail::nanoseconds_since;
-}  // namespace
-
 std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = detail::Clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  const std::uint64_t lock_wait = nanoseconds_since(start);
-  expect_not_suspended("alloc_reqid");
+  const auto locked = detail::Clock::now();
+  detail::expect_not_suspended(suspension_, "alloc_reqid");
   // The slot to map the next prefill's pages in may have changed: the next step() wakes
   // the mapper for it, here a wake-up would only make the mapper's driver calls meet ours.
   const std::size_t slot = allocate_slot(lock, slots_.next_to_allocate(), stream);
-  alloc_timing_ = {nanoseconds_since(start), lock_wait};
+  profile_.record_alloc(start, locked);
   return slot;
 }
 
@@ -200,9 +195,9 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
-  if (pages > 0 && budget_.joined() && pages_short(pages, slot, claim) > 0) {
+  if (pages > 0 && budget_.joined() && source_.pages_short(pages, slot, claim) > 0) {
     budget_.reap_dead();  // dead members' bytes first: no need to ask for them
-    const std::size_t short_by = pages_short(pages, slot, claim);
+    const std::size_t short_by = source_.pages_short(pages, slot, claim);
     if (short_by > 0 && budget_.may_ask()) budget_.ask(lock, short_by);
   }
   expect_valid();
@@ -217,28 +212,29 @@ std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std
     // Not yet backed by the mapper: an allocated slot reads as zeros to its end. Pages
     // past backed_end are unmapped, so nothing in flight reads them.
     wait_not_busy(lock, best);
-    back_with_zeros(best, layout_.pages_per_slot());
+    mappings_.back_with_zeros(best, layout_.pages_per_slot());
   }
   // The new owner's work must not overtake the zero-fill of the previous owner's tokens. A
   // fill still deferred is enqueued by the owner's first call that touches the slot's pages
-  // (kv_cache_fill.cpp), which orders its stream after it; one enqueued already is waited
+  // (slot_readers.cpp), which orders its stream after it; one enqueued already is waited
   // for here. The event stays: reclaiming this slot's surplus pages later waits for it.
-  if (slot.deferred_fill == 0) order_after_free_event(slot, stream);
+  if (slot.deferred_fill == 0) readers_.order_after_free_event(slot, stream);
   slots_.mark_allocated(best, read_windows_.steps());
   return best;
 }
 
 void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = detail::Clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  const std::uint64_t lock_wait = nanoseconds_since(start);
-  expect_slot_in_range(slot_index);
+  const auto locked = detail::Clock::now();
+  slots_.expect_in_range(slot_index);
   Slot& slot = slots_[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
               " is not allocated: double free, or a slot alloc_reqid() did not return");
-  if (suspension_) forget_suspended_slot(slot_index);  // it maps nothing now: the rest changes only books
-  free_finished_host_copies(/*wait=*/false);
+  // While suspended it maps nothing: its kept pages are not brought back, the rest changes only books.
+  if (suspension_) suspension_->slots[slot_index] = {};
+  host_frees_.free_finished(/*wait=*/false);
   // A next owner must never see another request's tokens: shared pages leave the slot now.
   const bool keeps_pages = config_.deferred_reclamation && !sharing_.holds_shared(slot);
   if (!keeps_pages) {
@@ -246,10 +242,10 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
     drop_all_pages(slot_index, stream, /*return_to_device=*/!config_.deferred_reclamation);
   }
   // Nothing can fail from here on: the pages kept are zero-filled on `stream` by the next
-  // call that needs them (kv_cache_fill.cpp), and nothing the mapper could do changed.
-  if (keeps_pages) defer_fill(slot_index, stream);
+  // call that needs them (slot_readers.cpp), and nothing the mapper could do changed.
+  if (keeps_pages) readers_.defer_fill(slot_index, stream);
   if (slot.swapped) {
-    host_frees_.push_back(slot.swap);
+    host_frees_.add(slot.swap);
     slot.swap = {};
     slot.swapped = false;
   }
@@ -262,7 +258,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   budget_.request_freed();
   budget_.publish_in_use();
   if (mapper_ && !keeps_pages) mapper_->wake();  // pages went to the pool
-  free_timing_ = {nanoseconds_since(start), lock_wait};
+  profile_.record_free(start, locked);
 }
 
 // Waits for the slot's last readers (work on `stream` so far), then unmaps every page
@@ -272,15 +268,15 @@ void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool r
   Slot& slot = slots_[slot_index];
   if (slot.mapped() == 0) return;
   if (slot.deferred_fill != 0) {  // a swapped-out slot freed without deferred reclamation
-    enqueue_fill(slot_index);
-    wait_free_event(slot);  // the pages go back clean
+    readers_.enqueue_fill(slot_index);
+    readers_.wait_free_event(slot);  // the pages go back clean
   }
   const Event event = backend_->record_event(stream);
   if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
   slot.free_event = event;
   slot.free_event_stream = stream;
   std::vector<Page> pages;
-  unmap_tail(slot_index, 0, pages);
+  source_.unmap_tail(slot_index, 0, pages);
   if (return_to_device) {
     pool_.release_all(pages);  // counted back to a shared budget once
     return;

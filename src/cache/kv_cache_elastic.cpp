@@ -8,23 +8,15 @@
 
 namespace vkv {
 
-std::size_t KvCache::Impl::pages_set_budget_keeps() const {
-  std::size_t pages = 0;  // claimed, or (zero_page) in reach of work in flight: neither can go now
-  for (std::size_t s = 0; s < slots_.size(); ++s)
-    pages += std::min(slots_[s].mapped(), round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s))) *
-             layout_.num_regions();
-  return pages - sharing_.duplicate_mappings();  // shared pages lie below their slots' claims
-}
-
 void KvCache::Impl::set_budget(std::size_t bytes) {
   rethrow_background_error();
   const std::size_t page = layout_.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   const std::size_t budget = bytes / page;
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("set_budget");
-  background_done_.wait(lock, [&] { return !background_busy(); });  // pages in flight count too
-  const std::size_t in_use = pages_set_budget_keeps();
+  detail::expect_not_suspended(suspension_, "set_budget");
+  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });  // pages in flight count too
+  const std::size_t in_use = source_.pages_held_now();
   if (in_use > budget) {
     throw OutOfMemory(
         detail::concat(
@@ -39,7 +31,7 @@ void KvCache::Impl::set_budget(std::size_t bytes) {
   pool_.set_budget(budget);
   if (config_.reclaim_watermark_pages == 0) watermark_pages_ = budget / 32;
   try {
-    shrink_to_budget();
+    source_.shrink_to_budget();
   } catch (...) {
     pool_.set_budget(old_budget);  // what was released stays released, within the old budget
     watermark_pages_ = old_watermark;
@@ -51,49 +43,23 @@ void KvCache::Impl::set_budget(std::size_t bytes) {
 std::size_t KvCache::Impl::trim() {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  background_done_.wait(lock, [&] { return !background_busy(); });
-  free_finished_host_copies(/*wait=*/false);
+  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
+  host_frees_.free_finished(/*wait=*/false);
   // The pages leave: no zero-fill, only their last readers done, one event per stream.
   std::vector<std::size_t> keep(slots_.size());
   std::vector<std::size_t> above;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    keep[s] = round_up_to_whole(slots_[s], first_reclaimable_without_waiting(s));  // large pages go whole
+    keep[s] =
+        mappings_.round_up_to_whole(slots_[s], readers_.first_reclaimable_without_waiting(s));  // large pages go whole
     if (slots_[s].mapped() > keep[s]) above.push_back(s);
   }
-  const ReaderFence fence = fence_readers(above);
-  wait_then_destroy(fence.events);
-  mark_readers_done(fence);
+  readers_.wait_for(above);
   for (const std::size_t s : above) {
     std::vector<Page> pages;
-    unmap_tail(s, keep[s], pages);
+    source_.unmap_tail(s, keep[s], pages);
     for (const Page& page : pages) pool_.give_back(page);
   }
   return pool_.trim(0) * layout_.page_bytes();
-}
-
-// Releases pages until no more exist than the budget allows: free ones first, then
-// unclaimed mappings, coldest first. The caller made sure the claimed ones fit.
-void KvCache::Impl::shrink_to_budget() {
-  const std::vector<std::size_t> claims = reclaimable_floors();
-  if (pool_.created_pages() > pool_.budget_pages() + pool_.free_pages()) {
-    // Mapped pages go too: their last readers first, one event per stream for all slots.
-    std::vector<std::size_t> above;
-    for (std::size_t s = 0; s < slots_.size(); ++s)
-      if (slots_[s].mapped() > round_up_to_whole(slots_[s], claims[s])) above.push_back(s);
-    const ReaderFence fence = fence_readers(above);
-    wait_then_destroy(fence.events);
-    mark_readers_done(fence);
-  }
-  while (pool_.created_pages() > pool_.budget_pages()) {
-    const std::size_t excess = pool_.created_pages() - pool_.budget_pages();
-    if (pool_.free_pages() > 0) {
-      pool_.trim(pool_.free_pages() - std::min(pool_.free_pages(), excess));
-      continue;
-    }
-    std::vector<Page> pages;
-    if (!reclaim_coldest(pages, excess, claims)) throw Error("internal: set_budget found no unclaimed mapped page");
-    for (const Page& page : pages) pool_.give_back(page);
-  }
 }
 
 }  // namespace vkv

@@ -5,6 +5,7 @@
 
 #include "kv_cache_impl.h"
 #include "undo_log.h"
+#include "util/fork_guard.h"
 #include "util/format.h"
 #include "vkv/error.h"
 
@@ -13,28 +14,28 @@ namespace vkv {
 // ---- inspection -----------------------------------------------------------------------
 
 std::size_t KvCache::Impl::num_free_slots() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<std::size_t>(
       std::count_if(slots_.begin(), slots_.end(), [](const Slot& slot) { return !slot.allocated; }));
 }
 
 bool KvCache::Impl::is_allocated(std::size_t slot) const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
-  expect_slot_in_range(slot);
+  slots_.expect_in_range(slot);
   return slots_[slot].allocated;
 }
 
 std::size_t KvCache::Impl::mapped_pages(std::size_t slot) const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
-  expect_slot_in_range(slot);
+  slots_.expect_in_range(slot);
   return slots_[slot].mapped();
 }
 
 CacheStats KvCache::Impl::stats() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   CacheStats stats;
   stats.page_bytes = layout_.page_bytes();
@@ -46,7 +47,7 @@ CacheStats KvCache::Impl::stats() const {
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
     stats.pages_in_reach +=
-        (std::min(slot.mapped(), first_reclaimable_without_waiting(s)) - slot.claimed) * layout_.num_regions();
+        (std::min(slot.mapped(), readers_.first_reclaimable_without_waiting(s)) - slot.claimed) * layout_.num_regions();
     stats.page_mappings += slot.mapped() * layout_.num_regions();
     claimed_mappings += slot.claimed * layout_.num_regions();
     stats.active_slots += slot.allocated ? 1 : 0;
@@ -65,8 +66,8 @@ CacheStats KvCache::Impl::stats() const {
   stats.pages_mapped = stats.page_mappings - duplicates;
   stats.pages_in_use = claimed_mappings - duplicates;
   stats.pages_cached = stats.pages_mapped - stats.pages_in_use;
-  stats.step = step_stats_;
-  stats.mapped_ahead = mapped_ahead_;
+  stats.step = profile_.steps();
+  stats.mapped_ahead = profile_.mapped_ahead();
   stats.budget_asks = budget_.asks();
   stats.budget_handoff = budget_.handoff();
   if (statistics_ != nullptr) stats.backend = statistics_->stats();
@@ -76,11 +77,11 @@ CacheStats KvCache::Impl::stats() const {
 
 // Each part checks its own; what they must agree on together is checked here.
 void KvCache::Impl::check_invariants() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   slots_.check(layout_, config_.zero_page);
   sharing_.check(slots_);
-  check_suspension();
+  if (suspension_) suspension_->check(slots_);
   auto expect = [](bool holds, const std::string& what) {
     if (!holds) throw Error("vkv invariant broken: " + what);
   };
@@ -92,8 +93,7 @@ void KvCache::Impl::check_invariants() const {
     for (const auto& pages : slot.pages)
       for (PageHandle page : pages) physical += sharing_.is_shared(page) ? 0 : 1;
   physical += sharing_.shared_pages();
-  std::size_t stranded = 0;
-  for (const Stranded& range : stranded_) stranded += range.handles.size();
+  const std::size_t stranded = growth_.stranded_pages();
   expect(pool_.created_pages() == pool_.free_pages() + physical + in_flight_pages_ + stranded,
          "created pages = free + mapped + in flight in the mapper + stranded by a double failure");
   expect(pool_.created_pages() <= pool_.budget_pages(), "created pages <= budget");

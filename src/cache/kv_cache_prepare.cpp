@@ -28,15 +28,15 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("prepare_step");
-  expect_valid_seq_lens(seq_lens, count);
-  enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
+  detail::expect_not_suspended(suspension_, "prepare_step");
+  step_planner_.expect_valid(seq_lens, count);
+  readers_.enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
   const std::size_t regions = layout_.num_regions();
   if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
   const std::size_t horizon =
       config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
   for (;;) {
-    const StepPlan step = plan_step(seq_lens, count, horizon);
+    const detail::StepPlan step = step_planner_.plan(seq_lens, count, horizon);
     if (step.waits_for_mapper) {
       background_done_.wait(lock);
       continue;
@@ -48,8 +48,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
     plan.copied_pages = step.copies.size();
     plan.missing_pages = *missing;
     if (*missing == 0) {
-      step_stats_.units += step.to_map;
-      step_stats_.nanoseconds += detail::nanoseconds_since(start);
+      profile_.count_prepared(step.to_map, start);
     }
     return plan;
   }
@@ -60,36 +59,36 @@ std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mu
                                                         std::size_t to_free, Stream stream, const char* call) {
   const std::size_t missing = to_map + to_free;
   if (missing == 0) return 0;
-  const std::size_t obtainable = obtainable_pages(claims);
+  const std::size_t obtainable = source_.obtainable_pages(claims);
   if (missing <= obtainable) {
     try {
-      detail::UndoLog undo(stream_waiter(stream));
-      if (to_map > 0) map_missing(claims, {}, to_map, stream, undo, call);
+      detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
+      if (to_map > 0) growth_.map_missing(claims, {}, to_map, stream, undo, call);
       // The copies' pages wait in the pool: the call takes them without creating any.
       if (to_free > 0)
-        for (const Page& page : obtain_pages(to_free, claims)) pool_.give_back(page);
+        for (const Page& page : source_.obtain(to_free, claims)) pool_.give_back(page);
       undo.commit();
       return 0;
     } catch (const OutOfMemory& error) {  // the device ran out, or the budget's room went meanwhile
-      if (!background_busy()) {
+      if (!growth_.mapper_busy()) {
         if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
         return std::max<std::size_t>(error.missing_pages(), 1);
       }
     }
-  } else if (!background_busy()) {
+  } else if (!growth_.mapper_busy()) {
     if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
     return missing - obtainable;
   }
   // Pages the mapper is moving are not lost: decide once it has put them down.
-  background_done_.wait(lock, [&] { return !background_busy(); });
+  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
   return std::nullopt;
 }
 
 KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("prepare_swap_in");
-  expect_slot_in_range(slot_index);
+  detail::expect_not_suspended(suspension_, "prepare_swap_in");
+  slots_.expect_in_range(slot_index);
   const std::size_t regions = layout_.num_regions();
   if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
   for (;;) {
@@ -100,7 +99,7 @@ KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stre
       continue;
     }
     std::vector<std::size_t> claims = slots_.claims();
-    claims[slot_index] = layout_.pages_for_tokens(swapped_tokens(slot));
+    claims[slot_index] = layout_.pages_for_tokens(detail::swapped_tokens(slot, layout_));
     const std::size_t to_map = claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * regions : 0;
     const std::optional<std::size_t> missing = map_unclaimed(lock, claims, to_map, 0, stream, "swap_in");
     if (!missing) continue;
@@ -113,10 +112,10 @@ KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stre
 KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("prepare_fork");
-  expect_slot_in_range(src);
+  detail::expect_not_suspended(suspension_, "prepare_fork");
+  slots_.expect_in_range(src);
   for (;;) {
-    expect_valid_fork(src);
+    prefixes_.expect_valid_fork(src);
     Preparation plan;
     plan.slot = slots_.next_to_allocate();
     VKV_EXPECTS(plan.slot < slots_.size(), "no free slot: all max_batch_size = ", slots_.size(),
@@ -133,11 +132,11 @@ KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
 KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("prepare_share_prefix");
-  expect_slot_in_range(src);
-  expect_slot_in_range(dst);
+  detail::expect_not_suspended(suspension_, "prepare_share_prefix");
+  slots_.expect_in_range(src);
+  slots_.expect_in_range(dst);
   for (;;) {
-    expect_valid_share(src, dst, tokens);
+    prefixes_.expect_valid_share(src, dst, tokens);
     if (slots_[dst].busy()) {
       wait_not_busy(lock, dst);
       continue;
@@ -153,8 +152,8 @@ KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
   const std::size_t page = layout_.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   std::lock_guard<std::mutex> lock(mutex_);
-  expect_not_suspended("prepare_set_budget");
-  const std::size_t in_use = pages_set_budget_keeps();
+  detail::expect_not_suspended(suspension_, "prepare_set_budget");
+  const std::size_t in_use = source_.pages_held_now();
   Preparation plan;
   plan.missing_pages = in_use > bytes / page ? in_use - bytes / page : 0;
   return plan;
@@ -162,33 +161,33 @@ KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
 
 // Sharing `tokens` tokens into dst copies a partly filled page into a page of dst's own
 // (one it keeps mapped there, or a fresh one per region), and the pages of a large page
-// of src's that `tokens` ends inside of (share_shape()). Makes the fresh ones free in the
+// of src's that `tokens` ends inside of (prefixes_.shape()). Makes the fresh ones free in the
 // pool (created, or unmapped from where no slot claims them); returns the shortfall.
 std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock, std::size_t src, std::size_t dst,
                                               std::size_t tokens) {
   for (;;) {
-    const ShareShape shape = share_shape(src, dst, tokens);
+    const detail::PrefixSharing::Shape shape = prefixes_.shape(src, dst, tokens);
     const std::size_t needed = shape.fresh * layout_.num_regions();
     if (needed == 0) return 0;
     // No stream to wait on here: pages work in flight may read stay where they are.
-    std::vector<std::size_t> claims = reclaimable_floors();
+    std::vector<std::size_t> claims = readers_.reclaimable_floors();
     if (shape.keeps_tail) claims[dst] = slots_[dst].mapped();
-    const std::size_t obtainable = obtainable_pages(claims);
+    const std::size_t obtainable = source_.obtainable_pages(claims);
     if (obtainable >= needed) {
       try {
-        for (const Page& fresh : obtain_pages(needed, claims)) pool_.give_back(fresh);
+        for (const Page& fresh : source_.obtain(needed, claims)) pool_.give_back(fresh);
         return 0;
       } catch (const OutOfMemory& error) {
-        if (!background_busy()) {
+        if (!growth_.mapper_busy()) {
           if (budget_.reap_dead()) continue;  // plan again with their bytes
           return std::max<std::size_t>(error.missing_pages(), 1);
         }
       }
-    } else if (!background_busy()) {
+    } else if (!growth_.mapper_busy()) {
       if (budget_.reap_dead()) continue;  // plan again with their bytes
       return needed - obtainable;
     }
-    background_done_.wait(lock, [&] { return !background_busy(); });
+    background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
   }
 }
 

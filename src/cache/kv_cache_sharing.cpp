@@ -14,41 +14,24 @@
 
 namespace vkv {
 
-void KvCache::Impl::expect_valid_fork(std::size_t src) const {
-  VKV_EXPECTS(slots_[src].allocated, "fork: slot ", src, " is not allocated");
-  VKV_EXPECTS(!slots_[src].swapped, "fork: slot ", src, " is swapped out (swap_in() first)");
-}
-
-void KvCache::Impl::expect_valid_share(std::size_t src, std::size_t dst, std::size_t tokens) const {
-  VKV_EXPECTS(src != dst, "share_prefix: src and dst are both slot ", src);
-  for (std::size_t slot : {src, dst}) {
-    VKV_EXPECTS(slots_[slot].allocated, "share_prefix: slot ", slot, " is not allocated");
-    VKV_EXPECTS(!slots_[slot].swapped, "share_prefix: slot ", slot, " is swapped out (swap_in() first)");
-  }
-  VKV_EXPECTS(tokens <= slots_[src].seq_len, "share_prefix: tokens = ", tokens, " exceeds src slot ", src,
-              "'s seq_len = ", slots_[src].seq_len);
-  VKV_EXPECTS(slots_[dst].claimed == 0, "share_prefix: dst slot ", dst, " already holds tokens (seq_len ",
-              slots_[dst].seq_len, "); share into a slot fresh from alloc_reqid()");
-}
-
 std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("fork");
-  expect_slot_in_range(src);
-  auto expect_source = [&] { expect_valid_fork(src); };
+  detail::expect_not_suspended(suspension_, "fork");
+  slots_.expect_in_range(src);
+  auto expect_source = [&] { prefixes_.expect_valid_fork(src); };
   expect_source();
-  detail::UndoLog undo(stream_waiter(stream));
+  detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
   const std::size_t dst = slots_.next_to_allocate();
   const std::size_t kept_at_free = dst < slots_.size() ? slots_[dst].kept_at_free : 0;
   const std::size_t eager_slot = slots_.eager_slot();
   allocate_slot(lock, dst, stream);
   undo.push([this, dst, kept_at_free, eager_slot] { slots_.unmark_allocated(dst, kept_at_free, eager_slot); });
   // The mapper may be mapping ahead into the slot handed out next; room for dst's own pages.
-  settle(lock, dst, share_shape(src, dst, slots_[src].seq_len).fresh * layout_.num_regions(), 0, expect_source);
-  enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
-  if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
-  share_into(src, dst, slots_[src].seq_len, stream, undo);
+  settle(lock, dst, prefixes_.shape(src, dst, slots_[src].seq_len).fresh * layout_.num_regions(), 0, expect_source);
+  readers_.enqueue_fill(dst, stream);  // the previous owner's tokens go before prefixes_.share_into() touches the pages
+  if (config_.zero_page) read_windows_.close_current(stream);  // prefixes_.share_into() may wait for it
+  prefixes_.share_into(src, dst, slots_[src].seq_len, stream, undo);
   undo.commit();
   budget_.publish_in_use();
   if (mapper_) mapper_->wake();
@@ -58,181 +41,19 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
 void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("share_prefix");
-  expect_slot_in_range(src);
-  expect_slot_in_range(dst);
-  auto expect_valid = [&] { expect_valid_share(src, dst, tokens); };
+  detail::expect_not_suspended(suspension_, "share_prefix");
+  slots_.expect_in_range(src);
+  slots_.expect_in_range(dst);
+  auto expect_valid = [&] { prefixes_.expect_valid_share(src, dst, tokens); };
   expect_valid();
-  settle(lock, dst, share_shape(src, dst, tokens).fresh * layout_.num_regions(), 0,
-         expect_valid);       // room for dst's own pages
-  enqueue_fill(dst, stream);  // the previous owner's tokens go before share_into() touches the pages
-  if (config_.zero_page) read_windows_.close_current(stream);  // share_into() may wait for it
-  detail::UndoLog undo(stream_waiter(stream));
-  share_into(src, dst, tokens, stream, undo);
+  settle(lock, dst, prefixes_.shape(src, dst, tokens).fresh * layout_.num_regions(), 0,
+         expect_valid);                // room for dst's own pages
+  readers_.enqueue_fill(dst, stream);  // the previous owner's tokens go before prefixes_.share_into() touches the pages
+  if (config_.zero_page) read_windows_.close_current(stream);  // prefixes_.share_into() may wait for it
+  detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
+  prefixes_.share_into(src, dst, tokens, stream, undo);
   undo.commit();
   budget_.publish_in_use();
-}
-
-KvCache::Impl::ShareShape KvCache::Impl::share_shape(std::size_t src, std::size_t dst, std::size_t tokens) const {
-  const Slot& to = slots_[dst];
-  const std::size_t page_bytes = layout_.page_bytes();
-  ShareShape shape;
-  shape.full = tokens * layout_.token_bytes() / page_bytes;
-  shape.partial_bytes = tokens * layout_.token_bytes() - shape.full * page_bytes;
-  shape.aliased = round_down_to_whole(slots_[src], shape.full);
-  const std::size_t mapped = to.mapped();
-  shape.replaced = round_down_to_whole(to, shape.full) == shape.full ? std::min(mapped, shape.full) : mapped;
-  shape.keeps_tail = mapped > shape.replaced;
-  shape.fresh = shape.full - shape.aliased + (shape.partial_bytes > 0 && !shape.keeps_tail ? 1 : 0);
-  return shape;
-}
-
-// Pages [0, aliased) of dst become src's, a large page whole; pages [aliased, full), in a
-// large page of src that goes on past `full`, are dst's own fresh copies. Page `full`,
-// where `tokens` ends inside a page, is dst's own too (kept, or fresh from the pool) and
-// receives a copy of src's bytes of tokens below `tokens` only: src's later tokens may
-// belong to another request.
-void KvCache::Impl::share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream,
-                               detail::UndoLog& undo) {
-  Slot& from = slots_[src];
-  Slot& to = slots_[dst];
-  const std::size_t page_bytes = layout_.page_bytes();
-  const std::size_t regions = layout_.num_regions();
-  ShareShape shape = share_shape(src, dst, tokens);
-
-  std::vector<Page> fresh;  // shape.fresh per region, region after region
-  if (shape.fresh > 0) {
-    // dst's own kept pages count as obtainable where all of them are about to be replaced.
-    std::vector<std::size_t> claims = slots_.claims();
-    if (shape.keeps_tail) claims[dst] = to.mapped();
-    expect_obtainable(shape.fresh * regions, claims, "copying the pages a shared prefix ends in");
-    fresh = obtain_pages(shape.fresh * regions, claims);
-    undo.push([this, fresh] {  // the copies below may have written them
-      for (const Page& page : fresh) pool_.give_back({page.handle, /*clean=*/false});
-    });
-    shape = share_shape(src, dst, tokens);  // after reclamation, which may have taken dst's
-    VKV_ASSERT(shape.fresh * regions == fresh.size());
-  }
-  const std::size_t mapped = to.mapped();
-  const std::size_t full = shape.full;
-  const std::size_t aliased = shape.aliased;
-  const std::size_t replaced = shape.replaced;
-  wait_free_event(to);          // the previous owner's zero-fill still writes the pages replaced
-  order_after_readers(dst, 0);  // and reads of dst in flight (zero_page)
-
-  std::vector<PageHandle> fresh_handles(shape.fresh);
-  for (std::size_t r = 0; r < regions; ++r) {
-    if (replaced > 0) {
-      unmap_real(dst, r, 0, to.pages[r].data(), replaced);
-      undo.push_remap([this, dst, r, replaced] { map_real(dst, r, 0, slots_[dst].pages[r].data(), replaced); });
-    }
-    if (aliased > 0) {
-      map_real(dst, r, 0, from.pages[r].data(), aliased);
-      undo.push_remap([this, src, dst, r, aliased] { unmap_real(dst, r, 0, slots_[src].pages[r].data(), aliased); });
-    }
-    if (shape.fresh > 0) {
-      const Page* own = &fresh[r * shape.fresh];
-      for (std::size_t i = 0; i < shape.fresh; ++i) fresh_handles[i] = own[i].handle;
-      map_real(dst, r, aliased, fresh_handles.data(), shape.fresh);
-      undo.push_remap(
-          [this, dst, r, aliased, own = fresh_handles] { unmap_real(dst, r, aliased, own.data(), own.size()); });
-      undo.enqueued_device_work();
-      if (full > aliased)  // whole pages of src's tokens
-        backend_->copy(page_address(r, dst, aliased), page_address(r, src, aliased), (full - aliased) * page_bytes,
-                       stream);
-      if (!shape.keeps_tail && shape.partial_bytes > 0)
-        zero_fresh_pages(page_address(r, dst, full), &own[full - aliased], 1, stream);
-    }
-    if (shape.partial_bytes == 0) continue;
-    const Address partial = page_address(r, dst, full);
-    undo.enqueued_device_work();
-    backend_->copy(partial, page_address(r, src, full), shape.partial_bytes, stream);
-    // A page dst keeps held zeros (it claimed nothing) and stays mapped if the call fails.
-    if (shape.keeps_tail)
-      undo.push_enqueue([this, partial, page_bytes, stream] { backend_->zero(partial, page_bytes, stream); });
-  }
-
-  // Every backend call succeeded: the bookkeeping follows.
-  for (std::size_t r = 0; r < regions; ++r) {
-    std::vector<PageHandle>& pages = to.pages[r];
-    std::vector<Page> unmapped;
-    drop_mappings(pages, 0, replaced, /*clean=*/true, unmapped);  // zeroed at free, waited for
-    for (const Page& page : unmapped) pool_.give_back(page);
-    std::vector<PageHandle> now(from.pages[r].begin(), from.pages[r].begin() + static_cast<std::ptrdiff_t>(aliased));
-    for (std::size_t i = 0; i < shape.fresh; ++i) now.push_back(fresh[r * shape.fresh + i].handle);
-    if (mapped > replaced) now.insert(now.end(), pages.begin() + static_cast<std::ptrdiff_t>(replaced), pages.end());
-    pages = std::move(now);
-    for (std::size_t i = 0, end = 0; i < aliased; i = end) {
-      end = detail::run_end(pages.data(), i, aliased, [](PageHandle page) { return page; });
-      sharing_.add_mapping(pages[i], end - i);
-    }
-  }
-  to.seq_len = tokens;
-  to.claimed = layout_.pages_for_tokens(tokens);
-  if (full > 0) from.shared_a_page = to.shared_a_page = true;  // also where large pages made it a copy
-}
-
-// Gives each slot in `copies` a private copy of the shared page it names, from
-// pages[next...]; a shared large page is copied whole, into single pages, its pages
-// following each other in `copies`. The copy comes from another slot mapping the same
-// page that keeps it (an allocated one, whose claimed pages nothing unmaps under the
-// lock): never from one copied later in this loop, which unmaps it under the queued copy.
-void KvCache::Impl::copy_on_write(const std::vector<PageRef>& copies, const std::vector<Page>& pages, std::size_t& next,
-                                  Stream stream, detail::UndoLog& undo) {
-  // The writer's earlier kernels may still read the shared page through its address.
-  const Event readers = backend_->record_event(stream);
-  try {
-    backend_->wait_event(readers);
-  } catch (...) {
-    backend_->destroy_event(readers);
-    throw;
-  }
-  backend_->destroy_event(readers);
-
-  const std::size_t page_bytes = layout_.page_bytes();
-  auto identity = [](PageHandle page) { return page; };
-  std::set<std::pair<std::size_t, std::size_t>> copied;  // (slot, page)
-  for (const PageRef& ref : copies) copied.emplace(ref.slot, ref.page);
-  for (std::size_t c = 0; c < copies.size();) {
-    const PageRef ref = copies[c];
-    const std::vector<PageHandle>& writer = slots_[ref.slot].pages.front();
-    const std::size_t count = detail::run_end(writer.data(), ref.page, writer.size(), identity) - ref.page;
-    for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
-      const PageHandle shared = slots_[ref.slot].pages[r][ref.page];
-      std::size_t holder = 0;
-      while (holder < slots_.size() &&
-             (slots_[holder].mapped() <= ref.page || slots_[holder].pages[r][ref.page] != shared ||
-              copied.count({holder, ref.page}) != 0))
-        ++holder;
-      if (holder == slots_.size()) throw Error("internal: a shared page has no other slot mapping it");
-      std::vector<PageHandle> fresh(count);
-      for (std::size_t i = 0; i < count; ++i) fresh[i] = pages[next + i].handle;
-      const std::vector<PageHandle> shared_run(count, shared);
-      const Address address = page_address(r, ref.slot, ref.page);
-      backend_->unmap(address, count * page_bytes);
-      try {
-        backend_->map(address, fresh.data(), count);
-      } catch (...) {
-        map_handles(address, shared_run.data(), count);
-        throw;
-      }
-      next += count;
-      std::vector<PageHandle>& list = slots_[ref.slot].pages[r];
-      std::copy(fresh.begin(), fresh.end(), list.begin() + static_cast<std::ptrdiff_t>(ref.page));
-      sharing_.drop_mapping(shared);
-      undo.push_remap([this, ref, r, address, shared_run, fresh, page_bytes] {
-        backend_->unmap(address, shared_run.size() * page_bytes);
-        map_handles(address, shared_run.data(), shared_run.size());
-        std::vector<PageHandle>& pages_now = slots_[ref.slot].pages[r];
-        std::copy(shared_run.begin(), shared_run.end(), pages_now.begin() + static_cast<std::ptrdiff_t>(ref.page));
-        sharing_.add_mapping(shared_run.front(), shared_run.size());
-        for (PageHandle page : fresh) pool_.give_back({page, false});
-      });
-      undo.enqueued_device_work();
-      backend_->copy(address, page_address(r, holder, ref.page), count * page_bytes, stream);
-    }
-    c += count;
-  }
 }
 
 }  // namespace vkv

@@ -5,6 +5,7 @@
 
 #include "kv_cache_impl.h"
 #include "undo_log.h"
+#include "util/fork_guard.h"
 #include "vkv/error.h"
 
 namespace vkv {
@@ -12,7 +13,7 @@ namespace vkv {
 std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool contiguous, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("alloc_reqids");
+  detail::expect_not_suspended(suspension_, "alloc_reqids");
   VKV_EXPECTS(count > 0, "alloc_reqids: count = 0; ask for at least one slot");
   std::size_t free_slots = 0;
   for (const Slot& slot : slots_) free_slots += slot.allocated ? 0 : 1;
@@ -52,7 +53,7 @@ std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool con
 }
 
 std::vector<std::size_t> KvCache::Impl::seq_lens() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::size_t> lengths(slots_.size());
   for (std::size_t s = 0; s < slots_.size(); ++s) lengths[s] = slots_[s].seq_len;  // 0 when free or swapped out
@@ -64,36 +65,36 @@ void KvCache::Impl::step_slots(const std::size_t* slots, const std::size_t* seq_
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("step_slots");
+  detail::expect_not_suspended(suspension_, "step_slots");
   VKV_EXPECTS((slots != nullptr && seq_lens != nullptr) || count == 0, "step_slots: slots or seq_lens is null");
   std::vector<std::size_t> lengths(slots_.size());
   for (std::size_t s = 0; s < slots_.size(); ++s) lengths[s] = slots_[s].seq_len;
   std::vector<bool> listed(slots_.size(), false);
   for (std::size_t i = 0; i < count; ++i) {
-    expect_slot_in_range(slots[i]);
+    slots_.expect_in_range(slots[i]);
     VKV_EXPECTS(!listed[slots[i]], "step_slots: slot ", slots[i], " is listed twice");
     listed[slots[i]] = true;
     lengths[slots[i]] = seq_lens[i];
   }
   if (step_locked(lock, lengths.data(), lengths.size(), stream, start)) {
     lock.unlock();
-    wake_mapper();
+    profile_.time_wake([this] { mapper_->wake(); });
   }
 }
 
 void KvCache::Impl::set_deferred_reclamation(bool on) {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   config_.deferred_reclamation = on;  // read by free_reqid() only, under the same lock
 }
 
-// Only the hint changes: the mapper reads it (kv_cache_background_plan.cpp); nothing that
+// Only the hint changes: the mapper reads it (background_planner.cpp); nothing that
 // decides slots, claims or shortages does, so ranks that differ in it stay in agreement.
 void KvCache::Impl::expect_tokens(std::size_t slot_index, std::size_t tokens) {
   rethrow_background_error();
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    expect_slot_in_range(slot_index);
+    slots_.expect_in_range(slot_index);
     const Slot& slot = slots_[slot_index];
     VKV_EXPECTS(slot.allocated, "expect_tokens: slot ", slot_index, " is not allocated (alloc_reqid it first)");
     VKV_EXPECTS(!slot.swapped, "expect_tokens: slot ", slot_index, " is swapped out (swap_in it first)");

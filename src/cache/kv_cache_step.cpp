@@ -13,19 +13,7 @@
 
 namespace vkv {
 
-namespace {
-
 using detail::Clock;
-using detail::nanoseconds_between;
-
-// Adds the time since `from` to `into` and moves `from` on: one clock read per phase.
-void lap(Clock::time_point& from, std::uint64_t& into) {
-  const Clock::time_point now = Clock::now();
-  into += nanoseconds_between(from, now);
-  from = now;
-}
-
-}  // namespace
 
 void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
   const auto start = Clock::now();
@@ -37,134 +25,64 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
     lock.lock();
     budget_.step_waited();
   }
-  expect_not_suspended("step");
+  detail::expect_not_suspended(suspension_, "step");
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
-  step_profile_.lock_contended = contended;
+  profile_.step().lock_contended = contended;
   lock.unlock();
-  if (wake) wake_mapper();
-}
-
-void KvCache::Impl::wake_mapper() {
-  const auto start = Clock::now();
-  mapper_->wake();
-  last_wake_ns_.store(nanoseconds_between(start, Clock::now()), std::memory_order_relaxed);
+  if (wake) profile_.time_wake([this] { mapper_->wake(); });
 }
 
 StepProfile KvCache::Impl::last_step_profile() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  StepProfile profile = step_profile_;
-  profile.free_ns = free_timing_.total_ns;
-  profile.free_lock_wait_ns = free_timing_.lock_wait_ns;
-  profile.alloc_ns = alloc_timing_.total_ns;
-  profile.alloc_lock_wait_ns = alloc_timing_.lock_wait_ns;
-  profile.wake_ns = profile.woke_mapper ? last_wake_ns_.load(std::memory_order_relaxed) : 0;
-  return profile;
-}
-
-void KvCache::Impl::expect_valid_seq_lens(const std::size_t* seq_lens, std::size_t count) const {
-  VKV_EXPECTS(count == slots_.size(), "seq_lens has ", count, " entries: it must have max_batch_size = ", slots_.size(),
-              " (0 for slots not in use)");
-  VKV_EXPECTS(seq_lens != nullptr || count == 0, "seq_lens is null");
-  for (std::size_t s = 0; s < count; ++s) {
-    VKV_EXPECTS(seq_lens[s] <= config_.max_context_len, "seq_lens[", s, "] = ", seq_lens[s],
-                " exceeds max_context_len = ", config_.max_context_len);
-    VKV_EXPECTS(seq_lens[s] == 0 || slots_[s].allocated, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
-                " is not allocated (alloc_reqid() first)");
-    VKV_EXPECTS(seq_lens[s] == 0 || !slots_[s].swapped, "seq_lens[", s, "] = ", seq_lens[s], " but slot ", s,
-                " is swapped out (swap_in() first, or give it 0)");
-  }
-}
-
-std::size_t KvCache::Impl::eager_tokens() const noexcept {
-  const std::size_t tokens = config_.eager_tokens == kAdaptive ? prompts_.estimate() : config_.eager_tokens;
-  return std::min(tokens, config_.max_context_len);
-}
-
-KvCache::Impl::StepPlan KvCache::Impl::plan_step(const std::size_t* seq_lens, std::size_t count,
-                                                 std::size_t horizon) const {
-  StepPlan plan;
-  plan.claims.assign(count, 0);
-  const std::size_t regions = layout_.num_regions();
-  std::unordered_map<PageHandle, std::size_t> copies_of;  // the last slot mapping a page keeps it
-  for (std::size_t s = 0; s < count; ++s) {
-    const Slot& slot = slots_[s];
-    plan.claims[s] = std::max(slot.claimed, layout_.pages_for_tokens(seq_lens[s]));
-    if (plan.claims[s] > slot.mapped()) plan.to_map += (plan.claims[s] - slot.mapped()) * regions;
-    if (!sharing_.empty() && seq_lens[s] > slot.seq_len) {
-      // Tokens [seq_len, new seq_len) are about to be written: a shared page there is copied.
-      // A shared large page is copied whole.
-      const std::vector<PageHandle>& pages = slot.pages.front();
-      const std::size_t end = std::min(slot.mapped(), layout_.pages_for_tokens(seq_lens[s]));
-      std::size_t page = round_down_to_whole(slot, slot.seq_len * layout_.token_bytes() / layout_.page_bytes());
-      while (page < end) {
-        const std::size_t run =
-            detail::run_end(pages.data(), page, pages.size(), [](PageHandle handle) { return handle; });
-        const PageHandle handle = pages[page];
-        if (sharing_.is_shared(handle) && copies_of[handle]++ != sharing_.mappings(handle) - 1)
-          for (std::size_t i = page; i < run; ++i) plan.copies.push_back({s, i});
-        page = run;
-      }
-    }
-    // The mapper is mapping (or unmapping) pages this slot needs, or pages the new horizon
-    // puts in reach of the next iteration's reads: they are nearly done.
-    if (slot.busy() && (plan.claims[s] > slot.busy_from || (slot.allocated && slot.busy_from < horizon)))
-      plan.waits_for_mapper = true;
-  }
-  plan.missing = plan.to_map + plan.copies.size() * regions;
-  return plan;
+  return profile_.last_step();
 }
 
 bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count,
                                 Stream stream, std::chrono::steady_clock::time_point start) {
-  Clock::time_point lap_start = Clock::now();
-  step_profile_ = {};
-  step_profile_.lock_wait_ns = nanoseconds_between(start, lap_start);
-  step_profile_.mapper_busy = background_busy();
-  const std::uint64_t event_wait_before = event_wait_ns_;
-  expect_valid_seq_lens(seq_lens, count);
-  lap(lap_start, step_profile_.plan_ns);
+  profile_.begin_step(start, growth_.mapper_busy());
+  step_planner_.expect_valid(seq_lens, count);
+  profile_.lap(&StepProfile::plan_ns);
   // Zero-fills left by free_reqid() and swap_out(): enqueued here at the latest, before
   // this step reclaims those pages and before the iteration's kernels.
-  step_profile_.fills = static_cast<std::uint32_t>(deferred_fills_);
-  enqueue_deferred_fills(stream);
-  lap(lap_start, step_profile_.fills_ns);
+  profile_.step().fills = static_cast<std::uint32_t>(readers_.deferred_fills());
+  readers_.enqueue_deferred_fills(stream);
+  profile_.lap(&StepProfile::fills_ns);
   // The work enqueued since the last step() ends its read window here (zero_page).
   if (config_.zero_page) read_windows_.begin_step(stream);
-  lap(lap_start, step_profile_.windows_ns);
+  profile_.lap(&StepProfile::windows_ns);
   // What the iteration's kernels may read in every allocated slot: a padded batch's length.
   const std::size_t horizon =
       config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
-  StepPlan plan;
+  detail::StepPlan plan;
   bool asked = false;  // the shared budget's other members, once per call
   for (;;) {
-    plan = plan_step(seq_lens, count, horizon);
-    lap(lap_start, step_profile_.plan_ns);
+    plan = step_planner_.plan(seq_lens, count, horizon);
+    profile_.lap(&StepProfile::plan_ns);
     if (plan.waits_for_mapper) {
       background_done_.wait(lock);
-      ++step_profile_.mapper_waits;
-      lap(lap_start, step_profile_.mapper_wait_ns);
+      ++profile_.step().mapper_waits;
+      profile_.lap(&StepProfile::mapper_wait_ns);
       continue;
     }
     if (plan.missing == 0) break;
     try {
-      detail::UndoLog undo(stream_waiter(stream));
-      map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
+      detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
+      growth_.map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
       undo.commit();
-      step_stats_.units += plan.missing;
-      step_profile_.pages_mapped += static_cast<std::uint32_t>(plan.missing);
-      lap(lap_start, step_profile_.map_ns);
+      profile_.count_step_pages(plan.missing);
+      profile_.lap(&StepProfile::map_ns);
       break;
     } catch (const OutOfMemory& shortage) {
-      lap(lap_start, step_profile_.map_ns);
+      profile_.lap(&StepProfile::map_ns);
       // Pages the mapper is moving are not lost: decide once it has put them down.
-      if (background_busy()) {
-        background_done_.wait(lock, [&] { return !background_busy(); });
+      if (growth_.mapper_busy()) {
+        background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
       } else if (budget_.reap_dead()) {
         continue;  // a dead member's bytes are free now (each member is counted out once)
       } else if (!asked && budget_.may_ask()) {
         asked = true;
         budget_.ask(lock, shortage.missing_pages(), budget_.ask_headroom(shortage.missing_pages()));
-        expect_valid_seq_lens(seq_lens, count);  // other threads may have freed slots meanwhile
+        step_planner_.expect_valid(seq_lens, count);  // other threads may have freed slots meanwhile
       } else {
         throw;
       }
@@ -181,30 +99,19 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
     slot.claimed = plan.claims[s];
     VKV_ASSERT(slot.claimed <= slot.mapped());
   }
-  if (prefilled) slots_.set_eager_pages(layout_.pages_for_tokens(eager_tokens()));
+  if (prefilled) slots_.set_eager_pages(layout_.pages_for_tokens(detail::eager_tokens(config_, prompts_)));
   if (config_.zero_page) read_windows_.end_step(horizon);
   budget_.publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
-  const bool wake = mapper_ && next_background_unit(/*settle_events=*/false).kind != BackgroundUnit::Kind::none;
-  step_profile_.woke_mapper = wake;
+  const bool wake =
+      mapper_ && !suspension_ &&
+      planner_.next(/*settle_events=*/false, detail::eager_tokens(config_, prompts_), watermark_pages_).kind !=
+          detail::BackgroundUnit::Kind::none;
+  profile_.step().woke_mapper = wake;
   const Clock::time_point end = Clock::now();
-  step_profile_.finish_ns = nanoseconds_between(lap_start, end);
-  step_profile_.total_ns = nanoseconds_between(start, end);
+  profile_.end_step(end);
   budget_.step_ended(end);
-  step_profile_.event_wait_ns = event_wait_ns_ - event_wait_before;
-  step_stats_.calls += 1;
-  step_stats_.nanoseconds += step_profile_.total_ns;
   return wake;
-}
-
-std::size_t KvCache::Impl::obtainable_pages(const std::vector<std::size_t>& claims) const {
-  std::size_t unclaimed = 0;  // mapped pages no slot claims and the mapper is not working on
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const std::size_t mapped = slots_[s].mapped();
-    const std::size_t floor = round_up_to_whole(slots_[s], claims[s]);  // large pages go whole
-    if (!slots_[s].busy() && mapped > floor) unclaimed += mapped - floor;
-  }
-  return pool_.obtainable_pages() + unclaimed * layout_.num_regions();
 }
 
 // Pages the mapper is moving are not lost: a shortage is decided once it has put them down.
@@ -213,175 +120,8 @@ void KvCache::Impl::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size
   background_done_.wait(lock, [&] {
     std::vector<std::size_t> claims = slots_.claims();
     claims[slot] = std::max(claims[slot], claim);
-    return !background_busy() || obtainable_pages(claims) >= missing;
+    return !growth_.mapper_busy() || source_.obtainable_pages(claims) >= missing;
   });
-}
-
-std::size_t KvCache::Impl::pages_short(std::size_t missing, std::size_t slot, std::size_t claim) const {
-  std::vector<std::size_t> claims = slots_.claims();
-  claims[slot] = std::max(claims[slot], claim);
-  const std::size_t obtainable = obtainable_pages(claims);
-  return missing > obtainable ? missing - obtainable : 0;
-}
-
-void KvCache::Impl::expect_obtainable(std::size_t missing, const std::vector<std::size_t>& claims,
-                                      const char* call) const {
-  const std::size_t obtainable = obtainable_pages(claims);
-  if (missing <= obtainable) return;
-  std::size_t claimed_mapped = 0;
-  for (std::size_t s = 0; s < slots_.size(); ++s) claimed_mapped += std::min(slots_[s].mapped(), claims[s]);
-  const std::size_t regions = layout_.num_regions();
-  const std::size_t page = layout_.page_bytes();
-  throw OutOfMemory(
-      detail::concat(call, " needs ", missing, " more pages (", detail::format_bytes(missing * page), ") but only ",
-                     obtainable, " can be had: budget ", pool_.budget_pages(), " pages of ", detail::format_bytes(page),
-                     ", ", claimed_mapped * regions - sharing_.duplicate_mappings(), " held by allocated slots",
-                     budget_.room_text(), "; free, preempt or swap out requests, or raise the budget"),
-      missing - obtainable, page);
-}
-
-std::function<void()> KvCache::Impl::stream_waiter(Stream stream) {
-  return [this, stream] { backend_->synchronize(stream); };
-}
-
-// Large pages for the whole large-page spans slots grow into (claims[s] beyond what they
-// map), in every region of a span or in none, as far as the pool has them without
-// reclaiming: [slot] -> `regions` pages per span, the slot's first spans in order.
-std::vector<std::vector<Page>> KvCache::Impl::take_large_pages(const std::vector<std::size_t>& claims) {
-  std::vector<std::vector<Page>> large(slots_.size());
-  const std::size_t span = pool_.large_page_pages();
-  if (span == 0) return large;
-  const std::size_t regions = layout_.num_regions();
-  try {
-    for (std::size_t s = 0; s < slots_.size(); ++s) {
-      for (std::size_t first = (slots_[s].mapped() + span - 1) / span * span; first + span <= claims[s];
-           first += span) {
-        const std::size_t taken = large[s].size();
-        while (large[s].size() < taken + regions) {
-          std::optional<Page> page = pool_.take_large();
-          if (!page) {
-            for (std::size_t i = taken; i < large[s].size(); ++i) pool_.give_back(large[s][i]);
-            large[s].resize(taken);
-            return large;
-          }
-          large[s].push_back(*page);
-        }
-      }
-    }
-  } catch (...) {
-    for (const std::vector<Page>& pages : large)
-      for (const Page& page : pages) pool_.give_back(page);
-    throw;
-  }
-  return large;
-}
-
-// The pages of a grant in the order map_missing() uses them: `copies` single pages first,
-// then slot by slot, region by region, each slot's large pages at its first whole spans
-// (one entry per page they cover), single pages around them.
-std::vector<Page> KvCache::Impl::lay_out_grant(const std::vector<std::size_t>& claims,
-                                               const std::vector<std::vector<Page>>& large,
-                                               const std::vector<Page>& singles, std::size_t copies) const {
-  std::vector<Page> pages(singles.begin(), singles.begin() + static_cast<std::ptrdiff_t>(copies));
-  std::size_t next_single = copies;
-  const std::size_t span = pool_.large_page_pages();
-  const std::size_t regions = layout_.num_regions();
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const std::size_t mapped = slots_[s].mapped();
-    if (claims[s] <= mapped) continue;
-    const std::size_t spans = large[s].size() / regions;
-    const std::size_t first_span = span == 0 ? mapped : (mapped + span - 1) / span * span;
-    for (std::size_t r = 0; r < regions; ++r) {
-      for (std::size_t page = mapped; page < claims[s];) {
-        if (page >= first_span && page < first_span + spans * span) {
-          pages.insert(pages.end(), span, large[s][(page - first_span) / span * regions + r]);
-          page += span;
-        } else {
-          pages.push_back(singles[next_single++]);
-          page += 1;
-        }
-      }
-    }
-  }
-  VKV_ASSERT(next_single == singles.size());
-  return pages;
-}
-
-// Maps every slot up to claims[s] pages per region and gives `copies` private copies of
-// the shared pages they name, with `missing` pages in all. Each backend step registers
-// its undo in `undo`; the caller commits. Every mapping is made before any zero-fill is
-// enqueued, so a failed map is undone at once; once device work is queued, undoing waits
-// for it (the undo log's stream waiter).
-void KvCache::Impl::map_missing(const std::vector<std::size_t>& claims, const std::vector<PageRef>& copies,
-                                std::size_t missing, Stream stream, detail::UndoLog& undo, const char* call) {
-  if (!stranded_.empty()) unmap_stranded();  // before mapping past slots' books; pages for the pool
-  expect_obtainable(missing, claims, call);
-  for (std::size_t s = 0; s < slots_.size(); ++s)
-    if (claims[s] > slots_[s].mapped()) order_after_readers(s, slots_[s].mapped());
-  const std::size_t regions = layout_.num_regions();
-  std::vector<Page> pages;  // every page in the order it is used
-  std::size_t next = 0;     // pages[next...] are not mapped yet
-  detail::UndoLog unused;
-  unused.push([&] { give_back_pages(pages.data() + next, pages.size() - next); });
-  {
-    const std::vector<std::vector<Page>> large = take_large_pages(claims);
-    std::size_t large_total = 0;
-    for (const std::vector<Page>& taken : large) large_total += taken.size() * pool_.large_page_pages();
-    std::vector<Page> singles;
-    try {
-      singles = obtain_pages(missing - large_total, claims);
-      pages = lay_out_grant(claims, large, singles, copies.size() * regions);
-    } catch (...) {
-      for (const std::vector<Page>& taken : large)
-        for (const Page& page : taken) pool_.give_back(page);
-      for (const Page& page : singles) pool_.give_back(page);
-      throw;
-    }
-  }
-  // From here on the call holds every page it maps: a watcher waiting for the lock may
-  // have freed slots' pages at once (serve_give_back()), between slots' driver calls.
-  budget_.serve_give_back(claims);
-  if (!copies.empty()) copy_on_write(copies, pages, next, stream, undo);
-
-  struct Fresh {
-    std::size_t slot, first_page;
-    std::size_t first;  // index into pages: region r's run starts at first + r * count
-    std::size_t count;
-  };
-  std::vector<Fresh> fresh;
-  std::vector<PageHandle> handles;
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    Slot& slot = slots_[s];
-    const std::size_t mapped = slot.mapped();
-    if (claims[s] <= mapped) continue;
-    const std::size_t count = claims[s] - mapped;
-    fresh.push_back({s, mapped, next, count});
-    for (std::size_t r = 0; r < regions; ++r) {
-      handles.clear();
-      for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[next + i].handle);
-      map_real(s, r, mapped, handles.data(), count);
-      slot.pages[r].insert(slot.pages[r].end(), handles.begin(), handles.end());
-      next += count;
-      undo.push_remap([this, s, r, mapped] {
-        std::vector<PageHandle>& list = slots_[s].pages[r];
-        unmap_real(s, r, mapped, list.data() + mapped, list.size() - mapped);
-        std::vector<Page> unmapped;
-        drop_mappings(list, mapped, list.size(), /*clean=*/false, unmapped);
-        for (const Page& page : unmapped) pool_.give_back(page);
-        list.resize(mapped);
-      });
-    }
-    if (config_.zero_page) {
-      const std::size_t backed_end = slot.backed_end;
-      slot.backed_end = std::max(backed_end, claims[s]);
-      undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
-    }
-    budget_.serve_give_back(claims);
-  }
-  VKV_ASSERT(next == pages.size());                 // every page obtained found its place
-  if (!fresh.empty()) undo.enqueued_device_work();  // from the first zero-fill on, undo waits for them
-  for (const Fresh& run : fresh) zero_fresh_regions(run.slot, run.first_page, &pages[run.first], run.count, stream);
-  unused.commit();
 }
 
 }  // namespace vkv

@@ -15,16 +15,18 @@
 // its mappings after its copies if a later call fails; the host buffer stays until it
 // succeeds.
 //
-// While suspended the mapper plans nothing (next_background_unit()), so that nothing
+// While suspended the mapper plans nothing (background_work()), so that nothing
 // takes pages the suspension gave back; the calls that would are refused
-// (expect_not_suspended()).
+// (detail::expect_not_suspended()).
 #include <algorithm>
 #include <map>
 #include <utility>
 
 #include "kv_cache_impl.h"
 #include "read_windows.h"
+#include "suspension.h"
 #include "undo_log.h"
+#include "util/fork_guard.h"
 #include "util/format.h"
 #include "util/internal_assert.h"
 #include "vkv/error.h"
@@ -52,51 +54,51 @@ void extend(std::vector<CopyRun>& runs, Address device, std::size_t kept, std::s
 
 }  // namespace
 
+namespace detail {
+
+void Suspension::check(const SlotTable& table) const {
+  for (std::size_t s = 0; s < table.size(); ++s) {
+    const Slot& slot = table[s];
+    if (slot.mapped() != 0 || slot.claimed != 0 || slot.seq_len != 0)
+      throw Error(
+          concat("vkv invariant broken: slot ", s, " maps, claims or holds tokens while the cache is suspended"));
+    if (!slot.allocated && !slots[s].pages.empty())
+      throw Error(concat("vkv invariant broken: free slot ", s, " has kept pages while the cache is suspended"));
+  }
+}
+
+void expect_not_suspended(const std::optional<Suspension>& suspension, const char* call) {
+  VKV_EXPECTS(!suspension, call, ": the cache is suspended (suspend() was called, resume() has not succeeded yet)");
+}
+
+}  // namespace detail
+
 bool KvCache::Impl::is_suspended() const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
   return suspension_.has_value();
-}
-
-void KvCache::Impl::expect_not_suspended(const char* call) const {
-  VKV_EXPECTS(!suspension_, call, ": the cache is suspended (suspend() was called, resume() has not succeeded yet)");
-}
-
-void KvCache::Impl::forget_suspended_slot(std::size_t slot) noexcept { suspension_->slots[slot] = {}; }
-
-void KvCache::Impl::check_suspension() const {
-  if (!suspension_) return;
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const Slot& slot = slots_[s];
-    if (slot.mapped() != 0 || slot.claimed != 0 || slot.seq_len != 0)
-      throw Error(detail::concat("vkv invariant broken: slot ", s,
-                                 " maps, claims or holds tokens while the cache is suspended"));
-    if (!slot.allocated && !suspension_->slots[s].pages.empty())
-      throw Error(
-          detail::concat("vkv invariant broken: free slot ", s, " has kept pages while the cache is suspended"));
-  }
 }
 
 void KvCache::Impl::suspend(Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   VKV_EXPECTS(!suspension_, "suspend: the cache is suspended already (resume() first)");
-  background_done_.wait(lock, [&] { return !background_busy(); });  // its pages in flight go too
-  free_finished_host_copies(/*wait=*/false);
-  if (!stranded_.empty()) unmap_stranded();
+  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });  // its pages in flight go too
+  host_frees_.free_finished(/*wait=*/false);
+  growth_.unmap_stranded();
 
   // Which pages to keep, each once: a shared page is the same physical page at the same
   // page index of several slots (page_sharing.h), so (handle, index) names it.
   const std::size_t page_bytes = layout_.page_bytes();
   const std::size_t regions = layout_.num_regions();
-  Suspension kept;
+  detail::Suspension kept;
   kept.slots.resize(slots_.size());
   std::map<std::pair<PageHandle, std::size_t>, std::size_t> shared_kept;
   std::vector<CopyRun> runs;
   std::size_t kept_pages = 0;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
-    Suspension::KeptSlot& to = kept.slots[s];
+    detail::Suspension::KeptSlot& to = kept.slots[s];
     if (!slot.allocated || slot.claimed == 0) continue;  // a swapped-out slot claims nothing
     to.seq_len = slot.seq_len;
     to.claimed = slot.claimed;
@@ -114,7 +116,7 @@ void KvCache::Impl::suspend(Stream stream) {
         to.pages[r][i] = k;
         if (!first) continue;
         ++kept_pages;
-        extend(runs, page_address(r, s, i), k, page_bytes);
+        extend(runs, mappings_.address(r, s, i), k, page_bytes);
       }
     }
   }
@@ -133,7 +135,7 @@ void KvCache::Impl::suspend(Stream stream) {
     });
   }
   // Freed slots' pages: an event behind their last owner's work, before they are unmapped.
-  enqueue_deferred_fills(stream);
+  readers_.enqueue_deferred_fills(stream);
   for (const CopyRun& run : runs)
     backend_->copy(kept.host.host + run.first * page_bytes, run.device, run.count * page_bytes, stream);
   // Nothing is unmapped before the copies, and all work on `stream` ahead of them, are done.
@@ -145,13 +147,13 @@ void KvCache::Impl::suspend(Stream stream) {
     read_windows_.wait();
   }
   for (Slot& slot : slots_)
-    if (slot.mapped() > 0) wait_free_event(slot);  // previous owners' zero-fills and readers
+    if (slot.mapped() > 0) readers_.wait_free_event(slot);  // previous owners' zero-fills and readers
 
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const std::size_t mapped = slots_[s].mapped();
     for (std::size_t r = 0; r < regions && mapped > 0; ++r) {
-      unmap_real(s, r, 0, slots_[s].pages[r].data(), mapped);
-      undo.push_remap([this, s, r, mapped] { map_real(s, r, 0, slots_[s].pages[r].data(), mapped); });
+      mappings_.unmap_real(s, r, 0, slots_[s].pages[r].data(), mapped);
+      undo.push_remap([this, s, r, mapped] { mappings_.map_real(s, r, 0, slots_[s].pages[r].data(), mapped); });
     }
   }
   undo.commit();
@@ -161,7 +163,7 @@ void KvCache::Impl::suspend(Stream stream) {
   std::vector<Page> unmapped;
   for (Slot& slot : slots_) {
     for (std::vector<PageHandle>& pages : slot.pages) {
-      drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
+      mappings_.drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
       pages.clear();
     }
     slot.seq_len = 0;
@@ -177,9 +179,9 @@ void KvCache::Impl::resume(Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
   VKV_EXPECTS(suspension_, "resume: the cache is not suspended (suspend() first)");
-  background_done_.wait(lock, [&] { return !background_busy(); });
-  free_finished_host_copies(/*wait=*/false);
-  if (!stranded_.empty()) unmap_stranded();
+  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
+  host_frees_.free_finished(/*wait=*/false);
+  growth_.unmap_stranded();
 
   // A page for each kept page a slot still holds (free_reqid() may have forgotten some).
   std::vector<std::size_t> new_index;
@@ -190,14 +192,14 @@ void KvCache::Impl::resume(Stream stream) {
     const std::size_t kept_pages = suspension_->host.bytes / layout_.page_bytes();
     new_index.assign(kept_pages, kept_pages);
     std::size_t needed = 0;
-    for (const Suspension::KeptSlot& slot : suspension_->slots)
+    for (const detail::Suspension::KeptSlot& slot : suspension_->slots)
       for (const std::vector<std::size_t>& region : slot.pages)
         for (std::size_t k : region)
           if (new_index[k] == kept_pages) new_index[k] = needed++;
     try {
       const std::vector<std::size_t> claims = slots_.claims();  // all 0: nothing to reclaim
-      expect_obtainable(needed, claims, "resume");
-      pages = obtain_pages(needed, claims);
+      source_.expect_obtainable(needed, claims, "resume");
+      pages = source_.obtain(needed, claims);
       break;
     } catch (const OutOfMemory& shortage) {
       if (budget_.reap_dead()) continue;  // a dead member's bytes are free now
@@ -207,25 +209,25 @@ void KvCache::Impl::resume(Stream stream) {
     }
   }
 
-  const Suspension& kept = *suspension_;
+  const detail::Suspension& kept = *suspension_;
   const std::size_t page_bytes = layout_.page_bytes();
   const std::size_t regions = layout_.num_regions();
-  detail::UndoLog undo(stream_waiter(stream));
+  detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
   undo.push([this, &pages] {  // unmapped again by the undo below first; the copies may have written them
     for (const Page& page : pages) pool_.give_back({page.handle, /*clean=*/false});
   });
   if (config_.zero_page) read_windows_.close_current(stream);  // nothing should read the cache now; if it did
   std::vector<std::vector<std::vector<PageHandle>>> handles(slots_.size());
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const Suspension::KeptSlot& from = kept.slots[s];
+    const detail::Suspension::KeptSlot& from = kept.slots[s];
     if (from.pages.empty()) continue;
-    order_after_readers(s, 0);
+    readers_.order_after_readers(s, 0);
     handles[s].resize(regions);
     for (std::size_t r = 0; r < regions; ++r) {
       std::vector<PageHandle>& list = handles[s][r];
       for (std::size_t k : from.pages[r]) list.push_back(pages[new_index[k]].handle);
-      map_real(s, r, 0, list.data(), list.size());
-      undo.push_remap([this, s, r, list] { unmap_real(s, r, 0, list.data(), list.size()); });
+      mappings_.map_real(s, r, 0, list.data(), list.size());
+      undo.push_remap([this, s, r, list] { mappings_.unmap_real(s, r, 0, list.data(), list.size()); });
     }
   }
   // Each kept page into the first address mapping it.
@@ -237,7 +239,7 @@ void KvCache::Impl::resume(Stream stream) {
         const std::size_t k = kept.slots[s].pages[r][i];
         if (copied[k]) continue;
         copied[k] = true;
-        extend(runs, page_address(r, s, i), k, page_bytes);
+        extend(runs, mappings_.address(r, s, i), k, page_bytes);
       }
   if (!runs.empty()) undo.enqueued_device_work();
   for (const CopyRun& run : runs)
@@ -253,7 +255,7 @@ void KvCache::Impl::resume(Stream stream) {
   // Every backend call succeeded: the books follow.
   std::vector<std::size_t> mappings(new_index.size(), 0);
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const Suspension::KeptSlot& from = kept.slots[s];
+    const detail::Suspension::KeptSlot& from = kept.slots[s];
     Slot& slot = slots_[s];
     if (from.pages.empty()) continue;
     for (std::size_t r = 0; r < regions; ++r) {

@@ -7,29 +7,30 @@
 #include "kv_cache_impl.h"
 #include "read_windows.h"
 #include "undo_log.h"
+#include "util/fork_guard.h"
 #include "util/format.h"
 #include "vkv/error.h"
 
 namespace vkv {
 
 bool KvCache::Impl::is_swapped(std::size_t slot) const {
-  expect_usable_in_this_process();
+  detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);
-  expect_slot_in_range(slot);
+  slots_.expect_in_range(slot);
   return slots_[slot].swapped;
 }
 
 void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("swap_out");
-  expect_slot_in_range(slot_index);
+  detail::expect_not_suspended(suspension_, "swap_out");
+  slots_.expect_in_range(slot_index);
   auto expect_valid = [&] {
     VKV_EXPECTS(slots_[slot_index].allocated, "swap_out: slot ", slot_index, " is not allocated");
     VKV_EXPECTS(!slots_[slot_index].swapped, "swap_out: slot ", slot_index, " is swapped out already");
   };
   settle(lock, slot_index, 0, 0, expect_valid);
-  free_finished_host_copies(/*wait=*/false);
+  host_frees_.free_finished(/*wait=*/false);
 
   Slot& slot = slots_[slot_index];
   const std::size_t region_bytes = slot.seq_len * layout_.token_bytes();
@@ -47,7 +48,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
       backend_->free_host(copy.host, copy.bytes);
     });
     for (std::size_t r = 0; r < layout_.num_regions(); ++r)
-      backend_->copy(copy.host + r * region_bytes, page_address(r, slot_index, 0), region_bytes, stream);
+      backend_->copy(copy.host + r * region_bytes, mappings_.address(r, slot_index, 0), region_bytes, stream);
     copy.ready = backend_->record_event(stream);
     undo.push([this, ready = copy.ready] { backend_->destroy_event(ready); });
   }
@@ -56,7 +57,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   const bool shares = sharing_.holds_shared(slot);
   if (shares) drop_all_pages(slot_index, stream, /*return_to_device=*/false);
   undo.commit();
-  if (!shares) defer_fill(slot_index, stream);  // behind the copy on the stream (kv_cache_fill.cpp)
+  if (!shares) readers_.defer_fill(slot_index, stream);  // behind the copy on the stream (slot_readers.cpp)
   slot.swapped = true;
   slot.swap = copy;
   slot.seq_len = 0;
@@ -69,34 +70,34 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
 void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(mutex_);
-  expect_not_suspended("swap_in");
-  expect_slot_in_range(slot_index);
+  detail::expect_not_suspended(suspension_, "swap_in");
+  slots_.expect_in_range(slot_index);
   auto expect_valid = [&] {
     VKV_EXPECTS(slots_[slot_index].allocated && slots_[slot_index].swapped, "swap_in: slot ", slot_index,
                 " is not swapped out");
   };
   expect_valid();
-  const std::size_t claim = layout_.pages_for_tokens(swapped_tokens(slots_[slot_index]));
+  const std::size_t claim = layout_.pages_for_tokens(detail::swapped_tokens(slots_[slot_index], layout_));
   settle(lock, slot_index, claim * layout_.num_regions(), claim, expect_valid);
-  free_finished_host_copies(/*wait=*/false);
-  enqueue_fill(slot_index);                                    // before the copy back
+  host_frees_.free_finished(/*wait=*/false);
+  readers_.enqueue_fill(slot_index);                           // before the copy back
   if (config_.zero_page) read_windows_.close_current(stream);  // undo and reclamation may wait for it
 
   Slot& slot = slots_[slot_index];
-  const std::size_t tokens = swapped_tokens(slot);
+  const std::size_t tokens = detail::swapped_tokens(slot, layout_);
   std::vector<std::size_t> claims = slots_.claims();
   claims[slot_index] = layout_.pages_for_tokens(tokens);
   const std::size_t missing =
       claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * layout_.num_regions() : 0;
-  detail::UndoLog undo(stream_waiter(stream));
-  map_missing(claims, {}, missing, stream, undo, "swap_in");
+  detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
+  growth_.map_missing(claims, {}, missing, stream, undo, "swap_in");
   if (slot.swap.bytes > 0) {
     // After the zero-fill of the slot's kept pages, and after the copy out.
-    order_after_free_event(slot, stream);
+    readers_.order_after_free_event(slot, stream);
     backend_->stream_wait_event(stream, slot.swap.ready);
     const std::size_t region_bytes = tokens * layout_.token_bytes();
     for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
-      const Address address = page_address(r, slot_index, 0);
+      const Address address = mappings_.address(r, slot_index, 0);
       undo.enqueued_device_work();
       backend_->copy(address, slot.swap.host + r * region_bytes, region_bytes, stream);
       // Pages this slot keeps must read as zeros again if the call fails.
@@ -105,7 +106,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
     const Event done = backend_->record_event(stream);
     undo.commit();
     backend_->destroy_event(slot.swap.ready);
-    host_frees_.push_back({slot.swap.host, slot.swap.bytes, done});
+    host_frees_.add({slot.swap.host, slot.swap.bytes, done});
   } else {
     undo.commit();
   }
@@ -115,37 +116,6 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   slot.claimed = claims[slot_index];
   budget_.publish_in_use();
   if (mapper_) mapper_->wake();
-}
-
-// Frees host memory whose last copy has completed. Without `wait` it only asks, and a
-// failed query propagates before anything changed; with `wait` (the destructor) it
-// waits, and a dead context runs no copy any more.
-void KvCache::Impl::free_finished_host_copies(bool wait) {
-  std::vector<bool> done(host_frees_.size(), true);
-  for (std::size_t i = 0; i < host_frees_.size(); ++i) {
-    const Event ready = host_frees_[i].ready;
-    if (ready == 0) continue;
-    if (!wait) {
-      done[i] = backend_->event_done(ready);
-      continue;
-    }
-    try {
-      backend_->wait_event(ready);
-    } catch (...) {
-      // Nothing runs on a dead context.
-    }
-  }
-  std::size_t kept = 0;
-  for (std::size_t i = 0; i < host_frees_.size(); ++i) {
-    const detail::HostCopy copy = host_frees_[i];
-    if (!done[i]) {
-      host_frees_[kept++] = copy;
-      continue;
-    }
-    if (copy.ready != 0) backend_->destroy_event(copy.ready);
-    if (copy.host != 0) backend_->free_host(copy.host, copy.bytes);
-  }
-  host_frees_.resize(kept);
 }
 
 }  // namespace vkv

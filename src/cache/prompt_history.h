@@ -9,8 +9,11 @@
 // Thread-safety: not thread-safe; its owner (KvCache) serializes every call.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <vector>
+
+#include "vkv/config.h"
 
 namespace vkv::detail {
 
@@ -31,5 +34,12 @@ class PromptHistory {
   std::size_t next_ = 0;             // where the next length goes once recent_ is full
   std::size_t estimate_ = 0;
 };
+
+/// Tokens eager allocation maps in the slot handed out next: config.eager_tokens, or
+/// `prompts`' estimate when adaptive; never past max_context_len.
+inline std::size_t eager_tokens(const CacheConfig& config, const PromptHistory& prompts) noexcept {
+  const std::size_t tokens = config.eager_tokens == kAdaptive ? prompts.estimate() : config.eager_tokens;
+  return std::min(tokens, config.max_context_len);
+}
 
 }  // namespace vkv::detail

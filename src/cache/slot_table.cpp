@@ -12,6 +12,10 @@ SlotTable::SlotTable(std::size_t slots, std::size_t regions) : slots_(slots) {
   for (Slot& slot : slots_) slot.pages.resize(regions);
 }
 
+void SlotTable::expect_in_range(std::size_t slot) const {
+  VKV_EXPECTS(slot < slots_.size(), "slot = ", slot, " is out of range: max_batch_size = ", slots_.size());
+}
+
 std::size_t SlotTable::next_to_allocate() const noexcept {
   const std::size_t best = most_kept();
   if (eager_pages_ == 0 || !is_free(eager_slot_) || best == eager_slot_) return best;

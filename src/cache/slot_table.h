@@ -34,6 +34,11 @@ std::size_t run_end(const Entry* entries, std::size_t first, std::size_t end, Ha
 /// KvCache::Impl's marker for a slot no background unit is working on.
 inline constexpr std::size_t kNotBusy = static_cast<std::size_t>(-1);
 
+/// Page `page` (of every region) of slot `slot`.
+struct PageRef {
+  std::size_t slot, page;
+};
+
 /// Host memory holding a swapped-out slot; `ready` follows the copy into or out of it.
 struct HostCopy {
   Address host = 0;
@@ -58,12 +63,12 @@ struct Slot {
   Stream free_event_stream = 0;
   // Pages [0, deferred_fill) of every region hold the tokens of an owner who left
   // (free_reqid, swap_out) until their zero-fill, deferred to the next call that needs
-  // it, is enqueued on fill_stream (kv_cache_fill.cpp); 0 once it is.
+  // it, is enqueued on fill_stream (slot_readers.cpp); 0 once it is.
   std::size_t deferred_fill = 0;
   Stream fill_stream = 0;
   // While the fill is deferred: the owner's last work, which no event follows yet, has
   // been waited for (an event recorded on fill_stream), so pages may leave the cache
-  // without the fill (pages_leave_without_fill(), kv_cache_fill.cpp); and which deferral
+  // without the fill (pages_leave_without_fill(), slot_readers.cpp); and which deferral
   // this is (a watcher that waited with the lock released marks only the one it saw).
   bool fill_readers_done = false;
   std::uint64_t fill_mark = 0;
@@ -86,11 +91,18 @@ struct Slot {
   bool busy() const noexcept { return busy_from != kNotBusy; }
 };
 
+/// The seq_len a swapped-out slot had: its host copy holds that many tokens per region.
+inline std::size_t swapped_tokens(const Slot& slot, const KvLayout& layout) noexcept {
+  return slot.swap.bytes / (layout.token_bytes() * layout.num_regions());
+}
+
 class SlotTable {
  public:
   SlotTable(std::size_t slots, std::size_t regions);
 
   std::size_t size() const noexcept { return slots_.size(); }
+  /// @throws InvalidArgument naming `slot` and max_batch_size when it is out of range.
+  void expect_in_range(std::size_t slot) const;
   Slot& operator[](std::size_t slot) noexcept { return slots_[slot]; }
   const Slot& operator[](std::size_t slot) const noexcept { return slots_[slot]; }
   std::vector<Slot>::iterator begin() noexcept { return slots_.begin(); }

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "vkv/backend.h"
+
 namespace vkv::detail {
 
 class UndoLog {
@@ -71,5 +73,11 @@ class UndoLog {
   bool device_work_pending_ = false;
   bool committed_ = false;
 };
+
+/// The wait of an engine call's undo log (the call's device work is on `stream`):
+/// undoing a mapping waits for that stream's work.
+inline std::function<void()> waits_for_stream(Backend& backend, Stream stream) {
+  return [&backend, stream] { backend.synchronize(stream); };
+}
 
 }  // namespace vkv::detail

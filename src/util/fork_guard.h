@@ -16,4 +16,9 @@ namespace vkv::detail {
 /// Bumped in every child process right after fork(); 0 in the process that started.
 std::uint64_t fork_generation() noexcept;
 
+/// A cache's first check on every public call: @throws Error (the cache is unusable in
+/// a forked child) when fork_generation() is no longer `built_in`, the generation it was
+/// built in.
+void expect_same_process(std::uint64_t built_in);
+
 }  // namespace vkv::detail

@@ -1,74 +1,58 @@
-// The pages KvCache lends its shared budget's client (shared_budget/budget_client.h):
-// what it could give back, and how it releases them. When and how much is the client's.
+// LentPages: what a cache could give its shared budget back, and how it releases it.
+#include "lent_pages.h"
+
 #include <algorithm>
 
-#include "kv_cache_impl.h"
 #include "util/clock.h"
 
-namespace vkv {
+namespace vkv::detail {
 
-std::size_t KvCache::Impl::cached_pages(const std::vector<std::size_t>& floors, bool freed_only) const {
+std::size_t LentPages::cached_pages(const std::vector<std::size_t>& floors, bool freed_only) const {
   std::size_t pages = pool_.free_pages();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
     if (slot.busy() || (freed_only && slot.allocated)) continue;
-    const std::size_t floor = round_up_to_whole(slot, floors[s]);
+    const std::size_t floor = mappings_.round_up_to_whole(slot, floors[s]);
     if (slot.mapped() > floor) pages += (slot.mapped() - floor) * layout_.num_regions();
   }
   return pages;
 }
 
-bool KvCache::Impl::wait_for_readers(std::unique_lock<std::mutex>& lock, const std::function<bool()>& relock) {
-  const std::vector<std::size_t> floors = reclaimable_floors();
+bool LentPages::wait_for_readers(std::unique_lock<std::mutex>& lock, const std::function<bool()>& relock) {
+  const std::vector<std::size_t> floors = readers_.reclaimable_floors();
   std::vector<std::size_t> above;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
-    if (!slot.busy() && slot.mapped() > round_up_to_whole(slot, floors[s])) above.push_back(s);
+    if (!slot.busy() && slot.mapped() > mappings_.round_up_to_whole(slot, floors[s])) above.push_back(s);
   }
   // No fill is enqueued: the pages leave.
-  const ReaderFence behind = fence_readers(above, /*pending_events=*/true);
+  const SlotReaders::Fence behind = readers_.fence(above, /*pending_events=*/true);
   if (!behind.events.empty()) {
     lock.unlock();
-    wait_then_destroy(behind.events);  // a throw leaves the lock released
+    readers_.wait_then_destroy(behind.events);  // a throw leaves the lock released
     if (!relock()) return false;
   }
-  mark_readers_done(behind);
+  readers_.mark_done(behind);
   return true;
 }
 
-std::size_t KvCache::Impl::claimed_pages() const {
+std::size_t LentPages::claimed_pages() const {
   std::size_t claimed = 0;
   for (const Slot& slot : slots_) claimed += std::min(slot.claimed, slot.mapped());
   return claimed * layout_.num_regions() - sharing_.duplicate_mappings();
 }
 
-std::size_t KvCache::Impl::next_prompt_pages() const {
-  return layout_.pages_for_tokens(eager_tokens()) * layout_.num_regions();
-}
-
-void KvCache::Impl::wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events) {
-  try {
-    for (const auto& [stream, event] : events) backend_->wait_event(event);
-  } catch (...) {
-    for (const auto& [stream, event] : events) backend_->destroy_event(event);
-    throw;
-  }
-  for (const auto& [stream, event] : events) backend_->destroy_event(event);
-}
-
-std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::size_t>& floors, Victims victims,
-                                   bool may_wait, detail::BudgetClient::ReleaseTimes& times_so_far) {
-  const detail::VictimKinds kinds =
-      victims == Victims::freed_only ? detail::VictimKinds::freed_only : detail::VictimKinds::freed_then_surplus;
-  using detail::Clock;
-  const auto since = detail::nanoseconds_since;
+std::size_t LentPages::release(std::size_t wanted, const std::vector<std::size_t>& floors, Victims victims,
+                               bool may_wait, BudgetClient::ReleaseTimes& times_so_far) {
+  const VictimKinds kinds = victims == Victims::freed_only ? VictimKinds::freed_only : VictimKinds::freed_then_surplus;
+  const auto since = nanoseconds_since;
   // In chunks, each counted back to the budget as soon as it is released: an asker waiting
   // for a few pages goes on after the first chunk, not after the whole answer (on a GPU,
   // ~30 us a page of unmapping and releasing). Each chunk twice the one before: the books
   // are updated (their lock, the askers' wake-up) a few times an answer, not once a page,
   // and an asker of n pages waits for at most about 2n of them.
   std::size_t released = 0;
-  std::size_t chunk = detail::BudgetClient::kReleaseChunkPages;
+  std::size_t chunk = BudgetClient::kReleaseChunkPages;
   auto next_chunk = [&] { return std::min(chunk, wanted - released); };
   auto release = [&](const std::vector<Page>& pages) {
     PagePool::ReleaseTimes times;
@@ -91,9 +75,9 @@ std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::si
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
     if ((slot.deferred_fill != 0 && !slot.fill_readers_done) ||
-        (slot.free_event != 0 && !backend_->event_done(slot.free_event))) {
+        (slot.free_event != 0 && !backend_.event_done(slot.free_event))) {
       ready[s] = std::max(ready[s], slot.mapped());
-      if (!slot.busy() && slot.mapped() > round_up_to_whole(slot, floors[s])) waiting.push_back(s);
+      if (!slot.busy() && slot.mapped() > mappings_.round_up_to_whole(slot, floors[s])) waiting.push_back(s);
     }
   }
   auto release_above = [&](const std::vector<std::size_t>& pass) {
@@ -107,7 +91,7 @@ std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::si
       try {
         while (found && taken < next_chunk()) {
           const std::size_t before = pages.size();
-          found = reclaim_coldest(pages, next_chunk() - taken, pass, kinds);
+          found = source_.reclaim_coldest(pages, next_chunk() - taken, pass, kinds);
           for (std::size_t i = before; i < pages.size(); ++i) taken += pool_.is_large(pages[i].handle) ? large : 1;
         }
       } catch (...) {
@@ -123,14 +107,10 @@ std::size_t KvCache::Impl::release(std::size_t wanted, const std::vector<std::si
   release_above(ready);
   if (!may_wait || released >= wanted) return released;
   if (!waiting.empty()) {  // one event per stream for them all, not one per victim
-    const ReaderFence fence = fence_readers(waiting);
-    const auto start = Clock::now();
-    wait_then_destroy(fence.events);
-    event_wait_ns_ += since(start);
-    mark_readers_done(fence);
+    readers_.wait_for(waiting, /*timed=*/true);
   }
   release_above(floors);
   return released;
 }
 
-}  // namespace vkv
+}  // namespace vkv::detail

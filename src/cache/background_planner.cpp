@@ -1,32 +1,14 @@
-// KvCache: what the background mapper does next (the plan, under the lock), one unit
-// at a time, most urgent first.
-#include <algorithm>
+// BackgroundPlanner: what the background mapper does next, most urgent first.
+#include "background_planner.h"
 
-#include "kv_cache_impl.h"
+#include <algorithm>
+#include <vector>
+
 #include "reclaim_policy.h"
 
-namespace vkv {
+namespace vkv::detail {
 
-bool KvCache::Impl::background_busy() const noexcept {
-  return in_flight_pages_ > 0 ||
-         std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
-}
-
-std::size_t KvCache::Impl::map_ahead_now() {
-  rethrow_background_error();
-  std::size_t units = 0;
-  while (background_work()) ++units;
-  return units;
-}
-
-// The next unit of background work, most urgent first. With `settle_events`, a freed
-// slot's completed event is retired (so its pages may go); without, the plan is a cheap,
-// side-effect-free guess that step() uses to decide whether to wake the mapper at all:
-// it counts on events being done (the mapper finds out), since free_reqid() and
-// alloc_reqid() no longer wake it. A slot whose zero-fill is still deferred is not
-// touched: no event follows its last owner's work yet.
-KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_events) {
-  if (suspension_) return {};  // nothing takes the pages suspend() gave back (kv_cache_suspend.cpp)
+BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, std::size_t watermark_pages) {
   const std::size_t max_pages = layout_.pages_per_slot();
   const std::size_t regions = layout_.num_regions();
   const bool can_grow = pool_.obtainable_pages() >= regions;  // ahead mapping uses free memory only
@@ -35,8 +17,8 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
     if (slot.deferred_fill != 0) return false;  // the next step() enqueues it and wakes the mapper
     if (slot.free_event == 0) return true;
     if (!settle_events) return true;
-    if (!backend_->event_done(slot.free_event)) return false;  // later: the next step() wakes the mapper
-    backend_->destroy_event(slot.free_event);
+    if (!backend_.event_done(slot.free_event)) return false;  // later: the next step() wakes the mapper
+    backend_.destroy_event(slot.free_event);
     slot.free_event = 0;
     return true;
   };
@@ -53,7 +35,7 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
     const std::size_t target =
         std::min(max_pages,
                  layout_.pages_for_tokens(std::min(config_.max_context_len, slot.seq_len + config_.lookahead_tokens)));
-    if (target > slot.mapped() && slot.mapped() >= first_reclaimable_without_waiting(s))
+    if (target > slot.mapped() && slot.mapped() >= readers_.first_reclaimable_without_waiting(s))
       return {BackgroundUnit::Kind::grow, s, target};
   }
   // 1b. Expected lengths (expect_tokens()): a long prompt's pages while its earlier chunks
@@ -64,11 +46,10 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
     if (!slot.allocated || slot.swapped || slot.busy() || slot.expected_tokens == 0) continue;
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(slot.expected_tokens));
     if (target > slot.mapped() && slot.deferred_fill == 0 && (!config_.zero_page || readers_done(slot)) &&
-        slot.mapped() >= first_reclaimable_without_waiting(s))
+        slot.mapped() >= readers_.first_reclaimable_without_waiting(s))
       return {BackgroundUnit::Kind::grow, s, target};
   }
   // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
-  const std::size_t eager = eager_tokens();
   const std::size_t next = slots_.next_to_allocate();
   if (may_remap && can_grow && eager > 0 && next < slots_.size() && !slots_[next].busy()) {
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(eager));
@@ -78,14 +59,15 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
   // 3. Below the watermark, unmap the least recently freed slot's pages into the pool, so
   //    that step() does not have to; only once that slot's last readers are done.
   const std::size_t obtainable = pool_.obtainable_pages();
-  if (may_remap && obtainable < watermark_pages_) {
+  if (may_remap && obtainable < watermark_pages) {
     // Not the slot handed out next: its pages are the next prefill's.
-    const std::size_t victim = detail::choose_victim(slots_, std::vector<std::size_t>(slots_.size(), 0),
-                                                     detail::VictimKinds::freed_only, next);
+    const std::size_t victim =
+        choose_victim(slots_, std::vector<std::size_t>(slots_.size(), 0), VictimKinds::freed_only, next);
     if (victim < slots_.size() && readers_done(slots_[victim])) {
       const std::size_t mapped = slots_[victim].mapped();
-      const std::size_t pages = std::min(mapped, (watermark_pages_ - obtainable + regions - 1) / regions);
-      return {BackgroundUnit::Kind::shrink, victim, mapped - round_down_to_whole(slots_[victim], mapped - pages)};
+      const std::size_t pages = std::min(mapped, (watermark_pages - obtainable + regions - 1) / regions);
+      return {BackgroundUnit::Kind::shrink, victim,
+              mapped - mappings_.round_down_to_whole(slots_[victim], mapped - pages)};
     }
   }
   // 4. With zero backing, pages in reach of work in flight are swapped by step() itself:
@@ -93,8 +75,9 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
   if (config_.zero_page) {
     std::size_t in_reach = 0;  // allocated slots whose next page the mapper may not map ahead
     for (std::size_t s = 0; s < slots_.size(); ++s)
-      if (slots_[s].allocated && slots_[s].mapped() < first_reclaimable_without_waiting(s)) in_reach += regions;
-    const std::size_t wanted = std::min(in_reach, kPagesPerBackgroundUnit);
+      if (slots_[s].allocated && slots_[s].mapped() < readers_.first_reclaimable_without_waiting(s))
+        in_reach += regions;
+    const std::size_t wanted = std::min(in_reach, kPagesPerUnit);
     if (pool_.free_pages() < wanted && pool_.obtainable_pages() > pool_.free_pages())
       return {BackgroundUnit::Kind::create, 0, wanted - pool_.free_pages()};
   }
@@ -112,22 +95,4 @@ KvCache::Impl::BackgroundUnit KvCache::Impl::next_background_unit(bool settle_ev
   return {};
 }
 
-bool KvCache::Impl::background_work() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  const BackgroundUnit unit = next_background_unit(/*settle_events=*/true);
-  switch (unit.kind) {
-    case BackgroundUnit::Kind::grow:
-      return grow_in_background(lock, unit.slot, unit.pages);
-    case BackgroundUnit::Kind::shrink:
-      return shrink_in_background(lock, unit.slot, unit.pages);
-    case BackgroundUnit::Kind::cover:
-      return cover_in_background(lock, unit.slot, unit.pages);
-    case BackgroundUnit::Kind::create:
-      return create_in_background(lock, unit.pages);
-    case BackgroundUnit::Kind::none:
-      break;
-  }
-  return false;
-}
-
-}  // namespace vkv
+}  // namespace vkv::detail

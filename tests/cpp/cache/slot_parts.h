@@ -1,0 +1,112 @@
+// The parts a cache's slots are made of, put together on the host backend without a
+// cache, for the suites of the parts that act on them (SlotMappings, SlotReaders, ...):
+// a reservation, the slot table, the sharing counts, a page pool and the mappings.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include <mutex>
+
+#include "cache/page_source.h"
+#include "cache/slot_mappings.h"
+#include "cache/slot_readers.h"
+#include "shared_budget/budget_client.h"
+#include "testing.h"
+
+namespace vkv::testing {
+
+// What a cache lends its budget client: nothing, without a shared budget.
+struct NoPages final : detail::BudgetClient::CachePages {
+  std::vector<std::size_t> reclaimable_floors() const override { return {}; }
+  std::size_t cached_pages(const std::vector<std::size_t>&, bool) const override { return 0; }
+  std::size_t release(std::size_t, const std::vector<std::size_t>&, detail::BudgetClient::Victims, bool,
+                      detail::BudgetClient::ReleaseTimes&) override {
+    return 0;
+  }
+  bool wait_for_readers(std::unique_lock<std::mutex>&, const std::function<bool()>&) override { return true; }
+  std::uint64_t event_wait_ns() const override { return 0; }
+  std::size_t claimed_pages() const override { return 0; }
+  std::size_t next_prompt_pages() const override { return 0; }
+  std::size_t add_free_pages(std::size_t) override { return 0; }
+};
+
+class SlotParts : public ::testing::Test {
+ protected:
+  explicit SlotParts(std::size_t large_page_pages = 0) : pool_(*backend_, 64, large_page_pages) {
+    base_ = backend_->reserve(layout_.reserved_bytes());
+    mappings_.set_base(base_);
+  }
+  ~SlotParts() override {
+    backend_->fail_at = 0;
+    backend_->synchronize_device();
+    for (std::size_t s = 0; s < slots_.size(); ++s) {
+      detail::Slot& slot = slots_[s];
+      const std::size_t backed = std::max(slot.mapped(), slot.backed_end);
+      for (std::size_t r = 0; r < layout_.num_regions() && backed > 0; ++r)
+        backend_->unmap(mappings_.address(r, s, 0), backed * layout_.page_bytes());
+      std::vector<Page> unmapped;
+      for (auto& pages : slot.pages) {
+        mappings_.drop_mappings(pages, 0, pages.size(), false, unmapped);
+        pages.clear();
+      }
+      for (const Page& page : unmapped) pool_.give_back(page);
+      if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
+    }
+    backend_->free_reservation(base_, layout_.reserved_bytes());
+  }
+  static CacheConfig make_config() {
+    CacheConfig config = small_config(LayoutKind::per_layer, kHostTestPageBytes);
+    config.zero_page = true;
+    return config;
+  }
+  std::size_t page() const { return layout_.page_bytes(); }
+  // Maps `count` fresh pages at the end of every region of `slot`, books and all.
+  std::vector<Page> grow(std::size_t slot, std::size_t count) {
+    const std::vector<Page> pages = pool_.take(count * layout_.num_regions());
+    const std::size_t first = slots_[slot].mapped();
+    for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
+      std::vector<PageHandle> handles;
+      for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[r * count + i].handle);
+      mappings_.map_real(slot, r, first, handles.data(), count);
+      slots_[slot].pages[r].insert(slots_[slot].pages[r].end(), handles.begin(), handles.end());
+    }
+    return pages;
+  }
+
+  CacheConfig config_ = make_config();
+  std::shared_ptr<FaultInjectingBackend> backend_ =
+      std::make_shared<FaultInjectingBackend>(std::make_shared<HostBackend>(kHostTestPageBytes));
+  KvLayout layout_{config_, kHostTestPageBytes};
+  detail::SlotTable slots_{config_.max_batch_size, layout_.num_regions()};
+  detail::PageSharing sharing_;
+  PagePool pool_;
+  detail::SlotMappings mappings_{*backend_, layout_, config_, slots_, sharing_, pool_};
+  Address base_ = 0;
+};
+
+/// With the parts that wait for a slot's readers.
+class ReaderParts : public SlotParts {
+ protected:
+  using SlotParts::SlotParts;
+
+  detail::ReadWindows windows_{*backend_};
+  detail::CallProfile profile_;
+  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
+};
+
+/// With a budget client (no shared budget) and where pages come from.
+class SourceParts : public ReaderParts {
+ protected:
+  using ReaderParts::ReaderParts;
+
+  NoPages none_;
+  std::mutex mutex_;
+  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), none_, mutex_};
+  detail::PageSource source_{layout_, slots_, pool_, sharing_, mappings_, readers_, budget_};
+};
+
+}  // namespace vkv::testing
