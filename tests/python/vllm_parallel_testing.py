@@ -2,8 +2,9 @@
 each worker a separate process (forked: vLLM's import takes ~30 s, a fork none) that sets up
 vLLM's own parallel state (gloo), gets its connector from vLLM's ensure_kv_transfer_initialized()
 with its own KV cache config (its stage's layers, its share of the KV heads, as vLLM's planner
-makes them), and runs a fake forward on its shard through vLLM's BLNHC views: it writes K/V of
-the scheduled tokens and reads back every token of every scheduled request. The scheduler side
+makes them), and runs a fake forward on its shard through vLLM's views (BLNHC, or the layout
+plan() resolves): it writes K/V of the scheduled tokens and reads back every token of every
+scheduled request. The scheduler side
 (this process) sends every worker the same SchedulerOutput's connector metadata each step,
 and samples the next token from what all the shards read (vllm_testing.kv_value's content,
 summed once per distinct layer and head): equal to a one-process fixed pool's outputs."""
@@ -67,9 +68,12 @@ def make_vllm_config(tp: int, pp: int, num_blocks: int, extra: Optional[dict], c
     return config
 
 
-def plan(vllm_config, tp: int, pp: int, num_blocks: int, model: vt.Model = vt.TINY):
+def plan(vllm_config, tp: int, pp: int, num_blocks: int, model: vt.Model = vt.TINY,
+         layouts: Optional[List[str]] = None):
     """(every worker's KVCacheConfig, the scheduler's), as vLLM's EngineCore plans them
-    (_initialize_kv_caches) from each worker's layer specs, in the connector's BLNHC layout."""
+    (_initialize_kv_caches) from each worker's layer specs, in the connector's BLNHC layout or,
+    given the ``layouts`` the attention backends support, the one vLLM resolves from them
+    (VLLM_KV_CACHE_LAYOUT first: vllm_testing.planned_kv_cache_config)."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
@@ -81,8 +85,8 @@ def plan(vllm_config, tp: int, pp: int, num_blocks: int, model: vt.Model = vt.TI
         layers = stage_layers(pp, rank // tp, model)
         specs.append({f"model.layers.{i}.self_attn.attn": spec for i in layers})
         memory.append(num_blocks * len(layers) * spec.page_size_bytes)
-    vllm_config.cache_config.kv_cache_layout = "BLNHC"  # the connector's get_required_kvcache_layout()
-    resolve_kv_cache_layout(vllm_config, [["BLNHC"]], [s for worker in specs for s in worker.values()])
+    vllm_config.cache_config.kv_cache_layout = None if layouts else "BLNHC"  # the connector's request
+    resolve_kv_cache_layout(vllm_config, [list(layouts or ["BLNHC"])], [s for worker in specs for s in worker.values()])
     groups = get_global_kv_cache_groups(vllm_config, specs)
     configs = get_kv_cache_configs(vllm_config, specs, memory, groups)
     for config in configs:
@@ -169,8 +173,8 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
                     buf = connector.kv_buffer(kv_config)
             else:
                 buf = torch.zeros(tensor.size, dtype=torch.int8)
-            kv = dict(zip(tensor.layers, create_kv_cache_views(buf, spec, kv_config.num_blocks, KVCacheLayout.BLNHC,
-                                                               tensor)))
+            layout = KVCacheLayout[kv_config.kv_cache_layout]  # [B, H, N, K + V] views, in memory the layout's order
+            kv = dict(zip(tensor.layers, create_kv_cache_views(buf, spec, kv_config.num_blocks, layout, tensor)))
             if connector is not None:
                 connector.register_kv_caches(kv)
         layers, heads = stage_layers(pp, rank // tp, model), rank_heads(tp, rank % tp, model)
@@ -224,6 +228,10 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
 
             memory.choose = other
             conn.send(("armed",))
+            continue
+        if command[0] == "geometry":  # how this worker backs a block
+            conn.send(("geometry", dict(ranges=len(memory.ranges), block_bytes=memory.block_bytes,
+                                        page_bytes=memory.page_bytes, prefer_costless=memory.prefer_costless)))
             continue
         if command[0] == "rounds":  # the all-reduces this worker's agreement has run so far
             if memory is not None:
@@ -294,8 +302,9 @@ class ParallelEngine:
     AsyncScheduler in its batch-queue order)."""
 
     def __init__(self, tp: int, pp: int, num_blocks: int, extra: Optional[dict] = None, model: vt.Model = vt.TINY,
-                 **options) -> None:
+                 layouts: Optional[List[str]] = None, **options) -> None:
         """``model``: the whole model's geometry (each worker holds its layers and KV heads);
+        ``layouts``: the KV cache layouts the attention backends support (plan());
         ``connector=False`` (an option): every worker on vLLM's fixed pool, for comparison."""
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -304,7 +313,7 @@ class ParallelEngine:
         self.tp, self.pp, self.num_blocks = tp, pp, num_blocks
         self.model = model
         self.vllm_config = make_vllm_config(tp, pp, num_blocks, extra, model=model, **options)
-        self.worker_configs, self.kv_config = plan(self.vllm_config, tp, pp, num_blocks, model)
+        self.worker_configs, self.kv_config = plan(self.vllm_config, tp, pp, num_blocks, model, layouts)
         self.init_path = tempfile.mktemp(prefix="vkv-vllm-tp-")
         context = multiprocessing.get_context("fork")  # vLLM is imported here: the workers start at once
         self.conns, self.processes, self.pids = [], [], []
@@ -376,6 +385,13 @@ class ParallelEngine:
         for rank in live:
             self.conns[rank].send(("rounds",))
         return [self._receive(rank, 30)[1] for rank in live]
+
+    def geometry(self) -> List[dict]:
+        """Every live worker's ranges a block, block and page bytes and prefer_costless."""
+        live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
+        for rank in live:
+            self.conns[rank].send(("geometry",))
+        return [self._receive(rank, 10)[1] for rank in live]
 
     def backed_now(self) -> List[List[int]]:
         """Every live worker's backed blocks, asked now."""

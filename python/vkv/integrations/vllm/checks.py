@@ -115,19 +115,6 @@ def check_startup(vllm_config, kv_cache_config, settings: VkvConnectorConfig) ->
     check_kv_cache_config(kv_cache_config)
     ranges = block_ranges(vllm_config, kv_cache_config)
     check_budget(vllm_config, kv_cache_config, settings, ranges)
-    check_parallel_blocks(vllm_config, ranges)
-
-
-def check_parallel_blocks(vllm_config, ranges: Optional[BlockRanges] = None) -> None:
-    """With several workers every block must be one run of bytes: workers.py's ShardMemory
-    agrees on blocks of any size, page by page, but not yet on a range in each layer's region."""
-    from .workers import parallel_sizes
-    tp, pp = parallel_sizes(vllm_config)
-    if tp * pp > 1 and ranges is not None and not ranges.is_one_run:
-        raise ValueError(
-            f"VkvConnector: tensor_parallel_size {tp} x pipeline_parallel_size {pp} with a layer-outermost KV cache "
-            f"layout ({len(ranges)} ranges a block, one in each layer's region): several workers back only blocks "
-            f"that are one run of bytes; {_WHAT_TO_DO_LAYOUT}")
 
 
 def _resolved_layout(vllm_config, kv_cache_config) -> "tuple[Optional[str], str]":

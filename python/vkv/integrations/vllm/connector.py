@@ -286,10 +286,11 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
             background_mapping=background_mapping(self._vllm_config, settings),  # on with PP (workers.py)
             shared_budget_floor=settings.shared_budget_floor, shared_budget_cap=settings.shared_budget_cap,
             shared_budget_priority=settings.shared_budget_priority)
-        if worker.size > 1:  # blocks of any size, page by page, agreed among the workers (workers.py)
-            return ShardMemory(worker=worker, timeout_s=float(settings.worker_timeout_s), page_bytes=settings.page_size,
-                               **arguments)
+        # Where block b lies in this worker's buffer (with TP/PP: its own layers and heads).
         ranges = block_ranges(self._vllm_config, kv_cache_config)
+        if worker.size > 1:  # blocks of any size and layout, page by page, agreed among the workers (workers.py)
+            return ShardMemory(worker=worker, timeout_s=float(settings.worker_timeout_s), page_bytes=settings.page_size,
+                               block_ranges=None if ranges.is_one_run else ranges, **arguments)
         if not ranges.is_one_run:  # a layer-outermost layout: a range in each layer's region, page by page
             from vkv._parameters import resolve_device
             device = str(resolve_device(settings.device))

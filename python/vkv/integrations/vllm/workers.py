@@ -12,12 +12,14 @@ hand it out. How:
   state file says BACKED, and only the engine's first worker (rank 0: tensor-parallel rank 0
   of stage 0) writes it, after every worker has backed it. So the scheduler never hands out a
   block some GPU could not back; the others keep their block states to themselves.
-- **Blocks of any size** (``ShardMemory``, a PageMemory): a worker's block (its share of the
-  KV heads of its layers: Llama-3.1-70B's 80 layers give 0.625-2.5 MiB at TP=8-2) is backed
-  page by page, a page given back only when no backed block of this worker touches it, zeros
-  when it comes from the budget, given back after the GPU is done with it (page_memory.py).
-  Every worker chooses the same blocks: those on pages already backed first where every
-  worker has the same block and page bytes (checked when they start), else the lowest ids.
+- **Blocks of any size, in any layout** (``ShardMemory``, a PageMemory): a worker's block (its
+  share of the KV heads of its layers: Llama-3.1-70B's 80 layers give 0.625-2.5 MiB at TP=8-2)
+  is backed page by page, a page given back only when no backed block of this worker touches
+  it, zeros when it comes from the budget, given back after the GPU is done with it
+  (page_memory.py). In a layer-outermost layout (LBNHC, LBHNC) each worker's block is a range
+  in each of its own layers' regions (its KVCacheConfig's block_ranges). Every worker chooses
+  the same blocks: those on pages already backed first where every worker has the same block
+  and page bytes and the same ranges (checked when they start), else the lowest ids.
 - **Agreement, one all-reduce a step** (``ShardMemory._agreed_grow``): every worker backs the
   chosen blocks' pages (vkv's ``step()``), then one all-reduce among the workers through a
   shared-memory segment (vkv's HostAllReduce, microseconds): the worst shortfall, the first
@@ -56,7 +58,7 @@ from vkv._parameters import resolve_device
 from .asks import AskBoard
 from .block_states import RECLAIMING
 from .page_memory import PageMemory
-from .slot_geometry import default_page_bytes, one_slot_per_block
+from .slot_geometry import BlockRanges, default_page_bytes, one_slot_per_block
 
 DEVICE_FIELD = "{device}"
 
@@ -283,6 +285,14 @@ def _digest(*numbers: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
 
+def _geometry(block_bytes: int, page_bytes: int, ranges: Optional[BlockRanges]) -> int:
+    """The digest of what decides which blocks' pages are backed already: the block and page
+    bytes and where each range of a block lies (one run where ``ranges`` is None)."""
+    ranges = ranges or BlockRanges.one_run(block_bytes)
+    return _digest(block_bytes, page_bytes, *ranges.starts.tolist(), *ranges.lengths.tolist(),
+                   *ranges.strides.tolist())
+
+
 class LocalStates:
     """A worker's own block states (workers other than rank 0: the scheduler never reads them)."""
 
@@ -298,14 +308,17 @@ class ShardMemory(PageMemory):
     page by page) whose backing every worker agrees on (the module's comment). Its jobs must
     come in the same order on every worker, as vLLM's connector metadata does.
 
-    A block that is a power-of-two multiple of vkv's page is one page of its own (as
-    BlockMemory's one slot a block: the same driver calls); any other block is backed on the
-    device's pages (or ``page_bytes``), shared with its neighbours and counted."""
+    A block that is one run of bytes and a power-of-two multiple of vkv's page is one page of
+    its own (as BlockMemory's one slot a block: the same driver calls); any other block is
+    backed on the device's pages (or ``page_bytes``), shared with its neighbours and counted.
+    In a layer-outermost layout ``block_ranges`` are this worker's own (its stage's layers, its
+    share of the KV heads: its KVCacheConfig's), a range in each of its layers' regions."""
 
     def __init__(self, *, worker: Worker, timeout_s: float, page_bytes: int = 0, **kwargs: Any) -> None:
         device = str(resolve_device(kwargs.pop("device")))
         page_bytes = page_bytes or default_page_bytes(device)
-        if one_slot_per_block(kwargs["block_bytes"], page_bytes):
+        ranges = kwargs.get("block_ranges")
+        if (ranges is None or ranges.is_one_run) and one_slot_per_block(kwargs["block_bytes"], page_bytes):
             page_bytes = kwargs["block_bytes"]
         num_blocks = kwargs["num_blocks"]
         self.worker = worker
@@ -319,9 +332,10 @@ class ShardMemory(PageMemory):
         except Exception as caught:  # noqa: BLE001 (every worker hears of it, below)
             error = caught
         # Every worker started, or all raise: none waits for one that never will. The same
-        # geometry (block and page bytes) on every worker lets them prefer blocks on pages
-        # already backed: each chooses the same ones then; else the lowest ids.
-        geometry = _digest(kwargs["block_bytes"], page_bytes)
+        # geometry (block and page bytes, where each range of a block lies) on every worker
+        # lets them prefer blocks on pages already backed: each chooses the same ones then;
+        # else the lowest ids.
+        geometry = _geometry(kwargs["block_bytes"], page_bytes, ranges)
         verdict = self.agreement.round(error=error, digest=geometry, block_bytes=1)
         if verdict.failed_rank is not None:
             if error is None:

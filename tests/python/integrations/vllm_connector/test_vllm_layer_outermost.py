@@ -350,26 +350,6 @@ def test_views_in_another_layout_than_the_backed_ranges_are_refused_when_registe
         engine.close()
 
 
-def test_tensor_parallelism_with_a_layer_outermost_layout_is_refused_in_one_line(monkeypatch):
-    import types
-    from vkv.integrations.vllm.checks import block_ranges, check_parallel_blocks
-    layouts, _ = _layouts("NHD", monkeypatch)
-    engine = _engine(layouts)
-    try:
-        kv_config = engine.kv_config
-        ranges = block_ranges(engine.vllm_config, kv_config)
-        tp2 = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=2,
-                                                                          pipeline_parallel_size=1))
-        with pytest.raises(ValueError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 with a "
-                                             r"layer-outermost KV cache layout \(2 ranges a block.*"
-                                             r"VLLM_KV_CACHE_LAYOUT=BLNHC") as raised:
-            check_parallel_blocks(tp2, ranges)
-        assert "\n" not in str(raised.value)
-        check_parallel_blocks(tp2, BlockRanges.one_run(2 << 20))  # block-outermost: fine
-    finally:
-        engine.close()
-
-
 def test_the_budget_check_counts_a_page_in_every_layers_region(monkeypatch):
     # One request of max_model_len 256 (16 blocks) + 4 headroom + the null block = 21 blocks:
     # in each of the 2 regions 21 x 8 KiB = 168 KiB, at most 11 + 1 pages of 16 KiB: 24 pages.
