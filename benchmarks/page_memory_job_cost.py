@@ -10,6 +10,8 @@ bookkeeping). Run it at two commits to compare.
     python benchmarks/page_memory_job_cost.py
     python benchmarks/page_memory_job_cost.py --layer-outermost   # one range per layer
     python benchmarks/page_memory_job_cost.py --synthetic --num-blocks 100000 --churn 4
+    git show b1319dc:python/vkv/integrations/vllm/page_memory.py > /tmp/before.py
+    python benchmarks/page_memory_job_cost.py --page-memory /tmp/before.py   # that commit's PageMemory
 """
 
 import argparse
@@ -41,9 +43,21 @@ class _Timed:
             self.spent[0] += time.perf_counter() - start
 
 
-def _memory(num_blocks: int, layers: int, page_bytes: int, layer_outermost: bool, headroom: int):
-    from vkv.integrations.vllm.page_memory import PageMemory
+def _page_memory(path: str):
+    """PageMemory from vkv's package, or from the file ``path`` (another commit's page_memory.py)."""
+    if not path:
+        from vkv.integrations.vllm.page_memory import PageMemory
+        return PageMemory
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vkv.integrations.vllm._page_memory_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PageMemory
+
+
+def _memory(num_blocks: int, layers: int, page_bytes: int, layer_outermost: bool, headroom: int, path: str):
     from vkv.integrations.vllm.slot_geometry import BlockRanges
+    PageMemory = _page_memory(path)  # noqa: N806
     ranges = BlockRanges.per_layer(layers, LAYER_BYTES, num_blocks) if layer_outermost else None
     return PageMemory(engine_id=f"jobcost-{uuid.uuid4().hex[:10]}", num_blocks=num_blocks,
                       block_bytes=layers * LAYER_BYTES, page_bytes=page_bytes, block_ranges=ranges, device="cpu",
@@ -63,7 +77,7 @@ def run(args) -> dict:
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
     num_blocks, steps = _steps(args)
     headroom = 8 if steps is not None else args.backed
-    memory = _memory(num_blocks, args.layers, args.page_bytes, args.layer_outermost, headroom)
+    memory = _memory(num_blocks, args.layers, args.page_bytes, args.layer_outermost, headroom, args.page_memory)
     states = memory.states.states
     spent = [0.0]
     for name in ("step", "free_reqid", "trim", "alloc_reqids"):
@@ -104,7 +118,7 @@ def run(args) -> dict:
     return {"case": "synthetic" if args.synthetic else os.path.basename(args.trace),
             "layout": "layer-outermost" if args.layer_outermost else "block-outermost",
             "num_blocks": num_blocks, "block_bytes": args.layers * LAYER_BYTES, "page_bytes": args.page_bytes,
-            "jobs": len(totals), "job_us": us(totals), "python_us": us(python), "vkv_us": us(vkv_part),
+            "page_memory": args.page_memory or "vkv's", "jobs": len(totals), "job_us": us(totals), "python_us": us(python), "vkv_us": us(vkv_part),
             "commit": commit, "machine": platform.processor() or platform.machine()}
 
 
@@ -120,6 +134,8 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=768)
     parser.add_argument("--backed", type=int, default=600, help="synthetic: blocks backed throughout")
     parser.add_argument("--churn", type=int, default=4, help="synthetic: blocks given back and backed again a step")
+    parser.add_argument("--page-memory", default="", help="PageMemory from this file instead of vkv's, e.g. an "
+                        "earlier commit's: git show b1319dc:python/vkv/integrations/vllm/page_memory.py > before.py")
     parser.add_argument("--out", default="", help="append the result as one JSON line to this file")
     args = parser.parse_args()
     if args.synthetic and not args.steps:
