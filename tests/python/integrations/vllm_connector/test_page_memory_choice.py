@@ -53,7 +53,7 @@ def _plain_choice(memory, want):
     return (costless + [b for b in free if b not in taken])[:want]
 
 
-def _check(memory, steps_asked):
+def _check(memory):
     states = memory.states.states
     live = [0] + [b for b in range(1, memory.num_blocks) if states[b] in (BACKED, IN_POOL, RECLAIMING)]
     users = np.zeros(memory.num_pages, dtype=np.int64)
@@ -85,7 +85,7 @@ def test_choice_and_counts_match_a_plain_scan_on_random_schedules(name, seed):
     memory.cache.step = recorded_step
     try:
         states = memory.states.states
-        _check(memory, asked)
+        _check(memory)
         for _ in range(60):
             held = [b for b in range(1, num_blocks) if states[b] in (BACKED, IN_POOL)]
             # Give back a few (sometimes many: the numpy path), as the scheduler's free list scatters them.
@@ -93,16 +93,15 @@ def test_choice_and_counts_match_a_plain_scan_on_random_schedules(name, seed):
             states[release] = RECLAIMING
             memory.prefer_costless = rng.random() < 0.85
             target = max(0, memory.backed - len(release) + rng.choice((-2, 0, 1, 2, 4, 40)))
-            chosen = _plain_choice(memory, 0)  # nothing yet: release first
             memory.release(release)
-            _check(memory, asked)
+            _check(memory)
             chosen = _plain_choice(memory, min(target, num_blocks - 1) - memory.backed)
             expected_new = sorted({p for b in chosen for p in _pages(memory, b)[0] if memory.users[p] == 0})
             asked.clear()
             memory.grow(target)
             assert asked == ([expected_new] if expected_new else []), name
             assert [b for b in chosen if states[b] != BACKED] == [], "the plain choice was not backed"
-            _check(memory, asked)
+            _check(memory)
             pool = states[1:]
             pool[pool == BACKED] = IN_POOL  # the scheduler takes them into its pool
     finally:
