@@ -44,6 +44,15 @@ from .mapper import BackgroundMapper, StepJobs
 from .slot_geometry import SLOT_TOKEN_BYTES as _TOKEN_BYTES
 from .slot_geometry import BlockRanges
 
+_FEW = 32  # blocks a call handles in Python ints; more: numpy over them all
+_REMEMBERED = 1 << 16  # blocks whose pages (several ranges) are kept once computed
+_SCAN = 4096  # block states a numpy scan for the lowest unbacked ids looks at first (doubling)
+
+
+def _ints(blocks) -> list:
+    """Block ids as Python ints, from a numpy array or a list."""
+    return blocks.tolist() if isinstance(blocks, np.ndarray) else [int(block) for block in blocks]
+
 
 class PageMemory(StepJobs):
     """BlockMemory's interface (memory.py) for blocks of any size. ``submit()``, ``start()``,
@@ -72,6 +81,22 @@ class PageMemory(StepJobs):
             raise ValueError(f"vkv.integrations.vllm: {self.ranges.describe()} reach byte {self.ranges.end(num_blocks)}, "
                              f"past the buffer of {num_blocks} blocks of {block_bytes} bytes")
         self.users = np.zeros(self.num_pages, dtype=np.int32)  # backed blocks touching each page
+        # The per-step job handles a few blocks: their pages in Python ints (no numpy call per
+        # block). ``_touching[p]``: blocks touching page p; ``_partial``: pages some backed
+        # block and some unbacked one touch, where the unbacked blocks that cost no page are.
+        self._geometry = [(int(s), int(n), int(t)) for s, n, t in
+                          zip(self.ranges.starts, self.ranges.lengths, self.ranges.strides)]
+        self._block_pages: dict = {}  # several ranges: block -> (its pages, each range on at most 2 pages)
+        self._touching = np.bincount(self.pages_of(np.arange(num_blocks)), minlength=self.num_pages)
+        # Only pages of the blocks' first ranges are kept partial: a block that costs no page
+        # has its first range's pages backed too, so it is found from those.
+        start, length, stride = self._geometry[0]
+        starts = start + np.arange(num_blocks, dtype=np.int64) * stride
+        edges = np.zeros(self.num_pages + 1, dtype=np.int64)
+        np.add.at(edges, starts // page_bytes, 1)
+        np.add.at(edges, (starts + length - 1) // page_bytes + 1, -1)
+        self._first_range = np.cumsum(edges[:-1]) > 0
+        self._partial: set = set()
         if page_bytes % _TOKEN_BYTES:
             raise ValueError(f"vkv.integrations.vllm: page_size = {page_bytes} must be a multiple of {_TOKEN_BYTES}")
         self._tokens = page_bytes // _TOKEN_BYTES
@@ -130,26 +155,83 @@ class PageMemory(StepJobs):
         owner = np.repeat(np.repeat(np.arange(first.shape[0], dtype=np.int64), first.shape[1]), span)
         return np.unique(owner * self.num_pages + pages) % self.num_pages
 
+    def _pages(self, block: int) -> "tuple[tuple, bool]":
+        """``block``'s pages, ascending and once each (as ``pages_of``), and whether each of its
+        ranges lies on at most two pages (only then can its pages all be backed while it is not)."""
+        if len(self._geometry) == 1:
+            start, length, stride = self._geometry[0]
+            first = (start + block * stride) // self.page_bytes
+            last = (start + block * stride + length - 1) // self.page_bytes
+            return tuple(range(first, last + 1)), last - first <= 1
+        known = self._block_pages.get(block)
+        if known is None:
+            pages: set = set()
+            narrow = True
+            for start, length, stride in self._geometry:
+                first = (start + block * stride) // self.page_bytes
+                last = (start + block * stride + length - 1) // self.page_bytes
+                pages.update(range(first, last + 1))
+                narrow = narrow and last - first <= 1
+            known = (tuple(sorted(pages)), narrow)
+            if len(self._block_pages) < _REMEMBERED:
+                self._block_pages[block] = known
+        return known
+
+    def _blocks_on(self, page: int) -> range:
+        """The blocks whose first range touches ``page``, ascending."""
+        start, length, stride = self._geometry[0]
+        # start + b * stride < (page + 1) * page_bytes and start + b * stride + length > page * page_bytes
+        return range(max(0, (page * self.page_bytes - start - length) // stride + 1),
+                     min(self.num_blocks - 1, ((page + 1) * self.page_bytes - start - 1) // stride) + 1)
+
+    def _count_partial(self, pages) -> None:
+        """After ``users[pages]`` changed: which of them some backed and some unbacked block touch."""
+        users, touching, partial, first_range = self.users, self._touching, self._partial, self._first_range
+        for page in pages:
+            if 0 < users[page] < touching[page] and first_range[page]:
+                partial.add(page)
+            else:
+                partial.discard(page)
+
+    def _recount_partial(self) -> None:
+        """``_count_partial()`` of every page (after many blocks changed at once)."""
+        users = self.users
+        self._partial = set(np.flatnonzero((users > 0) & (users < self._touching) & self._first_range).tolist())
+
     def mapped_pages(self, block: int) -> int:
         """How many of ``block``'s pages are backed (all of them while it is backed)."""
-        return int((self.users[self.pages_of(np.array([block]))] > 0).sum())
+        users = self.users
+        return sum(1 for page in self._pages(int(block))[0] if users[page] > 0)
 
     def pages_in(self, block: int) -> int:
         """How many pages ``block``'s bytes touch."""
-        return int(self.pages_of(np.array([block])).size)
+        return len(self._pages(int(block))[0])
 
     def _back(self, blocks: np.ndarray) -> bool:
         """Back the pages ``blocks`` need in one ``step()``; False (nothing changed) when the
         budget is short; raises MemoryError's missing_pages through ``_shortage``."""
-        pages = np.unique(self.pages_of(blocks))
-        new = pages[self.users[pages] == 0]
-        if new.size:
+        users = self.users
+        if len(blocks) > _FEW:
+            every = self.pages_of(blocks)
+            pages = np.unique(every)
+            new = pages[users[pages] == 0].tolist()
+        else:
+            lists = [self._pages(block)[0] for block in _ints(blocks)]
+            new = sorted({page for pages in lists for page in pages if users[page] == 0})
+        if new:
             try:
-                self.cache.step(dict.fromkeys(new.tolist(), self._tokens))
+                self.cache.step(dict.fromkeys(new, self._tokens))
             except MemoryError as error:
                 self._shortage = int(getattr(error, "missing_pages", 0)) or 1
                 return False
-        np.add.at(self.users, self.pages_of(blocks), 1)
+        if len(blocks) > _FEW:
+            np.add.at(users, every, 1)
+            self._recount_partial()
+        else:
+            for block_pages in lists:
+                for page in block_pages:
+                    users[page] += 1
+            self._count_partial({page for block_pages in lists for page in block_pages})
         return True
 
     def grow(self, target: int, settle: Optional[Callable[[], None]] = None) -> int:
@@ -171,7 +253,57 @@ class PageMemory(StepJobs):
     def choose(self, want: int) -> np.ndarray:
         """The (at most) ``want`` unbacked blocks to back next, in order: with
         ``prefer_costless``, those whose pages are all backed already (holes in backed pages
-        cost nothing), then the lowest ids, so that new blocks continue the backed runs densely."""
+        cost nothing), then the lowest ids, so that new blocks continue the backed runs densely.
+        (choose_plainly() is the same choice over every block: the tests hold them equal.)"""
+        if want <= 0:
+            return np.zeros(0, dtype=np.int64)
+        states = self.states.states
+        costless: list = []
+        if self.prefer_costless and self._partial:
+            # An unbacked block whose pages are all backed shares its first range's pages with
+            # backed blocks: those pages are partial.
+            candidates = set()
+            for page in self._partial:
+                blocks = self._blocks_on(page)
+                for offset, state in enumerate(states[blocks.start:blocks.stop].tolist()):
+                    if state == UNBACKED:
+                        candidates.add(blocks.start + offset)
+            candidates.discard(0)
+            costless = self._costless(sorted(candidates), want)
+        # Then the lowest unbacked ids (not the null block), scanned a chunk at a time.
+        need = want + len(costless)
+        lowest: list = []
+        start, chunk = 1, _SCAN
+        while len(lowest) < need and start < self.num_blocks:
+            found = np.flatnonzero(states[start:start + chunk] == UNBACKED)[: need - len(lowest)]
+            lowest.extend((found + start).tolist())
+            start += chunk
+            chunk *= 2
+        if costless:
+            taken = set(costless)
+            lowest = [block for block in lowest if block not in taken]
+        return np.array((costless + lowest)[:want], dtype=np.int64)
+
+    def _costless(self, blocks: list, want: int) -> list:
+        """The first ``want`` of ``blocks`` (ascending) each of whose ranges lies on at most two
+        pages, all backed."""
+        users = self.users
+        if len(self._geometry) > 1 and min(want, len(blocks)) > _FEW // 4:
+            first, last = self._spans(np.array(blocks, dtype=np.int64))
+            fits = ((users[first] > 0) & (users[last] > 0) & (last - first <= 1)).all(axis=1)
+            return np.array(blocks, dtype=np.int64)[fits][:want].tolist()
+        costless: list = []
+        for block in blocks:
+            pages, narrow = self._pages(block)
+            if narrow and all(users[page] > 0 for page in pages):
+                costless.append(block)
+                if len(costless) == want:
+                    break
+        return costless
+
+    def choose_plainly(self, want: int) -> np.ndarray:
+        """``choose()`` computed over every block from the states and the page counts alone
+        (numpy, cost O(blocks)): the definition ``choose()``'s bookkeeping must match."""
         if want <= 0:
             return np.zeros(0, dtype=np.int64)
         free = np.flatnonzero(self.states.states == UNBACKED)
@@ -191,8 +323,13 @@ class PageMemory(StepJobs):
     def mark_backed(self, chosen: np.ndarray) -> None:
         """Blocks ``chosen``, whose pages ``_back()`` backed, are BACKED: the scheduler may hand them out."""
         states = self.states.states
-        assert (states[chosen] == UNBACKED).all(), f"blocks {chosen.tolist()} were handed out unbacked"
-        states[chosen] = BACKED
+        if chosen.size > _FEW:
+            assert (states[chosen] == UNBACKED).all(), f"blocks {chosen.tolist()} were handed out unbacked"
+            states[chosen] = BACKED
+        else:
+            for block in chosen.tolist():
+                assert states[block] == UNBACKED, f"blocks {chosen.tolist()} were handed out unbacked"
+                states[block] = BACKED
         self.backed += int(chosen.size)
 
     def _fewer(self, chosen: np.ndarray, missing: int) -> np.ndarray:
@@ -201,7 +338,7 @@ class PageMemory(StepJobs):
         new_so_far = []
         users = self.users
         for block in chosen.tolist():
-            for page in self.pages_of(np.array([block])).tolist():
+            for page in self._pages(block)[0]:
                 if users[page] == 0 and page not in seen:
                     seen.add(page)
             new_so_far.append(len(seen))
@@ -214,22 +351,42 @@ class PageMemory(StepJobs):
     def release(self, blocks: List[int]) -> int:
         """Give back blocks the scheduler took out of its pool: the pages no other backed
         block touches go back to the budget. Returns the bytes given back."""
-        if not blocks:
+        if not len(blocks):
             return 0
         states = self.states.states
-        ids = np.asarray(blocks, dtype=np.int64)
-        assert (states[ids] == RECLAIMING).all(), f"blocks {blocks} released while in use"
-        states[ids] = UNBACKED
+        ids: "np.ndarray | List[int]"
+        if len(blocks) > _FEW:
+            ids = np.asarray(blocks, dtype=np.int64)
+            assert (states[ids] == RECLAIMING).all(), f"blocks {blocks} released while in use"
+            states[ids] = UNBACKED
+        else:
+            ids = [int(block) for block in blocks]
+            for block in ids:
+                assert states[block] == RECLAIMING, f"blocks {blocks} released while in use"
+            for block in ids:
+                states[block] = UNBACKED
         self.backed -= len(blocks)
         return self._unback(ids)
 
-    def _unback(self, blocks: np.ndarray) -> int:
+    def _unback(self, blocks: "np.ndarray | List[int]") -> int:
         """Take back ``_back(blocks)``: the pages no other backed block touches go back to
         the budget (zero-filled, unmapped after the work queued so far). Returns the bytes."""
-        pages = self.pages_of(blocks)
-        np.subtract.at(self.users, pages, 1)
-        unused = np.unique(pages)
-        unused = unused[self.users[unused] == 0].tolist()
+        users = self.users
+        unused: List[int]
+        if len(blocks) > _FEW:
+            pages = self.pages_of(np.asarray(blocks))
+            np.subtract.at(users, pages, 1)
+            touched = np.unique(pages)
+            unused = touched[users[touched] == 0].tolist()
+            self._recount_partial()
+        else:
+            changed = set()
+            for block in _ints(blocks):
+                for page in self._pages(block)[0]:
+                    users[page] -= 1
+                    changed.add(page)
+            unused = sorted(page for page in changed if users[page] == 0)
+            self._count_partial(changed)
         if not unused:
             return 0
         for page in unused:
