@@ -382,6 +382,49 @@ def forward(engine: Engine, out) -> Dict[str, Optional[int]]:
     return sampled
 
 
+
+def live_blocks(memory):
+    """The blocks a worker's memory keeps backed: BACKED, IN_POOL, and the null block."""
+    import numpy as np
+
+    from vkv.integrations.vllm.block_states import BACKED, IN_POOL
+    states = memory.states.states
+    return np.union1d(np.flatnonzero((states == BACKED) | (states == IN_POOL)), [0])
+
+
+def check_live_pages(engine: "Engine", out=None) -> None:
+    """Every block in a scheduled request's tables (every group) is in the pool with all its
+    pages (in every layer's region) mapped; each page's count is the backed blocks touching
+    it, and vkv has exactly the pages with a count mapped: none given back while a live
+    block uses it. For a worker memory that backs blocks page by page (PageMemory)."""
+    import numpy as np
+
+    from vkv.integrations.vllm.block_states import IN_POOL
+    memory = engine.worker._memory
+    states = memory.states.states
+    if out is not None:
+        for rid, blocks in engine.all_block_tables(out).items():
+            for b in blocks:
+                assert states[b] == IN_POOL, (rid, b, states[b])
+                assert memory.mapped_pages(b) == memory.pages_of(np.array([b])).size, (rid, b)
+    if memory.mapper is not None and memory.mapper.busy():
+        return  # the job in flight changes the counts as we read them
+    users = np.bincount(memory.pages_of(live_blocks(memory)), minlength=memory.num_pages)
+    assert (memory.users == users).all(), np.flatnonzero(memory.users != users)
+    mapped = np.array([memory.cache.mapped_pages(p) for p in range(memory.num_pages)])
+    assert (mapped == (users > 0)).all(), (np.flatnonzero(mapped != (users > 0)), users[mapped != (users > 0)])
+    assert memory.cache.stats()["pages_created"] >= int((users > 0).sum())
+
+
+def run_until_done(engine: "Engine", check=None, limit: int = 400) -> int:
+    """Step ``engine`` until every request has finished; the steps it took."""
+    steps = 0
+    while engine.unfinished():
+        engine.step(check)
+        steps += 1
+        assert steps < limit, "the trace did not finish"
+    return steps
+
 def engine_process(commands, replies, extra: dict, num_blocks: int, options: Optional[dict] = None) -> None:
     """An engine in its own process (multiprocessing, spawn), driven by commands:
     ("burst", name, n, prompt, gen): add n requests and step until they finish, replying

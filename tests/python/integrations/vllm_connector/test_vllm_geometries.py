@@ -19,7 +19,7 @@ require_vllm()
 
 import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
 
-from vkv.integrations.vllm.block_states import BACKED, IN_POOL  # noqa: E402
+from vkv.integrations.vllm.block_states import BACKED  # noqa: E402
 from vkv.integrations.vllm.page_memory import PageMemory  # noqa: E402
 
 HEADROOM = 4
@@ -56,39 +56,10 @@ def _trace(engine, n=6, prompt=37, gen=6):
         engine.add(f"req{i}", [(7 * i + t) % 1000 for t in range(prompt + 5 * i)], gen + i % 3)
 
 
-def _run(engine, check=None, limit=300):
-    steps = 0
-    while engine.unfinished():
-        engine.step(check)
-        steps += 1
-        assert steps < limit, "the trace did not finish"
-    return steps
 
 
-def _live_blocks(memory):
-    """The blocks the worker keeps backed: BACKED, IN_POOL, and the null block."""
-    states = memory.states.states
-    return np.union1d(np.flatnonzero((states == BACKED) | (states == IN_POOL)), [0])
 
 
-def check_pages(engine, out=None):
-    """Every block in a scheduled request's tables (every group) is in the pool with all its
-    pages mapped; each page's count is the backed blocks touching it, and vkv has exactly
-    the pages with a count mapped: none given back while a live block uses it."""
-    memory = engine.worker._memory
-    states = memory.states.states
-    if out is not None:
-        for rid, blocks in engine.all_block_tables(out).items():
-            for b in blocks:
-                assert states[b] == IN_POOL, (rid, b, states[b])
-                assert memory.mapped_pages(b) == memory.pages_of(np.array([b])).size, (rid, b)
-    if memory.mapper is not None and memory.mapper.busy():
-        return  # the job in flight changes the counts as we read them
-    users = np.bincount(memory.pages_of(_live_blocks(memory)), minlength=memory.num_pages)
-    assert (memory.users == users).all(), np.flatnonzero(memory.users != users)
-    mapped = np.array([memory.cache.mapped_pages(p) for p in range(memory.num_pages)])
-    assert (mapped == (users > 0)).all(), (np.flatnonzero(mapped != (users > 0)), users[mapped != (users > 0)])
-    assert memory.cache.stats()["pages_created"] >= int((users > 0).sum())
 
 
 def _engine(name, connector=True, background=False, **options):
@@ -115,14 +86,14 @@ def test_outputs_equal_vllms_own_pool_and_live_pages_stay(name):
                 assert isinstance(memory, PageMemory), type(memory)
                 assert memory.block_bytes == engine.kv_config.kv_cache_tensors[0].block_stride
             _trace(engine)
-            _run(engine, check_pages if connector else None)
+            vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
             if connector:
                 # Idle: the free blocks beyond the headroom go back, and with them every
                 # page no live block touches.
                 engine.step_while_busy()
-                check_pages(engine)
-                live = _live_blocks(memory)
+                vt.check_live_pages(engine)
+                live = vt.live_blocks(memory)
                 assert len(live) <= engine.connector.stats()["in_use"] + HEADROOM + 2, len(live)
                 pages = np.unique(memory.pages_of(live)).size
                 assert memory.cache.stats()["pages_created"] == pages
@@ -139,7 +110,7 @@ def test_with_background_mapping_outputs_equal_vllms_own_pool(name):
         engine = _engine(name, connector, background=True)
         try:
             _trace(engine, n=10)
-            _run(engine, check_pages if connector else None)
+            vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
         finally:
             engine.close()
@@ -176,7 +147,7 @@ def test_pages_fill_densely_and_a_shared_page_waits_for_its_last_block():
         states[[2, 3]] = RECLAIMING
         memory.release([2, 3])
         assert memory.users[4] == 0 and cache.mapped_pages(4) == 0  # its last block gone: given back
-        check = np.bincount(memory.pages_of(_live_blocks(memory)), minlength=memory.num_pages)
+        check = np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)
         assert (memory.users == check).all()
     finally:
         memory.states.unlink()
@@ -193,7 +164,7 @@ def test_a_budget_shortage_backs_fewer_blocks_and_nothing_partial():
         memory.grow(40)  # 10 pages: blocks 0-5 fill pages 0-8; block 6 would need pages 9 and 10
         assert memory.backed == 5 and list(np.flatnonzero(memory.states.states == BACKED)) == [1, 2, 3, 4, 5]
         assert memory.cache.stats()["pages_created"] <= 10
-        check = np.bincount(memory.pages_of(_live_blocks(memory)), minlength=memory.num_pages)
+        check = np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)
         assert (memory.users == check).all()
     finally:
         memory.states.unlink()
@@ -218,7 +189,7 @@ def test_blocks_a_sliding_window_leaves_go_back_while_the_request_runs():
                 tables = [engine.block_tables(out, g).get("long", []) for g in range(3)]
                 most_window_blocks = max(most_window_blocks, *(sum(b != 0 for b in t) for t in tables[1:]))
                 if connector:
-                    check_pages(engine, out)
+                    vt.check_live_pages(engine, out)
 
             while engine.unfinished():
                 out = engine.step(check)
@@ -281,16 +252,16 @@ def test_mamba_state_groups_are_backed_before_their_forward_and_given_back():
             _trace(engine, n=8)
             scheduled = []
             while engine.unfinished():
-                out = engine.step(check_pages if connector else None, read_back=False)
+                out = engine.step(vt.check_live_pages if connector else None, read_back=False)
                 scheduled.append(dict(out.num_scheduled_tokens))
                 assert len(scheduled) < 300
             runs.append(scheduled)
             if connector:
                 engine.step_while_busy()
-                check_pages(engine)
+                vt.check_live_pages(engine)
                 memory = engine.worker._memory
                 assert isinstance(memory, PageMemory)
-                assert len(_live_blocks(memory)) <= HEADROOM + 2  # idle: the headroom and the null block
+                assert len(vt.live_blocks(memory)) <= HEADROOM + 2  # idle: the headroom and the null block
         finally:
             engine.close()
     totals = [{r: sum(step.get(r, 0) for step in run) for r in run[-1].keys() | {f"req{i}" for i in range(8)}}

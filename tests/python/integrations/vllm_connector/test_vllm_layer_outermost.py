@@ -22,7 +22,7 @@ require_vllm()
 
 import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
 
-from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED  # noqa: E402
+from vkv.integrations.vllm.block_states import BACKED, RECLAIMING, UNBACKED  # noqa: E402
 from vkv.integrations.vllm.page_memory import PageMemory  # noqa: E402
 from vkv.integrations.vllm.slot_geometry import BlockRanges  # noqa: E402
 
@@ -72,35 +72,10 @@ def _trace(engine, n=8, prompt=37, gen=6):
         engine.add(f"req{i}", [(7 * i + t) % 1000 for t in range(prompt + 5 * i)], gen + i % 3)
 
 
-def _live_blocks(memory):
-    states = memory.states.states
-    return np.union1d(np.flatnonzero((states == BACKED) | (states == IN_POOL)), [0])
 
 
-def check_pages(engine, out=None):
-    """Every block of a scheduled table has all its pages (in every layer's region) mapped;
-    each page's count is the backed blocks touching it, and vkv maps exactly the counted
-    pages: none given back while a live block uses it."""
-    memory = engine.worker._memory
-    states = memory.states.states
-    if out is not None:
-        for rid, blocks in engine.all_block_tables(out).items():
-            for b in blocks:
-                assert states[b] == IN_POOL, (rid, b, states[b])
-                assert memory.mapped_pages(b) == memory.pages_of(np.array([b])).size, (rid, b)
-    users = np.bincount(memory.pages_of(_live_blocks(memory)), minlength=memory.num_pages)
-    assert (memory.users == users).all(), np.flatnonzero(memory.users != users)
-    mapped = np.array([memory.cache.mapped_pages(p) for p in range(memory.num_pages)])
-    assert (mapped == (users > 0)).all(), np.flatnonzero(mapped != (users > 0))
 
 
-def _run(engine, check=None, limit=400):
-    steps = 0
-    while engine.unfinished():
-        engine.step(check)
-        steps += 1
-        assert steps < limit, "the trace did not finish"
-    return steps
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -118,12 +93,12 @@ def test_outputs_equal_vllms_own_pool_and_live_pages_stay(name, monkeypatch):
                 assert len(memory.ranges) == layers, memory.ranges.describe()
                 assert memory.block_bytes == engine.kv_config.kv_cache_tensors[0].size // engine.num_blocks
             _trace(engine)
-            _run(engine, check_pages if connector else None)
+            vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
             if connector:
                 engine.step_while_busy()  # idle: free blocks beyond the headroom go back, with their pages
-                check_pages(engine)
-                live = _live_blocks(memory)
+                vt.check_live_pages(engine)
+                live = vt.live_blocks(memory)
                 assert len(live) <= engine.connector.stats()["in_use"] + HEADROOM + 2, len(live)
                 assert memory.cache.stats()["pages_created"] == np.unique(memory.pages_of(live)).size
         finally:
@@ -145,7 +120,7 @@ def test_a_hybrid_model_in_nhd_overlays_its_groups_in_each_layers_region(monkeyp
             if connector:
                 assert len(engine.worker._memory.ranges) == 2
             _trace(engine, n=6)
-            _run(engine, check_pages if connector else None)
+            vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
         finally:
             engine.close()
@@ -164,7 +139,7 @@ def test_an_mla_model_in_nhd_is_one_range_a_layer(monkeypatch):
             if connector:
                 assert len(engine.worker._memory.ranges) == 3
             _trace(engine)
-            _run(engine, check_pages if connector else None)
+            vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
         finally:
             engine.close()
@@ -178,7 +153,7 @@ def test_with_background_mapping_outputs_equal_vllms_own_pool(monkeypatch):
         engine = _engine(layouts, connector, extra={"background_mapping": True})
         try:
             _trace(engine, n=10)
-            _run(engine)
+            vt.run_until_done(engine)
             outputs.append(engine.outputs)
         finally:
             engine.close()
@@ -198,17 +173,17 @@ def test_pages_go_back_under_pressure_and_outputs_equal_vllms_own_pool(monkeypat
 
             def check(engine, out):
                 nonlocal most
-                check_pages(engine, out)
+                vt.check_live_pages(engine, out)
                 most = max(most, engine.worker._memory.cache.stats()["pages_created"])
 
-            _run(engine, check if connector else None)
+            vt.run_until_done(engine, check if connector else None)
             outputs.append(engine.outputs)
             if connector:
                 stats = engine.worker._memory.cache.stats()
                 assert most <= 40, most
                 assert stats["backend"]["unmap"]["units"] > 0, "no page went back under pressure"
                 engine.step_while_busy()
-                check_pages(engine)
+                vt.check_live_pages(engine)
         finally:
             engine.close()
     assert [len(outputs[0][f"req{i}"]) for i in range(14)] == [24 + i % 3 for i in range(14)]
@@ -250,7 +225,7 @@ def test_prefix_hits_under_give_back_pressure_as_on_vllms_own_pool(monkeypatch):
             if b.busy():
                 b.step(read_back=False)
 
-        outputs = tm.run(a, tm.TokenModel(), arrivals, check=lambda engine, out: check_pages(engine, out),
+        outputs = tm.run(a, tm.TokenModel(), arrivals, check=lambda engine, out: vt.check_live_pages(engine, out),
                          on_step=other_engine)
         while b.unfinished():
             b.step(read_back=False)
@@ -300,7 +275,7 @@ def test_a_page_shared_with_a_live_block_stays_in_every_layers_region():
         assert all(memory.users[p] == 0 and cache.mapped_pages(p) == 0 for p in (1, 9, 17))
         memory.grow(2)  # block 2 again: its pages come back from the budget as zeros
         assert states[2] == BACKED and not any(buf[span].any() for span in block3)
-        assert (memory.users == np.bincount(memory.pages_of(_live_blocks(memory)), minlength=memory.num_pages)).all()
+        assert (memory.users == np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)).all()
     finally:
         memory.states.unlink()
         memory.close()
@@ -315,7 +290,7 @@ def test_a_budget_shortage_backs_fewer_blocks_and_changes_nothing_else():
         assert list(np.flatnonzero(memory.states.states == BACKED)) == [1, 2, 3, 4, 5]
         assert memory.cache.stats()["pages_created"] == 6
         assert memory.grow(20) == 0 and (memory.users > 0).sum() == 6 and (before <= memory.users).all()
-        assert (memory.users == np.bincount(memory.pages_of(_live_blocks(memory)), minlength=memory.num_pages)).all()
+        assert (memory.users == np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)).all()
     finally:
         memory.states.unlink()
         memory.close()
