@@ -95,6 +95,19 @@ def plan(vllm_config, tp: int, pp: int, num_blocks: int, model: vt.Model = vt.TI
     return configs, generate_scheduler_kv_cache_config(configs)
 
 
+
+def run_agreeing(engine, limit: int = 300) -> int:
+    """Steps a ParallelEngine to the end; after each step every worker has backed exactly the
+    same blocks (each worker's page counts checked by the harness). The most blocks backed."""
+    steps = most = 0
+    while engine.unfinished():
+        engine.step()
+        steps += 1
+        assert steps < limit, "the trace did not finish"
+        assert all(backed == engine.backed[0] for backed in engine.backed), engine.backed
+        most = max(most, len(engine.backed[0]) if engine.backed else 0)
+    return most
+
 def _expected(request_id: str, end: int, layer: int, heads: List[int], value: bool) -> np.ndarray:
     """vllm_testing.kv_value for positions [0, end) and ``heads``, vectorised: [end, heads]."""
     r = sum(map(ord, request_id)) % 61

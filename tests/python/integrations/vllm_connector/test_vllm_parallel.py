@@ -41,17 +41,6 @@ def _fixed_outputs(num_blocks=64, **options):
         engine.close()
 
 
-def _run(engine, limit=200):
-    """Steps to the end; after each, every worker has backed exactly the same blocks."""
-    steps = 0
-    most = 0
-    while engine.unfinished():
-        engine.step()
-        steps += 1
-        assert steps < limit, "the trace did not finish"
-        assert all(backed == engine.backed[0] for backed in engine.backed), engine.backed
-        most = max(most, len(engine.backed[0]) if engine.backed else 0)
-    return most
 
 
 def _agreement_segments():
@@ -70,7 +59,7 @@ def _fixed_parallel_outputs(tp, pp=1, n=8, **options):
     engine = pt.ParallelEngine(tp, pp, 64, model=MODEL_70B, connector=False, **options)
     try:
         _trace(engine, n=n)
-        _run(engine)
+        pt.run_agreeing(engine)
         return engine.outputs
     finally:
         engine.close()
@@ -87,7 +76,7 @@ def test_every_worker_backs_the_same_blocks_and_outputs_equal_the_fixed_pool(tp,
         _trace(engine)
         # Each worker asserts that every block of the step's tables is backed on it before its
         # forward, and reads back every token of its layers and heads.
-        assert _run(engine) > 4
+        assert pt.run_agreeing(engine) > 4
         outputs = engine.outputs
     finally:
         engine.close()
@@ -111,7 +100,7 @@ def test_blocks_of_70b_shards_are_backed_page_by_page_on_every_worker(tp, pp):
         _trace(engine)
         # Each worker asserts every page of every block of the step's tables mapped before its
         # forward and reads back every token; after each job the workers hold the same blocks.
-        assert _run(engine) > 4
+        assert pt.run_agreeing(engine) > 4
         outputs = engine.outputs
         now = engine.backed_now()  # each worker's backed blocks, every page of each mapped
         assert all(backed == now[0] for backed in now), now

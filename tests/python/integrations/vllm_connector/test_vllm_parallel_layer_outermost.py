@@ -46,17 +46,6 @@ def _trace(engine, n=8, prompt=37, gen=6):
         engine.add(f"req{i}", [(7 * i + t) % 1000 for t in range(prompt + 5 * i)], gen + i % 3)
 
 
-def _run(engine, limit=300):
-    """Steps to the end; after each job every worker has backed the same blocks, each page of
-    each worker counting its backed blocks and mapped exactly while one does (the harness)."""
-    steps = most = 0
-    while engine.unfinished():
-        engine.step()
-        steps += 1
-        assert steps < limit, "the trace did not finish"
-        assert all(backed == engine.backed[0] for backed in engine.backed), engine.backed
-        most = max(most, len(engine.backed[0]) if engine.backed else 0)
-    return most
 
 
 def _fixed_outputs(tp, pp):
@@ -64,7 +53,7 @@ def _fixed_outputs(tp, pp):
     engine = _engine(tp, pp, connector=False)
     try:
         _trace(engine)
-        _run(engine)
+        pt.run_agreeing(engine)
         return engine.outputs
     finally:
         engine.close()
@@ -90,7 +79,7 @@ def test_every_worker_backs_its_layers_ranges_and_outputs_equal_the_fixed_pool(t
         _trace(engine)
         # Each worker asserts every page of every block of the step's tables mapped before its
         # forward and reads back every token of its layers and heads.
-        assert _run(engine) > 4
+        assert pt.run_agreeing(engine) > 4
         outputs = engine.outputs
         now = engine.backed_now()  # after the last job: the same blocks, pages counted right
         assert all(backed == now[0] for backed in now), now
