@@ -254,7 +254,7 @@ class PageMemory(StepJobs):
         """The (at most) ``want`` unbacked blocks to back next, in order: with
         ``prefer_costless``, those whose pages are all backed already (holes in backed pages
         cost nothing), then the lowest ids, so that new blocks continue the backed runs densely.
-        (choose_plainly() is the same choice over every block: the tests hold them equal.)"""
+        (test_page_memory_choice.py holds it equal to a plain scan over every block.)"""
         if want <= 0:
             return np.zeros(0, dtype=np.int64)
         states = self.states.states
@@ -300,25 +300,6 @@ class PageMemory(StepJobs):
                 if len(costless) == want:
                     break
         return costless
-
-    def choose_plainly(self, want: int) -> np.ndarray:
-        """``choose()`` computed over every block from the states and the page counts alone
-        (numpy, cost O(blocks)): the definition ``choose()``'s bookkeeping must match."""
-        if want <= 0:
-            return np.zeros(0, dtype=np.int64)
-        free = np.flatnonzero(self.states.states == UNBACKED)
-        free = free[free != 0]
-        if not self.prefer_costless or not free.size:
-            return free[:want]
-        # (Pages strictly inside a range of an unbacked block are its own, so only each range's
-        # end pages count; candidates are those whose first range starts on a backed page.)
-        users = self.users
-        costless = np.zeros(free.size, dtype=bool)
-        candidates = np.flatnonzero(users[(self.ranges.starts[0] + free * self.ranges.strides[0]) // self.page_bytes] > 0)
-        if candidates.size:
-            first, last = self._spans(free[candidates])
-            costless[candidates] = ((users[first] > 0) & (users[last] > 0) & (last - first <= 1)).all(axis=1)
-        return np.concatenate((free[costless], free[~costless]))[:want]
 
     def mark_backed(self, chosen: np.ndarray) -> None:
         """Blocks ``chosen``, whose pages ``_back()`` backed, are BACKED: the scheduler may hand them out."""
