@@ -32,8 +32,8 @@ from .engine import Engine, RunResult
 from .kv_stores import StoreUnavailable, make_store
 from .model import SHAPES, LlamaModel
 from .report import makespan_table, repeats_table, result_stem, save, table
-from .workload import (SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_long_prompt_trace, make_prefill_decode_trace,
-                       make_trace)
+from .workload import (SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, fixed_lengths, make_long_prompt_trace,
+                       make_prefill_decode_trace, make_trace)
 
 STORES = ["vkv-interleaved", "vkv-per-layer", "paged-16", "paged-128", "static"]
 # FlashInfer's kernels: on its paged cache, and on vkv's memory (one page per request).
@@ -260,6 +260,9 @@ def main(argv=None) -> int:
             # Short outputs: the warm-up only has to compile, capture and load kernels.
             warmup = make_trace(4, math.inf, min(args.max_context, 512), shape.vocab, seed=args.seed + 1,
                                 scale=args.length_scale)
+            if args.chunked_prefill:  # a prompt of two chunks: the second's kernel reads a cached prefix
+                fixed_lengths(warmup[:1], min(args.max_prefill_tokens + 512, args.max_context // 2), 0, shape.vocab,
+                              seed=args.seed + 1)
             capture = engine.run(warmup, show_progress=False).capture_seconds  # compiles, captures; not measured
             results = [(label, engine.run(copy.deepcopy(trace), show_progress=not args.no_progress))
                        for label, trace in workloads]
