@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import platform
@@ -32,6 +33,13 @@ def argument_parser(description: str, sections) -> argparse.ArgumentParser:
 def progress(message: str) -> None:
     """A timestamped line on stderr, printed above any progress bar (and alone in captured logs)."""
     tqdm.write(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr)
+
+
+def stall_watchdog(seconds: float) -> None:
+    """Dumps every thread's Python stack to stderr each `seconds` until the process exits
+    (faulthandler, so it works while the main thread is stuck in C++ or a CUDA call): a run
+    that stalls says where. Calling it again restarts the count."""
+    faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
 
 
 def progress_bar(iterable, description: str, total=None):

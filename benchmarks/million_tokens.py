@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import math
 import os
 import sys
 import tempfile
 import time
+import traceback
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -42,7 +44,7 @@ import torch.multiprocessing as mp
 
 import vkv
 import vkv.distributed
-from common import device_tag, machine, percentiles, progress, write_json
+from common import device_tag, machine, percentiles, progress, stall_watchdog, write_json
 from vkv.demo.decode_runner import DecodeRunner
 from vkv.demo.kv_stores import DecodeBatch, StoreUnavailable, make_store
 from vkv.demo.model import SHAPES, LlamaModel
@@ -51,6 +53,8 @@ GIB = 1 << 30
 HEADROOM_BYTES = 3 * GIB  # activations, rotary tables, NCCL, FlashInfer's workspace, graphs, the CUDA context
 CONTEXT_ALIGN = 2048      # max_context's multiple: whole 128 MiB large pages, whole 128-token FlashInfer pages
 REFERENCE_CHUNK = 65536   # keys per step of the fp32 reference
+STALL_SECONDS = 90        # a rank with no new phase for this long dumps its threads' stacks
+FILL_LINES = 8            # progress lines per rank during the fill
 DECODE_MODES = {"model": "the whole sharded model", "attention": "each layer's attention and output projection"}
 
 
@@ -211,6 +215,13 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
     """One rank's whole run (the process group initialized); rank 0 returns every rank's results."""
     gpu = args.device == "cuda"
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+
+    def phase(message: str) -> None:
+        """Every rank's progress, with its device's free memory; each phase restarts the
+        stall watchdog, so a rank stuck in one phase prints its stacks."""
+        free = f"; {torch.cuda.mem_get_info(device)[0] / GIB:.2f} GiB free" if gpu else ""
+        progress(f"rank {rank}: {message}{free}")
+        stall_watchdog(STALL_SECONDS)
     if gpu:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -232,11 +243,26 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
         model = LlamaModel(shape, device, dtype, context, seed=args.seed).shard(rank, world, dist.group.WORLD)
         if gpu:
             torch.cuda.empty_cache()  # the unsharded weights' memory back to the driver, for vkv's pages
+            # What is free now decides, on every rank alike: PyTorch may keep freed memory
+            # that vkv's pages cannot use (the shards were cut from the full weights).
+            free = torch.tensor([torch.cuda.mem_get_info(device)[0]], device=device)
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+            if int(free) < budget + HEADROOM_BYTES:
+                why = (f"{int(free) / GIB:.2f} GiB free on the fullest GPU once the weights are made, below the KV "
+                       f"budget {budget / GIB:.2f} GiB + {HEADROOM_BYTES / GIB:.0f} GiB of headroom")
+                if args.decode == "model":
+                    raise MemoryError(f"--decode model: {why}")
+                model, mode = None, "attention"
+                torch.cuda.empty_cache()
+                if rank == 0:
+                    progress(f"{why}: each layer's attention and output projection only")
+    result["decode"] = mode
     result["weights_seconds"] = time.perf_counter() - started
     result["device_used_after_weights"] = device_used(device)
     if rank == 0:
         progress(f"decode: {DECODE_MODES[mode]}; weights ready in {result['weights_seconds']:.1f} s, KV budget "
                  f"{budget / GIB:.2f} GiB a rank")
+    phase("weights ready")
 
     kind = args.store or "vkv-interleaved-fi-128"
     try:
@@ -256,6 +282,7 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
     result["agreement"] = tp.agreement
     page_bytes = cache.page_size
     result["page_bytes"], result["large_page_bytes"] = page_bytes, large_page_bytes
+    phase(f"{store.name} ready, agreement over {tp.agreement}")
 
     runner = attention = None
     if mode == "model":
@@ -265,6 +292,7 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
         result["capture_seconds"] = runner.capture_seconds
     else:
         attention = AttentionOnly(shape, store, shape.num_heads // world, device, dtype, generator)
+    phase("decode graphs captured" if runner is not None and runner.graphs else "decode ready")
 
     # The fill: the prompt's chunks, each stepped then written, as a chunked prefill does.
     slot = store.alloc()
@@ -274,8 +302,11 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
     k_chunk = torch.empty(args.chunk, local_shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype)
     v_chunk = torch.empty_like(k_chunk)
     fill_started = time.perf_counter()
-    for start in range(0, args.tokens, args.chunk):
+    chunks = -(-args.tokens // args.chunk)
+    for chunk, start in enumerate(range(0, args.tokens, args.chunk)):
         end = min(args.tokens, start + args.chunk)
+        if chunk % max(1, chunks // FILL_LINES) == 0:
+            phase(f"fill chunk {chunk + 1} of {chunks}, {cache.stats()['bytes_mapped'] / GIB:.1f} GiB mapped")
         began = time.perf_counter()
         if not store.reserve({slot: end}):
             raise MemoryError(f"rank {rank}: step() to {end} tokens found no memory (budget {budget} bytes)")
@@ -302,8 +333,7 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
         "backend_map_gb_s": rate_gb_s(traffic["backend_map"], page_bytes),
         "fill_gb_s": args.tokens * local_shape.kv_bytes_per_token(dtype) / fill_seconds / 1e9}
     result["device_used_after_fill"] = device_used(device)
-    if rank == 0:
-        progress(f"filled {args.tokens:,} tokens in {fill_seconds:.1f} s; decoding")
+    phase(f"filled {args.tokens:,} tokens in {fill_seconds:.1f} s; decoding")
 
     # Decode: step() for one more token, then the step's forward (or attention), waited for.
     seq_len, token = args.tokens, int(args.seed) % shape.vocab
@@ -346,6 +376,7 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
     result["torch_max_allocated"] = torch.cuda.max_memory_allocated(device) if gpu else 0
     result["vkv_bytes_mapped"] = decoded["bytes_mapped"]
 
+    phase(f"decoded {args.decode_tokens} tokens; checking one layer against fp32")
     # The decode kernel against fp32 attention over the whole context, on one layer.
     layer = shape.num_layers // 2
     heads = shape.num_heads // world
@@ -366,6 +397,7 @@ def run_rank(rank: int, world: int, args) -> Optional[dict]:
     if runner is not None:
         runner.release()
     store.close()
+    faulthandler.cancel_dump_traceback_later()
     everyone: List[Optional[dict]] = [None] * world
     dist.all_gather_object(everyone, result)
     return {"ranks": everyone, "kind": kind, "mode": mode} if rank == 0 else None
@@ -405,13 +437,23 @@ def summary_lines(results: dict) -> List[str]:
     return lines
 
 
+def _run_and_finish(rank: int, world: int, args) -> None:
+    try:
+        finish(run_rank(rank, world, args), args)
+    except BaseException:
+        # Now, not after the group is destroyed: that waits for the other ranks, which may
+        # wait for this one.
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
 def _spawned(rank: int, world: int, init_file: str, args) -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=world)
-    try:
-        finish(run_rank(rank, world, args), args)
-    finally:
-        dist.destroy_process_group()
+    _run_and_finish(rank, world, args)
 
 
 def finish(results: Optional[dict], args) -> None:
@@ -428,10 +470,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        try:
-            finish(run_rank(dist.get_rank(), dist.get_world_size(), args), args)
-        finally:
-            dist.destroy_process_group()
+        _run_and_finish(dist.get_rank(), dist.get_world_size(), args)
         return 0
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         print(f"--ranks {args.ranks} needs as many GPUs; this machine has {torch.cuda.device_count()}")

@@ -10,7 +10,7 @@
 #   longctx-1a longctx-1b longctx-2a ... longctx-3b
 #               repeat 1-3 of the demo, store order rotated by repeat; a: vkv interleaved
 #               (FlashInfer's kernels), FlashInfer paged 16, Flex paged 128; b: vkv per-layer
-#               (FlashInfer's kernels), FlashInfer paged 128. ~4-5 min each on an H100.
+#               (FlashInfer's kernels), FlashInfer paged 128. ~100 s a FlashInfer or vkv store on an H100.
 #   kernels     attention_bench.py --only long for Llama-3-8B (decode, and an 8K chunk over a
 #               120K / 504K prefix; 512K of K/V is 64 GiB interleaved: --vkv-budget-gib 64)
 #   kernels-gqa the same for the Llama-3-70B shape (64 query / 8 KV heads)

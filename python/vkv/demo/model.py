@@ -109,7 +109,18 @@ class LlamaModel:
             layer["gate_up"] = torch.cat([rows(gate_up, rank * mlp, mlp),
                                           rows(gate_up, s.intermediate + rank * mlp, mlp)]).contiguous()
             layer["down"] = layer["down"][:, rank * mlp:(rank + 1) * mlp].contiguous()
+        if self.device.type == "cuda":
+            self._compact_layers()
         return self
+
+    def _compact_layers(self) -> None:
+        """Moves the layers' weights out to host memory and back: a shard cut while the full
+        weights existed may sit in a segment of PyTorch's cache that their freed memory
+        shares, which empty_cache() cannot give back to the driver (where a KV cache needs it)."""
+        staged = [{name: weight.cpu() for name, weight in layer.items()} for layer in self.layers]
+        self.layers = []
+        torch.cuda.empty_cache()
+        self.layers = [{name: weight.to(self.device) for name, weight in layer.items()} for layer in staged]
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.group is not None:

@@ -1,0 +1,16 @@
+"""benchmarks/common.py: a run that stalls says where."""
+
+import pathlib
+import subprocess
+import sys
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def test_a_stalled_run_prints_every_threads_stack():
+    code = (f"import sys, time; sys.path.insert(0, {str(BENCHMARKS)!r}); from common import stall_watchdog\n"
+            "def stuck_here(): time.sleep(3)\n"
+            "stall_watchdog(0.5); stuck_here()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "stuck_here" in done.stderr and "Thread" in done.stderr
