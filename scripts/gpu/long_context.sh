@@ -7,10 +7,13 @@
 # Parts:
 #   test        first: the chunk kernels of every store against fp32 attention, and the
 #               C++ ExpectedTokens and LongSlots suites on CUDA (~3 min with the builds)
-#   longctx-1a longctx-1b longctx-2a ... longctx-3b
-#               repeat 1-3 of the demo, store order rotated by repeat; a: vkv interleaved
-#               (FlashInfer's kernels), FlashInfer paged 16, Flex paged 128; b: vkv per-layer
-#               (FlashInfer's kernels), FlashInfer paged 128. ~100 s a FlashInfer or vkv store on an H100.
+#   longctx-1 longctx-2 longctx-3
+#               repeat 1-3 of the demo over vkv per-layer and interleaved (FlashInfer's
+#               kernels) and FlashInfer paged 16 and 128, the store order rotated by repeat,
+#               each store in a process of its own (one slow or failing store keeps the
+#               others' results): ~100 s a store on an H100, ~7 min a part.
+#   longctx-flex
+#               FlexAttention paged (128-token pages) once, alone in its call (not timed yet).
 #   kernels     attention_bench.py --only long for Llama-3-8B (decode, and an 8K chunk over a
 #               120K / 504K prefix; 512K of K/V is 64 GiB interleaved: --vkv-budget-gib 64)
 #   kernels-gqa the same for the Llama-3-70B shape (64 query / 8 KV heads)
@@ -23,20 +26,37 @@
 # use, ~100 s on a fresh machine, inside the first part that runs them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-usage="usage: scripts/gpu/long_context.sh OUT_DIR PART... (test, longctx-{1,2,3}{a,b}, kernels, kernels-gqa, mapping, goals)"
+usage="usage: scripts/gpu/long_context.sh OUT_DIR PART... (test, longctx-{1,2,3}, longctx-flex, kernels, kernels-gqa, mapping, goals)"
 mkdir -p "${1:?$usage}"
 out="$(cd "$1" && pwd)"
 shift
 parts="${*:?$usage}"
 src="$PWD"
+deadline=$((SECONDS + ${VKV_GPU_SECONDS:-580}))  # the serving parts stop starting stores past it
 export PYTHONUNBUFFERED=1
 status=0
 
 # shellcheck source=scripts/gpu/common.sh
 source scripts/gpu/common.sh
 
-stores_a="vkv-interleaved-fi-128 flashinfer-16 paged-128"
-stores_b="vkv-per-layer-fi-128 flashinfer-128"
+stores="vkv-per-layer-fi-128 flashinfer-16 vkv-interleaved-fi-128 flashinfer-128"
+
+serve_longctx() {  # serve_longctx REPEAT STORE...: each store alone, the order rotated by REPEAT
+  local repeat="$1"
+  shift
+  local order=("$@")
+  local turn=$(((repeat - 1) % ${#order[@]}))
+  for store in "${order[@]:turn}" "${order[@]:0:turn}"; do
+    local left=$((deadline - SECONDS))
+    if [ $left -lt 120 ]; then
+      echo "=== serving_longctx_${repeat}_$store: not run (${left} s left of the call's time)"
+      status=1
+      continue
+    fi
+    step "serving_longctx_${repeat}_$store" $((left < 570 ? left : 570)) python3 -m vkv.demo --preset longctx \
+      --repeats 1 --first-repeat "$repeat" --stores "$store" --no-progress --out "$out/longctx-$repeat-$store"
+  done
+}
 
 if [ "$parts" != goals ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
@@ -57,14 +77,11 @@ for part in $parts; do
       rc=$?
       tail -4 "$out/cpp_tests.log"
       [ $rc -eq 0 ] || status=1 ;;
-    longctx-[123][ab])
-      repeat="${part:8:1}"
-      half="${part:9:1}"
-      stores="$stores_a"
-      [ "$half" = b ] && stores="$stores_b"
+    longctx-[123])
       # shellcheck disable=SC2086
-      step "serving_longctx_$repeat$half" 570 python3 -m vkv.demo --preset longctx --repeats 1 \
-        --first-repeat "$repeat" --stores $stores --no-progress --out "$out/longctx-$repeat$half" ;;
+      serve_longctx "${part:8:1}" $stores ;;
+    longctx-flex)
+      serve_longctx 1 paged-128 ;;
     kernels)
       step attention_long_llama3_8b 570 python3 "$src/benchmarks/attention_bench.py" --only long \
         --models llama3-8b --vkv-budget-gib 64 --rounds 3 --out "$out" ;;
