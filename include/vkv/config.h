@@ -61,9 +61,9 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
     "most physical memory in bytes; 0 = enough for every slot, at most 90% of the free device memory")                \
   X(precreate_pages, std::size_t, 0, "physical pages created up front, so that step() does not create them")          \
   X(large_page_size, std::size_t, 0,                                                                                  \
-    "bytes per large page (a multiple of page_size, >= 2 pages): a prompt's whole spans of that size get one "        \
-    "physical allocation, mapped in one call (~10x faster on a GPU) but reclaimed, shared and copied only whole; "    \
-    "0 = off")                                                                                                        \
+    "bytes per large page (a multiple of page_size, >= 2 pages), in each region (per_layer: of one layer's K or "     \
+    "V): a prompt's whole spans of that size get one physical allocation, mapped in one call (~10x faster on a "      \
+    "GPU) but reclaimed, shared and copied only whole; 0 = off")                                                      \
   X(zero_page, bool, false,                                                                                           \
     "pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may "      \
     "read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads give zeros on the host backend "  \

@@ -173,7 +173,7 @@ class CacheConfig:
     precreate_pages: int
     """physical pages created up front, so that step() does not create them"""
     large_page_size: int
-    """bytes per large page (a multiple of page_size, >= 2 pages): a prompt's whole spans of that size get one physical allocation, mapped in one call (~10x faster on a GPU) but reclaimed, shared and copied only whole; 0 = off"""
+    """bytes per large page (a multiple of page_size, >= 2 pages), in each region (per_layer: of one layer's K or V): a prompt's whole spans of that size get one physical allocation, mapped in one call (~10x faster on a GPU) but reclaimed, shared and copied only whole; 0 = off"""
     zero_page: bool
     """pages no step() backed read as zeros (a shared read-only page; writes still fault), so padded batches may read beyond a slot's seq_len; off (default, for its cost on a GPU): such reads give zeros on the host backend and touch unmapped memory on a GPU (an illegal memory access)"""
     scratch_page: bool
