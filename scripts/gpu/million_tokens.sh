@@ -14,7 +14,7 @@ out="${1:?usage: scripts/gpu/million_tokens.sh OUT_DIR [million_tokens.py argume
 shift
 mkdir -p "$out/logs"
 out="$(cd "$out" && pwd)"
-deadline=$((SECONDS + ${VKV_GPU_SECONDS:-500}))
+deadline=$((SECONDS + ${VKV_GPU_SECONDS:-570}))  # inside a 600 s call
 left() { local l=$((deadline - SECONDS)); l=$((l < $1 ? l : $1)); echo $((l > 1 ? l : 1)); }
 status=0
 src="$PWD"
@@ -39,7 +39,7 @@ run() {  # run LOG LIMIT_S ARGUMENTS...
 # shows up here with every rank's stacks (the ranks dump them after 90 s in one phase).
 echo "=== 128K tokens first ($(date +%T))"
 mkdir -p "$out/small"
-run million_tokens_128k.log 150 --tokens 131072 --decode-tokens 16 --out "$out/small" ||
+run million_tokens_128k.log 120 --tokens 131072 --decode-tokens 16 --out "$out/small" ||
   echo "million_tokens at 128K: exit non-zero (log: logs/million_tokens_128k.log)"
 echo "=== 1M tokens ($(date +%T))"
 if ! run million_tokens.log 420 "$@"; then
