@@ -74,7 +74,7 @@ PRESETS = {
                 large_page_mib=0, vkv_ready_pct=0),
     "h100": dict(model="llama3-8b", requests=256, rate=math.inf, kv_budget_mib=8192, max_context=2048,
                  length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192, pd_ratios=[],
-                 large_page_mib=0, vkv_ready_pct=50, map_queue_ahead=1),
+                 large_page_mib=0, vkv_ready_pct=50, vkv_ready_tokens=0, map_queue_ahead=1),
     "long": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=32768, max_context=16384,
                  length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50],
                  large_page_mib=128, vkv_ready_pct=0),
@@ -84,7 +84,7 @@ PRESETS = {
                     prompt_tokens=[32768, 65536], output_tokens=[256, 1024]),
 }
 # Keys only some presets set: what the others get.
-PRESET_FALLBACKS = {"chunked_prefill": 0, "map_queue_ahead": 1}
+PRESET_FALLBACKS = {"chunked_prefill": 0, "map_queue_ahead": 1, "vkv_ready_tokens": 0}
 # The stores a preset compares when --stores is not given.
 PRESET_STORES = {"small": STORES, "gpu": STORES, "h100": STORES + FLASHINFER_STORES,
                  "long": STORES + FLASHINFER_STORES,
@@ -241,12 +241,14 @@ def main(argv=None) -> int:
 
     model = LlamaModel(shape, device, dtype, args.max_context, seed=args.seed)
     vkv_options = dict(page_size=args.page_size_kib << 10, large_page_size=args.large_page_mib << 20,
-                       ready=args.vkv_ready_pct / 100)
+                       ready=args.vkv_ready_pct / 100, ready_slot_tokens=args.vkv_ready_tokens)
     if args.vkv_ready_pct or args.large_page_mib:
         print("vkv stores: " + ", ".join(
             ([f"{args.large_page_mib} MiB large pages"] if args.large_page_mib else [])
-            + ([f"the whole budget created and {args.vkv_ready_pct}% of it mapped into the slots before the first "
-                f"request (the paged stores allocate their whole pool before it too)"] if args.vkv_ready_pct else [])))
+            + ([f"the whole budget created and {args.vkv_ready_pct}% of it mapped into the slots "
+                + (f"({args.vkv_ready_tokens} tokens in each of as many as it fills) " if args.vkv_ready_tokens else "")
+                + "before the first request (the paged stores allocate their whole pool before it too)"]
+               if args.vkv_ready_pct else [])))
 
     def serve(kind):
         """One store serving every trace: (name, its runs entry, its tokens); raises

@@ -376,7 +376,8 @@ class VkvFlashInferStore(VkvStore):
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
                  max_slots: int, layout: str, num_heads: int, page_tokens: int = 0, page_size: int = 0,
                  large_page_size: int = 0, ready: float = 0.0, **vkv_options) -> None:
-        """``vkv_options``: VkvStore's other keywords (shared_budget, idle_ms, pressure_ms)."""
+        """``vkv_options``: VkvStore's other keywords (ready_slot_tokens, shared_budget, idle_ms,
+        pressure_ms)."""
         if torch.device(device).type != "cuda":
             raise StoreUnavailable(f"FlashInfer's kernels run on CUDA only, not on {device}")
         flashinfer = import_flashinfer()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -283,7 +283,8 @@ class VkvStore(ContiguousStore):
 
     def __init__(self, num_layers, num_kv_heads, head_dim, dtype, device, max_context, budget_bytes,
                  max_slots: int, layout: str, page_size: int = 0, shared_budget: str = "",
-                 large_page_size: int = 0, ready: float = 0.0, idle_ms: int = 0, pressure_ms: int = 0) -> None:
+                 large_page_size: int = 0, ready: float = 0.0, ready_slot_tokens: int = 0, idle_ms: int = 0,
+                 pressure_ms: int = 0) -> None:
         """``shared_budget``: a vkv.SharedBudget's name to draw pages from (budget_bytes None:
         no cap of its own); ``idle_ms``: its shared_budget_idle_ms (give freed requests'
         pages back after that long without a step); ``pressure_ms``: its shared_budget_pressure_ms
@@ -293,15 +294,23 @@ class VkvStore(ContiguousStore):
         the first request, as the paged stores allocate their whole pool up front: every
         page of the budget created (``precreate_pages``) and that share of it mapped, as
         many pages in each slot, then the slots freed (a freed slot keeps its pages for the
-        next owner, so a prompt that fits in them maps nothing). Not with large pages (the
-        pages created up front are single ones) nor a shared budget.
+        next owner, so a prompt that fits in them maps nothing). ``ready_slot_tokens``: that
+        share mapped instead as that many tokens (whole pages) in as many slots as it fills,
+        the slots ``alloc_reqid()`` hands out first (it prefers the slot that kept the most
+        pages): spread over every slot, the share leaves each too few pages for the longer
+        prompts of the first iteration, whose mapping the GPU then waits for (nothing
+        computes before it). Not with large pages (the pages created up front are single
+        ones) nor a shared budget.
 
         @throws ValueError if ``ready`` is outside (0, 1] or given with large pages or no
-        budget of its own."""
+        budget of its own, or ``ready_slot_tokens`` is negative or given without ``ready``."""
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, device, max_context)
         if ready and (large_page_size or budget_bytes is None or not 0 < ready <= 1):
             raise ValueError(f"ready = {ready} must be in (0, 1], with a budget of its own and no large pages "
                              f"(large_page_size = {large_page_size}, budget_bytes = {budget_bytes})")
+        if ready_slot_tokens < 0 or (ready_slot_tokens and not ready):
+            raise ValueError(f"ready_slot_tokens = {ready_slot_tokens} must be >= 0, and given with a ready share "
+                             f"(ready = {ready})")
         self.name = f"vkv {layout.replace('_', '-')}"
         self.large_page_size = large_page_size
         options = dict(max_batch_size=max_slots, max_context_len=max_context, device=device, layout=layout,
@@ -320,19 +329,27 @@ class VkvStore(ContiguousStore):
         self.keys, self.values = self.cache.kv_tensors()
         self._init_views()
         self._lens = np.zeros(max_slots, dtype=np.int64)
-        self.ready_tokens = self._map_ready(budget_bytes, ready) if ready else 0
+        self.ready_tokens, self.ready_slots = self._map_ready(budget_bytes, ready, ready_slot_tokens) if ready else (0, 0)
 
-    def _map_ready(self, budget_bytes: int, ready: float) -> int:
-        """Maps ``ready`` of the budget, the same whole pages in every slot, and frees the
-        slots; returns the tokens each slot keeps mapped (0: less than a page each)."""
+    def _map_ready(self, budget_bytes: int, ready: float, slot_tokens: int) -> Tuple[int, int]:
+        """Maps ``ready`` of the budget, the same whole pages in each of the slots it fills
+        with ``slot_tokens`` (0: in every slot), and frees the slots; returns the tokens
+        each of them keeps mapped and how many there are ((0, 0): less than a page each)."""
         per_page = self.cache.tokens_per_page
-        tokens = int(ready * budget_bytes / self.max_slots / self.bytes_per_token) // per_page * per_page
-        tokens = min(tokens, self.max_context)
-        if tokens < per_page:
-            return 0
-        slots = self.cache.alloc_reqids(self.max_slots)
+        share = ready * budget_bytes / self.bytes_per_token  # tokens
+        if slot_tokens:
+            tokens = min(max(slot_tokens // per_page, 1) * per_page, self.max_context)
+            count = min(self.max_slots, int(share // tokens))
+        else:
+            tokens = min(int(share / self.max_slots) // per_page * per_page, self.max_context)
+            count = self.max_slots
+        if tokens < per_page or count == 0:
+            return 0, 0
+        slots = self.cache.alloc_reqids(count)
         try:
-            self.cache.step(np.full(self.max_slots, tokens, dtype=np.int64))
+            lens = np.zeros(self.max_slots, dtype=np.int64)
+            lens[slots] = tokens
+            self.cache.step(lens)
         finally:
             for slot in slots:
                 self.cache.free_reqid(slot)
@@ -341,7 +358,7 @@ class VkvStore(ContiguousStore):
         self.cache.step(np.zeros(self.max_slots, dtype=np.int64))
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
-        return tokens
+        return tokens, count
 
     def alloc(self):
         return self.cache.alloc_reqid() if self.cache.num_free_slots else None
@@ -690,11 +707,11 @@ class PagedStore(KvStore):
 
 def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device, max_context: int,
                budget_bytes: int, max_slots: int, flex: Callable, page_size: int = 0, large_page_size: int = 0,
-               ready: float = 0.0) -> KvStore:
+               ready: float = 0.0, ready_slot_tokens: int = 0) -> KvStore:
     """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, flashinfer-<tokens>, static, and
     vkv-interleaved-fi, vkv-per-layer-fi (vkv's memory with FlashInfer's kernels, one page
     per request; -fi-<tokens>: the slots cut into pages of that many tokens).
-    ``large_page_size`` and ``ready`` go to the vkv stores (VkvStore).
+    ``large_page_size``, ``ready`` and ``ready_slot_tokens`` go to the vkv stores (VkvStore).
 
     @throws StoreUnavailable where a flashinfer store cannot run (no GPU, no FlashInfer)."""
     common = (model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim, dtype, device, max_context)
@@ -704,10 +721,11 @@ def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device,
 
         layout, page_tokens = vkv_flashinfer.groups()
         return VkvFlashInferStore(*common, budget_bytes, max_slots, layout.replace("-", "_"), model_shape.num_heads,
-                                  int(page_tokens or 0), page_size, large_page_size=large_page_size, ready=ready)
+                                  int(page_tokens or 0), page_size, large_page_size=large_page_size, ready=ready,
+                                  ready_slot_tokens=ready_slot_tokens)
     if kind.startswith("vkv-"):
         return VkvStore(*common, budget_bytes, max_slots, kind[4:].replace("-", "_"), page_size,
-                        large_page_size=large_page_size, ready=ready)
+                        large_page_size=large_page_size, ready=ready, ready_slot_tokens=ready_slot_tokens)
     if kind.startswith("paged-"):
         return PagedStore(*common, budget_bytes, max_slots, int(kind[6:]), flex)
     if kind.startswith("flashinfer-"):
@@ -724,7 +742,8 @@ def pages_note(store: KvStore) -> str:
     if isinstance(store, VkvStore):
         return (f"{store.cache.page_size >> 10} KiB pages, {store.cache.tokens_per_page} tokens/page/region"
                 + (f", {store.large_page_size >> 20} MiB large pages" if store.large_page_size else "")
-                + (f", {store.ready_tokens} tokens mapped in every slot before the run" if store.ready_tokens else ""))
+                + (f", {store.ready_tokens} tokens mapped in {store.ready_slots} of {store.max_slots} slots before the run"
+                   if store.ready_tokens else ""))
     if hasattr(store, "page_tokens"):
         pages = getattr(store, "num_pages", None)  # a pool that sizes itself (kvcached) has no fixed count
         return f"{pages} pages of {store.page_tokens} tokens" if pages else f"blocks of {store.page_tokens} tokens"
