@@ -47,10 +47,13 @@ FLASHINFER_STORES = ["flashinfer-16", "flashinfer-128", "vkv-interleaved-fi-128"
 # holds 16 requests of max_context, so the caches differ by how many requests they fit.
 # h100: the ShareGPT-like trace on the Llama-3-8B shape. long: vAttention's makespan
 # workloads, prompts of 8K-16K tokens decoding prompt/500, /100 and /50 tokens.
-# The vkv stores' memory (large_page_mib, vkv_ready_pct), as the paged stores have theirs
-# allocated before the clock starts: h100's prompts (161 tokens on average, 16 per 2 MiB
+# The vkv stores' memory (large_page_mib, vkv_ready_pct, vkv_ready_tokens), as the paged stores have theirs
+# allocated before the clock starts: h100's prompts (157 tokens on average, 16 per 2 MiB
 # page) are far below a 128 MiB large page, so the whole budget is created up front and
-# half of it mapped into the slots (8 pages, 128 tokens, each) that the first prompts reuse;
+# 75% of it mapped as 512 tokens (32 pages) in each of 96 slots, the ones the first
+# iterations' prompts take: nothing computes before the first iteration's forward, so its
+# mapping is the GPU's wait (spread as 8 pages in every slot, the longer prompts of the
+# first 49 mapped ~220 more pages, 7.6-8.2 ms on an H100; in 96 slots, 0.9 ms);
 # long's prompts (8K-16K tokens, 1-2 GiB) map in whole 128 MiB large pages, one driver
 # call each instead of 64 (the driver's access call costs ~27 us per allocation,
 # whatever its size: shared/probes).
@@ -74,7 +77,7 @@ PRESETS = {
                 large_page_mib=0, vkv_ready_pct=0),
     "h100": dict(model="llama3-8b", requests=256, rate=math.inf, kv_budget_mib=8192, max_context=2048,
                  length_scale=1.0, page_size_kib=0, max_slots=256, max_prefill_tokens=8192, pd_ratios=[],
-                 large_page_mib=0, vkv_ready_pct=50, vkv_ready_tokens=0, map_queue_ahead=1),
+                 large_page_mib=0, vkv_ready_pct=75, vkv_ready_tokens=512, map_queue_ahead=1),
     "long": dict(model="llama3-8b", requests=16, rate=math.inf, kv_budget_mib=32768, max_context=16384,
                  length_scale=1.0, page_size_kib=0, max_slots=64, max_prefill_tokens=16384, pd_ratios=[500, 100, 50],
                  large_page_mib=128, vkv_ready_pct=0),

@@ -513,7 +513,41 @@ def test_a_ready_vkv_store_has_its_budget_created_and_a_share_mapped_in_every_sl
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.parametrize("options", [dict(ready=1.5), dict(ready=0.5, large_page_size=1 << 20)])
+def test_ready_slot_tokens_puts_the_ready_share_in_the_slots_handed_out_first():
+    """ready_slot_tokens: the share mapped as that many tokens (whole pages) in as many slots as
+    it fills, the others left empty; alloc() hands those slots out first, and a prompt that
+    fits in one maps nothing at its step(); the tokens served are an unready store's."""
+    budget = 4 << 20
+    store = make_store("vkv-interleaved", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, budget, 16, None,
+                       page_size=16 << 10, ready=0.5, ready_slot_tokens=MAX_CONTEXT // 2 + 1)
+    per_page = store.cache.tokens_per_page
+    assert store.ready_tokens == (MAX_CONTEXT // 2 + 1) // per_page * per_page  # whole pages, rounded down
+    share_pages = store.cache.stats()["budget_pages"] // 2
+    pages_each = store.ready_tokens // per_page
+    assert store.ready_slots == share_pages // pages_each < 16
+    # (the background mapper may add the next prefill's pages to the slot handed out next)
+    mapped = [store.cache.mapped_pages(slot) for slot in range(16)]
+    assert sum(pages >= pages_each for pages in mapped) == store.ready_slots
+    slots = [store.alloc() for _ in range(store.ready_slots)]
+    assert all(store.cache.mapped_pages(slot) >= pages_each for slot in slots)
+    before = store.cache.stats()["backend"]["map"]["units"]
+    assert store.reserve({slot: store.ready_tokens for slot in slots})
+    assert store.cache.stats()["backend"]["map"]["units"] == before
+    store.close()
+    model = LlamaModel(SHAPE, torch.device("cpu"), torch.float32, MAX_CONTEXT)
+    tokens = []
+    for options in (dict(ready=0.5, ready_slot_tokens=MAX_CONTEXT // 2), {}):
+        store = make_store("vkv-interleaved", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, budget, 16,
+                           None, page_size=16 << 10, **options)
+        result = Engine(model, store, max_prefill_tokens=512).run(small_trace(), show_progress=False)
+        assert_all_served(result)
+        tokens.append([r.tokens for r in result.requests])
+        store.close()
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("options", [dict(ready=1.5), dict(ready=0.5, large_page_size=1 << 20),
+                                     dict(ready=0.5, ready_slot_tokens=-1), dict(ready_slot_tokens=64)])
 def test_ready_outside_its_range_or_with_large_pages_is_refused(options):
     with pytest.raises(ValueError, match="ready"):
         make_store("vkv-interleaved", SHAPE, torch.float32, torch.device("cpu"), MAX_CONTEXT, 4 << 20, 16, None,
