@@ -13,7 +13,7 @@
 #               each store in a process of its own (one slow or failing store keeps the
 #               others' results): ~100 s a store on an H100, ~7 min a part.
 #   longctx-flex
-#               FlexAttention paged (128-token pages) once, alone in its call (not timed yet).
+#               FlexAttention paged (128-token pages) once, alone in its call (~150 s on an H100).
 #   kernels     attention_bench.py --only long for Llama-3-8B (decode, and an 8K chunk over a
 #               120K / 504K prefix; 512K of K/V is 64 GiB interleaved: --vkv-budget-gib 64)
 #   kernels-gqa the same for the Llama-3-70B shape (64 query / 8 KV heads)
