@@ -29,15 +29,6 @@ def _trace(engine, n=8, prompt=37, gen=6):
         engine.add(f"req{i}", [(7 * i + t) % 1000 for t in range(prompt + 5 * i)], gen + i % 3)
 
 
-def _run(engine, check=None, limit=200):
-    steps = 0
-    while engine.unfinished():
-        engine.step(check)
-        steps += 1
-        assert steps < limit, "the trace did not finish"
-    return steps
-
-
 def _every_scheduled_block_backed(engine, out):
     memory = engine.worker._memory
     states = memory.states.states
@@ -58,7 +49,7 @@ def test_every_scheduled_block_is_backed_and_reads_back():
         assert engine.worker._memory.mapper is None, "unset background_mapping must be off on the CPU"
         assert type(engine.connector).__name__ == "VkvConnector"
         _trace(engine)
-        _run(engine, _every_scheduled_block_backed)  # the fake forward checks every token read back
+        vt.run_until_done(engine, _every_scheduled_block_backed, limit=200)  # the fake forward checks every token read back
         assert all(len(v) >= 6 for v in engine.outputs.values())
     finally:
         engine.close()
@@ -95,7 +86,7 @@ def test_same_outputs_as_vllms_fixed_pool(background):
         engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": background}, connector=connector)
         try:
             _trace(engine)
-            _run(engine)
+            vt.run_until_done(engine, limit=200)
             outputs.append(engine.outputs)
         finally:
             engine.close()
@@ -147,7 +138,7 @@ def test_a_finished_requests_blocks_go_to_the_next_arrival_without_unmapping():
     engine = vt.Engine(64, {"headroom_blocks": HEADROOM}, prefix_caching=False)
     try:
         engine.add("first", list(range(100)), 3)
-        _run(engine)
+        vt.run_until_done(engine, limit=200)
         engine.add("second", list(range(100, 200)), 3)
         released = 0
         while engine.unfinished():
@@ -189,7 +180,7 @@ def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forw
     try:
         assert memory.mapper is not None and memory.mapper._thread.is_alive()
         _trace(engine, n=12)
-        _run(engine, check)  # the fake forward checks every token read back
+        vt.run_until_done(engine, check, limit=200)  # the fake forward checks every token read back
         assert memory.mapper._submitted > 10 and len(seen) > 3 * HEADROOM
         assert all(len(v) >= 6 for v in engine.outputs.values())
         if slow_jobs:
@@ -366,7 +357,7 @@ def test_an_idle_engine_gives_pages_back_within_two_steps():
     engine = vt.Engine(64, {"headroom_blocks": HEADROOM}, prefix_caching=False)
     try:
         _trace(engine, n=12)
-        _run(engine)
+        vt.run_until_done(engine, limit=200)
         # vLLM's loop steps on after the last request only while the connector says it has
         # work (has_pending_push_work): that must be enough to give the pages back.
         steps = engine.step_while_busy()
