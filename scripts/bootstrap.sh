@@ -69,7 +69,8 @@ if [[ "$VKV_PYTHON" == "$vkv_root/.venv/"* ]] && [ ! -x "$VKV_PYTHON" ]; then
 fi
 [[ "$VKV_PYTHON" != "$vkv_root/.venv/"* ]] || echo "bootstrap: using $vkv_root/.venv ($vkv_venv_reason)"
 
-# Python side. An installed torch is kept (vkv supports torch 2.11 to 2.14). Otherwise
+# Python side. An installed torch is kept (the releases vkv supports: python/vkv/_torch_support.py;
+# `import vkv` names the one to install where it is too old). Otherwise
 # torch 2.13.0: PyPI's build for Linux is the CUDA one, which brings ~3 GB of nvidia-*
 # libraries; on a machine without an NVIDIA GPU, the CPU build from PyTorch's own index
 # (~200 MB) instead, where that index answers within 5 s (else PyPI's, as on a GPU machine).
@@ -93,7 +94,7 @@ if ! have torch; then
 fi
 
 python_missing=()
-for module in numpy scikit_build_core tqdm; do
+for module in numpy scikit_build_core pybind11 tqdm; do
   have "$module" || python_missing+=("${module//_/-}")
 done
 # scikit-build-core needs CMake 3.25; an older system cmake is passed over for PyPI's.

@@ -23,7 +23,7 @@ if [ "${VKV_LINT_CLANG_FORMAT:-1}" = 0 ]; then
   echo "== clang-format: skipped (VKV_LINT_CLANG_FORMAT=0)"
 else
   clang_format="$(vkv_clang_format)"
-  mapfile -t cxx_files < <(git ls-files '*.cpp' '*.h' '*.cu' '*.cuh')
+  mapfile -t cxx_files < <(git ls-files '*.cpp' '*.h' '*.cu' '*.cuh' ':!:*/third_party/*')
   if [ "$fix" = 1 ]; then
     echo "== clang-format: formatting ${#cxx_files[@]} files"
     "$clang_format" -i --style=file "${cxx_files[@]}"
@@ -46,6 +46,9 @@ fi
 echo "== ruff $("$VKV_PYTHON" -m ruff --version | cut -d' ' -f2)"
 if [ "$fix" = 1 ]; then "$VKV_PYTHON" -m ruff check --fix --quiet . || true; fi
 "$VKV_PYTHON" -m ruff check . || failed=1
+
+echo "== the supported torch releases, where the repository states them (scripts/generate_torch_support.py)"
+"$VKV_PYTHON" scripts/generate_torch_support.py --check || failed=1
 
 echo "== mypy (python/vkv)"
 "$VKV_PYTHON" -m mypy || failed=1

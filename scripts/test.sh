@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds vkv and runs every test: the C++ suites, the install/find_package check, and the
-# Python suites against the installed package (CUDA tests skip without a GPU). With
-# VKV_TEST_LATEST_TORCH=1 (CI sets it), then builds and tests the Python package again
-# against the newest torch vkv supports (scripts/test_latest_torch.sh: a ~5.5 GB download
-# the first time, so not by default).
+# Python suites against the installed wheel (CUDA tests skip without a GPU): the wheel is
+# built once (scripts/build_wheel.sh, into <build-dir>/wheels) and installed into the Python
+# scripts/python_env.sh picks, over its torch; the suites import it, never the checkout.
+# With VKV_TEST_TORCH_VERSIONS=1 (CI sets it), the same wheel is then tested with the oldest
+# and the newest torch vkv supports (scripts/test_torch_versions.sh: a ~3 GB download the
+# first time, so not by default).
 # VKV_TEST_TRANSFORMERS_VERSIONS=1 (CI sets it too) tests the oldest and the newest
 # supported transformers 5.x as well (scripts/test_transformers_versions.sh).
 # Usage: scripts/test.sh [--venv] [build-dir]
@@ -77,8 +79,11 @@ step configure cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 step build cmake --build "$build"
 suite ctest ctest ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
 
-# Against the torch already installed: no build isolation, no dependency resolution.
-step python-install vkv_install
+# The wheel (host-only where there is no CUDA toolkit), installed without its dependencies:
+# the torch already installed stays.
+step wheel env VKV_WITH_CUDA="${VKV_WITH_CUDA:-AUTO}" bash scripts/build_wheel.sh --python "$VKV_PYTHON" "$build/wheels"
+wheel="$(tail -n 1 "$logs/wheel.log")"
+step python-install "$VKV_PYTHON" -m pip install --no-deps --force-reinstall "$wheel"
 step python-info bash -c 'cd /tmp && "$VKV_PYTHON" -m vkv'
 # vLLM 0.33 without its CUDA dependencies, so tests/python/test_vllm*.py run (never skip) here.
 step vllm-install env PYTHON="$VKV_PYTHON" bash scripts/install_vllm.sh
@@ -87,7 +92,8 @@ suite pytest pytest "$VKV_PYTHON" -m pytest tests/python -q -p no:cacheprovider
 # CI: the oldest and the newest transformers 5.x, each in a throwaway venv over this torch.
 [ "${VKV_TEST_TRANSFORMERS_VERSIONS:-0}" = 0 ] ||
   suite transformers-versions pytest env PYTHON="$VKV_PYTHON" bash scripts/test_transformers_versions.sh
-[ "${VKV_TEST_LATEST_TORCH:-0}" = 0 ] || suite latest-torch pytest bash scripts/test_latest_torch.sh
+# CI: the same wheel with the oldest and the newest supported torch, each in a venv of its own.
+[ "${VKV_TEST_TORCH_VERSIONS:-0}" = 0 ] || suite torch-versions pytest bash scripts/test_torch_versions.sh "$wheel"
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"

@@ -1,11 +1,10 @@
-// vkv._C.KvCache: the cache's calls, the one tensor over its reservation, and step()'s
-// seq_lens read in one pass. The only part that touches torch's tensors.
+// vkv._C.KvCache: the cache's calls and step()'s seq_lens read in one pass.
 //
 // Thin on purpose: defaults and conversions that are easier in Python live in
-// python/vkv/_parameters.py and python/vkv/_cache.py.
-#include <ATen/ATen.h>
+// python/vkv/_parameters.py and python/vkv/_cache.py. No torch here: vkv._C links no libtorch,
+// so one build serves every torch release (the stream comes from current_stream.cpp, the
+// reservation's tensor from reservation.cpp, a tensor's seq_lens from python/vkv/_seq_lens.py).
 #include <pybind11/stl.h>
-#include <torch/extension.h>
 
 #include <vkv/error.h>
 #include <vkv/kv_cache.h>
@@ -15,9 +14,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-#ifdef VKV_TORCH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 #include "bindings.h"
 
@@ -25,10 +21,24 @@ namespace vkv_bindings {
 
 using vkv::KvCache;
 
+namespace {
+
+// A torch tensor's values as a host int64 numpy array (python/vkv/_seq_lens.py), checked
+// there in the caller's words. Imported on first use: the module imports torch.
+py::object host_seq_lens(py::handle tensor) {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> convert;
+  return convert
+      .call_once_and_store_result([] { return py::module_::import("vkv._seq_lens").attr("host_seq_lens"); })
+      .get_stored()(tensor);
+}
+
+}  // namespace
+
 // step() is on every iteration's path, and after the engine waited for the GPU a cold
 // CPU makes each Python-level operation cost tens of microseconds. So seq_lens is read here
-// in one pass: a list or tuple of ints, anything with the buffer protocol (numpy arrays),
-// or a tensor. (Not through numpy's C API, whose struct layout changed in numpy 2.)
+// in one pass: a list or tuple of ints, or anything with the buffer protocol (numpy arrays).
+// (Not through numpy's C API, whose struct layout changed in numpy 2.) Anything else (a
+// torch tensor) is first made a host int64 array in Python.
 std::vector<std::size_t> read_seq_lens(py::handle object) {
   std::vector<std::size_t> lengths;
   auto push = [&](std::size_t index, long long value) {
@@ -36,18 +46,6 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
       throw vkv::InvalidArgument("seq_lens[" + std::to_string(index) + "] = " + std::to_string(value) + " is negative");
     lengths.push_back(static_cast<std::size_t>(value));
   };
-  if (THPVariable_Check(object.ptr())) {
-    const at::Tensor tensor = THPVariable_Unpack(object.ptr());
-    if (tensor.dim() != 1)
-      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(tensor.dim()) +
-                                 " dimensions");
-    if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/false))
-      throw vkv::InvalidArgument(std::string("seq_lens must hold integers, got a tensor of ") +
-                                 c10::toString(tensor.scalar_type()));
-    const at::Tensor values = tensor.to(at::kCPU, at::kLong).contiguous();
-    for (int64_t i = 0; i < values.size(0); ++i) push(i, values.data_ptr<int64_t>()[i]);
-    return lengths;
-  }
   if (PyObject_CheckBuffer(object.ptr())) {
     const py::buffer_info info = py::reinterpret_borrow<py::buffer>(object).request();
     if (info.ndim != 1)
@@ -104,20 +102,9 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
     }
     return lengths;
   }
+  if (py::hasattr(object, "__dlpack__")) return read_seq_lens(host_seq_lens(object));  // a tensor
   throw vkv::InvalidArgument(std::string("seq_lens must be a list, tuple, numpy array or tensor of ints, got ") +
                              Py_TYPE(object.ptr())->tp_name);
-}
-
-// The stream step() orders its device work on: the caller's current torch stream.
-std::uintptr_t current_stream(const KvCache& cache) {
-  if (cache.backend().name() == "host") return 0;  // what the device resolved to, "auto" included
-  const int device = cache.config().device.index;
-#ifdef VKV_TORCH_CUDA
-  return reinterpret_cast<std::uintptr_t>(c10::cuda::getCurrentCUDAStream(device).stream());
-#else
-  py::object stream = py::module_::import("torch").attr("cuda").attr("current_stream")(device);
-  return stream.attr("cuda_stream").cast<std::uintptr_t>();
-#endif
 }
 
 namespace {
@@ -127,21 +114,8 @@ std::shared_ptr<KvCache> make_cache(const vkv::CacheConfig& config) {
   return std::make_shared<KvCache>(config);
 }
 
-// A uint8 tensor over the whole reservation. Its storage holds a reference to the cache,
-// so the memory stays reserved and mapped while any view of it lives, closed cache or not.
-// for_blob + target_device: from_blob would reject an address with nothing mapped yet.
-at::Tensor reservation_tensor(const std::shared_ptr<KvCache>& cache, const std::string& device) {
-  const c10::Device target(device);
-  std::shared_ptr<KvCache> keep_alive = cache;
-  return at::for_blob(reinterpret_cast<void*>(cache->base()), {static_cast<int64_t>(cache->layout().reserved_bytes())})
-      .options(at::TensorOptions().dtype(at::kByte).device(target))
-      .target_device(target)
-      .deleter([keep_alive](void*) {})
-      .make_tensor();
-}
-
-// alloc_reqid/free_reqid are on every arrival's path: the stream comes from c10 (as in
-// step()) unless the caller names one, not from a Python torch.cuda.current_stream().
+// alloc_reqid/free_reqid are on every arrival's path: the stream comes from torch's C ABI
+// (as in step()) unless the caller names one, not from a Python torch.cuda.current_stream().
 std::uintptr_t stream_or_current(const KvCache& cache, const std::optional<std::uintptr_t>& stream) {
   return stream ? *stream : current_stream(cache);
 }
@@ -205,7 +179,6 @@ py::tuple view(const KvCache& cache, std::size_t layer, bool value) {
 
 void bind_cache(py::module_& m) {
   using py::arg;
-  m.def("reservation_tensor", &reservation_tensor, arg("cache"), arg("device"));
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   py::class_<KvCache::Preparation>(m, "Preparation")
       .def_readonly("missing_pages", &KvCache::Preparation::missing_pages)

@@ -1,7 +1,8 @@
 // vkv._C: the Python face of vkv's C++ core (internal: the vkv package is the API). One
-// part per concept: config.cpp, cache.cpp, stats.cpp, budget.cpp, distributed.cpp, and
-// pool_allocator.cpp (vLLM's KV buffer). This file puts them together and turns vkv's
-// exceptions into Python's. vkv.vattention needs nothing of its own here: it drives KvCache.
+// part per concept: config.cpp, cache.cpp, reservation.cpp, current_stream.cpp, stats.cpp,
+// budget.cpp, distributed.cpp, and pool_allocator.cpp (vLLM's KV buffer). This file puts
+// them together and turns vkv's exceptions into Python's. vkv.vattention needs nothing of its
+// own here: it drives KvCache. It links no libtorch: one build serves every torch release.
 #include <pybind11/pybind11.h>
 
 #include <vkv/backend.h>
@@ -46,6 +47,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ADAPTIVE") = vkv::kAdaptive;
   vkv_bindings::bind_config(m);
   vkv_bindings::bind_cache(m);
+  vkv_bindings::bind_reservation(m);
+  m.def("current_stream_source", &vkv_bindings::current_stream_source,
+        "Where step() reads the current CUDA stream from (for python -m vkv).");
   vkv_bindings::bind_stats(m);
   vkv_bindings::bind_shared_budget(m);
   vkv_bindings::bind_distributed(m);

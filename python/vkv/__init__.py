@@ -11,17 +11,15 @@
 See docs/api.md for the whole API and its guarantees.
 """
 
-import torch  # noqa: F401  (loads libtorch before the extension that links it)
-
-from . import _compatibility  # noqa: F401  (refuses a torch other than the one vkv was built against)
-from . import _C
+from . import _compatibility  # noqa: F401  (first: torch is importable and a release vkv supports)
+from . import _build_info, _C
 from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
 from ._cache import KVCache
 from ._errors import DriverError, OutOfMemory
 from ._shared_budget import SharedBudget
 
-__version__ = "0.1.0"
+__version__ = _build_info.version  # pyproject.toml's; _build_info.commit is the commit built
 
 
 def cuda_available() -> bool:

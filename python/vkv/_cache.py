@@ -10,6 +10,7 @@ import torch
 
 from . import _C, _parameters
 from ._errors import in_callers_words
+from ._reservation import reservation_tensor
 from ._reservation_view import Backing, ReservationView
 
 SeqLens = Union[Sequence[int], np.ndarray, torch.Tensor, Mapping[int, int]]
@@ -92,7 +93,7 @@ class KVCache:
         self.head_dim: int = config.head_dim
         self.max_batch_size: int = config.max_batch_size
         self.max_context_len: int = config.max_context_len
-        whole = _C.reservation_tensor(self._core, str(self.device)).view(self.dtype)
+        whole = reservation_tensor(self._core).view(self.dtype)
         self._backing = Backing(self, bool(arguments["zero_page"]))
         self._keys = [self._view(whole, layer, value=False) for layer in range(self.num_layers)]
         self._values = [self._view(whole, layer, value=True) for layer in range(self.num_layers)]

@@ -1,21 +1,24 @@
-"""Checked on `import vkv`, before the extension loads: _C links the libtorch it was built
-against, and another torch release fails with undefined symbols instead of saying so. And
-a build without the CUDA backend on a machine with a GPU says so at once (pip shows no
-build output unless -v)."""
+"""Checked on ``import vkv``, before the extension loads, each in one line: torch is missing
+or older than vkv supports (ImportError naming the release to install); torch is newer than
+the newest tested (a warning, visible without -v); a build without the CUDA backend on a
+machine with a GPU (a warning: pip shows no build output unless -v)."""
 
 import warnings
 
-import torch
+from . import _build_info, _torch_support
 
-from . import _build_info
+try:
+    import torch
+except ImportError as missing:
+    raise ImportError(f"vkv needs torch {_torch_support.name(_torch_support.OLDEST)} or newer, and torch does not "
+                      f"import ({missing}): pip install torch (vkv is tested with torch "
+                      f"{_torch_support.supported_range()})") from missing
 
 
 def check_torch() -> None:
-    built, found = _build_info.torch_version, torch.__version__
-    if built.split(".")[:2] != found.split(".")[:2]:
-        raise ImportError(f"vkv was built against torch {built}, but torch {found} is installed: reinstall vkv "
-                          "(pip install --no-build-isolation --no-deps <vkv source>) to build it against this torch; "
-                          f"vkv supports torch {_build_info.torch_min} to {_build_info.torch_max}")
+    untested = _torch_support.untested_newer(torch.__version__)
+    if untested is not None:
+        warnings.warn(untested, stacklevel=3)
 
 
 def check_cuda_backend() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Dict, List
 
 import torch
 
-from . import _build_info, _C
+from . import _build_info, _C, _torch_support
 
 
 def cuda_driver_version() -> str:
@@ -61,18 +62,26 @@ def auto_device() -> str:
     return f"cpu (host backend: {why})"
 
 
+def torch_release() -> str:
+    """torch's version, and whether vkv was tested with it: '2.13.0+cpu (vkv is tested with 2.11 to 2.15)'."""
+    tested = f"vkv is tested with {_torch_support.supported_range()}"
+    if _torch_support.release(torch.__version__) > _torch_support.NEWEST_TESTED:
+        return f"{torch.__version__} (NOT TESTED: {tested})"
+    return f"{torch.__version__} ({tested})"
+
+
 def report() -> Dict[str, str]:
     """Every line ``python -m vkv`` prints, as label -> value."""
     import vkv
 
     found = gpus()
     return {
-        "vkv": f"{vkv.__version__} ({vkv.__file__.rsplit('/', 1)[0]})",
+        "vkv": f"{vkv.__version__}, commit {_build_info.commit} ({vkv.__file__.rsplit('/', 1)[0]})",
         "backends": "host: yes; CUDA: " + cuda_backend(),
         "CUDA kernels": cuda_kernels(),
-        "built with": (f"torch {_build_info.torch_version}, C++{_build_info.cxx_standard} bindings, "
-                       f"{_build_info.compiler}; supports torch {_build_info.torch_min} to {_build_info.torch_max}"),
-        "torch": torch.__version__,
+        "built with": f"{_build_info.compiler}, for CPython {sys.version_info[0]}.{sys.version_info[1]}; no libtorch",
+        "torch": torch_release(),
+        "CUDA stream from": _C.current_stream_source() if torch.version.cuda else "none needed (a CPU build of torch)",
         "CUDA runtime": f"{torch.version.cuda} (torch's)" if torch.version.cuda else "none (a CPU build of torch)",
         "CUDA driver": cuda_driver_version(),
         "GPUs": "; ".join(found) if found else "none visible to torch",

@@ -8,6 +8,13 @@ import torch
 
 import vkv
 
+def pytest_report_header():
+    """Which vkv the suite tests: the installed one (a wheel or a build of the checkout)."""
+    from vkv import _build_info
+
+    return f"vkv {vkv.__version__}, commit {_build_info.commit}, from {os.path.dirname(vkv.__file__)}; torch {torch.__version__}"
+
+
 needs_cuda = pytest.mark.skipif(
     not (vkv.cuda_available() and torch.cuda.is_available()), reason="no CUDA device: GPU tests skipped"
 )

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 import vkv
+from vkv import _C
+from vkv._reservation import reservation_tensor
+
 from conftest import needs_cuda
 
 pytestmark = needs_cuda
@@ -84,6 +87,22 @@ def test_flex_attention_on_vkv_tensors_equals_flex_attention_on_plain_tensors(la
             q.float(), plain_k.float(), plain_v.float(), is_causal=q_tokens > 1, enable_gqa=True
         )
         torch.testing.assert_close(got.float(), reference, rtol=3e-2, atol=3e-2)
+
+
+def test_the_tensor_of_a_reservation_with_nothing_mapped_is_made_and_viewed():
+    # torch.from_dlpack must not ask the driver about the address: nothing is mapped there.
+    with gqa_cache("interleaved") as cache:
+        core = cache._core
+        assert [cache.mapped_pages(slot) for slot in range(cache.max_batch_size)] == [0] * cache.max_batch_size
+        whole = reservation_tensor(core)
+        assert (whole.device, whole.dtype, whole.numel(), whole.data_ptr()) == (
+            cache.device, torch.uint8, core.reserved_bytes, core.base)
+        keys = whole.view(torch.bfloat16)[: 4 * KV_HEADS * HEAD_DIM].view(4, KV_HEADS, HEAD_DIM)
+        assert keys.data_ptr() == core.base and keys.shape == (4, KV_HEADS, HEAD_DIM)
+
+
+def test_the_current_stream_comes_from_torchs_c_abi():
+    assert _C.current_stream_source().startswith("torch's C ABI (aoti_torch_get_current_cuda_stream)")
 
 
 def test_zero_fill_follows_the_current_stream():

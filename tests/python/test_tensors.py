@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-import vkv
+from vkv._reservation import reservation_tensor
+
 from conftest import LAYOUTS, small_cache
 
 FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
@@ -49,7 +50,7 @@ def test_a_write_through_a_view_is_read_through_another_view_of_the_same_memory(
         key = cache.key(3)
         key[slot, 42, 1, 7] = 3.25
         # An independent view of the whole reservation, addressed by hand from the strides.
-        whole = vkv._C.reservation_tensor(cache._core, str(cache.device)).view(torch.float16)
+        whole = reservation_tensor(cache._core).view(torch.float16)
         element = (key.data_ptr() - cache._core.base) // 2 + slot * key.stride(0) + 42 * key.stride(1) + 64 + 7
         assert whole[element].item() == 3.25
         whole[element + 1] = -2.0

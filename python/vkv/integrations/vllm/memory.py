@@ -24,6 +24,7 @@ import torch
 
 import vkv
 from vkv._parameters import resolve_device
+from vkv._reservation import reservation_tensor
 
 from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
 from .mapper import BackgroundMapper, StepJobs
@@ -100,7 +101,7 @@ class BlockMemory(StepJobs):
 
     def buffer(self) -> torch.Tensor:
         """The whole reservation as vLLM's flat int8 backing buffer (``num_blocks * block_bytes``)."""
-        return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
+        return reservation_tensor(self.cache._core)[: self.num_blocks * self.block_bytes]
 
     def grow(self, target: int, settle: Optional[Callable[[], None]] = None) -> int:
         """Back blocks until ``target`` are backed or the budget says no, in one ``step()``;

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import vkv
+from vkv._reservation import reservation_tensor
 
 from .block_states import BACKED, RECLAIMING, UNBACKED, WORKER, BlockStates
 from .mapper import BackgroundMapper, StepJobs
@@ -136,7 +137,7 @@ class PageMemory(StepJobs):
     # ---- as BlockMemory -----------------------------------------------------------------
     def buffer(self) -> torch.Tensor:
         """vLLM's flat int8 backing buffer (``num_blocks * block_bytes``) at the reservation's base."""
-        return vkv._C.reservation_tensor(self.cache._core, str(self.cache.device))[: self.num_blocks * self.block_bytes]
+        return reservation_tensor(self.cache._core)[: self.num_blocks * self.block_bytes]
 
     # ---- pages ----------------------------------------------------------------------------
     def _spans(self, blocks: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":

@@ -16,6 +16,7 @@ import torch
 
 import vkv
 from vkv import _C
+from vkv._reservation import reservation_tensor
 from vkv.integrations.vllm.block_states import BACKED, RECLAIMING, UNBACKED
 from vkv.integrations.vllm.memory import BlockMemory
 from vkv.integrations.vllm.pool import ReservationPool
@@ -40,7 +41,7 @@ def test_host_scratch_page_takes_writes_and_backed_pages_start_as_zeros():
                         max_context_len=64, layout="interleaved", device="cpu", page_size=4096, zero_page=True, scratch_page=True,
                         background_mapping=False, lookahead_tokens=0, eager_tokens=0)
     try:
-        whole = _C.reservation_tensor(cache._core, "cpu")
+        whole = reservation_tensor(cache._core)
         whole.fill_(0x5A)  # nothing backed: every page is the scratch page, no fault
         a = cache.alloc_reqid()
         cache.step({a: cache.tokens_per_page})
