@@ -79,9 +79,9 @@ def percentiles(values) -> dict:
 
 def write_json(results: dict, path: str) -> None:
     """Writes `results` to `path` with the commit the benchmarks' tree is at and whether it
-    had uncommitted changes (vkv.demo.report.provenance(), the demo's helper)."""
+    had uncommitted changes (lab.serving.report.provenance(), the demo's helper)."""
     try:
-        from vkv.demo.report import provenance
+        from lab.serving.report import provenance
     except ImportError:  # an older vkv measured beside this tree (a baseline) has none: the env's, if any
         def provenance(folder):
             return {"git_commit": os.environ.get("VKV_GIT_COMMIT"), "git_dirty": None, "git_source": "VKV_GIT_COMMIT"}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks the C++ format (clang-format, .clang-format), the Python lint (ruff, configured in
-# pyproject.toml) and the typed package's types (mypy: python/vkv, the demo excluded).
+# pyproject.toml: the whole tree) and the typed package's types (mypy: python/vkv; lab/ and
+# benchmarks/, programs run from a checkout, are left out).
 # clang-format and ruff run at the versions .pre-commit-config.yaml pins (scripts/bootstrap.sh
 # --lint installs them where they are missing), so CI, this script and pre-commit agree.
 #   scripts/lint.sh          check; exit 1 on any finding

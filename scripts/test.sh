@@ -85,9 +85,9 @@ step wheel env VKV_WITH_CUDA="${VKV_WITH_CUDA:-AUTO}" bash scripts/build_wheel.s
 wheel="$(tail -n 1 "$logs/wheel.log")"
 step python-install "$VKV_PYTHON" -m pip install --no-deps --force-reinstall "$wheel"
 step python-info bash -c 'cd /tmp && "$VKV_PYTHON" -m vkv'
-# vLLM 0.33 without its CUDA dependencies, so tests/python/test_vllm*.py run (never skip) here.
+# vLLM 0.33 without its CUDA dependencies, so the vLLM tests run (never skip) here.
 step vllm-install env PYTHON="$VKV_PYTHON" bash scripts/install_vllm.sh
-suite pytest pytest "$VKV_PYTHON" -m pytest tests/python -q -p no:cacheprovider
+suite pytest pytest "$VKV_PYTHON" -m pytest tests/python tests/lab tests/benchmarks -q -p no:cacheprovider
 
 # CI: the oldest and the newest transformers 5.x, each in a throwaway venv over this torch.
 [ "${VKV_TEST_TRANSFORMERS_VERSIONS:-0}" = 0 ] ||

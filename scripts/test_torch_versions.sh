@@ -12,7 +12,7 @@
 # (the same CUDA 13 sonames; a newer minor release of a CUDA library keeps its ABI; without a
 # GPU they are only loaded); where it does not, they get their own.
 #
-# The suites: all but the serving demo's and the benchmark harnesses' (pure Python over the
+# The suites: all but the serving demo's and the attention benchmark's (pure Python over the
 # same bindings, the slowest: minutes on 2 cores; they run in scripts/test.sh's pass) and
 # vLLM's (vLLM pins its own torch: scripts/test_engine_env.sh). VKV_TORCH_VERSIONS_ALL=1 runs
 # every suite. Exit 1 if any release fails.
@@ -37,7 +37,9 @@ command -v "$python" >/dev/null || { echo "test_torch_versions: the wheel is for
 venvs="${VKV_TORCH_VENVS:-$HOME/.cache/vkv/torch-venvs}"
 mkdir -p "$venvs"
 packages=(numpy pytest hypothesis "transformers==5.17.0")
-ignore=(--ignore=tests/python/demo --ignore=tests/python/benchmarks --ignore=tests/python/integrations/vllm_connector)
+suites=(tests/python tests/lab tests/benchmarks)
+ignore=(--ignore=tests/lab/serving/test_demo.py --ignore=tests/lab/serving/test_demo_cuda_graphs.py
+        --ignore=tests/benchmarks/attention/test_attention_bench.py --ignore=tests/python/integrations/vllm_connector)
 [ "${VKV_TORCH_VERSIONS_ALL:-0}" = 0 ] || ignore=()
 
 # Newest first: the others borrow its CUDA libraries.
@@ -66,7 +68,7 @@ for release in "${releases[@]}"; do
   version="$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
   echo "== torch $version: ready in $((SECONDS - start)) s; python -m vkv:"
   (cd /tmp && "$venv/bin/python" -m vkv) | sed 's/^/   /'
-  if (cd "$root" && "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider "${ignore[@]}"); then
+  if (cd "$root" && "$venv/bin/python" -m pytest "${suites[@]}" -q -p no:cacheprovider "${ignore[@]}"); then
     echo "== torch $version: passed in $((SECONDS - start)) s"
   else
     echo "== torch $version: FAILED ($((SECONDS - start)) s)"

@@ -382,7 +382,7 @@ class KVCache:
         deferred fills, read windows, planning, waiting for the mapper, mapping, the rest),
         host waits for events, counts (fills, pages mapped), whether the lock was contended
         or the mapper busy; and the last ``free_reqid()``/``alloc_reqid()``'s time and lock
-        wait. A debugging aid (benchmarks/arrivals_bench.py's breakdown); its keys are
+        wait. A debugging aid (benchmarks/step_latency/arrivals_bench.py's breakdown); its keys are
         include/vkv/stats.h's VKV_STEP_PROFILE_FIELDS (docs/api.md's tables)."""
         return self._live()._core.last_step_profile()
 

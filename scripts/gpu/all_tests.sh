@@ -13,11 +13,12 @@ ctest --test-dir build-gpu --output-on-failure -j4 2>&1 | tee "$out/ctest.log" |
 grep -q "100% tests passed" "$out/ctest.log" || status=1
 python3 -m pip install -q --no-build-isolation --no-deps . > "$out/pip.log" 2>&1 \
   || { tail -30 "$out/pip.log"; echo "all_tests.sh: pip install failed" >&2; exit 1; }
-(cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" -q -p no:cacheprovider -rs 2>&1) | tee "$out/pytest.log" | tail -15
+(cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" "$OLDPWD/tests/lab" "$OLDPWD/tests/benchmarks" \
+  -q -p no:cacheprovider -rs 2>&1) | tee "$out/pytest.log" | tail -15
 grep -qE "[0-9]+ passed" "$out/pytest.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/pytest.log" || status=1
 # A demo that fails (an exception, a store that failed) fails the check; pipefail carries
 # its exit status through tail and tee.
 ./build-gpu/vkv_demo --device cuda:0 2>&1 | tail -6 | tee "$out/demo.log" || status=1
-(cd /tmp && python3 -m vkv.demo --device cuda --no-progress 2>&1) | tail -12 | tee "$out/serving_demo.log" || status=1
+(python3 -m lab.serving --device cuda --no-progress 2>&1) | tail -12 | tee "$out/serving_demo.log" || status=1
 ./build-gpu/benchmarks/vkv_map_cost --device cuda:0 --out "$out/map_cost_h100.json" 2>&1 | tee "$out/map_cost.log"
 exit $status

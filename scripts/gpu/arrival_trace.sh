@@ -5,7 +5,7 @@
 # CUDA C++ suites and compute-sanitizer memcheck over the suites that order zero-fills,
 # copies and unmaps (deferred fill, swap, sharing, fault injection), and the Python tests
 # of zero-fill on torch's streams, zero-page reads and sharing. vAttention runs too
-# when a checkout sits at ../.vattention (arrivals_bench.py --vattention). Everything lands
+# when a checkout sits at ../.vattention (arrivals_bench --vattention). Everything lands
 # in OUT_DIR/results.tar.gz (logs, JSON, plots) and OUT_DIR/summary.txt.
 #   scripts/gpu/arrival_trace.sh OUT_DIR [BASE]     # BASE: a commit, default 94b8553
 set -uo pipefail
@@ -42,11 +42,11 @@ echo "builds done at ${SECONDS}s"
 
 # Timings first, once every build is done: the trace's times are host-side.
 wait $cpp || { echo "C++ build failed"; status=1; }
-PYTHONUNBUFFERED=1 timeout "$(budget 150)" python3 benchmarks/arrivals_bench.py --out "$work/new" \
+PYTHONUNBUFFERED=1 timeout "$(budget 150)" python3 -m benchmarks.step_latency.arrivals_bench --out "$work/new" \
   > "$work/logs/arrivals_new.log" 2>&1 || status=1
 grep -E "burst|prompt mapping" "$work/logs/arrivals_new.log"
 if [ -n "$baseline" ]; then
-  PYTHONPATH=/tmp/vkv-base PYTHONUNBUFFERED=1 timeout "$(budget 100)" python3 benchmarks/arrivals_bench.py --only arrivals \
+  PYTHONPATH=/tmp/vkv-base PYTHONUNBUFFERED=1 timeout "$(budget 100)" python3 -m benchmarks.step_latency.arrivals_bench --only arrivals \
     --out "$work/base" > "$work/logs/arrivals_base.log" 2>&1 || echo "baseline run failed"
   grep -E "burst|vkv_module" "$work/logs/arrivals_base.log"
 fi
@@ -68,7 +68,7 @@ VKV_FAULT_EVERY=11 timeout "$(budget 600)" compute-sanitizer --tool memcheck --e
 grep -E "ERROR SUMMARY|PASSED|FAILED|tests ran" "$work/logs/memcheck_cpp.log" | tail -4
 
 if [ -d ../.vattention ] && [ "$(budget 600)" -gt 130 ]; then
-  PYTHONUNBUFFERED=1 timeout "$(budget 600)" python3 benchmarks/arrivals_bench.py --only arrivals \
+  PYTHONUNBUFFERED=1 timeout "$(budget 600)" python3 -m benchmarks.step_latency.arrivals_bench --only arrivals \
     --vattention ../.vattention --large-page-size 0 --out "$work/vattention" > "$work/logs/arrivals_vattention.log" 2>&1
 fi
 

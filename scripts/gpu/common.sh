@@ -1,6 +1,10 @@
 # Shell helpers of the GPU runners (scripts/gpu/*.sh); source it from the
 # repository root after setting `out` (the log folder) and `status=0`.
 
+# lab/ and benchmarks/ run from this checkout (python3 -m lab.serving, python3 -m
+# benchmarks.<question>.<script>), over the installed vkv, from any directory.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
 step() {  # step NAME TIMEOUT_S COMMAND...: from /tmp, so that the installed vkv is imported
   local name="$1" limit="$2"
   shift 2

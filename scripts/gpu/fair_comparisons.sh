@@ -4,7 +4,7 @@
 # FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh). Logs and results go to OUT (default
 # $OUT), folders as .tar.gz; each part ends with its goal table (summary.txt).
 #   scripts/gpu/fair_comparisons.sh PART [OUT]
-# PART  h100    python -m vkv.demo --preset h100 --repeats 3 (store order rotated each
+# PART  h100    python -m lab.serving --preset h100 --repeats 3 (store order rotated each
 #               repeat) over vkv-interleaved, vkv-interleaved-fi-128, flashinfer-16 and
 #               flashinfer-128: tok/s and TTFT p50 median and range, the best vkv store
 #               against the best FlashInfer store (goal: >= 1.03x tok/s, TTFT p50 <=)
@@ -69,7 +69,7 @@ case "$part" in
     else
       preset=(--preset "${part%50}" --stores "${stores[@]}" "${ratios[@]}")
     fi
-    step "serving_$part" 450 "$python" -m vkv.demo "${device[@]}" "${preset[@]}" --repeats "$repeats" --no-progress \
+    step "serving_$part" 450 "$python" -m lab.serving "${device[@]}" "${preset[@]}" --repeats "$repeats" --no-progress \
       --out "$out/results" "${extra[@]}"
     summary "$out/serving_$part.log"
     pack results "$out/results" ;;
@@ -79,14 +79,14 @@ case "$part" in
     else
       cells=(--cells 1x16384 1x65536 16x16384 64x16384)
     fi
-    step attention_decode 420 "$python" "$src/benchmarks/attention_bench.py" "${device[@]}" --only decode "${cells[@]}" \
+    step attention_decode 420 "$python" -m benchmarks.attention.attention_bench "${device[@]}" --only decode "${cells[@]}" \
       --out "$out/attention"
     json=$(ls "$out"/attention/attention_*.json 2>/dev/null | head -1)
     if [ -n "$json" ]; then
       { echo "== decode ($(cat "$out/gpu.txt")), commit $(tree_commit)"
-        "$python" "$src/benchmarks/attention_summary.py" "$json" || status=1; } | tee "$out/summary.txt"
+        "$python" -m benchmarks.attention.attention_summary "$json" || status=1; } | tee "$out/summary.txt"
       # Every table and the plots (needs matplotlib): FlashInfer's decode on vkv per layout.
-      step plot_attention 60 "$python" "$src/benchmarks/plot_attention.py" "$json"
+      step plot_attention 60 "$python" -m benchmarks.attention.plot_attention "$json"
     else
       echo "no attention JSON written" | tee "$out/summary.txt"
       status=1

@@ -20,15 +20,17 @@ python3 -m pip install -q --no-build-isolation --no-deps . > "$out/logs/pip.log"
 # test_demo.py (the demo's CPU runs) is left out with --ignore, which takes a path; what
 # was collected is checked, so a filter that matches nothing fails here instead of
 # silently running everything.
-leave_out=(--ignore "$PWD/tests/python/demo/test_demo.py")
-(cd /tmp && python3 -m pytest "$OLDPWD/tests/python" -q -p no:cacheprovider --collect-only "${leave_out[@]}" 2>&1) \
+leave_out=(--ignore "$PWD/tests/lab/serving/test_demo.py")
+(cd /tmp && python3 -m pytest "$OLDPWD/tests/python" "$OLDPWD/tests/lab" "$OLDPWD/tests/benchmarks" -q -p no:cacheprovider \
+  --collect-only "${leave_out[@]}" 2>&1) \
   > "$out/logs/pytest_collected.log"
 if grep -q "test_demo.py::" "$out/logs/pytest_collected.log" || ! grep -qE "[0-9]+ tests? collected" "$out/logs/pytest_collected.log"; then
   tail -5 "$out/logs/pytest_collected.log"
   echo "fault_safety.sh: test_demo.py was not left out, or collection failed (logs/pytest_collected.log)" >&2
   exit 1
 fi
-(cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" -q -p no:cacheprovider -rs -x \
+(cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" "$OLDPWD/tests/lab" "$OLDPWD/tests/benchmarks" \
+  -q -p no:cacheprovider -rs -x \
   "${leave_out[@]}" 2>&1) > "$out/logs/pytest.log"
 tail -3 "$out/logs/pytest.log"
 grep -qE "[0-9]+ passed" "$out/logs/pytest.log" && ! grep -qE "[0-9]+ (failed|error)" "$out/logs/pytest.log" || status=1
@@ -38,5 +40,5 @@ tail -3 "$out/logs/memcheck_cpp.log"
 (cd /tmp && timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest \
   "$OLDPWD/tests/python/test_zero_page.py" -q -p no:cacheprovider -k cuda 2>&1) > "$out/logs/memcheck_python.log" || status=1
 tail -3 "$out/logs/memcheck_python.log"
-[ "${VKV_SKIP_BENCH:-0}" = 1 ] || (cd benchmarks && PYTHONUNBUFFERED=1 timeout 300 python3 zero_page_bench.py --out "$out" 2>&1) | tee "$out/logs/zero_page_bench.log" | grep -v "it/s"
+[ "${VKV_SKIP_BENCH:-0}" = 1 ] || (PYTHONUNBUFFERED=1 timeout 300 python3 -m benchmarks.zero_page.zero_page_bench --out "$out" 2>&1) | tee "$out/logs/zero_page_bench.log" | grep -v "it/s"
 exit $status

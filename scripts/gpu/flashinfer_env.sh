@@ -4,7 +4,7 @@
 # caller's).
 #
 # Unpacks $FLASHINFER_ARCHIVE (default: the newest .whl/flashinfer-*.tar.xz, made by
-# benchmarks/flashinfer_pack.py) into $FLASHINFER_SITE (default /tmp/site-flashinfer: a
+# scripts/gpu/flashinfer_pack.py) into $FLASHINFER_SITE (default /tmp/site-flashinfer: a
 # folder of its own, so that packages other runs put in /tmp/site do not mix in), once per
 # machine and archive, or else installs the flashinfer_python and apache_tvm_ffi wheels found
 # in .whl/ there, and exports

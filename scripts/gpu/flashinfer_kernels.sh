@@ -10,7 +10,7 @@
 #       decode   (~6 min) attention_bench --only decode: both models, 4K-64K, batch 1-64
 #       prefill  (~6 min) attention_bench --only prefill append (keeps decode's rows, from
 #                the same warm machine or from benchmarks/results/attention_h100.json)
-#       demo     (~6 min) python -m vkv.demo (the gpu preset) and --preset h100, all stores
+#       demo     (~6 min) python -m lab.serving (the gpu preset) and --preset h100, all stores
 #       long     (~5 min) --preset long: vkv interleaved against both flashinfer stores and
 #                vkv-interleaved-fi (FlashInfer's kernels on vkv's memory)
 #       vkvfi    (~7 min) FlashInfer's kernels on vkv's memory: the vkv-*-fi stores' GPU tests
@@ -38,13 +38,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 install_vkv || exit 1
 # shellcheck source=scripts/gpu/flashinfer_env.sh
 source scripts/gpu/flashinfer_env.sh || exit 1
-bench=(python3 "$src/benchmarks/attention_bench.py")
+bench=(python3 -m benchmarks.attention.attention_bench)
 case "$part" in
   smoke)
-    step pytest_flashinfer_store 240 python3 -m pytest "$src/tests/python/demo/test_flashinfer_store.py" -q -p no:cacheprovider -rs
+    step pytest_flashinfer_store 240 python3 -m pytest "$src/tests/lab/stores/test_flashinfer_store.py" -q -p no:cacheprovider -rs
     step bench_smoke 300 "${bench[@]}" --only decode prefill --batches 2 --contexts 4096 --rounds 1 --target-ms 1 \
       --flex eager --out "$out/smoke"
-    step demo_flashinfer_graphs 200 python3 -m vkv.demo --preset h100 --requests 16 --max-slots 32 --no-progress \
+    step demo_flashinfer_graphs 200 python3 -m lab.serving --preset h100 --requests 16 --max-slots 32 --no-progress \
       --stores vkv-interleaved flashinfer-16 flashinfer-128
     # Kernels FlashInfer compiled here, not shipped compiled in the archive (empty: none).
     find "$FLASHINFER_WORKSPACE_BASE" -name "*.so" 2>/dev/null | tee "$out/jit_compiled.txt"
@@ -60,19 +60,19 @@ case "$part" in
     step "attention_$part" 480 "${bench[@]}" --only $sections --out "$results"
     cp "$results/attention_h100.json" "$out/" ;;
   demo)
-    step demo_default 120 python3 -m vkv.demo --no-progress --out "$out/results"
-    step serving_h100 360 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results"
+    step demo_default 120 python3 -m lab.serving --no-progress --out "$out/results"
+    step serving_h100 360 python3 -m lab.serving --preset h100 --no-progress --out "$out/results"
     pack results "$out/results" ;;
   long)
-    step serving_long 480 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
+    step serving_long 480 python3 -m lab.serving --preset long --no-progress --out "$out/results" \
       --stores vkv-interleaved flashinfer-16 flashinfer-128 vkv-interleaved-fi-128
     pack results "$out/results" ;;
   vkvfi)
-    step pytest_vkv_flashinfer 120 python3 -m pytest "$src/tests/python/demo/test_vkv_flashinfer.py" \
-      "$src/tests/python/demo/test_flashinfer_store.py" -q -p no:cacheprovider -rs
+    step pytest_vkv_flashinfer 120 python3 -m pytest "$src/tests/lab/stores/test_vkv_flashinfer.py" \
+      "$src/tests/lab/stores/test_flashinfer_store.py" -q -p no:cacheprovider -rs
     step attention_vkvfi 150 "${bench[@]}" --only decode --cells 1x16384 1x65536 16x16384 64x16384 \
       --out "$out/attention"
-    step serving_vkvfi 280 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" \
+    step serving_vkvfi 280 python3 -m lab.serving --preset h100 --no-progress --out "$out/results" \
       --stores vkv-interleaved vkv-interleaved-fi-128 flashinfer-16 flashinfer-128
     pack attention "$out/attention"
     pack results "$out/results" ;;

@@ -21,6 +21,6 @@ cpp_pid=$!
 wait $pip_pid || exit 1
 (cd /tmp && timeout 200 python3 -m pytest "$src/tests/python/test_vattention.py" "$src/tests/python/integrations/test_transformers_cache.py" \
   "$src/tests/python/test_slot_calls.py" "$src/tests/python/test_docs.py" -q -p no:cacheprovider -rsx --durations=8 2>&1) | tee "$out/pytest.log" | tail -25
-(cd /tmp && timeout 170 python3 "$src/benchmarks/transformers_bench.py" --device cuda --out "$out" 2>&1) | tee "$out/bench.log" | tail -16
+(cd /tmp && PYTHONPATH="$src" timeout 170 python3 -m benchmarks.transformers_generate.transformers_bench --device cuda --out "$out" 2>&1) | tee "$out/bench.log" | tail -16
 wait $cpp_pid
 cat "$out/cpp.log"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvcached 0.1.6 (github.com/ovg-project/kvcached), built from its source package on the GPU
-# machine, for the multi-engine comparison (python -m vkv.demo.multi, phase kvcached).
+# machine, for the multi-engine comparison (python -m lab.multi_engine, phase kvcached).
 #   scripts/gpu/kvcached_build.sh [--check]
 # Needs, in the repository's .whl/ (ignored by git; fetched on a machine with network):
 #   kvcached-0.1.6.tar.gz                    its source package, as the package index serves it
@@ -58,7 +58,7 @@ export PYTHONPATH="$site\${PYTHONPATH:+:\$PYTHONPATH}"
 export KVCACHED_LD_PRELOAD="$libstdcxx"   # LD_PRELOAD this in a process that makes a kvcached pool
 EOF
 echo "kvcached 0.1.6 in $site; the C++ runtime torch loads: ${libstdcxx:-NOT FOUND}"
-echo "use it:  source $site/env.sh   (python -m vkv.demo.multi preloads \$KVCACHED_LD_PRELOAD in its kvcached engines)"
+echo "use it:  source $site/env.sh   (python -m lab.multi_engine preloads \$KVCACHED_LD_PRELOAD in its kvcached engines)"
 echo "         elsewhere: LD_PRELOAD=$libstdcxx PYTHONPATH=$site python3 ..."
 if [ "${1:-}" = "--check" ]; then
   (cd /tmp && LD_PRELOAD="$libstdcxx" PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" KVCACHED_IPC_NAME="vkv_check_$$" \

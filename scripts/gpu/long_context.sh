@@ -53,7 +53,7 @@ serve_longctx() {  # serve_longctx REPEAT STORE...: each store alone, the order 
       status=1
       continue
     fi
-    step "serving_longctx_${repeat}_$store" $((left < 570 ? left : 570)) python3 -m vkv.demo --preset longctx \
+    step "serving_longctx_${repeat}_$store" $((left < 570 ? left : 570)) python3 -m lab.serving --preset longctx \
       --repeats 1 --first-repeat "$repeat" --stores "$store" --no-progress --out "$out/longctx-$repeat-$store"
   done
 }
@@ -68,7 +68,7 @@ fi
 for part in $parts; do
   case "$part" in
     test)
-      step chunk_kernels 300 python3 -m pytest "$src/tests/python/demo/test_chunked_prefill_gpu.py" \
+      step chunk_kernels 300 python3 -m pytest "$src/tests/lab/serving/test_chunked_prefill_gpu.py" \
         "$src/tests/python/test_expect_tokens.py" -q -p no:cacheprovider -rs
       echo "=== C++ suites ($(date +%T))"
       (cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null &&
@@ -83,13 +83,13 @@ for part in $parts; do
     longctx-flex)
       serve_longctx 1 paged-128 ;;
     kernels)
-      step attention_long_llama3_8b 570 python3 "$src/benchmarks/attention_bench.py" --only long \
+      step attention_long_llama3_8b 570 python3 -m benchmarks.attention.attention_bench --only long \
         --models llama3-8b --vkv-budget-gib 64 --rounds 3 --out "$out" ;;
     kernels-gqa)
-      step attention_long_llama3_70b 570 python3 "$src/benchmarks/attention_bench.py" --only long \
+      step attention_long_llama3_70b 570 python3 -m benchmarks.attention.attention_bench --only long \
         --models llama3-70b --vkv-budget-gib 64 --rounds 3 --out "$out" ;;
     mapping)
-      step long_prompt_mapping 300 python3 "$src/benchmarks/long_prompt_mapping.py" --out "$out" ;;
+      step long_prompt_mapping 300 python3 -m benchmarks.long_context.long_prompt_mapping --out "$out" ;;
     goals) ;;
     *)
       echo "unknown part $part; $usage"
@@ -97,6 +97,6 @@ for part in $parts; do
   esac
 done
 echo "=== goals ($(date +%T))"
-(cd /tmp && python3 "$src/benchmarks/long_context_goals.py" --serving "$out"/longctx-* \
+(cd /tmp && python3 -m benchmarks.long_context.long_context_goals --serving "$out"/longctx-* \
   --kernels "$out"/attention_long_*.json --mapping "$out"/long_prompt_mapping_*.json) | tee "$out/goals.md"
 exit $status

@@ -4,7 +4,7 @@
 # vkv.distributed, 4 KV heads and 64 GiB a rank beside the rank's half of the random bf16
 # weights: the fill in 8K-token chunks through step() (the mapping rate, pages and bytes),
 # then 128 decoded tokens (tok/s, step() per token, peak memory per GPU) and the decode
-# kernel against fp32 attention over the whole context (benchmarks/million_tokens.py); a run
+# kernel against fp32 attention over the whole context (benchmarks/million_tokens/million_tokens.py); a run
 # of 128K tokens first, on the same path.
 # Results and logs in OUT_DIR, packed as OUT_DIR.tar.gz.
 #   scripts/gpu/million_tokens.sh OUT_DIR [million_tokens.py arguments...]
@@ -29,7 +29,7 @@ source scripts/gpu/flashinfer_env.sh || echo "FlashInfer is not available: decod
 run() {  # run LOG LIMIT_S ARGUMENTS...
   local log="$out/logs/$1" limit="$2"
   shift 2
-  (cd /tmp && PYTHONUNBUFFERED=1 timeout "$(left "$limit")" python3 "$src/benchmarks/million_tokens.py" --device cuda \
+  (cd /tmp && PYTHONUNBUFFERED=1 timeout "$(left "$limit")" python3 -m benchmarks.million_tokens.million_tokens --device cuda \
     --ranks 2 --out "$out" "$@") > "$log" 2>&1
   local rc=$?
   grep -E "^(llama|rank|\[)|Error|error|^Thread|^  File" "$log" | tail -30

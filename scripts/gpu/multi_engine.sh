@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU host: the two-engine demo (python -m vkv.demo.multi --preset h100: static
+# On the GPU host: the two-engine demo (python -m lab.multi_engine --preset h100: static
 # halves, one shared budget, engine A solo, engine B SIGKILLed mid-burst) and the hand-off's
 # goals: per engine the ask wait (stats()['budget_asks'], per ask) p99
 # <= 5 ms and max <= 10 ms, combined throughput >= 1.3x the static split, nothing lost at
@@ -7,7 +7,7 @@
 # the answers' time (unmap / release / count back) and shows, per engine, its bursts and the
 # memory it held and used while the other's last burst ran: what bounds the makespan.
 # --pressure-ms 0 (an argument for the demo) runs it as before shared_budget_pressure_ms;
-# VKV_HANDOFF_COST=1 adds benchmarks/handoff_cost.py (one ask of N pages, its split).
+# VKV_HANDOFF_COST=1 adds benchmarks/budget_handoff/handoff_cost.py (one ask of N pages, its split).
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine.sh OUT_DIR [demo arguments...]
 #   VKV_BUILD_ONLY=1 scripts/gpu/multi_engine.sh OUT_DIR    # the build alone, on a fresh machine
 # Writes OUT_DIR/summary.txt (the goal table and the hand-off's breakdown) and
@@ -29,11 +29,11 @@ commit="${VKV_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
 echo "cores $(nproc); commit ${commit:-unknown}" | tee -a "$out/gpu.txt"
 install_vkv || { echo "build failed"; exit 1; }
 [ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first run that only builds (the next one skips it)
-step multi_engine "${VKV_MULTI_SECONDS:-480}" env PYTHONUNBUFFERED=1 python3 -m vkv.demo.multi --preset h100 --no-progress --out "$out" "$@"
+step multi_engine "${VKV_MULTI_SECONDS:-480}" env PYTHONUNBUFFERED=1 python3 -m lab.multi_engine --preset h100 --no-progress --out "$out" "$@"
 # VKV_HANDOFF_COST=1: then one ask of 32 / 128 / 512 pages between two processes, the
-# answer's time per page split (benchmarks/handoff_cost.py, about a minute).
+# answer's time per page split (benchmarks/budget_handoff/handoff_cost.py, about a minute).
 if [ -n "${VKV_HANDOFF_COST:-}" ]; then
-  step handoff_cost 180 python3 "$PWD/benchmarks/handoff_cost.py" --device cuda --out "$out"
+  step handoff_cost 180 python3 -m benchmarks.budget_handoff.handoff_cost --device cuda --out "$out"
 fi
 
 python3 - "$out" > "$top/summary.txt" <<'EOF'

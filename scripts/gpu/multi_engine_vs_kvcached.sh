@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU host: several engines on one GPU, vkv's shared budget against kvcached 0.1.6 and
-# a static split, each measured in the same run (python -m vkv.demo.multi), and the summary
+# a static split, each measured in the same run (python -m lab.multi_engine), and the summary
 # against the goals:
 #   kvcached3   3 x Llama-3.1-8B shape, staggered ramp-up/ramp-down rates, 256-token prompts:
 #               vkv TTFT p99 <= kvcached's and <= half the static split's, vkv combined tok/s
@@ -15,7 +15,7 @@
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine_vs_kvcached.sh OUT_DIR [PRESET...] [-- demo arguments...]
 # One preset per call fits a 10-minute limit with the build (default: kvcached3); more run one
 # after the other. VKV_BUILD_ONLY=1: vkv, kvcached and FlashInfer only, then kvcached's own
-# check (kvcached_build.sh --check) and tests/python/demo/test_kvcached_store.py (the engine's
+# check (kvcached_build.sh --check) and tests/lab/stores/test_kvcached_store.py (the engine's
 # tokens on kvcached's blocks equal a paged pool's): a first call on a fresh machine; the next
 # calls skip the builds. VKV_MULTI_SECONDS (default 540) bounds each preset's run, and all of
 # them end VKV_DEADLINE_S (default 580) seconds after the script started (a stopped run keeps
@@ -51,7 +51,7 @@ source scripts/gpu/flashinfer_env.sh || echo "FlashInfer unavailable: the flashi
 export PYTHONUNBUFFERED=1
 if [ -n "${VKV_BUILD_ONLY:-}" ]; then  # a first call: the builds (a warm machine keeps them in /tmp) and checks
   step kvcached_check 120 bash "$src/scripts/gpu/kvcached_build.sh" --check
-  step kvcached_store_test 300 python3 -m pytest "$src/tests/python/demo/test_kvcached_store.py" -q -p no:cacheprovider -rs
+  step kvcached_store_test 300 python3 -m pytest "$src/tests/lab/stores/test_kvcached_store.py" -q -p no:cacheprovider -rs
   tar czf "$top/results.tar.gz" -C "$top" results && rm -rf "$out"
   exit $status
 fi
@@ -63,7 +63,7 @@ for preset in "${presets[@]}"; do
   limit=$(( ${VKV_DEADLINE_S:-580} - SECONDS ))
   [ "$limit" -le "${VKV_MULTI_SECONDS:-540}" ] || limit="${VKV_MULTI_SECONDS:-540}"
   if [ "$limit" -lt 30 ]; then echo "=== multi_$preset: skipped, ${limit} s left of VKV_DEADLINE_S"; status=1; continue; fi
-  step "multi_$preset" "$limit" python3 -m vkv.demo.multi --preset "$preset" --out "$out" "${extra[@]}" "$@"
+  step "multi_$preset" "$limit" python3 -m lab.multi_engine --preset "$preset" --out "$out" "${extra[@]}" "$@"
 done
 
 python3 - "$out" > "$top/summary.txt" <<'EOF'

@@ -32,23 +32,23 @@ for stage in $stages; do
       install_vkv || exit 1
       python_info ;;
     test)
-      step test 200 python3 -m pytest "$src/tests/python/demo/test_demo_cuda_graphs.py" -q -p no:cacheprovider -rs ;;
+      step test 200 python3 -m pytest "$src/tests/lab/serving/test_demo_cuda_graphs.py" -q -p no:cacheprovider -rs ;;
     sanitize)
       step memcheck_demo_graphs 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest "$src/tests/python/demo/test_demo_cuda_graphs.py" -q -p no:cacheprovider -k vkv ;;
+        python3 -m pytest "$src/tests/lab/serving/test_demo_cuda_graphs.py" -q -p no:cacheprovider -k vkv ;;
     default)
-      step demo_default 120 python3 -m vkv.demo --no-progress ;;
+      step demo_default 120 python3 -m lab.serving --no-progress ;;
     profile)
-      step serving_step_profile 200 python3 "$src/benchmarks/serving_step_profile.py" --out "$out/results" ;;
+      step serving_step_profile 200 python3 -m benchmarks.serving.serving_step_profile --out "$out/results" ;;
     h100-quick)
-      step serving_h100_quick 150 python3 -m vkv.demo --preset h100 --stores vkv-interleaved static --no-progress ;;
+      step serving_h100_quick 150 python3 -m lab.serving --preset h100 --stores vkv-interleaved static --no-progress ;;
     h100)
-      step serving_h100 400 python3 -m vkv.demo --preset h100 --no-progress --out "$out/results" ;;
+      step serving_h100 400 python3 -m lab.serving --preset h100 --no-progress --out "$out/results" ;;
     long)  # vkv per-layer serves these prompts as vkv interleaved does (see serving_long in docs)
-      step serving_long_h100 400 python3 -m vkv.demo --preset long --no-progress --out "$out/results" \
+      step serving_long_h100 400 python3 -m lab.serving --preset long --no-progress --out "$out/results" \
         --stores vkv-interleaved paged-16 paged-128 static ;;
     eager)  # the engine without CUDA graphs, on the same machine: what the graphs bring
-      step serving_h100_eager 200 python3 -m vkv.demo --preset h100 --stores vkv-interleaved --no-cuda-graphs \
+      step serving_h100_eager 200 python3 -m lab.serving --preset h100 --stores vkv-interleaved --no-cuda-graphs \
         --no-progress --out "$out/eager" ;;
     *)
       echo "unknown stage $stage"

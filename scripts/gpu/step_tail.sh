@@ -57,14 +57,14 @@ done
 echo "builds done at ${SECONDS}s"
 [ "${paths[0]}" != FAILED ] || status=1
 
-bench="$PWD/benchmarks/arrivals_bench.py"
+checkout="$PWD"  # the harness: this tree's benchmarks/, over each tree's vkv
 run() {  # run NAME TREE-INDEX LIMIT ARGS...: the arrival trace with this tree's harness, from /tmp
   local name="$1" index="$2" limit="$3"
   shift 3
   [ "${paths[$index]}" != FAILED ] || return
   [ $((deadline - SECONDS)) -gt 15 ] || { echo "$name: no time left"; return; }
-  (cd /tmp && PYTHONPATH="${paths[$index]}" PYTHONUNBUFFERED=1 timeout "$(left "$limit")" \
-    python3 "$bench" --only arrivals --large-page-size 0 --out "$out" --tag "_$name" "$@") > "$out/logs/$name.log" 2>&1 \
+  (cd /tmp && PYTHONPATH="${paths[$index]:+${paths[$index]}:}$checkout" PYTHONUNBUFFERED=1 timeout "$(left "$limit")" \
+    python3 -m benchmarks.step_latency.arrivals_bench --only arrivals --large-page-size 0 --out "$out" --tag "_$name" "$@") > "$out/logs/$name.log" 2>&1 \
     || { echo "$name: exit $?"; [ "$index" != 0 ] || status=1; }
   grep -E "step\(\) all|free_reqid inside" "$out/logs/$name.log" | sed "s/^/$name: /"
 }
@@ -76,7 +76,7 @@ run this_every10_nomapper 0 45 --layouts interleaved --option background_mapping
 run this_every10_noeager 0 45 --layouts interleaved --option eager_tokens=0
 run this_every10_repeat 0 60
 
-python3 benchmarks/step_tail_table.py "$out"/arrivals_*.json | tee "$out/summary.txt"
+python3 -m benchmarks.step_latency.step_tail_table "$out"/arrivals_*.json | tee "$out/summary.txt"
 echo "bases: ${bases[*]}; status $status, ${SECONDS}s" | tee -a "$out/summary.txt"
 cp "$out/summary.txt" "$top/summary.txt"
 tar -czf "$top/results.tar.gz" -C "$top" results && rm -rf "$out"

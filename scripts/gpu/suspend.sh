@@ -24,6 +24,6 @@ step memcheck_suspend 600 compute-sanitizer --tool memcheck --error-exitcode 3 "
 install_vkv || exit 1
 step pytest_suspend 600 python3 -m pytest "$PWD/tests/python/test_suspend.py" -q -p no:cacheprovider -rs
 if [ "${VKV_SKIP_BENCH:-0}" != 1 ]; then
-  step suspend_cost 1200 python3 "$PWD/benchmarks/suspend_cost.py" --device cuda --gib 8 32 --out "$out"
+  step suspend_cost 1200 python3 -m benchmarks.suspend.suspend_cost --device cuda --gib 8 32 --out "$out"
 fi
 exit $status

@@ -17,13 +17,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 source scripts/gpu/common.sh
 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) install_vkv || exit 1  # once per machine and tree
 echo "built at ${SECONDS}s"
-bench="$PWD/benchmarks/tp_agreement.py"
 for gap in 1000 0; do
-  (cd /tmp && PYTHONUNBUFFERED=1 timeout "$(left 120)" python3 "$bench" --device cuda --gap-us "$gap" --out "$out") \
+  (cd /tmp && PYTHONUNBUFFERED=1 timeout "$(left 120)" python3 -m benchmarks.tensor_parallel.tp_agreement --device cuda --gap-us "$gap" --out "$out") \
     > "$out/logs/tp_agreement_gap$gap.log" 2>&1 || { echo "tp_agreement --gap-us $gap: exit $?"; status=1; }
   grep -E "^(KVCache|TensorParallel|all-reduce|_prepare)" "$out/logs/tp_agreement_gap$gap.log" | sed "s/^/gap $gap us: /"
 done
-(cd /tmp && timeout "$(left 150)" torchrun --nproc-per-node 2 -m vkv.demo.tp --device cuda --requests 48 --out "$out") \
+(cd /tmp && timeout "$(left 150)" torchrun --nproc-per-node 2 -m lab.serving.tp --device cuda --requests 48 --out "$out") \
   > "$out/logs/demo_tp.log" 2>&1 || { echo "demo tp: exit $?"; status=1; }
 grep -iE "throughput|tok/s|x1|ranks agree" "$out/logs/demo_tp.log" | tail -6
 echo "status $status, ${SECONDS}s"

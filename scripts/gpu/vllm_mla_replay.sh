@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM connector replay for MLA on CUDA (one H100; est. ≤ 6 minutes with vkv's build and
 # FlashInfer's MLA compile): the block decisions recorded on a CPU with vLLM 0.33's real
-# scheduler seeing DeepSeek-V2-Lite's MLA cache (benchmarks/results/vllm_trace_mla.json: 64
+# scheduler seeing DeepSeek-V2-Lite's MLA cache (benchmarks/vllm_replay/traces/vllm_trace_mla.json: 64
 # requests of 100-154 prompt tokens and 160 generated, 32-token blocks as vLLM's FlashInfer MLA
 # backend takes them) replayed over vkv memory and over a torch.zeros pool: 27 layers of one
 # 576-wide latent vector a token (kv_lora_rank 512 + qk_rope_head_dim 64, bf16), 995,328 B a
@@ -10,7 +10,7 @@
 # kpe = cache[..., 512:] of vLLM's per-layer views, with DeepSeek-V2-Lite's active weight GEMMs
 # (--dense). Asserts the outputs bitwise equal; prints steps, blocks, µs per block map/unmap and
 # the per-step overhead at decode batch 60-64. First the MLA block's GPU placement tests.
-# Needs a .whl/flashinfer-*.tar.xz with FlashInfer's MLA sources (benchmarks/flashinfer_pack.py
+# Needs a .whl/flashinfer-*.tar.xz with FlashInfer's MLA sources (scripts/gpu/flashinfer_pack.py
 # packs them; scripts/gpu/flashinfer_env.sh unpacks it).
 #   scripts/gpu/vllm_mla_replay.sh OUT   results: OUT/vllm_mla_replay.json (GPU, commit, command,
 #                                        verdict), OUT/vllm_replay_mla_flashinfer_bg_dense.json,
@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # The archive flashinfer_env.sh will unpack must have MLA's sources: said before vkv's build.
 archive="${FLASHINFER_ARCHIVE:-$(ls -t .whl/flashinfer-*.tar.xz 2>/dev/null | head -1)}"
 if [ -n "$archive" ] && ! tar -tJf "$archive" | grep "flashinfer/data/csrc/batch_mla_run.cu" > /dev/null; then
-  echo "vllm_mla_replay: $archive has no MLA sources: pack one with benchmarks/flashinfer_pack.py (it keeps them)" |
+  echo "vllm_mla_replay: $archive has no MLA sources: pack one with scripts/gpu/flashinfer_pack.py (it keeps them)" |
     tee "$out/summary.txt"
   exit 1
 fi
@@ -45,7 +45,7 @@ names = ["batch_mla_plan.cu", "batch_mla_run.cu", "batch_mla_binding.cu", "batch
 missing = [n for n in names if not (env.FLASHINFER_CSRC_DIR / n).is_file()]
 if missing:
     sys.exit(f"vllm_mla_replay: the FlashInfer archive has no MLA sources ({', '.join(missing)} not in "
-             f"{env.FLASHINFER_CSRC_DIR}): pack one with benchmarks/flashinfer_pack.py (it keeps them)")
+             f"{env.FLASHINFER_CSRC_DIR}): pack one with scripts/gpu/flashinfer_pack.py (it keeps them)")
 EOF
   exit 1
 fi
@@ -56,7 +56,7 @@ step mla_gpu_tests 150 python3 -m pytest "$src/tests/python/integrations/vllm_co
 echo "mla_gpu_tests: $(tail -1 "$out/mla_gpu_tests.log")" | tee -a "$out/summary.txt"
 tests_status=$status
 
-replay=(python3 "$src/benchmarks/vllm_mla_replay.py" replay "$src/benchmarks/results/vllm_trace_mla.json" --device cuda
+replay=(python3 -m benchmarks.vllm_replay.vllm_mla_replay replay "$src/benchmarks/vllm_replay/traces/vllm_trace_mla.json" --device cuda
         --attention flashinfer --dense --mapping background --keep-going)
 # FlashInfer compiles its MLA module (FA2) at the first plan, before the timed steps. --keep-going:
 # steps whose outputs differ are listed in the JSON (and the run exits 1), not cut short.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM connector replay on CUDA (~4 minutes after vkv's build on a fresh H100, ≤ 6):
 # the block decisions recorded on a CPU with vLLM 0.33's real scheduler
-# (benchmarks/results/vllm_trace.json: 64 requests of 100-154 prompt tokens and 160 generated,
+# (benchmarks/vllm_replay/traces/vllm_trace.json: 64 requests of 100-154 prompt tokens and 160 generated,
 # 164 steps, 155 of them decode steps at batch >= 60; vLLM's scheduler makes the same 164 steps on its fixed pool) replayed at Llama-3-8B's shape (32 layers,
 # 8 KV heads, 32 query heads, head_dim 128: one 16-token block = one 2 MiB page) over vkv
 # memory and over a torch.zeros pool (as vLLM zeroes its own), attention by FlashInfer's paged
@@ -15,14 +15,14 @@
 #                   forward and that job are both done
 #   fi_bg_at_bind_dense  the same, the job started at the bind (the connector until 3d074f7)
 #   gpu_tests       the background mapper's GPU tests (tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py)
-#   memcheck        the 27-step trace benchmarks/results/vllm_trace_memcheck.json (16 requests, the
+#   memcheck        the 27-step trace benchmarks/vllm_replay/traces/vllm_trace_memcheck.json (16 requests, the
 #                   last two steps give 157 blocks back) with the background mapping under
 #                   compute-sanitizer memcheck: torch's attention, then FlashInfer's with its FA2
 #                   prefill and with its FA3 one (~4 minutes; --control: FA3's prefill differs
 #                   from itself under the sanitizer, vllm_replay_memcheck_166f582_h100.log)
 # VLLM_REPLAY_ALL=1 adds the attention-only run and the synchronous mappings, before the forward
 # and after it is queued (~1 minute more); VLLM_REPLAY_PARTS ("tests replay memcheck" by default) runs some parts only (one per
-# run where a run's time is limited). Needs .whl/flashinfer-*.tar.xz (benchmarks/flashinfer_pack.py
+# run where a run's time is limited). Needs .whl/flashinfer-*.tar.xz (scripts/gpu/flashinfer_pack.py
 # makes it; scripts/gpu/flashinfer_env.sh unpacks it).
 #   scripts/gpu/vllm_replay.sh [OUT]      results: OUT/vllm_replay_*.json, OUT/*.log, OUT/summary.txt
 set -uo pipefail
@@ -41,7 +41,7 @@ install_vkv || exit 1
 # shellcheck source=scripts/gpu/flashinfer_env.sh
 source scripts/gpu/flashinfer_env.sh || exit 1
 
-replay=("$src/benchmarks/vllm_replay.py" replay "$src/benchmarks/results/vllm_trace.json" --device cuda)
+replay=(-m benchmarks.vllm_replay.vllm_replay replay "$src/benchmarks/vllm_replay/traces/vllm_trace.json" --device cuda)
 llama=(--attention flashinfer --shape 32,8,128,32)
 summary() {  # one result JSON in three lines
   python3 - "$1" <<'EOF'
@@ -99,7 +99,7 @@ elif [ -n "$sanitizer" ]; then
   # under the sanitizer is counted, not fatal; --control runs the fixed pool twice a step: a
   # kernel that differs from itself there is nondeterministic under the sanitizer, not fed
   # wrong bytes by vkv (FlashInfer's FA3 prefill at step 1: vllm_replay_memcheck_166f582_h100.log).
-  small=("$src/benchmarks/vllm_replay.py" replay "$src/benchmarks/results/vllm_trace_memcheck.json" --device cuda)
+  small=(-m benchmarks.vllm_replay.vllm_replay replay "$src/benchmarks/vllm_replay/traces/vllm_trace_memcheck.json" --device cuda)
   memcheck=("$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3)
   digest() {  # NAME: the sanitizer's verdict and the run's comparisons, one line
     python3 - "$1" "$out/$1.log" "$out/$1"/*.json <<'EOF'

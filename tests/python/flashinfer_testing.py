@@ -5,10 +5,10 @@ the reference decode over the K/V a store holds. Not a test itself (no test_ pre
 import torch
 import torch.nn.functional as F
 
-from vkv.demo.kv_stores import make_store
-from vkv.demo.model import ModelShape
+from lab.stores.kv_stores import make_store
+from lab.serving.model import ModelShape
 
-# head_dim 128, bf16: the kernels benchmarks/flashinfer_pack.py compiles ahead of time.
+# head_dim 128, bf16: the kernels scripts/gpu/flashinfer_pack.py compiles ahead of time.
 SHAPE = ModelShape("test-128", num_layers=2, hidden=1024, intermediate=2048, num_heads=8, num_kv_heads=2, vocab=1024)
 MAX_CONTEXT, SLOTS = 512, 8
 

@@ -1,14 +1,14 @@
 """Stress: member processes in one small shared budget doing random calls while some are
-SIGKILLed (budget_workload.py). Every member checks every live token's bytes and the
+SIGKILLed (lab/budget_stress.py). Every member checks every live token's bytes and the
 invariants after every call; the survivors' books must add up. Bounded for CI:
 VKV_STRESS_SECONDS (default 20) per seed, VKV_STRESS_SEEDS (default "1") picks the seeds;
-benchmarks/budget_soak.py runs the same workload for longer."""
+benchmarks/soak/budget_soak.py runs the same workload for longer."""
 
 import os
 
 import pytest
 
-from budget_workload import run_stress
+from lab.budget_stress import run_stress
 
 SECONDS = float(os.environ.get("VKV_STRESS_SECONDS", "20"))
 SEEDS = [int(seed) for seed in os.environ.get("VKV_STRESS_SEEDS", "1").split(",")]

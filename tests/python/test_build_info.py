@@ -113,12 +113,3 @@ def test_import_vkv_leaves_the_demo_and_its_packages_out():
                               "if m.split('.')[0] == 'matplotlib' or m.startswith('vkv.demo')))")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
-
-
-def test_the_demo_names_its_extra_when_a_package_is_missing(capsys):
-    from vkv.demo import note_missing
-
-    note_missing("matplotlib-test-only", "no plots")
-    note_missing("matplotlib-test-only", "no plots")  # once
-    assert capsys.readouterr().err == ('vkv.demo: matplotlib-test-only is not installed, so no plots: '
-                                       'pip install "vkv[demo]"\n')

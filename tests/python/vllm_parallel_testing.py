@@ -6,7 +6,7 @@ makes them), and runs a fake forward on its shard through vLLM's views (BLNHC, o
 plan() resolves): it writes K/V of the scheduled tokens and reads back every token of every
 scheduled request. The scheduler side
 (this process) sends every worker the same SchedulerOutput's connector metadata each step,
-and samples the next token from what all the shards read (vllm_testing.kv_value's content,
+and samples the next token from what all the shards read (lab.vllm_engine.kv_value's content,
 summed once per distinct layer and head): equal to a one-process fixed pool's outputs."""
 
 import collections
@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-import vllm_testing as vt
+from lab import vllm_engine as vt
 
 # What the workers use, imported here once (a forked worker importing them itself takes seconds).
 import vkv.integrations.vllm  # noqa: E402,F401
@@ -73,7 +73,7 @@ def plan(vllm_config, tp: int, pp: int, num_blocks: int, model: vt.Model = vt.TI
     """(every worker's KVCacheConfig, the scheduler's), as vLLM's EngineCore plans them
     (_initialize_kv_caches) from each worker's layer specs, in the connector's BLNHC layout or,
     given the ``layouts`` the attention backends support, the one vLLM resolves from them
-    (VLLM_KV_CACHE_LAYOUT first: vllm_testing.planned_kv_cache_config)."""
+    (VLLM_KV_CACHE_LAYOUT first: lab.vllm_engine.planned_kv_cache_config)."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
@@ -109,7 +109,7 @@ def run_agreeing(engine, limit: int = 300) -> int:
     return most
 
 def _expected(request_id: str, end: int, layer: int, heads: List[int], value: bool) -> np.ndarray:
-    """vllm_testing.kv_value for positions [0, end) and ``heads``, vectorised: [end, heads]."""
+    """lab.vllm_engine.kv_value for positions [0, end) and ``heads``, vectorised: [end, heads]."""
     r = sum(map(ord, request_id)) % 61
     pos = np.arange(end)[:, None]
     return (r * 131 + pos * 7 + layer * 3 + np.asarray(heads)[None, :] + (500 if value else 0)) % 2011
@@ -117,7 +117,7 @@ def _expected(request_id: str, end: int, layer: int, heads: List[int], value: bo
 
 def shard_forward(kv: Dict[str, torch.Tensor], layers: List[int], heads: List[int], work,
                   head_dim: int = vt.HEAD_DIM) -> Dict[str, int]:
-    """A worker's part of vllm_testing.forward: writes the scheduled tokens' K/V of its layers
+    """A worker's part of lab.vllm_engine.forward: writes the scheduled tokens' K/V of its layers
     and heads, reads back every token, returns each request's sum of what it read."""
     totals = {}
     for request_id, start, end, table in work:
@@ -311,7 +311,7 @@ class WorkerError(RuntimeError):
 
 
 class ParallelEngine:
-    """The scheduler here, ``tp * pp`` worker processes. Stepped as vllm_testing.Engine (vLLM's
+    """The scheduler here, ``tp * pp`` worker processes. Stepped as lab.vllm_engine.Engine (vLLM's
     AsyncScheduler in its batch-queue order)."""
 
     def __init__(self, tp: int, pp: int, num_blocks: int, extra: Optional[dict] = None, model: vt.Model = vt.TINY,

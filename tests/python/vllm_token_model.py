@@ -1,4 +1,4 @@
-"""A fake model for vllm_testing.Engine whose KV cache is a function of the tokens, as a real
+"""A fake model for lab.vllm_engine.Engine whose KV cache is a function of the tokens, as a real
 model's is: prefix caching, speculative decoding and chunked prefill can then be checked by
 their outputs against vLLM's own pool.
 
@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-import vllm_testing as vt
+from lab import vllm_engine as vt
 
 _MASK = (1 << 61) - 1
 VOCAB = 997

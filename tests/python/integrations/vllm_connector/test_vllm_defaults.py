@@ -11,11 +11,11 @@ import uuid
 
 import pytest
 
-from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab.vllm_engine import require_vllm  # noqa: E402  (the checkout, on pytest's pythonpath)
 
 require_vllm()
 
-import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab import vllm_engine as vt  # noqa: E402
 
 HEADROOM = 4
 

@@ -273,7 +273,7 @@ def test_the_background_mapper_marks_blocks_backed_only_after_their_zero_fill():
 # (block bytes, blocks): a Qwen2.5-7B block (28 layers x 4 KV heads x 128 x K,V x bf16, --block-size
 # 16 = 0.875 MiB: pages shared by 2-3 blocks) and DeepSeek-V2-Lite MLA blocks (27 layers x 576 x
 # bf16): FlashMLA's 64 tokens = 1.9 MiB (blocks straddle pages) and the 32 vLLM takes for its
-# FlashInfer MLA backend = 0.95 MiB (benchmarks/vllm_mla_replay.py's; pages shared by 2-3 blocks).
+# FlashInfer MLA backend = 0.95 MiB (benchmarks/vllm_replay/vllm_mla_replay.py's; pages shared by 2-3 blocks).
 # 24 blocks: over 10 MiB, not whole 2 MiB.
 GEOMETRIES = {"qwen2.5-7b": (28 * 4 * 128 * 2 * 2 * 16, 24), "deepseek-v2-lite-mla": (27 * 576 * 2 * 64, 24),
               "deepseek-v2-lite-mla-32": (27 * 576 * 2 * 32, 24)}

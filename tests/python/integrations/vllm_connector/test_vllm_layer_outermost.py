@@ -16,11 +16,11 @@ import uuid
 import numpy as np
 import pytest
 
-from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab.vllm_engine import require_vllm  # noqa: E402  (the checkout, on pytest's pythonpath)
 
 require_vllm()
 
-import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab import vllm_engine as vt  # noqa: E402
 
 from vkv.integrations.vllm.block_states import BACKED, RECLAIMING, UNBACKED  # noqa: E402
 from vkv.integrations.vllm.page_memory import PageMemory  # noqa: E402

@@ -10,12 +10,12 @@ import uuid
 
 import pytest
 
-from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab.vllm_engine import require_vllm  # noqa: E402  (the checkout, on pytest's pythonpath)
 
 require_vllm()
 
 import vllm_parallel_testing as pt  # noqa: E402  (tests/python, on pytest's pythonpath)
-import vllm_testing as vt  # noqa: E402
+from lab import vllm_engine as vt  # noqa: E402
 
 import vkv  # noqa: E402
 from vkv.integrations.vllm.config import VkvConnectorConfig  # noqa: E402
@@ -30,7 +30,7 @@ def _trace(engine, n=8, prompt=37, gen=6, name="req", first=0):
 
 
 def _fixed_outputs(num_blocks=64, **options):
-    """The same trace on vLLM's fixed pool, one process, every layer and head (vllm_testing)."""
+    """The same trace on vLLM's fixed pool, one process, every layer and head (lab/vllm_engine.py)."""
     engine = vt.Engine(num_blocks, connector=False, **options)
     try:
         _trace(engine)

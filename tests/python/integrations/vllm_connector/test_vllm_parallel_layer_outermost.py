@@ -11,12 +11,12 @@ import uuid
 
 import pytest
 
-from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab.vllm_engine import require_vllm  # noqa: E402  (the checkout, on pytest's pythonpath)
 
 require_vllm()
 
 import vllm_parallel_testing as pt  # noqa: E402  (tests/python, on pytest's pythonpath)
-import vllm_testing as vt  # noqa: E402
+from lab import vllm_engine as vt  # noqa: E402
 
 import vkv  # noqa: E402
 from vkv.integrations.vllm.checks import block_ranges, layer_outermost  # noqa: E402

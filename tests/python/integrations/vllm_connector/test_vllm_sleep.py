@@ -8,11 +8,11 @@ sleep can keep the KV through KVCache.suspend() / resume().
 
 Skips only where vllm is not importable and CI is not set."""
 
-from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab.vllm_engine import require_vllm  # noqa: E402  (the checkout, on pytest's pythonpath)
 
 require_vllm()
 
-import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
+from lab import vllm_engine as vt  # noqa: E402
 import vllm_token_model as tm  # noqa: E402
 
 
