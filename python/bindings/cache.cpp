@@ -27,8 +27,7 @@ namespace {
 // there in the caller's words. Imported on first use: the module imports torch.
 py::object host_seq_lens(py::handle tensor) {
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> convert;
-  return convert
-      .call_once_and_store_result([] { return py::module_::import("vkv._seq_lens").attr("host_seq_lens"); })
+  return convert.call_once_and_store_result([] { return py::module_::import("vkv._seq_lens").attr("host_seq_lens"); })
       .get_stored()(tensor);
 }
 

@@ -52,9 +52,9 @@ std::uintptr_t current_stream(const vkv::KvCache& cache) {
 }
 
 std::string current_stream_source() {
-  return stable_call() != nullptr ? std::string("torch's C ABI (") + kStableCall + ")"
-                                  : "torch.cuda.current_stream() (no libtorch_cuda with " + std::string(kStableCall) +
-                                        " in this process)";
+  return stable_call() != nullptr
+             ? std::string("torch's C ABI (") + kStableCall + ")"
+             : "torch.cuda.current_stream() (no libtorch_cuda with " + std::string(kStableCall) + " in this process)";
 }
 
 }  // namespace vkv_bindings
