@@ -8,11 +8,9 @@
 #     scripts/test_engine_env.sh ~/sglang-venv dist/vkv-*.whl tests/python/integrations
 #
 # `vllm` makes (once, kept in VKV_ENGINE_VENVS, default ~/.cache/vkv/engine-venvs) an
-# environment of the wheel's CPython with torch==2.14.0, vLLM 0.33's pin, from PyPI (borrowing
-# the CUDA libraries of a torch environment scripts/test_torch_versions.sh made, where one
-# exists, as that script does), and vLLM itself through scripts/install_vllm.sh (the wheel
-# without its CUDA dependencies, plus what its scheduler imports); then runs vLLM's tests and
-# the API's. With a VENV, PYTEST_ARGS default to tests/python/integrations and test_api.py.
+# environment of the wheel's CPython with torch==2.14.0, vLLM 0.33's pin, from PyPI (~3 GB with
+# its nvidia-* libraries), and vLLM itself through scripts/install_vllm.sh (the wheel without
+# its CUDA dependencies, plus what its scheduler imports); then runs vLLM's tests and the API's. With a VENV, PYTEST_ARGS default to tests/python/integrations and test_api.py.
 # Prints "engine env: N passed, N failed" last.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -30,19 +28,8 @@ if [ "$target" = vllm ]; then
     mkdir -p "$(dirname "$venv")"
     "$python" -m venv "$venv"
     pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    donor="$(ls -d "${VKV_TORCH_VENVS:-$HOME/.cache/vkv/torch-venvs}"/torch-*/lib/python*/site-packages/nvidia 2>/dev/null |
-      sort -V | tail -n1 || true)"
-    if [ -n "$donor" ]; then
-      echo "== vLLM's environment: torch 2.14.0, with $(dirname "$donor")'s CUDA libraries"
-      "${pip[@]}" --no-deps torch==2.14.0
-      "${pip[@]}" filelock typing-extensions sympy networkx jinja2 fsspec setuptools
-      ln -s "$donor" "$site/nvidia"
-      "$venv/bin/python" -c "import torch" 2>/dev/null || { rm "$site/nvidia"; "${pip[@]}" torch==2.14.0; }
-    else
-      echo "== vLLM's environment: torch 2.14.0 (with its CUDA libraries, ~3 GB)"
-      "${pip[@]}" torch==2.14.0
-    fi
+    echo "== vLLM's environment: torch 2.14.0"
+    "${pip[@]}" torch==2.14.0
     "${pip[@]}" numpy pytest hypothesis
     PYTHON="$venv/bin/python" bash "$root/scripts/install_vllm.sh"
   fi

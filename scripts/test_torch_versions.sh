@@ -5,12 +5,11 @@
 #
 #   scripts/test_torch_versions.sh WHEEL [RELEASE ...]     e.g. ... dist/vkv-0.1.0-cp311-*.whl 2.11 2.15
 #
-# Each environment, of the wheel's CPython, gets PyPI's torch==RELEASE.* (a CUDA build: the
-# newest brings ~3 GB of nvidia-* libraries), numpy and the test packages, and is kept in
-# VKV_TORCH_VENVS (default ~/.cache/vkv/torch-venvs) for the next run. To save a second
-# download, the older releases borrow the newest's CUDA libraries where torch then imports
-# (the same CUDA 13 sonames; a newer minor release of a CUDA library keeps its ABI; without a
-# GPU they are only loaded); where it does not, they get their own.
+# Each environment, of the wheel's CPython, gets PyPI's torch==RELEASE.* (a CUDA build: ~3 GB
+# with its nvidia-* libraries, which its import needs even without a GPU; the releases differ
+# in which ones, so they cannot share them), numpy and the test packages, and is kept in
+# VKV_TORCH_VENVS (default ~/.cache/vkv/torch-venvs) for the next run: the first run on a
+# machine downloads, the next ones only install the wheel.
 #
 # The suites: all but the serving demo's and the attention benchmark's (pure Python over the
 # same bindings, the slowest: minutes on 2 cores; they run in scripts/test.sh's pass) and
@@ -42,28 +41,16 @@ ignore=(--ignore=tests/lab/serving/test_demo.py --ignore=tests/lab/serving/test_
         --ignore=tests/benchmarks/attention/test_attention_bench.py --ignore=tests/python/integrations/vllm_connector)
 [ "${VKV_TORCH_VERSIONS_ALL:-0}" = 0 ] || ignore=()
 
-# Newest first: the others borrow its CUDA libraries.
-mapfile -t releases < <(printf '%s\n' "${releases[@]}" | sort -rV)
 has_torch() { "$venv/bin/python" -c "import sys, torch; sys.exit(not torch.__version__.startswith('$release.'))" 2>/dev/null; }
-donor="" donor_site="" failed=()
+failed=()
 for release in "${releases[@]}"; do
   start=$SECONDS venv="$venvs/torch-$release"
   if ! has_torch; then
+    echo "== torch $release: installing"
     rm -rf "$venv"
     "$python" -m venv "$venv"
-    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    if [ -n "$donor" ]; then
-      echo "== torch $release: installing, with torch $donor's CUDA libraries"
-      "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "torch==$release.*"
-      "$venv/bin/python" -m pip install -q --disable-pip-version-check filelock typing-extensions sympy networkx \
-        jinja2 fsspec setuptools
-      ln -s "$donor_site/nvidia" "$site/nvidia"
-      has_torch || { echo "== torch $release: does not import so; installing its own CUDA libraries"; rm "$site/nvidia"; }
-    fi
-    has_torch || { echo "== torch $release: installing"; "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$release.*"; }
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "${packages[@]}"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$release.*" "${packages[@]}"
   fi
-  [ -n "$donor" ] || donor="$release" donor_site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
   version="$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
   echo "== torch $version: ready in $((SECONDS - start)) s; python -m vkv:"
