@@ -11,10 +11,13 @@
 # VKV_TORCH_VENVS (default ~/.cache/vkv/torch-venvs) for the next run: the first run on a
 # machine downloads, the next ones only install the wheel.
 #
-# The suites: all but the serving demo's and the attention benchmark's (pure Python over the
-# same bindings, the slowest: minutes on 2 cores; they run in scripts/test.sh's pass) and
-# vLLM's (vLLM pins its own torch: scripts/test_engine_env.sh). VKV_TORCH_VERSIONS_ALL=1 runs
-# every suite. Exit 1 if any release fails.
+# The suites: tests/python, which exercises everything vkv does with torch (its tensors and
+# views, DLPack, the stream, seq_lens, transformers, vAttention, the distributed wrappers),
+# less what barely touches torch and costs minutes on 2 cores (the shared budget's processes,
+# the fuzzer, the thread stress) and vLLM's suite (vLLM pins its own torch:
+# scripts/test_engine_env.sh); not tests/lab or tests/benchmarks (programs over the same API).
+# scripts/test.sh's pass with the pinned torch runs all of them. VKV_TORCH_VERSIONS_ALL=1 runs
+# every suite here too. Exit 1 if any release fails.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 [ $# -ge 1 ] && [ -f "$1" ] || { echo "usage: scripts/test_torch_versions.sh WHEEL [RELEASE ...]" >&2; exit 2; }
@@ -36,10 +39,10 @@ command -v "$python" >/dev/null || { echo "test_torch_versions: the wheel is for
 venvs="${VKV_TORCH_VENVS:-$HOME/.cache/vkv/torch-venvs}"
 mkdir -p "$venvs"
 packages=(numpy pytest hypothesis "transformers==5.17.0")
-suites=(tests/python tests/lab tests/benchmarks)
-ignore=(--ignore=tests/lab/serving/test_demo.py --ignore=tests/lab/serving/test_demo_cuda_graphs.py
-        --ignore=tests/benchmarks/attention/test_attention_bench.py --ignore=tests/python/integrations/vllm_connector)
-[ "${VKV_TORCH_VERSIONS_ALL:-0}" = 0 ] || ignore=()
+suites=(tests/python)
+ignore=(--ignore=tests/python/integrations/vllm_connector --ignore=tests/python/test_budget_stress.py
+        --ignore=tests/python/test_shared_budget.py --ignore=tests/python/test_fuzz.py --ignore=tests/python/test_threads.py)
+[ "${VKV_TORCH_VERSIONS_ALL:-0}" = 0 ] || suites=(tests/python tests/lab tests/benchmarks) ignore=()
 
 has_torch() { "$venv/bin/python" -c "import sys, torch; sys.exit(not torch.__version__.startswith('$release.'))" 2>/dev/null; }
 failed=()
