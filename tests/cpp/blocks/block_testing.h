@@ -43,13 +43,20 @@ inline std::vector<BlockShape> block_shapes(std::size_t page) {
   };
 }
 
-inline BlockBackingConfig block_config(const BlockShape& shape) {
+/// `num_blocks` blocks over `ranges`, block 0 permanent; jobs inline (deterministic) unless `background`.
+inline BlockBackingConfig block_config(std::size_t num_blocks, std::vector<BlockRange> ranges,
+                                       bool background = false) {
   BlockBackingConfig config;
-  config.num_blocks = shape.num_blocks;
-  config.ranges = shape.ranges;
-  config.background = false;  // deterministic; the job thread has its own tests
+  config.num_blocks = num_blocks;
+  config.ranges = std::move(ranges);
+  config.background = background;
   config.permanent_blocks = {0};
   return config;
+}
+inline BlockBackingConfig block_config(const BlockShape& shape) { return block_config(shape.num_blocks, shape.ranges); }
+/// Each block one run of `block_bytes`, block b at b * block_bytes.
+inline BlockBackingConfig one_run(std::size_t num_blocks, std::size_t block_bytes, bool background = false) {
+  return block_config(num_blocks, {{0, block_bytes, block_bytes}}, background);
 }
 
 /// The layer's definitions, as a plain scan: what it must agree with.

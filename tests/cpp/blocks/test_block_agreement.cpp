@@ -25,11 +25,7 @@ std::string agreement_name(const std::string& what) {
 }
 
 BlockBackingConfig worker_config(std::size_t block_bytes, std::size_t budget_pages = 0) {
-  BlockBackingConfig config;
-  config.num_blocks = 64;
-  config.ranges = {{0, block_bytes, block_bytes}};
-  config.background = false;
-  config.permanent_blocks = {0};
+  BlockBackingConfig config = testing::one_run(64, block_bytes);
   config.memory_budget = budget_pages * kPage;
   return config;
 }

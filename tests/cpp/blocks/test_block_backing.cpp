@@ -14,19 +14,11 @@ using testing::contains;
 using testing::fill_block;
 using testing::kHostTestPageBytes;
 using testing::message_of;
+using testing::one_run;
 
 constexpr std::size_t kPage = kHostTestPageBytes;
 
 std::shared_ptr<Backend> host() { return std::make_shared<HostBackend>(kPage); }
-
-BlockBackingConfig one_run(std::size_t num_blocks, std::size_t block_bytes) {
-  BlockBackingConfig config;
-  config.num_blocks = num_blocks;
-  config.ranges = {{0, block_bytes, block_bytes}};
-  config.background = false;
-  config.permanent_blocks = {0};
-  return config;
-}
 
 TEST(BlockBacking, BacksTheLowestBlocksAndMarksThemBacked) {
   BlockBacking backing(one_run(16, kPage / 2), nullptr, std::nullopt, host());

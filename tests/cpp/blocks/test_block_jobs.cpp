@@ -20,15 +20,7 @@ using testing::block_bytes;
 using testing::contains;
 using testing::fill_block;
 using testing::message_of;
-
-BlockBackingConfig one_run(std::size_t num_blocks, std::size_t block_bytes, bool background) {
-  BlockBackingConfig config;
-  config.num_blocks = num_blocks;
-  config.ranges = {{0, block_bytes, block_bytes}};
-  config.background = background;
-  config.permanent_blocks = {0};
-  return config;
-}
+using testing::one_run;
 
 // Holds a stream until open(): the work queued behind it waits (a forward still running).
 class StreamGate {
