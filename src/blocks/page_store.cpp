@@ -2,6 +2,8 @@
 #include "page_store.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "util/clock.h"
 #include "util/internal_assert.h"
@@ -162,7 +164,7 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back) {
   for (PendingEvent& entry : events_) {
     if (!entry.alive || entry.pages == 0) continue;
     if (wait) {
-      backend_.wait_event(entry.event);
+      wait_quietly(entry.event);
       entry.ready = true;
     } else {
       entry.ready = backend_.event_done(entry.event);
@@ -207,6 +209,16 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back) {
 }
 
 void PageStore::finish_device_work() { backend_.synchronize(stream_); }
+
+void PageStore::wait_quietly(Event event) {
+  const auto start = Clock::now();
+  std::chrono::microseconds nap{20};
+  while (!backend_.event_done(event)) {
+    if (Clock::now() - start > kQuietWait) return backend_.wait_event(event);
+    std::this_thread::sleep_for(nap);
+    nap = std::min(2 * nap, std::chrono::microseconds(1000));
+  }
+}
 
 void PageStore::drop_unused_events() noexcept {
   bool any_alive = false;

@@ -17,6 +17,7 @@
 // Internal. Thread-safety: none; the layer's mutex serializes every call.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -83,6 +84,11 @@ class PageStore {
   static void for_each_run(const std::vector<std::size_t>& pages, Selected selected, Run run);
   void unmap_run(std::size_t first, std::size_t count);
   void drop_unused_events() noexcept;
+  // Blocks until `event` completed. The driver's wait spins a core (CUDA's events are not
+  // blocking-sync ones) for as long as the forward runs: this sleeps between queries
+  // instead, up to kQuietWait, then waits the driver's way.
+  void wait_quietly(Event event);
+  static constexpr std::chrono::milliseconds kQuietWait{200};
 
   Backend& backend_;
   PagePool& pool_;
