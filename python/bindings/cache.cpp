@@ -23,38 +23,36 @@ using vkv::KvCache;
 
 namespace {
 
-// A torch tensor's values as a host int64 numpy array (python/vkv/_seq_lens.py), checked
-// there in the caller's words. Imported on first use: the module imports torch.
-py::object host_seq_lens(py::handle tensor) {
+// A torch tensor's values as a host integer numpy array (python/vkv/_seq_lens.py), checked
+// there in the caller's words (`name`). Imported on first use: the module imports torch.
+py::object host_integers(py::handle tensor, const char* name) {
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> convert;
-  return convert.call_once_and_store_result([] { return py::module_::import("vkv._seq_lens").attr("host_seq_lens"); })
-      .get_stored()(tensor);
+  return convert.call_once_and_store_result([] { return py::module_::import("vkv._seq_lens").attr("host_integers"); })
+      .get_stored()(tensor, name);
 }
 
 }  // namespace
 
 // step() is on every iteration's path, and after the engine waited for the GPU a cold
-// CPU makes each Python-level operation cost tens of microseconds. So seq_lens is read here
-// in one pass: a list or tuple of ints, or anything with the buffer protocol (numpy arrays).
-// (Not through numpy's C API, whose struct layout changed in numpy 2.) Anything else (a
-// torch tensor) is first made a host int64 array in Python.
-std::vector<std::size_t> read_seq_lens(py::handle object) {
-  std::vector<std::size_t> lengths;
-  auto push = [&](std::size_t index, long long value) {
-    if (value < 0)
-      throw vkv::InvalidArgument("seq_lens[" + std::to_string(index) + "] = " + std::to_string(value) + " is negative");
-    lengths.push_back(static_cast<std::size_t>(value));
-  };
+// CPU makes each Python-level operation cost tens of microseconds. So its seq_lens (and a
+// block backing's release lists) are read here in one pass: a list or tuple of ints, or
+// anything with the buffer protocol (numpy arrays). (Not through numpy's C API, whose struct
+// layout changed in numpy 2.) Anything else (a torch tensor) is first made a host int64 array
+// in Python.
+std::vector<std::int64_t> read_integers(py::handle object, const char* name) {
+  std::vector<std::int64_t> values;
+  const std::string what = name;
   if (PyObject_CheckBuffer(object.ptr())) {
     const py::buffer_info info = py::reinterpret_borrow<py::buffer>(object).request();
     if (info.ndim != 1)
-      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(info.ndim) + " dimensions");
+      throw vkv::InvalidArgument(what + " must be one-dimensional, got " + std::to_string(info.ndim) + " dimensions");
     std::string format = info.format;
     if (!format.empty() && std::string("@=<").find(format[0]) != std::string::npos) format.erase(0, 1);
     if (format.size() != 1 || std::string("bBhHiIlLqQ").find(format[0]) == std::string::npos)
-      throw vkv::InvalidArgument("seq_lens must hold integers, got buffer format '" + info.format + "'");
+      throw vkv::InvalidArgument(what + " must hold integers, got buffer format '" + info.format + "'");
     const bool is_signed = std::islower(static_cast<unsigned char>(format[0]));
     const auto* bytes = static_cast<const char*>(info.ptr);
+    values.reserve(static_cast<std::size_t>(info.shape[0]));
     for (py::ssize_t i = 0; i < info.shape[0]; ++i) {
       const char* at = bytes + i * info.strides[0];
       long long value = 0;
@@ -71,39 +69,51 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
         default: {
           const uint64_t raw = *reinterpret_cast<const uint64_t*>(at);
           if (!is_signed && raw > static_cast<uint64_t>(INT64_MAX))
-            throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::to_string(raw) +
-                                       " is too large");
+            throw vkv::InvalidArgument(what + "[" + std::to_string(i) + "] = " + std::to_string(raw) + " is too large");
           value = static_cast<long long>(raw);
         }
       }
-      push(static_cast<std::size_t>(i), value);
+      values.push_back(value);
     }
-    return lengths;
+    return values;
   }
   if (PyList_Check(object.ptr()) || PyTuple_Check(object.ptr())) {
     const py::sequence sequence = py::reinterpret_borrow<py::sequence>(object);
+    values.reserve(sequence.size());
     for (std::size_t i = 0; i < sequence.size(); ++i) {
       PyObject* item = sequence[i].ptr();
       if (PyList_Check(item) || PyTuple_Check(item))
-        throw vkv::InvalidArgument("seq_lens must be one-dimensional: seq_lens[" + std::to_string(i) +
+        throw vkv::InvalidArgument(what + " must be one-dimensional: " + what + "[" + std::to_string(i) +
                                    "] is a sequence");
       if (PyBool_Check(item) || PyFloat_Check(item) || !PyIndex_Check(item))
-        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(sequence[i])) +
-                                   " is not an integer: seq_lens must hold integers");
+        throw vkv::InvalidArgument(what + "[" + std::to_string(i) + "] = " + std::string(py::str(sequence[i])) +
+                                   " is not an integer: " + what + " must hold integers");
       const py::int_ value = py::reinterpret_steal<py::int_>(PyNumber_Index(item));
       if (!value) throw py::error_already_set();
       int overflow = 0;
       const long long number = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
       if (overflow != 0)
-        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(py::handle(value))) +
+        throw vkv::InvalidArgument(what + "[" + std::to_string(i) + "] = " + std::string(py::str(py::handle(value))) +
                                    " does not fit 64 bits");
-      push(i, number);
+      values.push_back(number);
     }
-    return lengths;
+    return values;
   }
-  if (py::hasattr(object, "__dlpack__")) return read_seq_lens(host_seq_lens(object));  // a tensor
-  throw vkv::InvalidArgument(std::string("seq_lens must be a list, tuple, numpy array or tensor of ints, got ") +
+  if (py::hasattr(object, "__dlpack__")) return read_integers(host_integers(object, name), name);  // a tensor
+  throw vkv::InvalidArgument(what + " must be a list, tuple, numpy array or tensor of ints, got " +
                              Py_TYPE(object.ptr())->tp_name);
+}
+
+std::vector<std::size_t> read_seq_lens(py::handle object) {
+  const std::vector<std::int64_t> values = read_integers(object, "seq_lens");
+  std::vector<std::size_t> lengths;
+  lengths.reserve(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (values[i] < 0)
+      throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::to_string(values[i]) + " is negative");
+    lengths.push_back(static_cast<std::size_t>(values[i]));
+  }
+  return lengths;
 }
 
 namespace {

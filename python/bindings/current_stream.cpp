@@ -37,9 +37,8 @@ GetCurrentCudaStream stable_call() {
 
 }  // namespace
 
-std::uintptr_t current_stream(const vkv::KvCache& cache) {
-  if (cache.backend().name() == "host") return 0;  // what the device resolved to, "auto" included
-  const int device = cache.config().device.index;
+std::uintptr_t current_stream(const vkv::Backend& backend, int device) {
+  if (backend.name() == "host") return 0;  // what the device resolved to, "auto" included
   if (const GetCurrentCudaStream call = stable_call()) {
     void* stream = nullptr;
     if (call(device, &stream) != 0)
@@ -49,6 +48,10 @@ std::uintptr_t current_stream(const vkv::KvCache& cache) {
   }
   py::object stream = py::module_::import("torch").attr("cuda").attr("current_stream")(device);
   return stream.attr("cuda_stream").cast<std::uintptr_t>();
+}
+
+std::uintptr_t current_stream(const vkv::KvCache& cache) {
+  return current_stream(cache.backend(), cache.config().device.index);
 }
 
 std::string current_stream_source() {

@@ -14,6 +14,7 @@ See docs/api.md for the whole API and its guarantees.
 from . import _compatibility  # noqa: F401  (first: torch is importable and a release vkv supports)
 from . import _build_info, _C
 from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
+from ._block_backing import BlockBacking
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
 from ._cache import KVCache
 from ._errors import DriverError, OutOfMemory
@@ -29,6 +30,7 @@ def cuda_available() -> bool:
 
 __all__ = [
     "KVCache",
+    "BlockBacking",
     "SharedBudget",
     "OutOfMemory",
     "DriverError",

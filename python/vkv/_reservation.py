@@ -1,4 +1,4 @@
-"""The one tensor over a cache's whole reservation (uint8), that every key and value view is
+"""The one tensor over a cache's (or a block backing's) whole reservation (uint8), that every key and value view is
 cut from: torch.from_dlpack of vkv._C.reservation_dlpack (python/bindings/reservation.cpp),
 on the cache's device. It keeps the cache's memory reserved and mapped while any view of it
 lives, closed cache or not."""
@@ -11,5 +11,5 @@ from . import _C
 
 
 def reservation_tensor(core: Any) -> torch.Tensor:
-    """``core``: a ``vkv._C.KvCache``."""
+    """``core``: a ``vkv._C.KvCache`` or a ``vkv._C.BlockBacking``."""
     return torch.from_dlpack(_C.reservation_dlpack(core))
