@@ -11,13 +11,15 @@
 See docs/api.md for the whole API and its guarantees.
 """
 
+from typing import Union
+
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _compatibility  # noqa: F401  (refuses a torch other than the one vkv was built against)
 from . import _C
 from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
-from ._cache import KVCache
+from ._cache import KVCache, address_of
 from ._errors import DriverError, OutOfMemory
 from ._shared_budget import SharedBudget
 
@@ -29,12 +31,25 @@ def cuda_available() -> bool:
     return _C.cuda_available()
 
 
+def explain_address(address: Union[int, str]) -> str:
+    """What ``address`` is: the slot, token, layer and K or V of the live cache whose
+    reservation holds it, and why it may not be touched, in one line (or that no cache holds
+    it). For the address compute-sanitizer reports for an illegal access on a GPU: an int, or
+    its text (``vkv.explain_address("0x7f3a00001000")``). Thread-safe.
+
+    Raises:
+        ValueError: not an address.
+    """
+    return _C.explain_address(address_of(address))
+
+
 __all__ = [
     "KVCache",
     "SharedBudget",
     "OutOfMemory",
     "DriverError",
     "cuda_available",
+    "explain_address",
     "init",
     "alloc_reqid",
     "free_reqid",
