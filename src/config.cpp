@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdlib>
+#include <cstring>
 
 #include "interprocess/shared_memory.h"
 #include "vkv/error.h"
@@ -120,6 +122,14 @@ void validate(const CacheConfig& config) {
       throw InvalidArgument(detail::concat("shared_budget = '", config.shared_budget, "': ", error.what()));
     }
   }
+}
+
+bool checked_by_environment() {
+  const char* value = std::getenv("VKV_CHECKED");
+  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "0") == 0) return false;
+  VKV_EXPECTS(std::strcmp(value, "1") == 0, "VKV_CHECKED = '", value,
+              "' is not a setting: expected '1' (checked mode for every cache) or '0' (each cache's own setting)");
+  return true;
 }
 
 }  // namespace vkv

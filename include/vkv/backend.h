@@ -52,6 +52,10 @@ struct BackendTraits {
   /// mapped with one call (CUDA: one cuMemMap and one cuMemSetAccess; ~10x the bytes per
   /// second of mapping page by page, `shared/probes`).
   bool large_pages = false;
+  /// The pages are this process's memory, so a bad access to it is a SIGSEGV here, which
+  /// checked mode (config.checked) reports; false where the device reports it (CUDA: the
+  /// context ends, and no address reaches the host).
+  bool host_memory = false;
 };
 
 class Backend {
@@ -169,8 +173,10 @@ class Backend {
 };
 
 /// The backend a Device names: CUDA when kind is cuda, or automatic with a device present.
-/// `page_bytes` 0 takes the backend's default. @throws InvalidArgument, DriverError.
-std::shared_ptr<Backend> make_backend(const struct Device& device, std::size_t page_bytes = 0);
+/// `page_bytes` 0 takes the backend's default. `checked` (config.checked): reads of memory
+/// no page backs fault as writes do (the host backend reads zeros there otherwise; on CUDA
+/// both fault anyway). @throws InvalidArgument, DriverError.
+std::shared_ptr<Backend> make_backend(const struct Device& device, std::size_t page_bytes = 0, bool checked = false);
 
 /// True when the CUDA driver loads and reports at least one device. Never throws.
 bool cuda_available() noexcept;

@@ -74,6 +74,12 @@ inline constexpr std::size_t kAdaptive = static_cast<std::size_t>(-1);
     "reads there return whatever was last written; backed pages still start as zeros. The mapper then maps nothing "  \
     "ahead and reclaims nothing (lookahead, eager allocation and the watermark are off): it would swap pages under "  \
     "the caller's writes")                                                                                            \
+  X(checked, bool, false,                                                                                             \
+    "debugging: on the host backend, a read or write of memory no step() backed for the slot's current owner ends "   \
+    "the process with one line naming the slot, the token, the layer and the cause; on CUDA it ends the CUDA "        \
+    "context, and vkv.explain_address() names the address compute-sanitizer reports. Freed slots keep no pages "      \
+    "(free_reqid() waits for the device) and the mapper maps nothing ahead, so that a stale view's access faults "    \
+    "too; slower. VKV_CHECKED=1 turns it on for every cache")                                                         \
   X(background_mapping, bool, true, "a background thread maps ahead what the next iterations will need")              \
   X(lookahead_tokens, std::size_t, 32, "tokens mapped ahead beyond each allocated slot's seq_len")                    \
   X(eager_tokens, std::size_t, kAdaptive,                                                                             \
@@ -137,5 +143,10 @@ inline constexpr std::size_t kMaxContext = std::size_t{1} << 32;
 
 /// Checks every field that needs no backend. @throws InvalidArgument naming field, value and limit.
 void validate(const CacheConfig& config);
+
+/// Whether the environment turns checked mode on for every cache: VKV_CHECKED=1 does,
+/// 0 or unset leaves it to each config. Read at each call. Thread-safe.
+/// @throws InvalidArgument for another value.
+bool checked_by_environment();
 
 }  // namespace vkv

@@ -2,11 +2,12 @@
 //
 // A reservation is a private read-only anonymous mmap: memory no page backs reads as
 // zeros (the kernel's zero page, no memory used) and writes there are SIGSEGV, so a read
-// past what step() backed never crashes on this backend. Physical pages are slices of one
-// memfd; mapping is mmap(MAP_FIXED | MAP_SHARED) of a slice, so one page mapped at
-// two addresses shows the same bytes. Unmapping puts the read-only zeros back; zero
-// backing (back_with_zeros) is the same kind of mapping;
-// releasing a page punches a hole in the memfd so its memory returns to the system.
+// past what step() backed never crashes on this backend. With UnbackedReads::fault
+// (checked mode) it is PROT_NONE instead: reads there are SIGSEGV too. Physical pages are
+// slices of one memfd; mapping is mmap(MAP_FIXED | MAP_SHARED) of a slice, so one page
+// mapped at two addresses shows the same bytes. Unmapping puts the reserved mapping back;
+// zero backing (back_with_zeros) is a read-only one in either mode; releasing a page
+// punches a hole in the memfd so its memory returns to the system.
 // A large page is that many slices side by side, appended to the file and mapped with one
 // mmap; released, its slices are reused one by one as single pages.
 // Mappings carry MADV_DONTFORK: a child made by fork() does not share the cache's pages.
@@ -38,6 +39,12 @@ class HostStream;
 class PageStates;
 }  // namespace detail
 
+/// What a read of host memory no page backs does (zero backing aside, which reads zeros).
+enum class UnbackedReads {
+  zeros,  ///< reads zeros (the kernel's zero page): a read past what step() backed is harmless
+  fault,  ///< SIGSEGV, as writes are: checked mode (config.checked) reports such reads too
+};
+
 /// When the host backend runs device work (zero, copy).
 enum class HostExecution {
   synchronous,  ///< at once, on the calling thread
@@ -52,14 +59,15 @@ class HostBackend final : public Backend {
 
   /// @throws InvalidArgument when page_bytes is not a multiple of the OS page size;
   ///         DriverError when memfd_create fails.
-  explicit HostBackend(std::size_t page_bytes = kDefaultPageBytes,
-                       HostExecution execution = HostExecution::synchronous);
+  explicit HostBackend(std::size_t page_bytes = kDefaultPageBytes, HostExecution execution = HostExecution::synchronous,
+                       UnbackedReads unbacked_reads = UnbackedReads::zeros);
   /// Runs the work still queued (deferred mode), then closes the page file.
   ~HostBackend() override;
   HostBackend(const HostBackend&) = delete;
   HostBackend& operator=(const HostBackend&) = delete;
 
   HostExecution execution() const noexcept { return stream_ ? HostExecution::deferred : HostExecution::synchronous; }
+  UnbackedReads unbacked_reads() const noexcept;
   /// Queues `function` on the stream (deferred mode; at once otherwise), as
   /// cuLaunchHostFunc: tests use it to keep a stream busy.
   void launch_host_function(Stream stream, std::function<void()> function);
@@ -89,7 +97,7 @@ class HostBackend final : public Backend {
   void back_with_zeros(Address address, std::size_t bytes, bool writable) override;
   /// memfd pages are zero when created and when reused (a released page's hole was punched).
   BackendTraits traits() const noexcept override {
-    return {/*fresh_pages_are_zero=*/true, /*zero_backing_is_bulk=*/true, /*large_pages=*/true};
+    return {/*fresh_pages_are_zero=*/true, /*zero_backing_is_bulk=*/true, /*large_pages=*/true, /*host_memory=*/true};
   }
   std::uint64_t cleanup_failures() const noexcept override { return cleanup_failures_.load(); }
   void zero(Address address, std::size_t bytes, Stream stream) override;
@@ -113,6 +121,7 @@ class HostBackend final : public Backend {
   bool remap(Address address, std::size_t bytes, int protection, int flags, int file, std::size_t offset) noexcept;
 
   std::size_t page_bytes_;
+  int reserved_protection_;  // of memory no page backs: PROT_READ, or PROT_NONE (UnbackedReads::fault)
   // back_with_zeros(writable)'s page, created on first use; under scratch_mutex_.
   std::mutex scratch_mutex_;
   std::optional<PageHandle> scratch_page_;

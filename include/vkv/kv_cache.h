@@ -33,6 +33,14 @@
 // config.scratch_page those pages are one writable scratch page instead (they read what
 // was last written there); the same contract then covers writes to them too.
 //
+// Checked mode (config.checked, or VKV_CHECKED=1): a bad access says what it is. Every page
+// a slot's addresses reach is then one step() backed for its current owner: freed slots
+// keep no pages, the mapper maps nothing ahead, and on the host backend memory no page
+// backs faults on reads too. A fault in the reservation prints one line naming the slot,
+// token, layer, K or V, and the cause (not allocated, freed, swapped out, beyond seq_len),
+// then aborts. A GPU reports no address: explain() names one that compute-sanitizer
+// printed. Checked mode costs time (free_reqid() waits for the device); off, nothing changes.
+//
 // Thread-safety: every public call is thread-safe; one mutex serializes them. The
 // mapper thread takes the same mutex, and makes its slow backend calls without it.
 // Kernels that read the cache are enqueued by the thread that calls step(), never
@@ -42,6 +50,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "vkv/backend.h"
@@ -304,9 +313,19 @@ class KvCache {
   /// Checks the cache's internal consistency. @throws Error naming the broken invariant.
   void check_invariants() const;
 
+  /// What `address` is, in one line: its slot, token, layer and K or V, and why it may not
+  /// be touched (the slot is free, swapped out, or holds fewer tokens), or that it lies
+  /// outside the reservation. For an address a fault report names (compute-sanitizer on a
+  /// GPU); works in every mode. Thread-safe (takes the lock).
+  std::string explain(Address address) const;
+
  private:
   class Impl;  // src/cache/kv_cache_impl.h: the parts and how they compose
   std::unique_ptr<Impl> impl_;
 };
+
+/// KvCache::explain() of the live cache whose reservation holds `address`, or a line
+/// saying that none does. Thread-safe.
+std::string explain_address(Address address);
 
 }  // namespace vkv

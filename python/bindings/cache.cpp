@@ -223,6 +223,7 @@ void bind_cache(py::module_& m) {
       .def("is_allocated", &KvCache::is_allocated, arg("slot"), unlocked)
       .def("mapped_pages", &KvCache::mapped_pages, arg("slot"), unlocked)
       .def("check_invariants", &KvCache::check_invariants, unlocked)
+      .def("explain", &KvCache::explain, arg("address"), unlocked)
       .def("map_ahead_now", &KvCache::map_ahead_now, unlocked)
       .def("expect_tokens", &KvCache::expect_tokens, arg("slot"), arg("tokens"), unlocked)
       .def("stop_background", &KvCache::stop_background, unlocked)
@@ -244,6 +245,9 @@ void bind_cache(py::module_& m) {
           "pages_for_tokens",
           [](const KvCache& cache, std::size_t tokens) { return cache.layout().pages_for_tokens(tokens); },
           arg("tokens"));
+  m.def("explain_address", &vkv::explain_address, arg("address"), unlocked,
+        "What an address is: the slot, token and layer of the live cache whose reservation holds it.");
+  m.def("checked_by_environment", &vkv::checked_by_environment, "Whether VKV_CHECKED=1 turns checked mode on.");
 }
 
 }  // namespace vkv_bindings

@@ -11,12 +11,14 @@
 See docs/api.md for the whole API and its guarantees.
 """
 
+from typing import Union
+
 from . import _compatibility  # noqa: F401  (first: torch is importable and a release vkv supports)
 from . import _build_info, _C
 from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
 from ._block_backing import BlockBacking
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
-from ._cache import KVCache
+from ._cache import KVCache, address_of
 from ._errors import DriverError, OutOfMemory
 from ._shared_budget import SharedBudget
 
@@ -28,6 +30,18 @@ def cuda_available() -> bool:
     return _C.cuda_available()
 
 
+def explain_address(address: Union[int, str]) -> str:
+    """What ``address`` is: the slot, token, layer and K or V of the live cache whose
+    reservation holds it, and why it may not be touched, in one line (or that no cache holds
+    it). For the address compute-sanitizer reports for an illegal access on a GPU: an int, or
+    its text (``vkv.explain_address("0x7f3a00001000")``). Thread-safe.
+
+    Raises:
+        ValueError: not an address.
+    """
+    return _C.explain_address(address_of(address))
+
+
 __all__ = [
     "KVCache",
     "BlockBacking",
@@ -35,6 +49,7 @@ __all__ = [
     "OutOfMemory",
     "DriverError",
     "cuda_available",
+    "explain_address",
     "init",
     "alloc_reqid",
     "free_reqid",

@@ -20,6 +20,27 @@ def _expect_count(name: str, value: Any, low: int = 1) -> int:
     return _parameters.expect_int(name, value, low)
 
 
+def address_of(address: Union[int, str]) -> int:
+    """An address given as an int, or as the text a fault report prints ('0x7f3a...')."""
+    if isinstance(address, str):
+        try:
+            return _parameters.expect_int("address", int(address, 0))
+        except ValueError:
+            raise ValueError(f"address = {address!r} is not an address: expected an int or a string such as "
+                             "'0x7f3a00001000'") from None
+    return _parameters.expect_int("address", address)
+
+
+def _show_the_python_line_on_abort() -> None:
+    """Checked mode aborts on a bad access; Python's faulthandler then prints the Python line
+    that made it. Enabled before the core installs its own fault handler, which then runs
+    first and hands faults outside vkv's memory on to this one."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
+
+
 # The core's names for these calls' parameters -> KVCache's.
 _SHARE_PREFIX_WORDS = {"tokens = ": "n_tokens = "}
 _SET_BUDGET_WORDS = {"bytes = ": "memory_budget = "}
@@ -55,6 +76,13 @@ class KVCache:
     freed slot's zero-fill on the stream current at ``free_reqid()``, by the next call
     that needs it.
 
+    Checked mode (``checked=True``, or ``VKV_CHECKED=1`` for every cache): an access to
+    memory no ``step()`` backed for the slot's current owner (beyond its seq_len, a freed
+    or unallocated slot, a whole view) ends the process with one line naming the slot, the
+    token, the layer and the cause, and Python's faulthandler prints the Python line; on a
+    GPU, ``vkv.explain_address()`` names an address compute-sanitizer reports. Slower; for
+    debugging (docs/api.md, "Bad accesses").
+
     Thread-safety: every method is thread-safe (one lock in the C++ core serializes
     them, taken with the GIL released). Slot ids are shared state: two threads driving
     one cache must agree on who owns which slot.
@@ -82,6 +110,8 @@ class KVCache:
         arguments = _parameters.bind(args, kwargs)
         try:
             config = _parameters.to_config(arguments)
+            if config.checked or _C.checked_by_environment():
+                _show_the_python_line_on_abort()
             self._core = _C.KvCache(config)
         except ValueError as error:
             raise in_callers_words(error, _parameters.callers_words(arguments)) from None
@@ -429,6 +459,17 @@ class KVCache:
         """
         _parameters.expect_int("tokens", tokens)
         self._live()._core.expect_tokens(self._slot(slot), int(tokens))
+
+    def explain(self, address: Union[int, str]) -> str:
+        """What ``address`` is, in one line: its slot, token, layer and K or V, and why it may
+        not be touched (the slot is free, swapped out, or holds fewer tokens), or that it lies
+        outside this cache. For an address a fault report prints, e.g. compute-sanitizer's on a
+        GPU (an int, or its text ``'0x7f3a...'``). Works in every mode. Thread-safe.
+
+        Raises:
+            ValueError: not an address.
+        """
+        return self._live()._core.explain(address_of(address))
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if the cache's bookkeeping is inconsistent (for tests)."""

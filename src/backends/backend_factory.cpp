@@ -35,12 +35,13 @@ bool cuda_available() noexcept {
 #endif
 }
 
-std::shared_ptr<Backend> make_backend(const Device& device, std::size_t page_bytes) {
+std::shared_ptr<Backend> make_backend(const Device& device, std::size_t page_bytes, bool checked) {
   const bool want_cuda =
       device.kind == Device::Kind::cuda || (device.kind == Device::Kind::automatic && cuda_available());
   if (!want_cuda) {
     return std::make_shared<HostBackend>(page_bytes == 0 ? HostBackend::kDefaultPageBytes : page_bytes,
-                                         host_execution_from_environment());
+                                         host_execution_from_environment(),
+                                         checked ? UnbackedReads::fault : UnbackedReads::zeros);
   }
 #ifdef VKV_WITH_CUDA
   return std::make_shared<CudaBackend>(device.kind == Device::Kind::cuda ? device.index : 0, page_bytes);

@@ -30,7 +30,7 @@ void* as_pointer(Address address) { return reinterpret_cast<void*>(address); }
 // Reserved memory no page backs reads as zeros and faults on writes: a private read-only
 // anonymous mapping reads from the kernel's zero page and costs no memory, so a read of a
 // whole view (`cache.key(0).sum()`) past what step() backed gives zeros instead of SIGSEGV.
-constexpr int kReservedProtection = PROT_READ;
+// UnbackedReads::fault maps it PROT_NONE instead, so that checked mode reports such reads.
 constexpr int kAnonymousFixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE;
 
 }  // namespace
@@ -39,7 +39,8 @@ std::size_t HostBackend::smallest_page_bytes() const noexcept {
   return static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
 }
 
-HostBackend::HostBackend(std::size_t page_bytes, HostExecution execution) : page_bytes_(page_bytes) {
+HostBackend::HostBackend(std::size_t page_bytes, HostExecution execution, UnbackedReads unbacked_reads)
+    : page_bytes_(page_bytes), reserved_protection_(unbacked_reads == UnbackedReads::fault ? PROT_NONE : PROT_READ) {
   const auto os_page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   VKV_EXPECTS(page_bytes >= os_page && page_bytes % os_page == 0, "page_size = ", page_bytes,
               " is not usable by the host backend: must be a positive multiple of the OS page size ", os_page);
@@ -50,6 +51,10 @@ HostBackend::HostBackend(std::size_t page_bytes, HostExecution execution) : page
     page_states_ = std::make_unique<detail::PageStates>();
     stream_ = std::make_unique<detail::HostStream>();
   }
+}
+
+UnbackedReads HostBackend::unbacked_reads() const noexcept {
+  return reserved_protection_ == PROT_NONE ? UnbackedReads::fault : UnbackedReads::zeros;
 }
 
 HostBackend::~HostBackend() {
@@ -89,8 +94,8 @@ bool HostBackend::remap(Address address, std::size_t bytes, int protection, int 
 }
 
 Address HostBackend::reserve(std::size_t bytes) {
-  void* base = mmap(nullptr, bytes, kReservedProtection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (base == MAP_FAILED) throw_errno("mmap(PROT_READ, " + std::to_string(bytes) + " bytes)");
+  void* base = mmap(nullptr, bytes, reserved_protection_, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) throw_errno("mmap(" + std::to_string(bytes) + " bytes of address space)");
   const auto address = reinterpret_cast<Address>(base);
   if (mapping_mutex_) {
     std::lock_guard<std::mutex> lock(*mapping_mutex_);
@@ -167,7 +172,7 @@ void HostBackend::map(Address address, const PageHandle* pages, std::size_t coun
     // All or nothing: put back what this call mapped, and report the first error.
     const int code = errno;
     std::string message = "mmap(MAP_FIXED | MAP_SHARED) of page " + std::to_string(i) + " of " + std::to_string(count);
-    if (!remap(address, (i + 1) * page_bytes_, kReservedProtection, kAnonymousFixed, -1, 0))
+    if (!remap(address, (i + 1) * page_bytes_, reserved_protection_, kAnonymousFixed, -1, 0))
       message +=
           detail::concat(" (and unmapping the ", i, " pages mapped before it failed too: ", std::strerror(errno), ")");
     throw_errno(message, code);
@@ -193,7 +198,7 @@ void HostBackend::map_large(Address address, PageHandle page, std::size_t pages)
     // All or nothing: put the reserved range back, and report the first error.
     const int code = errno;
     std::string message = "mmap(MAP_FIXED | MAP_SHARED) of a large page of " + std::to_string(pages) + " pages";
-    if (!remap(address, bytes, kReservedProtection, kAnonymousFixed, -1, 0))
+    if (!remap(address, bytes, reserved_protection_, kAnonymousFixed, -1, 0))
       message += detail::concat(" (and putting its range back failed too: ", std::strerror(errno), ")");
     throw_errno(message, code);
   }
@@ -203,8 +208,9 @@ void HostBackend::map_large(Address address, PageHandle page, std::size_t pages)
 void HostBackend::unmap(Address address, std::size_t bytes) {
   std::unique_lock<std::mutex> lock;
   if (mapping_mutex_) lock = std::unique_lock<std::mutex>(*mapping_mutex_);
-  // Back to a reserved range (reads zeros, writes fault) rather than a hole another mmap could take.
-  if (!remap(address, bytes, kReservedProtection, kAnonymousFixed, -1, 0)) throw_errno("mmap(PROT_READ | MAP_FIXED)");
+  // Back to a reserved range (reads zeros or fault, writes fault) rather than a hole another mmap could take.
+  if (!remap(address, bytes, reserved_protection_, kAnonymousFixed, -1, 0))
+    throw_errno("mmap(MAP_FIXED) of a reserved range");
   if (page_states_) page_states_->set(address, address + bytes, State::reserved);
 }
 

@@ -27,9 +27,12 @@ BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, st
   // between the unmap and the map, or its bytes in a page a slot later claims as zeros). So
   // the mapper maps nothing ahead and reclaims nothing then; it only creates pages (4.).
   const bool may_remap = !config_.scratch_page;
+  // Checked mode maps nothing ahead: every page a slot's addresses reach is one step()
+  // backed for its owner, so that an access beyond faults (access_checks.h).
+  const bool maps_ahead = may_remap && !config_.checked;
   // 1. Lookahead: each allocated slot's next iterations, where no work in flight reads
   //    (with zero backing, below the read horizon only step() may swap pages).
-  for (std::size_t s = 0; s < slots_.size() && can_grow && may_remap; ++s) {
+  for (std::size_t s = 0; s < slots_.size() && can_grow && maps_ahead; ++s) {
     const Slot& slot = slots_[s];
     if (!slot.allocated || slot.busy() || slot.seq_len == 0) continue;
     const std::size_t target =
@@ -41,7 +44,7 @@ BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, st
   // 1b. Expected lengths (expect_tokens()): a long prompt's pages while its earlier chunks
   //     compute, after every slot's next iterations. Not while the previous owner's
   //     zero-fill is still deferred or (zero_page) its readers may be in flight.
-  for (std::size_t s = 0; s < slots_.size() && can_grow && may_remap; ++s) {
+  for (std::size_t s = 0; s < slots_.size() && can_grow && maps_ahead; ++s) {
     Slot& slot = slots_[s];
     if (!slot.allocated || slot.swapped || slot.busy() || slot.expected_tokens == 0) continue;
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(slot.expected_tokens));
@@ -51,7 +54,7 @@ BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, st
   }
   // 2. Eager allocation: the next prefill's pages in the slot alloc_reqid() hands out next.
   const std::size_t next = slots_.next_to_allocate();
-  if (may_remap && can_grow && eager > 0 && next < slots_.size() && !slots_[next].busy()) {
+  if (maps_ahead && can_grow && eager > 0 && next < slots_.size() && !slots_[next].busy()) {
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(eager));
     if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(slots_[next])))
       return {BackgroundUnit::Kind::grow, next, target};

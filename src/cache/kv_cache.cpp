@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
 
 #include "undo_log.h"
 #include "util/clock.h"
@@ -19,13 +22,19 @@ namespace {
 std::shared_ptr<Backend> backend_stack(const CacheConfig& config, std::shared_ptr<Backend> backend) {
   validate(config);
   if (backend == nullptr) {
-    backend = make_backend(config.device, config.page_size);
+    backend = make_backend(config.device, config.page_size, config.checked);
   } else {
     VKV_EXPECTS(config.page_size == 0 || config.page_size == backend->page_bytes(), "page_size = ", config.page_size,
                 " differs from the given backend's page size ", backend->page_bytes());
   }
   if (config.backend_statistics) return std::make_shared<StatisticsBackend>(std::move(backend));
   return backend;
+}
+
+// The config a cache runs with: VKV_CHECKED=1 turns checked mode on for every cache.
+CacheConfig with_environment(CacheConfig config) {
+  config.checked = config.checked || checked_by_environment();
+  return config;
 }
 
 std::size_t budget_pages(const CacheConfig& config, const KvLayout& layout, const Backend& backend) {
@@ -57,8 +66,8 @@ std::size_t large_page_pages(const CacheConfig& config, const Backend& backend) 
 }  // namespace
 
 KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
-    : config_(config),
-      backend_(backend_stack(config, std::move(backend))),
+    : config_(with_environment(config)),
+      backend_(backend_stack(config_, std::move(backend))),
       statistics_(dynamic_cast<StatisticsBackend*>(backend_.get())),
       layout_(config, backend_->page_bytes()),
       lent_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, prompts_, profile_),
@@ -76,7 +85,8 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       prefixes_(*backend_, layout_, slots_, pool_, sharing_, mappings_, readers_, source_),
       growth_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, budget_, profile_,
               background_done_, in_flight_pages_),
-      fork_generation_(detail::fork_generation()) {
+      fork_generation_(detail::fork_generation()),
+      checks_(layout_, config_, slots_, suspension_, mutex_, backend_->name()) {
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(needed <= limit, "the cache needs ", needed, " bytes (", detail::format_bytes(needed),
@@ -95,6 +105,8 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   base_ = backend_->reserve(needed);
   mappings_.set_base(base_);
   undo.push([this, needed] { backend_->free_reservation(base_, needed); });
+  checks_.start(base_);
+  undo.push([this] { checks_.stop(); });
   // Where backing with zeros costs one call, the whole reservation reads as zeros from the
   // start; elsewhere (CUDA: ~37 us a page) slots are backed as they are handed out, and
   // the mapper backs the others in the background. A scratch page is there from the
@@ -104,12 +116,21 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
     for (Slot& slot : slots_) slot.backed_end = layout_.pages_per_slot();
   }
   undo.commit();
+  if (config_.checked && !backend_->traits().host_memory) {
+    // The device reports a bad access without its address: say how to get one named.
+    std::fprintf(stderr,
+                 "vkv checked mode: the %s cache reserves [0x%zx, 0x%zx); an access there that no page backs ends "
+                 "the CUDA context without an address: run under compute-sanitizer and pass the address it reports "
+                 "to vkv.explain_address()\n",
+                 backend_->name().c_str(), base_, base_ + needed);
+  }
   if (config.background_mapping) mapper_ = std::make_unique<Mapper>([this] { return background_work(); });
   budget_.start();
 }
 
 KvCache::Impl::~Impl() {
   if (detail::fork_generation() != fork_generation_) {
+    checks_.abandon();
     // A forked child: the mapper thread, the device context and the pages are the
     // parent's. Releasing anything here would reach into the parent's memory (the host
     // backend's page file is shared), joining the mapper would wait forever: leave all.
@@ -123,6 +144,7 @@ KvCache::Impl::~Impl() {
     new (&background_done_) std::condition_variable();
     return;
   }
+  checks_.stop();  // before the reservation goes: its addresses may be reused
   budget_.stop();  // it calls into the cache
   stop_background();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -165,6 +187,11 @@ KvCache::Impl::~Impl() {
 
 void KvCache::Impl::stop_background() noexcept {
   if (mapper_ && detail::fork_generation() == fork_generation_) mapper_->stop();
+}
+
+void KvCache::Impl::copy_access_state() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  checks_.publish();
 }
 
 void KvCache::Impl::rethrow_background_error() {
@@ -236,7 +263,8 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   if (suspension_) suspension_->slots[slot_index] = {};
   host_frees_.free_finished(/*wait=*/false);
   // A next owner must never see another request's tokens: shared pages leave the slot now.
-  const bool keeps_pages = config_.deferred_reclamation && !sharing_.holds_shared(slot);
+  // Checked mode keeps none, so that the freed slot's addresses fault (access_checks.h).
+  const bool keeps_pages = config_.deferred_reclamation && !config_.checked && !sharing_.holds_shared(slot);
   if (!keeps_pages) {
     wait_not_busy(lock, slot_index);
     drop_all_pages(slot_index, stream, /*return_to_device=*/!config_.deferred_reclamation);
@@ -295,32 +323,60 @@ const KvLayout& KvCache::layout() const noexcept { return impl_->layout(); }
 Address KvCache::base() const noexcept { return impl_->base(); }
 Backend& KvCache::backend() const noexcept { return impl_->backend(); }
 
-std::size_t KvCache::alloc_reqid(Stream stream) { return impl_->alloc_reqid(stream); }
-std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguous, Stream stream) {
-  return impl_->alloc_reqids(count, contiguous, stream);
+std::size_t KvCache::alloc_reqid(Stream stream) {
+  const std::size_t slot = impl_->alloc_reqid(stream);
+  impl_->publish_access_state();
+  return slot;
 }
-void KvCache::free_reqid(std::size_t slot, Stream stream) { impl_->free_reqid(slot, stream); }
+std::vector<std::size_t> KvCache::alloc_reqids(std::size_t count, bool contiguous, Stream stream) {
+  std::vector<std::size_t> slots = impl_->alloc_reqids(count, contiguous, stream);
+  impl_->publish_access_state();
+  return slots;
+}
+void KvCache::free_reqid(std::size_t slot, Stream stream) {
+  impl_->free_reqid(slot, stream);
+  impl_->publish_access_state();
+}
 void KvCache::step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
   impl_->step(seq_lens, count, stream);
+  impl_->publish_access_state();
 }
 void KvCache::step_slots(const std::size_t* slots, const std::size_t* seq_lens, std::size_t count, Stream stream) {
   impl_->step_slots(slots, seq_lens, count, stream);
+  impl_->publish_access_state();
 }
 std::vector<std::size_t> KvCache::seq_lens() const { return impl_->seq_lens(); }
 void KvCache::set_deferred_reclamation(bool on) { impl_->set_deferred_reclamation(on); }
 void KvCache::expect_tokens(std::size_t slot, std::size_t tokens) { impl_->expect_tokens(slot, tokens); }
 std::size_t KvCache::map_ahead_now() { return impl_->map_ahead_now(); }
 void KvCache::stop_background() noexcept { impl_->stop_background(); }
-std::size_t KvCache::fork(std::size_t src, Stream stream) { return impl_->fork(src, stream); }
+std::size_t KvCache::fork(std::size_t src, Stream stream) {
+  const std::size_t slot = impl_->fork(src, stream);
+  impl_->publish_access_state();
+  return slot;
+}
 void KvCache::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream) {
   impl_->share_prefix(src, dst, tokens, stream);
+  impl_->publish_access_state();
 }
-void KvCache::swap_out(std::size_t slot, Stream stream) { impl_->swap_out(slot, stream); }
-void KvCache::swap_in(std::size_t slot, Stream stream) { impl_->swap_in(slot, stream); }
+void KvCache::swap_out(std::size_t slot, Stream stream) {
+  impl_->swap_out(slot, stream);
+  impl_->publish_access_state();
+}
+void KvCache::swap_in(std::size_t slot, Stream stream) {
+  impl_->swap_in(slot, stream);
+  impl_->publish_access_state();
+}
 bool KvCache::is_swapped(std::size_t slot) const { return impl_->is_swapped(slot); }
 void KvCache::set_budget(std::size_t bytes) { impl_->set_budget(bytes); }
-void KvCache::suspend(Stream stream) { impl_->suspend(stream); }
-void KvCache::resume(Stream stream) { impl_->resume(stream); }
+void KvCache::suspend(Stream stream) {
+  impl_->suspend(stream);
+  impl_->publish_access_state();
+}
+void KvCache::resume(Stream stream) {
+  impl_->resume(stream);
+  impl_->publish_access_state();
+}
 bool KvCache::is_suspended() const { return impl_->is_suspended(); }
 std::size_t KvCache::trim() { return impl_->trim(); }
 KvCache::Preparation KvCache::prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
@@ -340,5 +396,11 @@ std::size_t KvCache::mapped_pages(std::size_t slot) const { return impl_->mapped
 CacheStats KvCache::stats() const { return impl_->stats(); }
 StepProfile KvCache::last_step_profile() const { return impl_->last_step_profile(); }
 void KvCache::check_invariants() const { impl_->check_invariants(); }
+std::string KvCache::explain(Address address) const { return impl_->explain(address); }
+
+std::string explain_address(Address address) {
+  if (std::optional<std::string> explanation = detail::explain_registered(address)) return *explanation;
+  return detail::concat("0x", std::hex, address, " is in no live vkv cache's reservation");
+}
 
 }  // namespace vkv

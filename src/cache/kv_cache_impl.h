@@ -17,6 +17,7 @@
 //   BackgroundPlanner background_planner.h  what the mapper does next
 //   CallProfile   call_profile.h    what the calls cost (stats' counters, last_step_profile())
 //   HostFrees     host_frees.h      host memory freed once its copy completed
+//   AccessChecks  access_checks.h   what an address is and why it may not be touched (checked mode)
 //   Backend       backend.h         the device (behind the statistics adaptor if asked)
 //
 // Each public call checks its arguments, waits for the mapper where it must, and then
@@ -42,6 +43,7 @@
 #include <optional>
 #include <vector>
 
+#include "access_checks.h"
 #include "background_planner.h"
 #include "call_profile.h"
 #include "host_frees.h"
@@ -106,6 +108,11 @@ class KvCache::Impl final {
   CacheStats stats() const;
   StepProfile last_step_profile() const;
   void check_invariants() const;
+  std::string explain(Address address) const;
+  /// After a call that changed slots: their state for the checked-mode fault handler.
+  void publish_access_state() {
+    if (config_.checked) copy_access_state();
+  }
 
   const CacheConfig& config() const noexcept { return config_; }
   const KvLayout& layout() const noexcept { return layout_; }
@@ -117,6 +124,7 @@ class KvCache::Impl final {
   using PageRef = detail::PageRef;
 
   void rethrow_background_error();
+  void copy_access_state();  // publish_access_state()'s work, under the lock
   void wait_not_busy(std::unique_lock<std::mutex>& lock, std::size_t slot);
   // The opening of fork, share_prefix, swap_out and swap_in: check, wait until `slot` is
   // not busy and (pages > 0) that many pages can be had with it claiming `claim`, check
@@ -178,6 +186,7 @@ class KvCache::Impl final {
   // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).
   std::optional<detail::Suspension> suspension_;
   mutable std::mutex mutex_;
+  detail::AccessChecks checks_;              // registered from the reservation's start until the destructor's
   std::condition_variable background_done_;  // a slot stopped being busy
   std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above
 };

@@ -34,6 +34,11 @@ std::size_t KvCache::Impl::mapped_pages(std::size_t slot) const {
   return slots_[slot].mapped();
 }
 
+std::string KvCache::Impl::explain(Address address) const {
+  detail::expect_same_process(fork_generation_);
+  return checks_.explain(address);  // takes the lock
+}
+
 CacheStats KvCache::Impl::stats() const {
   detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> lock(mutex_);

@@ -2,6 +2,9 @@
 
 import glob
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -59,6 +62,12 @@ def small_cache(device="cpu", layout="interleaved", dtype=torch.float16, **overr
     )
     arguments.update(overrides)
     return vkv.KVCache(**arguments)
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter: a fault kills that process, not the test run."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
 
 
 def lens(cache, **slot_tokens):

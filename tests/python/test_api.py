@@ -314,7 +314,7 @@ def test_every_keyword_option_reaches_the_core():
     page = HOST_PAGE
     budget = vkv.SharedBudget.create(f"test-api-{os.getpid()}", 64 * page, device="cpu")
     options = dict(layers_per_group=2, page_size=page, memory_budget=8 * page, precreate_pages=1, large_page_size=2 * page,
-                   zero_page=True, scratch_page=True,
+                   zero_page=True, scratch_page=True, checked=True,
                    background_mapping=False, lookahead_tokens=7, eager_tokens=5, deferred_reclamation=False,
                    reclaim_watermark_pages=3, backend_statistics=False, shared_budget=budget.name,
                    shared_budget_idle_ms=9, shared_budget_pressure_ms=11, shared_budget_floor=2 * page,

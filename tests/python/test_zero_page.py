@@ -3,23 +3,11 @@ zeros, so padded batches and print() work on the CPU and on the GPU; on the host
 such reads give zeros with the defaults too; writes there still fault. key(layer, slot)
 views one request's backed tokens."""
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import HOST_PAGE, small_cache
-
-
-def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter: a fault kills that process, not the test run."""
-    import os
-
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **env})
+from conftest import HOST_PAGE, run_python, small_cache
 
 
 def test_printing_a_fresh_cache_shows_zeros():

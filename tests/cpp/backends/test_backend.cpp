@@ -228,6 +228,33 @@ TEST(HostBackend, UnmappedMemoryReadsAsZerosAndFaultsOnWrites) {
   backend.free_reservation(base, backend.page_bytes());
 }
 
+// Checked mode's backend: memory no page backs faults on reads too, from the reservation
+// on and again once unmapped; zero backing still reads zeros.
+TEST(HostBackend, WithUnbackedReadsFaultingUnmappedMemoryFaultsOnReadsToo) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  HostBackend backend(testing::kHostTestPageBytes, HostExecution::synchronous, UnbackedReads::fault);
+  EXPECT_EQ(backend.unbacked_reads(), UnbackedReads::fault);
+  EXPECT_TRUE(backend.traits().host_memory) << "its faults are this process's signals";
+  EXPECT_EQ(HostBackend(testing::kHostTestPageBytes).unbacked_reads(), UnbackedReads::zeros);
+  const std::size_t page = backend.page_bytes();
+  const Address base = backend.reserve(2 * page);
+  auto read = [](Address address) { return *reinterpret_cast<volatile char*>(address); };
+  EXPECT_DEATH(read(base + 123), "") << "never mapped";
+  const PageHandle handle = backend.create_page();
+  backend.map(base, &handle, 1);
+  *reinterpret_cast<volatile char*>(base) = 1;
+  EXPECT_EQ(read(base), 1);
+  backend.unmap(base, page);
+  EXPECT_DEATH(read(base), "") << "unmapped";
+  backend.back_with_zeros(base + page, page, /*writable=*/false);
+  EXPECT_EQ(read(base + page), 0) << "zero backing reads zeros in every mode";
+  EXPECT_DEATH(*reinterpret_cast<volatile char*>(base + page) = 1, "");
+  backend.unmap(base + page, page);
+  EXPECT_DEATH(read(base + page), "") << "unmapped zero backing";
+  backend.release_page(handle);
+  backend.free_reservation(base, 2 * page);
+}
+
 TEST(HostBackend, ReleasedPagesAreReusedAndComeBackZeroed) {
   HostBackend backend(testing::kHostTestPageBytes);
   const Address base = backend.reserve(backend.page_bytes());
