@@ -59,12 +59,12 @@ skipped with a message. Results are written after every shape, so an interrupted
 what it measured; a run of some sections keeps the other sections' rows of the file.
 
   source scripts/gpu/flashinfer_env.sh     # where FlashInfer travels as an archive
-  python -m benchmarks.attention.attention_bench --out benchmarks/results --only decode    # H100: ~4 min
+  python -m benchmarks.attention.attention_bench --out benchmarks/attention/results --only decode    # H100: ~4 min
   python -m benchmarks.attention.attention_bench --out /tmp/r --only decode --cells 1x65536 64x16384   # some cells
-  python -m benchmarks.attention.attention_bench --out benchmarks/results --only prefill append
-  python -m benchmarks.attention.plot_attention benchmarks/results/attention_h100.json
+  python -m benchmarks.attention.attention_bench --out benchmarks/attention/results --only prefill append
+  python -m benchmarks.attention.plot_attention benchmarks/attention/results/attention_h100.json
   python -m benchmarks.attention.attention_bench --device cpu --quick --out /tmp/r   # smoke test
-  python -m benchmarks.attention.attention_bench --only long --models llama3-8b --vkv-budget-gib 64 --out benchmarks/results
+  python -m benchmarks.attention.attention_bench --only long --models llama3-8b --vkv-budget-gib 64 --out benchmarks/attention/results
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ stats()['budget_handoff'] splits it (unmap / release to the device / count back 
 budget), per page.
 
   python -m benchmarks.budget_handoff.handoff_cost                          # host backend, ~20 s
-  python -m benchmarks.budget_handoff.handoff_cost --device cuda --out benchmarks/results
+  python -m benchmarks.budget_handoff.handoff_cost --device cuda --out benchmarks/budget_handoff/results
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ unmap, release), the device memory free while suspended, and a check that every 
 came back (per-request fill values compared over every layer).
 
   python -m benchmarks.suspend.suspend_cost                                  # host backend, small sizes
-  python -m benchmarks.suspend.suspend_cost --device cuda --gib 8 32 --out benchmarks/results
+  python -m benchmarks.suspend.suspend_cost --device cuda --gib 8 32 --out benchmarks/suspend/results
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ for blocks that are one vkv slot (BlockMemory) and for blocks backed page by pag
 (PageMemory), over pools of several sizes. The median job in microseconds; the driver's
 own map/unmap time is the host backend's (mmap), so this is the Python and numpy around it.
 
-    python -m benchmarks.vllm_host_cost.vllm_page_memory_cost --out benchmarks/results/vllm_page_memory_cost.json
+    python -m benchmarks.vllm_host_cost.vllm_page_memory_cost --out benchmarks/vllm_host_cost/results/vllm_page_memory_cost.json
 """
 
 import argparse

@@ -1,8 +1,8 @@
 """A continuous-batching serving demo on vkv, against paged and static KV caches.
 
     python -m lab.serving                          # small run on the default device, <1 minute on a CPU
-    python -m lab.serving --preset h100 --out benchmarks/results   # Llama-3-8B shape on an H100
-    python -m lab.serving --preset long --out benchmarks/results   # long prompts: makespan per P:D ratio
+    python -m lab.serving --preset h100 --out benchmarks/serving/results   # Llama-3-8B shape on an H100
+    python -m lab.serving --preset long --out benchmarks/serving/results   # long prompts: makespan per P:D ratio
 
 Modules: ``model`` (a Llama-architecture decoder with random weights), ``workload`` (seeded
 traces: ShareGPT-like, long prompts at a prefill:decode ratio), ``kv_stores`` (the KV caches

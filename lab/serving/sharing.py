@@ -6,7 +6,7 @@ trace on vkv (interleaved layout), once sharing pages (fork, share_prefix) and o
   system prompt       R requests whose prompts all start with the same S tokens
 
   python -m lab.serving.sharing                                     # small: tiny model, CPU
-  python -m lab.serving.sharing --preset h100 --out benchmarks/results
+  python -m lab.serving.sharing --preset h100 --out benchmarks/prefix_sharing/results
 """
 
 from __future__ import annotations
