@@ -294,8 +294,8 @@ class FlashInfer:
                          tensor_cores: bool) -> Callable[[], torch.Tensor]:
         """FlashInfer's paged decode over [B, L, Hkv, D] storage with no page table: each
         request's slot is one page (page_tokens 0) or pages of page_tokens that follow each
-        other in it (the serving demo's vkv-*-fi stores; ``slot_pages``)."""
-        from lab.stores.flashinfer import page_lists, slot_page_table, slot_pages
+        other in it (the lab's vkv-*-fi stores; ``vkv.paged``)."""
+        from vkv.paged import page_lists, slot_page_table, slot_pages
 
         batch, context = k.shape[:2]
         (k_pages, pages_per_slot), (v_pages, _) = slot_pages(k, page_tokens), slot_pages(v, page_tokens)

@@ -474,19 +474,6 @@ def test_the_cli_skips_a_store_it_cannot_run_and_compares_the_others(capsys, tmp
     assert set(saved["runs"]) == {"vkv interleaved"} and "flashinfer-16" in saved["skipped"]
 
 
-def test_flashinfer_page_lists_cover_each_request_and_pad_with_one_token():
-    from lab.stores.flashinfer import page_lists
-
-    table = np.arange(40, dtype=np.int32).reshape(4, 10)
-    indptr, indices, last = page_lists(table, slots=[2, 0], lens=[17, 16], rows=4, page_tokens=8)
-    assert indptr.tolist() == [0, 3, 5, 6, 7]              # 3 pages, 2 pages, then one per padding row
-    assert indices.tolist() == [20, 21, 22, 0, 1, 20, 20]  # slot 2's pages, slot 0's, row 0's first page twice
-    assert last.tolist() == [1, 8, 1, 1]                   # 17 = 2 * 8 + 1, 16 = 8 + 8, padding reads one token
-    assert all(a.dtype == np.int32 for a in (indptr, indices, last))
-    with pytest.raises(ValueError, match="rows = 1 must hold the 2 requests"):
-        page_lists(table, slots=[2, 0], lens=[17, 16], rows=1, page_tokens=8)
-
-
 def test_a_ready_vkv_store_has_its_budget_created_and_a_share_mapped_in_every_slot():
     """ready: the whole budget created before the first request and half of it mapped, the
     same pages in every slot, the slots free again; it serves the tokens an unready store does."""
