@@ -29,7 +29,7 @@ VKV_PYTHON="$venv/bin/python" VKV_INSTALL_LOG="$vkv_root/build/pip-install-torch
 # harnesses' suites (pure Python over the same bindings, the slowest: minutes on 2 cores)
 # run in scripts/test.sh's pass with the pinned torch. VKV_LATEST_TORCH_ALL=1 runs them too.
 # vLLM's tests also run there: this venv has none of the packages vLLM's scheduler imports.
-ignore=(--ignore=tests/lab/serving/test_demo.py --ignore=tests/lab/serving/test_demo_cuda_graphs.py
+ignore=(--ignore=tests/lab/serving/test_serving.py --ignore=tests/lab/serving/test_demo_cuda_graphs.py
         --ignore=tests/benchmarks/attention/test_attention_bench.py
         --ignore=tests/python/integrations/vllm_connector)
 [ "${VKV_LATEST_TORCH_ALL:-0}" = 0 ] || ignore=()

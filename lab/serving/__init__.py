@@ -20,4 +20,4 @@ def note_missing(package: str, for_what: str) -> None:
     """Says once that an optional package of the demo is missing, and how to get it."""
     if package not in _noted:
         _noted.add(package)
-        print(f'lab: {package} is not installed, so {for_what}: pip install "vkv[demo]"', file=sys.stderr)
+        print(f'lab: {package} is not installed, so {for_what}: pip install "vkv[lab]"', file=sys.stderr)

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
             runs[f"{workload} / {mode}"] = {"summary": rows[(workload, mode)], "running": result.running,
                                             "held": result.held, "logical": result.logical,
                                             "final_stats": {k: v for k, v in stats.items() if k != "backend"}}
-        # Equal on a CPU (tests/lab/test_demo.py); on a GPU other batch shapes pick other
+        # Equal on a CPU (tests/lab/serving/test_serving.py); on a GPU other batch shapes pick other
         # bf16 GEMM kernels, so near-tie argmaxes may flip: reported, not asserted.
         same = sum(a == b for a, b in zip(tokens["copied"], tokens["shared"]))
         for mode in ("copied", "shared"):

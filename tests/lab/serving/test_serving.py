@@ -578,4 +578,4 @@ def test_the_demo_names_its_extra_when_a_package_is_missing(capsys):
     note_missing("matplotlib-test-only", "no plots")
     note_missing("matplotlib-test-only", "no plots")  # once
     assert capsys.readouterr().err == ('lab: matplotlib-test-only is not installed, so no plots: '
-                                       'pip install "vkv[demo]"\n')
+                                       'pip install "vkv[lab]"\n')
