@@ -37,7 +37,8 @@ from benchmarks.common import device_tag, machine, progress, write_json
 from benchmarks.long_context.long_context_goals import MAPPING_GOALS, mapping_goal_table
 from lab.serving.__main__ import mapping_rates
 from lab.serving.engine import Engine
-from lab.stores.kv_stores import StoreUnavailable, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import StoreUnavailable
 from lab.serving.model import SHAPES, LlamaModel
 from lab.serving.workload import Request
 

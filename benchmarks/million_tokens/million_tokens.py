@@ -46,7 +46,8 @@ import vkv
 import vkv.distributed
 from benchmarks.common import device_tag, machine, percentiles, progress, stall_watchdog, write_json
 from lab.serving.decode_runner import DecodeRunner
-from lab.stores.kv_stores import DecodeBatch, StoreUnavailable, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import DecodeBatch, StoreUnavailable
 from lab.serving.model import SHAPES, LlamaModel
 
 GIB = 1 << 30

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lab.serving.decode_runner import DecodeRunner
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from lab.serving.model import SHAPES, LlamaModel
 
 MARKER = "spin"  # torch.cuda._sleep's kernel name contains it

@@ -29,7 +29,8 @@ import torch
 import vkv
 
 from .engine import Engine, RunResult
-from lab.stores.kv_stores import StoreUnavailable, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import StoreUnavailable
 from .model import SHAPES, LlamaModel
 from .report import makespan_table, repeats_table, result_stem, save, table
 from .workload import (SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, fixed_lengths, make_long_prompt_trace,

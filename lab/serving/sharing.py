@@ -24,7 +24,7 @@ import torch
 from .__main__ import device_name, parse_with_presets
 from . import note_missing
 from .engine import Engine
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from .model import SHAPES, LlamaModel
 from .report import result_stem, save_json
 from .workload import make_parallel_sampling_trace, make_system_prompt_trace

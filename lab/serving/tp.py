@@ -31,7 +31,7 @@ import torch.distributed as dist
 import vkv.distributed
 
 from .engine import Engine
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from .model import SHAPES, LlamaModel
 from .report import save_json
 from .workload import make_trace

@@ -12,7 +12,8 @@ import torch
 from lab.serving.__main__ import main, parse_args
 from lab.serving.decode_runner import DecodeRunner, buckets_for
 from lab.serving.engine import Engine
-from lab.stores.kv_stores import DecodeBatch, PagedStore, StaticStore, VkvStore, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import DecodeBatch, PagedStore, StaticStore, VkvStore
 from lab.serving.model import SHAPES, LlamaModel
 from lab.serving.report import table
 from lab.serving.workload import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, make_prefill_decode_trace, make_trace

@@ -15,7 +15,8 @@ import torch
 
 from lab.serving.__main__ import main, parse_args
 from lab.stores.flashinfer import flashinfer_missing
-from lab.stores.kv_stores import StoreUnavailable, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import StoreUnavailable
 
 from conftest import LAYOUTS, needs_cuda
 from flashinfer_testing import (MAX_CONTEXT, SHAPE, check_a_captured_decode_step_replays_with_each_new_plan,
