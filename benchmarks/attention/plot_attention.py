@@ -2,7 +2,7 @@
 
   python -m benchmarks.attention.plot_attention benchmarks/attention/results/attention_h100.json
 writes attention_h100_{decode,prefill,ratios}.png beside the JSON and prints the
-tables that docs/benchmarks.md quotes: per model and cell, the best kernel on vkv against
+tables that benchmarks/attention/NOTES.md quotes: per model and cell, the best kernel on vkv against
 the best FlashInfer paged configuration (and the best Flex paged one).
 """
 
