@@ -1,4 +1,4 @@
-"""The KV caches the demo compares, behind one small interface the model and engine use.
+"""The KV caches the lab compares, behind one small interface the model and engine use.
 
   VkvStore            vkv: contiguous virtual memory per request, pages mapped by step()
   StaticStore         every request gets max_context tokens up front (Orca / FasterTransformer)
