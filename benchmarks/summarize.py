@@ -84,7 +84,8 @@ def summarize_file(path: str, out_folder: str, source: Optional[str] = None) -> 
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.summarize", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="result files (JSON) a benchmark wrote")
     parser.add_argument("--out", required=True, help="the folder the summaries go to (the question's results/)")
     parser.add_argument("--source", default=None,
