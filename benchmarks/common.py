@@ -1,4 +1,9 @@
-"""Helpers shared by the Python benchmarks: progress bars and lines, machine description, JSON."""
+"""Helpers shared by the Python benchmarks: progress bars and lines, machine description, JSON.
+
+A benchmark writes its whole result (every per-step and per-request array) under --out,
+by default RAW (build/benchmark-results/, which git ignores); what git keeps is its summary,
+in the question's results/ folder: ``python -m benchmarks.summarize FILE --out
+benchmarks/<question>/results`` (benchmarks/summarize.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
+RAW = os.path.join(ROOT, "build", "benchmark-results")  # raw results: ignored by git (build/)
+
 
 def argument_parser(description: str, sections) -> argparse.ArgumentParser:
     """--device, --out, --quick and --only (which sections to run), as every benchmark takes them."""
@@ -23,7 +31,8 @@ def argument_parser(description: str, sections) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if vkv.cuda_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RAW, help=f"folder for the result (default {RAW}; its summary goes to "
+                        "the question's results/: python -m benchmarks.summarize)")
     parser.add_argument("--quick", action="store_true", help="small and short: a smoke test")
     parser.add_argument("--only", nargs="*", default=list(sections), choices=list(sections), metavar="SECTION",
                         help=f"sections to run, of {list(sections)} (default: all)")
@@ -90,4 +99,6 @@ def write_json(results: dict, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as out:
         json.dump(results, out, indent=1)
-    progress(f"wrote {path}")
+    question = os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0])))
+    progress(f"wrote {path}; what git keeps of it: python -m benchmarks.summarize {path} "
+             f"--out benchmarks/{question}/results")

@@ -10,7 +10,7 @@ Runs on the GPU (default) or the host backend (--device cpu, smaller and shorter
 results/alloc_<gpu>.json with the machine, driver, torch version and command; plot_alloc.py
 turns it into plots.
 
-  python -m benchmarks.allocation.alloc_bench --out benchmarks/results            # H100: ~4 minutes
+  python -m benchmarks.allocation.alloc_bench --out benchmarks/allocation/results            # H100: ~4 minutes
   python -m benchmarks.allocation.alloc_bench --device cpu --quick --out /tmp/r   # smoke test anywhere
 """
 

@@ -1,6 +1,6 @@
 """Plots for alloc_bench.py's JSON: step() latency over a decode trace, and prefill readiness.
 
-  python -m benchmarks.allocation.plot_alloc benchmarks/results/alloc_h100.json   # writes alloc_h100_*.png beside it
+  python -m benchmarks.allocation.plot_alloc benchmarks/allocation/results/alloc_h100.json   # writes alloc_h100_*.png beside it
 """
 
 import json

@@ -59,12 +59,12 @@ skipped with a message. Results are written after every shape, so an interrupted
 what it measured; a run of some sections keeps the other sections' rows of the file.
 
   source scripts/gpu/flashinfer_env.sh     # where FlashInfer travels as an archive
-  python -m benchmarks.attention.attention_bench --out benchmarks/results --only decode    # H100: ~4 min
+  python -m benchmarks.attention.attention_bench --out benchmarks/attention/results --only decode    # H100: ~4 min
   python -m benchmarks.attention.attention_bench --out /tmp/r --only decode --cells 1x65536 64x16384   # some cells
-  python -m benchmarks.attention.attention_bench --out benchmarks/results --only prefill append
-  python -m benchmarks.attention.plot_attention benchmarks/results/attention_h100.json
+  python -m benchmarks.attention.attention_bench --out benchmarks/attention/results --only prefill append
+  python -m benchmarks.attention.plot_attention benchmarks/attention/results/attention_h100.json
   python -m benchmarks.attention.attention_bench --device cpu --quick --out /tmp/r   # smoke test
-  python -m benchmarks.attention.attention_bench --only long --models llama3-8b --vkv-budget-gib 64 --out benchmarks/results
+  python -m benchmarks.attention.attention_bench --only long --models llama3-8b --vkv-budget-gib 64 --out benchmarks/attention/results
 """
 
 from __future__ import annotations
@@ -294,8 +294,8 @@ class FlashInfer:
                          tensor_cores: bool) -> Callable[[], torch.Tensor]:
         """FlashInfer's paged decode over [B, L, Hkv, D] storage with no page table: each
         request's slot is one page (page_tokens 0) or pages of page_tokens that follow each
-        other in it (the serving demo's vkv-*-fi stores; ``slot_pages``)."""
-        from lab.stores.flashinfer import page_lists, slot_page_table, slot_pages
+        other in it (the lab's vkv-*-fi stores; ``vkv.paged``)."""
+        from vkv.paged import page_lists, slot_page_table, slot_pages
 
         batch, context = k.shape[:2]
         (k_pages, pages_per_slot), (v_pages, _) = slot_pages(k, page_tokens), slot_pages(v, page_tokens)

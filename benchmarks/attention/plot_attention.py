@@ -1,8 +1,8 @@
 """Plots and Markdown tables for attention_bench.py's JSON.
 
-  python -m benchmarks.attention.plot_attention benchmarks/results/attention_h100.json
+  python -m benchmarks.attention.plot_attention benchmarks/attention/results/attention_h100.json
 writes attention_h100_{decode,prefill,ratios}.png beside the JSON and prints the
-tables that docs/benchmarks.md quotes: per model and cell, the best kernel on vkv against
+tables that benchmarks/attention/NOTES.md quotes: per model and cell, the best kernel on vkv against
 the best FlashInfer paged configuration (and the best Flex paged one).
 """
 

@@ -17,7 +17,7 @@ with p50/p99 over the rounds, for 2 MiB pages and for large pages (--large-page-
 trims, so that the holder creates its pages anew (large ones when asked for).
 
   python -m benchmarks.budget_handoff.reclaim_cost                                   # host backend, numbers meaningless
-  python -m benchmarks.budget_handoff.reclaim_cost --device cuda --out benchmarks/results
+  python -m benchmarks.budget_handoff.reclaim_cost --device cuda --out benchmarks/budget_handoff/results
 """
 
 from __future__ import annotations

@@ -91,14 +91,22 @@ def serving_files(paths: List[str]) -> List[str]:
     return files
 
 
+def _total(times) -> float:
+    """The sum of a run's times: a number, a list, a dict of them (per decode bucket), or a
+    list's summary (benchmarks/summarize.py keeps its sum)."""
+    if isinstance(times, dict):
+        return times["sum"] if "summary_of" in times else sum(_total(part) for part in times.values())
+    if isinstance(times, list):
+        return sum(_total(part) for part in times)
+    return float(times)
+
+
 def _device_seconds(entry: dict) -> Dict[str, float]:
     """The run's device time in prefill passes and in decode steps (CUDA events), where it
     was measured."""
-    decode = entry.get("gpu_decode_ms")
-    decode = list(decode.values()) if isinstance(decode, dict) else decode
-    if not entry.get("gpu_prefill_ms") or not decode:
+    if not entry.get("gpu_prefill_ms") or not entry.get("gpu_decode_ms"):
         return {}
-    return {"gpu_prefill_s": sum(entry["gpu_prefill_ms"]) / 1e3, "gpu_decode_s": sum(decode) / 1e3}
+    return {"gpu_prefill_s": _total(entry["gpu_prefill_ms"]) / 1e3, "gpu_decode_s": _total(entry["gpu_decode_ms"]) / 1e3}
 
 
 def serving_runs(files: List[str]) -> Dict[str, List[dict]]:

@@ -33,11 +33,12 @@ import numpy as np
 import torch
 
 import vkv
-from benchmarks.common import device_tag, machine, progress, write_json
+from benchmarks.common import RAW, device_tag, machine, progress, write_json
 from benchmarks.long_context.long_context_goals import MAPPING_GOALS, mapping_goal_table
 from lab.serving.__main__ import mapping_rates
 from lab.serving.engine import Engine
-from lab.stores.kv_stores import StoreUnavailable, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import StoreUnavailable
 from lab.serving.model import SHAPES, LlamaModel
 from lab.serving.workload import Request
 
@@ -57,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--page-size-kib", type=int, default=None, help="default: the device's (2 MiB); cpu: 16")
     parser.add_argument("--large-page-mib", type=float, default=None, help="default: 128 on cuda, 0.25 on cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=RAW, help="folder for the result (its summary: python -m benchmarks.summarize)")
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
     args.model = args.model or ("llama3-8b" if gpu else "tiny")

@@ -44,9 +44,10 @@ import torch.multiprocessing as mp
 
 import vkv
 import vkv.distributed
-from benchmarks.common import device_tag, machine, percentiles, progress, stall_watchdog, write_json
+from benchmarks.common import RAW, device_tag, machine, percentiles, progress, stall_watchdog, write_json
 from lab.serving.decode_runner import DecodeRunner
-from lab.stores.kv_stores import DecodeBatch, StoreUnavailable, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import DecodeBatch, StoreUnavailable
 from lab.serving.model import SHAPES, LlamaModel
 
 GIB = 1 << 30
@@ -78,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a GPU, replay the model's decode steps from a CUDA graph (default: on)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=RAW, help="folder for the result (its summary: python -m benchmarks.summarize)")
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
     args.model = args.model or ("llama3-8b" if gpu else "tiny")

@@ -2,7 +2,7 @@
 the Llama-3-8B-shaped model at several batch sizes, timed with CUDA events, and its
 kernels broken down by kind (torch.profiler, CUPTI).
 
-    python -m benchmarks.serving.serving_step_profile --out benchmarks/results      # ~1 minute on an H100
+    python -m benchmarks.serving.serving_step_profile --out benchmarks/serving/results      # ~1 minute on an H100
 
 The profiler session is opened before any graph is captured and kept for the whole run
 (CUPTI attached after a capture may not see the graph's kernels); marker kernels
@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lab.serving.decode_runner import DecodeRunner
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from lab.serving.model import SHAPES, LlamaModel
 
 MARKER = "spin"  # torch.cuda._sleep's kernel name contains it

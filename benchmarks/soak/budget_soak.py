@@ -21,7 +21,7 @@ import sys
 import time
 
 
-from benchmarks.common import machine, progress, write_json
+from benchmarks.common import RAW, machine, progress, write_json
 from lab.budget_stress import run_stress
 
 
@@ -32,7 +32,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=135.0, help="wall-clock seconds of the run")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between SIGKILLs")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RAW, help="folder for the result (its summary: python -m benchmarks.summarize)")
     args = parser.parse_args()
     device = "cuda:0" if args.device == "cuda" else "cpu"
     start = time.time()

@@ -2,7 +2,7 @@
 every step's new tokens written through the tensors and spot-checked; at the end the
 cache is closed and the device's free memory must be back where it started.
 
-  python -m benchmarks.soak.soak --steps 100000 --out benchmarks/results     # GPU
+  python -m benchmarks.soak.soak --steps 100000 --out benchmarks/soak/results     # GPU
   python -m benchmarks.soak.soak --device cpu --steps 2000                    # host backend
 
 Exits 1 when a check fails. Writes soak_<device>.json with the memory trajectory.

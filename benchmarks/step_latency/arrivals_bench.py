@@ -13,8 +13,8 @@ arrival, and over all; free_reqid() and alloc_reqid() p50; and the bandwidth of 
 one 4K-token prompt. JSON (machine, command, every iteration's time) and a plot of step()
 latency per iteration.
 
-  python -m benchmarks.step_latency.arrivals_bench --out benchmarks/results                   # H100: ~1 min a system
-  python -m benchmarks.step_latency.arrivals_bench --vattention ../vattention --out benchmarks/results
+  python -m benchmarks.step_latency.arrivals_bench --out benchmarks/step_latency/results                   # H100: ~1 min a system
+  python -m benchmarks.step_latency.arrivals_bench --vattention ../vattention --out benchmarks/step_latency/results
   python -m benchmarks.step_latency.arrivals_bench --device cpu --quick --out /tmp/r          # smoke test anywhere
 
 vAttention: the folder of a microsoft/vattention checkout (its `vattention/` subfolder is

@@ -1,4 +1,4 @@
-"""The goal table of step()'s tail (docs/step_tail.md) from arrivals_bench.py results: per result file and
+"""The goal table of step()'s tail (benchmarks/step_latency/NOTES.md) from arrivals_bench.py results: per result file and
 system, step() p50/p99 over all and decode-only iterations, free_reqid/alloc_reqid p50,
 each against its goal, and the phases the tail's iterations spent their time in.
 

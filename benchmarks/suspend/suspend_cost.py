@@ -9,7 +9,7 @@ unmap, release), the device memory free while suspended, and a check that every 
 came back (per-request fill values compared over every layer).
 
   python -m benchmarks.suspend.suspend_cost                                  # host backend, small sizes
-  python -m benchmarks.suspend.suspend_cost --device cuda --gib 8 32 --out benchmarks/results
+  python -m benchmarks.suspend.suspend_cost --device cuda --gib 8 32 --out benchmarks/suspend/results
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.common import device_tag, machine, progress, write_json
+from benchmarks.common import RAW, device_tag, machine, progress, write_json
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BACKEND_CALLS = ("create", "release", "map", "unmap", "copy")
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                         help="requests (slots) the KV is spread over; 512 per GiB gives one 2 MiB page each, "
                              "the shape of vkv.integrations.vllm (a slot per 16-token block)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=RAW, help="folder for the result (its summary: python -m benchmarks.summarize)")
     args = parser.parse_args(argv)
     sizes = args.gib or ([8.0, 32.0] if args.device == "cuda" else [0.0625, 0.25])
     results = {"machine": machine(args.device), "shape": {"model": "Llama-3-8B", "layers": LAYERS,

@@ -7,8 +7,8 @@ on (as when serving). Ranks: two processes on one host, a gloo process group, ea
 its own cache on --device; each wrapper agrees through shared memory (the default on one
 host) or over gloo (shared_memory=False: what ranks on several hosts do).
 
-  python -m benchmarks.tensor_parallel.tp_agreement --device cpu --out benchmarks/results   # host backend
-  python -m benchmarks.tensor_parallel.tp_agreement --device cuda --out benchmarks/results  # 2 GPUs (1: both ranks on it)
+  python -m benchmarks.tensor_parallel.tp_agreement --device cpu --out benchmarks/tensor_parallel/results   # host backend
+  python -m benchmarks.tensor_parallel.tp_agreement --device cuda --out benchmarks/tensor_parallel/results  # 2 GPUs (1: both ranks on it)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ same size, under vLLM's defaults (prefix caching, full-prompt reservation), with
 requests. CPU only (host backend, the tiny model of lab/vllm_engine.py); the pool
 size is what counts, not the device.
 
-    python -m benchmarks.vllm_host_cost.vllm_schedule_cost --out benchmarks/results/vllm_schedule_cost.json
+    python -m benchmarks.vllm_host_cost.vllm_schedule_cost --out benchmarks/vllm_host_cost/results/vllm_schedule_cost.json
 
 Each run: ``requests`` requests (prompts of 200-600 tokens, 5 shared prefixes) arrive in
 waves of 16 every 8 steps while earlier ones decode; the first ``warmup`` steps are not

@@ -13,7 +13,7 @@ the step's critical path), ``job`` = the job's time on the mapper thread, ``agre
 inside the all-reduces (waiting for the other workers included), ``rounds`` = all-reduces.
 
     python -m benchmarks.vllm_host_cost.vllm_tp_step_cost --workers 1 2                  # µs per step, median/p90
-    python -m benchmarks.vllm_host_cost.vllm_tp_step_cost --workers 1 2 --out benchmarks/results
+    python -m benchmarks.vllm_host_cost.vllm_tp_step_cost --workers 1 2 --out benchmarks/vllm_host_cost/results
 
 No GPU: --device cpu only (the host backend); the GPU's numbers come from vllm_tp_replay.py.
 """

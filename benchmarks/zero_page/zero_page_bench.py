@@ -9,7 +9,7 @@ cache without it, in one run. Llama-3-8B KV shape (32 layers, 8 KV heads, head_d
   decode  a decode trace: 32 requests with prompts uniform in [512, 4096], ~7 ms of GPU work
           per iteration, the mapper on; step() wall time per iteration, both layouts.
 
-  python -m benchmarks.zero_page.zero_page_bench --out benchmarks/results          # H100: ~3 minutes
+  python -m benchmarks.zero_page.zero_page_bench --out benchmarks/zero_page/results          # H100: ~3 minutes
   python -m benchmarks.zero_page.zero_page_bench --device cpu --quick --out /tmp/r # smoke test anywhere
 """
 

@@ -39,8 +39,8 @@ idle stretch), the combined tok/s, and for a shared budget the asks' wait. A tab
 JSON file with the GPU, the command and the commit, and a plot of memory over time.
 
   python -m lab.multi_engine                                     # small: tiny models on a CPU, ~1 minute
-  python -m lab.multi_engine --preset h100 --phases static shared alone --out benchmarks/results
-  python -m lab.multi_engine --preset kvcached3 --out benchmarks/results   # 3 x Llama-3.1-8B shape, ramps
+  python -m lab.multi_engine --preset h100 --phases static shared alone --out benchmarks/multi_engine/results
+  python -m lab.multi_engine --preset kvcached3 --out benchmarks/multi_engine/results   # 3 x Llama-3.1-8B shape, ramps
   python -m lab.multi_engine --preset contention | mixed4 | mixed8 ...
 """
 

@@ -2,9 +2,9 @@
 same KV memory budget; prints the comparison table, writes JSON and plots.
 
   python -m lab.serving                 # on a CPU: small (tiny model, <1 minute); on a GPU: gpu
-  python -m lab.serving --preset h100 --out benchmarks/results    # Llama-3-8B shape on an H100
-  python -m lab.serving --preset long --out benchmarks/results    # long prompts: makespan per P:D ratio
-  python -m lab.serving --preset longctx --repeats 3 --out benchmarks/results   # 32K-64K prompts, chunked prefill
+  python -m lab.serving --preset h100 --out benchmarks/serving/results    # Llama-3-8B shape on an H100
+  python -m lab.serving --preset long --out benchmarks/serving/results    # long prompts: makespan per P:D ratio
+  python -m lab.serving --preset longctx --repeats 3 --out benchmarks/long_context/results   # 32K-64K prompts, chunked prefill
 
 The gpu preset (Llama-3.2-1B shape, 128 ShareGPT-like requests in 1 GiB of KV, under a
 minute on an H100) shows the memory pressure vkv is for; h100 and long also compare
@@ -29,7 +29,8 @@ import torch
 import vkv
 
 from .engine import Engine, RunResult
-from lab.stores.kv_stores import StoreUnavailable, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import StoreUnavailable
 from .model import SHAPES, LlamaModel
 from .report import makespan_table, repeats_table, result_stem, save, table
 from .workload import (SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, fixed_lengths, make_long_prompt_trace,

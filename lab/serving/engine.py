@@ -33,7 +33,7 @@ from . import note_missing
 
 try:
     from tqdm import tqdm
-except ImportError:  # in the demo extra: run without a bar (Progress says so)
+except ImportError:  # in the lab extra: run without a bar (Progress says so)
     tqdm = None
 
 from .decode_runner import DecodeRunner

@@ -40,7 +40,7 @@ def _cell(summary: dict, key: str, fmt: str) -> str:
 SPEEDUP_TITLE = "vkv interleaved over this row (tok/s)"
 
 CPU_NOTE = ("On a CPU these timings show that the demo runs, not how vkv performs: they are not GPU "
-            "evidence (H100 results: docs/benchmarks.md).")
+            "evidence (H100 results: benchmarks/serving/).")
 
 
 def table(summaries: Dict[str, dict], device_type: Optional[str] = None) -> str:

@@ -6,7 +6,7 @@ trace on vkv (interleaved layout), once sharing pages (fork, share_prefix) and o
   system prompt       R requests whose prompts all start with the same S tokens
 
   python -m lab.serving.sharing                                     # small: tiny model, CPU
-  python -m lab.serving.sharing --preset h100 --out benchmarks/results
+  python -m lab.serving.sharing --preset h100 --out benchmarks/prefix_sharing/results
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from .__main__ import device_name, parse_with_presets
 from . import note_missing
 from .engine import Engine
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from .model import SHAPES, LlamaModel
 from .report import result_stem, save_json
 from .workload import make_parallel_sampling_trace, make_system_prompt_trace
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
             runs[f"{workload} / {mode}"] = {"summary": rows[(workload, mode)], "running": result.running,
                                             "held": result.held, "logical": result.logical,
                                             "final_stats": {k: v for k, v in stats.items() if k != "backend"}}
-        # Equal on a CPU (tests/lab/test_demo.py); on a GPU other batch shapes pick other
+        # Equal on a CPU (tests/lab/serving/test_serving.py); on a GPU other batch shapes pick other
         # bf16 GEMM kernels, so near-tie argmaxes may flip: reported, not asserted.
         same = sum(a == b for a, b in zip(tokens["copied"], tokens["shared"]))
         for mode in ("copied", "shared"):

@@ -1,6 +1,6 @@
 """The serving demo's model, tensor parallel over N ranks with one vkv cache per rank.
 
-  torchrun --nproc-per-node 2 -m lab.serving.tp --device cuda --out benchmarks/results   # two GPUs, NCCL
+  torchrun --nproc-per-node 2 -m lab.serving.tp --device cuda --out benchmarks/tensor_parallel/results   # two GPUs, NCCL
   torchrun --nproc-per-node 2 -m lab.serving.tp --device cpu                             # gloo, host backend
 
 Rank 0 first serves the trace alone with the whole model (the reference); then every
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import vkv.distributed
 
 from .engine import Engine
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from .model import SHAPES, LlamaModel
 from .report import save_json
 from .workload import make_trace

@@ -25,7 +25,7 @@ and SGLang use), and vkv's own contiguous memory served by the same kernels.
 FlashInfer reads the page, token and head strides of the K and V tensors it is given
 (``paged_kv_t``; the two must have equal strides), so vkv's interleaved views, whose token
 stride spans every layer's K and V, are taken as they are. Its strides are 32-bit: a
-page's stride must stay under 2**32 elements (``slot_pages`` checks).
+page's stride must stay under 2**32 elements (``vkv.paged.slot_pages`` checks).
 
 FlashInfer plans on the host (the split of the work, copied into its buffers) before its
 kernels run. Under CUDA graphs its decode wrapper takes fixed buffers and a fixed batch
@@ -45,15 +45,16 @@ otherwise.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
 
+from vkv.paged import page_lists, slot_page_table, slot_pages
+
 from .kv_stores import KvStore, PageTable, StoreUnavailable, VkvStore
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial outputs)
-STRIDE_LIMIT = 1 << 32       # paged_kv_t keeps its strides (in elements) as uint32_t
 
 
 def import_flashinfer():
@@ -78,59 +79,6 @@ def flashinfer_missing():
     except StoreUnavailable as error:
         return str(error)
     return None
-
-
-def page_lists(table: np.ndarray, slots: Sequence[int], lens: Sequence[int], rows: int, page_tokens: int):
-    """FlashInfer's CSR page lists (indptr [rows + 1], indices, last_page_len [rows], int32)
-    of ``rows`` rows: the real rows ``slots`` with ``lens`` tokens, whose pages are in
-    ``table[slot]``, then padding rows that read one token, row 0's first."""
-    slots = np.asarray(slots, dtype=np.int64)
-    lens = np.asarray(lens, dtype=np.int64)
-    padding = rows - len(slots)
-    if padding < 0 or not len(slots) or lens.min() < 1:
-        raise ValueError(f"rows = {rows} must hold the {len(slots)} requests (at least one), each of at least one "
-                         f"token (shortest: {lens.min() if len(lens) else None})")
-    counts = -(-lens // page_tokens)
-    used = np.arange(table.shape[1])[None, :] < counts[:, None]
-    indices = np.concatenate([table[slots][used], np.full(padding, table[slots[0], 0])]).astype(np.int32)
-    indptr = np.concatenate([[0], np.cumsum(np.concatenate([counts, np.ones(padding, np.int64)]))]).astype(np.int32)
-    last_page_len = np.concatenate([lens - (counts - 1) * page_tokens, np.ones(padding, np.int64)]).astype(np.int32)
-    return indptr, indices, last_page_len
-
-
-def slot_page_table(slots: int, pages_per_slot: int) -> np.ndarray:
-    """The page table of ``slot_pages``' view: slot s holds pages s * pages_per_slot onwards,
-    in order (computed, never updated: vkv's memory is contiguous per slot)."""
-    return np.arange(slots * pages_per_slot, dtype=np.int32).reshape(slots, pages_per_slot)
-
-
-def slot_pages(cache: torch.Tensor, page_tokens: int = 0) -> Tuple[torch.Tensor, int]:
-    """A ``[slots, max_context, kv_heads, head_dim]`` tensor whose slots are contiguous
-    ranges of tokens (vkv's, either layout; plain tensors) seen as FlashInfer's paged NHD
-    cache ``[pages, page_tokens, kv_heads, head_dim]``, no copy: (view, pages per slot).
-
-    ``page_tokens`` 0: one page per slot, the tensor itself (page size max_context; its
-    page stride is the slot's). Otherwise each slot cut into pages of ``page_tokens``
-    tokens, which must divide the slot's stride in tokens (vkv rounds slots up to whole
-    2 MiB pages: a power of two up to the tokens of one does).
-
-    @throws ValueError if a stride is not a whole number of tokens, or a page's stride
-    reaches 2**32 elements (FlashInfer keeps strides in 32 bits)."""
-    if cache.stride(0) % cache.stride(1):
-        raise ValueError(f"slot stride {cache.stride(0)} is not a whole number of tokens ({cache.stride(1)})")
-    tokens_per_slot = cache.stride(0) // cache.stride(1)
-    if page_tokens:
-        if tokens_per_slot % page_tokens:
-            raise ValueError(f"page_tokens = {page_tokens} does not divide a slot's {tokens_per_slot} tokens")
-        pages_per_slot = tokens_per_slot // page_tokens
-        cache = cache.as_strided((cache.shape[0] * pages_per_slot, page_tokens, *cache.shape[2:]),
-                                 (page_tokens * cache.stride(1), *cache.stride()[1:]))
-    else:
-        pages_per_slot = 1
-    if max(cache.stride()) >= STRIDE_LIMIT:
-        raise ValueError(f"a page's stride of {cache.stride(0)} elements reaches FlashInfer's 32-bit limit "
-                         f"({STRIDE_LIMIT}); use pages of fewer tokens (page_tokens)")
-    return cache, pages_per_slot
 
 
 class FlashInferKernels:
@@ -433,5 +381,4 @@ class VkvFlashInferStore(VkvStore):
         super().close()
 
 
-__all__ = ["FlashInferKernels", "FlashInferStore", "VkvFlashInferStore", "import_flashinfer", "page_lists",
-           "slot_page_table", "slot_pages"]
+__all__ = ["FlashInferKernels", "FlashInferStore", "VkvFlashInferStore", "import_flashinfer"]

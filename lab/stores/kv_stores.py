@@ -1,10 +1,12 @@
-"""The KV caches the demo compares, behind one small interface the model and engine use.
+"""The KV caches the lab compares, behind one small interface the model and engine use.
 
   VkvStore            vkv: contiguous virtual memory per request, pages mapped by step()
   StaticStore         every request gets max_context tokens up front (Orca / FasterTransformer)
   PagedStore          vLLM-style pages of N tokens with FlexAttention's PagedAttention
   FlashInferStore     pages of N tokens with FlashInfer's paged kernels (flashinfer.py)
   VkvFlashInferStore  vkv's memory, FlashInfer's kernels on it, no page table (flashinfer.py)
+
+``catalog.make_store`` builds any of them by name.
 
 All get the same KV memory budget. vkv and static hand plain [slots, max_context, heads,
 head_dim] tensors to an unmodified kernel: on a GPU, PyTorch's bundled FlashAttention-2
@@ -16,7 +18,6 @@ stores need kernels that follow their page tables: compiled FlexAttention, or Fl
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -705,39 +706,6 @@ class PagedStore(KvStore):
         self.k_pools = self.v_pools = []
 
 
-def make_store(kind: str, model_shape, dtype: torch.dtype, device: torch.device, max_context: int,
-               budget_bytes: int, max_slots: int, flex: Callable, page_size: int = 0, large_page_size: int = 0,
-               ready: float = 0.0, ready_slot_tokens: int = 0) -> KvStore:
-    """kind: vkv-interleaved, vkv-per-layer, paged-<tokens>, flashinfer-<tokens>, static, and
-    vkv-interleaved-fi, vkv-per-layer-fi (vkv's memory with FlashInfer's kernels, one page
-    per request; -fi-<tokens>: the slots cut into pages of that many tokens).
-    ``large_page_size``, ``ready`` and ``ready_slot_tokens`` go to the vkv stores (VkvStore).
-
-    @throws StoreUnavailable where a flashinfer store cannot run (no GPU, no FlashInfer)."""
-    common = (model_shape.num_layers, model_shape.num_kv_heads, model_shape.head_dim, dtype, device, max_context)
-    vkv_flashinfer = re.fullmatch(r"vkv-(interleaved|per-layer)-fi(?:-([1-9][0-9]*))?", kind)
-    if vkv_flashinfer:
-        from .flashinfer import VkvFlashInferStore
-
-        layout, page_tokens = vkv_flashinfer.groups()
-        return VkvFlashInferStore(*common, budget_bytes, max_slots, layout.replace("-", "_"), model_shape.num_heads,
-                                  int(page_tokens or 0), page_size, large_page_size=large_page_size, ready=ready,
-                                  ready_slot_tokens=ready_slot_tokens)
-    if kind.startswith("vkv-"):
-        return VkvStore(*common, budget_bytes, max_slots, kind[4:].replace("-", "_"), page_size,
-                        large_page_size=large_page_size, ready=ready, ready_slot_tokens=ready_slot_tokens)
-    if kind.startswith("paged-"):
-        return PagedStore(*common, budget_bytes, max_slots, int(kind[6:]), flex)
-    if kind.startswith("flashinfer-"):
-        from .flashinfer import FlashInferStore
-
-        return FlashInferStore(*common, budget_bytes, max_slots, int(kind[11:]), model_shape.num_heads)
-    if kind == "static":
-        return StaticStore(*common, budget_bytes)
-    raise ValueError(f"store = {kind!r} is not one of vkv-interleaved, vkv-per-layer, paged-<tokens>, "
-                     f"flashinfer-<tokens>, static, vkv-interleaved-fi[-<tokens>], vkv-per-layer-fi[-<tokens>]")
-
-
 def pages_note(store: KvStore) -> str:
     if isinstance(store, VkvStore):
         return (f"{store.cache.page_size >> 10} KiB pages, {store.cache.tokens_per_page} tokens/page/region"
@@ -753,4 +721,4 @@ def pages_note(store: KvStore) -> str:
 
 
 __all__ = ["DecodeBatch", "KvStore", "StoreUnavailable", "VkvStore", "StaticStore", "PageTable", "PagedStore",
-           "make_store", "pages_note"]
+           "pages_note"]

@@ -70,7 +70,7 @@ construction: same boot of the same machine, and a shared segment every rank cou
 the all-reduce goes through shared memory (``include/vkv/host_all_reduce.h``): each rank
 writes its row and waits for the others' rows, spinning briefly and then on a futex, in
 C++ with the GIL released: microseconds, not the gloo all-reduce's millisecond
-(``docs/benchmarks.md``). The segment's name is removed once every rank has opened it,
+(``benchmarks/tensor_parallel/``). The segment's name is removed once every rank has opened it,
 so nothing is left in /dev/shm. Across hosts, or with ``shared_memory=False``, the
 all-reduce runs on a CPU (gloo) group: ``group`` itself when it has gloo, else a gloo
 group over its ranks made once here. The reports gathered after a failure always go

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On a GPU machine: builds vkv, runs every test (CUDA suites included), both demos on
-# the GPU and the map-cost benchmark, and leaves logs and JSON in OUT_DIR.
+# On a GPU machine: builds vkv, runs every test (CUDA suites included), the demos on the GPU
+# (the C++ walk-through, python -m vkv.demo, the lab's default serving run) and the map-cost
+# benchmark, and leaves logs and JSON in OUT_DIR.
 #   scripts/gpu/all_tests.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,6 +20,7 @@ grep -qE "[0-9]+ passed" "$out/pytest.log" && ! grep -qE "[0-9]+ (failed|error)"
 # A demo that fails (an exception, a store that failed) fails the check; pipefail carries
 # its exit status through tail and tee.
 ./build-gpu/vkv_demo --device cuda:0 2>&1 | tail -6 | tee "$out/demo.log" || status=1
+(cd /tmp && python3 -m vkv.demo --device cuda 2>&1) | tail -10 | tee "$out/vkv_demo.log" || status=1
 (python3 -m lab.serving --device cuda --no-progress 2>&1) | tail -12 | tee "$out/serving_demo.log" || status=1
 ./build-gpu/benchmarks/vkv_map_cost --device cuda:0 --out "$out/map_cost_h100.json" 2>&1 | tee "$out/map_cost.log"
 exit $status

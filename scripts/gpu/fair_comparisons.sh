@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vkv against FlashInfer on equal work (docs/fair_comparisons.md), one part per run (each
+# vkv against FlashInfer on equal work (benchmarks/serving/NOTES.md), one part per run (each
 # under 9 minutes on a fresh H100, vkv's build and FlashInfer's unpacking included).
 # FlashInfer comes from .whl/ (scripts/gpu/flashinfer_env.sh). Logs and results go to OUT (default
 # $OUT), folders as .tar.gz; each part ends with its goal table (summary.txt).

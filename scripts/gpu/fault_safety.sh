@@ -17,16 +17,16 @@ grep -E "tests passed|Failed|\*\*\*" "$out/logs/ctest.log" | tail -5
 grep -q "100% tests passed" "$out/logs/ctest.log" || status=1
 python3 -m pip install -q --no-build-isolation --no-deps . > "$out/logs/pip.log" 2>&1 \
   || { tail -30 "$out/logs/pip.log"; echo "fault_safety.sh: pip install failed" >&2; exit 1; }
-# test_demo.py (the demo's CPU runs) is left out with --ignore, which takes a path; what
+# test_serving.py (the lab serving harness's CPU runs) is left out with --ignore, which takes a path; what
 # was collected is checked, so a filter that matches nothing fails here instead of
 # silently running everything.
-leave_out=(--ignore "$PWD/tests/lab/serving/test_demo.py")
+leave_out=(--ignore "$PWD/tests/lab/serving/test_serving.py")
 (cd /tmp && python3 -m pytest "$OLDPWD/tests/python" "$OLDPWD/tests/lab" "$OLDPWD/tests/benchmarks" -q -p no:cacheprovider \
   --collect-only "${leave_out[@]}" 2>&1) \
   > "$out/logs/pytest_collected.log"
-if grep -q "test_demo.py::" "$out/logs/pytest_collected.log" || ! grep -qE "[0-9]+ tests? collected" "$out/logs/pytest_collected.log"; then
+if grep -q "test_serving.py::" "$out/logs/pytest_collected.log" || ! grep -qE "[0-9]+ tests? collected" "$out/logs/pytest_collected.log"; then
   tail -5 "$out/logs/pytest_collected.log"
-  echo "fault_safety.sh: test_demo.py was not left out, or collection failed (logs/pytest_collected.log)" >&2
+  echo "fault_safety.sh: test_serving.py was not left out, or collection failed (logs/pytest_collected.log)" >&2
   exit 1
 fi
 (cd /tmp && PYTHONUNBUFFERED=1 python3 -m pytest "$OLDPWD/tests/python" "$OLDPWD/tests/lab" "$OLDPWD/tests/benchmarks" \

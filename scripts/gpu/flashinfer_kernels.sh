@@ -9,7 +9,7 @@
 #                shape per kernel and model; the demo's flashinfer stores on 16 requests
 #       decode   (~6 min) attention_bench --only decode: both models, 4K-64K, batch 1-64
 #       prefill  (~6 min) attention_bench --only prefill append (keeps decode's rows, from
-#                the same warm machine or from benchmarks/results/attention_h100.json)
+#                the same warm machine or from benchmarks/attention/results/attention_h100.json)
 #       demo     (~6 min) python -m lab.serving (the gpu preset) and --preset h100, all stores
 #       long     (~5 min) --preset long: vkv interleaved against both flashinfer stores and
 #                vkv-interleaved-fi (FlashInfer's kernels on vkv's memory)
@@ -51,10 +51,10 @@ case "$part" in
     pack smoke "$out/smoke" ;;
   decode|prefill)
     # Outside the tree, which may be copied anew for each run: a machine kept between runs keeps
-    # decode's rows for prefill's run; on a fresh one, the tree's benchmarks/results file is the start.
+    # decode's rows for prefill's run; on a fresh one, the tree's benchmarks/attention/results file is the start.
     results=/tmp/attention-results
     mkdir -p "$results"
-    [ -f "$results/attention_h100.json" ] || cp benchmarks/results/attention_h100.json "$results/" 2>/dev/null
+    [ -f "$results/attention_h100.json" ] || cp benchmarks/attention/results/attention_h100.json "$results/" 2>/dev/null
     sections=$([ "$part" = decode ] && echo decode || echo "prefill append")
     # shellcheck disable=SC2086
     step "attention_$part" 480 "${bench[@]}" --only $sections --out "$results"

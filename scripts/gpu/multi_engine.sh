@@ -7,7 +7,7 @@
 # the answers' time (unmap / release / count back) and shows, per engine, its bursts and the
 # memory it held and used while the other's last burst ran: what bounds the makespan.
 # --pressure-ms 0 (an argument for the demo) runs it as before shared_budget_pressure_ms;
-# VKV_HANDOFF_COST=1 adds benchmarks/budget_handoff/handoff_cost.py (one ask of N pages, its split).
+# VKV_HANDOFF_COST=1 adds benchmarks/budget_handoff/reclaim_cost.py (one hand-off of N bytes, its split).
 #   [VKV_GIT_COMMIT=<sha>] scripts/gpu/multi_engine.sh OUT_DIR [demo arguments...]
 #   VKV_BUILD_ONLY=1 scripts/gpu/multi_engine.sh OUT_DIR    # the build alone, on a fresh machine
 # Writes OUT_DIR/summary.txt (the goal table and the hand-off's breakdown) and
@@ -30,10 +30,12 @@ echo "cores $(nproc); commit ${commit:-unknown}" | tee -a "$out/gpu.txt"
 install_vkv || { echo "build failed"; exit 1; }
 [ -z "${VKV_BUILD_ONLY:-}" ] || exit 0  # a first run that only builds (the next one skips it)
 step multi_engine "${VKV_MULTI_SECONDS:-480}" env PYTHONUNBUFFERED=1 python3 -m lab.multi_engine --preset h100 --no-progress --out "$out" "$@"
-# VKV_HANDOFF_COST=1: then one ask of 32 / 128 / 512 pages between two processes, the
-# answer's time per page split (benchmarks/budget_handoff/handoff_cost.py, about a minute).
+# VKV_HANDOFF_COST=1: then one hand-off of 64 / 256 / 1024 MiB between two processes, its
+# time split (readers, unmap, release, count back), 5 rounds each on 2 MiB pages (about a
+# minute; scripts/gpu/reclaim_cost.sh runs the whole benchmark).
 if [ -n "${VKV_HANDOFF_COST:-}" ]; then
-  step handoff_cost 180 python3 -m benchmarks.budget_handoff.handoff_cost --device cuda --out "$out"
+  step reclaim_cost 180 python3 -m benchmarks.budget_handoff.reclaim_cost --device cuda --sizes-mib 64 256 1024 \
+    --large-page-size-mib 0 --rounds 5 --out "$out"
 fi
 
 python3 - "$out" > "$top/summary.txt" <<'EOF'

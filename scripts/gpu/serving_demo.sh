@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The serving demo on a GPU in one run: build, the CUDA-graph test (plain and under
-# compute-sanitizer memcheck), the default demo (what scripts/demo.sh runs), a decode-step
-# profile and the benchmark presets. Logs go to OUT_DIR, JSON and plots to OUT_DIR/results.
+# The serving demos on a GPU in one run: build, the CUDA-graph test (plain and under
+# compute-sanitizer memcheck), the default demos (python -m vkv.demo, what scripts/demo.sh
+# runs, then the lab's python -m lab.serving), a decode-step profile and the benchmark presets. Logs go to OUT_DIR, JSON and plots to OUT_DIR/results.
 #   scripts/gpu/serving_demo.sh OUT_DIR [STAGE...]
 # Stages run in the order given (default: build test sanitize default profile h100 long);
 #   h100-quick: the h100 preset on vkv-interleaved and static only (a smoke run).
@@ -37,6 +37,7 @@ for stage in $stages; do
       step memcheck_demo_graphs 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest "$src/tests/lab/serving/test_demo_cuda_graphs.py" -q -p no:cacheprovider -k vkv ;;
     default)
+      step vkv_demo 120 python3 -m vkv.demo --device cuda
       step demo_default 120 python3 -m lab.serving --no-progress ;;
     profile)
       step serving_step_profile 200 python3 -m benchmarks.serving.serving_step_profile --out "$out/results" ;;

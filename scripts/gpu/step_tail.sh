@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a fresh GPU machine, within ~6 minutes including the builds: step()'s tail in the
-# arrival trace (docs/step_tail.md) with the per-iteration breakdown, for this tree and for
+# arrival trace (benchmarks/step_latency/) with the per-iteration breakdown, for this tree and for
 # each BASE beside it on the same GPU: both layouts, one finish + arrival every 10 and
 # every 2 iterations; then this tree with the mapper off and without eager allocation (how
 # much of the tail the mapper's work causes). Prints the goal table (step p99 <= 100 us

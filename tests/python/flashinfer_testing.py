@@ -5,7 +5,7 @@ the reference decode over the K/V a store holds. Not a test itself (no test_ pre
 import torch
 import torch.nn.functional as F
 
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from lab.serving.model import ModelShape
 
 # head_dim 128, bf16: the kernels scripts/gpu/flashinfer_pack.py compiles ahead of time.

@@ -12,7 +12,7 @@ import torch
 
 from lab.serving.__main__ import main, parse_args
 from lab.serving.engine import Engine
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from lab.serving.model import SHAPES, LlamaModel
 from lab.serving.workload import make_long_prompt_trace, make_trace
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.stores.flashinfer import flashinfer_missing
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 
 from conftest import needs_cuda
 from flashinfer_testing import MAX_CONTEXT, SHAPE, SLOTS

@@ -13,7 +13,8 @@ import torch
 from conftest import needs_cuda
 from lab.serving.decode_runner import DecodeRunner
 from lab.serving.engine import Engine
-from lab.stores.kv_stores import VkvStore, make_store
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import VkvStore
 from lab.serving.model import LlamaModel, ModelShape
 from lab.serving.workload import make_trace
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lab.serving.engine import Engine
-from lab.stores.kv_stores import make_store
+from lab.stores.catalog import make_store
 from lab.serving.model import SHAPES, LlamaModel
 from lab.serving.workload import Request
 

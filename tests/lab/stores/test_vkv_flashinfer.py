@@ -2,8 +2,8 @@
 benchmark's flashinfer_decode_*_one_page rows): each slot seen as one page, or as pages that
 follow each other in it, no page table.
 
-On the CPU: the views, the page lists FlashInfer is given (read back here the way its
-paged_kv_t addresses them), the 32-bit stride check, the store's skips and names. On a GPU
+On the CPU: the store's skips and names (the views and page lists, vkv.paged, are
+tests/python/test_paged.py's). On a GPU
 with FlashInfer: decode equals attention over the same keys and values and the paged
 flashinfer store's output, eagerly and replayed from a CUDA graph re-planned between
 replays, in both layouts; ragged prefill equals FlashAttention-2 varlen."""
@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-import vkv
 from lab.serving.__main__ import main, parse_args
-from lab.stores.flashinfer import STRIDE_LIMIT, flashinfer_missing, page_lists, slot_page_table, slot_pages
-from lab.stores.kv_stores import StoreUnavailable, make_store
+from lab.stores.flashinfer import flashinfer_missing
+from lab.stores.catalog import make_store
+from lab.stores.kv_stores import StoreUnavailable
 
 from conftest import LAYOUTS, needs_cuda
 from flashinfer_testing import (MAX_CONTEXT, SHAPE, check_a_captured_decode_step_replays_with_each_new_plan,
@@ -26,57 +26,7 @@ from flashinfer_testing import (MAX_CONTEXT, SHAPE, check_a_captured_decode_step
 needs_flashinfer = pytest.mark.skipif(flashinfer_missing() is not None, reason=str(flashinfer_missing()))
 
 
-def read_back(paged: torch.Tensor, indptr, indices, last_page_len, row: int) -> torch.Tensor:
-    """Row's tokens as FlashInfer's paged_kv_t reads them: its pages in order, the last one
-    up to last_page_len (on the host backend, a token past it may be unmapped: never read)."""
-    pages = [int(page) for page in indices[indptr[row]:indptr[row + 1]]]
-    return torch.cat([paged[page] for page in pages[:-1]] + [paged[pages[-1], :int(last_page_len[row])]])
-
-
-# -- CPU: views and page lists ------------------------------------------------------------
-
-def test_one_page_per_request_is_the_slots_a_range_and_the_lengths():
-    table = slot_page_table(8, 1)
-    indptr, indices, last = page_lists(table, slots=[5, 2, 7], lens=[300, 1, 512], rows=4, page_tokens=512)
-    assert indptr.tolist() == [0, 1, 2, 3, 4]
-    assert indices.tolist() == [5, 2, 7, 5]      # the padding row reads row 0's slot
-    assert last.tolist() == [300, 1, 512, 1]     # ... one token of it
-    assert slot_page_table(3, 4).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-
-
-@pytest.mark.parametrize("page_tokens", [0, 128])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_page_lists_read_each_request_from_its_slot(layout, page_tokens):
-    lens = {3: 1000, 0: 1, 2: 129}
-    with vkv.KVCache(4, 2, 64, torch.float16, max_batch_size=4, max_context_len=1000, device="cpu", layout=layout,
-                     page_size=64 << 10, background_mapping=False) as cache:
-        assert [cache.alloc_reqid() for _ in range(4)] == [0, 1, 2, 3]
-        seq_lens = [0] * 4
-        for slot, n in lens.items():
-            seq_lens[slot] = n
-        cache.step(seq_lens)
-        keys = cache.key(1)
-        for slot, n in lens.items():
-            keys[slot, :n] = torch.randn(n, 2, 64, dtype=torch.float16)
-        paged, pages_per_slot = slot_pages(keys, page_tokens)
-        assert paged.data_ptr() == keys.data_ptr()  # a view: no copy
-        assert pages_per_slot == (1 if not page_tokens else 1024 // page_tokens)
-        lists = page_lists(slot_page_table(4, pages_per_slot), list(lens), list(lens.values()), 4,
-                           page_tokens or 1000)
-        for row, (slot, n) in enumerate(lens.items()):
-            assert torch.equal(read_back(paged, *lists, row), keys[slot, :n])
-        assert torch.equal(read_back(paged, *lists, 3), keys[3, :1])  # padding: row 0's first token
-
-
-def test_slot_pages_refuse_strides_flashinfer_cannot_hold():
-    too_far = torch.zeros(16).as_strided((1, 2, 2, 4), (STRIDE_LIMIT, 8, 4, 1))
-    with pytest.raises(ValueError, match="32-bit limit"):
-        slot_pages(too_far)
-    with pytest.raises(ValueError, match="does not divide"):
-        slot_pages(torch.zeros(2, 10, 2, 4), page_tokens=4)
-    with pytest.raises(ValueError, match="whole number of tokens"):
-        slot_pages(torch.zeros(200).as_strided((2, 10, 2, 4), (81, 8, 4, 1)))
-
+# -- CPU: the store's names and skips (vkv.paged's views: tests/python/test_paged.py) -------------
 
 def test_the_store_is_unavailable_without_a_gpu_or_flashinfer(monkeypatch):
     with pytest.raises(StoreUnavailable, match="CUDA only"):
