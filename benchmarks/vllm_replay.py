@@ -781,8 +781,7 @@ class _Replayer:
 
 def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 1, admission: str = "ahead",
            max_steps: int = 0, keep_going: bool = False, control: bool = False, gc_freeze: bool = True,
-           page_bytes: int = 0, background=None, agreement=None, step_barrier=None, name: str = "llama",
-           out_name: str = "") -> dict:
+           page_bytes: int = 0, background=None, agreement=None, step_barrier=None, name: str = "llama") -> dict:
     """Replays the trace at ``path`` over vkv.BlockBacking and a fixed pool, ``rounds`` times
     each launch of ``launches``; returns the report (written to $OUT when set).
 
@@ -791,7 +790,8 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
     (vllm_tp_replay.py): rank 0's states are the scheduler's (this replay writes its side),
     the other ranks' layers keep their own. ``step_barrier()``: called, untimed, before each
     pool's timed part of a step (the ranks start it together, as vLLM's broadcast of the
-    step starts them). ``background``: the layer's job thread (None: on CUDA only)."""
+    step starts them). ``background``: the layer's job thread (None: on CUDA only).
+    ``name``: the report's, and its files' in $OUT (vllm_replay_NAME.json, _steps.json)."""
     import vkv
     for launch in launches:
         if launch not in LAUNCHES:
@@ -858,7 +858,8 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
                   "decode_steps": len(decode), "decode_steps_60_64": sum(1 for i in decode if len(steps[i]["batch"]) >= 60),
                   "max_batch": max((len(s["batch"]) for s in steps), default=0), **model.report,
                   "num_blocks": nb, "block_bytes": model.block_bytes, "page_bytes": backing.stats()["page_bytes"],
-                  "memory": "vkv.BlockBacking", "background": background, "admission": admission,
+                  "memory": "vkv.BlockBacking", "background": cuda if background is None else background,
+                  "admission": admission,
                   "launches": list(launches), "rounds": rounds,
                   "cudagraph_mode": "FULL_AND_PIECEWISE (FULL graphs for uniform decode batches, the rest eager)",
                   "capture_sizes": sizes_list, "captured_sizes": graphs.captured,
@@ -877,8 +878,8 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from common import machine, write_json
 
-        base = os.path.join(out, f"vllm_replay_{out_name or name}")
-        write_json({"machine": machine(device), **report}, base + ".json")
+        base = os.path.join(out, f"vllm_replay_{name}")
+        write_json({"machine": machine("cuda" if cuda else device), **report}, base + ".json")
         with open(base + "_steps.json", "w") as f:  # the raw seconds: for reading, not for committing
             json.dump({"runs": [{"launch": r["launch"], "run": r["run"], **{k: [round(x, 7) for x in v]
                                                                             for k, v in p.items()}}

@@ -25,7 +25,8 @@
 #     OUT/logs.tar.gz             every log, the raw per-step seconds (*_steps.json), gpu.txt
 # VLLM_REPLAY_PARTS: "llama mla" by default; "memcheck" runs the 27-step trace under
 # compute-sanitizer memcheck instead (torch's attention eager, then FlashInfer's FA2 eager and
-# graphed, --control; ~5 minutes). Needs .whl/flashinfer-*.tar.xz with MLA's sources
+# graphed, --control; ~5 minutes). VLLM_REPLAY_LLAMA_ARGS, VLLM_REPLAY_MLA_ARGS: arguments added
+# to that trace's warm-up and replay (the last of a repeated option wins), e.g. "--steps 40". Needs .whl/flashinfer-*.tar.xz with MLA's sources
 # (benchmarks/flashinfer_pack.py makes it; scripts/gpu/flashinfer_env.sh unpacks it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -69,8 +70,10 @@ aot=$(ls -d "$flashinfer_site"/flashinfer/data/aot/*/ 2>/dev/null | wc -l)
 echo "flashinfer: $(grep -o 'flashinfer [^ ]*' "$out/flashinfer_env.log" | head -1), $aot modules compiled ahead in the archive" |
   tee -a "$summary"
 
-llama=(--attention flashinfer --shape 32,8,128,32)
-mla=(--attention flashinfer --backend fa2)
+read -ra llama_extra <<< "${VLLM_REPLAY_LLAMA_ARGS:-}"
+read -ra mla_extra <<< "${VLLM_REPLAY_MLA_ARGS:-}"
+llama=(--device cuda --attention flashinfer --shape 32,8,128,32 "${llama_extra[@]}")
+mla=(--device cuda --attention flashinfer --backend fa2 "${mla_extra[@]}")
 warm() {  # NAME COMMAND...: builds or loads FlashInfer's kernels in the background (no vkv needed)
   local name="$1"
   shift
@@ -79,15 +82,15 @@ warm() {  # NAME COMMAND...: builds or loads FlashInfer's kernels in the backgro
 warm_start=$SECONDS
 pids=()
 if [[ "$parts" == *" llama "* || "$parts" == *" memcheck "* ]]; then
-  warm llama python3 "$src/benchmarks/vllm_replay.py" warm --device cuda "${llama[@]}"
+  warm llama python3 "$src/benchmarks/vllm_replay.py" warm "${llama[@]}"
   pids+=($!)
   if [[ "$parts" == *" memcheck "* ]]; then
-    warm llama_fa2 python3 "$src/benchmarks/vllm_replay.py" warm --device cuda "${llama[@]}" --prefill-backend fa2
+    warm llama_fa2 python3 "$src/benchmarks/vllm_replay.py" warm "${llama[@]}" --prefill-backend fa2
     pids+=($!)
   fi
 fi
 if [[ "$parts" == *" mla "* ]]; then
-  warm mla python3 "$src/benchmarks/vllm_mla_replay.py" warm --device cuda "${mla[@]}"
+  warm mla python3 "$src/benchmarks/vllm_mla_replay.py" warm "${mla[@]}"
   pids+=($!)
 fi
 install_vkv > "$out/build.log" 2>&1 || { cat "$out/build.log"; echo "vllm_replay: vkv's build failed (build.log)" |
@@ -113,7 +116,7 @@ replay() {  # NAME SCRIPT TRACE ARGS...: one trace, every launch, the rounds tha
   [ "$left" -lt 150 ] && n=1
   [[ "$parts" == *" mla "* && "$name" == llama && "$left" -lt 300 ]] && n=1
   step "$name" "$((left - 10))" env OUT="$out" python3 "$src/benchmarks/$script" replay "$src/benchmarks/results/$trace" \
-    --device cuda --dense --launch eager,graph --rounds "$n" --name "$name" "$@"
+    --dense --launch eager,graph --rounds "$n" --name "$name" "$@"
   if [ -f "$out/vllm_replay_$name.json" ]; then
     mv "$out/vllm_replay_$name.json" "$result/"
   else
@@ -145,10 +148,10 @@ elif [ -n "$sanitizer" ]; then
   # --control runs the fixed pool twice a step: a kernel that differs from itself there is
   # nondeterministic under the sanitizer, not fed wrong bytes by vkv.
   memcheck=("$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3)
-  small=(python3 "$src/benchmarks/vllm_replay.py" replay "$src/benchmarks/results/vllm_trace_memcheck.json" --device cuda
+  small=(python3 "$src/benchmarks/vllm_replay.py" replay "$src/benchmarks/results/vllm_trace_memcheck.json"
          --keep-going --control)
-  step memcheck_torch 240 env OUT="$out" "${memcheck[@]}" "${small[@]}" --attention torch --shape 4,64,128,64 \
-    --name memcheck_torch
+  step memcheck_torch 240 env OUT="$out" "${memcheck[@]}" "${small[@]}" --device cuda --attention torch \
+    --shape 4,64,128,64 --name memcheck_torch
   step memcheck_fa2 240 env OUT="$out" "${memcheck[@]}" "${small[@]}" "${llama[@]}" --prefill-backend fa2 \
     --launch eager,graph --name memcheck_fa2
   for name in memcheck_torch memcheck_fa2; do
