@@ -102,6 +102,7 @@ def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int, mod
         steps.append({"release": meta.release, "target": meta.target_backed, "batch": batch})
     engine.close()
     trace = {"num_blocks": num_blocks, "block_size": model.block_size, "requests": requests, "prompt": prompt,
+             "headroom_blocks": extra["headroom_blocks"],
              "gen": gen, **({"model": dataclasses.asdict(model)} if model != vt.TINY else {}),
              "tables": "incremental", "steps": steps}
     with open(path, "w") as f:
@@ -641,7 +642,8 @@ def _rounds(launches, rounds):
 LAUNCHES = {"eager": "every step's kernels launched one by one",
             "graph": "uniform decode batches replayed from CUDA graphs (vLLM's FULL_AND_PIECEWISE), the rest eager"}
 ADMISSIONS = {"ahead": "the first step's target backed before the clock (the queue mapped while the engine waits)",
-              "in-step": "as recorded: the first steps' jobs back the queue's blocks"}
+              "in-step": "as recorded: the worker's start backs its headroom (8 blocks), the first steps' jobs "
+                         "the queue's blocks"}
 GOALS = {"median": 0.01, "p90": 0.02, "total": 0.03}  # decode 60-64 median and p90 a step, all steps' total
 
 
@@ -650,8 +652,9 @@ class _Replayer:
     run replays the whole trace from a fresh start (_reset), with one launch."""
 
     def __init__(self, steps, model, backing, scheduler, fixed, device, admission, sizes, step_barrier,
-                 keep_going, control):
+                 keep_going, control, start_blocks):
         self.steps, self.model, self.backing, self.scheduler = steps, model, backing, scheduler
+        self.start_blocks = start_blocks
         self.device, self.cuda, self.admission = device, device.startswith("cuda"), admission
         self.sizes, self.step_barrier, self.keep_going, self.control = sizes, step_barrier, keep_going, control
         vkv_buffer = backing.tensor()
@@ -673,9 +676,13 @@ class _Replayer:
         summary, its per-step seconds)."""
         steps, backing, scheduler, model = self.steps, self.backing, self.scheduler, self.model
         _reset(backing, scheduler, self.model.num_blocks, self.zeroed)
+        # The worker's blocks at its start (the connector's headroom), or with them the
+        # first step's target: the queue's blocks backed ahead of its admission.
+        start = self.start_blocks
         if self.admission == "ahead" and steps:
-            backing.submit([], steps[0]["target"])
-            backing.wait()
+            start = max(start, steps[0]["target"])
+        backing.submit([], start)
+        backing.wait()
         if scheduler is not None:
             scheduler.take_into_pool()
         self.sync()
@@ -820,8 +827,10 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
         fixed = torch.zeros(nb * model.block_bytes, dtype=torch.int8, device=device)
         sizes_list = capture_sizes(trace.get("requests", max((len(s["batch"]) for s in steps), default=1)))
         sizes = [graph_size(s, sizes_list) if "graph" in launches else 0 for s in steps]
+        # The traces so far were recorded with the connector's worker backing 8 blocks at its start.
+        start_blocks = trace.get("headroom_blocks", 8)
         replayer = _Replayer(steps, model, backing, scheduler, fixed, device, admission, sizes, step_barrier,
-                             keep_going, control)
+                             keep_going, control, start_blocks)
         model.warm(replayer.pools)  # JIT compilation and first calls, out of the timings
         graphs = replayer.graphs
         graph_error = None

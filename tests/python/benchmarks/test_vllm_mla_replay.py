@@ -189,7 +189,7 @@ def test_a_graph_step_pads_the_batch_with_the_null_blocks_token_in_fixed_buffers
 
 # 4 KiB host pages (18 whole pages a block) and 64 KiB ones (blocks of 72 KiB straddle and share
 # pages, as DeepSeek-V2-Lite's 972 KiB blocks do 2 MiB pages on a GPU).
-@pytest.mark.parametrize("page_bytes", [64 << 10, 0])
+@pytest.mark.parametrize("page_bytes", [64 << 10, 4 << 10])
 def test_the_replay_over_straddling_blocks_is_bitwise_equal_eager_and_graphed(monkeypatch, capsys, page_bytes):
     monkeypatch.setenv("OUT", "")
     model = lambda block, num_blocks: mla.Mla("cpu", 2, 2, block, "torch", num_blocks=num_blocks)  # noqa: E731
@@ -197,7 +197,7 @@ def test_the_replay_over_straddling_blocks_is_bitwise_equal_eager_and_graphed(mo
                                 page_bytes=page_bytes, name="mla")
     text = capsys.readouterr().out
     assert report["bitwise_equal"] and report["steps"] == 7 and report["attention"] == "mla_torch"
-    assert report["block_bytes"] == 2 * 32 * 576 * 2 and report["page_bytes"] == (page_bytes or 4096)
+    assert report["block_bytes"] == 2 * 32 * 576 * 2 and report["page_bytes"] == page_bytes
     assert report["shape"] == [2, 1, 576, 32] and [r["graph_steps"] for r in report["runs"]] == [0, 2]
     assert all(r["backend"]["map"]["pages"] > 0 for r in report["runs"])
     first = vllm_replay.load(str(TRACE))["steps"][0]["batch"]
