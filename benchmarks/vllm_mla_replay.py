@@ -66,6 +66,8 @@ class MlaPlan:
     kv_indptr (pages), kv_indices (block ids), kv_len_arr (tokens); and the cache rows the
     step's tokens write (block, offset), in the batch's order."""
 
+    host_fields = ("csr",)  # what the torch attention reads, on the host
+
     def __init__(self, batch, block, device):
         rows, offs, qo, kv_indptr, indices, lens = [], [], [0], [0], [], []
         for _rid, table, end, n in batch:
@@ -179,9 +181,12 @@ class MlaDense:
         return x @ self.q, latent[:, :CKV] @ self.kv_b, x @ self.o, (x @ self.gate_up)[:, :ACTIVE_FFN] @ self.down
 
 
-class Mla:
+class Mla(vllm_replay._StepInputs):
     """The replayed model for vllm_replay.replay(model=...): its MLA cache, attention and
     GEMMs, with vllm_replay._Gqa's methods (inputs() with a graph's size, static_inputs())."""
+
+    plan_type = MlaPlan
+    token_dims = (1, 1, 1, 0)  # latent [layers, tokens, 576], q_nope and q_pe [layers, tokens, ...], x [tokens, hidden]
 
     def __init__(self, device, layers, q_heads, block, attention, backend="fa2", dense=False,
                  dtype=torch.bfloat16, num_blocks=0):
@@ -222,36 +227,6 @@ class Mla:
         x = (torch.randn(tokens, HIDDEN, generator=g, device=self.device).to(self.dtype) * 0.01
              if self.dense else None)
         return latent, q_nope.to(self.dtype), q_pe.to(self.dtype), x
-
-    def inputs(self, step, g, size=0):
-        """(the inputs forward() takes, the batch's shape an eager forward is warmed by: None
-        for the torch attention, which compiles nothing, and for a graph's step)."""
-        attention = self._graph_attention(size) if size else self.attention
-        plan = MlaPlan(vllm_replay.padded(step["batch"], size), self.block, self.device)
-        attention.plan(plan)
-        tokens = plan.tokens - (size - len(step["batch"]) if size else 0)
-        drawn = self._draw(tokens, g)
-        if not size:
-            shape = None if isinstance(self.attention, TorchMla) else (plan.tokens, plan.decodes, plan.prefills)
-            return (plan, *drawn, attention), shape
-        static = self.static_inputs(size)
-        vllm_replay._stage(static[0], plan, static[1:5], drawn, tokens, dims=(1, 1, 1, 0))
-        static[0].csr = plan.csr  # what the torch attention reads (FlashInfer's plan copied it already)
-        return static, None
-
-    def static_inputs(self, size):
-        """The inputs a graph of ``size`` requests reads, the same tensors at every replay."""
-        if size not in self._static:
-            plan = MlaPlan([vllm_replay.PAD] * size, self.block, self.device)
-            self._graph_attention(size).plan(plan)
-            drawn = (torch.zeros_like(t) if t is not None else None for t in self._draw(size, None))
-            self._static[size] = (plan, *drawn, self._graph_attention(size))
-        return self._static[size]
-
-    def _graph_attention(self, size):
-        if size not in self._graph_attentions:
-            self._graph_attentions[size] = self.attention.for_graph(size, self.num_blocks)
-        return self._graph_attentions[size]
 
     def forward(self, pool, inputs):
         """Per layer: the step's latent vectors into their slots (vLLM's concat_and_cache_mla),

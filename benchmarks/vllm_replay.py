@@ -44,7 +44,8 @@ On a CPU graph mode is emulated: the captured step runs eagerly over the same st
 Admission (--admission): ahead (default) backs the first step's target before the clock, as
 the queue's blocks mapped while the engine waits for it (the demo maps its ready memory and
 the queue's prompts ahead the same way: expect_tokens()); in-step leaves it to the first
-steps' jobs, as recorded (the burst's mapping then weighs on its first steps).
+steps' jobs, as recorded (the burst's mapping then weighs on its first steps); either way the
+worker backs its start headroom first (the trace's headroom_blocks, 8 in the traces so far).
 
 A step's time per pool, in order (each pool's step starts on an idle GPU; the pools alternate
 which goes first, step by step and run by run):
@@ -158,6 +159,8 @@ class _Plan:
     """One step's batch as FlashInfer sees it: decode requests (one new token) first, then
     prefills, as vLLM's FlashInfer backend orders them; the slots the step's tokens write.
     ``lists``: the same CSR in Python lists (qo_indptr, kv_indptr, indices, last_page_len)."""
+
+    host_fields = ("lists",)  # what the torch attention reads, on the host
 
     def __init__(self, batch, block, device):
         order = sorted(batch, key=lambda r: r[3] != 1)  # stable: decodes first
@@ -332,14 +335,53 @@ def _forward_layers(views, paged, plan, new_kv, q, attention, dense, x):
     return result
 
 
-class _Gqa:
+class _StepInputs:
+    """What the replayed models (_Gqa, vllm_mla_replay.Mla) share: a step's plan, planned, and
+    its random inputs, the same for both pools; with ``size`` (a graph's batch), copied into
+    that size's static inputs (``static_inputs(size)``), which its graphs read. A model has
+    ``plan_type`` (its plan of a batch), ``token_dims`` (each drawn input's token dimension),
+    ``attention`` (eager, with ``for_graph(size, num_blocks)``), ``block``, ``device``,
+    ``num_blocks`` and ``_draw(tokens, g)``; ``forward(pool, inputs)`` runs either."""
+
+    def inputs(self, step, g, size=0):
+        """(the inputs forward() takes, the batch shape an eager forward is warmed by: None for a
+        graph's step and for the torch attention, which compiles nothing)."""
+        attention = self._graph_attention(size) if size else self.attention
+        plan = self.plan_type(padded(step["batch"], size), self.block, self.device)
+        attention.plan(plan)
+        tokens = plan.tokens - (size - len(step["batch"]) if size else 0)
+        drawn = self._draw(tokens, g)
+        if not size:
+            shape = (plan.tokens, plan.decodes, plan.prefills) if self.attention.capturable else None
+            return (plan, *drawn, attention), shape
+        static = self.static_inputs(size)
+        _stage(static[0], plan, static[1:-1], drawn, tokens, self.token_dims)
+        return static, None
+
+    def static_inputs(self, size):
+        """The inputs a graph of ``size`` requests reads, the same tensors at every replay:
+        (plan, the drawn inputs, the size's attention), planned for padding alone at first."""
+        if size not in self._static:
+            plan = self.plan_type([PAD] * size, self.block, self.device)
+            attention = self._graph_attention(size)
+            attention.plan(plan)
+            drawn = (torch.zeros_like(t) if t is not None else None for t in self._draw(size, None))
+            self._static[size] = (plan, *drawn, attention)
+        return self._static[size]
+
+    def _graph_attention(self, size):
+        if size not in self._graph_attentions:
+            self._graph_attentions[size] = self.attention.for_graph(size, self.num_blocks)
+        return self._graph_attentions[size]
+
+
+class _Gqa(_StepInputs):
     """The replayed model's KV and attention (``replay(model=...)``): Llama-style K and V in
     BLNHC views, attended by FlashInfer's paged kernels or the same plans in torch, with the
-    dense GEMMs when asked. benchmarks/vllm_mla_replay.py's Mla has the same methods.
+    dense GEMMs when asked. benchmarks/vllm_mla_replay.py's Mla has the same methods."""
 
-    ``inputs(step, g, size)``: the step's plan (planned) and random inputs, the same for both
-    pools; with ``size`` (a graph's batch), copied into that size's static inputs
-    (``static_inputs(size)``), which its graphs read. ``forward(pool, inputs)``: the step."""
+    plan_type = _Plan
+    token_dims = (1, 1, 0)  # new K/V [layers, tokens, ...], q [layers, tokens, ...], x [tokens, hidden]
 
     def __init__(self, device, layers, heads, dim, q_heads, attention_name, dense_gemms, prefill_backend, block,
                  dtype, num_blocks):
@@ -376,36 +418,6 @@ class _Gqa:
              if self.dense else None)
         return kv.to(self.dtype), q.to(self.dtype), x
 
-    def inputs(self, step, g, size=0):
-        """(the inputs forward() takes, the batch's shape: what an eager forward is warmed by)."""
-        attention = self._graph_attention(size) if size else self.attention
-        plan = _Plan(padded(step["batch"], size), self.block, self.device)
-        attention.plan(plan)
-        tokens = plan.tokens - (size - len(step["batch"]) if size else 0)
-        kv, q, x = self._draw(tokens, g)
-        if not size:  # the torch attention warms nothing (it compiles nothing, and a CPU run is slow enough)
-            shape = (plan.tokens, plan.decodes, plan.prefills) if self.attention.capturable else None
-            return (plan, kv, q, x, attention), shape
-        static = self.static_inputs(size)
-        _stage(static[0], plan, static[1:4], (kv, q, x), tokens, dims=(1, 1, 0))
-        static[0].lists = plan.lists  # what the torch attention reads (FlashInfer's plan copied it already)
-        return static, None
-
-    def static_inputs(self, size):
-        """The inputs a graph of ``size`` requests reads, the same tensors at every replay."""
-        if size not in self._static:
-            plan = _Plan([PAD] * size, self.block, self.device)
-            attention = self._graph_attention(size)
-            attention.plan(plan)
-            kv, q, x = (torch.zeros_like(t) if t is not None else None for t in self._draw(size, None))
-            self._static[size] = (plan, kv, q, x, attention)
-        return self._static[size]
-
-    def _graph_attention(self, size):
-        if size not in self._graph_attentions:
-            self._graph_attentions[size] = self.attention.for_graph(size, self.num_blocks)
-        return self._graph_attentions[size]
-
     def forward(self, pool, inputs):
         views, paged = pool
         plan, kv, q, x, attention = inputs
@@ -414,10 +426,13 @@ class _Gqa:
 
 def _stage(static_plan, plan, static_tensors, tensors, tokens, dims):
     """A graph step's plan and inputs into the static ones: the slots written (padding rows
-    write block 0), then each input's ``tokens`` rows along its dimension in ``dims`` and
-    zeros after them."""
+    write block 0), the plan's host fields (what the torch attention reads; FlashInfer's plan
+    copied them into its fixed buffers already), then each input's ``tokens`` rows along its
+    dimension in ``dims`` and zeros after them."""
     static_plan.rows.copy_(plan.rows)
     static_plan.offs.copy_(plan.offs)
+    for field in plan.host_fields:
+        setattr(static_plan, field, getattr(plan, field))
     for static, tensor, dim in zip(static_tensors, tensors, dims):
         if static is None:
             continue
