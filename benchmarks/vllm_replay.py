@@ -346,7 +346,8 @@ class _StepInputs:
     def inputs(self, step, g, size=0):
         """(the inputs forward() takes, the batch shape an eager forward is warmed by: None for a
         graph's step and for the torch attention, which compiles nothing)."""
-        attention = self._graph_attention(size) if size else self.attention
+        static = self.static_inputs(size) if size else None  # first: it plans the padding alone
+        attention = static[-1] if size else self.attention
         plan = self.plan_type(padded(step["batch"], size), self.block, self.device)
         attention.plan(plan)
         tokens = plan.tokens - (size - len(step["batch"]) if size else 0)
@@ -354,7 +355,6 @@ class _StepInputs:
         if not size:
             shape = (plan.tokens, plan.decodes, plan.prefills) if self.attention.capturable else None
             return (plan, *drawn, attention), shape
-        static = self.static_inputs(size)
         _stage(static[0], plan, static[1:-1], drawn, tokens, self.token_dims)
         return static, None
 
