@@ -1,27 +1,29 @@
 """The vLLM connector's replay (vllm_replay.py) for MLA: DeepSeek-V2-Lite's KV, one latent
 vector of 576 (kv_lora_rank 512 + qk_rope_head_dim 64) per token and layer, attended by
-FlashInfer's MLA kernel (BatchMLAPagedAttentionWrapper) over vkv memory and over a
-torch.zeros pool; the outputs must be bitwise equal. Reports map/unmap cost per block and
-the per-step overhead against the fixed pool, as vllm_replay.py.
+FlashInfer's MLA kernel (BatchMLAPagedAttentionWrapper) over vkv.BlockBacking and over a
+torch.zeros pool, eager and from CUDA graphs; the outputs must be bitwise equal. Reports
+what vkv costs a step and where it goes, as vllm_replay.py.
 
 The trace: vLLM 0.33's real scheduler and the vkv connector with an MLA model config
 (DeepSeek-V2's attention fields, 27 layers), 32-token blocks: the block size vLLM picks for its
 FlashInfer MLA backend (FlashInferMLABackend takes 32 or 64; vLLM's default 16 is not one of
 them, so it takes the smallest). A block is 27 x 32 x 576 x 2 B = 995,328 B: not a power-of-two
-multiple of 2 MiB, so the connector backs it page by page (PageMemory), 2-3 blocks to a page.
+multiple of 2 MiB, so its bytes straddle pages, 2-3 blocks to a page (the layer counts a page
+backed while any backed block has bytes on it).
 
 The layout is vLLM's: in its block-outermost buffer (BLNHC) layer l's MLA cache is the view
 [num_blocks, block_size, 576] with a block stride of all 27 layers' bytes; FlashInfer's MLA
 kernels take ckv = view[..., :512] and kpe = view[..., 512:] as they lie (FA2 and FA3 read
 each tensor's own page and token strides, batch_mla_run.cu / batch_mla_sm90_run.cu): no copy,
-no separate ckv and kpe buffers.
+no separate ckv and kpe buffers. In graph mode a wrapper per capture size (use_cuda_graph, the
+CSR metadata copied into its fixed buffers at each plan) is captured with the step.
 
     record (CPU, needs vllm; the committed trace was made so):
         python -m benchmarks.vllm_replay.vllm_mla_replay record benchmarks/vllm_replay/traces/vllm_trace_mla.json
-    replay (CUDA; FlashInfer importable with its MLA sources: scripts/gpu/vllm_mla_replay.sh):
+    replay (CUDA; FlashInfer importable with its MLA sources: scripts/gpu/vllm_replay.sh):
         python -m benchmarks.vllm_replay.vllm_mla_replay replay benchmarks/vllm_replay/traces/vllm_trace_mla.json --device cuda \\
-            --attention flashinfer --dense
-    on a CPU (host backend; attention in torch from the same paged views):
+            --attention flashinfer --dense --launch eager,graph --rounds 3
+    on a CPU (host backend; attention in torch from the same paged views; graph mode emulated):
         python -m benchmarks.vllm_replay.vllm_mla_replay replay benchmarks/vllm_replay/traces/vllm_trace_mla.json --layers 2 --q-heads 2
 
 Every request of a step, decode or prefill chunk, goes through the MLA kernel in one plan
@@ -32,6 +34,7 @@ so that a step costs the GPU about what a real one does.
 
 import argparse
 import math
+import os
 import sys
 
 import torch
@@ -61,6 +64,8 @@ class MlaPlan:
     """One step's batch as FlashInfer's MLA plan takes it (CSR, int32, on the CPU): qo_indptr,
     kv_indptr (pages), kv_indices (block ids), kv_len_arr (tokens); and the cache rows the
     step's tokens write (block, offset), in the batch's order."""
+
+    host_fields = ("csr",)  # what the torch attention reads, on the host
 
     def __init__(self, batch, block, device):
         rows, offs, qo, kv_indptr, indices, lens = [], [], [0], [0], [], []
@@ -102,17 +107,34 @@ def attend(plan: MlaPlan, q_nope, q_pe, ckv, kpe, block):
 
 class FlashInferMla:
     """FlashInfer's BatchMLAPagedAttentionWrapper, planned once a step (every request, causal)
-    and run per layer over the ckv/kpe views: split query and split KV cache, as they lie."""
+    and run per layer over the ckv/kpe views: split query and split KV cache, as they lie.
+    ``graph_size``: the wrapper of a CUDA graph of that many requests (use_cuda_graph: its plan
+    copies the CSR metadata into fixed buffers the captured kernel reads)."""
 
-    def __init__(self, device, q_heads, block, dtype, backend):
+    capturable = True
+
+    def __init__(self, device, q_heads, block, dtype, backend, workspace=None, graph_size=0, num_blocks=0):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
-        self.q_heads, self.block, self.dtype = q_heads, block, dtype
-        # 128 MiB, as vLLM's FlashInfer MLA backend (the KV splits' partial outputs).
-        self.wrapper = BatchMLAPagedAttentionWrapper(torch.zeros(128 << 20, dtype=torch.int8, device=device),
-                                                     backend=backend)
+        self.q_heads, self.block, self.dtype, self.backend = q_heads, block, dtype, backend
+        # 128 MiB, as vLLM's FlashInfer MLA backend (the KV splits' partial outputs); graphs share it.
+        self.workspace = torch.zeros(128 << 20, dtype=torch.int8, device=device) if workspace is None else workspace
+        buffers = {}
+        if graph_size:
+            i32 = dict(dtype=torch.int32, device=device)
+            buffers = dict(use_cuda_graph=True, qo_indptr=torch.zeros(graph_size + 1, **i32),
+                           kv_indptr=torch.zeros(graph_size + 1, **i32),
+                           kv_indices=torch.zeros(num_blocks + graph_size, **i32),  # a block is in one table at a time
+                           kv_len_arr=torch.zeros(graph_size, **i32))
+        self.wrapper = BatchMLAPagedAttentionWrapper(self.workspace, backend=backend, **buffers)
+
+    def for_graph(self, size: int, num_blocks: int) -> "FlashInferMla":
+        return FlashInferMla(self.workspace.device, self.q_heads, self.block, self.dtype, self.backend,
+                             self.workspace, size, num_blocks)
 
     def plan(self, plan: MlaPlan) -> None:
         from flashinfer.mla import MLAPlanMetadata
+        if not plan.tokens:  # FlashInfer plans no empty batch (the trace's last steps only give blocks back)
+            return
         self.wrapper.plan(metadata=MLAPlanMetadata.csr(*plan.csr), num_heads=self.q_heads, head_dim_ckv=CKV,
                           head_dim_kpe=KPE, page_size=self.block, causal=True, sm_scale=SM_SCALE,
                           q_data_type=self.dtype, kv_data_type=self.dtype, query_layout="split",
@@ -123,10 +145,16 @@ class FlashInferMla:
 
 
 class TorchMla:
-    """attend() with FlashInfer's plan/run: the attention of a replay on a CPU."""
+    """attend() with FlashInfer's plan/run: the attention of a replay on a CPU (and of its
+    emulated graphs: the same object for every size)."""
+
+    capturable = False
 
     def __init__(self, block):
         self.block = block
+
+    def for_graph(self, size: int, num_blocks: int) -> "TorchMla":
+        return self
 
     def plan(self, plan: MlaPlan) -> None:
         pass
@@ -152,14 +180,17 @@ class MlaDense:
         return x @ self.q, latent[:, :CKV] @ self.kv_b, x @ self.o, (x @ self.gate_up)[:, :ACTIVE_FFN] @ self.down
 
 
-class Mla:
-    """The replayed model for vllm_replay.replay(model=...): its MLA cache, attention and GEMMs."""
+class Mla(vllm_replay._StepInputs):
+    """The replayed model for vllm_replay.replay(model=...): its MLA cache, attention and
+    GEMMs, with vllm_replay._Gqa's methods (inputs() with a graph's size, static_inputs())."""
+
+    plan_type = MlaPlan
+    token_dims = (1, 1, 1, 0)  # latent [layers, tokens, 576], q_nope and q_pe [layers, tokens, ...], x [tokens, hidden]
 
     def __init__(self, device, layers, q_heads, block, attention, backend="fa2", dense=False,
-                 dtype=torch.bfloat16, page_bytes=0):
-        """``page_bytes``: vkv's page under the connector (0: the device's, 2 MiB on a GPU)."""
-        self.memory_options = {"page_bytes": page_bytes} if page_bytes else {}
+                 dtype=torch.bfloat16, num_blocks=0):
         self.device, self.layers, self.q_heads, self.block, self.dtype = device, layers, q_heads, block, dtype
+        self.num_blocks = num_blocks
         self.block_bytes = layers * block * LATENT * dtype.itemsize
         self.name = f"mla_{attention}"
         self.attention = (FlashInferMla(device, q_heads, block, dtype, backend) if attention == "flashinfer"
@@ -168,6 +199,7 @@ class Mla:
         self.report = {"shape": [layers, 1, LATENT, block], "q_heads": q_heads, "attention": self.name,
                        "kv_lora_rank": CKV, "qk_rope_head_dim": KPE,
                        **({"mla_backend": backend} if attention == "flashinfer" else {})}
+        self._static, self._graph_attentions = {}, {}
 
     def pool(self, buffer, num_blocks):
         views = mla_views(buffer, num_blocks, self.layers, self.block, self.dtype)
@@ -186,25 +218,20 @@ class Mla:
             self.attention.run(warm, q_nope, q_pe, *paged[0])
         print("vllm_mla_replay: MLA kernels ready", flush=True)
 
-    def inputs(self, step, g):
-        plan = MlaPlan(step["batch"], self.block, self.device)
-        if plan.tokens:  # FlashInfer plans no empty batch (the trace's last steps only give blocks back)
-            self.attention.plan(plan)
-        latent = torch.randn(self.layers, plan.tokens, LATENT, generator=g, device=self.device).to(self.dtype)
+    def _draw(self, tokens, g):
+        latent = torch.randn(self.layers, tokens, LATENT, generator=g, device=self.device).to(self.dtype)
         # The absorbed query's two parts, each contiguous (FlashInfer reads their strides too).
-        q_nope = torch.randn(self.layers, plan.tokens, self.q_heads, CKV, generator=g, device=self.device)
-        q_pe = torch.randn(self.layers, plan.tokens, self.q_heads, KPE, generator=g, device=self.device)
-        x = (torch.randn(plan.tokens, HIDDEN, generator=g, device=self.device).to(self.dtype) * 0.01
+        q_nope = torch.randn(self.layers, tokens, self.q_heads, CKV, generator=g, device=self.device)
+        q_pe = torch.randn(self.layers, tokens, self.q_heads, KPE, generator=g, device=self.device)
+        x = (torch.randn(tokens, HIDDEN, generator=g, device=self.device).to(self.dtype) * 0.01
              if self.dense else None)
-        # The torch attention warms nothing (it compiles nothing, and a CPU run is slow enough).
-        shape = None if isinstance(self.attention, TorchMla) else (plan.tokens, plan.decodes, plan.prefills)
-        return (plan, latent, q_nope.to(self.dtype), q_pe.to(self.dtype), x), shape
+        return latent, q_nope.to(self.dtype), q_pe.to(self.dtype), x
 
-    def forward(self, pool, step, index, inputs, g):
+    def forward(self, pool, inputs):
         """Per layer: the step's latent vectors into their slots (vLLM's concat_and_cache_mla),
         the dense GEMMs when asked, the MLA attention over the layer's ckv/kpe views."""
         views, paged = pool
-        plan, latent, q_nope, q_pe, x = inputs
+        plan, latent, q_nope, q_pe, x, attention = inputs
         out = []
         if not plan.tokens:
             return out
@@ -212,42 +239,8 @@ class Mla:
             view[plan.rows, plan.offs] = latent[layer]
             if self.dense is not None:
                 self.dense(x)
-            out.append(self.attention.run(plan, q_nope[layer], q_pe[layer], *paged[layer]))
+            out.append(attention.run(plan, q_nope[layer], q_pe[layer], *paged[layer]))
         return out
-
-
-def summary(report: dict) -> str:
-    """The run's verdict and figures, a few lines (scripts/gpu/vllm_mla_replay.sh prints them)."""
-    d = report["decode_batch_ge_60"]
-    lines = [f"mla: bitwise equal: {report['bitwise_equal']}",
-             f"mla: {report['steps']} steps ({report['decode_steps']} decode, {d['steps']} of them at batch 60-64), "
-             f"{report['num_blocks']} blocks of {report['block_bytes']} B on {report['page_bytes']} B pages "
-             f"({report['memory']}), at most {report['most_blocks_backed']} backed; "
-             f"{report['map_calls']} maps, {report['unmap_calls']} unmaps",
-             f"mla: map {report['map_us_per_block']:.2f} us/block, unmap {report['unmap_us_per_block']:.2f} us/block "
-             f"(a page's cost x block bytes / page bytes)"]
-    s = report["step_ms"]
-    lines.append(f"mla: all steps: vkv {s['vkv']:.3f} ms fixed {s['fixed']:.3f} ms a step, overhead "
-                 f"{100 * report['overhead_vs_fixed']:+.2f}%")
-    if d["overhead_vs_fixed"] is not None:
-        spread = d["per_step_overhead"]["ms"]
-        rel = d["per_step_overhead"]["relative"]
-        lines.append(f"mla: decode batch 60-64: vkv {d['step_ms']['vkv']:.3f} ms fixed {d['step_ms']['fixed']:.3f} ms "
-                     f"a step, overhead {100 * d['overhead_vs_fixed']:+.2f}%; per step median {spread['median']:+.3f} ms "
-                     f"({100 * rel['median']:+.2f}%) p90 {spread['p90']:+.3f} ms ({100 * rel['p90']:+.2f}%)")
-    return "\n".join(lines)
-
-
-def replay(trace: str, device: str, layers: int, q_heads: int, attention: str, backend: str, mapping: str,
-           dense: bool, max_steps: int, keep_going: bool = False, control: bool = False, page_bytes: int = 0) -> dict:
-    if attention == "flashinfer" and not device.startswith("cuda"):
-        raise ValueError(f"vllm_mla_replay: --attention flashinfer needs a CUDA --device, got {device!r}")
-    model = lambda block: Mla(device, layers, q_heads, block, attention, backend, dense,  # noqa: E731
-                              page_bytes=page_bytes)
-    report = vllm_replay.replay(trace, device, layers, 1, LATENT, q_heads, attention, mapping, dense, max_steps,
-                                keep_going, control, model=model)
-    print(summary(report), flush=True)
-    return report
 
 
 def record(path: str) -> None:
@@ -261,28 +254,29 @@ def record(path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["record", "replay"])
-    parser.add_argument("trace")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("mode", choices=["record", "replay", "warm"])
+    parser.add_argument("trace", nargs="?", help="record, replay: the trace")
     parser.add_argument("--layers", type=int, default=LAYERS, help="MLA layers (DeepSeek-V2-Lite: 27)")
     parser.add_argument("--q-heads", type=int, default=Q_HEADS, help="query heads (DeepSeek-V2-Lite: 16)")
     parser.add_argument("--attention", choices=["torch", "flashinfer"], default="torch",
                         help="torch: attention from the paged views in torch; flashinfer: BatchMLAPagedAttentionWrapper")
-    parser.add_argument("--backend", choices=["fa2", "fa3", "auto"], default="fa2",
-                        help="FlashInfer's MLA backend (auto: FA3 on Hopper where it plans, else FA2)")
-    parser.add_argument("--mapping", choices=sorted(vllm_replay.MAPPINGS), default="background")
-    parser.add_argument("--dense", action="store_true", help="add DeepSeek-V2-Lite's active weight GEMMs to every layer")
-    parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
-    parser.add_argument("--page-bytes", type=int, default=0,
-                        help="vkv's page under the connector (0: the device's; 2 MiB on a GPU, 4 KiB on the host)")
-    parser.add_argument("--keep-going", action="store_true", help="count steps whose outputs differ instead of failing")
-    parser.add_argument("--control", action="store_true", help="run the fixed pool twice a step (its own differences)")
+    parser.add_argument("--backend", choices=["fa2", "fa3"], default="fa2",
+                        help="FlashInfer's MLA backend (fa3: its sm90 kernels)")
+    vllm_replay.add_replay_arguments(parser)
     args = parser.parse_args()
     if args.mode == "record":
         record(args.trace)
         return 0
-    report = replay(args.trace, args.device, args.layers, args.q_heads, args.attention, args.backend, args.mapping,
-                    args.dense, args.steps, args.keep_going, args.control, args.page_bytes)
+    if args.attention == "flashinfer" and not args.device.startswith("cuda"):
+        raise ValueError(f"vllm_mla_replay: --attention flashinfer needs a CUDA --device, got {args.device!r}")
+    model = lambda block, num_blocks: Mla(args.device, args.layers, args.q_heads, block, args.attention,  # noqa: E731
+                                          args.backend, args.dense, num_blocks=num_blocks)
+    if args.mode == "warm":
+        vllm_replay.warm(model(BLOCK, 2))
+        return 0
+    report = vllm_replay.replay(args.trace, args.device, model, name=args.name or "mla",
+                                **vllm_replay.replay_options(args))
+    print(vllm_replay.goal_table([report]), flush=True)
     return 0 if report["bitwise_equal"] else 1
 
 

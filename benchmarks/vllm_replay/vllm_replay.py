@@ -1,37 +1,70 @@
-"""Replay block decisions recorded with vLLM 0.33's real scheduler and the vkv connector
-on vkv memory (BLNHC views of the reservation) and on a torch.zeros pool; attention
-outputs must be bitwise equal; reports map/unmap cost per block and per-step overhead.
+"""Replay block decisions recorded with vLLM 0.33's real scheduler and the vkv connector over
+vkv.BlockBacking, driven as the connector's worker drives it, and over a torch.zeros pool of the
+same blocks, with the same kernels: the outputs of every step must be bitwise equal. Reports
+what vkv costs a step and where it goes (host launch time, GPU time, waits), with the forward
+launched eagerly and replayed from CUDA graphs, as vLLM runs decode.
 
     record (CPU, needs vllm: scripts/install_vllm.sh; the committed trace was made so):
-        python -m benchmarks.vllm_replay.vllm_replay record benchmarks/vllm_replay/traces/vllm_trace.json \
+        python -m benchmarks.vllm_replay.vllm_replay record benchmarks/vllm_replay/traces/vllm_trace.json \\
             --requests 64 --gen 160 --num-blocks 1536
-    replay (no vllm needed):
-        python -m benchmarks.vllm_replay.vllm_replay replay benchmarks/vllm_replay/traces/vllm_trace.json --device cuda
+    replay at Llama-3-8B's shape, FlashInfer's kernels and the weight GEMMs, eager and graphed,
+    3 rounds (CUDA, FlashInfer importable: scripts/gpu/flashinfer_env.sh; scripts/gpu/vllm_replay.sh):
+        python -m benchmarks.vllm_replay.vllm_replay replay benchmarks/vllm_replay/traces/vllm_trace.json --device cuda \\
+            --attention flashinfer --shape 32,8,128,32 --dense --launch eager,graph --rounds 3
+    on a CPU (host backend, attention in torch from the same plans; graph mode emulated):
+        python -m benchmarks.vllm_replay.vllm_replay replay benchmarks/vllm_replay/traces/vllm_trace.json --launch eager,graph
+    FlashInfer's kernels built (or loaded) ahead, without vkv (the runner does it beside vkv's build):
+        python -m benchmarks.vllm_replay.vllm_replay warm --attention flashinfer --shape 32,8,128,32
 
-    with FlashInfer's paged kernels (CUDA; FlashInfer importable: scripts/gpu/flashinfer_env.sh),
-    Llama-3-8B's shape and its weight GEMMs, the mapping on the background mapper (default):
-        python -m benchmarks.vllm_replay.vllm_replay replay benchmarks/vllm_replay/traces/vllm_trace.json --device cuda \
-            --attention flashinfer --shape 32,8,128,32 --dense
+The memory: one vkv.BlockBacking of the trace's blocks (block b at b * block_bytes, vLLM's
+BLNHC buffer; the null block 0 permanent), the block states shared with the "scheduler" (this
+replay writes the scheduler's transitions from the trace: IN_POOL once backed, RECLAIMING when
+released). Each step the worker makes ONE call at the bind, before the forward is queued, on its
+stream: submit(release, target); the job (release, then back up to the target) runs on the
+layer's C++ thread while the forward computes. The fixed pool: torch.zeros of the same bytes.
 
-Attention (the same kernels on both pools, so bitwise equality is meaningful):
-  torch       SDPA over each request's gathered blocks (runs on a CPU; timings include the
-              gather and a Python loop per request and layer)
+Attention (the same kernels on both pools, so that bitwise equality is meaningful):
   flashinfer  vLLM's attention on Hopper: FlashInfer's paged decode for decode requests, its
-              paged causal prefill for the rest, reading the block tables straight out of the
-              BLNHC views (NHD pages whose stride is a whole block of every layer)
-Timings alternate which pool goes first; the per-step plan and random inputs are made once,
-outside them. --mapping says when the worker's job (release, then back up to the target) runs:
-  background  the connector with "background_mapping": true, in vLLM's order: the hand-over (bind) before
-              the vkv forward is queued, the job on the background mapper meanwhile; vkv's step
-              ends when both are done (conservative), so no job overlaps the fixed pool's step
-  before      synchronously before the forward; ahead (--map-ahead): synchronously after the
-              forward is queued (the GPU computes meanwhile)
+              paged causal prefill for the rest, reading the BLNHC views in place (CUDA)
+  torch       the same plans computed in torch (any device; the CPU tests run it)
+
+Launches (--launch, one run each per round):
+  eager  every step's kernels launched from Python, one by one
+  graph  as vLLM's default CUDA-graph mode, FULL_AND_PIECEWISE, runs decode: a uniform decode
+         batch (every request one new token) is padded to the next capture size (vLLM's list:
+         1, 2, 4, then multiples of 8 up to max_num_seqs) and replayed from a CUDA graph captured
+         once per pool and size over the pools' fixed addresses (vkv's never move); the step's
+         block tables and lengths go into the graph's static buffers (FlashInfer's plan), its
+         inputs into static tensors. Padding requests read and write one token of the null
+         block 0. Other steps run eager: in vLLM they run piecewise graphs up to 512 tokens,
+         eager attention between them; here only the first step (100 tokens) is such a batch,
+         the prefills (1,956-2,048 tokens) are past vLLM's largest capture size (eager there too).
+On a CPU graph mode is emulated: the captured step runs eagerly over the same static buffers.
+
+Admission (--admission): ahead (default) backs the first step's target before the clock, as
+the queue's blocks mapped while the engine waits for it (the demo maps its ready memory and
+the queue's prompts ahead the same way: expect_tokens()); in-step leaves it to the first
+steps' jobs, as recorded (the burst's mapping then weighs on its first steps); either way the
+worker backs its start headroom first (the trace's headroom_blocks, 8 in the traces so far).
+
+A step's time per pool, in order (each pool's step starts on an idle GPU; the pools alternate
+which goes first, step by step and run by run):
+  bind    submit(): hands the job over (vkv; the previous job is done by then)
+  launch  queueing the step's work: eager launches, or the graph's replay()
+  drain   from the last launch until the GPU is done
+  wait    from then until the step's job is done (vkv): what the next step's bind would wait
+  gpu     CUDA events around the step's work (it overlaps launch and drain)
+  job     the job's own time on vkv's thread (stats: last_job_ns)
+step = bind + launch + drain + wait. Summaries per run and per launch: total, per-step median
+and p90 of vkv - fixed over the decode steps at batch 60-64, and over all steps.
 """
 
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -69,6 +102,7 @@ def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int, mod
         steps.append({"release": meta.release, "target": meta.target_backed, "batch": batch})
     engine.close()
     trace = {"num_blocks": num_blocks, "block_size": model.block_size, "requests": requests, "prompt": prompt,
+             "headroom_blocks": extra["headroom_blocks"],
              "gen": gen, **({"model": dataclasses.asdict(model)} if model != vt.TINY else {}),
              "tables": "incremental", "steps": steps}
     with open(path, "w") as f:
@@ -109,9 +143,23 @@ def _paged_kv(view, dim):
     return nhd[..., :dim], nhd[..., dim:]
 
 
+# A padding request of a graph's batch: one new token in the null block 0, which it also reads
+# (written and read alike in both pools). vLLM pads a captured decode batch with requests that
+# write nothing and read no page; FlashInfer reads one token for each (the demo pads so too).
+PAD = ["pad", [0], 1, 1]
+
+
+def padded(batch, size):
+    """``batch`` with padding requests up to ``size`` (0: as it is)."""
+    return batch + [PAD] * (size - len(batch)) if size else batch
+
+
 class _Plan:
     """One step's batch as FlashInfer sees it: decode requests (one new token) first, then
-    prefills, as vLLM's FlashInfer backend orders them; the slots the step's tokens write."""
+    prefills, as vLLM's FlashInfer backend orders them; the slots the step's tokens write.
+    ``lists``: the same CSR in Python lists (qo_indptr, kv_indptr, indices, last_page_len)."""
+
+    host_fields = ("lists",)  # what the torch attention reads, on the host
 
     def __init__(self, batch, block, device):
         order = sorted(batch, key=lambda r: r[3] != 1)  # stable: decodes first
@@ -126,6 +174,7 @@ class _Plan:
             indices += table[:pages]
             last.append(end - (pages - 1) * block)
         self.tokens = qo[-1]
+        self.lists = (qo, kv_indptr, indices, last)
         i32 = dict(dtype=torch.int32, device=device)
         long = dict(dtype=torch.long, device=device)  # an empty step's lists too
         self.rows, self.offs = torch.tensor(rows, **long), torch.tensor(offs, **long)
@@ -142,15 +191,20 @@ class _FlashInfer:
     """vLLM's attention on Hopper: FlashInfer's paged decode for decode requests, its paged
     (causal) prefill for the rest, over the BLNHC views; one plan per step shared by both pools."""
 
+    capturable = True  # by a CUDA graph (for_graph's decode wrappers)
+
     def __init__(self, device, kv_heads, q_heads, dim, block, dtype, prefill_backend="auto"):
         import flashinfer
+        self.flashinfer = flashinfer
         self.shape = (q_heads, kv_heads, dim, block)
         self.dtype = dtype
         workspace = lambda: torch.zeros(128 << 20, dtype=torch.uint8, device=device)  # noqa: E731
+        self.decode_workspace = workspace()  # the decode graphs' wrappers share it (one at a time, one stream)
         # CUDA-core decode for a query group of 4 (Llama-3-8B), as vLLM picks it; FA2 named, as
         # "auto" may route a plan to cuDNN's graph: the kernels whose stride handling was read.
+        self.tensor_cores = q_heads // kv_heads > 4
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace(), kv_layout="NHD", use_tensor_cores=q_heads // kv_heads > 4, backend="fa2")
+            self.decode_workspace, kv_layout="NHD", use_tensor_cores=self.tensor_cores, backend="fa2")
         # "auto": FA3 on Hopper (its sm90 paged path reads page, token and head strides too).
         # "fa2" for runs under compute-sanitizer memcheck, where FA3's prefill differs from itself
         # (vllm_replay_memcheck_3d074f7_h100: the fixed pool's own rerun, --control).
@@ -175,6 +229,82 @@ class _FlashInfer:
             out.append(self.prefill.run(q[d:], kv))
         return out
 
+    def for_graph(self, size: int, num_blocks: int) -> "_FlashInferGraphDecode":
+        return _FlashInferGraphDecode(self, size, num_blocks)
+
+
+class _FlashInferGraphDecode:
+    """FlashInfer's paged decode in a CUDA graph of ``size`` requests, as vLLM's FlashInfer
+    backend runs FULL decode graphs: a wrapper per capture size whose plan copies the block
+    tables and lengths into fixed index buffers the captured kernels read, on the eager
+    decode's workspace."""
+
+    def __init__(self, eager: _FlashInfer, size: int, num_blocks: int):
+        self.shape, self.dtype = eager.shape, eager.dtype
+        device = eager.decode_workspace.device
+        i32 = dict(dtype=torch.int32, device=device)
+        self.wrapper = eager.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            eager.decode_workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=eager.tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(size + 1, **i32),
+            paged_kv_indices_buffer=torch.zeros(num_blocks + size, **i32),  # a block is in one table at a time
+            paged_kv_last_page_len_buffer=torch.zeros(size, **i32), backend="fa2")
+
+    def plan(self, plan: _Plan) -> None:
+        q_heads, kv_heads, dim, block = self.shape
+        self.wrapper.plan(*plan.decode, q_heads, kv_heads, dim, block, pos_encoding_mode="NONE",
+                          q_data_type=self.dtype, kv_data_type=self.dtype)
+
+    def run(self, plan: _Plan, q, kv):
+        return [self.wrapper.run(q, kv)]
+
+
+class _TorchPaged:
+    """The plans of _FlashInfer computed in torch (fp32 math) from the same paged K/V views:
+    the attention of a replay on a CPU, and in graph mode there (emulated). Reads the plan's
+    Python lists, so it never waits for the device: the decodes at once (their pages padded
+    to the longest, masked), each prefill by itself."""
+
+    capturable = False  # by a CUDA graph: it reads the plan on the host
+
+    def __init__(self, q_heads, kv_heads, dim, block):
+        self.group, self.dim, self.block = q_heads // kv_heads, dim, block
+
+    def plan(self, plan: _Plan) -> None:
+        pass
+
+    def for_graph(self, size: int, num_blocks: int) -> "_TorchPaged":
+        return self
+
+    def run(self, plan: _Plan, q, kv):
+        qo, kv_indptr, indices, last = plan.lists
+        pages = [indices[kv_indptr[i]:kv_indptr[i + 1]] for i in range(len(last))]
+        lengths = [(len(p) - 1) * self.block + tail for p, tail in zip(pages, last)]
+        out = []
+        d = plan.decodes
+        if d:
+            out.append(self._attend(q[:d, None], kv, pages[:d], lengths[:d])[:, 0])
+        if plan.tokens > d:
+            out.append(torch.cat([self._attend(q[None, qo[i]:qo[i + 1]], kv, pages[i:i + 1], lengths[i:i + 1])[0]
+                                  for i in range(d, len(last))]))
+        return out
+
+    def _attend(self, q, kv, pages, lengths):
+        """q [requests, n, Hq, D], each request's last n tokens, causal over its first
+        ``lengths`` tokens, read from its ``pages`` (padded to the longest, masked)."""
+        k, v = kv
+        most = max(len(p) for p in pages)
+        rows = torch.tensor([p + [p[0]] * (most - len(p)) for p in pages], dtype=torch.long, device=q.device)
+        heads = k.shape[2]
+        keys = k[rows].reshape(len(pages), -1, heads, self.dim).repeat_interleave(self.group, 2).float()
+        values = v[rows].reshape(len(pages), -1, heads, self.dim).repeat_interleave(self.group, 2).float()
+        scores = torch.einsum("rnhd,rlhd->rhnl", q.float(), keys) / math.sqrt(self.dim)
+        n, positions = q.shape[1], torch.arange(keys.shape[1], device=q.device)
+        length = torch.tensor(lengths, device=q.device)[:, None, None]
+        query_position = length - n + torch.arange(n, device=q.device)[None, :, None]  # [requests, n, 1]
+        hidden = positions[None, None, :] > query_position  # causal, and past the request's tokens
+        probs = scores.masked_fill(hidden[:, None], float("-inf")).softmax(-1)
+        return torch.einsum("rhnl,rlhd->rnhd", probs, values).to(q.dtype)
+
 
 class _Dense:
     """Llama-3-8B's per-layer weight GEMMs (QKV, O, gate/up, down) on the step's tokens, so
@@ -192,27 +322,9 @@ class _Dense:
         return x @ self.qkv, x @ self.o, (x @ self.gate_up)[:, : self.inter] @ self.down
 
 
-def _torch_forward(views, step, index, block, heads, dim, dtype, device, g):
-    """SDPA over each request's gathered blocks (the first replay: one kernel both pools share)."""
-    result = []
-    for rid, table, end, n in step["batch"]:
-        pos = torch.arange(end - n, end, device=device)
-        rows, offs = torch.tensor(table, device=device)[pos // block], pos % block
-        g.manual_seed(index * 7919 + hash(rid) % 7919)
-        for view in views:
-            kv = torch.randn(n, heads, 2 * dim, generator=g, device=device).to(dtype)
-            view[rows, :, offs] = kv
-            gathered = view[torch.tensor(table, device=device)]  # [blocks, H, N, 2D]
-            kv_all = gathered.permute(1, 0, 2, 3).reshape(heads, -1, 2 * dim)[:, :end]
-            q = kv[:, :, :dim].transpose(0, 1)  # [H, n, D]
-            result.append(torch.nn.functional.scaled_dot_product_attention(
-                q, kv_all[..., :dim], kv_all[..., dim:], is_causal=False))
-    return result
-
-
-def _flashinfer_forward(views, paged, plan, new_kv, q, attention, dense, x):
+def _forward_layers(views, paged, plan, new_kv, q, attention, dense, x):
     """Per layer: the step's new K/V into their slots (vLLM's reshape_and_cache), the dense
-    GEMMs when asked, FlashInfer's paged attention over the view."""
+    GEMMs when asked, the paged attention over the view."""
     result = []
     for layer, view in enumerate(views):
         view[plan.rows, :, plan.offs] = new_kv[layer]
@@ -222,83 +334,224 @@ def _flashinfer_forward(views, paged, plan, new_kv, q, attention, dense, x):
     return result
 
 
-class _Gqa:
+class _StepInputs:
+    """What the replayed models (_Gqa, vllm_mla_replay.Mla) share: a step's plan, planned, and
+    its random inputs, the same for both pools; with ``size`` (a graph's batch), copied into
+    that size's static inputs (``static_inputs(size)``), which its graphs read. A model has
+    ``plan_type`` (its plan of a batch), ``token_dims`` (each drawn input's token dimension),
+    ``attention`` (eager, with ``for_graph(size, num_blocks)``), ``block``, ``device``,
+    ``num_blocks`` and ``_draw(tokens, g)``; ``forward(pool, inputs)`` runs either."""
+
+    def inputs(self, step, g, size=0):
+        """(the inputs forward() takes, the batch shape an eager forward is warmed by: None for a
+        graph's step and for the torch attention, which compiles nothing)."""
+        static = self.static_inputs(size) if size else None  # first: it plans the padding alone
+        attention = static[-1] if size else self.attention
+        plan = self.plan_type(padded(step["batch"], size), self.block, self.device)
+        attention.plan(plan)
+        tokens = plan.tokens - (size - len(step["batch"]) if size else 0)
+        drawn = self._draw(tokens, g)
+        if not size:
+            shape = (plan.tokens, plan.decodes, plan.prefills) if self.attention.capturable else None
+            return (plan, *drawn, attention), shape
+        _stage(static[0], plan, static[1:-1], drawn, tokens, self.token_dims)
+        return static, None
+
+    def static_inputs(self, size):
+        """The inputs a graph of ``size`` requests reads, the same tensors at every replay:
+        (plan, the drawn inputs, the size's attention), planned for padding alone at first."""
+        if size not in self._static:
+            plan = self.plan_type([PAD] * size, self.block, self.device)
+            attention = self._graph_attention(size)
+            attention.plan(plan)
+            drawn = (torch.zeros_like(t) if t is not None else None for t in self._draw(size, None))
+            self._static[size] = (plan, *drawn, attention)
+        return self._static[size]
+
+    def _graph_attention(self, size):
+        if size not in self._graph_attentions:
+            self._graph_attentions[size] = self.attention.for_graph(size, self.num_blocks)
+        return self._graph_attentions[size]
+
+
+class _Gqa(_StepInputs):
     """The replayed model's KV and attention (``replay(model=...)``): Llama-style K and V in
-    BLNHC views, attended by torch (gathered blocks) or FlashInfer's paged kernels, with the
-    dense GEMMs when asked. benchmarks/vllm_replay/vllm_mla_replay.py has the same methods for MLA."""
+    BLNHC views, attended by FlashInfer's paged kernels or the same plans in torch, with the
+    dense GEMMs when asked. benchmarks/vllm_replay/vllm_mla_replay.py's Mla has the same methods."""
+
+    plan_type = _Plan
+    token_dims = (1, 1, 0)  # new K/V [layers, tokens, ...], q [layers, tokens, ...], x [tokens, hidden]
 
     def __init__(self, device, layers, heads, dim, q_heads, attention_name, dense_gemms, prefill_backend, block,
-                 dtype):
+                 dtype, num_blocks):
         self.device, self.layers, self.heads, self.dim, self.q_heads = device, layers, heads, dim, q_heads
-        self.block, self.dtype, self.name = block, dtype, attention_name
+        self.block, self.dtype, self.name, self.num_blocks = block, dtype, attention_name, num_blocks
         self.block_bytes = block * layers * 2 * heads * dim * dtype.itemsize
         self.attention = (_FlashInfer(device, heads, q_heads, dim, block, dtype, prefill_backend)
-                          if attention_name == "flashinfer" else None)
+                          if attention_name == "flashinfer" else _TorchPaged(q_heads, heads, dim, block))
         self.dense = _Dense(device, q_heads, heads, dim, dtype) if dense_gemms else None
         self.report = {"shape": [layers, heads, dim, block], "q_heads": q_heads, "attention": attention_name,
-                       **({"prefill_backend": prefill_backend} if self.attention is not None else {})}
+                       **({"prefill_backend": prefill_backend} if attention_name == "flashinfer" else {})}
+        self._static = {}  # size -> static_inputs(size)
+        self._graph_attentions = {}  # size -> the attention a graph of that size runs
 
     def pool(self, buffer, num_blocks):
-        """One pool's per-layer views and FlashInfer's paged K/V of each."""
+        """One pool's per-layer views and the paged K/V of each."""
         views = _views(buffer, num_blocks, self.layers, self.heads, self.dim, self.block, self.dtype)
         return views, [_paged_kv(v, self.dim) for v in views]
 
     def warm(self, pools):
-        """JIT compilation and first-call setup, out of the timings: block 0 only."""
-        if self.attention is None:
+        """FlashInfer's kernels built or loaded, first calls made, out of the timings: block 0 only."""
+        if self.name != "flashinfer":
             return
         warm = _Plan([["warm", [0], self.block, self.block], ["warm2", [0], 1, 1]], self.block, self.device)
         self.attention.plan(warm)
         q = torch.zeros(warm.tokens, self.q_heads, self.dim, device=self.device, dtype=self.dtype)
-        for views, paged in pools.values():
+        for _views, paged in pools.values():
             self.attention.run(warm, q, paged[0])
 
-    def inputs(self, step, g):
-        """The step's plan and random inputs, the same for both pools, and the batch shape
-        (None: nothing to warm up); the torch path draws its own inside the forward."""
-        if self.attention is None:
-            return None, None
-        plan = _Plan(step["batch"], self.block, self.device)
-        self.attention.plan(plan)
-        kv = torch.randn(self.layers, plan.tokens, self.heads, 2 * self.dim, generator=g, device=self.device)
-        q = torch.randn(self.layers, plan.tokens, self.q_heads, self.dim, generator=g, device=self.device)
-        x = (torch.randn(plan.tokens, self.dense.hidden, generator=g, device=self.device).to(self.dtype) * 0.01
+    def _draw(self, tokens, g):
+        kv = torch.randn(self.layers, tokens, self.heads, 2 * self.dim, generator=g, device=self.device)
+        q = torch.randn(self.layers, tokens, self.q_heads, self.dim, generator=g, device=self.device)
+        x = (torch.randn(tokens, self.dense.hidden, generator=g, device=self.device).to(self.dtype) * 0.01
              if self.dense else None)
-        return (plan, kv.to(self.dtype), q.to(self.dtype), x), (plan.tokens, plan.decodes, plan.prefills)
+        return kv.to(self.dtype), q.to(self.dtype), x
 
-    def forward(self, pool, step, index, inputs, g):
+    def forward(self, pool, inputs):
         views, paged = pool
-        if self.attention is None:
-            return _torch_forward(views, step, index, self.block, self.heads, self.dim, self.dtype, self.device, g)
-        plan, new_kv, q, x = inputs
-        return _flashinfer_forward(views, paged, plan, new_kv, q, self.attention, self.dense, x)
+        plan, kv, q, x, attention = inputs
+        return _forward_layers(views, paged, plan, kv, q, attention, self.dense, x)
 
 
-MAPPINGS = {
-    "background": "vLLM's order: the job taken at the bind (before the forward is queued), started on the "
-                  "background mapper at start_load_kv() (once it is queued)",
-    "background_at_bind": "the job started on the background mapper at the bind, before the forward is queued "
-                          "(the connector until 3d074f7)",
-    "before": "synchronous, before the forward",
-    "ahead": "synchronous, after the forward is queued (during it)",
-}
-_SUFFIX = {"background": "_bg", "background_at_bind": "_bg_at_bind", "before": "", "ahead": "_ahead"}  # file names
+def _stage(static_plan, plan, static_tensors, tensors, tokens, dims):
+    """A graph step's plan and inputs into the static ones: the slots written (padding rows
+    write block 0), the plan's host fields (what the torch attention reads; FlashInfer's plan
+    copied them into its fixed buffers already), then each input's ``tokens`` rows along its
+    dimension in ``dims`` and zeros after them."""
+    static_plan.rows.copy_(plan.rows)
+    static_plan.offs.copy_(plan.offs)
+    for field in plan.host_fields:
+        setattr(static_plan, field, getattr(plan, field))
+    for static, tensor, dim in zip(static_tensors, tensors, dims):
+        if static is None:
+            continue
+        static.narrow(dim, 0, tokens).copy_(tensor)
+        static.narrow(dim, tokens, static.shape[dim] - tokens).zero_()
 
 
-def _difference(index, outs, expected):
-    """None where every output is bitwise equal; else what differs, for telling a kernel's own
-    nondeterminism (the --control run differs too) from bytes a pool got wrong: the outputs that
-    differ (their index: per layer, the decode output then the prefill one), how many elements,
-    the largest difference, and the NaNs on each side."""
-    assert len(outs) == len(expected)
-    which = [i for i, (a, b) in enumerate(zip(outs, expected)) if not torch.equal(a, b)]
-    if not which:
-        return None
-    diff = [(outs[i].float() - expected[i].float()).abs() for i in which]
-    return {"step": index, "outputs": len(outs), "differ": which[:16], "elements": int(sum((d != 0).sum() for d in diff)),
-            "max": max(float(d.nan_to_num(float("inf")).max()) for d in diff),
-            "nan": int(sum(outs[i].isnan().sum() for i in which)),
-            "nan_expected": int(sum(expected[i].isnan().sum() for i in which))}
+def capture_sizes(max_num_seqs: int):
+    """vLLM's CUDA-graph capture sizes for FULL decode graphs of up to ``max_num_seqs``
+    requests: 1, 2, 4, then every multiple of 8 (its default cudagraph_capture_sizes, cut
+    at the first size that holds max_num_seqs)."""
+    return [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 8, 8))
+
+
+def graph_size(step, sizes) -> int:
+    """The capture size a step replays from (a uniform decode batch: every request one new
+    token, no more requests than the largest size), or 0: the step runs eager."""
+    batch = step["batch"]
+    if not batch or any(r[3] != 1 for r in batch) or len(batch) > sizes[-1]:
+        return 0
+    return next(s for s in sizes if s >= len(batch))
+
+
+class _DecodeGraphs:
+    """The model's decode step in CUDA graphs, one per pool and capture size, captured once
+    over the pools' fixed addresses (vkv's never move: pages come and go under them, so its
+    graphs stay valid through every release and back); a step's inputs go into the size's
+    static inputs first (model.inputs(step, g, size)), which both pools' graphs read. On a
+    CPU the step runs eagerly over the same static inputs instead (emulated: no graph)."""
+
+    def __init__(self, model, pools, cuda):
+        self.model, self.pools, self.cuda = model, pools, cuda
+        self._graphs, self._outputs, self._memory_pools = {}, {}, {}
+        self.captured, self.capture_seconds = [], 0.0
+
+    def capture(self, sizes) -> None:
+        """Captures each size's graph for each pool, largest first; the warm-up runs before
+        each capture write the padding's token of block 0 only (zeros, in both pools)."""
+        start = time.perf_counter()
+        for size in sorted(sizes, reverse=True):
+            inputs = self.model.static_inputs(size)
+            if not self.cuda:
+                continue
+            for name, pool in self.pools.items():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # first launches, cuBLAS's handles and workspaces
+                    for _ in range(2):
+                        self.model.forward(pool, inputs)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # Each pool's graphs in a memory pool of their own: both pools' outputs are
+                # compared after both replayed. thread_local: vkv's job thread may call the driver.
+                with torch.cuda.graph(graph, pool=self._memory(name), capture_error_mode="thread_local"):
+                    self._outputs[name, size] = self.model.forward(pool, inputs)
+                self._graphs[name, size] = graph
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.captured = sorted(sizes)
+        self.capture_seconds = time.perf_counter() - start
+
+    def _memory(self, name):
+        if name not in self._memory_pools:
+            self._memory_pools[name] = torch.cuda.graph_pool_handle()
+        return self._memory_pools[name]
+
+    def launch(self, name: str, size: int):
+        """The step on pool ``name`` from size's graph (its outputs: the graph's, overwritten
+        by its next replay)."""
+        if not self.cuda:
+            return self.model.forward(self.pools[name], self.model.static_inputs(size))
+        self._graphs[name, size].replay()
+        return self._outputs[name, size]
+
+
+class _Scheduler:
+    """The scheduler's side of the shared block states, written as vLLM's scheduler with the
+    connector writes them, from the trace's decisions: a block the worker backed goes into its
+    pool (BACKED -> IN_POOL); a block given back is RECLAIMING before the step that releases
+    it. The layer writes UNBACKED -> BACKED and RECLAIMING -> UNBACKED."""
+
+    def __init__(self, backing):
+        self.backing, self.states = backing, backing.states
+
+    def take_back(self, blocks) -> None:
+        self.states[blocks] = self.backing.RECLAIMING
+
+    def take_into_pool(self) -> None:
+        pool = self.states[1:]  # the null block stays BACKED, as in vLLM
+        pool[pool == self.backing.BACKED] = self.backing.IN_POOL
+
+    def check(self, blocks) -> bool:
+        return bool(np.all(self.states[blocks] == self.backing.IN_POOL))
+
+
+def _check_step(index, step, backing, scheduler) -> None:
+    """The scheduler hands out backed blocks only (a step never waits for its own backing),
+    and gives back blocks that no block table of the step holds (a release may be unmapped
+    while the step's forward runs only where it reads none of them)."""
+    release = set(step["release"])
+    for rid, table, _end, _n in step["batch"]:
+        if scheduler is not None:
+            assert scheduler.check(table), (index, rid, table, scheduler.states[table].tolist())
+        else:
+            assert all(backing.is_backed(b) for b in table), (index, rid, table)
+        assert not release & set(table), (index, rid, table)
+
+
+def _reset(backing, scheduler, num_blocks, pools_bytes) -> None:
+    """Back to a fresh start between runs, untimed: every block given back (the permanent
+    null block aside) and both pools' bytes zero where they can be read (the fixed pool whole;
+    vkv's pages still held, those of block 0: a page backed again comes back as zeros)."""
+    backing.wait()
+    backed = np.array([b for b in range(1, num_blocks) if backing.is_backed(b)], dtype=np.int64)
+    if len(backed):
+        if scheduler is not None:
+            scheduler.take_back(backed)
+        backing.release(backed)
+    for buffer, held in pools_bytes:
+        buffer[:held].zero_()
 
 
 class _GcClock:
@@ -322,6 +575,22 @@ class _GcClock:
         gc.callbacks.remove(self)
 
 
+def _difference(index, outs, expected):
+    """None where every output is bitwise equal; else what differs, for telling a kernel's own
+    nondeterminism (the --control run differs too) from bytes a pool got wrong: the outputs that
+    differ (their index: per layer, the decode output then the prefill one), how many elements,
+    the largest difference, and the NaNs on each side."""
+    assert len(outs) == len(expected)
+    which = [i for i, (a, b) in enumerate(zip(outs, expected)) if not torch.equal(a, b)]
+    if not which:
+        return None
+    diff = [(outs[i].float() - expected[i].float()).abs() for i in which]
+    return {"step": index, "outputs": len(outs), "differ": which[:16], "elements": int(sum((d != 0).sum() for d in diff)),
+            "max": max(float(d.nan_to_num(float("inf")).max()) for d in diff),
+            "nan": int(sum(outs[i].isnan().sum() for i in which)),
+            "nan_expected": int(sum(expected[i].isnan().sum() for i in which))}
+
+
 def _trimmed_mean(x, cut=0.05):
     """The mean without the ``cut`` largest and smallest values: a host stall of 5-25 ms (either
     pool's, a few a run) moves a 155-step total by up to 2% on its own."""
@@ -330,230 +599,438 @@ def _trimmed_mean(x, cut=0.05):
     return float(x[k:len(x) - k].mean())
 
 
-def _spread(vkv, fixed, steps):
-    """Per-step vkv - fixed over ``steps``: median, p90 and the 5% trimmed mean, in ms and
-    relative to the fixed step."""
-    if not steps:
-        return None
-    diff = np.array([vkv[i] - fixed[i] for i in steps])
-    rel = np.array([(vkv[i] - fixed[i]) / fixed[i] for i in steps])
+def _spread(vkv, fixed):
+    """Per-step vkv - fixed: median, p90 and the 5% trimmed mean, in ms and relative to the
+    fixed step."""
+    diff, rel = vkv - fixed, (vkv - fixed) / fixed
     return {"ms": {"median": round(1e3 * float(np.median(diff)), 4), "p90": round(1e3 * float(np.percentile(diff, 90)), 4),
                    "trimmed_mean": round(1e3 * _trimmed_mean(diff), 4)},
             "relative": {"median": float(np.median(rel)), "p90": float(np.percentile(rel, 90)),
                          "trimmed_mean": _trimmed_mean(rel)}}
 
 
-def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
-           mapping: str, dense_gemms: bool, max_steps: int, keep_going: bool = False, control: bool = False,
-           prefill_backend: str = "auto", gc_freeze: bool = True, make_memory=None, name_suffix: str = "",
-           model=None, step_barrier=None) -> dict:
-    """``make_memory(**the memory's arguments)``: the worker's memory (vllm_tp_replay.py: one
-    tensor-parallel rank's ShardMemory); ``name_suffix`` ends the result file's name;
-    ``model(block_size)``: the replayed model's KV layout and attention (default: _Gqa of
-    layers, heads, dim, q_heads and attention_name; vllm_mla_replay.py's MLA);
-    ``step_barrier()``: called, untimed, before each pool's timed part of a step (the
-    tensor-parallel ranks start it together, as vLLM's broadcast of the step starts them)."""
-    from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING
-    from vkv.integrations.vllm.memory import make_memory as default_memory
+PARTS = ("step", "bind", "launch", "drain", "wait", "gpu")  # a pool's per-step seconds (module docstring)
+
+
+def _figures(per_step, steps):
+    """vkv against fixed over the steps ``steps``: the total's overhead, the per-step spread,
+    and each part of a step per pool (median and mean, ms), the job's too."""
+    if not steps:
+        return None
+    pick = lambda key: np.array(per_step[key], dtype=np.float64)[steps]  # noqa: E731
+    vkv, fixed = pick("vkv_step"), pick("fixed_step")
+    parts = {f"{pool}_{part}": pick(f"{pool}_{part}") for pool in ("vkv", "fixed") for part in PARTS}
+    parts["job"], parts["job_event_wait"] = pick("job"), pick("job_event_wait")
+    return {"steps": len(steps), "overhead_vs_fixed": float((vkv.sum() - fixed.sum()) / fixed.sum()),
+            "per_step_overhead": _spread(vkv, fixed),
+            "median_ms": {k: round(1e3 * float(np.median(v)), 4) for k, v in parts.items()},
+            "mean_ms": {k: round(1e3 * float(v.mean()), 4) for k, v in parts.items()}}
+
+
+def _call_stats(stats, kind):
+    """(calls, units, seconds) of one kind of backend call in a stats() dict."""
+    call = stats["backend"][kind]
+    return call["calls"], call["units"], call["seconds"]
+
+
+def _backend_cost(before, after, block_bytes):
+    """Map and unmap over a run: calls, pages, µs per page and per block (a page's cost
+    times block bytes / page bytes)."""
+    cost = {}
+    for kind in ("map", "unmap"):
+        (c0, u0, s0), (c1, u1, s1) = _call_stats(before, kind), _call_stats(after, kind)
+        per_page = 1e6 * (s1 - s0) / (u1 - u0) if u1 > u0 else 0.0
+        cost[kind] = {"calls": c1 - c0, "pages": u1 - u0, "us_per_page": round(per_page, 3),
+                      "us_per_block": round(per_page * block_bytes / after["page_bytes"], 3)}
+    return cost
+
+
+def _rounds(launches, rounds):
+    """The runs in order: each round runs every launch once, rotated round by round (so no
+    launch always runs first), as (launch, round)."""
+    order = []
+    for r in range(rounds):
+        shift = r % len(launches)
+        order += [(launch, r) for launch in launches[shift:] + launches[:shift]]
+    return order
+LAUNCHES = {"eager": "every step's kernels launched one by one",
+            "graph": "uniform decode batches replayed from CUDA graphs (vLLM's FULL_AND_PIECEWISE), the rest eager"}
+ADMISSIONS = {"ahead": "the first step's target backed before the clock (the queue mapped while the engine waits)",
+              "in-step": "as recorded: the worker's start backs its headroom (8 blocks), the first steps' jobs "
+                         "the queue's blocks"}
+GOALS = {"median": 0.01, "p90": 0.02, "total": 0.03}  # decode 60-64 median and p90 a step, all steps' total
+
+
+class _Replayer:
+    """One replay's setup (the trace, the layer, both pools, the graphs) and its runs: each
+    run replays the whole trace from a fresh start (_reset), with one launch."""
+
+    def __init__(self, steps, model, backing, scheduler, fixed, device, admission, sizes, step_barrier,
+                 keep_going, control, start_blocks):
+        self.steps, self.model, self.backing, self.scheduler = steps, model, backing, scheduler
+        self.start_blocks = start_blocks
+        self.device, self.cuda, self.admission = device, device.startswith("cuda"), admission
+        self.sizes, self.step_barrier, self.keep_going, self.control = sizes, step_barrier, keep_going, control
+        vkv_buffer = backing.tensor()
+        self.pools = {"vkv": model.pool(vkv_buffer, model.num_blocks), "fixed": model.pool(fixed, model.num_blocks)}
+        self.graphs = _DecodeGraphs(model, self.pools, self.cuda)
+        # Bytes that hold through a reset: all of the fixed pool; vkv's pages of the null block.
+        held = backing.pages_in(0) * backing.stats()["page_bytes"]
+        self.zeroed = [(fixed, fixed.numel()), (vkv_buffer, held)]
+        self.warmed = set()  # batch shapes an eager forward has run with, untimed
+        self.gc_clock = _GcClock()
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def run(self, launch: str, number: int):
+        """Replays every step with ``launch``; the pools alternate which goes first, and
+        run ``number`` starts with the other one than run ``number - 1``. Returns (the run's
+        summary, its per-step seconds)."""
+        steps, backing, scheduler, model = self.steps, self.backing, self.scheduler, self.model
+        _reset(backing, scheduler, self.model.num_blocks, self.zeroed)
+        # The worker's blocks at its start (the connector's headroom), or with them the
+        # first step's target: the queue's blocks backed ahead of its admission.
+        start = self.start_blocks
+        if self.admission == "ahead" and steps:
+            start = max(start, steps[0]["target"])
+        backing.submit([], start)
+        backing.wait()
+        if scheduler is not None:
+            scheduler.take_into_pool()
+        self.sync()
+        before = backing.stats()
+        n = len(steps)
+        per_step = {key: [0.0] * n for key in [f"{pool}_{part}" for pool in ("vkv", "fixed") for part in PARTS]
+                    + ["job", "job_event_wait"]}
+        per_step["graph_size"] = [0] * n
+        mismatches, control_mismatches = [], []
+        most_backed = backing.backed_blocks
+        gc_start = dict(self.gc_clock.seconds)
+        for index, step in enumerate(steps):
+            release = np.asarray(step["release"], dtype=np.int64)
+            if scheduler is not None:
+                scheduler.take_back(release)  # the scheduler took them back (what the trace says)
+            _check_step(index, step, backing, scheduler)
+            size = self.sizes[index] if launch == "graph" else 0
+            per_step["graph_size"][index] = size
+            g = torch.Generator(device=self.device).manual_seed(index)
+            # The plan and the inputs: the same for both pools, out of the timings.
+            inputs, shape = model.inputs(step, g, size)
+            if shape is not None and shape not in self.warmed:
+                # A batch shape's first forward loads kernels and picks GEMM algorithms (~100 ms
+                # at step 0): untimed, on the fixed pool (it writes what its timed forward
+                # writes again), so that neither pool pays it for the other.
+                self.warmed.add(shape)
+                model.forward(self.pools["fixed"], inputs)
+                self.sync()
+            outs = {}
+            order = ("vkv", "fixed") if (index + number) % 2 == 0 else ("fixed", "vkv")
+            for name in order:
+                outs[name] = self._step(name, index, step, release, size, inputs, per_step)
+            if scheduler is not None:
+                scheduler.take_into_pool()
+            stats = backing.stats()
+            per_step["job"][index] = stats["last_job_seconds"]
+            per_step["job_event_wait"][index] = stats["last_job_event_wait_seconds"]
+            most_backed = max(most_backed, backing.backed_blocks)
+            rows = len(step["batch"]) if size else None  # a graph's outputs: the real requests' rows
+            vkv_out, fixed_out = ([o[:rows] for o in outs[name]] for name in ("vkv", "fixed"))
+            if self.control:  # the fixed pool's forward once more: same inputs, same slots, same bytes expected
+                fixed_out = [o.clone() for o in fixed_out]
+                again = self.graphs.launch("fixed", size) if size else model.forward(self.pools["fixed"], inputs)
+                self.sync()
+                differ = _difference(index, [o[:rows] for o in again], fixed_out)
+                if differ:
+                    control_mismatches.append(differ)
+            differ = _difference(index, vkv_out, fixed_out)
+            if differ:
+                assert self.keep_going, f"step {index} ({launch}): outputs differ: {differ}"
+                mismatches.append(differ)  # --keep-going (under a sanitizer): count, go on
+        after = backing.stats()
+        decode = [i for i, s in enumerate(steps) if s["batch"] and all(r[3] == 1 for r in s["batch"])]
+        full = [i for i in decode if len(steps[i]["batch"]) >= 60]  # the goal's point: batch 60-64
+        summary = {"launch": launch, "run": number, "first_at_even_steps": "vkv" if number % 2 == 0 else "fixed",
+                   "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
+                   **({"control_mismatched_steps": control_mismatches} if self.control else {}),
+                   "graph_steps": sum(1 for s in per_step["graph_size"] if s),
+                   "most_blocks_backed": most_backed,
+                   "all_steps": _figures(per_step, list(range(n))),
+                   "decode_batch_60_64": _figures(per_step, full),
+                   "jobs": after["jobs"]["calls"] - before["jobs"]["calls"],
+                   "backend": _backend_cost(before, after, model.block_bytes),
+                   "gc_ms": {k: round(1e3 * (v - gc_start[k]), 3) for k, v in self.gc_clock.seconds.items()}}
+        return summary, per_step
+
+    def _step(self, name, index, step, release, size, inputs, per_step):
+        """One pool's timed part of a step: what ``name`` costs, in parts (PARTS)."""
+        self.sync()
+        if self.step_barrier is not None:
+            self.step_barrier()
+        self.gc_clock.pool = name
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        if name == "vkv":
+            # The connector's worker at the bind, before the forward is queued, on its stream:
+            # one call (the previous job is done: this step started after it).
+            self.backing.submit(release, step["target"])
+        t1 = time.perf_counter()
+        if self.cuda:
+            begin.record()
+        out = self.graphs.launch(name, size) if size else self.model.forward(self.pools[name], inputs)
+        t2 = time.perf_counter()
+        if self.cuda:
+            end.record()
+        self.sync()
+        t3 = time.perf_counter()
+        if name == "vkv":
+            # The clock stops when the step's job is done too: the next step's bind would wait
+            # for it, and no job runs while the other pool's step is timed.
+            self.backing.wait()
+        t4 = time.perf_counter()
+        self.gc_clock.pool = None
+        for part, seconds in (("bind", t1 - t0), ("launch", t2 - t1), ("drain", t3 - t2), ("wait", t4 - t3),
+                              ("step", t4 - t0), ("gpu", begin.elapsed_time(end) / 1e3 if self.cuda else 0.0)):
+            per_step[f"{name}_{part}"][index] = seconds
+        return out
+
+    def close(self):
+        self.gc_clock.close()
+
+
+def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 1, admission: str = "ahead",
+           max_steps: int = 0, keep_going: bool = False, control: bool = False, gc_freeze: bool = True,
+           page_bytes: int = 0, background=None, agreement=None, step_barrier=None, name: str = "llama") -> dict:
+    """Replays the trace at ``path`` over vkv.BlockBacking and a fixed pool, ``rounds`` times
+    each launch of ``launches``; returns the report (written to $OUT when set).
+
+    ``model(block_size, num_blocks)``: the replayed model (_Gqa; vllm_mla_replay.Mla).
+    ``agreement``: (name, rank, ranks, timeout_s) of tensor-parallel workers
+    (vllm_tp_replay.py): rank 0's states are the scheduler's (this replay writes its side),
+    the other ranks' layers keep their own. ``step_barrier()``: called, untimed, before each
+    pool's timed part of a step (the ranks start it together, as vLLM's broadcast of the
+    step starts them). ``background``: the layer's job thread (None: on CUDA only).
+    ``name``: the report's, and its files' in $OUT (vllm_replay_NAME.json, _steps.json)."""
+    import vkv
+    for launch in launches:
+        if launch not in LAUNCHES:
+            raise ValueError(f"vllm_replay: launch {launch!r} is not one of {sorted(LAUNCHES)}")
+    if admission not in ADMISSIONS:
+        raise ValueError(f"vllm_replay: admission {admission!r} is not one of {sorted(ADMISSIONS)}")
     cuda = device.startswith("cuda")
-    if mapping not in MAPPINGS:
-        raise ValueError(f"vllm_replay: mapping {mapping!r} is not one of {sorted(MAPPINGS)}")
-    if model is None and dense_gemms and attention_name != "flashinfer":
-        raise ValueError("vllm_replay: --dense needs --attention flashinfer (the torch path times its Python)")
-    if os.environ.get("VKV_REPLAY_SWITCH_INTERVAL"):  # an experiment: the GIL's forced hand-offs between threads
-        sys.setswitchinterval(float(os.environ["VKV_REPLAY_SWITCH_INTERVAL"]))
     trace = load(path)
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
-    nb, block, dtype = trace["num_blocks"], trace["block_size"], torch.bfloat16
-    background = mapping.startswith("background")
-    if model is None:
-        model = lambda block: _Gqa(device, layers, heads, dim, q_heads, attention_name, dense_gemms,  # noqa: E731
-                                   prefill_backend, block, dtype)
-    model = model(block)
-    # Block bytes not a power-of-two multiple of 2 MiB (e.g. --layers 28 --heads 4, MLA): page by page.
-    memory = (make_memory or default_memory)(
-        engine_id=f"replay-{os.getpid()}", num_blocks=nb, block_size=block, block_bytes=model.block_bytes,
-        device=device, shared_budget="", memory_budget=0, headroom_blocks=8, background_mapping=background,
-        **getattr(model, "memory_options", {}))
-    # Zeroed, as vLLM's allocate_kv_cache() zeroes its pool: a kernel that reads a padded
-    # position must see the same bytes in both pools (vkv's new pages are zeros too).
-    fixed = torch.zeros(nb * memory.block_bytes, dtype=torch.int8, device=device)
-    pools = {"vkv": model.pool(memory.buffer(), nb), "fixed": model.pool(fixed, nb)}
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model.warm(pools)  # JIT compilation and first-call setup, out of the timings
-    sync()
-    states = memory.states.states  # the scheduler's side of the shared states: never timed
-
-    def take_into_pool():  # the scheduler frees what the worker backed into its pool
-        pool = states[1:]
-        pool[pool == BACKED] = IN_POOL
-
-    def map_step(step):  # synchronous (before, ahead): the worker's bind_connector_metadata() of old
-        t = time.perf_counter()
-        memory.submit(step["release"], step["target"])
-        if mapping == "before":
-            sync()  # the zero-fill free_reqid() queued is the mapping's cost too
-        per_step["map"][-1] += time.perf_counter() - t
-        take_into_pool()
-
-    take_into_pool()  # the blocks backed when the worker started (headroom)
-    memory.submit([], 0)  # an empty job: the mapper thread's first CUDA calls out of the timings
-    memory.wait()
-    if gc_freeze:  # as vLLM's worker does after its warm-up (freeze_gc_heap): collections skip the setup's objects
-        for generation in range(3):
-            gc.collect(generation)
-        gc.freeze()
-    gc_clock = _GcClock()
-    agreed = [0.0]  # tensor parallelism: the job's seconds inside the workers' all-reduces (waits included)
-    if hasattr(memory, "agreement"):
-        round_ = memory.agreement.round
-
-        def timed_round(*args, **kwargs):
-            t = time.perf_counter()
+    nb, block = trace["num_blocks"], trace["block_size"]
+    model = model(block, nb)
+    if "graph" in launches and cuda and not getattr(model.attention, "capturable", False):
+        raise ValueError(f"vllm_replay: --launch graph on CUDA needs an attention a CUDA graph can capture "
+                         f"(flashinfer), not {model.report['attention']!r}")
+    if os.environ.get("VKV_REPLAY_SWITCH_INTERVAL"):  # an experiment: the GIL's forced hand-offs between threads
+        sys.setswitchinterval(float(os.environ["VKV_REPLAY_SWITCH_INTERVAL"]))
+    rank = agreement[1] if agreement else 0
+    backing = vkv.BlockBacking(nb, model.block_bytes, device=device, page_size=page_bytes, background=background,
+                               states=np.zeros(nb, dtype=np.uint8) if rank == 0 else None, permanent_blocks=(0,),
+                               agreement=agreement)
+    replayer = None
+    try:
+        scheduler = _Scheduler(backing) if rank == 0 else None
+        # Zeroed, as vLLM's allocate_kv_cache() zeroes its pool: a kernel that reads a padded
+        # position must see the same bytes in both pools (vkv's new pages are zeros too).
+        fixed = torch.zeros(nb * model.block_bytes, dtype=torch.int8, device=device)
+        sizes_list = capture_sizes(trace.get("requests", max((len(s["batch"]) for s in steps), default=1)))
+        sizes = [graph_size(s, sizes_list) if "graph" in launches else 0 for s in steps]
+        # The traces so far were recorded with the connector's worker backing 8 blocks at its start.
+        start_blocks = trace.get("headroom_blocks", 8)
+        replayer = _Replayer(steps, model, backing, scheduler, fixed, device, admission, sizes, step_barrier,
+                             keep_going, control, start_blocks)
+        model.warm(replayer.pools)  # JIT compilation and first calls, out of the timings
+        graphs = replayer.graphs
+        graph_error = None
+        if "graph" in launches:
+            if not cuda:
+                print("vllm_replay: graph launch on a CPU is emulated: each decode step runs eagerly over the "
+                      "graph's static inputs (padded batch, fixed buffers), no CUDA graph is captured", flush=True)
             try:
-                return round_(*args, **kwargs)
-            finally:
-                agreed[0] += time.perf_counter() - t
-        memory.agreement.round = timed_round
-    # Seconds of each step; launch_* (host time to queue the forward) and gpu_* (its kernels,
-    # CUDA events on its stream) tell whether the mapper slows the host or the GPU.
-    per_step = {"vkv": [], "fixed": [], "map": [], "bind": [], "wait": [], "agree": [],
-                "launch_vkv": [], "launch_fixed": [], "gpu_vkv": [], "gpu_fixed": [], "gc_vkv": [], "gc_fixed": []}
-    events = []  # (step, pool, start, end)
-    mismatches = []  # _difference() of the steps whose outputs differ (--keep-going)
-    warmed = set()  # the batch shapes (tokens, decodes, prefills) a forward has run with, untimed
-    backed_most = memory.backed  # the most blocks backed at once (the null block aside)
-    control_mismatches = []  # the fixed pool against itself (--control): the kernels' own nondeterminism
-    for index, step in enumerate(steps):
-        for key in ("map", "bind", "wait", "agree", "launch_vkv", "launch_fixed", "gpu_vkv", "gpu_fixed", "gc_vkv", "gc_fixed"):
-            per_step[key].append(0.0)
-        states[step["release"]] = RECLAIMING  # the scheduler took them back (what the trace says)
-        if mapping == "before":
-            map_step(step)
-        for _rid, table, _end, _n in step["batch"]:
-            # The scheduler hands out backed blocks only: a step never waits for its own mapping.
-            assert all(memory.mapped_pages(b) > 0 for b in table), (index, _rid, table)
-            assert all(states[b] == IN_POOL for b in table), (index, _rid, table)
-            # Unmapping during the forward (ahead, background) is safe only for blocks it does not read.
-            assert not set(table) & set(step["release"]), (index, _rid, table)
-        g = torch.Generator(device=device).manual_seed(index)
-        # The plan and the inputs: the same for both pools, out of the timings.
-        inputs, shape = model.inputs(step, g)
-        backed_most = max(backed_most, memory.backed)
-        if shape is not None and shape not in warmed:
-            # A batch shape's first forward loads kernels and picks GEMM algorithms (~100 ms
-            # at step 0): untimed, on the fixed pool (it writes what its timed forward
-            # writes again), so that neither pool pays it for the other.
-            warmed.add(shape)
-            model.forward(pools["fixed"], step, index, inputs, g)
-            sync()
-        outs = {}
-        # Alternate which pool goes first: neither gets the other's warm caches every step.
-        for name in (("vkv", "fixed") if index % 2 == 0 else ("fixed", "vkv")):
-            sync()
-            if step_barrier is not None:
-                step_barrier()
-            gc_clock.pool, gc_before = name, gc_clock.seconds[name]
-            t = time.perf_counter()
-            if name == "vkv" and background:
-                # vLLM's order: bind_connector_metadata() before the forward is queued. It waits
-                # for the previous step's job (done: the last vkv step waited for it) and takes
-                # this step's, which start_load_kv() starts once the forward is queued.
-                memory.submit(step["release"], step["target"], start=mapping == "background_at_bind")
-                per_step["bind"][-1] = time.perf_counter() - t
-            if cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-            launch = time.perf_counter()
-            outs[name] = model.forward(pools[name], step, index, inputs, g)
-            per_step["launch_" + name][-1] = time.perf_counter() - launch
-            if cuda:
-                end.record()
-                events.append((index, name, begin, end))
-            if name == "vkv" and background:
-                memory.start()  # start_load_kv(): the job runs while the forward computes
-            if name == "vkv" and mapping == "ahead":
-                # The step's forward is queued; the mapping for the steps after it runs on the
-                # CPU meanwhile. Released blocks are RECLAIMING: out of every block table of this
-                # step, and the last step that read them was synchronized.
-                map_step(step)
-            sync()
-            if name == "vkv" and background:
-                # The clock stops when the forward and the job are both done (conservative: the
-                # next step's forward would only need the job by its own bind), and no job
-                # runs while the fixed pool's forward is timed.
-                w = time.perf_counter()
-                memory.wait()
-                per_step["wait"][-1] = time.perf_counter() - w
-                per_step["map"][-1] = memory.mapper.last_job_seconds
-                per_step["agree"][-1], agreed[0] = agreed[0], 0.0
-            per_step[name].append(time.perf_counter() - t)
-            per_step["gc_" + name][-1] = gc_clock.seconds[name] - gc_before
-            gc_clock.pool = None
-        if background:
-            take_into_pool()
-        if mapping == "before":
-            per_step["vkv"][-1] += per_step["map"][-1]  # before the forward: on its critical path
-        if control:  # the fixed pool's forward once more: same inputs, same slots, same bytes expected
-            sync()
-            again = model.forward(pools["fixed"], step, index, inputs, g)
-            sync()
-            differ = _difference(index, again, outs["fixed"])
-            if differ:
-                control_mismatches.append(differ)
-        differ = _difference(index, outs["vkv"], outs["fixed"])
-        if differ:
-            assert keep_going, f"step {index}: outputs differ: {differ}"
-            mismatches.append(differ)  # --keep-going (under a sanitizer): count, go on
-    for index, name, begin, end in events:
-        per_step["gpu_" + name][index] = begin.elapsed_time(end) / 1e3
-    seconds = {k: sum(v) for k, v in per_step.items()}
-    st = memory.cache.stats()["backend"]
-    decode_steps = [i for i, s in enumerate(steps) if s["batch"] and all(r[3] == 1 for r in s["batch"])]
-    # The goal's point: decode steps at batch 64 (60 to 64 requests).
-    full = [i for i in decode_steps if len(steps[i]["batch"]) >= 60]
-    full_seconds = {k: sum(v[i] for i in full) for k, v in per_step.items()}
-    report = {"device": device, "trace": os.path.basename(path), "steps": len(steps), "decode_steps": len(decode_steps),
-              "max_batch": max((len(s["batch"]) for s in steps), default=0),
-              "warmed_shapes": len(warmed),
-              **model.report, "num_blocks": nb, "block_bytes": memory.block_bytes,
-              "memory": type(memory).__name__, "page_bytes": getattr(memory, "page_bytes", memory.block_bytes),
-              "most_blocks_backed": max(backed_most, memory.backed),
-              "mapping": mapping, "map": MAPPINGS[mapping],
-              "dense_gemms": dense_gemms, "gc_freeze": gc_freeze, "bitwise_equal": not mismatches, "mismatched_steps": mismatches,
-              **({"control_mismatched_steps": control_mismatches} if control else {}),
-              "map_us_per_block": st["map"]["us_per_unit"] * (memory.block_bytes / memory.cache.page_size),
-              "unmap_us_per_block": st["unmap"]["us_per_unit"] * (memory.block_bytes / memory.cache.page_size),
-              "map_calls": st["map"]["calls"], "unmap_calls": st["unmap"]["calls"],
-              "seconds": seconds, "step_ms": {k: 1e3 * v / max(len(steps), 1) for k, v in seconds.items()},
-              "overhead_vs_fixed": (seconds["vkv"] - seconds["fixed"]) / seconds["fixed"],
-              "per_step_overhead": _spread(per_step["vkv"], per_step["fixed"], range(len(steps))),
-              "decode_batch_ge_60": {"steps": len(full), "step_ms": {k: 1e3 * v / max(len(full), 1)
-                                                                     for k, v in full_seconds.items()},
-                                     "overhead_vs_fixed": (full_seconds["vkv"] - full_seconds["fixed"])
-                                     / full_seconds["fixed"] if full else None,
-                                     "per_step_overhead": _spread(per_step["vkv"], per_step["fixed"], full)},
-              "per_step_ms": {k: [round(1e3 * x, 3) for x in v] for k, v in per_step.items()}}
-    print(json.dumps({k: v for k, v in report.items() if k != "per_step_ms"}, indent=1))  # those in the file
+                graphs.capture(sorted({s for s in sizes if s}))
+            except Exception as error:  # noqa: BLE001 (the eager runs still measure; the report says why)
+                graph_error = f"{type(error).__name__}: {error}"
+                print(f"vllm_replay: {name}: graph capture failed, eager runs only: {graph_error}", flush=True)
+                launches = tuple(launch for launch in launches if launch != "graph")
+        replayer.sync()
+        backing.submit([], 0)  # an empty job: the job thread's first calls out of the timings
+        backing.wait()
+        if gc_freeze:  # as vLLM's worker does after its warm-up (freeze_gc_heap): collections skip the setup's objects
+            for generation in range(3):
+                gc.collect(generation)
+            gc.freeze()
+        runs, per_steps = [], []
+        try:
+            for number, (launch, _round) in enumerate(_rounds(list(launches), rounds)):
+                summary, per_step = replayer.run(launch, number)
+                runs.append({**summary, "round": _round})
+                per_steps.append(per_step)
+                print(run_line(name, runs[-1]), flush=True)
+        finally:
+            if gc_freeze:
+                gc.unfreeze()
+        backed = [b for b in range(1, nb) if backing.is_backed(b)]
+        decode = [i for i, s in enumerate(steps) if s["batch"] and all(r[3] == 1 for r in s["batch"])]
+        report = {"name": name, "device": device, "trace": os.path.basename(path), "steps": len(steps),
+                  "decode_steps": len(decode), "decode_steps_60_64": sum(1 for i in decode if len(steps[i]["batch"]) >= 60),
+                  "max_batch": max((len(s["batch"]) for s in steps), default=0), **model.report,
+                  "num_blocks": nb, "block_bytes": model.block_bytes, "page_bytes": backing.stats()["page_bytes"],
+                  "memory": "vkv.BlockBacking", "background": cuda if background is None else background,
+                  "admission": admission,
+                  "launches": list(launches), "rounds": rounds,
+                  "cudagraph_mode": "FULL_AND_PIECEWISE (FULL graphs for uniform decode batches, the rest eager)",
+                  "capture_sizes": sizes_list, "captured_sizes": graphs.captured,
+                  "capture_seconds": round(graphs.capture_seconds, 3), "warmed_shapes": len(replayer.warmed),
+                  **({"graph_error": graph_error} if graph_error else {}),
+                  "gc_freeze": gc_freeze, "bitwise_equal": all(r["bitwise_equal"] for r in runs),
+                  "backed_at_end": {"blocks": len(backed), "digest": hashlib.sha1(str(backed).encode()).hexdigest()[:16]},
+                  "summary": {launch: _aggregate([r for r in runs if r["launch"] == launch]) for launch in launches},
+                  "runs": runs}
+    finally:
+        if replayer is not None:
+            replayer.close()
+        backing.close()
     out = os.environ.get("OUT")
     if out:  # with the machine, the command and the commit, as every harness's result
         from benchmarks.common import machine, write_json
 
-        name = f"vllm_replay_{model.name}{_SUFFIX[mapping]}{'_dense' if dense_gemms else ''}{name_suffix}.json"
-        write_json({"machine": machine(device), **report}, os.path.join(out, name))
-    gc_clock.close()
-    if gc_freeze:
-        gc.unfreeze()
-    memory.states.unlink()
-    memory.close()
+        base = os.path.join(out, f"vllm_replay_{name}")
+        write_json({"machine": machine("cuda" if cuda else device), **report}, base + ".json")
+        with open(base + "_steps.json", "w") as f:  # the raw seconds: for reading, not for committing
+            json.dump({"runs": [{"launch": r["launch"], "run": r["run"], **{k: [round(x, 7) for x in v]
+                                                                            for k, v in p.items()}}
+                                for r, p in zip(runs, per_steps)]}, f, separators=(",", ":"))
     return report
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["record", "replay"])
-    parser.add_argument("trace")
+def _aggregate(runs):
+    """A launch's figures over its runs: the median of each run's, with the range."""
+    def over(get):
+        values = [get(r) for r in runs if get(r) is not None]
+        if not values:
+            return None
+        return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+
+    def decode(key):
+        return lambda r: r["decode_batch_60_64"] and key(r["decode_batch_60_64"])
+
+    figures = {
+        "runs": len(runs), "bitwise_equal": all(r["bitwise_equal"] for r in runs),
+        "decode_median": over(decode(lambda d: d["per_step_overhead"]["relative"]["median"])),
+        "decode_median_ms": over(decode(lambda d: d["per_step_overhead"]["ms"]["median"])),
+        "decode_p90": over(decode(lambda d: d["per_step_overhead"]["relative"]["p90"])),
+        "decode_total": over(decode(lambda d: d["overhead_vs_fixed"])),
+        "all_total": over(lambda r: r["all_steps"]["overhead_vs_fixed"]),
+        "all_median": over(lambda r: r["all_steps"]["per_step_overhead"]["relative"]["median"]),
+        "parts_ms": {key: over(decode(lambda d, key=key: d["median_ms"][key]))
+                     for key in runs[0]["decode_batch_60_64"]["median_ms"]} if runs and runs[0]["decode_batch_60_64"]
+        else {},
+    }
+    goal = [figures["decode_median"], figures["decode_p90"], figures["all_total"]]
+    figures["goal_met"] = (None if None in goal else all(
+        f["median"] <= limit for f, limit in zip(goal, (GOALS["median"], GOALS["p90"], GOALS["total"]))))
+    return figures
+
+
+def _pct(x):
+    return f"{100 * x:+.2f}%"
+
+
+def run_line(name, run):
+    """One run in a line: its verdict and the vkv - fixed figures."""
+    d, a = run["decode_batch_60_64"], run["all_steps"]
+    text = (f"{name} {run['launch']} run {run['run']}: bitwise equal {run['bitwise_equal']}; "
+            f"all {a['steps']} steps total {_pct(a['overhead_vs_fixed'])}")
+    if d:
+        s = d["per_step_overhead"]
+        text += (f"; decode 60-64 ({d['steps']} steps) median {s['ms']['median']:+.3f} ms "
+                 f"({_pct(s['relative']['median'])}) p90 {_pct(s['relative']['p90'])} total {_pct(d['overhead_vs_fixed'])}")
+    return text
+
+
+def goal_table(reports) -> str:
+    """The goal table of replay reports (vllm_replay_*.json): per trace and launch, the
+    median over its runs [range], and where a step's time goes (medians at decode 60-64)."""
+    lines = [f"goal, decode steps at batch 60-64: per-step median <= {_pct(GOALS['median'])}, p90 <= {_pct(GOALS['p90'])}; "
+             f"all steps, the admission burst included: total <= {_pct(GOALS['total'])} (vkv - fixed; median of runs [range])",
+             "| trace | launch | runs | bitwise equal | median a step | p90 | decode total | all steps total | goal |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    parts = []
+    for report in reports:
+        for launch, f in report["summary"].items():
+            cell = lambda x, f=f: "n/a" if f[x] is None else (  # noqa: E731
+                f"{_pct(f[x]['median'])} [{_pct(f[x]['min'])}, {_pct(f[x]['max'])}]")
+            ms = f["decode_median_ms"]
+            median = cell("decode_median") + (f" ({ms['median']:+.3f} ms)" if ms else "")
+            goal = {True: "met", False: "not met", None: "n/a"}[f["goal_met"]]
+            lines.append(f"| {report['name']} | {launch} | {f['runs']} | {f['bitwise_equal']} | {median} | "
+                         f"{cell('decode_p90')} | {cell('decode_total')} | {cell('all_total')} | {goal} |")
+            p = {k: v["median"] for k, v in f["parts_ms"].items() if v}
+            if p:
+                parts.append(f"| {report['name']} | {launch} | {p['vkv_step']:.3f} / {p['fixed_step']:.3f} | "
+                             f"{p['vkv_launch']:.3f} / {p['fixed_launch']:.3f} | {p['vkv_gpu']:.3f} / {p['fixed_gpu']:.3f} | "
+                             f"{p['vkv_drain']:.3f} / {p['fixed_drain']:.3f} | {p['vkv_bind']:.3f} + {p['vkv_wait']:.3f} | "
+                             f"{p['job']:.3f} |")
+    lines += ["", "where a step goes at decode batch 60-64, ms (median of runs of the per-step medians), vkv / fixed:",
+              "| trace | launch | step | launch | GPU | drain | wait: bind + job's | job (vkv's thread) |",
+              "|---|---|---|---|---|---|---|---|"] + parts
+    return "\n".join(lines)
+
+
+def warm(model) -> None:
+    """FlashInfer's kernels built (JIT) or loaded, without vkv: the model's warm-up and one
+    graph-size plan and forward over a small zeroed pool (scripts/gpu/vllm_replay.sh runs it
+    beside vkv's build, so that the replays find the kernels compiled)."""
+    pool = model.pool(torch.zeros(model.num_blocks * model.block_bytes, dtype=torch.int8, device=model.device),
+                      model.num_blocks)
+    model.warm({"fixed": pool})
+    model.forward(pool, model.static_inputs(1))
+    if model.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    """What vllm_replay.py and vllm_mla_replay.py replays take alike."""
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--launch", default="eager", help="eager, graph or both, comma-separated (module docstring)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each launch, rotated round by round")
+    parser.add_argument("--admission", choices=sorted(ADMISSIONS), default="ahead",
+                        help="; ".join(f"{k}: {v}" for k, v in ADMISSIONS.items()))
+    parser.add_argument("--background", choices=["auto", "on", "off"], default="auto",
+                        help="the layer's job thread (auto: on CUDA; off: submit() runs the job inline)")
+    parser.add_argument("--page-bytes", type=int, default=0,
+                        help="vkv's page (0: the device's; 2 MiB on a GPU, 4 KiB on the host)")
+    parser.add_argument("--dense", action="store_true", help="add the model's weight GEMMs to every layer")
+    parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave the garbage collector's heap unfrozen (vLLM's worker freezes it after its warm-up)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="outputs that differ are counted (mismatched_steps), not fatal: for sanitizer runs")
+    parser.add_argument("--control", action="store_true",
+                        help="run the fixed pool's forward twice a step and count where it differs from itself "
+                             "(control_mismatched_steps): the kernels' own nondeterminism, e.g. under a sanitizer")
+    parser.add_argument("--name", default="", help="the result's name (OUT/vllm_replay_NAME.json)")
+
+
+def replay_options(args: argparse.Namespace) -> dict:
+    """replay()'s keyword arguments from add_replay_arguments()'s."""
+    return dict(launches=tuple(args.launch.split(",")), rounds=args.rounds, admission=args.admission,
+                background={"auto": None, "on": True, "off": False}[args.background], page_bytes=args.page_bytes,
+                max_steps=args.steps, gc_freeze=not args.no_gc_freeze, keep_going=args.keep_going,
+                control=args.control)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["record", "replay", "warm", "table"],
+                        help="table: the goal table of replay results (vllm_replay_*.json)")
+    parser.add_argument("paths", nargs="*", help="record, replay: the trace; table: the results")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=100)
     parser.add_argument("--gen", type=int, default=160)
@@ -561,34 +1038,34 @@ if __name__ == "__main__":
     parser.add_argument("--shape", default="2,2,64",
                         help="layers,kv_heads,head_dim[,q_heads] (Llama-3-8B: 32,8,128,32); q_heads defaults to kv_heads")
     parser.add_argument("--attention", choices=["torch", "flashinfer"], default="torch",
-                        help="torch: SDPA over gathered blocks; flashinfer: its paged decode/prefill over the views")
-    parser.add_argument("--mapping", choices=sorted(MAPPINGS), default="background",
-                        help="; ".join(f"{k}: {v}" for k, v in MAPPINGS.items()))
-    parser.add_argument("--map-ahead", action="store_true", help="the old name of --mapping ahead")
+                        help="torch: the plans in torch; flashinfer: its paged decode/prefill over the views")
     parser.add_argument("--prefill-backend", choices=["auto", "fa2", "fa3"], default="auto",
                         help="FlashInfer's prefill kernels (auto: FA3 on Hopper, as vLLM gets)")
-    parser.add_argument("--no-gc-freeze", action="store_true",
-                        help="leave the garbage collector's heap unfrozen (vLLM's worker freezes it after its warm-up)")
-    parser.add_argument("--dense", action="store_true", help="add Llama-3-8B's weight GEMMs to every layer (flashinfer)")
-    parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
-    parser.add_argument("--keep-going", action="store_true",
-                        help="outputs that differ are counted (mismatched_steps), not fatal: for sanitizer runs")
-    parser.add_argument("--control", action="store_true",
-                        help="run the fixed pool's forward twice a step and count where it differs from itself "
-                             "(control_mismatched_steps): the kernels' own nondeterminism, e.g. under a sanitizer")
+    add_replay_arguments(parser)
     args = parser.parse_args()
+    if args.mode == "table":
+        print(goal_table([json.load(open(path)) for path in args.paths]))
+        return 0
     if args.mode == "record":
-        record(args.trace, args.requests, args.prompt, args.gen, args.num_blocks)
-    else:
-        shape = list(map(int, args.shape.split(",")))
-        if len(shape) not in (3, 4):
-            raise ValueError(f"vllm_replay: --shape {args.shape!r} is not layers,kv_heads,head_dim[,q_heads]")
-        layers, heads, dim = shape[:3]
-        q_heads = shape[3] if len(shape) == 4 else heads
-        if args.attention == "flashinfer" and not args.device.startswith("cuda"):
-            raise ValueError(f"vllm_replay: --attention flashinfer needs a CUDA --device, got {args.device!r}")
-        if args.attention == "torch" and q_heads != heads:
-            raise ValueError(f"vllm_replay: the torch path has q_heads == kv_heads, got q_heads={q_heads}, kv_heads={heads}")
-        mapping = "ahead" if args.map_ahead else args.mapping
-        replay(args.trace, args.device, layers, heads, dim, q_heads, args.attention, mapping, args.dense, args.steps,
-               args.keep_going, args.control, args.prefill_backend, not args.no_gc_freeze)
+        record(args.paths[0], args.requests, args.prompt, args.gen, args.num_blocks)
+        return 0
+    shape = list(map(int, args.shape.split(",")))
+    if len(shape) not in (3, 4):
+        raise ValueError(f"vllm_replay: --shape {args.shape!r} is not layers,kv_heads,head_dim[,q_heads]")
+    layers, heads, dim = shape[:3]
+    q_heads = shape[3] if len(shape) == 4 else heads
+    if args.attention == "flashinfer" and not args.device.startswith("cuda"):
+        raise ValueError(f"vllm_replay: --attention flashinfer needs a CUDA --device, got {args.device!r}")
+    model = lambda block, num_blocks: _Gqa(args.device, layers, heads, dim, q_heads, args.attention,  # noqa: E731
+                                           args.dense, args.prefill_backend, block, torch.bfloat16, num_blocks)
+    if args.mode == "warm":
+        warm(model(16, 2))
+        print(f"vllm_replay: {args.attention} kernels ready for shape {args.shape}", flush=True)
+        return 0
+    report = replay(args.paths[0], args.device, model, name=args.name or "llama", **replay_options(args))
+    print(goal_table([report]), flush=True)
+    return 0 if report["bitwise_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,128 +1,169 @@
 #!/usr/bin/env bash
-# vLLM connector replay on CUDA (~4 minutes after vkv's build on a fresh H100, ≤ 6):
-# the block decisions recorded on a CPU with vLLM 0.33's real scheduler
-# (benchmarks/vllm_replay/traces/vllm_trace.json: 64 requests of 100-154 prompt tokens and 160 generated,
-# 164 steps, 155 of them decode steps at batch >= 60; vLLM's scheduler makes the same 164 steps on its fixed pool) replayed at Llama-3-8B's shape (32 layers,
-# 8 KV heads, 32 query heads, head_dim 128: one 16-token block = one 2 MiB page) over vkv
-# memory and over a torch.zeros pool (as vLLM zeroes its own), attention by FlashInfer's paged
-# decode/prefill reading the block tables straight out of the BLNHC views, with Llama-3-8B's
-# weight GEMMs (--dense) so that a step costs what a real one does. Each run asserts the
-# outputs bitwise equal and writes map/unmap cost per block and the per-step overhead against
-# the fixed pool (all steps, and decode steps at batch 60-64: total, per-step median and p90):
-#   fi_bg_dense     vLLM's order: bind_connector_metadata() before the forward is queued takes the
-#                   step's job, start_load_kv() after it starts the job on the worker's background
-#                   mapper thread (the connector's default on CUDA); vkv's step ends when its
-#                   forward and that job are both done
-#   fi_bg_at_bind_dense  the same, the job started at the bind (the connector until 3d074f7)
-#   gpu_tests       the background mapper's GPU tests (tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py)
-#   memcheck        the 27-step trace benchmarks/vllm_replay/traces/vllm_trace_memcheck.json (16 requests, the
-#                   last two steps give 157 blocks back) with the background mapping under
-#                   compute-sanitizer memcheck: torch's attention, then FlashInfer's with its FA2
-#                   prefill and with its FA3 one (~4 minutes; --control: FA3's prefill differs
-#                   from itself under the sanitizer, vllm_replay_memcheck_166f582_h100.log)
-# VLLM_REPLAY_ALL=1 adds the attention-only run and the synchronous mappings, before the forward
-# and after it is queued (~1 minute more); VLLM_REPLAY_PARTS ("tests replay memcheck" by default) runs some parts only (one per
-# run where a run's time is limited). Needs .whl/flashinfer-*.tar.xz (scripts/gpu/flashinfer_pack.py
-# makes it; scripts/gpu/flashinfer_env.sh unpacks it).
-#   scripts/gpu/vllm_replay.sh [OUT]      results: OUT/vllm_replay_*.json, OUT/*.log, OUT/summary.txt
+# vLLM's recorded block decisions replayed on one GPU over vkv.BlockBacking and a torch.zeros
+# pool, eager and from CUDA graphs, for Llama-3-8B and DeepSeek-V2-Lite's MLA (one H200 or H100;
+# ~5-7 minutes with vkv's build and FlashInfer's kernels, at most 9: the replays shrink to one
+# round each where the build ran long).
+#   llama  benchmarks/vllm_replay/traces/vllm_trace.json (64 requests of 100-154 prompt tokens and 160
+#          generated, 166 steps, 155 of them decode steps at batch 64) at Llama-3-8B's shape
+#          (32 layers, 8 KV heads, 32 query heads, head_dim 128: a 16-token block = one 2 MiB
+#          page), FlashInfer's paged decode/prefill over the BLNHC views, its weight GEMMs
+#   mla    benchmarks/vllm_replay/traces/vllm_trace_mla.json at DeepSeek-V2-Lite's MLA cache (27 layers of
+#          576, 32-token blocks of 995,328 B straddling 2 MiB pages), FlashInfer's MLA kernel
+#          (FA2), its active weight GEMMs
+# Each replay runs every launch (eager; graph: decode steps from CUDA graphs as vLLM's default
+# FULL_AND_PIECEWISE runs them, the rest eager) VLLM_REPLAY_ROUNDS times (3), rotated, in one
+# process; every step's outputs must be bitwise equal between the pools. The worker's memory is
+# driven as the connector's: one submit(release, target) per step at the bind, the job on vkv's
+# C++ thread; the first step's target is backed before the clock (--admission ahead).
+# FlashInfer's kernels are built (or loaded from the archive's AOT modules) by two processes
+# started before vkv's build and running beside it (~13 s decode, ~90 s FA3 prefill, 1-2 min
+# MLA, where the archive has none compiled).
+#   scripts/gpu/vllm_replay.sh OUT
+#     OUT/summary.txt             the goal table per trace and launch (median a step, p90, totals,
+#                                 against the goals) and where a step goes (launch, GPU, drain, wait)
+#     OUT/vllm_replay_llama.json, OUT/vllm_replay_mla.json   every run's summary (commit these)
+#     OUT/logs.tar.gz             every log, the raw per-step seconds (*_steps.json), gpu.txt
+# VLLM_REPLAY_PARTS: "llama mla" by default; "memcheck" runs the 27-step trace under
+# compute-sanitizer memcheck instead (torch's attention eager, then FlashInfer's FA2 eager and
+# graphed, --control; ~5 minutes). VLLM_REPLAY_LLAMA_ARGS, VLLM_REPLAY_MLA_ARGS: arguments added
+# to that trace's warm-up and replay (the last of a repeated option wins), e.g. "--steps 40". Needs .whl/flashinfer-*.tar.xz with MLA's sources
+# (scripts/gpu/flashinfer_pack.py makes it; scripts/gpu/flashinfer_env.sh unpacks it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:-${OUT:?no OUT given and \$OUT unset}}"
+result="${1:-${OUT:?no OUT given and \$OUT unset}}"
+mkdir -p "$result" && result="$(cd "$result" && pwd)"  # the steps run from /tmp
+out="$result/logs"  # step()'s logs (common.sh), packed into logs.tar.gz at the end
 mkdir -p "$out"
 src="$PWD"
-export PYTHONUNBUFFERED=1 OUT="$out"  # where vllm_replay.py writes its JSON
+export PYTHONUNBUFFERED=1
 status=0
+deadline=$((SECONDS + ${VLLM_REPLAY_DEADLINE:-540}))  # one call's 10 minutes, less packing the results
+rounds="${VLLM_REPLAY_ROUNDS:-3}"
+parts=" ${VLLM_REPLAY_PARTS:-llama mla} "
+summary="$result/summary.txt"
 
 # shellcheck source=scripts/gpu/common.sh
 source scripts/gpu/common.sh
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-install_vkv || exit 1
-# shellcheck source=scripts/gpu/flashinfer_env.sh
-source scripts/gpu/flashinfer_env.sh || exit 1
-
-replay=(-m benchmarks.vllm_replay.vllm_replay replay "$src/benchmarks/vllm_replay/traces/vllm_trace.json" --device cuda)
-llama=(--attention flashinfer --shape 32,8,128,32)
-summary() {  # one result JSON in three lines
-  python3 - "$1" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-d, s = r["decode_batch_ge_60"], r["step_ms"]
-def spread(x):
-    if not x:
-        return "no spread"
-    return (f"per step median {x['ms']['median']:+.3f} ms ({100 * x['relative']['median']:+.2f}%) "
-            f"p90 {x['ms']['p90']:+.3f} ms ({100 * x['relative']['p90']:+.2f}%)"
-            + (f" trimmed mean {x['ms']['trimmed_mean']:+.3f} ms ({100 * x['relative']['trimmed_mean']:+.2f}%)"
-               if "trimmed_mean" in x["ms"] else ""))
-print(f"{sys.argv[1].rsplit('/', 1)[-1]}: mapping={r.get('mapping', r['map'])} bitwise_equal={r['bitwise_equal']} "
-      f"map {r['map_us_per_block']:.1f} us/block unmap {r['unmap_us_per_block']:.1f} us/block")
-print(f"  all {r['steps']} steps: vkv {s['vkv']:.3f} ms fixed {s['fixed']:.3f} ms job {s['map']:.3f} ms "
-      f"bind {s.get('bind', 0):.3f} ms wait {s.get('wait', 0):.3f} ms; overhead {100 * r['overhead_vs_fixed']:.2f}%, "
-      + spread(r.get("per_step_overhead")))
-if d["overhead_vs_fixed"] is not None:
-    print(f"  decode batch>=60 ({d['steps']} steps): vkv {d['step_ms']['vkv']:.3f} ms fixed {d['step_ms']['fixed']:.3f} ms "
-          f"job {d['step_ms']['map']:.3f} ms wait {d['step_ms'].get('wait', 0):.3f} ms; overhead "
-          f"{100 * d['overhead_vs_fixed']:.2f}%, " + spread(d.get("per_step_overhead")))
-EOF
+finish() {  # the logs in one archive (a call brings few files back), then the exit status
+  tar -czf "$result/logs.tar.gz" -C "$result" logs && rm -rf "$out"
+  exit "$status"
 }
 
-parts=" ${VLLM_REPLAY_PARTS:-tests replay memcheck} "
-: > "$out/summary.txt"
-if [[ "$parts" == *" tests "* ]]; then
-  step gpu_tests 120 python3 -m pytest "$src/tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py" -q -p no:cacheprovider -rs \
-    -k "background or vllm_buffer"
-  echo "gpu_tests: $(tail -1 "$out/gpu_tests.log")" | tee -a "$out/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+echo "vLLM replay on $(head -1 "$out/gpu.txt"), tree $(tree_commit), $(date -u +%FT%TZ)" | tee "$summary"
+# shellcheck source=scripts/gpu/flashinfer_env.sh
+if ! source scripts/gpu/flashinfer_env.sh > "$out/flashinfer_env.log" 2>&1; then
+  cat "$out/flashinfer_env.log"
+  echo "vllm_replay: FlashInfer is not importable (flashinfer_env.log): nothing replayed" | tee -a "$summary"
+  status=1
+  finish
 fi
-if [[ "$parts" == *" replay "* ]]; then
-  # FlashInfer JIT-compiles its decode (~13 s) and prefill (~90 s) kernels in the first run's
-  # warm-up, outside the timings; the later runs find them in FLASHINFER_WORKSPACE_BASE.
-  step fi_bg_dense 240 python3 "${replay[@]}" "${llama[@]}" --dense --mapping background
-  step fi_bg_at_bind_dense 90 python3 "${replay[@]}" "${llama[@]}" --dense --mapping background_at_bind
-  if [ "${VLLM_REPLAY_ALL:-0}" = 1 ]; then
-    step fi_ahead_dense 90 python3 "${replay[@]}" "${llama[@]}" --dense --mapping ahead
-    step fi_before_dense 90 python3 "${replay[@]}" "${llama[@]}" --dense --mapping before
-    step fi_bg 60 python3 "${replay[@]}" "${llama[@]}" --mapping background
+mla_sources=$(python3 -c 'from flashinfer.jit import env; print(int((env.FLASHINFER_CSRC_DIR / "batch_mla_run.cu").is_file()))')
+if [[ "$parts" == *" mla "* && "$mla_sources" != 1 ]]; then
+  echo "vllm_replay: the FlashInfer archive has no MLA sources (pack one with scripts/gpu/flashinfer_pack.py): no mla" |
+    tee -a "$summary"
+  parts="${parts/ mla / }"
+  status=1
+fi
+aot=$(ls -d "$flashinfer_site"/flashinfer/data/aot/*/ 2>/dev/null | wc -l)
+echo "flashinfer: $(grep -o 'flashinfer [^ ]*' "$out/flashinfer_env.log" | head -1), $aot modules compiled ahead in the archive" |
+  tee -a "$summary"
+
+read -ra llama_extra <<< "${VLLM_REPLAY_LLAMA_ARGS:-}"
+read -ra mla_extra <<< "${VLLM_REPLAY_MLA_ARGS:-}"
+llama=(--device cuda --attention flashinfer --shape 32,8,128,32 "${llama_extra[@]}")
+mla=(--device cuda --attention flashinfer --backend fa2 "${mla_extra[@]}")
+warm() {  # NAME COMMAND...: builds or loads FlashInfer's kernels in the background (no vkv needed)
+  local name="$1"
+  shift
+  (cd /tmp && timeout 420 "$@" > "$out/warm_$name.log" 2>&1; echo "exit $? after $((SECONDS - warm_start)) s" >> "$out/warm_$name.log") &
+}
+warm_start=$SECONDS
+pids=()
+if [[ "$parts" == *" llama "* || "$parts" == *" memcheck "* ]]; then
+  warm llama python3 -m benchmarks.vllm_replay.vllm_replay warm "${llama[@]}"
+  pids+=($!)
+  if [[ "$parts" == *" memcheck "* ]]; then
+    warm llama_fa2 python3 -m benchmarks.vllm_replay.vllm_replay warm "${llama[@]}" --prefill-backend fa2
+    pids+=($!)
   fi
-  echo "=== summary"
-  for f in "$out"/vllm_replay_*.json; do [ -f "$f" ] && summary "$f"; done | tee -a "$out/summary.txt"
+fi
+if [[ "$parts" == *" mla "* ]]; then
+  warm mla python3 -m benchmarks.vllm_replay.vllm_mla_replay warm "${mla[@]}"
+  pids+=($!)
+fi
+install_vkv > "$out/build.log" 2>&1 || { cat "$out/build.log"; echo "vllm_replay: vkv's build failed (build.log)" |
+  tee -a "$summary"; status=1; finish; }
+echo "vkv built at $((SECONDS - warm_start)) s" | tee -a "$out/times.txt"
+for pid in "${pids[@]}"; do wait "$pid"; done
+for log in "$out"/warm_*.log; do echo "$(basename "$log" .log): $(tail -1 "$log")"; done | tee -a "$out/times.txt"
+if grep -q "^exit [^0]" "$out"/warm_*.log; then
+  echo "vllm_replay: a FlashInfer warm-up failed (logs.tar.gz: warm_*.log); its replay will build what it needs" |
+    tee -a "$summary"
+fi
+
+replay() {  # NAME SCRIPT TRACE ARGS...: one trace, every launch, the rounds that fit before the deadline
+  local name="$1" script="$2" trace="$3" left=$((deadline - SECONDS)) n="$rounds"
+  shift 3
+  if [ "$left" -lt 60 ]; then
+    echo "$name: not run, ${left} s left before the deadline" | tee -a "$summary"
+    status=1
+    return
+  fi
+  # Eager and graphed runs take ~20 s a round for each trace, the setup ~30 s: one round where
+  # less than 2.5 minutes are left for this trace.
+  [ "$left" -lt 150 ] && n=1
+  [[ "$parts" == *" mla "* && "$name" == llama && "$left" -lt 300 ]] && n=1
+  step "$name" "$((left - 10))" env OUT="$out" python3 -m "benchmarks.vllm_replay.${script%.py}" replay "$src/benchmarks/vllm_replay/traces/$trace" \
+    --dense --launch eager,graph --rounds "$n" --name "$name" "$@"
+  if [ -f "$out/vllm_replay_$name.json" ]; then
+    mv "$out/vllm_replay_$name.json" "$result/"
+  else
+    echo "$name: no result (logs.tar.gz: $name.log): $(grep -m1 -E "Error|error" "$out/$name.log")" | tee -a "$summary"
+  fi
+}
+
+if [[ "$parts" == *" llama "* ]]; then
+  replay llama vllm_replay.py vllm_trace.json "${llama[@]}"
+fi
+if [[ "$parts" == *" mla "* ]]; then
+  replay mla vllm_mla_replay.py vllm_trace_mla.json "${mla[@]}"
+fi
+results=("$result"/vllm_replay_*.json)
+if [ -f "${results[0]}" ]; then
+  echo | tee -a "$summary"
+  python3 -m benchmarks.vllm_replay.vllm_replay table "${results[@]}" | tee -a "$summary"
+  grep -h "graph capture failed" "$out"/*.log | tee -a "$summary"
 fi
 
 sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
 if [[ "$parts" != *" memcheck "* ]]; then
   :
 elif [ -n "$sanitizer" ]; then
-  # The 27-step trace (its last two steps give 157 blocks back), the whole of it. torch's
-  # attention first (no JIT: 4 layers x 64 KV heads keep a 16-token block one 2 MiB page),
-  # then FlashInfer's, compiled outside the sanitizer by a plain run first (application-only:
-  # its compiler subprocesses stay outside anyway). --keep-going: a step whose outputs differ
-  # under the sanitizer is counted, not fatal; --control runs the fixed pool twice a step: a
-  # kernel that differs from itself there is nondeterministic under the sanitizer, not fed
-  # wrong bytes by vkv (FlashInfer's FA3 prefill at step 1: vllm_replay_memcheck_166f582_h100.log).
-  small=(-m benchmarks.vllm_replay.vllm_replay replay "$src/benchmarks/vllm_replay/traces/vllm_trace_memcheck.json" --device cuda)
+  # The 27-step trace (its last two steps give 157 blocks back), the whole of it, under
+  # memcheck: torch's attention (eager only: a graph needs FlashInfer's), then FlashInfer's with
+  # its FA2 prefill (compiled outside the sanitizer by the warm-up above), eager and graphed.
+  # --keep-going: a step whose outputs differ under the sanitizer is counted, not fatal;
+  # --control runs the fixed pool twice a step: a kernel that differs from itself there is
+  # nondeterministic under the sanitizer, not fed wrong bytes by vkv.
   memcheck=("$sanitizer" --tool memcheck --target-processes application-only --error-exitcode 3)
-  digest() {  # NAME: the sanitizer's verdict and the run's comparisons, one line
-    python3 - "$1" "$out/$1.log" "$out/$1"/*.json <<'EOF'
-import json, re, sys
-name, log, result = sys.argv[1], open(sys.argv[2]).read(), json.load(open(sys.argv[3]))
-errors = re.findall(r"ERROR SUMMARY: (\d+) error", log)
-print(f"{name}: memcheck errors {errors[-1] if errors else 'none reported'}; {result['steps']} steps, "
-      f"{result['unmap_calls']} unmaps; vkv == fixed: {result['bitwise_equal']} {result['mismatched_steps']}; "
-      f"fixed == fixed: {not result['control_mismatched_steps']} {result['control_mismatched_steps']}")
-EOF
-  }
-  mkdir -p "$out/memcheck_torch"
-  step memcheck_torch 300 env OUT="$out/memcheck_torch" "${memcheck[@]}" \
-    python3 "${small[@]}" --attention torch --shape 4,64,128,64 --mapping background --keep-going --control
-  digest memcheck_torch | tee -a "$out/summary.txt"
-  for backend in fa2 auto; do  # auto: FA3 on Hopper
-    mkdir -p "$out/memcheck_$backend"
-    step memcheck_warm_$backend 240 env OUT= python3 "${small[@]}" "${llama[@]}" --prefill-backend $backend --steps 2
-    step memcheck_$backend 300 env OUT="$out/memcheck_$backend" "${memcheck[@]}" \
-      python3 "${small[@]}" "${llama[@]}" --prefill-backend $backend --mapping background --keep-going --control
-    digest memcheck_$backend | tee -a "$out/summary.txt"
+  small=(python3 -m benchmarks.vllm_replay.vllm_replay replay "$src/benchmarks/vllm_replay/traces/vllm_trace_memcheck.json"
+         --keep-going --control)
+  step memcheck_torch 240 env OUT="$out" "${memcheck[@]}" "${small[@]}" --device cuda --attention torch \
+    --shape 4,64,128,64 --name memcheck_torch
+  step memcheck_fa2 240 env OUT="$out" "${memcheck[@]}" "${small[@]}" "${llama[@]}" --prefill-backend fa2 \
+    --launch eager,graph --name memcheck_fa2
+  for name in memcheck_torch memcheck_fa2; do
+    errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$out/$name.log" | tail -1)
+    echo "$name: memcheck ${errors:-reported no summary}; $(grep -E "^memcheck_[a-z0-9]+ [a-z]+ run" "$out/$name.log" | tr '\n' ';')" |
+      tee -a "$summary"
   done
 else
-  echo "memcheck: no compute-sanitizer on this machine" | tee -a "$out/summary.txt"
+  echo "memcheck: no compute-sanitizer on this machine" | tee -a "$summary"
 fi
-exit $status
+
+compiled=$(find "$FLASHINFER_WORKSPACE_BASE" -name "*.so" 2>/dev/null | wc -l)
+echo "flashinfer: $compiled modules compiled on this machine; times: $(tr '\n' ';' < "$out/times.txt")" | tee -a "$summary"
+echo "total $((SECONDS)) s" | tee -a "$summary"
+finish

@@ -1,9 +1,10 @@
-"""benchmarks/vllm_replay/vllm_mla_replay.py on the CPU: the MLA replay of the recorded vLLM trace over the
-connector's PageMemory (attention in torch from the paged views), and the FlashInfer path's
-plumbing (vLLM's MLA cache views, the CSR plan, the split ckv/kpe views it hands FlashInfer's
-MLA wrapper) against a stand-in for BatchMLAPagedAttentionWrapper that checks its arguments as
-FlashInfer 0.7.2 does and computes MLA attention from them. No timings are asserted;
-FlashInfer itself runs only on CUDA (scripts/gpu/vllm_mla_replay.sh)."""
+"""benchmarks/vllm_replay/vllm_mla_replay.py on the CPU: the MLA replay of the recorded vLLM trace over
+vkv.BlockBacking with blocks that straddle pages (attention in torch from the paged views),
+eager and graph launches (graph mode emulated on a CPU), and the FlashInfer path's plumbing
+(vLLM's MLA cache views, the CSR plan, the split ckv/kpe views it hands FlashInfer's MLA
+wrapper, a graph wrapper's fixed buffers) against a stand-in for BatchMLAPagedAttentionWrapper
+that checks its arguments as FlashInfer 0.7.2 does and computes MLA attention from them. No
+timings are asserted; FlashInfer itself runs only on CUDA (scripts/gpu/vllm_replay.sh)."""
 
 import json
 import math
@@ -17,7 +18,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 mla = pytest.importorskip("benchmarks.vllm_replay.vllm_mla_replay")
 vllm_replay = pytest.importorskip("benchmarks.vllm_replay.vllm_replay")
-pytest.importorskip("vkv.integrations.vllm.memory")
+vkv = pytest.importorskip("vkv")
+if not hasattr(vkv, "BlockBacking"):
+    pytest.skip("vkv.BlockBacking is not in this build", allow_module_level=True)
 TRACE = ROOT / "benchmarks" / "vllm_replay" / "traces" / "vllm_trace_mla.json"
 BF16 = torch.bfloat16
 
@@ -44,8 +47,13 @@ class _WrapperStub:
 
     instances = []
 
-    def __init__(self, float_workspace_buffer, use_cuda_graph=False, backend="auto"):
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
         assert backend in ("fa2", "fa3", "auto") and float_workspace_buffer.numel() >= 128 << 20
+        self.graph = use_cuda_graph
+        if use_cuda_graph:  # FA's graph plans: caller-reserved int32 buffers, copied into at plan()
+            self.buffers = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+            assert all(b is not None and b.dtype == torch.int32 for b in self.buffers)
         self.runs = []
         _WrapperStub.instances.append(self)
 
@@ -62,6 +70,13 @@ class _WrapperStub:
         assert query_layout == kv_cache_layout == "split" and q_data_type == kv_data_type == BF16
         assert sm_scale == pytest.approx(1 / math.sqrt(192))
         self.num_heads, self.page_size = num_heads, page_size
+        if self.graph:  # the captured batch shape is fixed; the indices fit the reserved buffer
+            qo_buffer, kv_buffer, indices_buffer, lens_buffer = self.buffers
+            assert qo_buffer.shape == qo.shape and kv_buffer.shape == kv_indptr.shape and lens_buffer.shape == lens.shape
+            assert len(indices_buffer) >= len(_indices)
+            for buffer, source in zip(self.buffers, csr):
+                buffer[:len(source)].copy_(source)
+            csr = (qo_buffer, kv_buffer, indices_buffer, lens_buffer)
         self.plan_ = types.SimpleNamespace(csr=csr)
 
     def run(self, *, query, kv_cache):
@@ -123,7 +138,7 @@ def test_the_plan_is_flashinfers_csr_and_names_the_slots_each_token_writes():
 
 def test_the_forward_writes_the_latent_vectors_and_attends_over_the_paged_views(stub_flashinfer):
     layers, q_heads, block, blocks = 2, 4, 32, 9
-    model = mla.Mla("cpu", layers, q_heads, block, "flashinfer")
+    model = mla.Mla("cpu", layers, q_heads, block, "flashinfer", num_blocks=blocks)
     assert model.block_bytes == layers * block * 576 * 2
     buf = torch.zeros(blocks * model.block_bytes, dtype=torch.int8)
     pool = model.pool(buf, blocks)
@@ -131,8 +146,8 @@ def test_the_forward_writes_the_latent_vectors_and_attends_over_the_paged_views(
     pool[0][1].copy_(torch.randn(blocks, block, 576, generator=g).to(BF16))  # layer 1's older tokens
     step = {"batch": [["p", [3, 7, 1], 70, 70], ["d", [2, 5], 40, 1]]}
     inputs, shape = model.inputs(step, g)
-    out = model.forward(pool, step, 0, inputs, g)
-    plan, latent, q_nope, q_pe, _x = inputs
+    out = model.forward(pool, inputs)
+    plan, latent, q_nope, q_pe, _x, _attention = inputs
     q = torch.cat([q_nope, q_pe], -1)
     assert shape == (71, 1, 1) and [o.shape for o in out] == [(71, q_heads, 512)] * layers
     whole = buf.view(BF16)
@@ -153,40 +168,62 @@ def test_the_forward_writes_the_latent_vectors_and_attends_over_the_paged_views(
     assert wrapper.runs and all(stride[0] == layers * layer_block for _shape, stride in wrapper.runs)
 
 
+def test_a_graph_step_pads_the_batch_with_the_null_blocks_token_in_fixed_buffers(stub_flashinfer):
+    model = mla.Mla("cpu", 2, 4, 32, "flashinfer", num_blocks=9)
+    pool = model.pool(torch.zeros(9 * model.block_bytes, dtype=torch.int8), 9)
+    step = {"batch": [["d", [2, 5], 40, 1], ["e", [3], 7, 1], ["f", [4], 32, 1]]}
+    static, shape = model.inputs(step, torch.Generator().manual_seed(0), 4)
+    assert shape is None and static is model.static_inputs(4)
+    plan, latent, q_nope, _q_pe, _x, attention = static
+    graph = attention.wrapper
+    assert graph.graph and len(graph.buffers[3]) == 4 and len(graph.buffers[2]) == 9 + 4
+    qo, kv_indptr, indices, lens = graph.plan_.csr
+    assert qo.tolist() == [0, 1, 2, 3, 4] and kv_indptr.tolist() == [0, 2, 3, 4, 5] and lens.tolist() == [40, 7, 32, 1]
+    assert indices[:5].tolist() == [2, 5, 3, 4, 0]  # the padding request: block 0, one token
+    assert plan.rows.tolist() == [5, 3, 4, 0] and plan.offs.tolist() == [7, 6, 31, 0]
+    assert not latent[:, 3].any() and not q_nope[:, 3].any() and q_nope[:, :3].any()
+    out = model.forward(pool, static)
+    assert [o.shape for o in out] == [(4, 4, 512)] * 2
+
+
 # 4 KiB host pages (18 whole pages a block) and 64 KiB ones (blocks of 72 KiB straddle and share
 # pages, as DeepSeek-V2-Lite's 972 KiB blocks do 2 MiB pages on a GPU).
-@pytest.mark.parametrize("mapping,page_bytes", [("background", 64 << 10), ("before", 0)])
-def test_the_replay_over_page_memory_is_bitwise_equal(monkeypatch, capsys, mapping, page_bytes):
+@pytest.mark.parametrize("page_bytes", [64 << 10, 4 << 10])
+def test_the_replay_over_straddling_blocks_is_bitwise_equal_eager_and_graphed(monkeypatch, capsys, page_bytes):
     monkeypatch.setenv("OUT", "")
-    report = mla.replay(str(TRACE), "cpu", 2, 2, "torch", "fa2", mapping, False, 6, page_bytes=page_bytes)
+    model = lambda block, num_blocks: mla.Mla("cpu", 2, 2, block, "torch", num_blocks=num_blocks)  # noqa: E731
+    report = vllm_replay.replay(str(TRACE), "cpu", model, launches=("eager", "graph"), max_steps=7,
+                                page_bytes=page_bytes, name="mla")
     text = capsys.readouterr().out
-    assert report["bitwise_equal"] and report["steps"] == 6 and report["attention"] == "mla_torch"
-    assert report["memory"] == "PageMemory" and report["block_bytes"] == 2 * 32 * 576 * 2
-    assert report["page_bytes"] == (page_bytes or 4096)
-    assert report["shape"] == [2, 1, 576, 32] and report["map_calls"] > 0
-    assert report["most_blocks_backed"] >= max(len(t) for _r, t, _e, _n in vllm_replay.load(str(TRACE))["steps"][0]["batch"])
-    assert "mla: bitwise equal: True" in text and "mla: map " in text
+    assert report["bitwise_equal"] and report["steps"] == 7 and report["attention"] == "mla_torch"
+    assert report["block_bytes"] == 2 * 32 * 576 * 2 and report["page_bytes"] == page_bytes
+    assert report["shape"] == [2, 1, 576, 32] and [r["graph_steps"] for r in report["runs"]] == [0, 2]
+    assert all(r["backend"]["map"]["pages"] > 0 for r in report["runs"])
+    first = vllm_replay.load(str(TRACE))["steps"][0]["batch"]
+    assert all(r["most_blocks_backed"] >= max(len(t) for _r, t, _e, _n in first) for r in report["runs"])
+    assert "mla graph run 1: bitwise equal True" in text
 
 
 def test_the_flashinfer_path_replays_bitwise_equal_and_writes_its_json(stub_flashinfer, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
-    model = lambda block: mla.Mla("cpu", 2, 2, block, "flashinfer", "fa2")  # noqa: E731
-    report = vllm_replay.replay(str(TRACE), "cpu", 2, 1, 576, 2, "flashinfer", "background", False, 4, model=model)
+    model = lambda block, num_blocks: mla.Mla("cpu", 2, 2, block, "flashinfer", "fa2",  # noqa: E731
+                                              num_blocks=num_blocks)
+    report = vllm_replay.replay(str(TRACE), "cpu", model, launches=("eager", "graph"), max_steps=7, name="mla")
     capsys.readouterr()
     assert report["bitwise_equal"] and report["mla_backend"] == "fa2" and report["warmed_shapes"] >= 1
-    written = json.loads((tmp_path / "vllm_replay_mla_flashinfer_bg.json").read_text())
+    assert report["captured_sizes"] == [64] and any(w.graph for w in _WrapperStub.instances)
+    written = json.loads((tmp_path / "vllm_replay_mla.json").read_text())
     assert written["machine"]["device"] == "cpu" and "command" in written["machine"] and "provenance" in written
-    assert "mla: bitwise equal: True" in mla.summary(written)
+    assert "| mla | graph | 1 | True |" in vllm_replay.goal_table([written])
 
 
 def test_an_empty_step_plans_nothing_and_attends_nothing(stub_flashinfer):
     # The trace's last steps schedule no request (they only give blocks back); FlashInfer's
     # MLA wrapper refuses to plan an empty batch.
-    model = mla.Mla("cpu", 2, 2, 32, "flashinfer")
+    model = mla.Mla("cpu", 2, 2, 32, "flashinfer", num_blocks=4)
     pool = model.pool(torch.zeros(4 * model.block_bytes, dtype=torch.int8), 4)
-    g = torch.Generator().manual_seed(0)
-    inputs, shape = model.inputs({"batch": []}, g)
-    assert shape == (0, 0, 0) and model.forward(pool, {"batch": []}, 0, inputs, g) == []
+    inputs, shape = model.inputs({"batch": []}, torch.Generator().manual_seed(0))
+    assert shape == (0, 0, 0) and model.forward(pool, inputs) == []
     assert [len(s["batch"]) for s in json.loads(TRACE.read_text())["steps"][-4:]] == [0, 0, 0, 0]
 
 
@@ -201,8 +238,9 @@ def test_a_short_recorded_trace_gives_its_blocks_back_bitwise_equal(tmp_path, mo
     assert recorded["block_size"] == 32 and recorded["model"]["mla"]
     capsys.readouterr()
     monkeypatch.setenv("OUT", "")
-    report = mla.replay(str(trace), "cpu", 2, 2, "torch", "fa2", "background", False, 0)
-    assert report["bitwise_equal"] and report["unmap_calls"] > 0
+    model = lambda block, num_blocks: mla.Mla("cpu", 2, 2, block, "torch", num_blocks=num_blocks)  # noqa: E731
+    report = vllm_replay.replay(str(trace), "cpu", model, launches=("eager", "graph"), page_bytes=64 << 10)
+    assert report["bitwise_equal"] and all(r["backend"]["unmap"]["pages"] > 0 for r in report["runs"])
 
 
 def test_the_dense_gemms_are_deepseek_v2_lites_active_weights():
