@@ -88,6 +88,8 @@ suite pytest pytest "$VKV_PYTHON" -m pytest tests/python -q -p no:cacheprovider
 [ "${VKV_TEST_TRANSFORMERS_VERSIONS:-0}" = 0 ] ||
   suite transformers-versions pytest env PYTHON="$VKV_PYTHON" bash scripts/test_transformers_versions.sh
 [ "${VKV_TEST_LATEST_TORCH:-0}" = 0 ] || suite latest-torch pytest bash scripts/test_latest_torch.sh
+# CI: vkv inside SGLang 0.5.23's own engine, in the torch 2.14.1 environment above (scripts/test_sglang.sh).
+[ "${VKV_TEST_SGLANG:-0}" = 0 ] || suite sglang pytest bash scripts/test_sglang.sh
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"

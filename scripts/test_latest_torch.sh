@@ -28,10 +28,11 @@ VKV_PYTHON="$venv/bin/python" VKV_INSTALL_LOG="$vkv_root/build/pip-install-torch
 # Every suite of the library and its integrations; the serving demo's and the benchmark
 # harnesses' suites (pure Python over the same bindings, the slowest: minutes on 2 cores)
 # run in scripts/test.sh's pass with the pinned torch. VKV_LATEST_TORCH_ALL=1 runs them too.
-# vLLM's tests also run there: this venv has none of the packages vLLM's scheduler imports.
+# vLLM's tests also run there: this venv has none of the packages vLLM's scheduler imports;
+# SGLang's run in scripts/test_sglang.sh, which installs SGLang into this venv.
 ignore=(--ignore=tests/python/demo/test_demo.py --ignore=tests/python/demo/test_demo_cuda_graphs.py
         --ignore=tests/python/benchmarks/test_attention_bench.py
-        --ignore=tests/python/integrations/vllm_connector)
+        --ignore=tests/python/integrations/vllm_connector --ignore=tests/python/integrations/sglang_engine)
 [ "${VKV_LATEST_TORCH_ALL:-0}" = 0 ] || ignore=()
 "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider "${ignore[@]}"
 echo "== torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): passed in $((SECONDS - start)) s"

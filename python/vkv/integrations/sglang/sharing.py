@@ -1,0 +1,73 @@
+"""An SGLang engine's part in a shared budget: what it reports, and what it gives back.
+
+Its free pages are SGLang's to hand out at any moment, so only its scheduler can give them
+back, at a step: once a scheduler iteration (and at every idle pass) it tells the budget
+(``vkv.SharedBudget.speak_for``, the same report every engine kind makes) what it could give
+(free pages beyond its headroom, and the radix cache's evictable pages), what it lacks (the
+pages its last growth could not back: a standing ask) and what it gave; the budget answers
+with its part of the others' asks (lowest priorities first, never below a floor). While the
+engine is idle it also gives back every free page beyond its headroom unasked, and forgets
+its ask. Tensor-parallel ranks each speak for their own GPU's member, then take the largest
+of their answers (vkv's host all-reduce), so that every rank releases the same pages.
+"""
+
+from typing import Any, Optional
+
+from .allocator import VkvPagedTokenToKVPoolAllocator
+
+REDUCE_TIMEOUT_S = 600.0
+
+
+class BudgetSpeaker:
+    """Not thread-safe: SGLang runs its scheduler on one thread."""
+
+    def __init__(self, allocator: VkvPagedTokenToKVPoolAllocator, scheduler: Any) -> None:
+        import vkv
+
+        from .pool import _ranks
+
+        settings = allocator.get_kvcache().vkv_settings
+        _, _, _, tp_rank, tp_size = _ranks()
+        self.allocator = allocator
+        self.tree_cache = getattr(scheduler, "tree_cache", None)
+        self.budget = vkv.SharedBudget.open(settings.budget)
+        self.label = settings.member_label(tp_rank, tp_size)
+        self.reduce: Optional[Any] = None
+        if tp_size > 1:
+            from vkv._host_all_reduce import open_on_this_host
+            self.reduce = open_on_this_host(scheduler.tp_cpu_group, 1)
+            if self.reduce is None:
+                raise RuntimeError("vkv.integrations.sglang: the tensor-parallel ranks are not on one host "
+                                   "(or cannot share memory); vkv backs SGLang on one host only")
+        runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+        allocator.forward_stream = getattr(runner, "forward_stream", None)
+
+    def _evictable_tokens(self) -> int:
+        cache = self.tree_cache
+        if cache is None or not cache.supports_prefix_sharing():
+            return 0
+        return int(cache.evictable_size())
+
+    def step(self, idle: bool) -> int:
+        """Reports to the budget and gives back what it asks; ``idle``: the engine has no
+        request, so every free page beyond the headroom goes too. Returns pages released."""
+        allocator = self.allocator
+        page_bytes = allocator.token_page_bytes
+        if idle:
+            allocator.short_pages = 0
+        spare = allocator.spare_pages() * page_bytes + self._evictable_tokens() // allocator.page_size * page_bytes
+        share = self.budget.speak_for(self.label, spare=spare, ask=allocator.short_pages * page_bytes,
+                                      given=allocator.given_pages * page_bytes, settled=True)
+        allocator.given_pages = 0
+        asked = -(-int(share["give_bytes"]) // page_bytes)
+        give = max(asked, allocator.spare_pages() if idle else 0)
+        if self.reduce is not None:
+            give = int(self.reduce.reduce_max([give], REDUCE_TIMEOUT_S)[0])
+        if give <= 0:
+            return 0
+        keep = 0 if asked else allocator.headroom_pages
+        missing = give + keep - (allocator.available_size() // allocator.page_size)
+        if asked and missing > 0 and self._evictable_tokens():
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+            self.tree_cache.evict(EvictParams(num_tokens=missing * allocator.page_size))
+        return allocator.give_back(give, keep_pages=keep)

@@ -1,0 +1,77 @@
+"""vkv inside SGLang 0.5.23's own engine, on the CPU (sglang_testing.py): the outputs equal
+SGLang's own pool of the same memory under pressure, with prefix hits, chunked prefill and
+retraction, its leak checks strict; an idle engine gives its free memory back; a budget
+smaller than the pool serves the same outputs; --page-size 1 is refused in one line.
+Needs SGLang: scripts/install_sglang.sh, then run with .venv-sglang's Python."""
+
+import importlib.util
+import uuid
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed (scripts/install_sglang.sh)", allow_module_level=True)
+
+import sglang_testing as st  # noqa: E402
+import vkv  # noqa: E402
+
+POOL_TOKENS = 384  # 24 pages of 16: the workload needs several times that
+SERVER_ARGS = {"page_size": st.PAGE, "max_total_tokens": POOL_TOKENS, "chunked_prefill_size": 64,
+               "max_running_requests": 8}
+
+
+@pytest.fixture(scope="module")
+def sglang_pool():
+    result = st.run({"server_args": SERVER_ARGS, "rounds": st.workload()}, st.environment())
+    assert "error" not in result, result
+    return result
+
+
+@pytest.fixture
+def budget():
+    name = f"sglang-test-{uuid.uuid4().hex[:8]}"
+    created = []
+
+    def create(size: int) -> str:
+        created.append(vkv.SharedBudget.create(name, size, device="cpu"))
+        return name
+
+    yield create
+    for handle in created:
+        handle.remove()
+
+
+def outputs(result):
+    return [[request["output_ids"] for request in batch] for batch in result["rounds"]]
+
+
+def test_workload_exercises_prefix_hits_chunking_and_retraction(sglang_pool):
+    requests = [request for batch in sglang_pool["rounds"] for request in batch]
+    assert sum(request["cached_tokens"] for request in requests) > 0
+    assert sum(request["retractions"] for request in requests) > 0
+
+
+def test_outputs_equal_sglang_pool_and_idle_memory_goes_back(sglang_pool, budget):
+    idle = 64 * 1024  # the headroom's pages and page 0, at most
+    name = budget(4 << 20)
+    result = st.run({"server_args": SERVER_ARGS, "rounds": st.workload(), "budget": name, "idle_bytes": idle},
+                    st.environment(name))
+    assert "error" not in result, result["error"]
+    assert outputs(result) == outputs(sglang_pool)
+    for members in result["budget"]:  # after each round, idle: its free pages went back
+        assert len(members) == 1 and members[0]["bytes_held"] <= idle, members
+
+
+def test_budget_smaller_than_the_pool_serves_the_same_outputs(sglang_pool, budget):
+    name = budget(POOL_TOKENS * st.TOKEN_BYTES // 2)
+    result = st.run({"server_args": SERVER_ARGS, "rounds": st.workload(), "budget": name}, st.environment(name))
+    assert "error" not in result, result["error"]
+    assert outputs(result) == outputs(sglang_pool)
+
+
+def test_page_size_one_is_refused_in_one_line(budget):
+    name = budget(4 << 20)
+    result = st.run({"server_args": dict(SERVER_ARGS, page_size=1), "rounds": []}, st.environment(name))
+    assert "error" in result
+    assert result["error"].splitlines()[-1].endswith(
+        "start SGLang with --page-size 16 (or unset VKV_SGLANG_BUDGET)"), result["error"]
