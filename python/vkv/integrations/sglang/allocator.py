@@ -55,6 +55,8 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.headroom_pages = max(1, -(-headroom // page_size))
         self.short_pages = 0  # what the last growth could not back: the standing ask
         self.given_pages = 0  # given back since the last report to the budget
+        self.iteration = 0  # the scheduler's iterations (sharing.BudgetSpeaker counts them)
+        self._short_in = -1  # the iteration whose growth came up short: no second try in it
         self.forward_stream: Optional[Any] = None  # set by sharing.BudgetSpeaker: releases wait for it
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
@@ -78,11 +80,13 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         budget that cannot give them all backs what it can and leaves the rest as this
         engine's standing ask (``short_pages``)."""
         pages = -(-tokens // self.page_size)
-        if pages <= 0:
+        if pages <= 0 or self._short_in == self.iteration:  # the budget had nothing more this iteration
             return 0
         wanted = min(max(pages, self.headroom_pages), self.num_pages - self.backed_pages())
         ids = np.asarray(self.backing.back_some(wanted), dtype=np.int64) if wanted > 0 else np.empty(0, np.int64)
         self.short_pages = max(0, pages - len(ids))
+        if self.short_pages:
+            self._short_in = self.iteration
         if len(ids):
             merged = torch.cat((self.get_all_free_pages(), torch.from_numpy(ids).to(self.device)))
             self.free_pages, _ = torch.sort(merged)

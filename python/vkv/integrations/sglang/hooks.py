@@ -44,11 +44,17 @@ def _server_args_defaults(original: Any, platform: Any, server_args: Any) -> Any
     settings = Settings.from_environment()
     if settings is None:
         return result
+    if "{device}" in settings.budget:  # each rank opens its GPU's in its scheduler
+        return _page_size(server_args, result)
     try:
         vkv.SharedBudget.open(settings.budget).stats()
     except (ValueError, RuntimeError) as error:
         raise ValueError(f"VKV_SGLANG_BUDGET={settings.budget!r}: {error} "
                          f"(create it first: python -m vkv.budget create {settings.budget} 40GiB)") from None
+    return _page_size(server_args, result)
+
+
+def _page_size(server_args: Any, result: Any) -> Any:
     page_size = getattr(server_args, "page_size", None)
     if page_size is None:
         server_args.page_size = DEFAULT_PAGE_SIZE

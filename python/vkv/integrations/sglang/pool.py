@@ -57,6 +57,7 @@ class _VkvBuffers:
     vkv_backing: Any = None
     vkv_layout: Optional[PoolLayout] = None
     vkv_settings: Optional[Settings] = None
+    vkv_budget: str = ""  # the shared budget's name on this rank's device
 
     def _vkv_make_backing(self, layout: PoolLayout) -> torch.Tensor:
         import vkv
@@ -66,11 +67,11 @@ class _VkvBuffers:
             raise RuntimeError("vkv.integrations.sglang: the vkv pool was built without VKV_SGLANG_BUDGET")
         rank, ranks, engine, tp_rank, tp_size = _ranks()
         agreement = (f"vkv-sglang-{engine}", rank, ranks, AGREEMENT_TIMEOUT_S) if ranks > 1 else None
-        self.vkv_settings = settings
-        self.vkv_layout = layout
+        device = _device(self.device)
+        self.vkv_settings, self.vkv_layout, self.vkv_budget = settings, layout, settings.budget_on(device)
         self.vkv_backing = vkv.BlockBacking(
             layout.num_blocks, ranges=layout.ranges(), reserved_bytes=layout.reserved_bytes,
-            device=_device(self.device), shared_budget=settings.budget,
+            device=device, shared_budget=self.vkv_budget,
             shared_budget_floor=settings.floor, shared_budget_cap=settings.cap,
             shared_budget_priority=settings.priority,
             shared_budget_label=settings.member_label(tp_rank, tp_size),

@@ -6,8 +6,10 @@ the launch command reaches every tensor-parallel rank:
     VKV_SGLANG_BUDGET=gpu0 sglang serve --model-path M --page-size 16
 
 VKV_SGLANG_BUDGET   the vkv.SharedBudget the engine draws its KV memory from
-                    (``python -m vkv.budget create gpu0 40GiB``); unset or empty: vkv stays off
-                    and SGLang runs as if vkv were not installed.
+                    (``python -m vkv.budget create gpu0 40GiB``); ``{device}`` in it becomes the
+                    rank's GPU index (``gpu{device}``: with tensor parallelism, each GPU's
+                    budget); unset or empty: vkv stays off and SGLang runs as if vkv were not
+                    installed.
 VKV_SGLANG_FLOOR    bytes no other member of the budget takes from this engine (e.g. 8GiB); 0
 VKV_SGLANG_CAP      the most this engine holds (e.g. 30GiB); 0 = none
 VKV_SGLANG_PRIORITY who gives back first when the budget is short: lower priorities; 0
@@ -63,6 +65,11 @@ class Settings:
         return Settings(budget=budget, floor=value("FLOOR", parse_size, 0), cap=value("CAP", parse_size, 0),
                         priority=value("PRIORITY", parse_priority, 0), label=env.get(PREFIX + "LABEL", "").strip(),
                         headroom_tokens=headroom)
+
+    def budget_on(self, device: str) -> str:
+        """The budget's name on ``device`` ('cuda:N' or 'cpu'): ``{device}`` in
+        VKV_SGLANG_BUDGET becomes N (``gpu{device}``: each tensor-parallel rank its GPU's)."""
+        return self.budget.replace("{device}", device.split(":")[-1])
 
     def member_label(self, tp_rank: int, tp_size: int) -> str:
         """This rank's label in the budget: unique among its members (speak_for() finds it)."""

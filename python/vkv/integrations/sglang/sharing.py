@@ -11,11 +11,13 @@ its ask. Tensor-parallel ranks each speak for their own GPU's member, then take 
 of their answers (vkv's host all-reduce), so that every rank releases the same pages.
 """
 
+import time
 from typing import Any, Optional
 
 from .allocator import VkvPagedTokenToKVPoolAllocator
 
 REDUCE_TIMEOUT_S = 600.0
+IDLE_REPORT_S = 0.005  # an idle scheduler loops without pause: it reports at most this often
 
 
 class BudgetSpeaker:
@@ -30,12 +32,14 @@ class BudgetSpeaker:
         _, _, _, tp_rank, tp_size = _ranks()
         self.allocator = allocator
         self.tree_cache = getattr(scheduler, "tree_cache", None)
-        self.budget = vkv.SharedBudget.open(settings.budget)
+        self.budget = vkv.SharedBudget.open(allocator.get_kvcache().vkv_budget)
         self.label = settings.member_label(tp_rank, tp_size)
+        self.share = {"give_bytes": 0}
+        self.reported_at = 0.0
         self.reduce: Optional[Any] = None
         if tp_size > 1:
             from vkv._host_all_reduce import open_on_this_host
-            self.reduce = open_on_this_host(scheduler.tp_cpu_group, 1)
+            self.reduce = open_on_this_host(scheduler.tp_cpu_group, 2)
             if self.reduce is None:
                 raise RuntimeError("vkv.integrations.sglang: the tensor-parallel ranks are not on one host "
                                    "(or cannot share memory); vkv backs SGLang on one host only")
@@ -52,17 +56,22 @@ class BudgetSpeaker:
         """Reports to the budget and gives back what it asks; ``idle``: the engine has no
         request, so every free page beyond the headroom goes too. Returns pages released."""
         allocator = self.allocator
+        allocator.iteration += 1
         page_bytes = allocator.token_page_bytes
         if idle:
             allocator.short_pages = 0
-        spare = allocator.spare_pages() * page_bytes + self._evictable_tokens() // allocator.page_size * page_bytes
-        share = self.budget.speak_for(self.label, spare=spare, ask=allocator.short_pages * page_bytes,
-                                      given=allocator.given_pages * page_bytes, settled=True)
-        allocator.given_pages = 0
-        asked = -(-int(share["give_bytes"]) // page_bytes)
+        now = time.monotonic()
+        if not idle or allocator.given_pages or now - self.reported_at >= IDLE_REPORT_S:
+            spare = (allocator.spare_pages() + self._evictable_tokens() // allocator.page_size) * page_bytes
+            self.share = self.budget.speak_for(self.label, spare=spare, ask=allocator.short_pages * page_bytes,
+                                               given=allocator.given_pages * page_bytes, settled=True)
+            allocator.given_pages = 0
+            self.reported_at = now
+        asked = -(-int(self.share["give_bytes"]) // page_bytes)
+        self.share = {"give_bytes": 0}  # acted on once; the next report asks again
         give = max(asked, allocator.spare_pages() if idle else 0)
-        if self.reduce is not None:
-            give = int(self.reduce.reduce_max([give], REDUCE_TIMEOUT_S)[0])
+        if self.reduce is not None:  # every rank releases the same pages
+            give, asked = (int(x) for x in self.reduce.reduce_max([give, asked], REDUCE_TIMEOUT_S))
         if give <= 0:
             return 0
         keep = 0 if asked else allocator.headroom_pages
