@@ -38,19 +38,20 @@ def model_dir(root: Path) -> Path:
     return path
 
 
-def workload(rounds: int = 2) -> List[List[Dict[str, Any]]]:
-    """Requests in ``rounds`` rounds sent one after the other: 4 families of prompts sharing
-    a 48-token prefix (radix hits within a round and, from the second round on, on what the
-    first left cached), long enough for chunked prefill, more than the pool holds at once
-    (queueing and retraction). Greedy sampling: the outputs depend on the KV alone."""
+def workload() -> List[List[Dict[str, Any]]]:
+    """Two rounds sent one after the other: 8 requests of 4 families of prompts sharing a
+    48-token prefix (radix hits within the round), then 4 more of the same families (hits on
+    what the first round left cached); prompts of 64-96 tokens (chunked prefill at 64), more
+    than the pool holds at once (queueing, and retraction where admission was optimistic).
+    Greedy sampling, no EOS: the outputs depend on the KV alone."""
     out = []
-    for r in range(rounds):
+    for r, count in enumerate((8, 4)):
         batch = []
-        for i in range(12):
+        for i in range(count):
             family = i % 4
             prefix = [(7 * family + 3 * k) % 500 + 3 for k in range(48)]
-            suffix = [(11 * i + 5 * k + r) % 500 + 3 for k in range(16 + 8 * (i % 5))]
-            batch.append({"input_ids": prefix + suffix, "max_new_tokens": 24 + 4 * (i % 4)})
+            suffix = [(11 * i + 5 * k + r) % 500 + 3 for k in range(16 + 16 * (i % 3))]
+            batch.append({"input_ids": prefix + suffix, "max_new_tokens": 16 + 4 * (i % 4)})
         out.append(batch)
     return out
 

@@ -84,7 +84,7 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             return 0
         wanted = min(max(pages, self.headroom_pages), self.num_pages - self.backed_pages())
         ids = np.asarray(self.backing.back_some(wanted), dtype=np.int64) if wanted > 0 else np.empty(0, np.int64)
-        self.short_pages = max(0, pages - len(ids))
+        self.short_pages = max(0, min(pages, wanted) - len(ids))  # the pool's end is no budget's shortfall
         if self.short_pages:
             self._short_in = self.iteration
         if len(ids):

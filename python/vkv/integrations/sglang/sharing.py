@@ -18,6 +18,10 @@ from .allocator import VkvPagedTokenToKVPoolAllocator
 
 REDUCE_TIMEOUT_S = 600.0
 IDLE_REPORT_S = 0.005  # an idle scheduler loops without pause: it reports at most this often
+# Pages given back while a forward may still read them go to the budget at the backing's next
+# call: an idle engine makes one every SETTLE_EVERY idle passes, SETTLE_PASSES times after a
+# give-back (counted in passes, not time: tensor-parallel ranks make the same calls).
+SETTLE_EVERY, SETTLE_PASSES = 16, 256
 
 
 class BudgetSpeaker:
@@ -36,6 +40,7 @@ class BudgetSpeaker:
         self.label = settings.member_label(tp_rank, tp_size)
         self.share = {"give_bytes": 0}
         self.reported_at = 0.0
+        self.settle_passes = 0
         self.reduce: Optional[Any] = None
         if tp_size > 1:
             from vkv._host_all_reduce import open_on_this_host
@@ -60,6 +65,10 @@ class BudgetSpeaker:
         page_bytes = allocator.token_page_bytes
         if idle:
             allocator.short_pages = 0
+            if self.settle_passes:
+                self.settle_passes -= 1
+                if self.settle_passes % SETTLE_EVERY == 0:
+                    allocator.backing.back_some(0)
         now = time.monotonic()
         if not idle or allocator.given_pages or now - self.reported_at >= IDLE_REPORT_S:
             spare = (allocator.spare_pages() + self._evictable_tokens() // allocator.page_size) * page_bytes
@@ -79,4 +88,7 @@ class BudgetSpeaker:
         if asked and missing > 0 and self._evictable_tokens():
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             self.tree_cache.evict(EvictParams(num_tokens=missing * allocator.page_size))
-        return allocator.give_back(give, keep_pages=keep)
+        released = allocator.give_back(give, keep_pages=keep)
+        if released:
+            self.settle_passes = SETTLE_PASSES
+        return released
