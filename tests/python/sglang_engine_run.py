@@ -21,7 +21,7 @@ def main(spec_path: str) -> None:
     engine = sglang.Engine(model_path=spec["model"], device="cpu", load_format="dummy", skip_tokenizer_init=True,
                            dtype="float32", attention_backend="torch_native", grammar_backend="none",
                            disable_cuda_graph=True, random_seed=1234, log_level="warning",
-                           mem_fraction_static=0.05, **spec["server_args"])
+                           mem_fraction_static=0.9, **spec["server_args"])  # the pool: max_total_tokens
     result = {"rounds": [], "budget": []}
     signals = spec.get("signals")
     try:

@@ -41,8 +41,9 @@ def model_dir(root: Path) -> Path:
 def workload() -> List[List[Dict[str, Any]]]:
     """Two rounds sent one after the other: 8 requests of 4 families of prompts sharing a
     48-token prefix (radix hits within the round), then 4 more of the same families (hits on
-    what the first round left cached); prompts of 64-96 tokens (chunked prefill at 64), more
-    than the pool holds at once (queueing, and retraction where admission was optimistic).
+    what the first round left cached); prompts of 56-72 tokens (chunked prefill at 64) and
+    48-72 new tokens each: more than the pool holds at once (queueing, and retraction where
+    admission was optimistic).
     Greedy sampling, no EOS: the outputs depend on the KV alone."""
     out = []
     for r, count in enumerate((8, 4)):
@@ -50,8 +51,8 @@ def workload() -> List[List[Dict[str, Any]]]:
         for i in range(count):
             family = i % 4
             prefix = [(7 * family + 3 * k) % 500 + 3 for k in range(48)]
-            suffix = [(11 * i + 5 * k + r) % 500 + 3 for k in range(16 + 16 * (i % 3))]
-            batch.append({"input_ids": prefix + suffix, "max_new_tokens": 16 + 4 * (i % 4)})
+            suffix = [(11 * i + 5 * k + r) % 500 + 3 for k in range(8 + 8 * (i % 3))]
+            batch.append({"input_ids": prefix + suffix, "max_new_tokens": 48 + 8 * (i % 4)})
         out.append(batch)
     return out
 

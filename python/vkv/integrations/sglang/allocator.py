@@ -47,6 +47,7 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
                             f"{type(kvcache).__name__} (a pool kind vkv does not back: unset VKV_SGLANG_BUDGET)")
         self.backing = kvcache.vkv_backing
         layout = kvcache.vkv_layout
+        assert layout is not None
         self.token_page_bytes = layout.token_bytes() * page_size  # one page over every buffer
         settings = kvcache.vkv_settings
         headroom = settings.headroom_tokens if settings is not None else None
@@ -90,7 +91,8 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if len(ids):
             merged = torch.cat((self.get_all_free_pages(), torch.from_numpy(ids).to(self.device)))
             self.free_pages, _ = torch.sort(merged)
-            self.staged_pages, self.num_staged_pages = [], 0
+            self.staged_pages: list = []
+            self.num_staged_pages = 0
         return len(ids)
 
     def ensure_free(self, tokens: int) -> bool:

@@ -31,18 +31,24 @@ def _device(device: Any) -> str:
                      "unset VKV_SGLANG_BUDGET to run SGLang's own pool")
 
 
-def _ranks() -> tuple:
-    """(rank, ranks, engine tag) of this scheduler among the engine's tensor/pipeline ranks."""
+def _parallel(name: str, default: int) -> int:
+    """A rank or width from SGLang's parallel context; ``default`` where it has none."""
     try:
         from sglang.srt.runtime_context import get_parallel
-        parallel = get_parallel()
-        tp_rank, tp_size = int(parallel.tp_rank), int(parallel.tp_size)
-        pp_rank, pp_size = int(getattr(parallel, "pp_rank", 0)), int(getattr(parallel, "pp_size", 1))
-        dp_rank = int(getattr(parallel, "attn_dp_rank", 0) or 0)
+        value = getattr(get_parallel(), name)
     except (ImportError, AttributeError, RuntimeError, ValueError):
-        tp_rank, tp_size, pp_rank, pp_size, dp_rank = 0, 1, 0, 1, 0
+        return default
+    return default if value is None else int(value)
+
+
+def _ranks() -> tuple:
+    """(rank, ranks, engine tag, tp_rank, tp_size) of this scheduler among the engine's
+    tensor- and pipeline-parallel ranks."""
+    tp_rank, tp_size = _parallel("tp_rank", 0), _parallel("tp_size", 1)
+    pp_rank, pp_size = _parallel("pp_rank", 0), _parallel("pp_size", 1)
     # The ranks of one engine are the launcher's children: its pid tells engines apart.
-    return pp_rank * tp_size + tp_rank, tp_size * pp_size, f"{os.getppid()}-{dp_rank}", tp_rank, tp_size
+    return pp_rank * tp_size + tp_rank, tp_size * pp_size, f"{os.getppid()}-{_parallel('attn_dp_rank', 0)}", \
+        tp_rank, tp_size
 
 
 def refuse_page_size_one(page_size: int) -> None:
@@ -58,6 +64,7 @@ class _VkvBuffers:
     vkv_layout: Optional[PoolLayout] = None
     vkv_settings: Optional[Settings] = None
     vkv_budget: str = ""  # the shared budget's name on this rank's device
+    device: Any  # SGLang's pool sets it
 
     def _vkv_make_backing(self, layout: PoolLayout) -> torch.Tensor:
         import vkv

@@ -85,7 +85,7 @@ class BudgetSpeaker:
             return 0
         keep = 0 if asked else allocator.headroom_pages
         missing = give + keep - (allocator.available_size() // allocator.page_size)
-        if asked and missing > 0 and self._evictable_tokens():
+        if asked and missing > 0 and self.tree_cache is not None and self._evictable_tokens():
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             self.tree_cache.evict(EvictParams(num_tokens=missing * allocator.page_size))
         released = allocator.give_back(give, keep_pages=keep)
