@@ -30,8 +30,8 @@ def main(spec_path: str) -> None:
                 _wait_for(os.path.join(signals, f"go-{index}"))
             watch = _Watch(spec["budget"], os.getpid()) if signals else None
             outputs = engine.generate(input_ids=[r["input_ids"] for r in batch],
-                                      sampling_params=[{"temperature": 0.0, "max_new_tokens": r["max_new_tokens"],
-                                                        "ignore_eos": True} for r in batch])
+                                      sampling_params=[{"temperature": 0.0, "max_new_tokens": r["max_new_tokens"]}
+                                                       for r in batch])
             result["rounds"].append([{"output_ids": o["output_ids"],
                                       "cached_tokens": o["meta_info"].get("cached_tokens", 0),
                                       "retractions": o["meta_info"].get("num_retractions", 0)} for o in outputs])

@@ -44,7 +44,8 @@ def workload() -> List[List[Dict[str, Any]]]:
     what the first round left cached); prompts of 56-72 tokens (chunked prefill at 64) and
     48-72 new tokens each: more than the pool holds at once (queueing, and retraction where
     admission was optimistic).
-    Greedy sampling, no EOS: the outputs depend on the KV alone."""
+    Greedy sampling: the outputs depend on the KV alone. (Not ignore_eos: SGLang's admission
+    then reserves every request's whole max_new_tokens, and never retracts.)"""
     out = []
     for r, count in enumerate((8, 4)):
         batch = []
