@@ -1,6 +1,7 @@
 """One SGLang engine for sglang_testing.run(): reads a JSON spec, starts ``sglang.Engine`` on
 the CPU, sends the spec's rounds of requests, waits (with a bound) until a vkv engine has
-given back its free memory, and writes the outputs and what the shared budget saw.
+given back its free memory (with ``flush``: after SGLang's flush_cache(), which turns the
+radix cache's pages into free ones), and writes the outputs and what the shared budget saw.
 
 With ``signals`` (a folder), another test drives it: before round N > 0 it waits for the file
 ``go-N``; after round N it writes ``round-N`` (JSON: the most its scheduler held in the
@@ -40,6 +41,8 @@ def main(spec_path: str) -> None:
                 with open(os.path.join(signals, f"round-{index}"), "w") as out:
                     json.dump({"most_held": most, "scheduler_pid": pid}, out)
             elif spec.get("budget"):
+                if spec.get("flush"):  # SGLang's own flush: the radix cache's pages become free ones
+                    assert engine.flush_cache().success
                 result["budget"].append(_idle_members(spec["budget"], spec.get("idle_bytes", 0)))
         if signals:
             _wait_for(os.path.join(signals, "stop"))

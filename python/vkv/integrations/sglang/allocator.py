@@ -25,6 +25,7 @@ the highest free ones, whose vkv pages SGLang's lowest-first allocation leaves e
 Not thread-safe: SGLang calls its allocator from the scheduler thread only.
 """
 
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -80,7 +81,7 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         ``headroom_pages``) and puts them on the free list; returns the pages backed. A
         budget that cannot give them all backs what it can and leaves the rest as this
         engine's standing ask (``short_pages``)."""
-        pages = -(-tokens // self.page_size)
+        pages = -(-math.ceil(tokens) // self.page_size)  # SGLang's budgets count fractional tokens
         if pages <= 0 or self._short_in == self.iteration:  # the budget had nothing more this iteration
             return 0
         wanted = min(max(pages, self.headroom_pages), self.num_pages - self.backed_pages())
@@ -97,7 +98,7 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def ensure_free(self, tokens: int) -> bool:
         """Whether ``tokens`` slots are free after backing what is missing."""
-        missing = tokens - self.available_size()
+        missing = math.ceil(tokens) - self.available_size()
         if missing > 0:
             self.grow(missing)
         return self.available_size() >= tokens
