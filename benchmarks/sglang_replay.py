@@ -52,7 +52,7 @@ def record(path: str, requests: int, prompt: int, gen: int, running: int) -> Non
     try:
         with tempfile.TemporaryDirectory() as tmp:
             lines = os.path.join(tmp, "steps.jsonl")
-            env = st.environment(name, VKV_SGLANG_RECORD=lines)
+            env = st.environment(name, VKV_RECORD_SGLANG_STEPS=lines)
             env["PYTHONPATH"] = os.pathsep.join([os.path.join(TESTS, "sglang_record"), env["PYTHONPATH"]])
             args = {"page_size": st.PAGE, "max_total_tokens": pool, "max_running_requests": running,
                     "chunked_prefill_size": 1024, "disable_overlap_schedule": True}

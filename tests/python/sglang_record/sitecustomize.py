@@ -2,12 +2,12 @@
 of SGLang's scheduler for benchmarks/sglang_replay.py: once per forward (before
 ``Scheduler.run_batch``, through SGLang's HookRegistry), whether it decodes or extends, each
 request's token slots and how many of them the forward writes, and the pages vkv backs.
-Active only where VKV_SGLANG_RECORD names the JSON-lines file to append to."""
+Active only where VKV_RECORD_SGLANG_STEPS names the JSON-lines file to append to."""
 
 import json
 import os
 
-if os.environ.get("VKV_SGLANG_RECORD"):
+if os.environ.get("VKV_RECORD_SGLANG_STEPS"):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def _record(scheduler, batch, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -24,7 +24,7 @@ if os.environ.get("VKV_SGLANG_RECORD"):
         step = {"decode": decode, "requests": requests, "page_size": allocator.page_size,
                 "num_pages": allocator.num_pages,
                 "backed": None if backing is None else np.flatnonzero(np.asarray(backing.states)).tolist()}
-        with open(os.environ["VKV_SGLANG_RECORD"], "a") as out:
+        with open(os.environ["VKV_RECORD_SGLANG_STEPS"], "a") as out:
             out.write(json.dumps(step) + "\n")
 
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.run_batch", _record, HookType.BEFORE)
