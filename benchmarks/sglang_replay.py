@@ -64,12 +64,19 @@ def record(path: str, requests: int, prompt: int, gen: int, running: int) -> Non
         budget.remove()
     trace = {"page_size": steps[0]["page_size"], "num_pages": steps[0]["num_pages"],
              "recorded": {"sglang": "0.5.23", "requests": requests, "prompt": prompt, "gen": gen, "running": running},
-             "steps": [{"decode": s["decode"], "backed": s["backed"],
-                        "requests": [[r["slots"], r["new"]] for r in s["requests"]]} for s in steps]}
+             "steps": [compact(s, steps[0]["page_size"]) for s in steps]}
     with open(path, "w") as out:
         json.dump(trace, out, separators=(",", ":"))
     print(f"{path}: {len(steps)} steps, {sum(s['decode'] for s in steps)} decode steps, "
           f"largest batch {max(len(s['requests']) for s in steps)}")
+
+
+def compact(step: dict, page_size: int) -> dict:
+    """A recorded step as the trace keeps it: each request's pages (its slots come in whole
+    pages from SGLang's paged allocator), its length, and the tokens the forward writes."""
+    return {"decode": step["decode"], "backed": step["backed"],
+            "requests": [[[slot // page_size for slot in r["slots"][::page_size]], len(r["slots"]), r["new"]]
+                         for r in step["requests"]]}
 
 
 class _Pool:
@@ -156,7 +163,7 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
             ids.update(zip(new, (int(c) for c in chosen)))
         sync()
         times["backing"].append(time.perf_counter() - start)
-        batch = [[[ids[s // page_size] for s in slots[::page_size]], len(slots), n] for slots, n in step["requests"]]
+        batch = [[[ids[page] for page in pages], length, n] for pages, length, n in step["requests"]]
         g.manual_seed(index)
         tokens = sum(n for _, _, n in batch)
         new_k = torch.randn(layers, tokens, heads, dim, generator=g, device=device).to(dtype)

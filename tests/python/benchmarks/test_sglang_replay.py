@@ -28,6 +28,10 @@ def _trace(path):
         steps.append({"decode": True, "backed": [0, 1, 2, 3, 4, 5], "requests": [[list(first), 1], [list(second), 1]]})
     third = [p * page + t for p in (6, 7, 8) for t in range(page)][:33]
     steps.append({"decode": False, "backed": [0, 4, 5, 6, 7, 8], "requests": [[third, 33], [list(second), 1]]})
+    import sglang_replay
+    steps = [sglang_replay.compact({"decode": s["decode"], "backed": s["backed"],
+                                    "requests": [{"slots": slots, "new": n} for slots, n in s["requests"]]}, page)
+             for s in steps]
     json.dump({"page_size": page, "num_pages": 16, "steps": steps}, open(path, "w"))
 
 
