@@ -94,6 +94,9 @@ suite pytest pytest "$VKV_PYTHON" -m pytest tests/python tests/lab tests/benchma
   suite transformers-versions pytest env PYTHON="$VKV_PYTHON" bash scripts/test_transformers_versions.sh
 # CI: the same wheel with the oldest and the newest supported torch, each in a venv of its own.
 [ "${VKV_TEST_TORCH_VERSIONS:-0}" = 0 ] || suite torch-versions pytest bash scripts/test_torch_versions.sh "$wheel"
+# CI: the same wheel inside SGLang 0.5.23's own engine, in SGLang's environment (its torch
+# 2.14.1), and a vLLM and an SGLang engine on one budget (scripts/test_sglang.sh).
+[ "${VKV_TEST_SGLANG:-0}" = 0 ] || suite sglang pytest bash scripts/test_sglang.sh "$wheel"
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"

@@ -25,6 +25,7 @@
 // naming its pid after VKV_SHARED_LOCK_TIMEOUT seconds (default 10), never hang.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -53,6 +54,7 @@ struct SharedBudgetMember {
   std::uint64_t give_backs = 0;       ///< answers to asks in which it gave bytes back
   std::uint64_t given_bytes = 0;      ///< bytes it gave back when asked (and above its cap)
   std::int64_t since_answer_ns = -1;  ///< time since its last answer to an ask; -1 = none yet
+  std::int32_t speaker_pid = 0;       ///< the engine's scheduler that answers for it (speak_for()); 0 = none
 
   /// Held and claimed by nobody: what the member gives back when asked.
   std::size_t cached_bytes() const noexcept { return held_bytes > in_use_bytes ? held_bytes - in_use_bytes : 0; }
@@ -64,6 +66,25 @@ struct SharedBudgetLimits {
   std::optional<std::size_t> floor_bytes;
   std::optional<std::size_t> cap_bytes;  ///< 0 = no cap
   std::optional<std::uint32_t> priority;
+};
+
+/// What an engine's scheduler that answers for its member tells the budget once a step
+/// (SharedBudget::speak_for()). Such an engine (vLLM's) keeps its free blocks in its own
+/// pool, where the scheduler may hand them out at any moment: only the scheduler can give
+/// them back, so the member's own watcher gives none of them.
+struct SharedBudgetReport {
+  std::size_t spare_bytes = 0;  ///< what the engine could give now (its free blocks beyond its need)
+  std::size_t ask_bytes = 0;    ///< what its need lacks beyond what the member holds: asked for until it holds it
+  std::size_t given_bytes = 0;  ///< given back this step for the others: promised until the member releases it
+  bool settled = false;         ///< everything given before is released: what those promises kept is forgotten
+};
+
+/// What the budget wants of such an engine now.
+struct SharedBudgetShare {
+  bool member_found = false;    ///< a live member has the label
+  std::size_t give_bytes = 0;   ///< bytes to give back now: above its cap, then its part of the asks
+  std::size_t open_bytes = 0;   ///< what askers (and the capacity) lack beyond free, reserved and promised bytes
+  std::size_t asking_bytes = 0; ///< its own standing ask now
 };
 
 /// A shared budget's state; members whose process is gone are counted out first.
@@ -126,6 +147,27 @@ class SharedBudget {
   ///         sum and the capacity); nothing changes then.
   SharedBudgetStats set_limits(std::int32_t pid, const SharedBudgetLimits& limits, unsigned wait_ms = 1000);
   SharedBudgetStats stats() const;
+
+  /// The calling process (an engine's scheduler) answers for the member labelled `label`
+  /// (its shared_budget_label; the first live one): records `report` and returns what the
+  /// budget wants of it now. Its share is the same arithmetic for every member, so each
+  /// engine computes its part alone and the parts add up: what the member holds above its
+  /// cap; then what the askers lack beyond the free capacity and what is reserved or
+  /// promised (and the capacity's excess after a resize), given by the lowest priority
+  /// first, never below a floor or what an engine needs, and within one priority so that
+  /// each keeps the same spare. A report's ask is a standing ask: it wakes the others (their
+  /// watchers, and the threads of speakers waiting in wait_for_request()) when it appears or
+  /// grows, and again every 20 ms while it stays open; an ask whose speaker's process is gone
+  /// is dropped at the next look. Returns member_found false when no member has the label.
+  SharedBudgetShare speak_for(const std::string& label, const SharedBudgetReport& report);
+  /// What the budget wants of the member labelled `label` now, reporting nothing.
+  SharedBudgetShare share_of(const std::string& label) const;
+  /// The budget's request counter: it changes when a member asks, a standing ask opens, a
+  /// cap or floor is set, or a resize goes below what is used.
+  std::uint32_t requests() const noexcept;
+  /// Sleeps until requests() differs from `seen` or `timeout` passes (a futex wait, no CPU);
+  /// returns requests().
+  std::uint32_t wait_for_request(std::uint32_t seen, std::chrono::milliseconds timeout) const;
 
  private:
   struct State;

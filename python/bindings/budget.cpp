@@ -4,6 +4,7 @@
 
 #include <vkv/shared_budget.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -49,9 +50,19 @@ py::dict budget_stats(const vkv::SharedBudgetStats& stats) {
     row["given_bytes"] = member.given_bytes;
     row["seconds_since_answer"] =
         member.since_answer_ns < 0 ? py::object(py::none()) : py::float_(member.since_answer_ns / 1e9);
+    row["speaker_pid"] = member.speaker_pid;
     members.append(row);
   }
   out["members"] = members;
+  return out;
+}
+
+py::dict share_dict(const vkv::SharedBudgetShare& share) {
+  py::dict out;
+  out["member_found"] = share.member_found;
+  out["give_bytes"] = share.give_bytes;
+  out["open_bytes"] = share.open_bytes;
+  out["asking_bytes"] = share.asking_bytes;
   return out;
 }
 
@@ -99,14 +110,47 @@ void bind_shared_budget(py::module_& m) {
             return budget_stats(stats);
           },
           arg("pid"), arg("floor"), arg("cap"), arg("priority"), arg("wait_ms"))
-      .def("stats", [](const vkv::SharedBudget& budget) {
-        vkv::SharedBudgetStats stats;
-        {
-          py::gil_scoped_release release;
-          stats = budget.stats();
-        }
-        return budget_stats(stats);
-      });
+      .def("stats",
+           [](const vkv::SharedBudget& budget) {
+             vkv::SharedBudgetStats stats;
+             {
+               py::gil_scoped_release release;
+               stats = budget.stats();
+             }
+             return budget_stats(stats);
+           })
+      .def(
+          "speak_for",
+          [](vkv::SharedBudget& budget, const std::string& label, std::size_t spare_bytes, std::size_t ask_bytes,
+             std::size_t given_bytes, bool settled) {
+            vkv::SharedBudgetShare share;
+            {
+              py::gil_scoped_release release;
+              share = budget.speak_for(label, {spare_bytes, ask_bytes, given_bytes, settled});
+            }
+            return share_dict(share);
+          },
+          arg("label"), arg("spare_bytes"), arg("ask_bytes"), arg("given_bytes"), arg("settled"))
+      .def(
+          "share_of",
+          [](const vkv::SharedBudget& budget, const std::string& label) {
+            vkv::SharedBudgetShare share;
+            {
+              py::gil_scoped_release release;
+              share = budget.share_of(label);
+            }
+            return share_dict(share);
+          },
+          arg("label"))
+      .def_property_readonly("requests", &vkv::SharedBudget::requests)
+      .def(
+          "wait_for_request",
+          [](const vkv::SharedBudget& budget, std::uint32_t seen, double timeout_seconds) {
+            py::gil_scoped_release release;
+            return budget.wait_for_request(
+                seen, std::chrono::milliseconds(static_cast<std::int64_t>(timeout_seconds * 1000.0)));
+          },
+          arg("seen"), arg("timeout_seconds"));
 }
 
 }  // namespace vkv_bindings

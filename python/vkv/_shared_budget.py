@@ -143,9 +143,42 @@ class SharedBudget:
         last call), ``pages_cached`` (held, claimed by none: what it gives back when asked),
         ``bytes_*`` of the same, ``floor_bytes``, ``cap_bytes`` (0: none), ``priority``,
         ``asks`` (asks it made), ``give_backs`` (answers in which it gave bytes back),
-        ``given_bytes`` and ``seconds_since_answer`` (since its last answer to another
-        member's ask; None: none yet)."""
+        ``given_bytes``, ``seconds_since_answer`` (since its last answer to another
+        member's ask; None: none yet) and ``speaker_pid`` (the engine's scheduler that
+        answers for it, ``speak_for()``; 0: none)."""
         return self._handle.stats()
+
+    def speak_for(self, label: str, spare: int = 0, ask: int = 0, given: int = 0,
+                  settled: bool = False) -> Dict[str, Any]:
+        """For an engine whose scheduler decides what its member gives back (vLLM's
+        connector: its free blocks are slots the scheduler may hand out at any moment):
+        tells the budget, for the member labelled ``label`` (its ``shared_budget_label``),
+        what the engine could give now (``spare`` bytes), what its need lacks (``ask``: a
+        standing ask until the member holds that much more), what it gave back this step
+        (``given``: promised until the member releases it) and whether everything given
+        before is released (``settled``). Returns what the budget wants of it now:
+        ``give_bytes`` (above its cap, then its part of the others' asks: lowest priorities
+        first, never below a floor, equal priorities keeping equal spare), ``open_bytes``
+        (what the askers still lack, promises counted), ``asking_bytes`` (its own ask) and
+        ``member_found``. One call a step; microseconds (the budget's lock)."""
+        return self._handle.speak_for(label, expect_int("spare", spare), expect_int("ask", ask),
+                                      expect_int("given", given), bool(settled))
+
+    def share_of(self, label: str) -> Dict[str, Any]:
+        """What the budget wants of the member labelled ``label`` now (``speak_for()``
+        without reporting anything)."""
+        return self._handle.share_of(label)
+
+    @property
+    def requests(self) -> int:
+        """The request counter: it changes when a member asks, a standing ask opens or stays
+        open, a cap or floor is set, or a resize goes below what is used."""
+        return self._handle.requests
+
+    def wait_for_request(self, seen: int, timeout: float) -> int:
+        """Sleeps (without the GIL, no CPU) until ``requests`` differs from ``seen`` or
+        ``timeout`` seconds pass; returns ``requests``."""
+        return self._handle.wait_for_request(seen, float(timeout))
 
     def remove(self) -> bool:
         """Removes the name: no cache can join any more; caches in it keep working, and the

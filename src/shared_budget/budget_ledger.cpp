@@ -1,9 +1,13 @@
 // BudgetLedger: the shared books, every change under the segment's robust mutex.
 #include "budget_ledger.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "util/format.h"
 #include "util/log.h"
@@ -47,12 +51,49 @@ std::uint64_t floor_gap(const BudgetMemberRecord& row) noexcept {
 }
 
 // What an ask can get from the member: what it holds, its requests do not claim (as of its
-// last published call) and its floor does not keep.
+// last published call) and its floor does not keep; for a member an engine answers for,
+// what its speaker said it could give, above the floor.
 std::uint64_t giveable(const BudgetMemberRecord& row) noexcept {
   const std::uint64_t held = row.held.load(std::memory_order_relaxed);
-  const std::uint64_t in_use = row.in_use.load(std::memory_order_relaxed);
   const std::uint64_t floor = row.floor.load(std::memory_order_relaxed);
+  if (row.speaker_pid.load(std::memory_order_relaxed) != 0)
+    return std::min<std::uint64_t>(row.spare.load(std::memory_order_relaxed), held > floor ? held - floor : 0);
+  const std::uint64_t in_use = row.in_use.load(std::memory_order_relaxed);
   return held > std::max(in_use, floor) ? held - std::max(in_use, floor) : 0;
+}
+
+// A spoken-for member's standing ask: what its speaker's goal lacks beyond what it holds,
+// within its cap (a member short only of its own cap asks nobody).
+std::uint64_t standing_ask(const BudgetMemberRecord& row) noexcept {
+  if (row.speaker_pid.load(std::memory_order_relaxed) == 0) return 0;
+  std::uint64_t goal = row.goal.load(std::memory_order_relaxed);
+  const std::uint64_t cap = row.cap.load(std::memory_order_relaxed);
+  if (cap != 0) goal = std::min(goal, cap);
+  const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+  return goal > held ? goal - held : 0;
+}
+
+ProcessIdentity speaker_of(const BudgetMemberRecord& row) noexcept {
+  return {row.speaker_pid.load(std::memory_order_relaxed), row.speaker_start_time};
+}
+
+// No engine answers for the member any more: its standing ask, spare and promises go.
+void forget_speaker(BudgetMemberRecord& row) noexcept {
+  row.speaker_pid.store(0, std::memory_order_relaxed);
+  row.speaker_start_time = 0;
+  row.spare.store(0, std::memory_order_relaxed);
+  row.goal.store(0, std::memory_order_relaxed);
+  row.announced = 0;
+  row.announced_ns = 0;
+}
+
+// The calling process, read from /proc once (again after a fork).
+ProcessIdentity this_process() {
+  static std::mutex mutex;
+  static ProcessIdentity cached;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cached.pid != static_cast<std::int32_t>(getpid())) cached = ProcessIdentity::self();
+  return cached;
 }
 
 // Room the member's cap leaves (all of `bytes` without a cap).
@@ -171,11 +212,16 @@ std::size_t BudgetLedger::acquire_up_to(std::size_t member, std::size_t bytes, s
     const std::uint64_t free = cap_room(row, capacity > used ? capacity - used : 0);
     return std::min<std::uint64_t>(bytes, free / unit * unit);
   };
+  // A standing ask's reservation is the member's own: what was given back for it comes first.
+  std::uint64_t mine = std::min<std::uint64_t>(std::min(reserved_for(member), standing_ask(row)), bytes) / unit * unit;
+  segment_.reserved -= mine;
+  row.held += mine;
+  bytes -= mine;
   std::uint64_t taken = take();
   if (taken < bytes && reap_locked() > 0) taken = take();  // a dead member's bytes (and floor) are free
   row.held += taken;
   segment_.used.fetch_add(taken, std::memory_order_relaxed);
-  return taken;
+  return mine + taken;
 }
 
 void BudgetLedger::release(std::size_t member, std::size_t bytes) noexcept {
@@ -218,9 +264,12 @@ std::uint32_t BudgetLedger::ask(std::size_t member, std::size_t bytes, std::size
 }
 
 std::size_t BudgetLedger::free_hint(std::size_t member) const noexcept {
+  const BudgetMemberRecord& row = segment_.members[member];
   const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
   const std::uint64_t used = segment_.used.load(std::memory_order_relaxed) + floor_gaps(member);
-  return cap_room(segment_.members[member], capacity > used ? capacity - used : 0);
+  // A standing ask's reservation is the member's to take (other askers' priorities aside: a hint).
+  const std::uint64_t mine = std::min(segment_.reserved.load(std::memory_order_relaxed), standing_ask(row));
+  return mine + cap_room(row, capacity > used ? capacity - used : 0);
 }
 
 std::string BudgetLedger::room_text(std::size_t member) const {
@@ -252,7 +301,7 @@ std::uint64_t BudgetLedger::wanted_above(std::size_t member) const noexcept {
   const std::uint32_t priority = segment_.members[member].priority.load(std::memory_order_relaxed);
   std::uint64_t wanted = 0;
   for (const BudgetMemberRecord& row : segment_.members)
-    if (row.pid != 0 && row.priority.load(std::memory_order_relaxed) > priority) wanted += row.wanted;
+    if (row.pid != 0 && row.priority.load(std::memory_order_relaxed) > priority) wanted += asking(row);
   return wanted;
 }
 
@@ -268,17 +317,19 @@ bool BudgetLedger::ask_settled(std::size_t member, std::uint32_t request, std::s
          all_answered_locked(request, member);
 }
 
-bool BudgetLedger::all_answered(std::uint32_t request, std::size_t except) {
+bool BudgetLedger::all_answered(std::uint32_t request, std::size_t except, bool speakers_too) {
   Lock lock(*this);
   reap_locked();
-  return all_answered_locked(request, except);
+  return all_answered_locked(request, except, speakers_too);
 }
 
-bool BudgetLedger::all_answered_locked(std::uint32_t request, std::size_t except) const noexcept {
+bool BudgetLedger::all_answered_locked(std::uint32_t request, std::size_t except, bool speakers_too) const noexcept {
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
     if (row.pid == 0 || i == except) continue;
     if (owes_answer(row, request)) return false;
+    // A speaker answers at its engine's next step: until then what it owes is open.
+    if (speakers_too && row.speaker_pid.load(std::memory_order_relaxed) != 0 && share_locked(i) > 0) return false;
   }
   return true;
 }
@@ -298,7 +349,7 @@ std::size_t BudgetLedger::claim_reserved(std::size_t member) noexcept {
   try {
     Lock lock(*this);
     BudgetMemberRecord& row = segment_.members[member];
-    taken = cap_room(row, std::min(reserved_for(member), row.wanted));
+    taken = cap_room(row, std::min(reserved_for(member), asking(row)));
     segment_.reserved -= taken;  // `used` counts it either way
     row.held += taken;
     row.wanted = 0;
@@ -317,7 +368,7 @@ bool BudgetLedger::lower_priority_may_give_locked(std::size_t member, std::uint3
   const std::uint32_t priority = segment_.members[member].priority.load(std::memory_order_relaxed);
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
-    if (row.pid == 0 || i == member || row.wanted > 0 || row.priority.load(std::memory_order_relaxed) >= priority)
+    if (row.pid == 0 || i == member || asking(row) > 0 || row.priority.load(std::memory_order_relaxed) >= priority)
       continue;
     if (owes_answer(row, request) && giveable(row) > 0 && identity_of(row).running()) return true;
   }
@@ -338,7 +389,7 @@ std::size_t BudgetLedger::pledge(std::size_t member, std::size_t can_give, std::
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& other = segment_.members[i];
     if (other.pid == 0) continue;
-    if (i != member) wanted += other.wanted;
+    if (i != member) wanted += asking(other);
     pledged += other.pledged;
   }
   // Never below its floor, whoever asks; what it holds above its cap first.
@@ -486,8 +537,11 @@ BudgetView BudgetLedger::view() {
     member.page_bytes = row.page_bytes;
     member.held_bytes = row.held;
     member.in_use_bytes = row.in_use.load(std::memory_order_relaxed);
-    member.wanted_bytes = row.wanted;
+    member.wanted_bytes = asking(row);
     member.row = i;
+    member.speaker_pid = row.speaker_pid.load(std::memory_order_relaxed);
+    if (member.speaker_pid != 0)  // what its engine keeps: all it holds but what its scheduler could give
+      member.in_use_bytes = member.held_bytes - std::min<std::size_t>(member.held_bytes, row.spare.load());
     member.limits = {row.floor.load(std::memory_order_relaxed), row.cap.load(std::memory_order_relaxed),
                      row.priority.load(std::memory_order_relaxed)};
     member.asks = row.asks.load(std::memory_order_relaxed);
@@ -517,6 +571,8 @@ BudgetView BudgetLedger::view() {
 std::size_t BudgetLedger::reap_locked() noexcept {
   std::size_t reaped = 0;
   for (BudgetMemberRecord& row : segment_.members) {
+    if (row.pid != 0 && row.speaker_pid.load(std::memory_order_relaxed) != 0 && !speaker_of(row).alive())
+      forget_speaker(row);
     if (row.pid == 0 || identity_of(row).alive()) continue;
     // The driver (or the kernel, for host memory) freed the dead process's pages.
     const std::uint64_t held = row.held;
@@ -553,6 +609,7 @@ void BudgetLedger::clear_row(BudgetMemberRecord& row) noexcept {
   row.give_backs.store(0, std::memory_order_relaxed);
   row.given_bytes.store(0, std::memory_order_relaxed);
   row.last_answer_ns.store(0, std::memory_order_relaxed);
+  forget_speaker(row);
 }
 
 // `bytes` just left some member's `held`: into the reservation as far as askers want them
@@ -587,7 +644,7 @@ void BudgetLedger::fit_reservation() noexcept {
 std::uint64_t BudgetLedger::wanted_total() const noexcept {
   std::uint64_t wanted = 0;
   for (const BudgetMemberRecord& row : segment_.members)
-    if (row.pid != 0) wanted += row.wanted;
+    if (row.pid != 0) wanted += asking(row);
   return wanted;
 }
 
@@ -601,7 +658,7 @@ std::uint64_t BudgetLedger::floor_gaps(std::size_t except, bool askers_too) cons
   std::uint64_t gaps = 0;
   for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
     const BudgetMemberRecord& row = segment_.members[i];
-    if (i == except || row.pid.load(std::memory_order_relaxed) == 0 || (!askers_too && row.wanted > 0)) continue;
+    if (i == except || row.pid.load(std::memory_order_relaxed) == 0 || (!askers_too && asking(row) > 0)) continue;
     gaps += floor_gap(row);
   }
   return gaps;
@@ -640,6 +697,166 @@ bool BudgetLedger::request_if_short_locked() noexcept {
 void BudgetLedger::wake_releases() noexcept {
   segment_.releases.fetch_add(1);
   futex_wake_all(segment_.releases);
+}
+
+// ---- engines that answer for their members -----------------------------------------------
+
+std::uint64_t BudgetLedger::asking(const BudgetMemberRecord& row) const noexcept {
+  return std::max<std::uint64_t>(row.wanted, standing_ask(row));
+}
+
+std::uint64_t BudgetLedger::can_give(const BudgetMemberRecord& row) const noexcept {
+  const std::uint64_t can = giveable(row);
+  return can > row.pledged ? can - row.pledged : 0;
+}
+
+std::uint64_t BudgetLedger::open_asks_locked() const noexcept {
+  std::uint64_t asked = shortfall_beyond_wanted();
+  std::uint64_t promised = segment_.reserved;
+  for (const BudgetMemberRecord& row : segment_.members) {
+    if (row.pid == 0) continue;
+    asked += asking(row);
+    promised += row.pledged;
+  }
+  // What the askers can take without anyone giving: the free capacity, the floors' gaps of
+  // the members not asking kept.
+  const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  const std::uint64_t kept =
+      segment_.used.load(std::memory_order_relaxed) + floor_gaps(BudgetSegment::kMaxMembers, /*askers_too=*/false);
+  const std::uint64_t covered = promised + (capacity > kept ? capacity - kept : 0);
+  return asked > covered ? asked - covered : 0;
+}
+
+std::uint64_t BudgetLedger::share_locked(std::size_t member) const noexcept {
+  const BudgetMemberRecord& self = segment_.members[member];
+  if (self.pid == 0 || asking(self) > 0) return 0;
+  // Above its cap first, whoever asks.
+  auto own_of = [this](std::size_t i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    const std::uint64_t over = over_cap(i);
+    return std::min(can_give(row), over > row.pledged ? over - row.pledged : 0);
+  };
+  const std::uint64_t own = own_of(member);
+  std::uint64_t open = open_asks_locked();
+  if (open == 0) return own;
+  // The asks: lowest priority first; within a priority, each keeps the same spare.
+  struct Giver {
+    std::uint32_t priority;
+    std::uint64_t can;
+    std::size_t index;
+  };
+  std::vector<Giver> givers;
+  givers.reserve(BudgetSegment::kMaxMembers);
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    if (row.pid == 0 || asking(row) > 0) continue;
+    givers.push_back({row.priority.load(std::memory_order_relaxed), can_give(row) - own_of(i), i});
+  }
+  std::sort(givers.begin(), givers.end(), [](const Giver& a, const Giver& b) {
+    return a.priority != b.priority ? a.priority < b.priority : a.can > b.can;
+  });
+  const std::uint32_t mine = self.priority.load(std::memory_order_relaxed);
+  for (std::size_t first = 0; first < givers.size() && open > 0;) {
+    std::size_t end = first;
+    std::uint64_t level = 0;
+    while (end < givers.size() && givers[end].priority == givers[first].priority) level += givers[end++].can;
+    const bool my_level = givers[first].priority == mine;
+    if (level <= open) {  // the whole level gives all it can
+      if (my_level) return can_give(self);
+      open -= level;
+      first = end;
+      continue;
+    }
+    if (!my_level) return own;  // a lower level covers the rest
+    // The spare each keeps: the water level w at which what they give above it is `open`
+    // (sorted by can, largest first), rounded so that they give no more than that.
+    std::uint64_t above = 0;
+    std::uint64_t water = 0;
+    for (std::size_t k = first; k < end; ++k) {
+      above += givers[k].can;
+      if (above <= open) continue;  // these alone cannot cover it: the next gives too
+      const std::uint64_t count = k - first + 1;
+      water = (above - open + count - 1) / count;
+      if (water >= (k + 1 < end ? givers[k + 1].can : 0)) break;  // the rest keep what they have
+    }
+    const std::uint64_t can = can_give(self) - own;
+    return own + (can > water ? can - water : 0);
+  }
+  return own;
+}
+
+void BudgetLedger::forget_dead_speakers_locked() noexcept {
+  // Only those asking: a dead engine's ask must not cost anyone a page (a /proc read each).
+  for (BudgetMemberRecord& row : segment_.members)
+    if (row.pid != 0 && standing_ask(row) > 0 && !speaker_of(row).alive()) forget_speaker(row);
+}
+
+std::size_t BudgetLedger::find_label_locked(const std::string& label) const noexcept {
+  if (label.empty()) return BudgetSegment::kMaxMembers;
+  for (std::size_t i = 0; i < BudgetSegment::kMaxMembers; ++i) {
+    const BudgetMemberRecord& row = segment_.members[i];
+    const std::size_t length = strnlen(row.label, sizeof(row.label));
+    if (row.pid != 0 && length == std::min(label.size(), sizeof(row.label) - 1) &&
+        std::memcmp(row.label, label.data(), length) == 0)
+      return i;
+  }
+  return BudgetSegment::kMaxMembers;
+}
+
+EngineShare BudgetLedger::speak_for(const std::string& label, const EngineReport& report) {
+  EngineShare share;
+  bool wake = false;
+  {
+    Lock lock(*this);
+    forget_dead_speakers_locked();
+    const std::size_t member = find_label_locked(label);
+    if (member == BudgetSegment::kMaxMembers) return share;
+    BudgetMemberRecord& row = segment_.members[member];
+    const ProcessIdentity speaker = this_process();
+    row.speaker_start_time = speaker.start_time;
+    row.speaker_pid.store(speaker.pid, std::memory_order_relaxed);
+    row.spare.store(report.spare, std::memory_order_relaxed);
+    row.goal.store(report.ask > 0 ? row.held + report.ask : 0, std::memory_order_relaxed);
+    if (report.settled) row.pledged = 0;
+    row.pledged += report.given;
+    const std::int64_t now = monotonic_ns();
+    if (report.given > 0) {
+      row.give_backs.fetch_add(1, std::memory_order_relaxed);
+      row.last_answer_ns.store(now, std::memory_order_relaxed);
+    }
+    share.found = true;
+    share.asking = standing_ask(row);
+    share.open = open_asks_locked();
+    share.give = share_locked(member);
+    // Wake the others when an open ask appeared or grew, and again while it stays open (a
+    // member that could not give before may now).
+    if (share.asking == 0) {
+      row.announced = 0;
+    } else if (share.open > 0 && (share.asking > row.announced || now - row.announced_ns >=
+                                  std::chrono::nanoseconds(kReannounce).count())) {
+      row.announced = share.asking;
+      row.announced_ns = now;
+      segment_.requests.fetch_add(1);
+      row.asks.fetch_add(1, std::memory_order_relaxed);
+      wake = true;
+    }
+    fit_reservation();  // an ask that ended frees what was reserved for it
+  }
+  if (wake) futex_wake_all(segment_.requests);
+  return share;
+}
+
+EngineShare BudgetLedger::share_of(const std::string& label) {
+  EngineShare share;
+  Lock lock(*this);
+  forget_dead_speakers_locked();
+  const std::size_t member = find_label_locked(label);
+  if (member == BudgetSegment::kMaxMembers) return share;
+  share.found = true;
+  share.asking = standing_ask(segment_.members[member]);
+  share.open = open_asks_locked();
+  share.give = share_locked(member);
+  return share;
 }
 
 }  // namespace vkv::detail

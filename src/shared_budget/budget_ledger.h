@@ -24,11 +24,25 @@
 // reservation with claim_reserved(). A capacity lowered below `used` (resize) asks the
 // same way for the excess.
 //
+// Engines that answer for their members (vLLM's: its free blocks are slots its scheduler
+// may hand out at any moment, so only the scheduler can give them back, at a step): the
+// scheduler speaks for its member (found by its label) with speak_for() once a step. It
+// says what it could give (`spare`) and posts a standing ask (`goal`: the bytes it wants
+// to hold; what it lacks of them beyond the free capacity is asked for until it holds
+// them), and learns its share of what is asked: share_locked(), the same arithmetic for
+// every member, so each giver computes its part alone and the parts add up to the asks:
+// what a member holds above its cap first; then the askers' bytes (and the capacity's
+// excess) less the free capacity and what is reserved or promised, given by the lowest
+// priority first, never below a floor or a member's need; members of one priority give
+// so that each keeps the same spare (the one with the most to spare gives first). A
+// standing ask whose speaker process is gone is dropped at the next look.
+//
 // Internal. Thread- and process-safety: every call locks the segment's robust mutex,
 // except the read-only used()/capacity() hints and the member's own published counter.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -61,6 +75,13 @@ struct BudgetMemberRecord {
   std::atomic<std::uint64_t> give_backs;     ///< answers in which it gave bytes back
   std::atomic<std::uint64_t> given_bytes;    ///< bytes it gave back in answers
   std::atomic<std::int64_t> last_answer_ns;  ///< CLOCK_MONOTONIC of its last answer; 0 = none yet
+  // Version 4: an engine's scheduler that answers for the member (speak_for()); all 0 = none.
+  std::atomic<std::int32_t> speaker_pid;
+  std::uint64_t speaker_start_time;  ///< with speaker_pid: the process (ProcessIdentity)
+  std::atomic<std::uint64_t> spare;  ///< bytes the speaker could give now
+  std::atomic<std::uint64_t> goal;   ///< bytes the speaker wants it to hold: a standing ask for goal - held
+  std::uint64_t announced;           ///< the standing ask the others were last woken for
+  std::int64_t announced_ns;         ///< CLOCK_MONOTONIC of that wake-up
 };
 
 /// A member's guarantees (vkv::SharedBudgetLimits without the optionals).
@@ -74,8 +95,8 @@ struct MemberLimits {
 struct BudgetSegment {
   static constexpr std::uint64_t kMagic = 0x766b762d62756467ull;  // "vkv-budg"
   // 2: the creator's mode, the page size, the lock's holder; 3: floors, caps, priorities,
-  // labels and counters in the member rows.
-  static constexpr std::uint32_t kVersion = 3;
+  // labels and counters in the member rows; 4: engines that answer for their members.
+  static constexpr std::uint32_t kVersion = 4;
   static constexpr std::size_t kMaxMembers = 64;
 
   std::atomic<std::uint64_t> magic;  ///< written last at creation: the object is ready
@@ -85,13 +106,29 @@ struct BudgetSegment {
   RobustMutex mutex;
   std::atomic<std::uint64_t> capacity;
   std::atomic<std::uint64_t> used;      ///< sum of held + reserved; written under the mutex
-  std::uint64_t reserved;               ///< released for askers, not taken yet
+  std::atomic<std::uint64_t> reserved;  ///< released for askers, not taken yet; written under the mutex
   std::atomic<std::uint32_t> requests;  ///< futex: bumped when a member asks or the capacity falls below used
   std::atomic<std::uint32_t> releases;  ///< futex: bumped when bytes come back or a member answered
   std::uint64_t device_total;
   char device[48];    ///< the backend's name when created ("cuda:0", "host")
   char identity[64];  ///< Backend::memory_identity(): members must have the same
   BudgetMemberRecord members[kMaxMembers];
+};
+
+/// What a scheduler that answers for a member tells the books once a step (speak_for()).
+struct EngineReport {
+  std::uint64_t spare = 0;  ///< bytes it could give now (its free blocks beyond its need)
+  std::uint64_t ask = 0;    ///< bytes its need lacks beyond what the member holds: a standing ask
+  std::uint64_t given = 0;  ///< bytes it gave back this step (promised until the member releases them)
+  bool settled = false;     ///< what it gave before is released: what those promises kept is forgotten
+};
+
+/// What the books want of such a member now.
+struct EngineShare {
+  bool found = false;         ///< a live member has the label
+  std::uint64_t give = 0;     ///< bytes to give back now: above its cap, its part of the asks
+  std::uint64_t open = 0;     ///< bytes the askers (and the capacity) still lack, promises counted
+  std::uint64_t asking = 0;   ///< its own standing ask now
 };
 
 /// What stats() reports of one member.
@@ -109,6 +146,7 @@ struct BudgetMemberView {
   std::uint64_t give_backs = 0;
   std::uint64_t given_bytes = 0;
   std::int64_t since_answer_ns = -1;  ///< -1: never answered
+  std::int32_t speaker_pid = 0;       ///< the scheduler that answers for it; 0 = none
 };
 
 /// What stats() reports of the whole budget.
@@ -175,7 +213,9 @@ class BudgetLedger {
   /// outstanding. With `reap`, counts dead members out first (a read of /proc per member).
   bool ask_settled(std::size_t member, std::uint32_t request, std::size_t enough, bool reap = true);
   /// Every live member but `except` has answered `request`, and no pledge is outstanding.
-  bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers);
+  /// With `speakers_too`: a member spoken for owes an answer while its share is not 0.
+  bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers,
+                    bool speakers_too = false);
   /// Some member but `except` that has not answered `request` yet (or owes a pledge) is
   /// alive and not stopped: slow, not gone. Reads /proc per such member.
   bool answer_may_come(std::uint32_t request, std::size_t except);
@@ -242,6 +282,19 @@ class BudgetLedger {
   std::size_t set_limits(std::int32_t pid, const MemberLimits& limits, LimitChange set);
   /// Counts back the bytes of members whose process is gone. Returns how many it found.
   std::size_t reap();
+
+  // ---- engines that answer for their members (the file's comment) ----------------------
+  /// The calling process speaks for the live members labelled `label` (one per budget, as a
+  /// rule): records `report` and returns the share the books want of the first of them.
+  /// Wakes the other members (their watchers and speakers) when its standing ask appeared
+  /// or grew, or is still open after kReannounce.
+  EngineShare speak_for(const std::string& label, const EngineReport& report);
+  /// The share the books want of the member labelled `label` now (speak_for() without
+  /// reporting anything).
+  EngineShare share_of(const std::string& label);
+  /// How often a standing ask that stays open wakes the others again (a member that could
+  /// not give before may now).
+  static constexpr std::chrono::milliseconds kReannounce{20};
   /// @throws Error when a row is corrupted (naming the row and the field).
   BudgetView view();
   /// The largest page of the device and of the live members: the least capacity.
@@ -254,7 +307,20 @@ class BudgetLedger {
   // Each with the mutex held.
   std::size_t reap_locked() noexcept;
   void recount_locked() noexcept;
-  bool all_answered_locked(std::uint32_t request, std::size_t except) const noexcept;
+  bool all_answered_locked(std::uint32_t request, std::size_t except, bool speakers_too = false) const noexcept;
+  // What a member asks for: its ask in flight or its standing ask, the larger.
+  std::uint64_t asking(const BudgetMemberRecord& row) const noexcept;
+  // What an ask can get from the member now: unclaimed bytes above its floor (spoken for:
+  // its speaker's spare), less what it promised already.
+  std::uint64_t can_give(const BudgetMemberRecord& row) const noexcept;
+  // Bytes the asks and the capacity lack beyond the free capacity and what is reserved or promised.
+  std::uint64_t open_asks_locked() const noexcept;
+  // What the books want of `member` now (the file's comment).
+  std::uint64_t share_locked(std::size_t member) const noexcept;
+  // Drops the standing asks and spares of members whose speaker is gone.
+  void forget_dead_speakers_locked() noexcept;
+  // The first live member labelled `label`, or kMaxMembers.
+  std::size_t find_label_locked(const std::string& label) const noexcept;
   bool lower_priority_may_give_locked(std::size_t member, std::uint32_t request) const noexcept;
   void clear_row(BudgetMemberRecord& row) noexcept;
   void return_bytes(std::size_t bytes) noexcept;

@@ -79,6 +79,7 @@ SharedBudgetStats to_stats(const std::string& name, const detail::BudgetView& vi
     row.give_backs = member.give_backs;
     row.given_bytes = member.given_bytes;
     row.since_answer_ns = member.since_answer_ns;
+    row.speaker_pid = member.speaker_pid;
     stats.members.push_back(std::move(row));
   }
   return stats;
@@ -174,12 +175,48 @@ SharedBudgetStats SharedBudget::wait_for_answers(unsigned wait_ms) {
     });
     if (view.used_bytes <= view.capacity_bytes && !over_cap) break;
     const auto now = std::chrono::steady_clock::now();
-    if (state_->ledger.all_answered(request) || now >= deadline) break;
+    if (state_->ledger.all_answered(request, detail::BudgetSegment::kMaxMembers, /*speakers_too=*/true) ||
+        now >= deadline)
+      break;
     detail::futex_wait(segment.releases, releases, deadline - now);
   }
   return stats();
 }
 
 SharedBudgetStats SharedBudget::stats() const { return to_stats(state_->name, state_->ledger.view()); }
+
+namespace {
+
+SharedBudgetShare to_share(const detail::EngineShare& share) {
+  SharedBudgetShare out;
+  out.member_found = share.found;
+  out.give_bytes = share.give;
+  out.open_bytes = share.open;
+  out.asking_bytes = share.asking;
+  return out;
+}
+
+}  // namespace
+
+SharedBudgetShare SharedBudget::speak_for(const std::string& label, const SharedBudgetReport& report) {
+  detail::EngineReport values;
+  values.spare = report.spare_bytes;
+  values.ask = report.ask_bytes;
+  values.given = report.given_bytes;
+  values.settled = report.settled;
+  return to_share(state_->ledger.speak_for(label, values));
+}
+
+SharedBudgetShare SharedBudget::share_of(const std::string& label) const {
+  return to_share(state_->ledger.share_of(label));
+}
+
+std::uint32_t SharedBudget::requests() const noexcept { return state_->ledger.segment().requests.load(); }
+
+std::uint32_t SharedBudget::wait_for_request(std::uint32_t seen, std::chrono::milliseconds timeout) const {
+  detail::BudgetSegment& segment = state_->ledger.segment();
+  if (segment.requests.load() == seen) detail::futex_wait(segment.requests, seen, timeout);
+  return segment.requests.load();
+}
 
 }  // namespace vkv

@@ -1271,10 +1271,10 @@ TEST(SharedBudgetGuaranteesTest, GivenBackBytesGoToTheHigherPriorityAskerFirst) 
 TEST(SharedBudgetGuaranteesTest, AnObjectOfAnotherLayoutVersionIsRefused) {
   BudgetName name;
   SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
-  RawBudget(name.str()).segment().version = 2;
+  RawBudget(name.str()).segment().version = 3;
   ASSERT_EQ(truncate(budget_path(name).c_str(), 4096), 0);  // the earlier layout was smaller
   const std::string error = error_of([&] { SharedBudget::open(name.str()); });
-  EXPECT_NE(error.find("has layout version 2, this vkv reads version 3: use the same vkv in every member"),
+  EXPECT_NE(error.find("has layout version 3, this vkv reads version 4: use the same vkv in every member"),
             std::string::npos)
       << error;
 }

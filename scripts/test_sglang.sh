@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The tests of vkv.integrations.sglang against SGLang 0.5.23 itself (its engine on the CPU),
+# with ONE vkv wheel installed unchanged (--no-deps) into SGLang's own environment
+# (scripts/install_sglang.sh: torch 2.14.1, which SGLang pins; kept in VKV_SGLANG_VENV, default
+# ~/.cache/vkv/engine-venvs/sglang-0.5.23, for the next run): tests/python/integrations/sglang_engine
+# there; then, with vkv's own Python (which has vLLM: scripts/install_vllm.sh), a vLLM and an
+# SGLang engine sharing one budget (test_sglang_with_vllm.py, VKV_SGLANG_PYTHON naming SGLang's
+# Python). scripts/test.sh runs it with VKV_TEST_SGLANG=1 (CI does).
+#   scripts/test_sglang.sh WHEEL
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/python_env.sh
+[ ${#vkv_args[@]} -ge 1 ] && [ -f "${vkv_args[0]}" ] || { echo "usage: scripts/test_sglang.sh WHEEL" >&2; exit 2; }
+wheel="${vkv_args[0]}"
+venv="${VKV_SGLANG_VENV:-$HOME/.cache/vkv/engine-venvs/sglang-0.5.23}"
+start=$SECONDS
+VKV_SGLANG_VENV="$venv" bash scripts/install_sglang.sh
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+echo "== SGLang $("$venv/bin/python" -c 'import sglang; print(sglang.__version__)') and $(basename "$wheel") in $venv after $((SECONDS - start)) s"
+status=0
+"$venv/bin/python" -m pytest tests/python/integrations/sglang_engine -q -p no:cacheprovider || status=1
+VKV_SGLANG_PYTHON="$venv/bin/python" "$VKV_PYTHON" -m pytest \
+  tests/python/integrations/sglang_engine/test_sglang_with_vllm.py -q -p no:cacheprovider || status=1
+exit $status

@@ -1,0 +1,125 @@
+"""One budget, two engines of different kinds: a vLLM engine (vLLM 0.33's scheduler with
+VkvConnector, vllm_testing.engine_process) and an SGLang engine (SGLang 0.5.23's own engine,
+sglang_testing.py, in the Python environment that has SGLang) share one vkv.SharedBudget on
+the host backend. Memory moves from the idle engine to the busy one and back, and a SIGKILLed
+engine's memory returns. Runs where both are installed: vLLM in this Python
+(scripts/install_vllm.sh), SGLang in VKV_SGLANG_PYTHON's (scripts/test_sglang.sh sets it)."""
+
+import importlib.util
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+SGLANG_PYTHON = os.environ.get("VKV_SGLANG_PYTHON", "")
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here (scripts/install_vllm.sh)", allow_module_level=True)
+if not SGLANG_PYTHON or subprocess.run([SGLANG_PYTHON, "-c", "import sglang, vkv"], capture_output=True).returncode:
+    pytest.skip("VKV_SGLANG_PYTHON names no Python with SGLang and vkv (scripts/test_sglang.sh)",
+                allow_module_level=True)
+
+import sglang_testing as st  # noqa: E402
+import vkv  # noqa: E402
+import vllm_testing as vt  # noqa: E402
+
+SGLANG_POOL_TOKENS = 320
+CAPACITY = SGLANG_POOL_TOKENS * st.TOKEN_BYTES  # what SGLang's pool holds whole: each engine alone wants it all
+
+
+def _held(budget, pid):
+    return sum(m["bytes_held"] for m in budget.stats()["members"] if m["pid"] == pid)
+
+
+def _until(condition, bound_s=120.0):
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.05)
+
+
+class _Peak(threading.Thread):
+    """The most a process's members of the budget held while it ran."""
+
+    def __init__(self, budget, pid):
+        super().__init__(daemon=True)
+        self.budget, self.pid, self.most, self.done = budget, pid, 0, threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(0.02):
+            self.most = max(self.most, _held(self.budget, self.pid))
+
+    def stop(self):
+        self.done.set()
+        self.join()
+        return self.most
+
+
+def _reply(replies, kind, timeout=600):
+    while True:
+        reply = replies.get(timeout=timeout)
+        if reply[0] == kind:
+            return reply
+
+
+def test_memory_moves_between_a_vllm_and_an_sglang_engine_and_a_killed_engines_returns():
+    name = f"vkv-mixed-{uuid.uuid4().hex[:8]}"
+    budget = vkv.SharedBudget.create(name, CAPACITY, device="cpu")
+    context = multiprocessing.get_context("spawn")
+    commands, replies = context.Queue(), context.Queue()
+    vllm = context.Process(target=vt.engine_process, daemon=True,
+                           args=(commands, replies, {"headroom_blocks": 4, "shared_budget": name}, 128,
+                                 {"prefix_caching": False}))
+    vllm.start()
+    sglang = None
+    try:
+        _reply(replies, "ready")
+        with tempfile.TemporaryDirectory() as tmp:
+            signals = Path(tmp)
+            spec = {"server_args": {"page_size": st.PAGE, "max_total_tokens": SGLANG_POOL_TOKENS,
+                                    "chunked_prefill_size": 64, "max_running_requests": 8},
+                    "rounds": st.workload(), "budget": name, "signals": str(signals),
+                    "model": str(st.model_dir(signals)), "result": str(signals / "result.json")}
+            (signals / "spec.json").write_text(json.dumps(spec))
+            log = open(signals / "sglang.log", "w")
+            sglang = subprocess.Popen([SGLANG_PYTHON, str(st.DRIVER), str(signals / "spec.json")],
+                                      env=st.environment(name), stdout=log, stderr=log)
+
+            def sglang_round(index):
+                done = signals / f"round-{index}"
+                _until(lambda: done.exists() or sglang.poll() is not None, 1200)
+                assert sglang.poll() is None, (signals / "sglang.log").read_text()[-3000:]
+                return json.loads(done.read_text())
+
+            first = sglang_round(0)  # SGLang busy: it takes most of the budget
+            scheduler = first["scheduler_pid"]
+            assert first["most_held"] >= CAPACITY // 2, first
+            _until(lambda: _held(budget, scheduler) <= CAPACITY // 8)  # idle: it gives its free pages back
+            peak = _Peak(budget, vllm.pid)
+            commands.put(("burst", "v", 16, 100, 20))  # vLLM busy: 16 requests of 7 blocks, more than the budget
+            _reply(replies, "burst")
+            assert peak.stop() >= CAPACITY // 2  # the memory SGLang gave back went to vLLM
+            commands.put(("idle",))
+            _reply(replies, "idle")
+            _until(lambda: _held(budget, vllm.pid) <= CAPACITY // 8)  # vLLM idle gives back in turn
+            (signals / "go-1").touch()
+            second = sglang_round(1)  # SGLang busy again: the memory comes back to it
+            assert second["most_held"] >= CAPACITY // 2, second
+            os.kill(scheduler, signal.SIGKILL)  # the SGLang engine's scheduler holds its pages
+            _until(lambda: all(m["pid"] != scheduler for m in budget.stats()["members"]))
+            assert budget.stats()["used_bytes"] == _held(budget, vllm.pid)  # its memory is back in the budget
+    finally:
+        commands.put(("stop",))
+        vllm.join(60)
+        if sglang is not None and sglang.poll() is None:
+            sglang.kill()
+            sglang.wait(60)
+        budget.remove()
