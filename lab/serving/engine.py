@@ -423,6 +423,7 @@ class Engine:
 
         while waiting or running or prefilling:
             if not running and not prefilling and pending is None and waiting[0].arrival > clock():
+                store.on_idle()
                 self._idle_until(waiting[0].arrival, clock)
             result.iterations += 1
             result.reserve_us.append(0.0)
@@ -586,6 +587,7 @@ class Engine:
             progress.update(done, len(running), result.emitted)
             if self.progress_hook:
                 self.progress_hook(done, len(running), result.emitted)
+            store.after_iteration()
 
         collect(pending)
         result.seconds = clock()
@@ -599,5 +601,6 @@ class Engine:
             store.free(slot)
         self.pinned.clear()
         self.prefixes.clear()
+        store.on_idle()
         progress.close()
         return result

@@ -153,12 +153,41 @@ def ramp_arrivals(peak_rps: float, seconds: float, offset: float = 0.0) -> np.nd
     return np.array(arrivals)
 
 
+def ramp_up_down_arrivals(peak_rps: int, increment: int = 1, end_rps: int = 1, offset: float = 0.0,
+                          start_rps: int = 0) -> np.ndarray:
+    """Arrival times of kvcached's own benchmark client (``benchmarks/bench_latency_benefit/
+    bench_kvcached_vllm.py``, ``--ramp-up-strategy ramp-up-down``), from ``offset`` on: for
+    max(1, (peak - start) // increment) seconds the rate climbs by ``increment`` each second
+    (start + increment, ..., capped at peak), then for max(1, (peak - end) // increment)
+    seconds it falls by ``increment`` (to at least ``end_rps``); the requests of each second
+    are sent evenly spaced from its start (request i of n at i / n)."""
+    up = max(1, (peak_rps - start_rps) // increment)
+    down = max(1, (peak_rps - end_rps) // increment)
+    rates = [min(start_rps + (second + 1) * increment, peak_rps) for second in range(up)]
+    rates += [max(peak_rps - (second + 1) * increment, end_rps) for second in range(down)]
+    return np.array([offset + second + i / rate for second, rate in enumerate(rates) if rate > 0
+                     for i in range(rate)])
+
+
+def ramp_up_down_stagger(peak_rps: int, increment: int = 1, start_rps: int = 0) -> int:
+    """Seconds between one engine's start and the next one's in kvcached's own benchmark
+    (``run_benchmark.sh``: MODEL_DELAY = RAMP_UP_DURATION / 4 + RAMP_UP_DURATION * 2, in
+    whole seconds, RAMP_UP_DURATION = (peak - start) / increment)."""
+    up = (peak_rps - start_rps) // increment
+    return up // 4 + up * 2
+
+
 def make_ramp_trace(peak_rps: float, seconds: float, offset: float, max_context: int, vocab: int, seed: int = 0,
                     scale: float = 1.0) -> List[Request]:
     """ShareGPT-like requests (lengths as ``make_trace``; ``fixed_lengths`` sets kvcached's)
     arriving at a rate that ramps up to ``peak_rps`` and down again over ``seconds``, from
     ``offset`` on: one engine of kvcached's staggered ramp-up/ramp-down scenario."""
-    arrivals = ramp_arrivals(peak_rps, seconds, offset)
+    return make_trace_at(ramp_arrivals(peak_rps, seconds, offset), max_context, vocab, seed, scale)
+
+
+def make_trace_at(arrivals: Sequence[float], max_context: int, vocab: int, seed: int = 0,
+                  scale: float = 1.0) -> List[Request]:
+    """ShareGPT-like requests (lengths as ``make_trace``) arriving at ``arrivals``."""
     trace = make_trace(len(arrivals), math.inf, max_context, vocab, seed, scale)
     for request, arrival in zip(trace, arrivals):
         request.arrival = float(arrival)

@@ -188,6 +188,18 @@ class KvStore:
         """Pages of announced prompts (``expect``) not mapped yet (vkv); 0 elsewhere."""
         return 0
 
+    # The engine's rhythm, for a store that defers work behind the device's steps (kvcached
+    # releases the pages its freed requests emptied once the steps that read them are done).
+    def after_iteration(self) -> None:
+        """Called at the end of every engine iteration (its frees done, its decode step
+        queued, the step before it finished): finish deferred work whose readers are done,
+        without waiting for the device."""
+
+    def on_idle(self) -> None:
+        """Called when the engine runs no request and has no step in flight (it is about to
+        wait for the next arrival, or a run has ended, its warm-up's included): finish all
+        deferred work."""
+
     def close(self) -> None:
         pass
 

@@ -17,14 +17,30 @@ the engine's process:
                                             unmaps a page once every block on it is free
 
 Its sharing policy is its own: first come, first served on the device's free memory
-(``cudaMemGetInfo``, less a 5% headroom), capped per instance by a limit in shared memory
-(``/dev/shm/<its IPC name>``) that ``kvctl limit <ipc> <size>`` writes and a watcher thread
-applies at the next alloc: this store writes it the same way (``kvcached.cli.utils.
-update_kv_cache_limit``, what ``kvctl limit`` calls). An alloc that finds no memory returns
-None; the store tries twice, as its vLLM integration does, then tells the engine that the
-memory is short (the engine preempts or waits, as vLLM does with kvcached's
-``KVCachePoolExhausted``). An exception from kvcached's pool is counted (``errors``) and
-treated as a shortage, never raised into the engine.
+(``cudaMemGetInfo``, less a 5% headroom). A per-instance limit in shared memory
+(``/dev/shm/<its IPC name>``), which ``kvctl limit <ipc> <size>`` writes and a watcher thread
+applies at the next alloc, is optional: none by default, as kvcached runs unless told
+otherwise; with ``limit_bytes`` this store writes one the way ``kvctl limit`` does
+(``kvcached.cli.utils.update_kv_cache_limit``). Once a limit is written, kvcached resizes
+its pool at every alloc, which re-reads the device's free memory each time: a limit costs
+that, no limit costs nothing. An alloc that finds no memory returns None; the store tries
+twice, as its vLLM integration does, then tells the engine that the memory is short (the
+engine preempts or waits, as vLLM does with kvcached's ``KVCachePoolExhausted``). An
+exception from kvcached's pool is counted (``errors``) and treated as a shortage, never
+raised into the engine.
+
+When the pages a free() empties go back to the device: the engine queues a decode step
+ahead of the host, so a freed request's blocks may still be read by the step in flight.
+kvcached's vLLM integration under async scheduling (a batch queue) retires such pages and
+releases them at the end of the engine step that freed them, after a barrier that waits for
+the workers' queued batches (``torch.cuda.synchronize`` on each); SGLang's releases them at
+once. This store retires them the same way (``defer_physical_release``) and releases them as
+soon as the device work queued before the free is done, checked at the end of every engine
+iteration without waiting (``after_iteration``; at most one iteration later than vLLM's
+barrier and without its stall), and all of them, waiting, whenever the engine has nothing
+running (``on_idle``: before it waits for an arrival, after a run and after the warm-up).
+An idle engine then holds what kvcached itself keeps: the page of its null block and the
+pages its allocator keeps mapped ahead (``KVCACHED_MAX_RESERVED_PAGES``, 10 by default).
 
 What running it needs (``scripts/gpu/kvcached_build.sh`` builds it and prints it):
   - kvcached 0.1.6 built from its source package against the installed torch, on PYTHONPATH
@@ -46,7 +62,8 @@ import os
 import re
 import subprocess
 import time
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, fields
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -103,19 +120,122 @@ def kvcached_missing(device) -> Optional[str]:
     return None
 
 
-def kvcached_environment(ipc_name: str) -> dict:
+@dataclass(frozen=True)
+class KvcachedSetting:
+    """One way to run kvcached: the knobs its docs and code offer, each None for its default.
+
+    min_reserved_pages, max_reserved_pages  KVCACHED_MIN/MAX_RESERVED_PAGES (5 and 10): its
+        allocator keeps at least min pages mapped ahead (its prealloc thread refills them)
+        and keeps up to max of the pages freed requests empty, mapped, instead of
+        unmapping them. What an idle engine holds besides its null block's page.
+    prealloc                                KVCACHED_PAGE_PREALLOC_ENABLED (true): the
+        background thread that maps pages ahead
+    page_mb                                 KVCACHED_PAGE_SIZE_MB (2): a multiple of 2 that
+        tiles the block; the elastic unit is page_mb MiB x layers x 2
+    limit                                   a per-instance limit, a share of the KV memory,
+        written as ``kvctl limit`` writes it (none)
+    trim                                    call its trim() (unmap the pages mapped ahead)
+        whenever the engine goes idle: an API of kvcached's that its vLLM integration never
+        calls (off)
+
+    The first four are read once per process (its C++ library reads them when it loads):
+    each setting runs in engine processes of its own."""
+
+    min_reserved_pages: Optional[int] = None
+    max_reserved_pages: Optional[int] = None
+    prealloc: Optional[bool] = None
+    page_mb: Optional[int] = None
+    limit: Optional[float] = None
+    trim: bool = False
+
+    @property
+    def name(self) -> str:
+        """'default', a name of KVCACHED_SETTINGS, or its knobs as parse() reads them."""
+        for name, setting in KVCACHED_SETTINGS.items():
+            if setting == self:
+                return name
+        return ",".join(f"{SETTING_KEYS[f.name]}={_shown(getattr(self, f.name))}" for f in fields(self)
+                        if getattr(self, f.name) != f.default)
+
+    def environment(self) -> Dict[str, str]:
+        """The variables an engine process of this setting starts with (its defaults unset)."""
+        out = {}
+        for key, variable in (("min_reserved_pages", "KVCACHED_MIN_RESERVED_PAGES"),
+                              ("max_reserved_pages", "KVCACHED_MAX_RESERVED_PAGES"),
+                              ("page_mb", "KVCACHED_PAGE_SIZE_MB")):
+            if getattr(self, key) is not None:
+                out[variable] = str(getattr(self, key))
+        if self.prealloc is not None:
+            out["KVCACHED_PAGE_PREALLOC_ENABLED"] = "true" if self.prealloc else "false"
+        return out
+
+    @staticmethod
+    def parse(text: str) -> "KvcachedSetting":
+        """A name of KVCACHED_SETTINGS, or knobs: 'min=0,max=0', 'prealloc=0', 'page_mb=4',
+        'limit=0.5', 'trim=1' (comma-separated).
+
+        @throws ValueError naming the text, the knob or the value that is not one."""
+        if text in KVCACHED_SETTINGS:
+            return KVCACHED_SETTINGS[text]
+        knobs: Dict[str, object] = {}
+        by_key = {key: name for name, key in SETTING_KEYS.items()}
+        for part in text.split(","):
+            key, _, value = part.partition("=")
+            if key not in by_key or not value:
+                raise ValueError(f"kvcached setting {text!r}: {part!r} is not one of {', '.join(KVCACHED_SETTINGS)} "
+                                 f"nor <knob>=<value> with a knob of {', '.join(by_key)}")
+            name = by_key[key]
+            try:
+                parsed: object = float(value) if name == "limit" else int(value)
+            except ValueError:
+                raise ValueError(f"kvcached setting {text!r}: {key}={value!r} is not a number") from None
+            if name in ("prealloc", "trim"):
+                parsed = bool(parsed)
+            elif name == "limit" and not 0 < float(parsed) <= 1:  # type: ignore[arg-type]
+                raise ValueError(f"kvcached setting {text!r}: limit={value} must be in (0, 1] (a share of the KV memory)")
+            elif name == "page_mb" and (int(parsed) < 2 or int(parsed) % 2):  # type: ignore[call-overload]
+                raise ValueError(f"kvcached setting {text!r}: page_mb={value} must be a positive multiple of 2")
+            elif isinstance(parsed, int) and not isinstance(parsed, bool) and parsed < 0:
+                raise ValueError(f"kvcached setting {text!r}: {key}={value} must be at least 0")
+            knobs[name] = parsed
+        return KvcachedSetting(**knobs)  # type: ignore[arg-type]
+
+
+def _shown(value) -> str:
+    return str(int(value)) if isinstance(value, bool) else (f"{value:g}" if isinstance(value, float) else str(value))
+
+
+SETTING_KEYS = {"min_reserved_pages": "min", "max_reserved_pages": "max", "prealloc": "prealloc",
+                "page_mb": "page_mb", "limit": "limit", "trim": "trim"}
+# Named settings the comparison sweeps (any other is given by its knobs, KvcachedSetting.parse).
+KVCACHED_SETTINGS = {
+    "default": KvcachedSetting(),
+    "reserve0": KvcachedSetting(min_reserved_pages=0, max_reserved_pages=0),  # nothing mapped ahead or kept
+    "reserve1-2": KvcachedSetting(min_reserved_pages=1, max_reserved_pages=2),
+    "noprealloc": KvcachedSetting(prealloc=False),
+    "page4": KvcachedSetting(page_mb=4),
+    "limit50": KvcachedSetting(limit=0.5),
+    "limit67": KvcachedSetting(limit=0.67),
+}
+
+
+def kvcached_environment(ipc_name: str, setting: Optional[KvcachedSetting] = None) -> dict:
     """The environment an engine process that builds a kvcached store starts with:
     ``LD_PRELOAD`` with the system's libstdc++ (kept where one is preloaded already), its
     own ``KVCACHED_IPC_NAME`` (kvcached otherwise derives one name from the process group,
-    which the demo's engines share, so their limits would be one), and kvcached's warnings
-    off (one per refused alloc) unless ``KVCACHED_LOG_LEVEL`` says otherwise."""
+    which the demo's engines share, so their limits would be one), kvcached's warnings off
+    (one per refused alloc) unless ``KVCACHED_LOG_LEVEL`` says otherwise, and ``setting``'s
+    variables; kvcached's own variables of the caller's environment are not passed on (each
+    setting says what it changes)."""
     preload = os.environ.get("LD_PRELOAD", "")
     if "libstdc++" not in preload:
         library = libstdcxx_path()
         if library:
             preload = f"{library} {preload}".strip()
-    return {"LD_PRELOAD": preload, "KVCACHED_IPC_NAME": ipc_name,
-            "KVCACHED_LOG_LEVEL": os.environ.get("KVCACHED_LOG_LEVEL", "ERROR")}
+    unset = {variable: None for variable in KvcachedSetting(0, 0, False, 2).environment()}
+    return {**unset, "LD_PRELOAD": preload, "KVCACHED_IPC_NAME": ipc_name,
+            "KVCACHED_LOG_LEVEL": os.environ.get("KVCACHED_LOG_LEVEL", "ERROR"),
+            **(setting or KvcachedSetting()).environment()}
 
 
 class KvcachedStore(KvStore):
@@ -123,9 +243,9 @@ class KvcachedStore(KvStore):
     pool; a page table per request (host and device) as the paged stores keep; FlashInfer's
     paged decode reads the blocks where kvcached's views put them, its ragged prefill the
     prompts' fresh K/V (as ``FlashInferStore``). ``limit_bytes``: the instance's limit, as
-    ``kvctl limit`` sets it (None: kvcached's default, the whole device). ``trim_when_idle``:
-    call kvcached's ``trim()`` (unmap its pages mapped ahead) whenever the engine holds no
-    request; off by default, as in its vLLM integration, which never trims.
+    ``kvctl limit`` sets it (None: none written, kvcached's default). ``trim_when_idle``:
+    call kvcached's ``trim()`` (unmap its pages mapped ahead) whenever the engine goes idle;
+    off by default, as in its vLLM integration, which never trims.
 
     @throws StoreUnavailable without CUDA, FlashInfer, kvcached, or the preloaded C++
     runtime, or for a second pool in one process."""
@@ -146,6 +266,7 @@ class KvcachedStore(KvStore):
             raise StoreUnavailable("kvcached keeps its pool in module state: one kvcached store per process")
         try:
             import kvcached
+            from kvcached import utils as knobs
             from kvcached.cli.utils import get_kv_cache_limit, update_kv_cache_limit
             from kvcached.integration.vllm import interfaces
         except Exception as error:  # not installed, or built for another torch
@@ -160,6 +281,10 @@ class KvcachedStore(KvStore):
         self.misses = 0               # reserves refused: alloc() returned None twice
         self._interfaces = interfaces
         self.version = getattr(kvcached, "__version__", "unknown")  # the demo reports it
+        # What this process's kvcached runs with (read from the environment it started with).
+        self.knobs = {"min_reserved_pages": knobs.MIN_RESERVED_PAGES, "max_reserved_pages": knobs.MAX_RESERVED_PAGES,
+                      "prealloc": knobs.PAGE_PREALLOC_ENABLED, "page_mb": knobs.PAGE_SIZE >> 20,
+                      "gpu_utilization": knobs.GPU_UTILIZATION}
         self._limit_reader = get_kv_cache_limit
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -172,10 +297,8 @@ class KvcachedStore(KvStore):
         self.manager = interfaces.get_kv_cache_manager(None, block_tokens, num_kv_heads * head_dim * dtype.itemsize,
                                                        num_layers)
         self.num_blocks = int(self.manager.num_blocks)
-        # The engine queues a decode step ahead of the host (engine.py), so a request's blocks
-        # may still be read after its free(). kvcached's vLLM integration under async
-        # scheduling (a batch queue) defers the physical release of emptied pages for the
-        # same reason and releases them once the batch that may read them is done: the same here.
+        # A request's blocks may still be read after its free(): emptied pages are retired,
+        # as under kvcached's async scheduling, and released once their readers are done.
         self.manager.defer_physical_release = True
         self.keys = [view[:, 0] for view in views]    # [blocks, block_tokens, kv_heads, head_dim], strided
         self.values = [view[:, 1] for view in views]
@@ -235,7 +358,13 @@ class KvcachedStore(KvStore):
                 self._retire()
             except Exception as error:  # noqa: BLE001
                 self.errors.append(f"{type(error).__name__}: {error}")
-        if self.trim_when_idle and len(self._free_slots) == self.max_slots:
+
+    def after_iteration(self):
+        self._release_retired()
+
+    def on_idle(self):
+        self._release_retired(wait=True)
+        if self.trim_when_idle:
             try:
                 self.manager.trim()
             except Exception as error:  # noqa: BLE001
@@ -244,23 +373,25 @@ class KvcachedStore(KvStore):
     def _retire(self) -> None:
         """After a free(): the pages it emptied go back to the device once the work queued so
         far (the step that may still read them) is done (``_release_retired()``)."""
-        if getattr(self.manager, "defer_physical_release", False):
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._retired.append((self.manager.capture_physical_release_marker(), event))
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._retired.append((self.manager.capture_physical_release_marker(), event))
 
     def _release_retired(self, wait: bool = False) -> None:
-        """Physically releases the retired pages whose readers are done (``wait``: all of them)."""
+        """Physically releases the retired pages whose readers are done (``wait``: all of
+        them, waiting for their readers)."""
         marker = None
         while self._retired and (wait or self._retired[0][1].query()):
             marker, event = self._retired.pop(0)
             if wait:
                 event.synchronize()
         if marker is not None:
-            self.manager.release_retired_pages_through(marker)
+            try:
+                self.manager.release_retired_pages_through(marker)
+            except Exception as error:  # noqa: BLE001 (its pool's own failure, counted)
+                self.errors.append(f"{type(error).__name__}: {error}")
 
     def reserve(self, lens):
-        self._release_retired()
         slots, logical = [], []
         for slot, n in lens.items():
             for index in range(int(self.held[slot]), -(-n // self.page_tokens)):
@@ -342,4 +473,5 @@ class KvcachedStore(KvStore):
             self.errors.append(f"at close: {type(error).__name__}: {error}")
 
 
-__all__ = ["KVCACHED_VERSION", "KvcachedStore", "kvcached_environment", "kvcached_missing", "libstdcxx_path"]
+__all__ = ["KVCACHED_SETTINGS", "KVCACHED_VERSION", "KvcachedSetting", "KvcachedStore", "kvcached_environment",
+           "kvcached_missing", "libstdcxx_path"]

@@ -387,7 +387,7 @@ def test_cli_long_preset_reports_makespan_per_ratio(capsys, tmp_path):
 
 
 def test_two_engines_share_one_budget_and_a_killed_one_loses_nothing(capsys, tmp_path):
-    from lab.multi_engine import __main__ as multi
+    from lab.multi_engine import demo as multi
 
     assert multi.main(["--device", "cpu", "--phases", "shared", "kill", "--bursts", "1", "--requests-per-burst",
                        "8", "8", "--period", "1", "--out", str(tmp_path), "--no-progress"]) == 0
