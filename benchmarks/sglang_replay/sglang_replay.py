@@ -121,6 +121,14 @@ def _flashinfer_forward(pool, plan, q, new_k, new_v, attention, dense, x):
     return out
 
 
+def _spread_over(vkv, fixed, steps):
+    """vkv - fixed over the chosen ``steps`` (None where there are none), as the vLLM replay reports it."""
+    steps = list(steps)
+    if not steps:
+        return None
+    return _spread(np.array([vkv[i] for i in steps]), np.array([fixed[i] for i in steps]))
+
+
 def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: int, attention_name: str,
            dense_gemms: bool, max_steps: int = 0) -> dict:
     import vkv
@@ -200,8 +208,8 @@ def replay(path: str, device: str, layers: int, heads: int, dim: int, q_heads: i
               "step_ms": {"vkv": 1e3 * float(np.sum(vkv_steps)) / len(steps),
                           "fixed": 1e3 * float(np.sum(times["fixed"])) / len(steps),
                           "backing": 1e3 * float(np.sum(times["backing"])) / len(steps)},
-              "per_step_overhead": _spread(vkv_steps, times["fixed"], range(len(steps))),
-              "decode_batch_ge_60": {"steps": len(big), "per_step_overhead": _spread(vkv_steps, times["fixed"], big)},
+              "per_step_overhead": _spread_over(vkv_steps, times["fixed"], range(len(steps))),
+              "decode_batch_ge_60": {"steps": len(big), "per_step_overhead": _spread_over(vkv_steps, times["fixed"], big)},
               "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "command": " ".join(sys.argv)}
     out_dir = os.environ.get("OUT")
