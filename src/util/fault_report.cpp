@@ -84,6 +84,8 @@ void chain(int signal, siginfo_t* info, void* context) noexcept {
   raise(signal);
 }
 
+std::atomic_flag reporting = ATOMIC_FLAG_INIT;  // set by the thread whose fault is reported
+
 void on_fault(int signal, siginfo_t* info, void* context) {
   // si_code > 0: the kernel reports a fault at si_addr (not a signal someone sent).
   if (info != nullptr && info->si_code > 0) {
@@ -92,6 +94,10 @@ void on_fault(int signal, siginfo_t* info, void* context) {
       const AddressExplainer* explainer = entry.explainer.load(std::memory_order_acquire);
       if (explainer == nullptr || !entry.handles_faults.load(std::memory_order_acquire) || !explainer->covers(address))
         continue;
+      // One report a process: threads that fault beside the first (a whole view read by
+      // torch's worker threads) wait here for its abort instead of printing their own.
+      if (reporting.test_and_set(std::memory_order_acq_rel))
+        for (;;) pause();
       SignalSafeText text;
       explainer->explain_fault(address, access_kind(context), text);
       text << "\n";

@@ -7,6 +7,7 @@ default mode's behaviour, which docs/api.md's table states next to it, is pinned
 Legal use is unchanged: a subset of the suite's tensor tests runs here with VKV_CHECKED=1.
 """
 
+import re
 import shutil
 import signal
 import subprocess
@@ -91,7 +92,8 @@ def test_a_read_past_step_faults_with_how_to_read():
 
 
 def test_a_whole_view_read_stops_at_the_first_unbacked_byte():
-    result = run_with_a_slot("print(float(cache.key(0).float().sum()))")
+    # torch's worker threads read the view side by side: each faults, one reports (as on a 16-core host)
+    result = run_with_a_slot("torch.set_num_threads(8); print(float(cache.key(0).float().sum()))")
     expect_report(result, "a read at 0x", "layer 0 K", "key(layer, slot), not a whole view")
 
 
@@ -198,30 +200,30 @@ def test_on_cuda_a_write_through_a_freed_slots_view_faults_only_in_checked_mode(
 @needs_cuda
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not installed")
 def test_on_cuda_the_address_compute_sanitizer_reports_is_explained(tmp_path):
+    # compute-sanitizer writes its log when the process ends, after the cache is gone: the
+    # process explains the row it is about to write (any of its bytes), and the addresses the
+    # sanitizer reports must all lie in that row.
     log = tmp_path / "memcheck.log"
-    code = textwrap.dedent(f"""
-        import re, time, torch, vkv
+    code = textwrap.dedent("""
+        import torch, vkv
         cache = vkv.KVCache(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=4,
                             max_context_len=4096, device="cuda", background_mapping=False, checked=True)
         slot = cache.alloc_reqid()
-        cache.step({{slot: 100}})
+        cache.step({slot: 100})
+        row = cache.key(1)[slot, 3000]
+        start, size = row.data_ptr(), row.numel() * row.element_size()
+        print(hex(start), size, vkv.explain_address(hex(start + size - 1)), flush=True)
         try:
-            cache.key(1)[slot, 3000] = 1
+            row.fill_(1)
             torch.cuda.synchronize()
         except RuntimeError:
             pass  # the context is gone; the process and the cache's books are not
-        def reported():
-            try:
-                return re.search(r"Address (0x[0-9a-f]+)", open({str(log)!r}).read())
-            except FileNotFoundError:
-                return None
-        deadline = time.monotonic() + 30  # the report may reach the log file after the error reaches torch
-        while not reported() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        print(vkv.explain_address(reported().group(1)))
     """)
     result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--log-file", str(log), sys.executable, "-c",
                              code], capture_output=True, text=True, timeout=300)
     report = log.read_text() if log.exists() else ""
-    assert "is slot 0, token 3000, layer 1 K of the cuda:0 cache" in result.stdout, (result.stdout, result.stderr,
-                                                                                     report[-3000:])
+    start, size, explanation = result.stdout.split(" ", 2)
+    assert "is slot 0, token 3000, layer 1 K of the cuda:0 cache" in explanation, (result.stdout, result.stderr)
+    reported = [int(address, 16) for address in re.findall(r"Address (0x[0-9a-f]+)", report)]
+    assert reported, report[-3000:]
+    assert all(int(start, 16) <= address < int(start, 16) + int(size) for address in reported), report[-3000:]

@@ -111,13 +111,13 @@ TEST(BlockAgreement, AFailingWorkerIsNamedAndNoWorkerBacksAnything) {
       3, agreement_name("failing"), [](std::size_t) { return worker_config(kPage); },
       [&](std::size_t rank, BlockBacking& backing) {
         backing.back(2);
-        backends[2]->fail_maps = rank == 2;  // only rank 2 sets its own
+        if (rank == 2) backends[2]->fail_maps = true;  // rank 2's own backend: no other worker writes it
         const std::string message = message_of<Error>([&] { backing.back(6); });
         EXPECT_TRUE(contains(message, "worker rank 2 of 3")) << message;
         EXPECT_TRUE(contains(message, "failed to back 4 blocks; no worker backed them")) << message;
         if (rank == 2) EXPECT_TRUE(contains(message, "injected failure")) << message;
         after[rank] = backing.backed_blocks();
-        backends[2]->fail_maps = false;
+        if (rank == 2) backends[2]->fail_maps = false;
         EXPECT_EQ(backing.back(6), 4u);  // the failure was agreed: the workers go on alike
         backing.check_invariants();
       },

@@ -1,7 +1,8 @@
 """SGLang's pool buffers as vkv carves them (vkv.integrations.sglang.layout) on a GPU, without
 SGLang (the GPU machine has none): SGLang's shapes and strides, V a whole number of K blocks
 after K, writes through the views read back on backed pages as on a torch.zeros pool, and a
-page given back and backed again reads zeros. Skips without CUDA or vkv.BlockBacking."""
+page given back and backed again reads zeros (a block re-backed on a page that stayed mapped keeps
+its bytes, as in SGLang's own pool). Skips without CUDA or vkv.BlockBacking."""
 
 import pytest
 import torch
@@ -20,6 +21,17 @@ def _backing(layout):
     return vkv.BlockBacking(layout.num_blocks, ranges=layout.ranges(), reserved_bytes=layout.reserved_bytes,
                             device="cuda", page_size=PAGE_BYTES, memory_budget=layout.reserved_bytes,
                             permanent_blocks=(0,))
+
+
+def _vkv_pages(tensors, base, blocks):
+    """The vkv pages (2 MiB, from the reservation's start) that ``blocks``' bytes lie on, in any buffer."""
+    found = set()
+    for t in tensors:
+        row = t.stride(0) * t.element_size()
+        for b in blocks:
+            first = t.data_ptr() - base + int(b) * PAGE * row
+            found.update(range(first // PAGE_BYTES, (first + PAGE * row - 1) // PAGE_BYTES + 1))
+    return found
 
 
 def _slots(pages):
@@ -50,12 +62,15 @@ def test_mha_views_have_sglangs_shapes_and_read_back_as_a_fixed_pool(head_dim, v
         for t, f in zip(tensors, fixed):
             assert torch.equal(t[slots], f[slots])
         given = pages[-100:]
+        kept = _vkv_pages(tensors, backing.base, [0] + list(pages[:-100]))  # block 0 is permanent
         backing.release(given)
+        torch.cuda.synchronize()  # the forwards that read them: done, so their pages go back now
         again = backing.back_some(100)
         assert len(again) == 100
-        torch.cuda.synchronize()
+        anew = [b for b in again if not _vkv_pages(tensors, backing.base, [b]) & kept]
+        assert anew  # the release gave whole pages back
         for t in tensors:
-            assert not t[_slots(again)].any()  # a page backed anew reads zeros
+            assert not t[_slots(anew)].any()  # a page backed anew reads zeros
 
 
 def test_mla_views_read_back():
