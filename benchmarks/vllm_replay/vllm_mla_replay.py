@@ -34,7 +34,6 @@ so that a step costs the GPU about what a real one does.
 
 import argparse
 import math
-import os
 import sys
 
 import torch

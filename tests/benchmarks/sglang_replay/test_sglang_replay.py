@@ -3,8 +3,6 @@ steps (pages backed, given back and backed anew between forwards) replays over v
 and a fixed pool on the CPU with torch's attention, bitwise equal."""
 
 import json
-import os
-import sys
 
 import pytest
 
