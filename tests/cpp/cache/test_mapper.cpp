@@ -155,18 +155,16 @@ TEST_P(MapperTest, AnErrorOnTheMapperThreadSurfacesOnTheNextCall) {
   config_.eager_tokens = KvLayout(config_, backend_->page_bytes()).tokens_in_pages(1);
   failing->fail_maps = true;
   KvCache cache(config_, failing);
-  cache.alloc_reqid();  // wakes the mapper: it fails to map the next slot's pages
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  bool surfaced = false;
-  while (!surfaced && std::chrono::steady_clock::now() < deadline) {
+  cache.alloc_reqid();  // the next step() wakes the mapper: it fails to map the next slot's pages
+  const bool surfaced = testing::wait_until([&] {
     try {
       cache.step(std::vector<std::size_t>(config_.max_batch_size, 0));
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return false;
     } catch (const DriverError& error) {
-      surfaced = true;
       EXPECT_NE(std::string(error.what()).find("injected"), std::string::npos);
+      return true;
     }
-  }
+  });
   EXPECT_TRUE(surfaced);
   cache.stop_background();
   failing->fail_maps = false;
@@ -257,9 +255,7 @@ TEST_P(MapperTest, TheThreadMapsAheadOnItsOwnAndStopsOnRequest) {
   KvCache cache(config_, backend_);
   const std::size_t slot = cache.alloc_reqid();
   cache.step(lens({{slot, 1}}));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (cache.mapped_pages(slot) < 3 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  testing::wait_until([&] { return cache.mapped_pages(slot) >= 3; });
   EXPECT_EQ(cache.mapped_pages(slot), 3u);
   cache.stop_background();
   cache.stop_background();                                        // idempotent
@@ -288,9 +284,8 @@ TEST(Mapper, RunsWorkUntilNoneIsLeftAndKeepsErrors) {
     return left > 0 && --left > 0;
   });
   mapper.wake();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::exception_ptr error;
-  while (!error && std::chrono::steady_clock::now() < deadline) error = mapper.take_error();
+  testing::wait_until([&] { return static_cast<bool>(error = mapper.take_error()); });
   ASSERT_TRUE(error);
   EXPECT_THROW(std::rethrow_exception(error), Error);
   EXPECT_FALSE(mapper.take_error());  // reported once
