@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <thread>
 #include <tuple>
 
@@ -260,6 +261,30 @@ TEST_P(MapperTest, TheThreadMapsAheadOnItsOwnAndStopsOnRequest) {
   cache.stop_background();
   cache.stop_background();                                        // idempotent
   cache.step(lens({{slot, cache.layout().tokens_in_pages(4)}}));  // the cache goes on without it
+  EXPECT_EQ(cache.mapped_pages(slot), 4u);
+  cache.check_invariants();
+}
+
+// map_ahead_now() while the mapper thread is in the middle of a unit on a slot (which the
+// plan skips): it waits for that unit and does what is left, so that on return the slot
+// holds every page it is due, whoever mapped them.
+TEST_P(MapperTest, MapAheadNowWaitsForTheUnitTheThreadIsIn) {
+  config_.background_mapping = true;
+  auto gated = std::make_shared<testing::GatedMapBackend>(backend_);
+  KvCache cache(config_, gated);
+  const std::size_t slot = cache.alloc_reqid();
+  cache.step(lens({{slot, 1}}));
+  gated->closed = true;  // the thread's next map() waits
+  cache.expect_tokens(slot, cache.layout().tokens_in_pages(4));
+  if (!testing::wait_until([&] { return gated->entered.load(); })) {
+    gated->closed = false;
+    FAIL() << "the mapper thread did not start mapping the expected tokens in 30 s";
+  }
+  auto done = std::async(std::launch::async, [&] { return cache.map_ahead_now(); });
+  const bool returned_early = done.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready;
+  gated->closed = false;
+  done.get();
+  EXPECT_FALSE(returned_early) << "map_ahead_now() returned while the thread was in a unit";
   EXPECT_EQ(cache.mapped_pages(slot), 4u);
   cache.check_invariants();
 }
