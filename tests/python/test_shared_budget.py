@@ -579,8 +579,15 @@ def test_top_once_and_json_show_the_live_members(budget):
         plain.close()
 
 
+# python -m vkv.budget with SIGINT at its default, as from a terminal: a process started
+# with it ignored (a test run in a script's background job) keeps it ignored, and Ctrl-C
+# would then never reach top.
+WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "runpy.run_module('vkv.budget', run_name='__main__')")
+
+
 def test_top_refreshes_until_ctrl_c(budget):
-    watching = subprocess.Popen([sys.executable, "-m", "vkv.budget", "top", budget.name, "--interval", "0.05"],
+    watching = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, "top", budget.name, "--interval", "0.05"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = watching.stdout.readline()  # once it has drawn, it redraws every 50 ms
     second = watching.stdout.readline() + watching.stdout.readline()
