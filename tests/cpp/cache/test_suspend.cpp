@@ -285,8 +285,7 @@ TEST_P(SuspendTest, AnotherThreadsCallsSeeTheCacheSuspendedOrResumedNeverBetween
   // 20 rounds, and more until the engine thread has made calls (a loaded machine may not
   // run it during the first ones), within a bound.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  for (int round = 0; round < 20 || (stepped + refused < 20 && std::chrono::steady_clock::now() < deadline);
-       ++round) {
+  for (int round = 0; round < 20 || (stepped + refused < 20 && std::chrono::steady_clock::now() < deadline); ++round) {
     cache->suspend();
     std::this_thread::sleep_for(std::chrono::microseconds(200));
     cache->resume();

@@ -347,7 +347,8 @@ TEST_P(SharedBudgetCacheTest, AStepHoldingTheLockGivesBackBetweenSlotsToAnAskerW
   CacheConfig config = config_;
   config.shared_budget = name_.str();
   std::string why_not;
-  auto gated = std::make_shared<testing::GatedMapBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  auto gated =
+      std::make_shared<testing::GatedMapBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
   KvCache a(config, gated);  // row 0 of the fresh budget
   auto b = member();
   const std::size_t first = a.alloc_reqid();
