@@ -23,10 +23,8 @@ pip=("$python" -m pip install -q --no-deps)
   "aiohttp>=3.14.4" "multidict>=6.9.1" yarl propcache aiohappyeyeballs aiosignal frozenlist \
   "openai>=2.25.0" openai-harmony httpx2 "fastapi<0.137.0,>=0.133.0" "starlette>=1.0.1" \
   "prometheus_client>=0.18.0" "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11" "llguidance<1.8.0,>=1.7.0" \
-  partial-json-parser "opentelemetry-api>=1.27.0" \
-  urllib3 requests attrs sniffio cloudpickle py-cpuinfo
-# (The last line came with transformers' and hypothesis' own dependencies until their
-# releases of late 2026 dropped them: named here, so that a fresh environment has them.)
+  partial-json-parser "opentelemetry-api>=1.27.0" "requests>=2.33.0" urllib3 charset-normalizer idna certifi \
+  attrs sniffio cloudpickle py-cpuinfo
 
 if ! err=$("$python" -c "$probe" 2>&1); then
   echo "install_vllm.sh: vLLM 0.33.0 still does not import: $(echo "$err" | tail -1)" >&2

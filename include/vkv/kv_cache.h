@@ -118,9 +118,10 @@ class KvCache {
     step(seq_lens.data(), seq_lens.size(), stream);
   }
 
-  /// Does on the calling thread what the mapper would do next, until nothing is left;
-  /// returns the number of units done. For tests, benchmarks, and engines that want
-  /// the work done at a known time (e.g. with background_mapping off).
+  /// Does on the calling thread what the mapper would do next, until nothing is left (a
+  /// unit the mapper thread is in the middle of is waited for); returns the number of
+  /// units done here. For tests, benchmarks, and engines that want the work done at a
+  /// known time (e.g. with background_mapping off).
   std::size_t map_ahead_now();
   /// Stops and joins the mapper thread; the cache goes on without it. Idempotent.
   void stop_background() noexcept;

@@ -442,7 +442,8 @@ class KVCache:
         return self._live()._core.mapped_pages(self._slot(slot))
 
     def map_ahead_now(self) -> int:
-        """Do now, on this thread, what the background mapper would do next; returns units done."""
+        """Do now, on this thread, what the background mapper would do next, until nothing is
+        left (waiting for a unit the mapper thread is in the middle of); returns units done here."""
         return self._live()._core.map_ahead_now()
 
     def expect_tokens(self, slot: int, tokens: int) -> None:

@@ -13,8 +13,17 @@ namespace vkv {
 std::size_t KvCache::Impl::map_ahead_now() {
   rethrow_background_error();
   std::size_t units = 0;
-  while (background_work()) ++units;
-  return units;
+  auto any_busy = [&] {
+    return std::any_of(slots_.begin(), slots_.end(), [](const Slot& slot) { return slot.busy(); });
+  };
+  for (;;) {
+    while (background_work()) ++units;
+    // The plan skips a slot the mapper thread is in a unit of: wait for that unit, then plan
+    // again (the slot may want more), so that on return nothing is left, in flight or not.
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!any_busy()) return units;
+    background_done_.wait(lock, [&] { return !any_busy(); });
+  }
 }
 
 bool KvCache::Impl::background_work() {

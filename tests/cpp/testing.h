@@ -74,6 +74,18 @@ inline void fill_bytes(Backend& backend, Address address, std::size_t bytes, std
   write_bytes(backend, address, std::vector<std::uint8_t>(bytes, value));
 }
 
+/// Polls `done` until it holds or `timeout` passes; returns whether it holds. For state a
+/// background thread reaches on its own: a test waits for it, bounded, instead of sleeping.
+template <typename Predicate>
+bool wait_until(Predicate&& done, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return done();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
 /// Keeps `stream` busy for `duration` (a host function ahead of whatever comes next), so
 /// that work enqueued behind it is still pending when the next call returns.
 inline void hold_stream(Backend& backend, Stream stream, std::chrono::microseconds duration) {
@@ -183,6 +195,24 @@ class FailingMapBackend final : public ForwardingBackend {
   void map_large(Address address, PageHandle page, std::size_t pages) override {
     if (fail_maps) throw DriverError("map_large (injected)", 2, "injected failure");
     upstream_->map_large(address, page, pages);
+  }
+};
+
+/// map() waits while `closed` is set (and says so in `entered`): a step() that holds its
+/// cache's lock, or a mapper unit that holds its slot, for as long as a test wants, as one
+/// mapping hundreds of pages does.
+class GatedMapBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::atomic<bool> closed{false};
+  std::atomic<bool> entered{false};
+
+  void map(Address address, const PageHandle* pages, std::size_t count) override {
+    while (closed) {
+      entered = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    upstream_->map(address, pages, count);
   }
 };
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -37,6 +38,18 @@ def device(request):
 @pytest.fixture(params=LAYOUTS)
 def layout(request):
     return request.param
+
+
+def wait_until(done, timeout_s=30.0):
+    """Polls ``done()`` until it is true or ``timeout_s`` passes; returns its last value. For
+    state a background thread or another process reaches on its own: a test waits for it,
+    bounded, instead of sleeping a fixed time (a loaded machine runs that thread late)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return done()
+        time.sleep(0.005)
+    return True
 
 
 HOST_PAGE = 64 << 10

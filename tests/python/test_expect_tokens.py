@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import vkv
-from conftest import lens, small_cache
-from test_mapper import wait_for
+from conftest import lens, small_cache, wait_until
 
 
 def test_the_mapper_maps_an_expected_prompt_and_its_chunks_map_nothing(device, layout):
@@ -15,7 +14,7 @@ def test_the_mapper_maps_an_expected_prompt_and_its_chunks_map_nothing(device, l
         prompt = 20 * cache.tokens_per_page + 5 if layout == "interleaved" else 3000
         slot = cache.alloc_reqid()
         cache.expect_tokens(slot, prompt)
-        assert wait_for(lambda: cache.stats()["pages_expected"] == 0)
+        assert wait_until(lambda: cache.stats()["pages_expected"] == 0)
         stats = cache.stats()
         assert cache.mapped_pages(slot) == -(-prompt // cache.tokens_per_page)
         assert stats["pages_in_use"] == 0  # mapped ahead, not claimed

@@ -1,17 +1,8 @@
 """The background mapper from Python: lookahead, eager allocation, ablation switches, shutdown."""
 
-import time
-
 import pytest
 
-from conftest import lens, small_cache
-
-
-def wait_for(condition, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return condition()
+from conftest import lens, small_cache, wait_until
 
 
 def test_the_mapper_thread_backs_the_next_iterations_before_step_asks(device, layout):
@@ -19,7 +10,7 @@ def test_the_mapper_thread_backs_the_next_iterations_before_step_asks(device, la
         per_page = cache.tokens_per_page
         slot = cache.alloc_reqid()
         cache.step(lens(cache, s0=per_page))  # a page boundary: the next token needs a new page
-        assert wait_for(lambda: cache.mapped_pages(slot) >= 2)
+        assert wait_until(lambda: cache.mapped_pages(slot) >= 2)
         cache._core.stop_background()  # freeze the thread so that the count below is step()'s alone
         maps = cache.stats()["backend"]["map"]["calls"]
         cache.step(lens(cache, s0=per_page + 1))

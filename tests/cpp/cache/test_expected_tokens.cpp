@@ -4,9 +4,6 @@
 // Host backends (synchronous and deferred) in both layouts; CUDA skips without a device.
 #include <gtest/gtest.h>
 
-#include <chrono>
-#include <thread>
-
 #include "testing.h"
 #include "vkv/error.h"
 
@@ -62,9 +59,7 @@ TEST_P(ExpectedTokensTest, TheMapperThreadMapsThemWithoutBeingAsked) {
   auto cache = make_cache();
   const std::size_t slot = cache->alloc_reqid();
   cache->expect_tokens(slot, tokens(5));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (cache->stats().pages_expected > 0 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  testing::wait_until([&] { return cache->stats().pages_expected == 0; });
   ASSERT_EQ(cache->stats().pages_expected, 0u);
   const auto maps = cache->stats().backend.map.calls;
   cache->step(lens({{slot, tokens(5)}}));

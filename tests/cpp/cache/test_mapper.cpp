@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <future>
 #include <thread>
 #include <tuple>
 
@@ -155,18 +156,16 @@ TEST_P(MapperTest, AnErrorOnTheMapperThreadSurfacesOnTheNextCall) {
   config_.eager_tokens = KvLayout(config_, backend_->page_bytes()).tokens_in_pages(1);
   failing->fail_maps = true;
   KvCache cache(config_, failing);
-  cache.alloc_reqid();  // wakes the mapper: it fails to map the next slot's pages
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  bool surfaced = false;
-  while (!surfaced && std::chrono::steady_clock::now() < deadline) {
+  cache.alloc_reqid();  // the next step() wakes the mapper: it fails to map the next slot's pages
+  const bool surfaced = testing::wait_until([&] {
     try {
       cache.step(std::vector<std::size_t>(config_.max_batch_size, 0));
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return false;
     } catch (const DriverError& error) {
-      surfaced = true;
       EXPECT_NE(std::string(error.what()).find("injected"), std::string::npos);
+      return true;
     }
-  }
+  });
   EXPECT_TRUE(surfaced);
   cache.stop_background();
   failing->fail_maps = false;
@@ -257,13 +256,35 @@ TEST_P(MapperTest, TheThreadMapsAheadOnItsOwnAndStopsOnRequest) {
   KvCache cache(config_, backend_);
   const std::size_t slot = cache.alloc_reqid();
   cache.step(lens({{slot, 1}}));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (cache.mapped_pages(slot) < 3 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  testing::wait_until([&] { return cache.mapped_pages(slot) >= 3; });
   EXPECT_EQ(cache.mapped_pages(slot), 3u);
   cache.stop_background();
   cache.stop_background();                                        // idempotent
   cache.step(lens({{slot, cache.layout().tokens_in_pages(4)}}));  // the cache goes on without it
+  EXPECT_EQ(cache.mapped_pages(slot), 4u);
+  cache.check_invariants();
+}
+
+// map_ahead_now() while the mapper thread is in the middle of a unit on a slot (which the
+// plan skips): it waits for that unit and does what is left, so that on return the slot
+// holds every page it is due, whoever mapped them.
+TEST_P(MapperTest, MapAheadNowWaitsForTheUnitTheThreadIsIn) {
+  config_.background_mapping = true;
+  auto gated = std::make_shared<testing::GatedMapBackend>(backend_);
+  KvCache cache(config_, gated);
+  const std::size_t slot = cache.alloc_reqid();
+  cache.step(lens({{slot, 1}}));
+  gated->closed = true;  // the thread's next map() waits
+  cache.expect_tokens(slot, cache.layout().tokens_in_pages(4));
+  if (!testing::wait_until([&] { return gated->entered.load(); })) {
+    gated->closed = false;
+    FAIL() << "the mapper thread did not start mapping the expected tokens in 30 s";
+  }
+  auto done = std::async(std::launch::async, [&] { return cache.map_ahead_now(); });
+  const bool returned_early = done.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready;
+  gated->closed = false;
+  done.get();
+  EXPECT_FALSE(returned_early) << "map_ahead_now() returned while the thread was in a unit";
   EXPECT_EQ(cache.mapped_pages(slot), 4u);
   cache.check_invariants();
 }
@@ -288,9 +309,8 @@ TEST(Mapper, RunsWorkUntilNoneIsLeftAndKeepsErrors) {
     return left > 0 && --left > 0;
   });
   mapper.wake();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   std::exception_ptr error;
-  while (!error && std::chrono::steady_clock::now() < deadline) error = mapper.take_error();
+  testing::wait_until([&] { return static_cast<bool>(error = mapper.take_error()); });
   ASSERT_TRUE(error);
   EXPECT_THROW(std::rethrow_exception(error), Error);
   EXPECT_FALSE(mapper.take_error());  // reported once

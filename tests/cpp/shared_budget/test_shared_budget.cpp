@@ -140,16 +140,15 @@ class SharedBudgetCacheTest : public testing::CacheTest {
   void expect_books_add_up(std::initializer_list<KvCache*> caches) const {
     SharedBudgetStats stats;
     std::size_t created = 0;
-    for (int attempt = 0; attempt < 200; ++attempt) {
+    testing::wait_until([&] {
       stats = budget_->stats();
       created = 0;
       for (KvCache* cache : caches) {
         cache->check_invariants();
         created += cache->stats().bytes_created();
       }
-      if (stats.used_bytes == created) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+      return stats.used_bytes == created;
+    });
     EXPECT_EQ(stats.used_bytes, created);
     EXPECT_LE(stats.used_bytes, stats.capacity_bytes);
   }
@@ -341,23 +340,6 @@ TEST_P(SharedBudgetCacheTest, AShortClaimInStepReclaimsTheRestOrFailsCleanly) {
   expect_books_add_up({a.get()});
 }
 
-// map() waits while `closed` is set (and says so in `entered`): a step() that holds its
-// cache's lock for as long as a test wants, as one mapping hundreds of pages does.
-class GatedMapBackend final : public ForwardingBackend {
- public:
-  using ForwardingBackend::ForwardingBackend;
-  std::atomic<bool> closed{false};
-  std::atomic<bool> entered{false};
-
-  void map(Address address, const PageHandle* pages, std::size_t count) override {
-    while (closed) {
-      entered = true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    upstream_->map(address, pages, count);
-  }
-};
-
 // A member asked while its own step() holds the lock, mapping slot after slot: the step
 // gives the asker its freed slots' pages between slots (those no device work reads any
 // more), rather than making it wait for the whole step; nobody loses a page.
@@ -365,7 +347,8 @@ TEST_P(SharedBudgetCacheTest, AStepHoldingTheLockGivesBackBetweenSlotsToAnAskerW
   CacheConfig config = config_;
   config.shared_budget = name_.str();
   std::string why_not;
-  auto gated = std::make_shared<GatedMapBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
+  auto gated =
+      std::make_shared<testing::GatedMapBackend>(testing::make_test_backend(std::get<0>(GetParam()), &why_not));
   KvCache a(config, gated);  // row 0 of the fresh budget
   auto b = member();
   const std::size_t first = a.alloc_reqid();
@@ -519,8 +502,7 @@ TEST_P(SharedBudgetCacheTest, AnIdleMemberGivesBackOnItsOwnWithIdleMs) {
   a.step(lens({{kept, tokens(2)}, {freed, tokens(4)}}));
   write_tokens(a, kept, 0, tokens(2), testing::mark(21));
   a.free_reqid(freed);
-  for (int i = 0; i < 500 && a.stats().pages_created > 2 * regions(); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  testing::wait_until([&] { return a.stats().pages_created <= 2 * regions(); });
   EXPECT_EQ(a.stats().pages_created, 2 * regions());
   EXPECT_EQ(a.stats().budget_handoff.idle_pages, 4 * regions());
   const std::size_t slot = b->alloc_reqid();
@@ -556,8 +538,7 @@ TEST_P(SharedBudgetCacheTest, AMemberUnderPressureTrimsToItsHeadroomUnasked) {
   b->step(lens({{slot, tokens(2)}}));  // 1 page per region free: asks a for the other
   const std::size_t asks = b->stats().budget_asks.calls;
   EXPECT_EQ(asks, 1u);
-  for (int i = 0; i < 500 && a.stats().pages_created > 3 * regions(); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  testing::wait_until([&] { return a.stats().pages_created <= 3 * regions(); });
   const CacheStats trimmed = a.stats();
   EXPECT_LE(trimmed.pages_created, 3 * regions());  // its request's page and at most the headroom
   EXPECT_GE(trimmed.pages_created, 1 * regions());  // never its request's
@@ -594,6 +575,9 @@ TEST_P(SharedBudgetCacheTest, AMemberShortItselfGivesNothingUnasked) {
   a.step(lens({{kept, tokens(1)}}));  // a caches 5
   const std::size_t slot = b->alloc_reqid();
   b->step(lens({{slot, tokens(4)}}));  // b's own 2, then 2 asked of a
+  // The watcher counts its answer after the asker has its pages; then 100 ms more for
+  // anything it would give unasked.
+  testing::wait_until([&] { return a.stats().budget_handoff.answers >= 1; });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   const CacheStats stats = a.stats();
   EXPECT_EQ(stats.budget_handoff.answers, 1u);
@@ -1075,15 +1059,6 @@ const SharedBudgetMember& member_of(const SharedBudgetStats& stats, pid_t pid) {
   throw std::runtime_error("no member with pid " + std::to_string(pid));
 }
 
-// Polls until `done` or 10 s: a watcher gives back from its own thread.
-bool eventually(const std::function<bool()>& done) {
-  for (int i = 0; i < 1000; ++i) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return done();
-}
-
 // A higher-priority asker takes a lower member's unclaimed pages down to its floor, never
 // below: the asker gets the rest of what it wants nowhere, and raises OutOfMemory.
 TEST(SharedBudgetGuaranteesTest, AnAskFromAHigherPriorityStopsAtTheOthersFloor) {
@@ -1125,7 +1100,7 @@ TEST(SharedBudgetGuaranteesTest, LowerPrioritiesGiveBackFirst) {
   EXPECT_EQ(member_of(stats, middle.pid()).held_bytes, pages(6));
   // The counters people watch (python -m vkv.budget top); an answer is counted once the
   // answerer is done, which may be after the asker went on.
-  EXPECT_TRUE(eventually([&] {
+  EXPECT_TRUE(testing::wait_until([&] {
     stats = budget.stats();
     return member_of(stats, low.pid()).give_backs == 2 && member_of(stats, middle.pid()).give_backs == 1;
   }));
@@ -1158,7 +1133,7 @@ TEST(SharedBudgetGuaranteesTest, ACapBoundsWhatAMemberHoldsAndALowerOneIsGivenBa
   const std::size_t second = capped.alloc_reqid();
   EXPECT_THROW(step_to(capped, second, 1), OutOfMemory);
   capped.free_reqid(slot);  // its pages are unclaimed now: the watcher gives them back to 6
-  EXPECT_TRUE(eventually([&] { return member_of(budget.stats(), getpid()).held_bytes <= pages(6); }));
+  EXPECT_TRUE(testing::wait_until([&] { return member_of(budget.stats(), getpid()).held_bytes <= pages(6); }));
   step_to(capped, second, 6);
   capped.check_invariants();
 }
@@ -1227,7 +1202,7 @@ TEST(SharedBudgetGuaranteesTest, AFloorJoiningIsFreedFromTheOthersUnclaimedPages
   MemberProcess other([&] { hold(guaranteed_config(name), 2, 18); });
   ASSERT_TRUE(other.started());
   KvCache floored(guaranteed_config(name, /*floor=*/20));  // 12 free: 8 short of its floor
-  EXPECT_TRUE(eventually([&] { return member_of(budget.stats(), other.pid()).held_bytes == pages(12); }));
+  EXPECT_TRUE(testing::wait_until([&] { return member_of(budget.stats(), other.pid()).held_bytes == pages(12); }));
   const std::size_t slot = floored.alloc_reqid();
   step_to(floored, slot, 20);
   EXPECT_EQ(floored.stats().budget_asks.calls, 0u);
