@@ -131,6 +131,32 @@ namespace vkv {
   X(alloc_lock_wait_ns, std::uint64_t, count, "of that: waiting for the mutex")
 #define VKV_STEP_PROFILE_DERIVED(D)
 
+// What a BlockBacking (block_backing.h) holds and what its calls cost.
+#define VKV_BLOCK_BACKING_STATS_FIELDS(X)                                                                           \
+  X(page_bytes, std::size_t, count, "bytes per physical page")                                                      \
+  X(reserved_bytes, std::size_t, count, "virtual address space held")                                               \
+  X(num_blocks, std::size_t, count, "blocks")                                                                       \
+  X(backed_blocks, std::size_t, count, "non-permanent blocks backed")                                               \
+  X(permanent_blocks, std::size_t, count, "blocks backed for good (permanent_blocks)")                              \
+  X(budget_pages, std::size_t, count, "most physical pages the layer may hold (memory_budget)")                     \
+  X(pages_held, std::size_t, count, "pages some backed block has bytes on")                                         \
+  X(pages_pending, std::size_t, count,                                                                              \
+    "pages no backed block has bytes on any more, still mapped until the device work that may read them is done")  \
+  X(jobs, CallStats, group,                                                                                         \
+    "submitted jobs run; units: blocks released and backed; time: on the job's thread, its waits included")        \
+  X(last_job_ns, std::uint64_t, seconds, "the last job's time on its thread, its waits included")                   \
+  X(last_job_event_wait_ns, std::uint64_t, seconds,                                                                 \
+    "of that: waiting for the forwards' event before giving released pages back")                                  \
+  X(backs, CallStats, group, "backing (back(), back_some() and jobs) that mapped pages; units: pages mapped")       \
+  X(releases, CallStats, group, "released pages given back to the budget; units: pages; time: unmapping them")     \
+  X(blocks_backed, std::uint64_t, count, "blocks backed so far")                                                    \
+  X(blocks_released, std::uint64_t, count, "blocks released so far")                                                \
+  X(shortages, std::uint64_t, count, "backing that backed fewer blocks than asked for lack of budget")              \
+  X(agreement_rounds, std::uint64_t, count, "all-reduce rounds with the engine's other workers (agreement)")        \
+  X(budget_asks, CallStats, group, "asks to a shared budget's other members; units: pages they gave")               \
+  X(backend, BackendStats, group, "every backend call by kind")
+#define VKV_BLOCK_BACKING_STATS_DERIVED(D) D(bytes_held, bytes_held, "pages_held * page_bytes")
+
 #define VKV_DECLARE_STATS_FIELD(name, type, python, meaning) type name{};
 
 /// One kind of call: how often, over how many pages or bytes, and the wall time spent.
@@ -169,6 +195,13 @@ struct CacheStats {
   std::size_t bytes_created() const noexcept { return pages_created * page_bytes; }
   /// Device memory sharing saves: what the shared mappings would take as private copies.
   std::size_t bytes_saved_by_sharing() const noexcept { return (page_mappings - pages_mapped) * page_bytes; }
+};
+
+/// What a BlockBacking holds and what its calls cost (fields: VKV_BLOCK_BACKING_STATS_FIELDS above).
+struct BlockBackingStats {
+  VKV_BLOCK_BACKING_STATS_FIELDS(VKV_DECLARE_STATS_FIELD)
+
+  std::size_t bytes_held() const noexcept { return pages_held * page_bytes; }
 };
 
 #undef VKV_DECLARE_STATS_FIELD

@@ -3,6 +3,7 @@
 
 #include "vkv/agreed_step.h"
 #include "vkv/backend.h"
+#include "vkv/block_backing.h"
 #include "vkv/config.h"
 #include "vkv/cuda_backend.h"
 #include "vkv/error.h"

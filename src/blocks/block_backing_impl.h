@@ -1,0 +1,162 @@
+// BlockBacking::Impl: the parts of the block-backing layer and how its calls compose them.
+//
+//   BlockGeometry   block_geometry.h    where each block's bytes lie, which pages they touch
+//   BlockTable      block_table.h       backed and permanent blocks, the state bytes
+//   PageCounts      page_counts.h       backed blocks per page; the partial pages
+//   choose_blocks   block_choice.h      which blocks back() takes; the prefix that fits
+//   PageStore       page_store.h        pages mapped, held, pending behind an event; zero-fills
+//   PagePool        cache/page_pool.h   physical pages and the budget
+//   BudgetClient    shared_budget/      (optional) the shared budget's protocol, over
+//   LentBlockPages  lent_block_pages.h  what the layer can give back (pending, free pages)
+//   WorkerAgreement worker_agreement.h  (optional) one all-reduce round a job among workers
+//   JobThread       job_thread.h        the thread the step's jobs run on
+//
+// Each public call checks its arguments and then changes the parts under one mutex; a
+// backing that fails undoes what it did in stream order (undo_log.h). The methods live in
+// files named after what they do: block_backing.cpp (construction, teardown, reads,
+// stats, invariants), block_backing_back.cpp (backing blocks), block_backing_release.cpp
+// (releasing them), block_backing_jobs.cpp (the step's job).
+//
+// Lock order: the layer's mutex, then the backend's and the budget's own. A job holds the
+// mutex from start to end, its wait for the forwards' event included.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "block_choice.h"
+#include "block_geometry.h"
+#include "block_table.h"
+#include "cache/page_pool.h"
+#include "cache/undo_log.h"
+#include "job_thread.h"
+#include "lent_block_pages.h"
+#include "page_counts.h"
+#include "page_store.h"
+#include "shared_budget/budget_client.h"
+#include "vkv/block_backing.h"
+#include "vkv/error.h"
+#include "vkv/statistics_backend.h"
+#include "worker_agreement.h"
+
+namespace vkv {
+
+class BlockBacking::Impl final {
+ public:
+  Impl(const BlockBackingConfig& config, std::uint8_t* shared_states, std::shared_ptr<Backend> backend);
+  ~Impl();
+
+  /// With an agreement: after the construction round, the agreement and what it decided.
+  void adopt(std::unique_ptr<detail::WorkerAgreement> agreement, bool prefer_costless);
+  /// The digests the construction round compares.
+  std::uint64_t geometry_digest() const noexcept { return geometry_.digest(); }
+  std::uint64_t identity_digest() const noexcept;
+
+  // ---- the public calls (block_backing.h documents them) ----------------------------
+  void submit(const std::int64_t* release, std::size_t release_count, std::size_t target, Stream stream, bool start);
+  void start();
+  void wait();
+  std::size_t back(std::size_t target);
+  std::vector<std::int64_t> back_some(std::size_t count);
+  std::size_t release(const std::int64_t* blocks, std::size_t count, Stream stream);
+  std::size_t backed_blocks() const;
+  bool is_backed(std::size_t block) const;
+  std::size_t mapped_pages(std::size_t block) const;
+  std::size_t pages_in(std::size_t block) const;
+  BlockBackingStats stats() const;
+  void stop_background() noexcept;
+  void check_invariants() const;
+
+  const BlockBackingConfig& config() const noexcept { return config_; }
+  Address base() const noexcept { return base_; }
+  std::size_t reserved_bytes() const noexcept { return geometry_.reserved_bytes(); }
+  std::size_t page_bytes() const noexcept { return geometry_.page_bytes(); }
+  std::size_t num_blocks() const noexcept { return geometry_.num_blocks(); }
+  Backend& backend() const noexcept { return *backend_; }
+  std::uint8_t* states() const noexcept { return table_.states(); }
+
+ private:
+  // A job submitted: what to release and back, the event behind the forwards, its number.
+  struct Job {
+    std::vector<std::int64_t> release;
+    std::size_t target = 0;
+    Event event = 0;
+    std::uint64_t number = 0;
+  };
+  // How an attempt to map the chosen blocks' pages went; `replan`: nothing changed, but
+  // pending pages went back or the lock was released (to ask the budget): choose again.
+  enum class Mapping { mapped, short_of_pages, replan };
+
+  // ---- backing (block_backing_back.cpp) ---------------------------------------------
+  // Backs `want` more blocks (fewer on a shortage), every worker alike; `chosen` gets
+  // their ids. `released`: the same job released blocks (the workers agree on it even
+  // when nothing is to be backed); `release_failed`: this worker's release failed (with an
+  // agreement the round tells every worker). Returns how many.
+  std::size_t back_locked(std::unique_lock<std::mutex>& lock, std::size_t want, std::vector<std::size_t>& chosen,
+                          bool released, std::exception_ptr release_failed);
+  // The one error every worker raises when the round names a failed worker.
+  Error failure(const detail::WorkerAgreement::Verdict& verdict, std::size_t want, std::exception_ptr own) const;
+  // Maps the new pages `chosen` needs (all or nothing); on a shortage, gives pending pages
+  // back, asks the budget and, failing that, sets `fitting` to the prefix that fits.
+  Mapping map_chosen(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& chosen,
+                     detail::UndoLog& undo, std::size_t& fitting, bool& asked);
+  // Commits the mapped chosen blocks: counts, BACKED states.
+  void commit_backed(const std::vector<std::size_t>& chosen);
+  std::size_t want_for(std::size_t target) const noexcept;
+
+  // ---- releasing (block_backing_release.cpp) ------------------------------------------
+  // Releases `blocks` (checked by table_.expect_releasable() already); their freed pages
+  // wait for `event`, which it owns (0: none). Returns the bytes of the pages freed.
+  std::size_t release_locked(const std::int64_t* blocks, std::size_t count, Event event);
+  // Gives back the pending pages whose events completed (`wait`: all); returns how many.
+  // @throws DriverError (the pages not given back stay pending).
+  std::size_t settle(bool wait);
+
+  // ---- jobs (block_backing_jobs.cpp) ------------------------------------------------
+  // Runs a job (on the thread, or inline); keeps its error, naming it, for the next call.
+  void run_job(Job& job) noexcept;
+  void run_job_locked(std::unique_lock<std::mutex>& lock, Job& job);
+  // Hands the kept job to the thread, or runs it inline (rethrowing its error); jobs_mutex_ held.
+  void start_locked();
+  void rethrow_job_error();
+  void expect_not_broken() const;
+
+  BlockBackingConfig config_;
+  std::shared_ptr<Backend> backend_;  // the statistics adaptor over the given or made backend
+  StatisticsBackend* statistics_;
+  detail::BlockGeometry geometry_;
+  detail::BlockTable table_;
+  detail::PageCounts counts_;
+  mutable std::mutex mutex_;
+  detail::LentBlockPages lent_;  // what the budget client may take (its calls come after start())
+  detail::BudgetClient budget_;
+  PagePool pool_;
+  detail::PageStore store_;
+  Address base_ = 0;
+  std::unique_ptr<detail::WorkerAgreement> agreement_;
+  bool prefer_costless_;
+  std::string broken_;  // why the workers' backing may differ: every later call refuses
+  std::uint64_t fork_generation_;
+  // Reused by every call: a job's backing allocates nothing once warm.
+  detail::ChoiceScratch choice_scratch_;
+  std::vector<std::size_t> chosen_, pages_, new_pages_, fresh_, pending_again_, freed_;
+  // Counters (stats()).
+  CallStats jobs_, backs_, releases_;
+  std::uint64_t last_job_ns_ = 0, last_job_event_wait_ns_ = 0;
+  std::uint64_t blocks_backed_ = 0, blocks_released_ = 0, shortages_ = 0;
+  // The step's jobs: the one kept by submit(start=false), the one handed to the thread,
+  // their numbers and the error a job ended with (rethrown by the next submit() or wait()).
+  std::mutex jobs_mutex_;  // the engine's side of the jobs (kept_, submitted_, thread_); taken before mutex_, never after
+  std::optional<Job> kept_;
+  Job running_;
+  std::uint64_t submitted_ = 0;
+  std::exception_ptr job_error_;
+  std::unique_ptr<detail::JobThread> thread_;  // last: it runs jobs on everything above
+};
+
+}  // namespace vkv

@@ -1,0 +1,146 @@
+// BlockBacking: the step's job -- submit() records the event behind the forwards and hands
+// (release, target) over; the job thread (or submit() itself, inline) releases, backs, and
+// gives the released pages back once that event completed; its error, naming the job, is
+// rethrown by the next submit() or wait().
+#include <string>
+
+#include "block_backing_impl.h"
+#include "util/clock.h"
+#include "util/fork_guard.h"
+#include "vkv/error.h"
+
+namespace vkv {
+namespace {
+
+// `error` with `prefix` before its message, as the same type where vkv has one.
+std::exception_ptr prefixed(std::exception_ptr error, const std::string& prefix) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const OutOfMemory& e) {
+    return std::make_exception_ptr(OutOfMemory(prefix + e.what(), e.missing_pages(), e.page_bytes()));
+  } catch (const InvalidArgument& e) {
+    return std::make_exception_ptr(InvalidArgument(prefix + e.what()));
+  } catch (const DriverError& e) {
+    // Its message is "<call> failed: <error name> (<code>)": the same, the call prefixed.
+    const std::string what = e.what(), head = e.call() + " failed: ", tail = " (" + std::to_string(e.code()) + ")";
+    if (what.size() >= head.size() + tail.size() && what.compare(0, head.size(), head) == 0) {
+      const std::string name = what.substr(head.size(), what.size() - head.size() - tail.size());
+      return std::make_exception_ptr(DriverError(prefix + e.call(), e.code(), name));
+    }
+    return std::make_exception_ptr(Error(prefix + what));
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(Error(prefix + e.what()));
+  } catch (...) {
+    return error;
+  }
+}
+
+}  // namespace
+
+void BlockBacking::Impl::submit(const std::int64_t* release, std::size_t release_count, std::size_t target,
+                                Stream stream, bool start) {
+  detail::expect_same_process(fork_generation_);
+  std::lock_guard<std::mutex> jobs(jobs_mutex_);
+  start_locked();  // a job kept and not started yet goes first
+  if (thread_) thread_->wait();
+  rethrow_job_error();
+  VKV_EXPECTS(release != nullptr || release_count == 0, "submit: release is null");
+  Job job;
+  job.release.assign(release, release + release_count);
+  job.target = target;
+  // Every forward queued so far may read a released block: their pages wait for this.
+  if (release_count > 0) job.event = backend_->record_event(stream);
+  job.number = ++submitted_;
+  kept_ = std::move(job);
+  if (start) start_locked();
+}
+
+void BlockBacking::Impl::start() {
+  std::lock_guard<std::mutex> jobs(jobs_mutex_);
+  start_locked();
+}
+
+void BlockBacking::Impl::wait() {
+  std::lock_guard<std::mutex> jobs(jobs_mutex_);
+  start_locked();
+  if (thread_) thread_->wait();
+  rethrow_job_error();
+}
+
+void BlockBacking::Impl::start_locked() {
+  if (!kept_) return;
+  Job job = std::move(*kept_);
+  kept_.reset();
+  if (thread_) {
+    running_ = std::move(job);  // the thread is idle: every caller waited for it first
+    thread_->hand();
+    return;
+  }
+  run_job(job);
+  rethrow_job_error();
+}
+
+void BlockBacking::Impl::rethrow_job_error() {
+  if (!job_error_) return;
+  std::exception_ptr error = job_error_;
+  job_error_ = nullptr;
+  std::rethrow_exception(error);
+}
+
+void BlockBacking::Impl::stop_background() noexcept {
+  std::lock_guard<std::mutex> jobs(jobs_mutex_);
+  if (!thread_) return;
+  if (kept_) {
+    thread_->wait();
+    running_ = std::move(*kept_);
+    kept_.reset();
+    thread_->hand();
+  }
+  thread_->stop();  // the job in flight finishes first
+  thread_.reset();
+}
+
+void BlockBacking::Impl::run_job(Job& job) noexcept {
+  const auto start = detail::Clock::now();
+  std::unique_lock<std::mutex> lock(mutex_);
+  const std::uint64_t backed_before = blocks_backed_, released_before = blocks_released_;
+  try {
+    run_job_locked(lock, job);
+  } catch (...) {
+    job_error_ = prefixed(std::current_exception(),
+                          detail::concat("block backing job ", job.number, " (release ", job.release.size(),
+                                         " blocks, keep ", job.target, " backed): "));
+  }
+  if (job.event != 0) backend_->destroy_event(job.event);  // not handed to the released pages
+  job.event = 0;
+  last_job_ns_ = detail::nanoseconds_since(start);
+  jobs_.calls += 1;
+  jobs_.units += (blocks_backed_ - backed_before) + (blocks_released_ - released_before);
+  jobs_.nanoseconds += last_job_ns_;
+}
+
+void BlockBacking::Impl::run_job_locked(std::unique_lock<std::mutex>& lock, Job& job) {
+  last_job_event_wait_ns_ = 0;
+  expect_not_broken();
+  std::exception_ptr release_failed;
+  try {
+    table_.expect_releasable(job.release.data(), job.release.size());
+  } catch (...) {
+    release_failed = std::current_exception();
+  }
+  if (!release_failed && !job.release.empty()) {
+    release_locked(job.release.data(), job.release.size(), job.event);
+    job.event = 0;  // the pending pages own it now
+  }
+  back_locked(lock, want_for(job.target), chosen_, !job.release.empty(), release_failed);
+  // The released pages go back once the forwards queued before submit() are done.
+  const auto waiting = detail::Clock::now();
+  settle(/*wait=*/true);
+  last_job_event_wait_ns_ = detail::nanoseconds_since(waiting);
+}
+
+void BlockBacking::Impl::expect_not_broken() const {
+  if (!broken_.empty()) throw Error("block backing: " + broken_ + "; every later call fails: stop the engine");
+}
+
+}  // namespace vkv

@@ -1,0 +1,53 @@
+// BlockBacking: releasing blocks -- UNBACKED at once, their pages counted down, and those no
+// backed block has bytes on any more pending until the device work that may read them is
+// done; giving pending pages back.
+#include <algorithm>
+
+#include "block_backing_impl.h"
+#include "util/fork_guard.h"
+#include "util/internal_assert.h"
+#include "util/log.h"
+#include "vkv/error.h"
+
+namespace vkv {
+
+std::size_t BlockBacking::Impl::release(const std::int64_t* blocks, std::size_t count, Stream stream) {
+  detail::expect_same_process(fork_generation_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  expect_not_broken();
+  table_.expect_releasable(blocks, count);
+  if (count == 0) return 0;
+  const Event event = backend_->record_event(stream);  // the last work that may read them
+  const std::size_t bytes = release_locked(blocks, count, event);
+  try {
+    settle(/*wait=*/false);  // at once where the device is done with them
+  } catch (const std::exception& error) {
+    // The release took effect; its pages stay pending and go back at a later call.
+    detail::log_debug(std::string("block backing: giving released pages back failed: ") + error.what());
+  }
+  return bytes;
+}
+
+std::size_t BlockBacking::Impl::release_locked(const std::int64_t* blocks, std::size_t count, Event event) {
+  VKV_ASSERT(event != 0 || count == 0);
+  freed_.clear();
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto block = static_cast<std::size_t>(blocks[i]);
+    geometry_.pages_of(block, pages_);
+    counts_.remove(pages_, freed_);
+    table_.mark_unbacked(block);
+  }
+  std::sort(freed_.begin(), freed_.end());
+  if (event != 0) store_.add_pending(freed_, event);
+  blocks_released_ += count;
+  budget_.publish_in_use();
+  return freed_.size() * geometry_.page_bytes();
+}
+
+std::size_t BlockBacking::Impl::settle(bool wait) {
+  const std::size_t given = store_.settle(wait, releases_);
+  if (given > 0) budget_.publish_in_use();
+  return given;
+}
+
+}  // namespace vkv

@@ -1,0 +1,101 @@
+// PageStore: the physical side of the block-backing layer. Each page of the reservation is
+//   unmapped  nothing under it, or the scratch page (config.scratch_page)
+//   held      a page of the pool mapped there: some backed block has bytes on it
+//   pending   still mapped, no backed block on it any more, waiting for an event behind
+//             the device work that may still read it before it goes back to the pool
+// It maps fresh pages in runs (one map call a run) with their zero-fills on a stream of
+// its own; takes pending pages back when a block on them is backed again (zero-filled
+// behind their event: a page backed anew always starts as zeros); and gives pending pages
+// back to the pool -- unmapped, the scratch page under them again, released to the device
+// and the budget -- once their events completed. The driver's unmap does not wait for
+// running kernels: nothing is unmapped before its event.
+//
+// map_fresh() and take_back() register how to undo what they did in the caller's log
+// (undo_log.h: a mapping is put back only after the stream's work). A failed settle()
+// leaves the pages it did not give back pending.
+//
+// Internal. Thread-safety: none; the layer's mutex serializes every call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cache/page_pool.h"
+#include "cache/undo_log.h"
+#include "vkv/backend.h"
+#include "vkv/stats.h"
+
+namespace vkv::detail {
+
+class PageStore {
+ public:
+  enum class State : std::uint8_t { unmapped, held, pending };
+
+  /// Creates its stream. `backend` and `pool` must outlive it. @throws DriverError.
+  PageStore(Backend& backend, PagePool& pool, std::size_t num_pages, bool scratch_page);
+  /// Destroys its events and stream; release_everything() first gives the pages back.
+  ~PageStore();
+  PageStore(const PageStore&) = delete;
+  PageStore& operator=(const PageStore&) = delete;
+
+  /// The reservation's first byte (once reserved).
+  void set_base(Address base) noexcept { base_ = base; }
+  Address address(std::size_t page) const noexcept { return base_ + page * pool_page_bytes_; }
+  Stream stream() const noexcept { return stream_; }
+  State state(std::size_t page) const noexcept { return states_[page]; }
+  std::size_t held_pages() const noexcept { return held_; }
+  std::size_t pending_pages() const noexcept { return pending_.size(); }
+
+  /// Maps pool pages at `pages` (ascending, unmapped) and zero-fills those not known to be
+  /// zeros on stream(); they are held. All or nothing: @throws OutOfMemory naming the
+  /// shortfall (nothing changed); DriverError.
+  void map_fresh(const std::vector<std::size_t>& pages, UndoLog& undo);
+  /// Pending `pages` (ascending) are held again, zero-filled on stream() behind their
+  /// events. @throws DriverError.
+  void take_back(const std::vector<std::size_t>& pages, UndoLog& undo);
+  /// Held `pages` no backed block has bytes on any more: pending until `event` completes.
+  /// Takes ownership of `event` (destroyed once no page waits for it; at once when `pages`
+  /// is empty).
+  void add_pending(const std::vector<std::size_t>& pages, Event event) noexcept;
+  /// Gives back the pending pages whose events completed (`wait`: waits for them all);
+  /// returns how many went. Counts them and the time in `given_back`.
+  /// @throws DriverError (the pages not given back stay pending).
+  std::size_t settle(bool wait, CallStats& given_back);
+  /// Waits for the zero-fills enqueued on stream(). @throws DriverError.
+  void finish_device_work();
+  /// The layer is going away and the device is idle: unmaps every page (and the scratch
+  /// page), releases the pool's pages. Never throws.
+  void release_everything() noexcept;
+  /// Checks the page states against the counts' backed pages. @throws Error.
+  void check(const std::vector<bool>& backed) const;
+
+ private:
+  struct PendingEvent {
+    Event event = 0;
+    std::size_t pages = 0;  // pending pages that wait for it
+    bool alive = false;
+    bool ready = false;  // settle(): completed
+  };
+  // Calls `run(first, count)` for each run of consecutive pages in `pages` (ascending) for
+  // which `selected(page)` holds.
+  template <typename Selected, typename Run>
+  static void for_each_run(const std::vector<std::size_t>& pages, Selected selected, Run run);
+  void unmap_run(std::size_t first, std::size_t count);
+  void drop_unused_events() noexcept;
+
+  Backend& backend_;
+  PagePool& pool_;
+  std::size_t pool_page_bytes_;
+  bool scratch_page_;
+  Address base_ = 0;
+  Stream stream_ = 0;
+  std::vector<State> states_;
+  std::vector<PageHandle> handles_;
+  std::vector<std::uint32_t> pending_event_;  // per pending page: its entry in events_
+  std::vector<std::size_t> pending_;          // the pending pages, in no order
+  std::vector<PendingEvent> events_;
+  std::size_t held_ = 0;
+};
+
+}  // namespace vkv::detail
