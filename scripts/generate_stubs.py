@@ -47,6 +47,7 @@ STATS_DOC_MARKERS = (
 STATS_SOURCES = {
     "CacheStats": "`KVCache.stats()`",
     "StepProfile": "`KVCache.last_step_profile()` (nanoseconds)",
+    "BlockBackingStats": "`BlockBacking.stats()`",
 }
 
 
@@ -96,6 +97,8 @@ def stats_doc_tables() -> str:
         """Where dicts of `struct` sit: stats()["backend"]["map"], ..."""
         if struct == "CacheStats":
             return ["stats()"]
+        if struct == "BlockBackingStats":
+            return ["BlockBacking.stats()"]
         return [f'{path}["{name}"]' for other, fields in groups.items() for name, python_type, _ in fields
                 if python_type == struct for path in paths(other)]
 

@@ -132,28 +132,28 @@ namespace vkv {
 #define VKV_STEP_PROFILE_DERIVED(D)
 
 // What a BlockBacking (block_backing.h) holds and what its calls cost.
-#define VKV_BLOCK_BACKING_STATS_FIELDS(X)                                                                           \
-  X(page_bytes, std::size_t, count, "bytes per physical page")                                                      \
-  X(reserved_bytes, std::size_t, count, "virtual address space held")                                               \
-  X(num_blocks, std::size_t, count, "blocks")                                                                       \
-  X(backed_blocks, std::size_t, count, "non-permanent blocks backed")                                               \
-  X(permanent_blocks, std::size_t, count, "blocks backed for good (permanent_blocks)")                              \
-  X(budget_pages, std::size_t, count, "most physical pages the layer may hold (memory_budget)")                     \
-  X(pages_held, std::size_t, count, "pages some backed block has bytes on")                                         \
-  X(pages_pending, std::size_t, count,                                                                              \
-    "pages no backed block has bytes on any more, still mapped until the device work that may read them is done")  \
-  X(jobs, CallStats, group,                                                                                         \
-    "submitted jobs run; units: blocks released and backed; time: on the job's thread, its waits included")        \
-  X(last_job_ns, std::uint64_t, seconds, "the last job's time on its thread, its waits included")                   \
-  X(last_job_event_wait_ns, std::uint64_t, seconds,                                                                 \
-    "of that: waiting for the forwards' event before giving released pages back")                                  \
-  X(backs, CallStats, group, "backing (back(), back_some() and jobs) that mapped pages; units: pages mapped")       \
-  X(releases, CallStats, group, "released pages given back to the budget; units: pages; time: unmapping them")     \
-  X(blocks_backed, std::uint64_t, count, "blocks backed so far")                                                    \
-  X(blocks_released, std::uint64_t, count, "blocks released so far")                                                \
-  X(shortages, std::uint64_t, count, "backing that backed fewer blocks than asked for lack of budget")              \
-  X(agreement_rounds, std::uint64_t, count, "all-reduce rounds with the engine's other workers (agreement)")        \
-  X(budget_asks, CallStats, group, "asks to a shared budget's other members; units: pages they gave")               \
+#define VKV_BLOCK_BACKING_STATS_FIELDS(X)                                                                         \
+  X(page_bytes, std::size_t, count, "bytes per physical page")                                                    \
+  X(reserved_bytes, std::size_t, count, "virtual address space held")                                             \
+  X(num_blocks, std::size_t, count, "blocks")                                                                     \
+  X(backed_blocks, std::size_t, count, "non-permanent blocks backed")                                             \
+  X(permanent_blocks, std::size_t, count, "blocks backed for good (permanent_blocks)")                            \
+  X(budget_pages, std::size_t, count, "most physical pages the layer may hold (memory_budget)")                   \
+  X(pages_held, std::size_t, count, "pages some backed block has bytes on")                                       \
+  X(pages_pending, std::size_t, count,                                                                            \
+    "pages no backed block has bytes on any more, still mapped until the device work that may read them is done") \
+  X(jobs, CallStats, group,                                                                                       \
+    "submitted jobs run; units: blocks released and backed; time: on the job's thread, its waits included")       \
+  X(last_job_ns, std::uint64_t, seconds, "the last job's time on its thread, its waits included")                 \
+  X(last_job_event_wait_ns, std::uint64_t, seconds,                                                               \
+    "of that: waiting for the forwards' event before giving released pages back")                                 \
+  X(backs, CallStats, group, "backing (back(), back_some() and jobs) that mapped pages; units: pages mapped")     \
+  X(releases, CallStats, group, "released pages given back to the budget; units: pages; time: unmapping them")    \
+  X(blocks_backed, std::uint64_t, count, "blocks backed so far")                                                  \
+  X(blocks_released, std::uint64_t, count, "blocks released so far")                                              \
+  X(shortages, std::uint64_t, count, "backing that backed fewer blocks than asked for lack of budget")            \
+  X(agreement_rounds, std::uint64_t, count, "all-reduce rounds with the engine's other workers (agreement)")      \
+  X(budget_asks, CallStats, group, "asks to a shared budget's other members; units: pages they gave")             \
   X(backend, BackendStats, group, "every backend call by kind")
 #define VKV_BLOCK_BACKING_STATS_DERIVED(D) D(bytes_held, bytes_held, "pages_held * page_bytes")
 

@@ -26,38 +26,35 @@ namespace vkv_bindings {
 using vkv::KvCache;
 
 // step() is on every iteration's path, and after the engine waited for the GPU a cold
-// CPU makes each Python-level operation cost tens of microseconds. So seq_lens is read here
-// in one pass: a list or tuple of ints, anything with the buffer protocol (numpy arrays),
-// or a tensor. (Not through numpy's C API, whose struct layout changed in numpy 2.)
-std::vector<std::size_t> read_seq_lens(py::handle object) {
-  std::vector<std::size_t> lengths;
-  auto push = [&](std::size_t index, long long value) {
-    if (value < 0)
-      throw vkv::InvalidArgument("seq_lens[" + std::to_string(index) + "] = " + std::to_string(value) + " is negative");
-    lengths.push_back(static_cast<std::size_t>(value));
-  };
+// CPU makes each Python-level operation cost tens of microseconds. So its seq_lens (and a
+// block backing's release lists) are read here in one pass: a list or tuple of ints,
+// anything with the buffer protocol (numpy arrays), or a tensor. (Not through numpy's C API,
+// whose struct layout changed in numpy 2.)
+std::vector<std::int64_t> read_integers(py::handle object, const char* name) {
+  std::vector<std::int64_t> values;
+  const std::string what = name;
   if (THPVariable_Check(object.ptr())) {
     const at::Tensor tensor = THPVariable_Unpack(object.ptr());
     if (tensor.dim() != 1)
-      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(tensor.dim()) +
+      throw vkv::InvalidArgument(what + " must be one-dimensional, got " + std::to_string(tensor.dim()) +
                                  " dimensions");
     if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/false))
-      throw vkv::InvalidArgument(std::string("seq_lens must hold integers, got a tensor of ") +
-                                 c10::toString(tensor.scalar_type()));
-    const at::Tensor values = tensor.to(at::kCPU, at::kLong).contiguous();
-    for (int64_t i = 0; i < values.size(0); ++i) push(i, values.data_ptr<int64_t>()[i]);
-    return lengths;
+      throw vkv::InvalidArgument(what + " must hold integers, got a tensor of " + c10::toString(tensor.scalar_type()));
+    const at::Tensor integers = tensor.to(at::kCPU, at::kLong).contiguous();
+    values.assign(integers.data_ptr<int64_t>(), integers.data_ptr<int64_t>() + integers.size(0));
+    return values;
   }
   if (PyObject_CheckBuffer(object.ptr())) {
     const py::buffer_info info = py::reinterpret_borrow<py::buffer>(object).request();
     if (info.ndim != 1)
-      throw vkv::InvalidArgument("seq_lens must be one-dimensional, got " + std::to_string(info.ndim) + " dimensions");
+      throw vkv::InvalidArgument(what + " must be one-dimensional, got " + std::to_string(info.ndim) + " dimensions");
     std::string format = info.format;
     if (!format.empty() && std::string("@=<").find(format[0]) != std::string::npos) format.erase(0, 1);
     if (format.size() != 1 || std::string("bBhHiIlLqQ").find(format[0]) == std::string::npos)
-      throw vkv::InvalidArgument("seq_lens must hold integers, got buffer format '" + info.format + "'");
+      throw vkv::InvalidArgument(what + " must hold integers, got buffer format '" + info.format + "'");
     const bool is_signed = std::islower(static_cast<unsigned char>(format[0]));
     const auto* bytes = static_cast<const char*>(info.ptr);
+    values.reserve(static_cast<std::size_t>(info.shape[0]));
     for (py::ssize_t i = 0; i < info.shape[0]; ++i) {
       const char* at = bytes + i * info.strides[0];
       long long value = 0;
@@ -74,50 +71,79 @@ std::vector<std::size_t> read_seq_lens(py::handle object) {
         default: {
           const uint64_t raw = *reinterpret_cast<const uint64_t*>(at);
           if (!is_signed && raw > static_cast<uint64_t>(INT64_MAX))
-            throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::to_string(raw) +
-                                       " is too large");
+            throw vkv::InvalidArgument(what + "[" + std::to_string(i) + "] = " + std::to_string(raw) + " is too large");
           value = static_cast<long long>(raw);
         }
       }
-      push(static_cast<std::size_t>(i), value);
+      values.push_back(value);
     }
-    return lengths;
+    return values;
   }
   if (PyList_Check(object.ptr()) || PyTuple_Check(object.ptr())) {
     const py::sequence sequence = py::reinterpret_borrow<py::sequence>(object);
+    values.reserve(sequence.size());
     for (std::size_t i = 0; i < sequence.size(); ++i) {
       PyObject* item = sequence[i].ptr();
       if (PyList_Check(item) || PyTuple_Check(item))
-        throw vkv::InvalidArgument("seq_lens must be one-dimensional: seq_lens[" + std::to_string(i) +
+        throw vkv::InvalidArgument(what + " must be one-dimensional: " + what + "[" + std::to_string(i) +
                                    "] is a sequence");
       if (PyBool_Check(item) || PyFloat_Check(item) || !PyIndex_Check(item))
-        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(sequence[i])) +
-                                   " is not an integer: seq_lens must hold integers");
+        throw vkv::InvalidArgument(what + "[" + std::to_string(i) + "] = " + std::string(py::str(sequence[i])) +
+                                   " is not an integer: " + what + " must hold integers");
       const py::int_ value = py::reinterpret_steal<py::int_>(PyNumber_Index(item));
       if (!value) throw py::error_already_set();
       int overflow = 0;
       const long long number = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
       if (overflow != 0)
-        throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::string(py::str(py::handle(value))) +
+        throw vkv::InvalidArgument(what + "[" + std::to_string(i) + "] = " + std::string(py::str(py::handle(value))) +
                                    " does not fit 64 bits");
-      push(i, number);
+      values.push_back(number);
     }
-    return lengths;
+    return values;
   }
-  throw vkv::InvalidArgument(std::string("seq_lens must be a list, tuple, numpy array or tensor of ints, got ") +
+  throw vkv::InvalidArgument(what + " must be a list, tuple, numpy array or tensor of ints, got " +
                              Py_TYPE(object.ptr())->tp_name);
 }
 
-// The stream step() orders its device work on: the caller's current torch stream.
-std::uintptr_t current_stream(const KvCache& cache) {
-  if (cache.backend().name() == "host") return 0;  // what the device resolved to, "auto" included
-  const int device = cache.config().device.index;
+std::vector<std::size_t> read_seq_lens(py::handle object) {
+  const std::vector<std::int64_t> values = read_integers(object, "seq_lens");
+  std::vector<std::size_t> lengths;
+  lengths.reserve(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (values[i] < 0)
+      throw vkv::InvalidArgument("seq_lens[" + std::to_string(i) + "] = " + std::to_string(values[i]) + " is negative");
+    lengths.push_back(static_cast<std::size_t>(values[i]));
+  }
+  return lengths;
+}
+
+// The stream device work is ordered on: the caller's current torch stream on `backend`'s device.
+std::uintptr_t current_stream(const vkv::Backend& backend, int device) {
+  if (backend.name() == "host") return 0;  // what the device resolved to, "auto" included
 #ifdef VKV_TORCH_CUDA
   return reinterpret_cast<std::uintptr_t>(c10::cuda::getCurrentCUDAStream(device).stream());
 #else
   py::object stream = py::module_::import("torch").attr("cuda").attr("current_stream")(device);
   return stream.attr("cuda_stream").cast<std::uintptr_t>();
 #endif
+}
+
+std::uintptr_t current_stream(const KvCache& cache) {
+  return current_stream(cache.backend(), cache.config().device.index);
+}
+
+// A uint8 tensor over `bytes` at `base` on `device`. Its storage holds `owner` (a cache, a
+// block backing), so the memory stays reserved and mapped while any view of it lives, closed
+// owner or not. for_blob + target_device: from_blob would reject an address with nothing
+// mapped yet.
+at::Tensor reservation_tensor(std::shared_ptr<const void> owner, std::uintptr_t base, std::size_t bytes,
+                              const std::string& device) {
+  const c10::Device target(device);
+  return at::for_blob(reinterpret_cast<void*>(base), {static_cast<int64_t>(bytes)})
+      .options(at::TensorOptions().dtype(at::kByte).device(target))
+      .target_device(target)
+      .deleter([owner = std::move(owner)](void*) {})
+      .make_tensor();
 }
 
 namespace {
@@ -127,17 +153,9 @@ std::shared_ptr<KvCache> make_cache(const vkv::CacheConfig& config) {
   return std::make_shared<KvCache>(config);
 }
 
-// A uint8 tensor over the whole reservation. Its storage holds a reference to the cache,
-// so the memory stays reserved and mapped while any view of it lives, closed cache or not.
-// for_blob + target_device: from_blob would reject an address with nothing mapped yet.
-at::Tensor reservation_tensor(const std::shared_ptr<KvCache>& cache, const std::string& device) {
-  const c10::Device target(device);
-  std::shared_ptr<KvCache> keep_alive = cache;
-  return at::for_blob(reinterpret_cast<void*>(cache->base()), {static_cast<int64_t>(cache->layout().reserved_bytes())})
-      .options(at::TensorOptions().dtype(at::kByte).device(target))
-      .target_device(target)
-      .deleter([keep_alive](void*) {})
-      .make_tensor();
+// The whole reservation of a cache.
+at::Tensor cache_tensor(const std::shared_ptr<KvCache>& cache, const std::string& device) {
+  return reservation_tensor(cache, cache->base(), cache->layout().reserved_bytes(), device);
 }
 
 // alloc_reqid/free_reqid are on every arrival's path: the stream comes from c10 (as in
@@ -205,7 +223,7 @@ py::tuple view(const KvCache& cache, std::size_t layer, bool value) {
 
 void bind_cache(py::module_& m) {
   using py::arg;
-  m.def("reservation_tensor", &reservation_tensor, arg("cache"), arg("device"));
+  m.def("reservation_tensor", &cache_tensor, arg("cache"), arg("device"));
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   py::class_<KvCache::Preparation>(m, "Preparation")
       .def_readonly("missing_pages", &KvCache::Preparation::missing_pages)

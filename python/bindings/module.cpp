@@ -1,7 +1,8 @@
 // vkv._C: the Python face of vkv's C++ core (internal: the vkv package is the API). One
-// part per concept: config.cpp, cache.cpp, stats.cpp, budget.cpp, distributed.cpp, and
-// pool_allocator.cpp (vLLM's KV buffer). This file puts them together and turns vkv's
-// exceptions into Python's. vkv.vattention needs nothing of its own here: it drives KvCache.
+// part per concept: config.cpp, cache.cpp, stats.cpp, budget.cpp, distributed.cpp,
+// pool_allocator.cpp (vLLM's KV buffer) and block_backing.cpp (an engine's block pool's
+// memory). This file puts them together and turns vkv's exceptions into Python's.
+// vkv.vattention needs nothing of its own here: it drives KvCache.
 #include <pybind11/pybind11.h>
 
 #include <vkv/backend.h>
@@ -50,4 +51,5 @@ PYBIND11_MODULE(_C, m) {
   vkv_bindings::bind_shared_budget(m);
   vkv_bindings::bind_distributed(m);
   vkv_bindings::bind_pool_allocator(m);
+  vkv_bindings::bind_block_backing(m);
 }

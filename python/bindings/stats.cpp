@@ -1,8 +1,9 @@
-// KVCache.stats() and last_step_profile() as dicts, and vkv._C.stats_fields(): both from the
+// KVCache.stats(), last_step_profile() and BlockBacking.stats() as dicts, and vkv._C.stats_fields(): all from the
 // field lists of include/vkv/stats.h, none written out by hand. scripts/generate_stubs.py
 // writes the typing stub's TypedDicts and docs/api.md's tables from stats_fields().
 #include <pybind11/stl.h>
 
+#include <vkv/block_backing.h>
 #include <vkv/kv_cache.h>
 #include <vkv/stats.h>
 
@@ -87,6 +88,7 @@ VKV_STATS_GROUP(BackendStats, VKV_BACKEND_STATS_FIELDS, VKV_BACKEND_STATS_DERIVE
 VKV_STATS_GROUP(BudgetHandoff, VKV_BUDGET_HANDOFF_FIELDS, VKV_BUDGET_HANDOFF_DERIVED)
 VKV_STATS_GROUP(CacheStats, VKV_CACHE_STATS_FIELDS, VKV_CACHE_STATS_DERIVED)
 VKV_STATS_GROUP(StepProfile, VKV_STEP_PROFILE_FIELDS, VKV_STEP_PROFILE_DERIVED)
+VKV_STATS_GROUP(BlockBackingStats, VKV_BLOCK_BACKING_STATS_FIELDS, VKV_BLOCK_BACKING_STATS_DERIVED)
 
 template <typename Group>
 void put_group(py::dict& out, const char* name, const Group& value) {
@@ -102,6 +104,7 @@ py::dict stats_fields() {
   out[StatsGroup<vkv::BudgetHandoff>::name] = StatsGroup<vkv::BudgetHandoff>::describe();
   out[StatsGroup<vkv::BackendStats>::name] = StatsGroup<vkv::BackendStats>::describe();
   out[StatsGroup<vkv::StepProfile>::name] = StatsGroup<vkv::StepProfile>::describe();
+  out[StatsGroup<vkv::BlockBackingStats>::name] = StatsGroup<vkv::BlockBackingStats>::describe();
   return out;
 }
 
@@ -125,10 +128,19 @@ py::dict step_profile(const vkv::KvCache& cache) {
   return StatsGroup<vkv::StepProfile>::to_python(profile);
 }
 
+py::dict block_backing_stats(const vkv::BlockBacking& backing) {
+  vkv::BlockBackingStats stats;
+  {
+    py::gil_scoped_release release;  // it takes the layer's lock
+    stats = backing.stats();
+  }
+  return StatsGroup<vkv::BlockBackingStats>::to_python(stats);
+}
+
 void bind_stats(py::module_& m) {
   m.def("stats_fields", &stats_fields,
-        "{struct: [(key, Python type, meaning), ...]} of KvCache.stats() (CacheStats) and last_step_profile() "
-        "(StepProfile), from include/vkv/stats.h's field lists.");
+        "{struct: [(key, Python type, meaning), ...]} of KvCache.stats() (CacheStats), last_step_profile() "
+        "(StepProfile) and BlockBacking.stats() (BlockBackingStats), from include/vkv/stats.h's field lists.");
 }
 
 }  // namespace vkv_bindings

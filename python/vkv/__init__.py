@@ -16,6 +16,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 from . import _compatibility  # noqa: F401  (refuses a torch other than the one vkv was built against)
 from . import _C
 from . import distributed  # vkv.distributed.TensorParallelCache, reachable after `import vkv`
+from ._block_backing import BlockBacking
 from ._api import alloc_reqid, default_cache, free_reqid, init, shutdown, stats, step
 from ._cache import KVCache
 from ._errors import DriverError, OutOfMemory
@@ -31,6 +32,7 @@ def cuda_available() -> bool:
 
 __all__ = [
     "KVCache",
+    "BlockBacking",
     "SharedBudget",
     "OutOfMemory",
     "DriverError",

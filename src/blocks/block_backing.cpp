@@ -73,8 +73,8 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
   const std::size_t reserved = geometry_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(reserved <= limit, "the block backing needs ", reserved, " bytes (", detail::format_bytes(reserved),
-              ") of virtual address space but backend '", backend_->name(), "' can reserve at most ", limit,
-              " bytes (", detail::format_bytes(limit), ")");
+              ") of virtual address space but backend '", backend_->name(), "' can reserve at most ", limit, " bytes (",
+              detail::format_bytes(limit), ")");
   base_ = backend_->reserve(reserved);
   store_.set_base(base_);
   try {
@@ -86,8 +86,7 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
       detail::UndoLog undo(detail::waits_for_stream(*backend_, store_.stream()));
       std::size_t fitting = 0;
       bool asked = false;
-      while (map_chosen(lock, permanent, undo, fitting, asked) == Mapping::replan) {
-      }
+      while (map_chosen(lock, permanent, undo, fitting, asked) == Mapping::replan) {}
       if (fitting < permanent.size()) {
         throw OutOfMemory(detail::concat("block backing: the budget has no room for the ", permanent.size(),
                                          " permanent blocks (permanent_blocks)", budget_.room_text()),
@@ -117,9 +116,9 @@ BlockBacking::Impl::~Impl() {
     pool_.abandon();
     return;
   }
-  stop_background();  // finishes the job in flight and a kept one
+  stop_background();                                                      // finishes the job in flight and a kept one
   if (kept_ && kept_->event != 0) backend_->destroy_event(kept_->event);  // inline, never started: dropped
-  budget_.stop();     // it calls into the layer
+  budget_.stop();                                                         // it calls into the layer
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     backend_->synchronize_device();
@@ -223,8 +222,9 @@ BlockBacking::BlockBacking(const BlockBackingConfig& config, std::uint8_t* share
     impl_ = std::make_unique<Impl>(config, shared_states, std::move(backend));
     return;
   }
-  VKV_EXPECTS(shared_states == nullptr || agreement->rank == 0, "shared states are worker rank 0's alone (this is rank ",
-              agreement->rank, "): the other workers keep their own");
+  VKV_EXPECTS(shared_states == nullptr || agreement->rank == 0,
+              "shared states are worker rank 0's alone (this is rank ", agreement->rank,
+              "): the other workers keep their own");
   auto workers = std::make_unique<detail::WorkerAgreement>(*agreement);
   // Every worker starts, or all raise: none waits for one that never will.
   std::exception_ptr error;

@@ -188,8 +188,7 @@ Error BlockBacking::Impl::failure(const detail::WorkerAgreement::Verdict& verdic
       std::rethrow_exception(own);
     } catch (const std::exception& error) {
       text += std::string(": ") + error.what();
-    } catch (...) {
-    }
+    } catch (...) {}
   }
   return Error(text);
 }

@@ -103,8 +103,8 @@ class BlockBacking::Impl final {
   Error failure(const detail::WorkerAgreement::Verdict& verdict, std::size_t want, std::exception_ptr own) const;
   // Maps the new pages `chosen` needs (all or nothing); on a shortage, gives pending pages
   // back, asks the budget and, failing that, sets `fitting` to the prefix that fits.
-  Mapping map_chosen(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& chosen,
-                     detail::UndoLog& undo, std::size_t& fitting, bool& asked);
+  Mapping map_chosen(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& chosen, detail::UndoLog& undo,
+                     std::size_t& fitting, bool& asked);
   // Commits the mapped chosen blocks: counts, BACKED states.
   void commit_backed(const std::vector<std::size_t>& chosen);
   std::size_t want_for(std::size_t target) const noexcept;
@@ -151,7 +151,8 @@ class BlockBacking::Impl final {
   std::uint64_t blocks_backed_ = 0, blocks_released_ = 0, shortages_ = 0;
   // The step's jobs: the one kept by submit(start=false), the one handed to the thread,
   // their numbers and the error a job ended with (rethrown by the next submit() or wait()).
-  std::mutex jobs_mutex_;  // the engine's side of the jobs (kept_, submitted_, thread_); taken before mutex_, never after
+  std::mutex
+      jobs_mutex_;  // the engine's side of the jobs (kept_, submitted_, thread_); taken before mutex_, never after
   std::optional<Job> kept_;
   Job running_;
   std::uint64_t submitted_ = 0;

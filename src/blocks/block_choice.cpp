@@ -17,8 +17,8 @@ bool costless(const BlockGeometry& geometry, const PageCounts& counts, std::size
 // The first `want` costless blocks, ascending: from the partial pages, ascending, whose
 // first-range blocks come in non-decreasing order, so the search stops once no later page
 // can hold a smaller block than the `want`th found.
-void costless_blocks(const BlockGeometry& geometry, const PageCounts& counts, const BlockTable& table,
-                     std::size_t want, ChoiceScratch& scratch) {
+void costless_blocks(const BlockGeometry& geometry, const PageCounts& counts, const BlockTable& table, std::size_t want,
+                     ChoiceScratch& scratch) {
   std::vector<std::size_t>& found = scratch.costless;
   found.clear();
   std::size_t checked_below = 0;  // blocks below this were looked at already

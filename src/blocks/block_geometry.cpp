@@ -18,7 +18,8 @@ BlockGeometry::BlockGeometry(const BlockBackingConfig& config, std::size_t page_
     : num_blocks_(config.num_blocks), page_bytes_(page_bytes), ranges_(config.ranges) {
   VKV_EXPECTS(num_blocks_ > 0, "num_blocks = 0: a block backing needs at least one block");
   VKV_EXPECTS(num_blocks_ <= kMaxBlocks, "num_blocks = ", num_blocks_, " exceeds ", kMaxBlocks);
-  VKV_EXPECTS(!ranges_.empty(), "ranges is empty: give where block b's bytes lie (block_bytes = N is one range {0, N, N})");
+  VKV_EXPECTS(!ranges_.empty(),
+              "ranges is empty: give where block b's bytes lie (block_bytes = N is one range {0, N, N})");
   constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max() / 2;
   std::size_t end = 0;
   for (std::size_t i = 0; i < ranges_.size(); ++i) {

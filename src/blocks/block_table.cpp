@@ -36,8 +36,8 @@ BlockTable::BlockTable(std::size_t num_blocks, const std::vector<std::size_t>& p
       listed_(num_blocks, 0) {
   for (std::size_t i = 0; i < permanent_blocks.size(); ++i) {
     const std::size_t block = permanent_blocks[i];
-    VKV_EXPECTS(block < num_blocks, "permanent_blocks[", i, "] = ", block, " is out of range: num_blocks = ",
-                num_blocks);
+    VKV_EXPECTS(block < num_blocks, "permanent_blocks[", i, "] = ", block,
+                " is out of range: num_blocks = ", num_blocks);
     VKV_EXPECTS(!permanent_[block], "permanent_blocks lists block ", block, " twice");
     permanent_[block] = 1;
     ++permanent_count_;
@@ -97,8 +97,8 @@ void BlockTable::check() const {
     if (backed_[block] && now == kUnbacked)
       throw Error(detail::concat("block backing: block ", block, " is backed but its state is UNBACKED"));
     if (block < lowest_unbacked_ && !backed_[block])
-      throw Error(detail::concat("block backing: block ", block, " is unbacked, below the lowest unbacked ",
-                                 lowest_unbacked_));
+      throw Error(
+          detail::concat("block backing: block ", block, " is unbacked, below the lowest unbacked ", lowest_unbacked_));
   }
   if (backed != backed_count_)
     throw Error(detail::concat("block backing: ", backed, " blocks are backed, but the count says ", backed_count_));

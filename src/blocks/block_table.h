@@ -48,7 +48,9 @@ class BlockTable {
   void check() const;
 
  private:
-  void set_state(std::size_t block, std::uint8_t state) noexcept { __atomic_store_n(&states_[block], state, __ATOMIC_RELAXED); }
+  void set_state(std::size_t block, std::uint8_t state) noexcept {
+    __atomic_store_n(&states_[block], state, __ATOMIC_RELAXED);
+  }
 
   std::vector<std::uint8_t> backed_;
   std::vector<std::uint8_t> permanent_;

@@ -251,8 +251,8 @@ void PageStore::check(const std::vector<bool>& backed) const {
   for (std::size_t page = 0; page < states_.size(); ++page) {
     const State state = states_[page];
     if (backed[page] != (state == State::held))
-      throw Error(detail::concat("block backing: page ", page, backed[page] ? " is backed but not held" :
-                                 " is held but no backed block is on it"));
+      throw Error(detail::concat("block backing: page ", page,
+                                 backed[page] ? " is backed but not held" : " is held but no backed block is on it"));
     held += state == State::held ? 1 : 0;
     pending += state == State::pending ? 1 : 0;
   }

@@ -12,8 +12,8 @@ namespace {
 
 const BlockAgreement& checked(const BlockAgreement& agreement) {
   VKV_EXPECTS(agreement.ranks >= 1, "agreement: ranks = 0; at least one worker");
-  VKV_EXPECTS(agreement.rank < agreement.ranks, "agreement: rank = ", agreement.rank, " is out of range: ranks = ",
-              agreement.ranks);
+  VKV_EXPECTS(agreement.rank < agreement.ranks, "agreement: rank = ", agreement.rank,
+              " is out of range: ranks = ", agreement.ranks);
   VKV_EXPECTS(!agreement.name.empty(), "agreement: the name is empty; name the engine's segment");
   VKV_EXPECTS(agreement.timeout.count() > 0, "agreement: timeout = ", agreement.timeout.count(),
               " ns; give the workers some time");
@@ -56,14 +56,11 @@ WorkerAgreement::Verdict WorkerAgreement::round(std::size_t missing, Failure fai
                                                 std::uint64_t identity) {
   const std::size_t ranks = agreement_.ranks, rank = agreement_.rank;
   const bool failed = failure != Failure::none;
-  std::int64_t values[kValues] = {static_cast<std::int64_t>(missing),
-                                  failed ? static_cast<std::int64_t>(ranks - rank) : 0,
-                                  static_cast<std::int64_t>(failure),
-                                  static_cast<std::int64_t>(digest),
-                                  -static_cast<std::int64_t>(digest),
-                                  static_cast<std::int64_t>(identity),
-                                  -static_cast<std::int64_t>(identity),
-                                  0};
+  std::int64_t values[kValues] = {
+      static_cast<std::int64_t>(missing),   failed ? static_cast<std::int64_t>(ranks - rank) : 0,
+      static_cast<std::int64_t>(failure),   static_cast<std::int64_t>(digest),
+      -static_cast<std::int64_t>(digest),   static_cast<std::int64_t>(identity),
+      -static_cast<std::int64_t>(identity), 0};
   rounds_ += 1;
   try {
     all_reduce_.reduce_max(values, kValues, agreement_.timeout);

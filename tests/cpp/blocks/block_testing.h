@@ -37,7 +37,8 @@ inline std::vector<BlockShape> block_shapes(std::size_t page) {
       {"odd_blocks_a_page", {{0, third, third}}, 96},
       {"blocks_of_three_pages", {{0, 2 * page + 16, 2 * page + 16}}, 16},
       {"layer_outermost", {{0, half, half}, {48 * half, half, half}, {96 * half, half, half}}, 48},
-      {"ranges_with_gaps", {{0, page / 8, page / 4}, {page / 8, page / 8, page / 4}, {32 * page, page / 8, page / 4}},
+      {"ranges_with_gaps",
+       {{0, page / 8, page / 4}, {page / 8, page / 8, page / 4}, {32 * page, page / 8, page / 4}},
        48},
   };
 }

@@ -162,8 +162,7 @@ TEST(BlockAgreement, AWorkerKilledIsNamed) {
       const char byte = 1;
       if (write(ready[1], &byte, 1) != 1) _exit(2);
       pause();  // until killed
-    } catch (...) {
-    }
+    } catch (...) {}
     _exit(1);
   }
   BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 0, 2, std::chrono::seconds(20)},

@@ -148,8 +148,9 @@ TEST(BlockBacking, RefusesABadConfigNamingTheField) {
   config.page_size = 2 * kPage;
   EXPECT_TRUE(contains(refused(config), "page_size = 131072 differs from the given backend's page size 65536"));
   std::uint8_t states[8] = {};
-  const std::string message = message_of<InvalidArgument>(
-      [&] { BlockBacking(one_run(8, 100), states, BlockAgreement{"vkv-test-blocks-refused", 1, 2}, host()); });
+  const std::string message = message_of<InvalidArgument>([&] {
+    BlockBacking(one_run(8, 100), states, BlockAgreement{"vkv-test-blocks-refused", 1, 2}, host());
+  });
   EXPECT_TRUE(contains(message, "shared states are worker rank 0's alone (this is rank 1)")) << message;
 }
 

@@ -52,7 +52,8 @@ TEST_P(BlockChoice, EqualsAPlainScanOnRandomSchedules) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, BlockChoice, ::testing::Combine(::testing::Range<std::size_t>(0, 6), ::testing::Bool()),
+INSTANTIATE_TEST_SUITE_P(Shapes, BlockChoice,
+                         ::testing::Combine(::testing::Range<std::size_t>(0, 6), ::testing::Bool()),
                          [](const ::testing::TestParamInfo<std::tuple<std::size_t, bool>>& info) {
                            return testing::block_shapes(kHostTestPageBytes).at(std::get<0>(info.param)).name +
                                   (std::get<1>(info.param) ? "_costless_first" : "_lowest_ids");

@@ -167,7 +167,8 @@ TEST_P(BlockFaultInjection, EveryFailedCallLeavesTheLayerAsItWasAndNothingLeaks)
         backing->check_invariants();
       }
     }
-    for (const auto& [kind, count] : faults->held) EXPECT_EQ(count, 0) << kind << " leaked (failing call " << fail_at << ")";
+    for (const auto& [kind, count] : faults->held)
+      EXPECT_EQ(count, 0) << kind << " leaked (failing call " << fail_at << ")";
     if (!injected) break;  // the script ran through: every call had its turn
     ++failures;
   }

@@ -29,7 +29,7 @@ std::vector<std::size_t> pages(const BlockGeometry& geometry, std::size_t block,
 
 TEST(BlockGeometry, OneRunSharesAndStraddlesPages) {
   const BlockGeometry geometry(config_of(10, {{0, 1536, 1536}}), kPage);  // 2.67 blocks a page
-  EXPECT_EQ(geometry.num_pages(), 4u);                                   // 15360 bytes
+  EXPECT_EQ(geometry.num_pages(), 4u);                                    // 15360 bytes
   EXPECT_EQ(geometry.reserved_bytes(), 4 * kPage);
   EXPECT_EQ(pages(geometry, 0), (std::vector<std::size_t>{0}));
   EXPECT_EQ(pages(geometry, 2), (std::vector<std::size_t>{0, 1}));  // [3072, 4608): straddles
@@ -89,8 +89,9 @@ TEST(BlockGeometry, FirstRangeBlocksOnAPageMatchAScan) {
 
 TEST(BlockGeometry, ReservedBytesRoundUpAndBoundTheRanges) {
   EXPECT_EQ(BlockGeometry(config_of(4, {{0, 1000, 1000}}, 5000), kPage).reserved_bytes(), 2 * kPage);
-  const std::string message = testing::message_of<InvalidArgument>(
-      [] { BlockGeometry(config_of(4, {{0, 1000, 1000}}, 3000), kPage); });
+  const std::string message = testing::message_of<InvalidArgument>([] {
+    BlockGeometry(config_of(4, {{0, 1000, 1000}}, 3000), kPage);
+  });
   EXPECT_TRUE(testing::contains(message, "reserved_bytes = 3000")) << message;
   EXPECT_TRUE(testing::contains(message, "end at byte 4000")) << message;
 }

@@ -109,8 +109,8 @@ TEST(BlockJobs, AKeptJobStartsAtStartOrAtTheNextCall) {
 }
 
 TEST(BlockJobs, ReleasedPagesAreUnmappedOnlyAfterTheSubmitsEvent) {
-  auto events = std::make_shared<testing::ControlledEventBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  auto events =
+      std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   for (bool background : {false, true}) {
     BlockBacking backing(one_run(16, testing::kHostTestPageBytes, background), nullptr, std::nullopt, events);
     backing.submit(nullptr, 0, 8, 0);
@@ -182,14 +182,14 @@ TEST(BlockJobs, AJobsErrorIsRethrownOnceNamingTheJob) {
   backing.wait();
   EXPECT_EQ(backing.backed_blocks(), 4u);
   BlockBacking inline_jobs(one_run(16, 4096, false), nullptr, std::nullopt, backend);
-  EXPECT_TRUE(contains(message_of<InvalidArgument>([&] { inline_jobs.submit(&unbacked, 1, 4, 0); }),
-                       "block backing job 1"));
+  EXPECT_TRUE(
+      contains(message_of<InvalidArgument>([&] { inline_jobs.submit(&unbacked, 1, 4, 0); }), "block backing job 1"));
   backing.check_invariants();
 }
 
 TEST(BlockJobs, ADriverErrorKeepsItsTypeAndNamesTheJob) {
-  auto failing = std::make_shared<testing::FailingMapBackend>(
-      std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  auto failing =
+      std::make_shared<testing::FailingMapBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
   BlockBacking backing(one_run(16, testing::kHostTestPageBytes, true), nullptr, std::nullopt, failing);
   failing->fail_maps = true;
   backing.submit(nullptr, 0, 4, 0);

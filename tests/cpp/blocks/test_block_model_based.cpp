@@ -57,7 +57,9 @@ class BlockModel : public ::testing::TestWithParam<std::tuple<std::size_t, bool>
     return pages.size();
   }
   std::size_t num_pages() const { return backing_->reserved_bytes() / kHostTestPageBytes; }
-  std::size_t model_backed() const { return static_cast<std::size_t>(std::count(backed_.begin(), backed_.end(), true)) - 1; }
+  std::size_t model_backed() const {
+    return static_cast<std::size_t>(std::count(backed_.begin(), backed_.end(), true)) - 1;
+  }
   // The model's back(target): the reference's choice, cut to the longest prefix the budget holds.
   std::vector<std::size_t> expected_back(std::size_t target) const {
     const std::size_t limit = std::min(target, shape_.num_blocks - 1);
@@ -92,7 +94,8 @@ class BlockModel : public ::testing::TestWithParam<std::tuple<std::size_t, bool>
     for (std::size_t b = 0; b < backed_.size(); ++b) ASSERT_EQ(backing_->is_backed(b), backed_[b]) << "block " << b;
     for (std::size_t b : newly_backed) {
       const auto block_pages = reference_.pages(b).first;
-      const bool all_new = std::none_of(block_pages.begin(), block_pages.end(), [&](std::size_t p) { return pages_before[p]; });
+      const bool all_new =
+          std::none_of(block_pages.begin(), block_pages.end(), [&](std::size_t p) { return pages_before[p]; });
       if (all_new) ASSERT_TRUE(testing::all_zero(testing::block_bytes(*backing_, b))) << "block " << b;
       values_[b] = static_cast<std::uint8_t>(1 + (b * 7 + ++writes_) % 250);
       testing::fill_block(*backing_, b, values_[b]);
