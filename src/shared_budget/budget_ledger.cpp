@@ -785,6 +785,13 @@ std::uint64_t BudgetLedger::share_locked(std::size_t member) const noexcept {
   return own;
 }
 
+std::uint64_t BudgetLedger::room_locked(std::size_t member) const noexcept {
+  const BudgetMemberRecord& row = segment_.members[member];
+  const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  const std::uint64_t used = segment_.used.load(std::memory_order_relaxed) + floor_gaps(member);
+  return std::min(reserved_for(member), standing_ask(row)) + cap_room(row, capacity > used ? capacity - used : 0);
+}
+
 void BudgetLedger::forget_dead_speakers_locked() noexcept {
   // Only those asking: a dead engine's ask must not cost anyone a page (a /proc read each).
   for (BudgetMemberRecord& row : segment_.members)
@@ -828,6 +835,7 @@ EngineShare BudgetLedger::speak_for(const std::string& label, const EngineReport
     share.asking = standing_ask(row);
     share.open = open_asks_locked();
     share.give = share_locked(member);
+    share.room = room_locked(member);
     // Wake the others when an open ask appeared or grew, and again while it stays open (a
     // member that could not give before may now).
     if (share.asking == 0) {
@@ -856,6 +864,7 @@ EngineShare BudgetLedger::share_of(const std::string& label) {
   share.asking = standing_ask(segment_.members[member]);
   share.open = open_asks_locked();
   share.give = share_locked(member);
+  share.room = room_locked(member);
   return share;
 }
 

@@ -129,6 +129,7 @@ struct EngineShare {
   std::uint64_t give = 0;     ///< bytes to give back now: above its cap, its part of the asks
   std::uint64_t open = 0;     ///< bytes the askers (and the capacity) still lack, promises counted
   std::uint64_t asking = 0;   ///< its own standing ask now
+  std::uint64_t room = 0;     ///< bytes it may take now: the free capacity within its cap, and what was given back for it
 };
 
 /// What stats() reports of one member.
@@ -317,6 +318,8 @@ class BudgetLedger {
   std::uint64_t open_asks_locked() const noexcept;
   // What the books want of `member` now (the file's comment).
   std::uint64_t share_locked(std::size_t member) const noexcept;
+  // What the member may take now: the free capacity within its cap, and its reservation.
+  std::uint64_t room_locked(std::size_t member) const noexcept;
   // Drops the standing asks and spares of members whose speaker is gone.
   void forget_dead_speakers_locked() noexcept;
   // The first live member labelled `label`, or kMaxMembers.
