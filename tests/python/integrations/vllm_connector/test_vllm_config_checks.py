@@ -129,7 +129,8 @@ def test_a_padded_page_is_backed_whole():
     worker = _connector(config, kv_config)
     try:
         worker.kv_buffer(kv_config)
-        assert worker._memory.block_bytes == tensor.block_stride == 2 * BLOCK_BYTES
+        block = worker.connector_worker.ranges.as_tuples()
+        assert block == [(0, tensor.block_stride, tensor.block_stride)] and tensor.block_stride == 2 * BLOCK_BYTES
     finally:
         worker.shutdown()
 
@@ -148,7 +149,8 @@ def test_mla_different_k_and_v_and_several_groups_are_accepted(kind):
     worker = _connector(config, kv_config)
     try:
         worker.kv_buffer(kv_config)
-        assert worker._memory.block_bytes == kv_config.kv_cache_tensors[0].block_stride
+        stride = kv_config.kv_cache_tensors[0].block_stride
+        assert worker.connector_worker.ranges.as_tuples() == [(0, stride, stride)]
     finally:
         worker.shutdown()
 
@@ -299,7 +301,7 @@ def test_a_state_file_left_by_a_dead_engine_is_taken_over(death):
     worker = _connector(config, kv_config)
     worker.kv_buffer(kv_config)  # before: AssertionError "blocks [...] were handed out unbacked"
     try:
-        states = worker._memory.states.states
+        states = worker.connector_worker.backing.states
         assert (states[1:5] == BACKED).all() and (states[5:] == UNBACKED).all()  # afresh: only its own headroom
         assert IN_POOL not in set(states.tolist())
     finally:

@@ -2,7 +2,7 @@
 request ends is either kept backed while vLLM may hit it, or taken out of vLLM's prefix
 cache (its hash evicted) before its pages go back. Engine A serves many requests sharing
 prompts while engine B, a second member of the same vkv.SharedBudget, bursts at random steps
-and asks (through the ask board) for what A holds; A's outputs must equal vLLM's own fixed
+and asks the budget for what it lacks (a standing ask, which A answers at its steps); A's outputs must equal vLLM's own fixed
 pool's on the same requests, and no prefix hit may land on a block whose pages went back
 since its tokens were written. vLLM 0.33's real AsyncScheduler under its defaults, the fake
 model of vllm_token_model.py (its KV is a function of the tokens), the host backend.
