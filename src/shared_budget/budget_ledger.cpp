@@ -792,6 +792,14 @@ std::uint64_t BudgetLedger::room_locked(std::size_t member) const noexcept {
   return std::min(reserved_for(member), standing_ask(row)) + cap_room(row, capacity > used ? capacity - used : 0);
 }
 
+void BudgetLedger::reap_if_no_room_locked(std::size_t member) noexcept {
+  if (room_locked(member) > 0) return;
+  const std::int64_t now = monotonic_ns();
+  if (now - reaped_at_ns_ < std::chrono::nanoseconds(kReannounce).count()) return;
+  reaped_at_ns_ = now;
+  reap_locked();
+}
+
 void BudgetLedger::forget_dead_speakers_locked() noexcept {
   // Only those asking: a dead engine's ask must not cost anyone a page (a /proc read each).
   for (BudgetMemberRecord& row : segment_.members)
@@ -818,6 +826,7 @@ EngineShare BudgetLedger::speak_for(const std::string& label, const EngineReport
     forget_dead_speakers_locked();
     const std::size_t member = find_label_locked(label);
     if (member == BudgetSegment::kMaxMembers) return share;
+    reap_if_no_room_locked(member);
     BudgetMemberRecord& row = segment_.members[member];
     const ProcessIdentity speaker = this_process();
     row.speaker_start_time = speaker.start_time;
@@ -840,8 +849,8 @@ EngineShare BudgetLedger::speak_for(const std::string& label, const EngineReport
     // member that could not give before may now).
     if (share.asking == 0) {
       row.announced = 0;
-    } else if (share.open > 0 && (share.asking > row.announced || now - row.announced_ns >=
-                                  std::chrono::nanoseconds(kReannounce).count())) {
+    } else if (share.open > 0 && (share.asking > row.announced ||
+                                  now - row.announced_ns >= std::chrono::nanoseconds(kReannounce).count())) {
       row.announced = share.asking;
       row.announced_ns = now;
       segment_.requests.fetch_add(1);
@@ -860,6 +869,7 @@ EngineShare BudgetLedger::share_of(const std::string& label) {
   forget_dead_speakers_locked();
   const std::size_t member = find_label_locked(label);
   if (member == BudgetSegment::kMaxMembers) return share;
+  reap_if_no_room_locked(member);
   share.found = true;
   share.asking = standing_ask(segment_.members[member]);
   share.open = open_asks_locked();
