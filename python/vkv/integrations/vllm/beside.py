@@ -16,6 +16,7 @@ the call stack while it builds or asks its children: the one place vLLM 0.33 off
 """
 
 import sys
+from types import FrameType
 from typing import List, Optional
 
 _MOST_FRAMES = 32
@@ -28,7 +29,7 @@ def sibling_connectors() -> Optional[List[str]]:
     """The names of the connectors a MultiConnector builds beside this one (this one
     included), or None where no MultiConnector is building or asking this connector."""
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     for _ in range(_MOST_FRAMES):
         if frame is None:
             return None

@@ -13,7 +13,7 @@ it (``vkv.SharedBudget.speak_for``), once a step and per GPU budget of its worke
   asked, equal priorities keeping equal spare); the next plan gives that many blocks.
 
 An idle engine does not step. A thread per budget sleeps in the budget's request futex
-(no CPU while nothing changes); when an ask opens, a cap or floor is set or a resize goes
+(no CPU while nothing changes but a look at ``close()`` every ``IDLE_POLL_S``); when an ask opens, a cap or floor is set or a resize goes
 below what is used, it asks the budget for this engine's share, and when there is one it
 sets ``owed`` (``has_pending_push_work()`` then says so) and wakes vLLM's engine loop
 (wakeup.py), which then steps: the step gives the share and the engine goes quiet again. While an ask stays open that this engine did
@@ -28,7 +28,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import vkv
 
 OPEN_ASK_POLL_S = 0.05  # while an ask is open: how often an idle engine looks at its share again
-IDLE_POLL_S = 30.0  # otherwise: only to notice shutdown (the futex wakes it for everything else)
+IDLE_POLL_S = 1.0  # otherwise: only to notice close() (the futex wakes it for everything else)
 
 
 class EngineBudget:
@@ -93,10 +93,15 @@ class EngineBudget:
                     self._wake()
 
     def close(self) -> None:
-        """Withdraws this engine's ask; the watcher threads end at their next wake-up."""
+        """Withdraws this engine's ask and waits for the watcher threads to end (within
+        ``IDLE_POLL_S``): a thread still in the budget's futex when the interpreter exits
+        would abort the process as it wakes (it cannot take the GIL back)."""
         self._stopping = True
         for budget in self.budgets:
             try:
                 budget.speak_for(self.label)
             except (RuntimeError, ValueError):
                 pass
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(IDLE_POLL_S + 1.0)

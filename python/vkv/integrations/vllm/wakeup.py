@@ -17,6 +17,7 @@ has no such queue; it answers at its next step, when its caller steps it.
 
 import queue
 import sys
+from types import FrameType
 from typing import Callable, Optional
 
 _MOST_FRAMES = 64  # how far up the stack the engine can be
@@ -25,7 +26,7 @@ _MOST_FRAMES = 64  # how far up the stack the engine can be
 def find_engine_wakeup() -> Optional[Callable[[], None]]:
     """Called while vLLM makes the scheduler-side connector: a function that wakes the engine
     loop from another thread, or None where there is no loop to wake."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     for _ in range(_MOST_FRAMES):
         if frame is None:
             return None
