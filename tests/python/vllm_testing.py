@@ -416,7 +416,7 @@ def vkv_worker(engine: "Engine"):
     raise AssertionError("no vkv worker")
 
 
-def pages_of(engine: "Engine", blocks) -> "np.ndarray":
+def pages_of(engine: "Engine", blocks) -> Any:
     """The pages (of the layer's page size) the bytes of ``blocks`` touch, every range of
     each: the test's own arithmetic over the worker's block ranges."""
     import numpy as np

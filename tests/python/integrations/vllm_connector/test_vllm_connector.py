@@ -7,7 +7,6 @@ Skips only where vllm is not importable and CI is not set; scripts/install_vllm.
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np
@@ -18,9 +17,8 @@ from vllm_testing import require_vllm  # noqa: E402  (tests/python, on pytest's 
 require_vllm()
 
 import vllm_testing as vt  # noqa: E402  (tests/python, on pytest's pythonpath)
-import torch  # noqa: E402
 
-from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED  # noqa: E402
+from vkv.integrations.vllm.block_states import BACKED, IN_POOL  # noqa: E402
 
 HEADROOM = 4
 
@@ -259,7 +257,6 @@ def test_an_idle_engine_gives_pages_back_within_two_steps():
 
 
 def _budget(blocks):
-    import uuid
 
     import vkv
     return vkv.SharedBudget.create(f"vkv-vllm-test-{uuid.uuid4().hex[:10]}", blocks * engine_block_bytes(), device="cpu")

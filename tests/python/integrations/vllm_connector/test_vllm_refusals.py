@@ -3,7 +3,6 @@ naming the setting and what to change (docs/vllm.md, "Refused at startup").
 
 Skips only where vllm is not importable and CI is not set."""
 
-import os
 import uuid
 
 import pytest
