@@ -335,7 +335,8 @@ def engine_process(commands, replies, num_blocks: int, extra: dict, options: Opt
     main thread, a bridge thread between the test's pipe and the loop's queues, as vLLM's
     input and output threads are. Commands: ("burst", name, n, prompt, gen): add n requests
     of ``prompt`` tokens (each its own) and reply ("burst", name) once they all finished;
-    ("call", method, args): a utility method, replied ("call", result); ("stop",)."""
+    ("call", method, args): a utility method, replied ("call", result); ("quiet",): replied
+    once vLLM's loop has no work (it sleeps in its input queue); ("stop",)."""
     core = make_engine_core(num_blocks, extra, **(options or {}))
     pending: Dict[str, set] = {}
     calls: Dict[int, Any] = {}
@@ -354,6 +355,11 @@ def engine_process(commands, replies, num_blocks: int, extra: dict, options: Opt
                     add(core, f"{name}-{i}", [(offset + 7 * t) % 997 + 1 for t in range(prompt)], gen)
             elif command[0] == "call":
                 calls[utility(core, command[1], *command[2])] = command[1]
+            elif command[0] == "quiet":  # until vLLM's loop sleeps in its input queue
+                deadline = time.monotonic() + 120
+                while (core.has_work() or not core.input_queue.empty()) and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                replies.put(("quiet", not core.has_work()))
             else:
                 from vllm.v1.engine import EngineCoreRequestType
                 from vllm.v1.engine.core import EngineShutdownState

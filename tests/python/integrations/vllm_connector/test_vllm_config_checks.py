@@ -244,6 +244,27 @@ def test_a_shared_budget_below_one_request_is_refused_naming_both_numbers():
         large.remove()
 
 
+def test_a_cap_below_one_request_and_a_floor_above_the_cap_or_the_budget_are_refused_in_one_line():
+    import vkv
+    need = (MAX_MODEL_LEN // vt.BLOCK + 4 + 1) * BLOCK_BYTES
+    budget = vkv.SharedBudget.create(f"vkv-vllm-test-{uuid.uuid4().hex[:10]}", 2 * need, device="cpu")
+    settings = {"device": "cpu", "headroom_blocks": 4, "shared_budget": budget.name}
+    try:
+        config = _config({**settings, "shared_budget_cap": need - BLOCK_BYTES})
+        message = _refused(config, _plan(config), r"\['shared_budget_cap'\] = %d bytes is less than" % (need - BLOCK_BYTES))
+        assert f"at least {need}" in message and f"max_model_len {MAX_MODEL_LEN}" in message
+        config = _config({**settings, "shared_budget_floor": 2 * need + BLOCK_BYTES})
+        _refused(config, _plan(config), r"\['shared_budget_floor'\] = %d bytes is more than the shared budget '%s' "
+                                        r"holds, %d bytes" % (2 * need + BLOCK_BYTES, budget.name, 2 * need))
+        config = _config({**settings, "shared_budget_floor": need + BLOCK_BYTES, "shared_budget_cap": need})
+        _refused(config, _plan(config), r"\['shared_budget_floor'\] = %d is more than .*\['shared_budget_cap'\] = %d"
+                 % (need + BLOCK_BYTES, need))
+        config = _config({**settings, "shared_budget_floor": need, "shared_budget_cap": need})
+        _connector(config, _plan(config))  # a cap of one request, a floor at the cap: served
+    finally:
+        budget.remove()
+
+
 # ---- engine_id and the state file -------------------------------------------------------------------
 def test_two_workers_with_one_engine_id_are_refused_in_one_line():
     config = _config()

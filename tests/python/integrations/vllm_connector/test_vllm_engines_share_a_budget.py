@@ -12,6 +12,7 @@ executor (tests/python/vllm_engine_core.py), the budget's books read from this p
 Skips only where vllm is not importable and CI is not set."""
 
 import glob
+import json
 import multiprocessing
 import os
 import signal
@@ -87,10 +88,16 @@ class EngineProcess:
                 return reply
 
     def burst(self, n: int, prompt: int, gen: int, wait: bool = True) -> None:
-        """``n`` requests of ``prompt`` tokens (they share it: prefix hits), ``gen`` generated."""
+        """``n`` requests of ``prompt`` tokens (each its own), ``gen`` generated; with ``wait``,
+        until they finished and the engine went quiet (its loop asleep: nothing more to give back)."""
         self.commands.put(("burst", self.label, n, prompt, gen))
         if wait:
             self._reply("burst")
+            self.quiet()
+
+    def quiet(self) -> None:
+        self.commands.put(("quiet",))
+        assert self._reply("quiet")[1], f"{self.label} never went quiet"
 
     def call(self, method: str, *args):
         self.commands.put(("call", method, args))
@@ -126,8 +133,8 @@ def _cached_engine(budget, engines, label, blocks_cached, **settings) -> EngineP
 def test_an_ask_is_paid_by_the_lowest_priority_and_no_more_than_asked(engines):
     budget = Budget(900)
     try:
-        low = _cached_engine(budget, engines, "low", 300, shared_budget_priority=0)
-        high = _cached_engine(budget, engines, "high", 300, shared_budget_priority=9)
+        _cached_engine(budget, engines, "low", 300, shared_budget_priority=0)
+        _cached_engine(budget, engines, "high", 300, shared_budget_priority=9)
         held_low, held_high = budget.held("low"), budget.held("high")
         assert held_low > 250 and held_high > 250, (held_low, held_high)
         asker = EngineProcess(budget, "asker", shared_budget_priority=5)
@@ -147,18 +154,18 @@ def test_an_ask_is_paid_by_the_lowest_priority_and_no_more_than_asked(engines):
 def test_a_floor_is_kept_and_equal_priorities_keep_equal_spare(engines):
     budget = Budget(1000)
     try:
-        floored = _cached_engine(budget, engines, "floored", 400, shared_budget_floor=300 * BLOCK)
-        first = _cached_engine(budget, engines, "first", 200)
-        second = _cached_engine(budget, engines, "second", 120)
+        _cached_engine(budget, engines, "floored", 400, shared_budget_floor=340 * BLOCK)
+        _cached_engine(budget, engines, "first", 200)
+        _cached_engine(budget, engines, "second", 120)
         held_floored = budget.held("floored")
         assert held_floored > 330 and budget.held("first") - budget.held("second") > 40
         asker = EngineProcess(budget, "asker")
         engines.append(asker)
         free = budget.budget.stats()["free_bytes"] // BLOCK
         asker.burst(2, (free + 100) // 2 * vt.BLOCK - 1, 4)  # ~100 blocks beyond what is free
-        assert budget.held("floored") >= 300, budget.held("floored")
+        assert budget.held("floored") >= 340, budget.held("floored")
         # "first" had more to spare: it gave more, until both kept about the same spare (the
-        # floored engine, 300 blocks kept, had less to spare than that: it kept all it had).
+        # floored engine, 340 blocks kept, had less to spare than that: it kept all it had).
         gap = abs(budget.held("first") - budget.held("second"))
         assert gap <= 2, (budget.held("first"), budget.held("second"))
         assert budget.held("floored") == held_floored
@@ -169,7 +176,7 @@ def test_a_floor_is_kept_and_equal_priorities_keep_equal_spare(engines):
 def test_only_real_asks_cost_anything(engines):
     budget = Budget(1000)
     try:
-        idle = _cached_engine(budget, engines, "idle", 300)
+        _cached_engine(budget, engines, "idle", 300)
         held = budget.held("idle")
         # Short only of its own cap: it waits for its own requests, and asks nobody.
         capped = EngineProcess(budget, "capped", max_model_len=512, shared_budget_cap=120 * BLOCK)
@@ -186,6 +193,8 @@ def test_only_real_asks_cost_anything(engines):
 
 
 def test_a_sigkilled_askers_ask_is_dropped_at_once(engines):
+    # (An engine back from its floor does not grow its pool while cached free blocks can
+    # serve a burst: vLLM hands those out, evicting their hashes, before new ones are backed.)
     budget = Budget(600)
     try:
         idle = _cached_engine(budget, engines, "idle", 480, shared_budget_floor=300 * BLOCK)
@@ -198,12 +207,17 @@ def test_a_sigkilled_askers_ask_is_dropped_at_once(engines):
         budget.wait_for(lambda: asking() > 0 and budget.held("idle") <= 305, "the idle engine gave down to its floor")
         os.kill(asker.process.pid, signal.SIGKILL)
         asker.process.join(30)
-        # Its ask is still in the books (nobody has counted the dead member out yet), but it
-        # costs nobody anything: the idle engine's new cache stays.
+        # Its ask is dropped at the next look (its scheduler's process is gone), and its pages
+        # are counted out with it: the idle engine owes nobody anything.
+        share = budget.budget.share_of("idle")
+        assert share["open_bytes"] == 0 and share["give_bytes"] == 0, share
+        assert all(m["label"] != "asker" for m in budget.budget.stats()["members"])
+        # The idle engine serves more, and gives nothing of its cache for the dead ask.
+        held = budget.held("idle")
         idle.burst(10, 8 * vt.BLOCK - 1, 1)
         idle.call("get_supported_tasks")  # a round trip through its loop after the burst's last step
-        assert budget.held("idle") >= 300 + 60, budget.held("idle")
-        assert all(m["label"] != "asker" for m in budget.budget.stats()["members"])  # counted out at this look
+        assert budget.held("idle") >= held - HEADROOM, (budget.held("idle"), held)
+        assert budget.budget.share_of("idle")["give_bytes"] == 0
         assert not glob.glob("/dev/shm/vkv-vllm-asker*"), glob.glob("/dev/shm/vkv-vllm-*")
     finally:
         budget.remove()
@@ -220,7 +234,8 @@ def test_set_max_and_resize_reach_an_idle_engine(engines):
         budget.wait_for(lambda: budget.held("idle") <= 150, "the idle engine under its new cap")
         top = subprocess.run([sys.executable, "-m", "vkv.budget", "top", budget.name, "--once", "--json",
                               "--interval", "0.1"], check=True, capture_output=True, text=True).stdout
-        assert '"held' in top and str(pid) in top
+        [shown] = [m for m in json.loads(top)["members"] if m["pid"] == pid]  # what it holds and asks for
+        assert shown["bytes_held"] <= 150 * BLOCK and shown["bytes_wanted"] == 0, shown
         subprocess.run([sys.executable, "-m", "vkv.budget", "set", budget.name, str(pid), "--max", "0"], check=True,
                        capture_output=True)
         idle.burst(10, 8 * vt.BLOCK - 1, 1)  # more cache again
