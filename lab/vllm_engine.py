@@ -151,6 +151,47 @@ def planned_kv_cache_config(vllm_config, num_blocks: int, model: Model = TINY, l
     return config
 
 
+def engine_config(num_blocks: int, extra: Optional[dict] = None, connector: bool = True, max_num_seqs: int = 16,
+                  max_num_batched_tokens: int = 256, *, prefix_caching: bool = True, async_scheduling: bool = True,
+                  reserve_full_prompt: bool = True, watermark: float = 0.0, max_model_len: Optional[int] = None,
+                  engine_id: Optional[str] = None, speculative: Optional[dict] = None, model: Model = TINY,
+                  connectors: Optional[List[dict]] = None):
+    """vLLM's VllmConfig for the tiny model under vLLM's shipped defaults unless told otherwise
+    (Engine's arguments); ``connectors``: MultiConnector's children, vkv's entry among them."""
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig, VllmConfig)
+    if max_model_len is None:  # vLLM's planner refuses a pool that cannot hold one such request
+        max_model_len = min(1024, (num_blocks - 1) * model.block_size)
+    model_config = ModelConfig(model=_model_dir(max_model_len, model), skip_tokenizer_init=True, dtype="float16",
+                               max_model_len=max_model_len)
+    sched = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+                            scheduler_reserve_full_isl=reserve_full_prompt, watermark=watermark)
+    cache = CacheConfig(block_size=model.block_size, enable_prefix_caching=prefix_caching)
+    kv_transfer = None
+    engine_id = engine_id or f"test-{uuid.uuid4().hex[:12]}"
+    vkv_entry = dict(kv_connector="VkvConnector", kv_connector_module_path="vkv.integrations.vllm",
+                     kv_role="kv_both",
+                     kv_connector_extra_config=dict({"device": "cpu", "headroom_blocks": 4}, **(extra or {})))
+    if connectors is not None:
+        kv_transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", engine_id=engine_id,
+                                       kv_connector_extra_config={"connectors": [
+                                           vkv_entry if entry == "vkv" else entry for entry in connectors]})
+    elif connector:
+        kv_transfer = KVTransferConfig(engine_id=engine_id, **vkv_entry)
+    parallel = ParallelConfig()
+    spec_config = None
+    if speculative is not None:
+        speculative = dict(speculative)
+        if speculative.get("method") == "draft_model":
+            speculative.setdefault("model", model_config.model)
+        spec_config = SpeculativeConfig(**speculative, target_model_config=model_config,
+                                        target_parallel_config=parallel)
+    return VllmConfig(model_config=model_config, scheduler_config=sched, cache_config=cache, parallel_config=parallel,
+                      device_config=DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
+                      speculative_config=spec_config)
+
+
 class Engine:
     """Scheduler + worker connector + fake forward, in this process. ``connector`` None: the
     same engine on vLLM's fixed pool (a torch.zeros buffer), for comparison."""
@@ -167,8 +208,6 @@ class Engine:
         vLLM's speculative_config (e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``;
         ``"draft_model"`` drafts with this same tiny model, which adds lookahead slots).
         ``layouts``: the KV cache layouts the attention backends support (planned_kv_cache_config)."""
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                                 SchedulerConfig, SpeculativeConfig, VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -178,31 +217,11 @@ class Engine:
         from vllm.v1.worker.utils import create_kv_cache_views
 
         self.model = model
-        if max_model_len is None:  # vLLM's planner refuses a pool that cannot hold one such request
-            max_model_len = min(1024, (num_blocks - 1) * model.block_size)
-        model_config = ModelConfig(model=_model_dir(max_model_len, model), skip_tokenizer_init=True, dtype="float16",
-                                   max_model_len=max_model_len)
-        sched = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
-                                scheduler_reserve_full_isl=reserve_full_prompt, watermark=watermark)
-        cache = CacheConfig(block_size=model.block_size, enable_prefix_caching=prefix_caching)
-        kv_transfer = None
-        if connector:
-            kv_transfer = KVTransferConfig(
-                kv_connector="VkvConnector", kv_connector_module_path="vkv.integrations.vllm", kv_role="kv_both",
-                engine_id=engine_id or f"test-{uuid.uuid4().hex[:12]}",
-                kv_connector_extra_config=dict({"device": "cpu", "headroom_blocks": 4}, **(extra or {})))
-        parallel = ParallelConfig()
-        spec_config = None
-        if speculative is not None:
-            speculative = dict(speculative)
-            if speculative.get("method") == "draft_model":
-                speculative.setdefault("model", model_config.model)
-            spec_config = SpeculativeConfig(**speculative, target_model_config=model_config,
-                                            target_parallel_config=parallel)
-        self.vllm_config = VllmConfig(model_config=model_config, scheduler_config=sched, cache_config=cache,
-                                      parallel_config=parallel, device_config=DeviceConfig(device="cpu"),
-                                      kv_transfer_config=kv_transfer, speculative_config=spec_config)
+        self.vllm_config = engine_config(num_blocks, extra, connector, max_num_seqs, max_num_batched_tokens,
+                                         prefix_caching=prefix_caching, async_scheduling=async_scheduling,
+                                         reserve_full_prompt=reserve_full_prompt, watermark=watermark,
+                                         max_model_len=max_model_len, engine_id=engine_id, speculative=speculative,
+                                         model=model)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.kv_config = planned_kv_cache_config(self.vllm_config, num_blocks, model, layouts)
         self.num_blocks = num_blocks
@@ -383,37 +402,58 @@ def forward(engine: Engine, out) -> Dict[str, Optional[int]]:
 
 
 
-def live_blocks(memory):
-    """The blocks a worker's memory keeps backed: BACKED, IN_POOL, and the null block."""
+def backing(engine: "Engine"):
+    """The worker's vkv.BlockBacking (vkv's connector alone, or vkv's child of a MultiConnector)."""
+    return vkv_worker(engine).backing
+
+
+def vkv_worker(engine: "Engine"):
+    """The worker side of vkv's connector (vkv alone, or vkv's child of a MultiConnector)."""
+    connector = engine.worker
+    for child in getattr(connector, "_connectors", None) or [connector]:
+        if getattr(child, "connector_worker", None) is not None:
+            return child.connector_worker
+    raise AssertionError("no vkv worker")
+
+
+def pages_of(engine: "Engine", blocks) -> Any:
+    """The pages (of the layer's page size) the bytes of ``blocks`` touch, every range of
+    each: the test's own arithmetic over the worker's block ranges."""
+    import numpy as np
+    worker = vkv_worker(engine)
+    page = worker.backing.page_bytes
+    blocks = np.asarray(blocks, dtype=np.int64)
+    pages = []
+    for start, length, stride in worker.ranges.as_tuples():
+        first = (start + blocks * stride) // page
+        last = (start + blocks * stride + length - 1) // page
+        for offset in range(int((last - first).max(initial=0)) + 1):
+            pages.append((first + offset)[first + offset <= last])
+    return np.unique(np.concatenate(pages)) if pages else np.zeros(0, dtype=np.int64)
+
+
+def live_blocks(layer):
+    """The blocks a worker's vkv.BlockBacking keeps backed: BACKED, IN_POOL, and the null block."""
     import numpy as np
 
     from vkv.integrations.vllm.block_states import BACKED, IN_POOL
-    states = memory.states.states
+    states = layer.states
     return np.union1d(np.flatnonzero((states == BACKED) | (states == IN_POOL)), [0])
 
 
 def check_live_pages(engine: "Engine", out=None) -> None:
     """Every block in a scheduled request's tables (every group) is in the pool with all its
-    pages (in every layer's region) mapped; each page's count is the backed blocks touching
-    it, and vkv has exactly the pages with a count mapped: none given back while a live
-    block uses it. For a worker memory that backs blocks page by page (PageMemory)."""
-    import numpy as np
-
+    pages (in every layer's region) mapped, and the layer's own books hold (each page's
+    count the backed blocks on it, exactly the counted pages mapped: check_invariants())."""
     from vkv.integrations.vllm.block_states import IN_POOL
-    memory = engine.worker._memory
-    states = memory.states.states
+    layer = backing(engine)
+    states = layer.states
     if out is not None:
         for rid, blocks in engine.all_block_tables(out).items():
             for b in blocks:
                 assert states[b] == IN_POOL, (rid, b, states[b])
-                assert memory.mapped_pages(b) == memory.pages_of(np.array([b])).size, (rid, b)
-    if memory.mapper is not None and memory.mapper.busy():
-        return  # the job in flight changes the counts as we read them
-    users = np.bincount(memory.pages_of(live_blocks(memory)), minlength=memory.num_pages)
-    assert (memory.users == users).all(), np.flatnonzero(memory.users != users)
-    mapped = np.array([memory.cache.mapped_pages(p) for p in range(memory.num_pages)])
-    assert (mapped == (users > 0)).all(), (np.flatnonzero(mapped != (users > 0)), users[mapped != (users > 0)])
-    assert memory.cache.stats()["pages_created"] >= int((users > 0).sum())
+                assert layer.mapped_pages(b) == layer.pages_in(b), (rid, b)
+    layer.check_invariants()
 
 
 def run_until_done(engine: "Engine", check=None, limit: int = 400) -> int:
@@ -428,13 +468,17 @@ def run_until_done(engine: "Engine", check=None, limit: int = 400) -> int:
 def engine_process(commands, replies, extra: dict, num_blocks: int, options: Optional[dict] = None) -> None:
     """An engine in its own process (multiprocessing, spawn), driven by commands:
     ("burst", name, n, prompt, gen): add n requests and step until they finish, replying
-    the most pages it held; ("idle",): step as vLLM's loop does once the burst is done,
-    replying held pages, blocks in use and the steps taken; ("stop",). Between commands it
+    the most blocks' worth of pages it held; ("idle",): step as vLLM's loop does once the
+    burst is done, replying what it holds (in blocks), blocks in use and the steps taken;
+    ("stop",). Between commands it
     steps while vLLM's loop would (``has_requests()``: the connector's pending work)."""
     import queue
     engine = Engine(num_blocks, extra, **(options or {}))
-    cache = engine.worker._memory.cache
-    replies.put(("ready", cache.stats()["pages_created"]))
+    layer = backing(engine)
+
+    def held() -> int:  # in blocks
+        return layer.stats()["bytes_held"] // engine.model.block_bytes()
+    replies.put(("ready", held()))
     while True:
         try:
             command = commands.get(timeout=0.001) if engine.busy() else commands.get()
@@ -452,9 +496,9 @@ def engine_process(commands, replies, extra: dict, num_blocks: int, options: Opt
             most = 0
             while engine.unfinished():
                 engine.step()
-                most = max(most, cache.stats()["pages_created"])
+                most = max(most, held())
                 replies.put(("progress", most))
             replies.put(("burst", most))
         if command[0] == "idle":  # vLLM's own loop: it steps only while it has requests or the connector work
             steps = engine.step_while_busy(50)
-            replies.put(("idle", cache.stats()["pages_created"], engine.connector.stats()["in_use"], steps))
+            replies.put(("idle", held(), engine.connector.stats()["in_use"], steps))

@@ -81,10 +81,11 @@ struct SharedBudgetReport {
 
 /// What the budget wants of such an engine now.
 struct SharedBudgetShare {
-  bool member_found = false;    ///< a live member has the label
-  std::size_t give_bytes = 0;   ///< bytes to give back now: above its cap, then its part of the asks
-  std::size_t open_bytes = 0;   ///< what askers (and the capacity) lack beyond free, reserved and promised bytes
-  std::size_t asking_bytes = 0; ///< its own standing ask now
+  bool member_found = false;     ///< a live member has the label
+  std::size_t give_bytes = 0;    ///< bytes to give back now: above its cap, then its part of the asks
+  std::size_t open_bytes = 0;    ///< what askers (and the capacity) lack beyond free, reserved and promised bytes
+  std::size_t asking_bytes = 0;  ///< its own standing ask now
+  std::size_t room_bytes = 0;    ///< what its member may take now (free capacity within its cap, its reservation)
 };
 
 /// A shared budget's state; members whose process is gone are counted out first.

@@ -63,6 +63,7 @@ py::dict share_dict(const vkv::SharedBudgetShare& share) {
   out["give_bytes"] = share.give_bytes;
   out["open_bytes"] = share.open_bytes;
   out["asking_bytes"] = share.asking_bytes;
+  out["room_bytes"] = share.room_bytes;
   return out;
 }
 

@@ -159,8 +159,9 @@ class SharedBudget:
         before is released (``settled``). Returns what the budget wants of it now:
         ``give_bytes`` (above its cap, then its part of the others' asks: lowest priorities
         first, never below a floor, equal priorities keeping equal spare), ``open_bytes``
-        (what the askers still lack, promises counted), ``asking_bytes`` (its own ask) and
-        ``member_found``. One call a step; microseconds (the budget's lock)."""
+        (what the askers still lack, promises counted), ``asking_bytes`` (its own ask),
+        ``room_bytes`` (what its member may take now: the free capacity within its cap, and
+        what was given back for it) and ``member_found``. One call a step; microseconds (the budget's lock)."""
         return self._handle.speak_for(label, expect_int("spare", spare), expect_int("ask", ask),
                                       expect_int("given", given), bool(settled))
 

@@ -160,7 +160,8 @@ def top_sample(before: Dict[str, Any], after: Dict[str, Any], seconds: float) ->
         previous = earlier.get((member["row"], member["pid"]), {"asks": 0, "give_backs": 0})
         members.append({
             "pid": member["pid"], "label": _label(member), "bytes_held": member["bytes_held"],
-            "bytes_in_use": member["bytes_in_use"], "floor_bytes": member["floor_bytes"],
+            "bytes_in_use": member["bytes_in_use"], "bytes_wanted": member["bytes_wanted"],
+            "floor_bytes": member["floor_bytes"],
             "cap_bytes": member["cap_bytes"], "priority": member["priority"],
             "asks_per_second": (member["asks"] - previous["asks"]) / seconds,
             "give_backs_per_second": (member["give_backs"] - previous["give_backs"]) / seconds,
@@ -178,11 +179,12 @@ def top_table(sample: Dict[str, Any]) -> str:
              f"rates over {sample['interval_seconds']:.2f} s"]
     if not sample["members"]:
         return "\n".join(lines + ["  no members"])
-    rows = [("pid", "label", "held", "in use", "floor", "cap", "priority", "asks/s", "give-backs/s", "last answer")]
+    rows = [("pid", "label", "held", "in use", "asking for", "floor", "cap", "priority", "asks/s", "give-backs/s",
+             "last answer")]
     for member in sample["members"]:
         since = member["seconds_since_answer"]
         rows.append((str(member["pid"]), member["label"], format_bytes(member["bytes_held"]),
-                     format_bytes(member["bytes_in_use"]), _limit(member["floor_bytes"]),
+                     format_bytes(member["bytes_in_use"]), _limit(member["bytes_wanted"]), _limit(member["floor_bytes"]),
                      _limit(member["cap_bytes"]), str(member["priority"]), f"{member['asks_per_second']:.1f}",
                      f"{member['give_backs_per_second']:.1f}", "never" if since is None else f"{since:.1f} s ago"))
     return "\n".join(lines + _columns(rows))

@@ -785,6 +785,21 @@ std::uint64_t BudgetLedger::share_locked(std::size_t member) const noexcept {
   return own;
 }
 
+std::uint64_t BudgetLedger::room_locked(std::size_t member) const noexcept {
+  const BudgetMemberRecord& row = segment_.members[member];
+  const std::uint64_t capacity = segment_.capacity.load(std::memory_order_relaxed);
+  const std::uint64_t used = segment_.used.load(std::memory_order_relaxed) + floor_gaps(member);
+  return std::min(reserved_for(member), standing_ask(row)) + cap_room(row, capacity > used ? capacity - used : 0);
+}
+
+void BudgetLedger::reap_if_no_room_locked(std::size_t member) noexcept {
+  if (room_locked(member) > 0) return;
+  const std::int64_t now = monotonic_ns();
+  if (now - reaped_at_ns_ < std::chrono::nanoseconds(kReannounce).count()) return;
+  reaped_at_ns_ = now;
+  reap_locked();
+}
+
 void BudgetLedger::forget_dead_speakers_locked() noexcept {
   // Only those asking: a dead engine's ask must not cost anyone a page (a /proc read each).
   for (BudgetMemberRecord& row : segment_.members)
@@ -811,6 +826,7 @@ EngineShare BudgetLedger::speak_for(const std::string& label, const EngineReport
     forget_dead_speakers_locked();
     const std::size_t member = find_label_locked(label);
     if (member == BudgetSegment::kMaxMembers) return share;
+    reap_if_no_room_locked(member);
     BudgetMemberRecord& row = segment_.members[member];
     const ProcessIdentity speaker = this_process();
     row.speaker_start_time = speaker.start_time;
@@ -828,12 +844,13 @@ EngineShare BudgetLedger::speak_for(const std::string& label, const EngineReport
     share.asking = standing_ask(row);
     share.open = open_asks_locked();
     share.give = share_locked(member);
+    share.room = room_locked(member);
     // Wake the others when an open ask appeared or grew, and again while it stays open (a
     // member that could not give before may now).
     if (share.asking == 0) {
       row.announced = 0;
-    } else if (share.open > 0 && (share.asking > row.announced || now - row.announced_ns >=
-                                  std::chrono::nanoseconds(kReannounce).count())) {
+    } else if (share.open > 0 && (share.asking > row.announced ||
+                                  now - row.announced_ns >= std::chrono::nanoseconds(kReannounce).count())) {
       row.announced = share.asking;
       row.announced_ns = now;
       segment_.requests.fetch_add(1);
@@ -852,10 +869,12 @@ EngineShare BudgetLedger::share_of(const std::string& label) {
   forget_dead_speakers_locked();
   const std::size_t member = find_label_locked(label);
   if (member == BudgetSegment::kMaxMembers) return share;
+  reap_if_no_room_locked(member);
   share.found = true;
   share.asking = standing_ask(segment_.members[member]);
   share.open = open_asks_locked();
   share.give = share_locked(member);
+  share.room = room_locked(member);
   return share;
 }
 

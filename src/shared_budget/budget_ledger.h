@@ -125,10 +125,11 @@ struct EngineReport {
 
 /// What the books want of such a member now.
 struct EngineShare {
-  bool found = false;         ///< a live member has the label
-  std::uint64_t give = 0;     ///< bytes to give back now: above its cap, its part of the asks
-  std::uint64_t open = 0;     ///< bytes the askers (and the capacity) still lack, promises counted
-  std::uint64_t asking = 0;   ///< its own standing ask now
+  bool found = false;        ///< a live member has the label
+  std::uint64_t give = 0;    ///< bytes to give back now: above its cap, its part of the asks
+  std::uint64_t open = 0;    ///< bytes the askers (and the capacity) still lack, promises counted
+  std::uint64_t asking = 0;  ///< its own standing ask now
+  std::uint64_t room = 0;  ///< bytes it may take now: the free capacity within its cap, and what was given back for it
 };
 
 /// What stats() reports of one member.
@@ -214,8 +215,7 @@ class BudgetLedger {
   bool ask_settled(std::size_t member, std::uint32_t request, std::size_t enough, bool reap = true);
   /// Every live member but `except` has answered `request`, and no pledge is outstanding.
   /// With `speakers_too`: a member spoken for owes an answer while its share is not 0.
-  bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers,
-                    bool speakers_too = false);
+  bool all_answered(std::uint32_t request, std::size_t except = BudgetSegment::kMaxMembers, bool speakers_too = false);
   /// Some member but `except` that has not answered `request` yet (or owes a pledge) is
   /// alive and not stopped: slow, not gone. Reads /proc per such member.
   bool answer_may_come(std::uint32_t request, std::size_t except);
@@ -317,6 +317,8 @@ class BudgetLedger {
   std::uint64_t open_asks_locked() const noexcept;
   // What the books want of `member` now (the file's comment).
   std::uint64_t share_locked(std::size_t member) const noexcept;
+  // What the member may take now: the free capacity within its cap, and its reservation.
+  std::uint64_t room_locked(std::size_t member) const noexcept;
   // Drops the standing asks and spares of members whose speaker is gone.
   void forget_dead_speakers_locked() noexcept;
   // The first live member labelled `label`, or kMaxMembers.
@@ -341,8 +343,13 @@ class BudgetLedger {
   bool request_if_short_locked() noexcept;
   void wake_releases() noexcept;
 
+  // Counts out dead members when the member labelled in speak_for()/share_of() has no room,
+  // at most every kReannounce (a /proc read per member): their bytes are its room.
+  void reap_if_no_room_locked(std::size_t member) noexcept;
+
   BudgetSegment& segment_;
   std::string name_;
+  std::int64_t reaped_at_ns_ = 0;  // this handle's last reap_if_no_room_locked()
 };
 
 }  // namespace vkv::detail

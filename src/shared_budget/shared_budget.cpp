@@ -193,6 +193,7 @@ SharedBudgetShare to_share(const detail::EngineShare& share) {
   out.give_bytes = share.give;
   out.open_bytes = share.open;
   out.asking_bytes = share.asking;
+  out.room_bytes = share.room;
   return out;
 }
 

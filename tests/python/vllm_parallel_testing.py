@@ -10,6 +10,7 @@ and samples the next token from what all the shards read (lab.vllm_engine.kv_val
 summed once per distinct layer and head): equal to a one-process fixed pool's outputs."""
 
 import collections
+import copy
 import multiprocessing
 import os
 import tempfile
@@ -143,20 +144,17 @@ def shard_forward(kv: Dict[str, torch.Tensor], layers: List[int], heads: List[in
     return totals
 
 
-def _backed(memory) -> List[int]:
-    """The blocks this worker has backed (its own states: rank 0's are the scheduler's file),
-    each with every page it touches mapped."""
-    if memory is None:  # vLLM's fixed pool
+def _backed(layer) -> List[int]:
+    """The blocks this worker has backed (its layer's states: rank 0's are the scheduler's
+    file), each with every page it touches mapped, and the layer's own books holding."""
+    if layer is None:  # vLLM's fixed pool
         return []
     from vkv.integrations.vllm.block_states import UNBACKED
-    states = memory.states.states
+    states = layer.states
     backed = [0] + (np.flatnonzero(states[1:] != UNBACKED) + 1).tolist()
-    # Each page counts the backed blocks on it, and exactly the counted pages are mapped.
-    users = np.zeros_like(memory.users)
-    np.add.at(users, memory.pages_of(np.asarray(backed, dtype=np.int64)), 1)
-    assert np.array_equal(users, memory.users), np.flatnonzero(users != memory.users)
-    mapped = [memory.cache.mapped_pages(page) > 0 for page in range(memory.num_pages)]
-    assert mapped == (users > 0).tolist(), np.flatnonzero(np.asarray(mapped) != (users > 0))
+    for block in backed:
+        assert layer.mapped_pages(block) == layer.pages_in(block), block
+    layer.check_invariants()  # each page's count is the backed blocks on it, exactly those pages mapped
     return backed
 
 
@@ -191,12 +189,10 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
             if connector is not None:
                 connector.register_kv_caches(kv)
         layers, heads = stage_layers(pp, rank // tp, model), rank_heads(tp, rank % tp, model)
-        memory = connector._memory if connector is not None else None
+        worker = connector.connector_worker if connector is not None else None
+        layer = worker.backing if worker is not None else None
         log: List[List[int]] = []  # the blocks backed at the end of each job, in job order
-        rounds = [0]  # the all-reduces this worker's agreement has run
-        if memory is not None:
-            _log_jobs(memory, log)
-            _count_rounds(memory, rounds)
+        bad_release: List[int] = []  # injected into the next step's release on this worker
         conn.send(("ready", os.getpid()))
     except Exception as error:  # noqa: BLE001
         conn.send(("error", f"{type(error).__name__}: {error}"))
@@ -208,58 +204,44 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
             _stop(connector, parallel_state)
             conn.send(("stopped",))
             return
-        if command[0] == "fail_next_backing":  # the next vkv call that backs blocks raises here
-            def failing(lens):
-                del memory.cache.step  # the class's again
-                raise RuntimeError("injected backing failure")
-
-            memory.cache.step = failing
-            conn.send(("armed",))
-            continue
         if command[0] == "backed":
             try:
-                if memory is not None:
-                    memory.wait()
+                if layer is not None:
+                    layer.wait()
             except Exception:  # noqa: BLE001 (a failed job: its error was the step's)
                 pass
-            conn.send(("backed", _backed(memory)))
+            conn.send(("backed", _backed(layer)))
             continue
-        if command[0] == "fail_next_release":  # the next give-back of pages raises here
-            def failing_trim():
-                del memory.cache.trim  # the class's again
-                raise RuntimeError("injected give-back failure")
-
-            memory.cache.trim = failing_trim
-            conn.send(("armed",))
-            continue
-        if command[0] == "choose_differently":  # this worker picks other blocks than the rest
-            choose = memory.choose
-
-            def other(want):
-                chosen = choose(want)
-                return chosen[::-1].copy() if chosen.size > 1 else chosen + 1 if chosen.size else chosen
-
-            memory.choose = other
+        if command[0] == "fail_next_job":  # the next step's job fails here: it releases a block never backed
+            bad_release.append(int(np.flatnonzero(layer.states == 0)[-1]))
             conn.send(("armed",))
             continue
         if command[0] == "geometry":  # how this worker backs a block
-            conn.send(("geometry", dict(ranges=len(memory.ranges), block_bytes=memory.block_bytes,
-                                        page_bytes=memory.page_bytes, prefer_costless=memory.prefer_costless)))
+            conn.send(("geometry", dict(ranges=len(worker.ranges), block_bytes=worker.buffer_bytes // worker.num_blocks,
+                                        page_bytes=layer.page_bytes)))
             continue
         if command[0] == "rounds":  # the all-reduces this worker's agreement has run so far
-            if memory is not None:
-                memory.wait()
-            conn.send(("rounds", rounds[0]))
+            if layer is not None:
+                layer.wait()
+            conn.send(("rounds", layer.stats()["agreement_rounds"] if layer is not None else 0))
             continue
         _, meta, work = command
         try:
             # With the background mapper the step's job runs on after this (it may wait for the
             # later stages to agree); the blocks of this step's tables were backed by earlier jobs.
             if connector is not None:
+                if bad_release:
+                    meta = copy.copy(meta)
+                    meta.release = list(meta.release) + bad_release
+                    bad_release.clear()
                 connector.bind_connector_metadata(meta)
+                if meta.forward or not worker.background:
+                    # The bind waited for the previous job and kept this one (or, without the
+                    # layer's thread, ran it): the backing after a job, in job order.
+                    log.append(_backed(layer))
                 for request_id, _, _, table in work:
                     for block in table:
-                        assert memory.mapped_pages(block) == memory.pages_in(block), \
+                        assert layer.mapped_pages(block) == layer.pages_in(block), \
                             f"rank {rank}: block {block} of {request_id} is scheduled but not backed"
             totals = shard_forward(kv, layers, heads, work, model.head_dim)
             if connector is not None:
@@ -271,28 +253,6 @@ def worker_main(rank: int, tp: int, pp: int, vllm_config, kv_config, init_path: 
         finally:
             if connector is not None:
                 connector.clear_connector_metadata()
-
-
-def _log_jobs(memory, log: List[List[int]]) -> None:
-    """Record the backed blocks when each job of ``memory`` ends (on the thread that runs it)."""
-    def logged(job):
-        def run(release, target, settle):
-            job(release, target, settle)
-            log.append(_backed(memory))
-        return run
-    memory._job = logged(memory._job)
-    if memory.mapper is not None:
-        memory.mapper._job = logged(memory.mapper._job)
-
-
-def _count_rounds(memory, rounds: List[int]) -> None:
-    """Count the all-reduces of ``memory``'s agreement (from the job's thread) in ``rounds[0]``."""
-    agree = memory.agreement.round
-
-    def counted(*args, **kwargs):
-        rounds[0] += 1
-        return agree(*args, **kwargs)
-    memory.agreement.round = counted
 
 
 def _stop(connector, parallel_state) -> None:
@@ -380,16 +340,9 @@ class ParallelEngine:
         self.processes[rank].join(10)
         self.alive[rank] = False
 
-    def fail_next_backing(self, rank: int) -> None:
-        self.conns[rank].send(("fail_next_backing",))
-        assert self._receive(rank, 10)[0] == "armed"
-
-    def fail_next_release(self, rank: int) -> None:
-        self.conns[rank].send(("fail_next_release",))
-        assert self._receive(rank, 10)[0] == "armed"
-
-    def choose_differently(self, rank: int) -> None:
-        self.conns[rank].send(("choose_differently",))
+    def fail_next_job(self, rank: int) -> None:
+        """The next step's job fails on worker ``rank`` (its release names a block it never backed)."""
+        self.conns[rank].send(("fail_next_job",))
         assert self._receive(rank, 10)[0] == "armed"
 
     def rounds(self) -> List[int]:
@@ -400,7 +353,7 @@ class ParallelEngine:
         return [self._receive(rank, 30)[1] for rank in live]
 
     def geometry(self) -> List[dict]:
-        """Every live worker's ranges a block, block and page bytes and prefer_costless."""
+        """Every live worker's ranges a block, block and page bytes."""
         live = [rank for rank in range(len(self.conns)) if self.alive[rank]]
         for rank in live:
             self.conns[rank].send(("geometry",))

@@ -3,8 +3,7 @@
 vLLM loads ``VkvConnector`` from this module when kv_transfer_config names it:
 ``{"kv_connector": "VkvConnector", "kv_connector_module_path": "vkv.integrations.vllm", ...}``.
 The connector's classes import vllm when first named here (vLLM's getattr does that);
-the parts that need no vllm (``.memory``, ``.config``, ``.block_states``) import without
-it, so the GPU replay runs where vLLM cannot be installed. ``import vkv`` imports neither.
+``.config`` and ``.block_states`` import without it. ``import vkv`` imports neither.
 """
 
 from typing import Any
@@ -15,8 +14,10 @@ __all__ = ["VkvConnector", "VkvConnectorMetadata", "VkvConnectorConfig"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("VkvConnector", "VkvConnectorMetadata"):
-        from . import connector
-
-        return getattr(connector, name)
+    if name == "VkvConnector":
+        from .connector import VkvConnector
+        return VkvConnector
+    if name == "VkvConnectorMetadata":
+        from .metadata import VkvConnectorMetadata
+        return VkvConnectorMetadata
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,36 +4,38 @@ At bind time every free block is taken out of the pool's free list ("ballooned")
 pool's public get_new_blocks(); the worker backs blocks ahead of need and marks them
 BACKED; the balloon frees those into the pool, where the scheduler can hand them out.
 
-How many free blocks the pool keeps (``plan()``): the headroom + what the next steps will
-ask for (demand.py: the head-of-line prompt whole under vLLM's full-prompt reservation,
-the scheduler's watermark), never fewer. Beyond that:
+Finding what the worker backed, without scanning: the worker's layer (vkv.BlockBacking,
+``prefer_costless`` off) always backs the lowest unbacked ids. So the blocks a job backs
+are among the lowest ``target - in_pool`` of the ids this side knows unbacked (those that
+job may release included: a released block may be backed again in the same job, and
+fewer backed ones only shift its choice down). Each step moves those ids from a heap of
+unbacked ids to a set of candidates and reads the candidates' state bytes; a candidate
+that every job which could have backed it has finished without backing goes back to the
+heap (the worker records the last finished job in the state file). The work per step is
+O(blocks backed, released or still awaited), whatever the pool's size.
 
-- nobody else wants memory: free blocks that hold a prefix-cache entry stay backed, as in
-  vLLM's own pool, and fresh blocks are backed for the demand instead of evicting them
-  (vLLM's free list hands out blocks without a hash first, then the least recently used
-  cached ones). Free blocks without a hash beyond the need go back when they were beyond
-  it at the previous step too: a finished request's blocks are usually what the next
-  arrival takes, and unmapping them one step only to map them again the next costs the
-  driver twice for nothing;
-- another engine of the shared budget wants memory (asks.py): the free blocks beyond the
-  need go back at once, cached ones included, least recently used first (the free list's
-  own order).
+How many free blocks the pool keeps (``plan()``): the headroom + what the next steps will
+ask for (demand.py), never fewer. Beyond that, free blocks without a prefix-cache entry go
+back when they were beyond it at the previous step too (a finished request's blocks are
+usually what the next arrival takes: unmapping them for one step only to map them again
+costs the driver twice); free blocks that hold a prefix-cache entry stay backed, as in
+vLLM's own pool, unless the shared budget wants bytes of this engine (``give``: another
+engine's ask, a cap, a resize), which takes the free list's head: blocks without a hash
+first, then the least recently used cached ones.
 
 A shortage of pages therefore shows as a smaller pool, and vLLM's own answer to that is to
 keep requests waiting or preempt them; schedule() never raises and never waits on the
-driver. Per step the work is O(what changed): the state array is scanned with numpy only
-while the worker may have backed blocks, and the free list is walked only over the blocks
-without a hash at its head (those the plan keeps free, plus the excess about to go back).
+driver.
 """
 
-from typing import List, Tuple
+import bisect
+import heapq
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
 from .held_blocks import count_held_blocks_as_free
-
-_WALK_STEP = 256  # free blocks beyond the need looked at per step, at least (doubles while they go back)
 
 
 class Balloon:
@@ -43,18 +45,27 @@ class Balloon:
         self.pool = pool
         self.states = states
         self.headroom = headroom_blocks
-        self.held = 0  # blocks taken out of the pool (pool.blocks[id] is the block itself)
         self._last_excess = 0  # free blocks without a hash beyond need at the previous plan()
+        self._free_after_plan = 0  # free blocks in the pool when the previous plan() ended
         self._target = headroom_blocks  # blocks the worker was last told to keep backed
         self.shortfall = 0  # blocks the need lacked at the last plan(), all free blocks counted
+        self.job = 0  # the last step's job number (the metadata's)
+        # What this side knows of the blocks out of the pool: unbacked ones (a heap of ids),
+        # candidates a job may have backed (id -> the last job that may back it, and sorted).
+        self._unbacked: List[int] = []
+        self._candidates: Dict[int, int] = {}
+        self._candidates_sorted: List[int] = []
+        self.work = 0  # block ids handled so far (what a test counts: O(changes) a step)
         free = pool.get_num_free_blocks()
         blocks = pool.get_new_blocks(free) if free else []
+        self.held = len(blocks)  # blocks taken out of the pool (pool.blocks[id] is the block itself)
         ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
-        # BACKED (worker started first and mapped some) stays; anything else is unbacked.
+        # BACKED (the worker started first and backed some) stays; anything else is unbacked.
         stale = ids[states.states[ids] != BACKED]
         states.states[stale] = UNBACKED
-        self.held = len(blocks)
-        self.release_backed(force=True)
+        self._unbacked = stale.tolist()
+        heapq.heapify(self._unbacked)
+        self._admit(ids[states.states[ids] == BACKED])
         count_held_blocks_as_free(pool, lambda: self.held)  # reset_prefix_cache(), get_usage()
 
     @property
@@ -74,29 +85,62 @@ class Balloon:
         """The worker was told to back more than the pool has: its blocks may land."""
         return self.in_pool() < self._target
 
-    def release_backed(self, force: bool = False) -> int:
-        """Free every block the worker has backed since last time into the pool (a numpy
-        scan of the state array, only while the worker may have backed some)."""
-        if not (force or self.expecting()):
-            return 0
-        states = self.states.states
-        ready = np.flatnonzero(states == BACKED)
-        if ready.size:
+    def _admit(self, ready) -> None:
+        """Blocks the worker backed: into the pool. Without a hash, free_blocks() puts them at
+        the head of the free list, the blocks vLLM hands out first (before a cached one)."""
+        if len(ready):
             blocks = self.pool.blocks
-            states[ready] = IN_POOL
-            self.held -= int(ready.size)
-            # Without a hash: free_blocks() puts them at the head of the free list, the
-            # blocks vLLM hands out first (before it evicts a cached one).
-            self.pool.free_blocks([blocks[b] for b in ready.tolist()])
-        return int(ready.size)
+            self.states.states[ready] = IN_POOL
+            self.held -= len(ready)
+            self.work += len(ready)
+            self.pool.free_blocks([blocks[b] for b in ready])
+
+    def release_backed(self) -> int:
+        """Free every block the worker has backed since last time into the pool: reads the
+        candidates' states only. Returns how many."""
+        if not self._candidates:
+            return 0
+        ids = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
+        states = self.states.states[ids]
+        self.work += len(ids)
+        ready = ids[states == BACKED]
+        # Jobs up to the worker's last finished one are done: a candidate they left unbacked
+        # (the target fell, the budget said no) is unbacked until a later job chooses it.
+        finished = self.states.finished_job()
+        stale = ids[(states == UNBACKED) & (np.fromiter(self._candidates.values(), dtype=np.int64,
+                                                         count=len(ids)) <= finished)]
+        for block in ready.tolist():
+            del self._candidates[block]
+        for block in stale.tolist():
+            del self._candidates[block]
+            heapq.heappush(self._unbacked, block)
+        if len(ready) or len(stale):
+            self._candidates_sorted = sorted(self._candidates)
+        self._admit(ready)
+        return len(ready)
+
+    def _predict(self, target: int) -> None:
+        """The blocks the job about to be sent may back: the lowest ``target - in_pool`` of
+        the unbacked and candidate ids become candidates, tagged with this job."""
+        want = target - self.in_pool()
+        if want <= 0:
+            return
+        candidates, unbacked, tags, job = self._candidates_sorted, self._unbacked, self._candidates, self.job
+        while unbacked and bisect.bisect_left(candidates, unbacked[0]) < want:
+            block = heapq.heappop(unbacked)
+            bisect.insort(candidates, block)
+            tags[block] = job
+        for block in candidates[:want]:
+            tags[block] = job
+        self.work += want
 
     def giving_back(self) -> bool:
         """Free blocks beyond need are waiting for their second step before they go back."""
         return self._last_excess > 0
 
     def spare(self, need: int) -> int:
-        """Free blocks beyond ``need`` (cached ones included): what another engine's ask takes."""
-        return self.pool.get_num_free_blocks() - need
+        """Free blocks beyond ``need`` (cached ones included): what the budget may ask of it."""
+        return max(0, self.pool.get_num_free_blocks() - need)
 
     def _uncached_head(self, limit: int) -> int:
         """How many blocks without a prefix-cache entry the free list starts with, counting
@@ -108,36 +152,49 @@ class Balloon:
         while count < limit and block.next_free_block is not None and block.block_hash is None:
             count += 1
             block = block.next_free_block
+        self.work += count
         return count
 
-    def plan(self, demand_blocks: int = 0, others_want: bool = False) -> Tuple[List[int], int]:
+    def plan(self, demand_blocks: int = 0, give: int = 0, room: Optional[int] = None) -> Tuple[List[int], int, int]:
         """Once per step, after ``release_backed()``: take back the free blocks beyond the
-        headroom + ``demand_blocks`` (what the next steps will ask for, demand.py): at once,
-        cached ones included, when ``others_want`` memory; otherwise only those without a
-        hash, when they were beyond it at the previous plan too. Returns (blocks the worker
-        must unmap, blocks the worker should keep backed)."""
+        headroom + ``demand_blocks`` (what the next steps will ask for, demand.py) that
+        went unused two steps running and have no hash, and ``give`` more (what the shared
+        budget wants of this engine: cached ones too, never below the need); back no more
+        than ``room`` new blocks (what the budget has for this engine; None: no limit).
+        Returns (blocks the worker must release, blocks the worker should keep backed, how
+        many of those released were the budget's)."""
+        self.job += 1
         need = self.headroom + demand_blocks
         free = self.pool.get_num_free_blocks()
         self.shortfall = max(0, need - free)
-        reclaim_count = 0
-        if others_want:
-            available = free
-            reclaim_count = max(0, free - need)
-            self._last_excess = 0
-        else:
-            available = self._uncached_head(need + max(2 * self._last_excess, _WALK_STEP) + 1)
-            excess = max(0, available - need)
-            reclaim_count = min(excess, self._last_excess)
-            self._last_excess = excess - reclaim_count
+        given = min(give, max(0, free - need))
+        # Blocks without a hash at the free list's head, walked just past all of them: at most
+        # the need and the excess the previous plan left, and what was freed since (the
+        # steps' changes; freed blocks without a hash go to the head).
+        freed = max(0, free - self._free_after_plan)
+        available = self._uncached_head(need + given + self._last_excess + freed + 1)
+        excess = max(0, available - need)
+        unused = min(excess, self._last_excess)  # beyond need at the previous step too
+        self._last_excess = excess - unused
+        count = max(unused, given)
         reclaim: List[int] = []
-        if reclaim_count > 0:
+        if count > 0:
             # The free list's head: blocks without a hash, then the least recently used cached ones.
-            blocks = self.pool.get_new_blocks(reclaim_count)
-            reclaim = [block.block_id for block in blocks]
-            self.held += len(reclaim)
+            reclaim = [block.block_id for block in self.pool.get_new_blocks(count)]
+            self.held += count
             self.states.states[reclaim] = RECLAIMING
-            available -= len(reclaim)
+            self.work += count
+            for block in reclaim:  # the job may back it again: it is among the unbacked from now
+                heapq.heappush(self._unbacked, block)
+            available = max(0, available - count)
+            if given:
+                self._last_excess = 0
+                available = self.pool.get_num_free_blocks()  # the cached ones count: nothing new for them
         # Keep the cached free blocks (not counted as available) and back the need beside them.
         target = min(self.usable_blocks, self.in_pool() - available + need)
+        if room is not None:  # what the budget cannot give now would only be refused
+            target = min(target, self.in_pool() + room)
         self._target = target
-        return reclaim, target
+        self._free_after_plan = self.pool.get_num_free_blocks()
+        self._predict(target)
+        return reclaim, target, min(given, count)

@@ -7,9 +7,11 @@ exactly one writer, so single-byte stores need no lock:
     IN_POOL --scheduler takes it out of the pool--> RECLAIMING --worker unmaps it--> UNBACKED
 
 Only IN_POOL blocks can reach a block table, and only BACKED ones become IN_POOL, so vLLM
-never hands out a block whose pages are not mapped. The worker's transitions may run on its
-background mapper thread (mapper.py), which sets BACKED only once the pages are mapped and
-their zero-fill is complete.
+never hands out a block whose pages are not mapped. The worker's transitions are made by its
+vkv.BlockBacking (its job thread on a GPU), which sets BACKED only once the pages are mapped
+and their zero-fill is complete. The header also holds the number of the last step job the
+worker finished (``finished_job()``), so that the scheduler knows which of the blocks it
+expected to be backed never will be (balloon.py).
 
 The file ``/dev/shm/vkv-vllm-<engine_id>`` is how the two sides of one engine find each
 other: the first to start creates it and writes its pid in the header, the second joins and
@@ -33,7 +35,8 @@ SCHEDULER, WORKER = "scheduler", "worker"
 
 # magic, num_blocks, then (pid, process start time) of the scheduler and of the worker.
 _HEADER = struct.Struct("<8sQQQQQ")
-_MAGIC = b"vkvblk1\0"
+_MAGIC = b"vkvblk2\0"  # 2: the finished job in the header
+_FINISHED_JOB = 48  # offset of the last finished job's number (uint64, the worker writes it)
 HEADER_BYTES = 64  # the states start here
 _SLOT = {SCHEDULER: 2, WORKER: 4}  # index of a role's pid in the header's fields
 
@@ -109,6 +112,15 @@ class BlockStates:
             fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: the mapping's duplicate of fd would keep it
             os.close(fd)
         self.states = np.frombuffer(self._map, dtype=np.uint8, count=num_blocks, offset=HEADER_BYTES)
+        self._finished_job = np.frombuffer(self._map, dtype=np.uint64, count=1, offset=_FINISHED_JOB)
+
+    def finished_job(self) -> int:
+        """The number of the last step job the worker finished (0: none yet)."""
+        return int(self._finished_job[0])
+
+    def set_finished_job(self, job: int) -> None:
+        """The worker's: every job up to ``job`` has finished."""
+        self._finished_job[0] = job
 
     def _claim(self, fd: int, engine_id: str, num_blocks: int, file_bytes: int) -> bool:
         """Write this process into the header; True when the other side was there already."""

@@ -10,7 +10,7 @@ vllm (the connector's module does anyway).
 from typing import Optional
 
 from .config import VkvConnectorConfig
-from .slot_geometry import BlockRanges, byte_runs
+from .block_geometry import BlockRanges, byte_runs
 
 # vLLM's KVCacheLayout names whose outermost dimension is the block: block b of every layer
 # is one run of bytes, which vkv backs (as one slot, or page by page). The others (LBNHC,
@@ -95,18 +95,16 @@ def block_ranges(vllm_config, kv_cache_config) -> BlockRanges:
 
 def page_bytes(settings: VkvConnectorConfig) -> int:
     """vkv's page for these settings: ``page_size``, else the device's (2 MiB GPU, 4 KiB host)."""
-    from .slot_geometry import default_page_bytes
+    from .block_geometry import default_page_bytes
     return settings.page_size or default_page_bytes(settings.device)
 
 
 def backed_bytes(blocks: int, block: int, page: int, ranges: Optional[BlockRanges] = None) -> int:
-    """Bytes of pages ``blocks`` adjacent blocks of ``block`` bytes need at most: whole
-    slots where a block is a power-of-two multiple of the page, else the pages they
-    touch (partial pages at both ends of each of their ``ranges``: one run unless given)."""
-    from .slot_geometry import one_slot_per_block
+    """Bytes of pages ``blocks`` adjacent blocks of ``block`` bytes need at most: the pages
+    they touch (partial pages at both ends of each of their ``ranges``: one run unless given)."""
     ranges = ranges or BlockRanges.one_run(block)
-    if ranges.is_one_run and one_slot_per_block(block, page):
-        return blocks * block
+    if ranges.is_one_run and block % page == 0:
+        return blocks * block  # whole pages: a run of blocks shares none
     return ranges.pages_for(blocks, page) * page
 
 
@@ -175,8 +173,9 @@ def _blocks_of_one_request(vllm_config, kv_cache_config) -> int:
 
 def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig,
                  ranges: Optional[BlockRanges] = None) -> None:
-    """The budget must back one request of max_model_len, the headroom and the null block:
-    with less, such a request would wait for ever."""
+    """The budget (and this engine's cap in it) must back one request of max_model_len, the
+    headroom and the null block: with less, such a request would wait for ever. A floor
+    must fit the budget."""
     if not settings.memory_budget and not settings.shared_budget:
         return  # every block of vLLM's pool, which vLLM itself sized for max_model_len
     block = block_bytes(kv_cache_config)
@@ -192,6 +191,10 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig,
         raise ValueError(
             f"VkvConnector: kv_connector_extra_config['memory_budget'] = {settings.memory_budget} bytes is less "
             f"than {what}; raise memory_budget to at least {need}, or lower --max-model-len")
+    if settings.shared_budget_cap and settings.shared_budget_cap < need:
+        raise ValueError(
+            f"VkvConnector: kv_connector_extra_config['shared_budget_cap'] = {settings.shared_budget_cap} bytes is "
+            f"less than {what}; raise shared_budget_cap to at least {need} (0: no cap), or lower --max-model-len")
     from .workers import engine_budget_names
     for name in engine_budget_names(vllm_config, settings):  # with TP/PP: every GPU's budget
         import vkv
@@ -206,6 +209,11 @@ def check_budget(vllm_config, kv_cache_config, settings: VkvConnectorConfig,
                 f"VkvConnector: the shared budget {name!r} (kv_connector_extra_config"
                 f"['shared_budget']) holds {capacity} bytes, less than {what}; resize it (python -m vkv.budget "
                 f"resize {name} {need}), or lower --max-model-len")
+        if settings.shared_budget_floor > capacity:
+            raise ValueError(
+                f"VkvConnector: kv_connector_extra_config['shared_budget_floor'] = {settings.shared_budget_floor} "
+                f"bytes is more than the shared budget {name!r} holds, {capacity} bytes; lower the floor or resize "
+                f"the budget (python -m vkv.budget resize {name} BYTES)")
 
 
 def check_view(name: str, view, num_blocks: int, ranges: BlockRanges, offset: int) -> None:

@@ -7,6 +7,13 @@ from typing import Any, Mapping, Optional
 _DEFAULT_HEADROOM_BLOCKS = 8
 
 
+def budget_label(engine_id: str) -> str:
+    """What a vLLM engine is called in its shared budget (``python -m vkv.budget top``): its
+    engine_id, cut to a label's 47 characters. The worker's layer joins under it; the
+    scheduler answers for the member of that label (engine_budget.py)."""
+    return engine_id[:47]
+
+
 @dataclass(frozen=True)
 class VkvConnectorConfig:
     """What a vLLM user writes under ``kv_connector_extra_config`` (docs/vllm.md).
@@ -23,17 +30,16 @@ class VkvConnectorConfig:
         cap; who gives back first: lower priorities), as vkv.KVCache's parameters of those
         names (docs/multi_engine.md); ``python -m vkv.budget set`` changes them at run time.
         The engine's vLLM engine_id labels it in ``python -m vkv.budget top``.
-    background_mapping: give back and back blocks on the worker's background mapper thread
-        (mapper.py), so that bind_connector_metadata() only takes the step's job and the
+    background_mapping: run each step's job (give back and back blocks) on the worker's
+        vkv.BlockBacking thread, so that bind_connector_metadata() only hands it over and the
         forward never waits on the driver; None (unset) = on where the device is CUDA, off on
         the CPU. (Not vkv.KVCache's option of that name, vkv's own mapper thread.)
     worker_timeout_s: with tensor or pipeline parallelism, how long a worker waits for the
         engine's other workers to agree on a step's backing (workers.py) before it raises
         naming the missing one; a worker that exits is named at once.
     page_size: bytes of one vkv page, a power of two (a multiple of the backend's page:
-        2 MiB on a GPU, 4 KiB on the host); 0 = the backend's. A block that is a
-        power-of-two multiple of it is one vkv slot; any other block is backed page by
-        page (docs/vllm.md, "Block geometries").
+        2 MiB on a GPU, 4 KiB on the host); 0 = the backend's. Blocks are backed page by
+        page, whatever their size (docs/vllm.md, "Block geometries").
     """
 
     shared_budget: str = ""
@@ -81,6 +87,10 @@ class VkvConnectorConfig:
             if getattr(config, name) and not config.shared_budget:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] = {getattr(config, name)} needs a "
                                  "shared_budget (the name of a vkv.SharedBudget)")
+        if config.shared_budget_cap and config.shared_budget_floor > config.shared_budget_cap:
+            raise ValueError(f"kv_connector_extra_config['shared_budget_floor'] = {config.shared_budget_floor} is more "
+                             f"than kv_connector_extra_config['shared_budget_cap'] = {config.shared_budget_cap}: lower "
+                             "the floor or raise the cap (0: no cap)")
         if config.worker_timeout_s < 1:
             raise ValueError(f"kv_connector_extra_config['worker_timeout_s'] = {config.worker_timeout_s} must be >= 1")
         if config.page_size < 0 or config.page_size & (config.page_size - 1):

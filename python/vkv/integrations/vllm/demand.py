@@ -22,12 +22,14 @@ background mapper). What vLLM 0.33's scheduler asks of its pool, and so what is 
   groups (a sliding-window group needs at most window / block_size + 1 blocks a request,
   a Mamba group a few: an upper bound, so the pool never runs dry).
 
-Per step the work is O(scheduled requests + the waiting requests those steps reach).
+Per step the Python work is O(new and prefilling requests + the waiting requests those steps
+reach); the decoding requests are counted with numpy over the scheduler output's arrays.
 """
 
 from collections import OrderedDict
 from typing import Dict
 
+import numpy as np
 from vllm.v1.request import Request, RequestStatus
 
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -42,6 +44,7 @@ class Demand:
         self.block_size = block_size
         self.groups = groups
         self.max_num_seqs = max_num_seqs
+        self.tokens_per_step = tokens_per_step  # a decode step's tokens (1 + speculative and lookahead ones)
         self.decode_ahead = steps_ahead * tokens_per_step  # tokens a running request writes meanwhile
         self.batch_ahead = steps_ahead * max_num_batched_tokens  # tokens those steps can schedule
         self.full_prompt_must_fit = full_prompt_must_fit
@@ -78,18 +81,35 @@ class Demand:
         requests = self._requests
         tokens_left = self.batch_ahead
         blocks = 0
-        for request_id, tokens in scheduled.items():
+        # Running requests that decode (this step's tokens at most a decode step's): their next
+        # steps' blocks at once, from the scheduler output's own arrays (numpy, no Python per
+        # request); the others (new ones, prefill chunks) one by one.
+        cached = scheduler_output.scheduled_cached_reqs
+        ids = cached.req_ids
+        one_by_one = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+        decoding = 0
+        if ids:
+            tokens = np.fromiter(map(scheduled.__getitem__, ids), dtype=np.int64, count=len(ids))
+            live = np.fromiter(map(requests.__contains__, ids), dtype=bool, count=len(ids))  # not finished since
+            decode = (tokens <= self.tokens_per_step) & live
+            held = np.asarray(cached.num_computed_tokens, dtype=np.int64)[decode] + tokens[decode]
+            decoding = len(held)
+            blocks += int(((held + decode_ahead + size - 1) // size - (held + size - 1) // size).sum())
+            if decoding < len(ids):
+                one_by_one += [ids[i] for i in np.flatnonzero(~decode & live).tolist()]
+        for request_id in one_by_one:
             request = requests.get(request_id)
             if request is None:
                 continue
             # vLLM advances num_computed_tokens after build_connector_meta(): this step's tokens on top.
-            held = request.num_computed_tokens + tokens
+            held = request.num_computed_tokens + scheduled[request_id]
             prefill_left = request.num_tokens - held
             ahead = min(prefill_left, tokens_left) if prefill_left > decode_ahead else decode_ahead
             if ahead < decode_ahead:
                 ahead = decode_ahead
             tokens_left -= ahead
             blocks += (held + ahead + size - 1) // size - (held + size - 1) // size
+        tokens_left -= decoding * decode_ahead
         seats = self.max_num_seqs - len(scheduled)
         gap = 0  # the most a considered request's whole prompt needs beyond its first chunks
         head = True

@@ -1,5 +1,5 @@
 """One budget, two engines of different kinds: a vLLM engine (vLLM 0.33's scheduler with
-VkvConnector, vllm_testing.engine_process) and an SGLang engine (SGLang 0.5.23's own engine,
+VkvConnector, lab.vllm_engine.engine_process) and an SGLang engine (SGLang 0.5.23's own engine,
 sglang_testing.py, in the Python environment that has SGLang) share one vkv.SharedBudget on
 the host backend. Memory moves from the idle engine to the busy one and back, and a SIGKILLed
 engine's memory returns. Runs where both are installed: vLLM in this Python
@@ -28,7 +28,7 @@ if not SGLANG_PYTHON or subprocess.run([SGLANG_PYTHON, "-c", "import sglang, vkv
 
 import sglang_testing as st  # noqa: E402
 import vkv  # noqa: E402
-import vllm_testing as vt  # noqa: E402
+from lab import vllm_engine as vt  # noqa: E402
 
 SGLANG_POOL_TOKENS = 320
 CAPACITY = SGLANG_POOL_TOKENS * st.TOKEN_BYTES  # what SGLang's pool holds whole: each engine alone wants it all

@@ -129,7 +129,8 @@ def test_a_padded_page_is_backed_whole():
     worker = _connector(config, kv_config)
     try:
         worker.kv_buffer(kv_config)
-        assert worker._memory.block_bytes == tensor.block_stride == 2 * BLOCK_BYTES
+        block = worker.connector_worker.ranges.as_tuples()
+        assert block == [(0, tensor.block_stride, tensor.block_stride)] and tensor.block_stride == 2 * BLOCK_BYTES
     finally:
         worker.shutdown()
 
@@ -148,7 +149,8 @@ def test_mla_different_k_and_v_and_several_groups_are_accepted(kind):
     worker = _connector(config, kv_config)
     try:
         worker.kv_buffer(kv_config)
-        assert worker._memory.block_bytes == kv_config.kv_cache_tensors[0].block_stride
+        stride = kv_config.kv_cache_tensors[0].block_stride
+        assert worker.connector_worker.ranges.as_tuples() == [(0, stride, stride)]
     finally:
         worker.shutdown()
 
@@ -242,6 +244,27 @@ def test_a_shared_budget_below_one_request_is_refused_naming_both_numbers():
         large.remove()
 
 
+def test_a_cap_below_one_request_and_a_floor_above_the_cap_or_the_budget_are_refused_in_one_line():
+    import vkv
+    need = (MAX_MODEL_LEN // vt.BLOCK + 4 + 1) * BLOCK_BYTES
+    budget = vkv.SharedBudget.create(f"vkv-vllm-test-{uuid.uuid4().hex[:10]}", 2 * need, device="cpu")
+    settings = {"device": "cpu", "headroom_blocks": 4, "shared_budget": budget.name}
+    try:
+        config = _config({**settings, "shared_budget_cap": need - BLOCK_BYTES})
+        message = _refused(config, _plan(config), r"\['shared_budget_cap'\] = %d bytes is less than" % (need - BLOCK_BYTES))
+        assert f"at least {need}" in message and f"max_model_len {MAX_MODEL_LEN}" in message
+        config = _config({**settings, "shared_budget_floor": 2 * need + BLOCK_BYTES})
+        _refused(config, _plan(config), r"\['shared_budget_floor'\] = %d bytes is more than the shared budget '%s' "
+                                        r"holds, %d bytes" % (2 * need + BLOCK_BYTES, budget.name, 2 * need))
+        config = _config({**settings, "shared_budget_floor": need + BLOCK_BYTES, "shared_budget_cap": need})
+        _refused(config, _plan(config), r"\['shared_budget_floor'\] = %d is more than .*\['shared_budget_cap'\] = %d"
+                 % (need + BLOCK_BYTES, need))
+        config = _config({**settings, "shared_budget_floor": need, "shared_budget_cap": need})
+        _connector(config, _plan(config))  # a cap of one request, a floor at the cap: served
+    finally:
+        budget.remove()
+
+
 # ---- engine_id and the state file -------------------------------------------------------------------
 def test_two_workers_with_one_engine_id_are_refused_in_one_line():
     config = _config()
@@ -299,7 +322,7 @@ def test_a_state_file_left_by_a_dead_engine_is_taken_over(death):
     worker = _connector(config, kv_config)
     worker.kv_buffer(kv_config)  # before: AssertionError "blocks [...] were handed out unbacked"
     try:
-        states = worker._memory.states.states
+        states = worker.connector_worker.backing.states
         assert (states[1:5] == BACKED).all() and (states[5:] == UNBACKED).all()  # afresh: only its own headroom
         assert IN_POOL not in set(states.tolist())
     finally:

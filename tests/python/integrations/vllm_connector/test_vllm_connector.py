@@ -7,19 +7,23 @@ Skips only where vllm is not importable and CI is not set; scripts/install_vllm.
 import os
 import subprocess
 import sys
-import time
 import uuid
 
+import numpy as np
 import pytest
 
 from lab.vllm_engine import require_vllm  # noqa: E402  (the checkout, on pytest's pythonpath)
 
 require_vllm()
 
+<<<<<<< HEAD
 from lab import vllm_engine as vt  # noqa: E402
 import torch  # noqa: E402
+=======
+from lab import vllm_engine as vt  # noqa: E402
+>>>>>>> h-vllm
 
-from vkv.integrations.vllm.block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED  # noqa: E402
+from vkv.integrations.vllm.block_states import BACKED, IN_POOL  # noqa: E402
 
 HEADROOM = 4
 
@@ -30,12 +34,12 @@ def _trace(engine, n=8, prompt=37, gen=6):
 
 
 def _every_scheduled_block_backed(engine, out):
-    memory = engine.worker._memory
-    states = memory.states.states
+    layer = vt.backing(engine)
+    states = layer.states
     for rid, table in engine.block_tables(out).items():
         for b in table:
             assert states[b] == IN_POOL, (rid, b, states[b])
-            assert memory.cache.is_allocated(b) and memory.cache.mapped_pages(b) >= 1, (rid, b)
+            assert layer.is_backed(b) and layer.mapped_pages(b) == layer.pages_in(b), (rid, b)
 
 
 def test_import_vkv_does_not_import_vllm():
@@ -46,7 +50,7 @@ def test_import_vkv_does_not_import_vllm():
 def test_every_scheduled_block_is_backed_and_reads_back():
     engine = vt.Engine(64, {"headroom_blocks": HEADROOM})
     try:
-        assert engine.worker._memory.mapper is None, "unset background_mapping must be off on the CPU"
+        assert engine.worker.connector_worker.background is False, "unset background_mapping must be off on the CPU"
         assert type(engine.connector).__name__ == "VkvConnector"
         _trace(engine)
         vt.run_until_done(engine, _every_scheduled_block_backed, limit=200)  # the fake forward checks every token read back
@@ -68,7 +72,7 @@ def test_shortage_only_makes_requests_wait(background):
         while engine.unfinished():
             engine.step(_every_scheduled_block_backed)  # schedule() must not raise
             waited = max(waited, len(engine.scheduler.waiting))
-            assert engine.worker._memory.cache.stats()["pages_created"] <= 11
+            assert vt.backing(engine).stats()["bytes_held"] <= 11 * block_bytes
         assert waited > 0
         assert all(len(v) >= 6 for v in engine.outputs.values())
     finally:
@@ -151,203 +155,91 @@ def test_a_finished_requests_blocks_go_to_the_next_arrival_without_unmapping():
         engine.close()
 
 
-@pytest.mark.parametrize("slow_jobs", [False, True])
-def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forward(slow_jobs):
-    import time
+def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forward():
     engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": True})
-    memory = engine.worker._memory
-    seen, overlapped = set(), []
-    if slow_jobs:  # each job outlasts the step: the scheduler runs while it is in flight
-        job = memory.mapper._job
-
-        def slow(release, target, settle):
-            time.sleep(0.05)
-            job(release, target, settle)
-
-        memory.mapper._job = slow
+    seen = set()
 
     def check(engine, out):
-        # The step's job may still run (it backs blocks for later steps): what this step's
-        # tables hold must already be mapped, and every block the mapper has marked BACKED
-        # (not yet in the pool) has its pages.
+        # Every block the tables hold is mapped, and every block the layer has marked
+        # BACKED (the scheduler may hand it out at its next step) is too.
         _every_scheduled_block_backed(engine, out)
-        states = memory.states.states
-        for b in map(int, (states == BACKED).nonzero()[0]):
-            assert memory.cache.mapped_pages(b) >= 1, b
+        layer = vt.backing(engine)
+        for b in np.flatnonzero(layer.states == BACKED).tolist():
+            assert layer.mapped_pages(b) == layer.pages_in(b), b
         seen.update(b for table in engine.block_tables(out).values() for b in table)
-        overlapped.append(memory.mapper.busy())
 
     try:
-        assert memory.mapper is not None and memory.mapper._thread.is_alive()
-        _trace(engine, n=12)
-        vt.run_until_done(engine, check, limit=200)  # the fake forward checks every token read back
-        assert memory.mapper._submitted > 10 and len(seen) > 3 * HEADROOM
-        assert all(len(v) >= 6 for v in engine.outputs.values())
-        if slow_jobs:
-            assert sum(overlapped) > len(overlapped) // 2, overlapped
+        assert engine.worker.connector_worker.background is True
+        _trace(engine, n=12, prompt=60, gen=20)
+        vt.run_until_done(engine, check, limit=300)
+        assert len(seen) > 3 * HEADROOM
+        assert vt.backing(engine).stats()["jobs"]["calls"] > 10
     finally:
         engine.close()
-    assert not memory.mapper._thread.is_alive()
 
 
-def _memory(blocks=32, **kwargs):
-    if "block_bytes" in kwargs:  # any geometry: make_memory() picks
-        from vkv.integrations.vllm.memory import make_memory
-        return make_memory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=blocks, device="cpu",
-                           shared_budget="", memory_budget=kwargs.pop("memory_budget", 0), headroom_blocks=2,
-                           background_mapping=True, **kwargs)
-    from vkv.integrations.vllm.memory import BlockMemory
-    return BlockMemory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=blocks,
-                       block_bytes=engine_block_bytes(), device="cpu", shared_budget="", memory_budget=kwargs.pop("memory_budget", 0),
-                       headroom_blocks=2, background_mapping=True, **kwargs)
+class _Recording:
+    """The worker's layer with its calls counted: what the worker side does per step."""
+
+    def __init__(self, layer) -> None:
+        self.layer = layer
+        self.calls: list = []
+
+    def __getattr__(self, name):
+        attribute = getattr(self.layer, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return attribute(*args, **kwargs)
+        return call
 
 
-def test_background_mapping_backs_zeroed_blocks_and_gives_released_ones_back():
-    memory = _memory(memory_budget=12 * engine_block_bytes())
+@pytest.mark.parametrize("background", [False, True])
+def test_the_worker_makes_one_call_into_the_layer_per_step(background):
+    # bind_connector_metadata() hands the step's job to the layer (kept until the forward is
+    # queued where there is a forward); start_load_kv() starts it; nothing else, whatever the
+    # step released or backed.
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": background})
+    worker = engine.worker.connector_worker
+    worker.backing = recording = _Recording(worker.backing)
     try:
-        states, buf = memory.states.states, memory.buffer()
-        memory.submit([], 20)  # more than the budget: backs what it can, no error
-        memory.wait()
-        backed = [int(b) for b in (states == BACKED).nonzero()[0]]
-        assert len(backed) == memory.backed == 11 and 0 not in backed  # + the null block = 12 pages
-        bb = memory.block_bytes
-        for b in backed:
-            assert memory.cache.mapped_pages(b) >= 1 and not buf[b * bb:(b + 1) * bb].any()
-            buf[b * bb:(b + 1) * bb] = 7
-        states[backed[:5]] = RECLAIMING  # the scheduler takes five back
-        memory.submit(backed[:5], 6)
-        memory.wait()
-        assert memory.backed == 6 and all(states[b] == UNBACKED for b in backed[:5])
-        assert all(not memory.cache.is_allocated(b) for b in backed[:5])
-        assert all((buf[b * bb:(b + 1) * bb] == 7).all() for b in backed[5:])  # the others keep their data
-        memory.submit([], 8)
-        memory.wait()
-        again = [int(b) for b in (states == BACKED).nonzero()[0] if b not in backed[5:]]
-        assert len(again) == 2 and all(not buf[b * bb:(b + 1) * bb].any() for b in again)  # backed again: zeros
+        _trace(engine, n=8)
+        steps = 0
+        while engine.unfinished() or engine.busy():
+            recording.calls.clear()
+            out = engine.step()
+            steps += 1
+            assert recording.calls == ["submit", "start"], recording.calls
+            assert out.kv_connector_metadata.forward == (out.total_num_scheduled_tokens > 0)
+        assert steps > 10
     finally:
-        memory.states.unlink()
-        memory.close()
+        worker.backing = recording.layer
+        engine.close()
 
 
-def test_a_failed_background_job_raises_at_the_next_hand_over():
-    memory = _memory()
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failed_job_fails_the_step_naming_it_and_changes_nothing(background):
+    # A release of a block the scheduler did not take back is refused by the layer: the step
+    # that hands it over fails (with the background thread: the next one), naming the block,
+    # and every block stays as it was.
+    from vkv.integrations.vllm.metadata import VkvConnectorMetadata
+    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": background})
     try:
-        free = int((memory.states.states == UNBACKED).nonzero()[0][-1])
-        memory.states.states[free] = RECLAIMING  # a block the worker never backed: vkv's double free
-        memory.submit([free], 2)  # returns: the job fails on the mapper's thread
-        with pytest.raises(ValueError, match=str(free)) as raised:
-            memory.submit([], 4)
-        assert any("background mapping of job 1" in note for note in getattr(raised.value, "__notes__", []))
-        with pytest.raises(ValueError):  # and every later one: the blocks' state is not known
-            memory.wait()
+        _trace(engine, n=2)
+        engine.step()
+        layer = vt.backing(engine)
+        layer.wait()  # the step's job (on the layer's thread) is done: the states hold still
+        in_pool = int(np.flatnonzero(layer.states == IN_POOL)[0])
+        before = layer.states.copy()
+        with pytest.raises(ValueError, match=str(in_pool)):
+            engine.worker.bind_connector_metadata(VkvConnectorMetadata(release=[in_pool], target_backed=0, job=99))
+            engine.worker.start_load_kv(None)
+            layer.wait()
+        assert (layer.states == before).all() and layer.is_backed(in_pool)
     finally:
-        memory.states.unlink()
-        memory.close()  # does not raise the job's error
-
-
-def test_close_with_a_job_in_flight_lets_it_finish_first():
-    import threading
-    import time
-
-    from vkv.integrations.vllm.mapper import BackgroundMapper
-    gate, done = threading.Event(), []
-
-    def job(release, target, settle):
-        gate.wait(30)
-        settle()
-        done.append((release, target))
-
-    mapper = BackgroundMapper(job, torch.device("cpu"))
-    mapper.submit([3], 5)
-    assert mapper.busy()
-    closer = threading.Thread(target=mapper.close)
-    closer.start()
-    time.sleep(0.2)
-    assert closer.is_alive() and not done  # close() waits for the job in flight
-    gate.set()
-    closer.join(30)
-    assert done == [([3], 5)] and not mapper._thread.is_alive()
-    with pytest.raises(RuntimeError, match="closed"):
-        mapper.submit([], 1)
-    # A BlockMemory closed right after a hand-over: the job ends before the cache does.
-    memory = _memory(64)
-    memory.submit([], 60)
-    memory.states.unlink()
-    memory.close()
-    assert not memory.mapper._thread.is_alive()
-
-
-def test_a_mapper_thread_that_cannot_start_fails_every_wait_instead_of_hanging():
-    # A thread that dies before its first job (on a GPU: torch.cuda.set_device refusing the
-    # device) would leave every wait() blocked forever; it must raise why instead.
-    import threading
-
-    from vkv.integrations.vllm.mapper import BackgroundMapper
-
-    class Unstartable(BackgroundMapper):
-        def _enter_thread(self) -> None:
-            raise ValueError("no such device")
-
-    ran = []
-    mapper = Unstartable(lambda release, target, settle: ran.append(target), torch.device("cpu"))
-    outcome = []
-
-    def hand_over():
-        try:  # the hand-over raises (submit() waits for the job before, wait() for this one)
-            mapper.submit([], 3)
-            mapper.wait()
-        except RuntimeError as error:
-            outcome.append(str(error))
-
-    waiter = threading.Thread(target=hand_over, daemon=True)
-    waiter.start()
-    waiter.join(30)
-    assert not waiter.is_alive(), "wait() hung on a mapper whose thread could not start"
-    assert outcome and "could not start" in outcome[0] and "no such device" in outcome[0]
-    assert not ran
-    mapper.close()
-
-
-def test_a_job_taken_at_the_bind_starts_once_the_forward_is_queued():
-    # vLLM binds before it queues the forward and calls start_load_kv() after: the job must
-    # not run in between (its driver calls would compete with the forward's launches), and
-    # one never started must not be lost or block a later wait.
-    from vkv.integrations.vllm.mapper import BackgroundMapper
-    ran = []
-    mapper = BackgroundMapper(lambda release, target, settle: ran.append((release, target)), torch.device("cpu"))
-    try:
-        mapper.submit([1], 4, start=False)
-        time.sleep(0.1)
-        assert ran == [] and mapper.busy()  # kept: the forward is being queued
-        mapper.start()
-        mapper.wait()
-        assert ran == [([1], 4)] and not mapper.busy()
-        mapper.start()  # nothing kept: nothing runs twice
-        mapper.submit([2], 5, start=False)
-        mapper.submit([3], 6, start=False)  # the next bind starts and waits for the kept one
-        assert ran[:2] == [([1], 4), ([2], 5)]
-        mapper.wait()  # and wait() starts the last one
-        assert ran == [([1], 4), ([2], 5), ([3], 6)]
-        mapper.submit([4], 7, start=False)
-    finally:
-        mapper.close()  # a kept job runs before the thread stops
-    assert ran[-1] == ([4], 7)
-
-
-def test_the_worker_runs_the_step_job_from_start_load_kv():
-    engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "background_mapping": True})
-    memory = engine.worker._memory
-    try:
-        _trace(engine, n=4)
-        out = engine.scheduler.schedule()
-        submitted = memory.mapper._submitted
-        engine.worker.bind_connector_metadata(out.kv_connector_metadata)
-        assert memory.mapper._submitted == submitted + 1 and memory.mapper._held is not None
-        engine.worker.start_load_kv(None)
-        assert memory.mapper._held is None
-        memory.wait()
         engine.worker.clear_connector_metadata()
-    finally:
         engine.close()
 
 
@@ -363,27 +255,13 @@ def test_an_idle_engine_gives_pages_back_within_two_steps():
         steps = engine.step_while_busy()
         assert steps <= 2, steps
         in_use = engine.connector.stats()["in_use"]
-        held = engine.worker._memory.cache.stats()["pages_created"]
-        # + the null block, + the block vkv's mapper keeps mapped for the next one (eager slot)
-        assert held <= in_use + HEADROOM + 2, (held, in_use)
+        held = vt.backing(engine).stats()["bytes_held"] // engine_block_bytes()
+        assert held <= in_use + HEADROOM + 1, (held, in_use)  # + the null block
     finally:
         engine.close()
 
 
-def test_blocks_that_are_not_a_power_of_two_multiple_of_the_page_are_backed_page_by_page():
-    from vkv.integrations.vllm.memory import BlockMemory, one_slot_per_block
-    from vkv.integrations.vllm.page_memory import PageMemory
-    qwen = 28 * 2 * 4 * 128 * 2 * 16  # Qwen2.5-7B, --block-size 16: 0.875 MiB
-    assert not one_slot_per_block(qwen, 2 << 20) and one_slot_per_block(2 << 20, 2 << 20)
-    assert one_slot_per_block(4 << 20, 2 << 20) and not one_slot_per_block(6 << 20, 2 << 20)
-    for memory, kind in ((_memory(block_bytes=3 << 10), PageMemory), (_memory(), BlockMemory)):
-        assert isinstance(memory, kind)
-        memory.states.unlink()
-        memory.close()
-
-
 def _budget(blocks):
-    import uuid
 
     import vkv
     return vkv.SharedBudget.create(f"vkv-vllm-test-{uuid.uuid4().hex[:10]}", blocks * engine_block_bytes(), device="cpu")

@@ -25,6 +25,7 @@ class Run:
 
     def __init__(self) -> None:
         self.steps = 0
+        self.served = 0  # steps until the last wave's requests all finished (the quiet steps after: not counted)
         self.first_step = {}  # request -> step it was first scheduled
         self.hit_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.longest_stall = 0  # most steps in a row with requests waiting and nothing scheduled
@@ -51,6 +52,7 @@ def _drive(engine, waves, limit, idle_between=True) -> Run:
             engine.add(request_id, prompt, gen)
         while engine.unfinished() and run.steps < limit:
             run.saw(engine, engine.step(read_back=False))
+        run.served = run.steps
         if idle_between:
             quiet = 0
             while engine.busy() and quiet < 8:  # vLLM steps an engine while it has work
@@ -116,7 +118,7 @@ def test_the_watermark_admits_requests_as_on_vllms_own_pool():
     # the pool are free; the balloon keeps those free too, or requests wait until nothing runs.
     waves = [[(f"r{i}", _prompt(i, 90 + 13 * (i % 5)), 24 + i % 7) for i in range(40)]]
     vkv_run, own = _both(1000, waves, limit=800, max_num_seqs=8, max_num_batched_tokens=512, watermark=0.05)
-    assert vkv_run.steps <= own.steps + 6, (vkv_run.steps, own.steps)
+    assert vkv_run.served <= own.served + 6, (vkv_run.served, own.served)
     late = {r: (vkv_run.first_step[r], own.first_step[r]) for r in own.first_step
             if vkv_run.first_step.get(r, 10**9) > own.first_step[r] + 3}
     assert not late, late
@@ -128,50 +130,59 @@ def _budget(blocks):
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_an_idle_engine_gives_its_cached_blocks_to_the_one_that_asks(background):
-    # Engine A serves requests sharing a prefix, then has none: it keeps its cached free
-    # blocks while nobody asks (prefix hits), and vLLM's loop keeps stepping it for that
-    # (has_pending_push_work). Engine B then wants more than the budget has free: within 2 of
-    # A's steps after B's ask, A holds at most its blocks in use + headroom, and B runs
-    # everything without waiting for ever.
+def test_an_idle_engine_gives_another_what_it_lacks_and_keeps_the_rest(background):
+    # Engine A serves requests sharing a prefix, then has none: within a few steps vLLM's loop
+    # stops stepping it (has_work() false), its cached free blocks kept (prefix hits). Engine B
+    # then wants more than the budget has free: it asks for what it lacks; A's budget thread
+    # makes A owe a share, vLLM's loop steps A (here: this test, when A says it has work), and A
+    # gives that share, not its whole cache, and goes quiet again. B runs everything.
     capacity = 200
     budget = _budget(capacity)
     extra = {"headroom_blocks": HEADROOM, "shared_budget": budget.name, "background_mapping": background}
     a = vt.Engine(256, extra, max_num_seqs=8, max_num_batched_tokens=512)
-    b = vt.Engine(256, extra, max_num_seqs=16, max_num_batched_tokens=512)
+    b = vt.Engine(256, extra, max_num_seqs=8, max_num_batched_tokens=512)
+    block = vt.block_bytes()
+
+    def held(engine):
+        return vt.backing(engine).stats()["bytes_held"] // block
+
+    def asking(engine):
+        label = engine.vllm_config.kv_transfer_config.engine_id
+        return sum(m["bytes_wanted"] for m in budget.stats()["members"] if m["label"] == label) // block
+
     try:
         prefix = _prompt(7, 512)
         for i in range(8):
             a.add(f"a{i}", prefix + _prompt(50 + i, 64 + 16 * i), 16)
         while a.unfinished():
             a.step(read_back=False)
-        for _ in range(6):  # A goes quiet; its loop still steps it (it holds what B may ask for)
-            assert a.busy(), "vLLM's loop stopped stepping an engine that holds free blocks of a shared budget"
+        quiet = 0
+        while a.busy():
             a.step(read_back=False)
-        pages_a = a.worker._memory.cache.stats()["pages_created"]
-        in_use_a = a.connector.stats()["in_use"]
-        assert pages_a > in_use_a + HEADROOM + 40, (pages_a, in_use_a)  # nobody asked: its cache is kept
-        for i in range(16):
-            b.add(f"b{i}", _prompt(300 + i, 160), 24)
-        asked_at, held_after, steps, stall, most_b = None, [], 0, 0, 0
+            quiet += 1
+            assert quiet <= 4, "vLLM's loop kept stepping an idle engine"
+        held_a, in_use_a = held(a), a.connector.stats()["in_use"]
+        assert held_a > in_use_a + HEADROOM + 40, (held_a, in_use_a)  # nobody asked: its cache is kept
+        free = budget.stats()["free_bytes"] // block
+        for i in range(8):
+            b.add(f"b{i}", _prompt(300 + i, 160 + 40 * i), 24)
+        steps, stall, most_ask, a_steps, most_b = 0, 0, 0, 0, 0
         while b.unfinished():
             b.step(read_back=False)
             steps += 1
-            assert steps < 400, "B never finished"
-            most_b = max(most_b, b.worker._memory.cache.stats()["pages_created"])
+            assert steps < 600, "B never finished"
             stall = stall + 1 if not b.scheduler.running and b.scheduler.waiting else 0
-            assert stall < 50, "B waited with nothing running"
-            asks = getattr(b.connector, "_asks", None)
-            if asked_at is None and asks is not None and asks.rows[asks.row, 1] > 0:
-                asked_at = steps
-            if a.busy():
+            assert stall < 200, "B waited with nothing running"
+            most_ask = max(most_ask, asking(b))
+            most_b = max(most_b, held(b))
+            while a.busy():  # A owes the budget a share: vLLM's loop steps it
                 a.step(read_back=False)
-            if asked_at is not None:
-                held_after.append(a.worker._memory.cache.stats()["pages_created"] - a.connector.stats()["in_use"])
-        assert asked_at is not None, "B never asked"
-        # + the null block and, on the CPU, the block vkv's mapper keeps mapped ahead
-        assert min(held_after[1:3]) <= HEADROOM + 2, held_after[:6]
-        assert most_b >= capacity - (HEADROOM + 2) - 8, most_b  # B got what A gave back
+                a_steps += 1
+        assert most_ask > 0 and a_steps > 0, (most_ask, a_steps)
+        given = held_a - held(a)
+        # No more than B lacked beyond what was free (a block's rounding at each ask aside).
+        assert 0 < given <= most_b - free + 8, (held_a, held(a), most_b, free)
+        assert held(a) > in_use_a + HEADROOM, held(a)
     finally:
         a.close()
         b.close()

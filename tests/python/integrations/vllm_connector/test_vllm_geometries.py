@@ -19,8 +19,10 @@ require_vllm()
 
 from lab import vllm_engine as vt  # noqa: E402
 
-from vkv.integrations.vllm.block_states import BACKED  # noqa: E402
-from vkv.integrations.vllm.page_memory import PageMemory  # noqa: E402
+from vkv.integrations.vllm.block_geometry import BlockRanges  # noqa: E402
+from vkv.integrations.vllm.block_states import BACKED, RECLAIMING, UNBACKED  # noqa: E402
+from vkv.integrations.vllm.config import VkvConnectorConfig  # noqa: E402
+from vkv.integrations.vllm.worker import make_backing  # noqa: E402
 
 HEADROOM = 4
 KIB = 1024
@@ -82,9 +84,9 @@ def test_outputs_equal_vllms_own_pool_and_live_pages_stay(name):
         engine = _engine(name, connector)
         try:
             if connector:
-                memory = engine.worker._memory
-                assert isinstance(memory, PageMemory), type(memory)
-                assert memory.block_bytes == engine.kv_config.kv_cache_tensors[0].block_stride
+                layer = vt.backing(engine)
+                assert vt.vkv_worker(engine).ranges.as_tuples() == [(0, engine.kv_config.kv_cache_tensors[0].block_stride,
+                                                                    engine.kv_config.kv_cache_tensors[0].block_stride)]
             _trace(engine)
             vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
@@ -93,10 +95,9 @@ def test_outputs_equal_vllms_own_pool_and_live_pages_stay(name):
                 # page no live block touches.
                 engine.step_while_busy()
                 vt.check_live_pages(engine)
-                live = vt.live_blocks(memory)
-                assert len(live) <= engine.connector.stats()["in_use"] + HEADROOM + 2, len(live)
-                pages = np.unique(memory.pages_of(live)).size
-                assert memory.cache.stats()["pages_created"] == pages
+                live = vt.live_blocks(layer)
+                assert len(live) <= engine.connector.stats()["in_use"] + HEADROOM + 1, len(live)
+                assert layer.stats()["pages_held"] == vt.pages_of(engine, live).size
         finally:
             engine.close()
     assert all(len(tokens) >= 6 for tokens in outputs[1].values())
@@ -117,58 +118,53 @@ def test_with_background_mapping_outputs_equal_vllms_own_pool(name):
     assert outputs[0] == outputs[1]
 
 
+def _layer(block_bytes, blocks, **settings):
+    """The worker's layer for one-run blocks of ``block_bytes`` on the host backend's 4 KiB pages."""
+    states = np.zeros(blocks, dtype=np.uint8)
+    return make_backing(blocks, BlockRanges.one_run(block_bytes), blocks * block_bytes,
+                        VkvConnectorConfig(device="cpu", **settings), background=False, states=states)
+
+
 def test_pages_fill_densely_and_a_shared_page_waits_for_its_last_block():
-    from vkv.integrations.vllm.block_states import RECLAIMING, UNBACKED
-    from vkv.integrations.vllm.memory import make_memory
-    import uuid
     # 6 KiB blocks on 4 KiB pages: block b is [6b, 6b + 6) KiB, so blocks 0 and 1 share
-    # page 1, blocks 2 and 3 page 4, and so on.
-    memory = make_memory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=64, block_bytes=6 * KIB,
-                         device="cpu", shared_budget="", memory_budget=0, headroom_blocks=2,
-                         background_mapping=False)
+    # page 1, blocks 2 and 3 page 4, and so on. The worker backs the lowest ids first.
+    layer = _layer(6 * KIB, 64)
     try:
-        states, cache = memory.states.states, memory.cache
-        assert list(np.flatnonzero(states == BACKED)) == [1, 2]  # the headroom, next to the null block
-        assert cache.stats()["pages_created"] == 5  # blocks 0-2: [0, 18) KiB
-        memory.grow(10)
-        assert list(np.flatnonzero(states == BACKED)) == list(range(1, 11))
-        assert cache.stats()["pages_created"] == 17  # blocks 0-10: [0, 66) KiB, dense
-        buf = memory.buffer()
+        states = layer.states
+        layer.back(2)
+        assert list(np.flatnonzero(states[1:] == BACKED) + 1) == [1, 2]  # the headroom, next to the null block
+        assert layer.stats()["pages_held"] == 5  # blocks 0-2: [0, 18) KiB
+        layer.back(10)
+        assert list(np.flatnonzero(states[1:] == BACKED) + 1) == list(range(1, 11))
+        assert layer.stats()["pages_held"] == 17  # blocks 0-10: [0, 66) KiB, dense
+        buf = layer.tensor()
         buf[:66 * KIB] = 0
         buf[18 * KIB:24 * KIB] = 5  # block 3's bytes
         states[2] = RECLAIMING  # the scheduler takes block 2 back: page 4 is block 3's too
-        memory.release([2])
-        assert states[2] == UNBACKED and memory.users[4] == 1 and cache.mapped_pages(4) == 1
-        assert cache.mapped_pages(3) == 0  # page 3 ([12, 16) KiB) was block 2's alone: given back
+        layer.release([2])
+        assert states[2] == UNBACKED and layer.mapped_pages(3) == layer.pages_in(3) == 2
+        assert layer.stats()["pages_held"] == 16  # page 3 ([12, 16) KiB) was block 2's alone: given back
         assert (buf[18 * KIB:24 * KIB] == 5).all()  # block 3 untouched
-        memory.grow(10)  # block 2 again (the cheapest: one new page, the lowest id)
-        assert states[2] == BACKED and cache.mapped_pages(3) == 1
+        layer.back(10)  # block 2 again: the lowest unbacked id
+        assert states[2] == BACKED and layer.stats()["pages_held"] == 17
         assert not buf[12 * KIB:16 * KIB].any()  # a page back from the budget is zeros
         states[[2, 3]] = RECLAIMING
-        memory.release([2, 3])
-        assert memory.users[4] == 0 and cache.mapped_pages(4) == 0  # its last block gone: given back
-        check = np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)
-        assert (memory.users == check).all()
+        layer.release([2, 3])
+        assert layer.stats()["pages_held"] == 14  # pages 3-5 had no other backed block
+        layer.check_invariants()
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 def test_a_budget_shortage_backs_fewer_blocks_and_nothing_partial():
-    from vkv.integrations.vllm.memory import make_memory
-    import uuid
-    memory = make_memory(engine_id=f"test-mem-{uuid.uuid4().hex[:10]}", num_blocks=64, block_bytes=6 * KIB,
-                         device="cpu", shared_budget="", memory_budget=10 * 4 * KIB, headroom_blocks=2,
-                         background_mapping=False)
+    layer = _layer(6 * KIB, 64, memory_budget=10 * 4 * KIB)
     try:
-        memory.grow(40)  # 10 pages: blocks 0-5 fill pages 0-8; block 6 would need pages 9 and 10
-        assert memory.backed == 5 and list(np.flatnonzero(memory.states.states == BACKED)) == [1, 2, 3, 4, 5]
-        assert memory.cache.stats()["pages_created"] <= 10
-        check = np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)
-        assert (memory.users == check).all()
+        layer.back(40)  # 10 pages: blocks 0-5 fill pages 0-8; block 6 would need pages 9 and 10
+        assert layer.backed_blocks == 5 and list(np.flatnonzero(layer.states[1:] == BACKED) + 1) == [1, 2, 3, 4, 5]
+        assert layer.stats()["pages_held"] <= 10
+        layer.check_invariants()
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 def test_blocks_a_sliding_window_leaves_go_back_while_the_request_runs():
@@ -200,8 +196,8 @@ def test_blocks_a_sliding_window_leaves_go_back_while_the_request_runs():
             if connector:
                 assert released > 0, "no block the window left went back while the request ran"
                 # Held at the end: the full group's 15 blocks, 2 x 3 window blocks, headroom and demand.
-                memory = engine.worker._memory
-                assert memory.backed < 3 * (240 // 16), memory.backed
+                layer = vt.backing(engine)
+                assert layer.backed_blocks < 3 * (240 // 16), layer.backed_blocks
         finally:
             engine.close()
     assert outputs[0] == outputs[1]
@@ -259,9 +255,7 @@ def test_mamba_state_groups_are_backed_before_their_forward_and_given_back():
             if connector:
                 engine.step_while_busy()
                 vt.check_live_pages(engine)
-                memory = engine.worker._memory
-                assert isinstance(memory, PageMemory)
-                assert len(vt.live_blocks(memory)) <= HEADROOM + 2  # idle: the headroom and the null block
+                assert len(vt.live_blocks(vt.backing(engine))) <= HEADROOM + 1  # idle: the headroom and the null block
         finally:
             engine.close()
     totals = [{r: sum(step.get(r, 0) for step in run) for r in run[-1].keys() | {f"req{i}" for i in range(8)}}

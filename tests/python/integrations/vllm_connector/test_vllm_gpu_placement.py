@@ -1,14 +1,18 @@
 """vLLM's KV buffer in vkv memory on a GPU, without vLLM (it cannot be installed on the GPU
-machine): what vLLM's allocate_kv_cache() does inside the connector's get_mem_pool_context()
-(torch.zeros over the whole buffer), then K/V through block-outermost (BLNHC) views, and
-through layer-outermost (LBNHC) ones over blocks backed page by page in every layer's region.
+machine): the layer the connector's worker side makes (worker.make_backing: a vkv.BlockBacking,
+blocks backed lowest ids first, a writable scratch page under unbacked bytes) and what vLLM's
+allocate_kv_cache() does inside the connector's get_mem_pool_context() (torch.zeros over the
+whole buffer), then K/V through block-outermost (BLNHC) views, and through layer-outermost
+(LBNHC) ones over blocks backed page by page in every layer's region.
 
 The scratch page and the allocator's refusals run on the host backend everywhere; the rest
-skips without CUDA."""
+skips without CUDA:
+
+    python -m pytest tests/python/integrations/vllm_connector/test_vllm_gpu_placement.py -q"""
 
 import ctypes
 import gc
-import uuid
+import time
 
 import numpy as np
 import pytest
@@ -16,10 +20,15 @@ import torch
 
 import vkv
 from vkv import _C
+<<<<<<< HEAD
 from vkv._reservation import reservation_tensor
+=======
+from vkv.integrations.vllm.block_geometry import BlockRanges
+>>>>>>> h-vllm
 from vkv.integrations.vllm.block_states import BACKED, RECLAIMING, UNBACKED
-from vkv.integrations.vllm.memory import BlockMemory
+from vkv.integrations.vllm.config import VkvConnectorConfig
 from vkv.integrations.vllm.pool import ReservationPool
+from vkv.integrations.vllm.worker import make_backing
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _C.cuda_available()), reason="needs a CUDA GPU")
 
@@ -88,11 +97,35 @@ def test_pool_malloc_hands_out_only_the_registered_reservation():
 
 
 # ---- CUDA ---------------------------------------------------------------------------------
-def _memory(headroom: int = 2, background_mapping: bool = False) -> BlockMemory:
-    return BlockMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=NUM_BLOCKS,
-                       block_bytes=BLOCK_BYTES, block_size=BLOCK, device="cuda",
-                       shared_budget="", memory_budget=0, headroom_blocks=headroom,
-                       background_mapping=background_mapping)
+def _layer(num_blocks: int, ranges: BlockRanges, buffer_bytes: int, headroom: int, background: bool = False):
+    """The worker's layer (worker.make_backing) over a GPU buffer of ``buffer_bytes``, with its
+    headroom backed (lowest ids first, as the worker's)."""
+    states = np.zeros(num_blocks, dtype=np.uint8)  # shared with the scheduler, as the worker's
+    layer = make_backing(num_blocks, ranges, buffer_bytes, VkvConnectorConfig(device="cuda"), background=background,
+                         states=states)
+    layer.back(headroom)
+    return layer
+
+
+def _buffer(layer, buffer_bytes: int) -> torch.Tensor:
+    """vLLM's flat buffer over the reservation (the worker's ``buffer()``)."""
+    return layer.tensor()[:buffer_bytes].view(torch.int8)
+
+
+def _allocate(layer, buffer_bytes: int):
+    """What vLLM's allocate_kv_cache() does inside get_mem_pool_context(): torch.zeros over the
+    whole buffer. Returns (its buffer, the pool: keep it while the buffer lives)."""
+    pool = ReservationPool(_buffer(layer, buffer_bytes), layer.reserved_bytes)
+    with pool.context():
+        buffer = torch.zeros(buffer_bytes, dtype=torch.int8, device="cuda")
+    assert buffer.data_ptr() == layer.base, "torch.zeros did not return the reservation"
+    return buffer, pool
+
+
+def _release(layer, blocks) -> None:
+    """The scheduler took ``blocks`` back; the layer releases them after the work queued so far."""
+    layer.states[blocks] = RECLAIMING
+    layer.release(blocks)
 
 
 def _views(buffer: torch.Tensor):
@@ -101,76 +134,68 @@ def _views(buffer: torch.Tensor):
     return [whole[:, layer] for layer in range(LAYERS)]
 
 
-def _allocate(memory: BlockMemory, pool: ReservationPool) -> torch.Tensor:
-    with pool.context():  # what vLLM's allocate_kv_cache() does inside get_mem_pool_context()
-        buffer = torch.zeros(NUM_BLOCKS * memory.block_bytes, dtype=torch.int8, device="cuda")
-    assert buffer.data_ptr() == memory.buffer().data_ptr(), "torch.zeros did not return the reservation"
-    return buffer
-
-
 def _pattern(block: int, layer: int) -> torch.Tensor:
     values = torch.arange(2 * BLOCK * HEADS * HEAD_DIM, device="cuda", dtype=torch.float32) % 251
     return (values + 7 * block + 3 * layer).to(DTYPE).view(2, BLOCK, HEADS, HEAD_DIM)
 
 
+def _one_run_layer(headroom: int = 2, background: bool = False):
+    return _layer(NUM_BLOCKS, BlockRanges.one_run(BLOCK_BYTES), NUM_BLOCKS * BLOCK_BYTES, headroom, background)
+
+
 @cuda
 def test_vllm_buffer_is_the_reservation_and_blocks_read_back():
-    memory = _memory()
-    pool = ReservationPool(memory.buffer())
+    layer = _one_run_layer()
     try:
-        buffer = _allocate(memory, pool)
-        assert buffer.data_ptr() == memory.buffer().data_ptr(), "torch.zeros did not return the reservation"
+        buffer, pool = _allocate(layer, NUM_BLOCKS * BLOCK_BYTES)
         torch.cuda.synchronize()
-        backed = [b for b in range(NUM_BLOCKS) if memory.states.states[b] == BACKED]
-        unbacked = [b for b in range(1, NUM_BLOCKS) if memory.states.states[b] == UNBACKED]
-        assert backed and unbacked, (backed, unbacked)
+        states = layer.states
+        backed = [b for b in range(1, NUM_BLOCKS) if states[b] == BACKED]
+        unbacked = [b for b in range(1, NUM_BLOCKS) if states[b] == UNBACKED]
+        assert backed == [1, 2] and unbacked, (backed, unbacked)
         views = _views(buffer)
-        for layer, view in enumerate(views):
+        for index, view in enumerate(views):
             for b in backed:
-                view[b].copy_(_pattern(b, layer))
+                view[b].copy_(_pattern(b, index))
         for view in views:  # kernels writing blocks nobody backed: the scratch page
             for b in unbacked:
                 view[b].fill_(-1.0)
         torch.cuda.synchronize()
-        for layer, view in enumerate(views):
+        for index, view in enumerate(views):
             for b in backed:
-                assert torch.equal(view[b], _pattern(b, layer)), (b, layer)
+                assert torch.equal(view[b], _pattern(b, index)), (b, index)
         # Give one back and back it again: it starts as zeros, not the scratch's -1.
         block = backed[0]
-        memory.states.states[block] = RECLAIMING
-        memory.release([block])
-        assert memory.cache.mapped_pages(block) == 0, "release() left the block's page mapped"
+        _release(layer, [block])
+        torch.cuda.synchronize()
+        assert layer.mapped_pages(block) == 0, "release() left the block's page mapped"
         for view in views:
             view[block].fill_(-1.0)  # now scratch: does not fault
         torch.cuda.synchronize()
-        memory.grow(memory.backed + 1)
-        again = [b for b in range(NUM_BLOCKS) if memory.states.states[b] == BACKED and b not in backed[1:]]
-        assert again, "no block was backed again"
+        layer.back(layer.backed_blocks + 1)  # the lowest unbacked id: the block given back
         torch.cuda.synchronize()
+        assert states[block] == BACKED
         for view in views:
-            assert torch.count_nonzero(view[again[0]]) == 0
-        for layer, view in enumerate(views):
+            assert torch.count_nonzero(view[block]) == 0
+        for index, view in enumerate(views):
             for b in backed[1:]:
-                assert torch.equal(view[b], _pattern(b, layer)), (b, layer)
-        del views, buffer
+                assert torch.equal(view[b], _pattern(b, index)), (b, index)
+        del views, buffer, pool
     finally:
-        memory.states.unlink()
-        memory.close()
-    torch.cuda.synchronize()
-    assert memory.cache.closed
+        layer.close()
 
 
 @cuda
 def test_the_pool_refuses_any_other_size_in_words():
-    memory = _memory()
-    pool = ReservationPool(memory.buffer())
+    layer = _one_run_layer()
+    pool = ReservationPool(_buffer(layer, NUM_BLOCKS * BLOCK_BYTES), layer.reserved_bytes)
     try:
         with pytest.raises(MemoryError, match="only the whole reservation"):
             with pool.context():
-                torch.zeros(NUM_BLOCKS * memory.block_bytes + (2 << 20), dtype=torch.int8, device="cuda")
+                torch.zeros(NUM_BLOCKS * BLOCK_BYTES + (2 << 20), dtype=torch.int8, device="cuda")
     finally:
-        memory.states.unlink()
-        memory.close()
+        del pool
+        layer.close()
 
 
 @cuda
@@ -179,15 +204,12 @@ def test_close_gives_the_memory_back():
     gc.collect()
     torch.cuda.empty_cache()
     free_before, _ = torch.cuda.mem_get_info()
-    memory = _memory(headroom=NUM_BLOCKS)
-    pool = ReservationPool(memory.buffer())
-    buffer = _allocate(memory, pool)
+    layer = _one_run_layer(headroom=NUM_BLOCKS)
+    buffer, pool = _allocate(layer, NUM_BLOCKS * BLOCK_BYTES)
     buffer.fill_(1)
-    stats = memory.cache.stats()
-    assert stats["pages_mapped"] == NUM_BLOCKS, stats
-    memory.states.unlink()
-    memory.close()
-    del buffer, pool, memory
+    assert layer.stats()["pages_held"] == NUM_BLOCKS, layer.stats()
+    layer.close()
+    del buffer, pool, layer
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -198,78 +220,61 @@ def test_close_gives_the_memory_back():
 
 
 @cuda
-def test_the_background_mapper_waits_for_kernels_queued_before_the_hand_over():
-    memory = _memory(background_mapping=True)
-    pool = ReservationPool(memory.buffer())
+def test_the_step_job_waits_for_kernels_queued_before_the_hand_over():
+    layer = _one_run_layer(background=True)
     try:
-        assert memory.mapper is not None
-        buffer = _allocate(memory, pool)
+        buffer, pool = _allocate(layer, NUM_BLOCKS * BLOCK_BYTES)
         views = _views(buffer)
-        states = memory.states.states
-        backed = [b for b in range(1, NUM_BLOCKS) if states[b] == BACKED]
-        block = backed[0]
-        for layer, view in enumerate(views):
-            view[block].copy_(_pattern(block, layer))
+        states = layer.states
+        block = [b for b in range(1, NUM_BLOCKS) if states[b] == BACKED][0]
+        for index, view in enumerate(views):
+            view[block].copy_(_pattern(block, index))
         # A forward still reading the block when the scheduler takes it back: ~0.5 s of sleep
         # on the current stream, then a read of the block, both queued before the hand-over.
         torch.cuda._sleep(1 << 30)
         read = views[0][block].clone()
         states[block] = RECLAIMING
-        memory.submit([block], memory.backed - 1)
-        assert memory.mapper.busy() and memory.cache.mapped_pages(block) >= 1, "unmapped under a queued read"
-        memory.wait()
-        assert memory.cache.mapped_pages(block) == 0 and states[block] == UNBACKED
+        layer.submit([block], layer.backed_blocks - 1)  # the worker's one call a step
+        assert layer.mapped_pages(block) >= 1, "unmapped under a queued read"
+        layer.wait()
         torch.cuda.synchronize()
+        assert layer.mapped_pages(block) == 0 and states[block] == UNBACKED
         assert torch.equal(read, _pattern(block, 0)), "the read queued before the hand-over lost the block"
+        del views, buffer, pool
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 @cuda
-def test_the_background_mapper_is_on_by_default_on_a_gpu():
-    memory = BlockMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=NUM_BLOCKS,
-                         block_bytes=BLOCK_BYTES, device="cuda", shared_budget="", memory_budget=0, headroom_blocks=2)
+def test_the_step_job_marks_blocks_backed_only_after_their_zero_fill():
+    layer = _one_run_layer(background=True)
     try:
-        assert memory.mapper is not None, "unset background_mapping left the job on vLLM's thread"
-    finally:
-        memory.states.unlink()
-        memory.close()
-
-
-@cuda
-def test_the_background_mapper_marks_blocks_backed_only_after_their_zero_fill():
-    memory = _memory(background_mapping=True)
-    pool = ReservationPool(memory.buffer())
-    try:
-        buffer = _allocate(memory, pool)
+        buffer, pool = _allocate(layer, NUM_BLOCKS * BLOCK_BYTES)
         views = _views(buffer)
-        states = memory.states.states
+        states = layer.states
         before = {b for b in range(1, NUM_BLOCKS) if states[b] == BACKED}
         for view in views:  # the scratch page under every unbacked block holds garbage
             for b in range(1, NUM_BLOCKS):
                 if b not in before:
                     view[b].fill_(-1.0)
         torch.cuda.synchronize()
-        memory.submit([], NUM_BLOCKS - 1)
-        seen = set()
-        while True:
-            done = not memory.mapper.busy()  # before the scan: a done job's blocks are all in it
+        layer.submit([], NUM_BLOCKS - 1)
+        seen: set = set()
+        deadline = time.monotonic() + 60
+        while len(seen) < NUM_BLOCKS - 1 - len(before):
+            assert time.monotonic() < deadline, (seen, before)
             # The moment a block is BACKED, a kernel on the forward's stream reads zeros there.
             new = [b for b in range(1, NUM_BLOCKS) if states[b] == BACKED and b not in before | seen]
             for b in new:
                 assert all(torch.count_nonzero(view[b]).item() == 0 for view in views), b
             seen.update(new)
-            if done:
-                break
-        memory.wait()
-        assert len(seen) == NUM_BLOCKS - 1 - len(before), (seen, before)
+        layer.wait()
+        del views, buffer, pool
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
-# ---- blocks that are not whole 2 MiB pages (page_memory.py) --------------------------------
+# ---- blocks that are not whole 2 MiB pages -------------------------------------------------
 # (block bytes, blocks): a Qwen2.5-7B block (28 layers x 4 KV heads x 128 x K,V x bf16, --block-size
 # 16 = 0.875 MiB: pages shared by 2-3 blocks) and DeepSeek-V2-Lite MLA blocks (27 layers x 576 x
 # bf16): FlashMLA's 64 tokens = 1.9 MiB (blocks straddle pages) and the 32 vLLM takes for its
@@ -279,25 +284,20 @@ GEOMETRIES = {"qwen2.5-7b": (28 * 4 * 128 * 2 * 2 * 16, 24), "deepseek-v2-lite-m
               "deepseek-v2-lite-mla-32": (27 * 576 * 2 * 32, 24)}
 
 
-def _page_memory(block_bytes: int, blocks: int, headroom: int, background_mapping: bool = False):
-    from vkv.integrations.vllm.memory import make_memory
-    from vkv.integrations.vllm.page_memory import PageMemory
-    memory = make_memory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=blocks,
-                         block_bytes=block_bytes, device="cuda", shared_budget="", memory_budget=0,
-                         headroom_blocks=headroom, background_mapping=background_mapping)
-    assert isinstance(memory, PageMemory)
-    return memory
-
-
 def _block_pattern(block: int, block_bytes: int) -> torch.Tensor:
     return ((torch.arange(block_bytes, device="cuda", dtype=torch.int32) * 7 + 13 * block) % 251 - 125).to(torch.int8)
 
 
-def _shared_page(memory, backed):
-    """A page (not the null block's) that two or more backed blocks touch, and those blocks."""
-    for page in range(1, memory.num_pages):
-        touching = [b for b in backed if page in memory.pages_of(np.array([b]))]
-        if len(touching) >= 2 and memory.users[page] == len(touching):
+def _page_of(offset: int) -> int:
+    return offset // (2 << 20)
+
+
+def _shared_page(block_bytes: int, backed):
+    """A page (not the null block's) that two or more backed blocks touch, and every backed
+    block on it (the test's own arithmetic: block b is [b * block_bytes, (b + 1) * block_bytes))."""
+    for page in range(1, _page_of(len(backed) * block_bytes + block_bytes) + 2):
+        touching = [b for b in backed if _page_of(b * block_bytes) <= page <= _page_of((b + 1) * block_bytes - 1)]
+        if len(touching) >= 2:
             return page, touching
     raise AssertionError(f"no page shared by backed blocks among {backed}")
 
@@ -306,75 +306,68 @@ def _shared_page(memory, backed):
 @pytest.mark.parametrize("name", list(GEOMETRIES))
 def test_blocks_of_any_size_read_back_and_a_shared_page_outlives_one_of_its_blocks(name):
     block_bytes, blocks = GEOMETRIES[name]
-    memory = _page_memory(block_bytes, blocks, headroom=8)
-    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    layer = _layer(blocks, BlockRanges.one_run(block_bytes), blocks * block_bytes, headroom=8)
     try:
-        with pool.context():  # vLLM's allocate_kv_cache(): torch.zeros over the whole buffer
-            buffer = torch.zeros(blocks * block_bytes, dtype=torch.int8, device="cuda")
-        assert buffer.data_ptr() == memory.buffer().data_ptr(), "torch.zeros did not return the reservation"
-        states = memory.states.states
+        buffer, pool = _allocate(layer, blocks * block_bytes)
+        states = layer.states
         backed = [b for b in range(1, blocks) if states[b] == BACKED]
-        assert len(backed) == 8
+        assert backed == list(range(1, 9))
         span = lambda b: slice(b * block_bytes, (b + 1) * block_bytes)  # noqa: E731
         for b in backed:
             buffer[span(b)].copy_(_block_pattern(b, block_bytes))
         for b in range(1, blocks):  # blocks on no backed page: the scratch page, no fault
-            if states[b] == UNBACKED and memory.mapped_pages(b) == 0:
+            if states[b] == UNBACKED and layer.mapped_pages(b) == 0:
                 buffer[span(b)].fill_(-1)
         torch.cuda.synchronize()
         for b in backed:
             assert torch.equal(buffer[span(b)], _block_pattern(b, block_bytes)), b
-        page, touching = _shared_page(memory, backed)
-        states[touching[0]] = RECLAIMING
-        memory.release([touching[0]])  # the page stays: the others use it
-        assert memory.cache.mapped_pages(page) == 1, "a page a live block uses was given back"
+        page, touching = _shared_page(block_bytes, backed)
+        size = 2 << 20
+        page_bytes = slice(page * size, (page + 1) * size)
+        _release(layer, [touching[0]])  # the page stays: the others use it
         torch.cuda.synchronize()
+        assert all(layer.mapped_pages(b) == layer.pages_in(b) for b in touching[1:]), "a page a live block uses went"
         for b in touching[1:]:
             assert torch.equal(buffer[span(b)], _block_pattern(b, block_bytes)), b
-        states[touching[1:]] = RECLAIMING
-        memory.release(touching[1:])  # its last block: the page goes back
-        assert memory.users[page] == 0 and memory.cache.mapped_pages(page) == 0
-        size = memory.page_bytes
-        buffer[page * size:(page + 1) * size].fill_(-1)  # scratch now: no fault
+        _release(layer, touching[1:])  # its last blocks: the page goes back
         torch.cuda.synchronize()
-        memory.grow(blocks - 1)  # every block: the page comes back from the budget, as zeros
+        buffer[page_bytes].fill_(-1)  # scratch now: no fault
         torch.cuda.synchronize()
-        assert memory.cache.mapped_pages(page) == 1
-        assert torch.count_nonzero(buffer[page * size:(page + 1) * size]) == 0, "a page back from the budget"
-        del buffer
+        layer.back(blocks - 1)  # every block: the page comes back from the budget, as zeros
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(buffer[page_bytes]) == 0, "a page back from the budget"
+        layer.check_invariants()
+        del buffer, pool
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 @cuda
 @pytest.mark.parametrize("name", list(GEOMETRIES))
 def test_a_shared_page_is_given_back_only_after_the_kernels_queued_before(name):
     block_bytes, blocks = GEOMETRIES[name]
-    memory = _page_memory(block_bytes, blocks, headroom=8, background_mapping=True)
-    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    layer = _layer(blocks, BlockRanges.one_run(block_bytes), blocks * block_bytes, headroom=8, background=True)
     try:
-        with pool.context():
-            buffer = torch.zeros(blocks * block_bytes, dtype=torch.int8, device="cuda")
-        states = memory.states.states
+        buffer, pool = _allocate(layer, blocks * block_bytes)
+        states = layer.states
         backed = [b for b in range(1, blocks) if states[b] == BACKED]
-        page, touching = _shared_page(memory, backed)
+        page, touching = _shared_page(block_bytes, backed)
+        touching = [b for b in backed if b >= touching[0]]  # every backed block from there on
         for b in touching:
             buffer[b * block_bytes:(b + 1) * block_bytes].copy_(_block_pattern(b, block_bytes))
         torch.cuda._sleep(1 << 30)  # a forward still reading the blocks at the hand-over
         reads = [buffer[b * block_bytes:(b + 1) * block_bytes].clone() for b in touching]
         states[touching] = RECLAIMING
-        memory.submit(touching, memory.backed - len(touching))
-        assert memory.mapper.busy() and memory.cache.mapped_pages(page) == 1, "unmapped under a queued read"
-        memory.wait()
-        assert all(states[b] == UNBACKED for b in touching) and memory.cache.mapped_pages(page) == 0
+        layer.submit(touching, layer.backed_blocks - len(touching))
+        assert layer.mapped_pages(touching[0]) == layer.pages_in(touching[0]), "unmapped under a queued read"
+        layer.wait()
         torch.cuda.synchronize()
+        assert all(states[b] == UNBACKED for b in touching)
         for b, read in zip(touching, reads):
             assert torch.equal(read, _block_pattern(b, block_bytes)), f"the read of block {b} lost its page"
-        del buffer
+        del buffer, pool
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 # ---- a layer-outermost layout --------------------------------------------------------------
@@ -384,15 +377,12 @@ def test_a_shared_page_is_given_back_only_after_the_kernels_queued_before(name):
 # 32 blocks to a 2 MiB page of each region. 4 layers x 64 blocks: 4 regions of 4 MiB, 16 MiB.
 OUTER_LAYERS, OUTER_TOKENS, OUTER_BLOCKS = 4, 16, 64
 OUTER_LAYER_BLOCK = OUTER_TOKENS * HEADS * 2 * HEAD_DIM * DTYPE.itemsize
+OUTER_BYTES = OUTER_BLOCKS * OUTER_LAYERS * OUTER_LAYER_BLOCK
 
 
-def _layer_outermost_memory(background_mapping: bool):
-    from vkv.integrations.vllm.page_memory import PageMemory
-    from vkv.integrations.vllm.slot_geometry import BlockRanges
-    return PageMemory(engine_id=f"gpu-placement-{uuid.uuid4().hex[:12]}", num_blocks=OUTER_BLOCKS,
-                      block_bytes=OUTER_LAYERS * OUTER_LAYER_BLOCK, page_bytes=2 << 20, device="cuda",
-                      block_ranges=BlockRanges.per_layer(OUTER_LAYERS, OUTER_LAYER_BLOCK, OUTER_BLOCKS),
-                      shared_budget="", memory_budget=0, headroom_blocks=8, background_mapping=background_mapping)
+def _layer_outermost(background: bool):
+    return _layer(OUTER_BLOCKS, BlockRanges.per_layer(OUTER_LAYERS, OUTER_LAYER_BLOCK, OUTER_BLOCKS), OUTER_BYTES,
+                  headroom=40, background=background)  # blocks 1-40: page 0 of each region whole, page 1 in part
 
 
 def _layer_outermost_views(buffer: torch.Tensor) -> torch.Tensor:
@@ -407,74 +397,64 @@ def _layer_pattern(block: int, layer: int) -> torch.Tensor:
 
 @cuda
 def test_layer_outermost_blocks_read_back_and_a_page_of_each_region_outlives_one_of_its_blocks():
-    memory = _layer_outermost_memory(background_mapping=False)
-    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    layer = _layer_outermost(background=False)
     try:
-        with pool.context():  # vLLM's allocate_kv_cache(): torch.zeros over the whole buffer
-            buffer = torch.zeros(OUTER_BLOCKS * OUTER_LAYERS * OUTER_LAYER_BLOCK, dtype=torch.int8, device="cuda")
-        assert buffer.data_ptr() == memory.buffer().data_ptr(), "torch.zeros did not return the reservation"
-        states = memory.states.states
-        memory.grow(40)  # blocks 1-40: page 0 of each region whole, page 1 (blocks 32-63) in part
+        buffer, pool = _allocate(layer, OUTER_BYTES)
         torch.cuda.synchronize()
+        states = layer.states
         backed = [b for b in range(1, OUTER_BLOCKS) if states[b] == BACKED]
-        assert backed == list(range(1, 41)) and memory.cache.stats()["pages_created"] == 2 * OUTER_LAYERS
+        assert backed == list(range(1, 41)) and layer.stats()["pages_held"] == 2 * OUTER_LAYERS
         views = _layer_outermost_views(buffer)
-        for layer in range(OUTER_LAYERS):
+        for index in range(OUTER_LAYERS):
             for b in backed:
-                views[layer, b].copy_(_layer_pattern(b, layer))
+                views[index, b].copy_(_layer_pattern(b, index))
         torch.cuda.synchronize()
-        for layer in range(OUTER_LAYERS):
+        for index in range(OUTER_LAYERS):
             for b in backed:
-                assert torch.equal(views[layer, b], _layer_pattern(b, layer)), (b, layer)
-        second = [2 * layer + 1 for layer in range(OUTER_LAYERS)]  # page 1 of each region
-        states[32] = RECLAIMING
-        memory.release([32])  # blocks 33-40 still use page 1 of every region: it stays
-        assert all(memory.cache.mapped_pages(p) == 1 for p in second), "a page a live block uses was given back"
-        states[list(range(33, 41))] = RECLAIMING
-        memory.release(list(range(33, 41)))  # the last blocks on them: page 1 of every region goes back
-        assert all(memory.users[p] == 0 and memory.cache.mapped_pages(p) == 0 for p in second)
+                assert torch.equal(views[index, b], _layer_pattern(b, index)), (b, index)
+        _release(layer, [32])  # blocks 33-40 still use page 1 of every region: it stays
+        torch.cuda.synchronize()
+        assert layer.stats()["pages_held"] == 2 * OUTER_LAYERS, "a page a live block uses was given back"
+        _release(layer, list(range(33, 41)))  # the last blocks on them: page 1 of every region goes back
+        torch.cuda.synchronize()
+        assert layer.stats()["pages_held"] == OUTER_LAYERS
         views[:, 32:].fill_(-1.0)  # scratch now: no fault
         torch.cuda.synchronize()
-        for layer in range(OUTER_LAYERS):  # page 0 of each region untouched
+        for index in range(OUTER_LAYERS):  # page 0 of each region untouched
             for b in range(1, 32):
-                assert torch.equal(views[layer, b], _layer_pattern(b, layer)), (b, layer)
-        memory.grow(OUTER_BLOCKS - 1)  # every block: the pages come back from the budget as zeros
+                assert torch.equal(views[index, b], _layer_pattern(b, index)), (b, index)
+        layer.back(OUTER_BLOCKS - 1)  # every block: the pages come back from the budget as zeros
         torch.cuda.synchronize()
         assert torch.count_nonzero(views[:, 32:]) == 0, "a page back from the budget"
-        del views, buffer
+        del views, buffer, pool
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 @cuda
 def test_layer_outermost_pages_are_given_back_only_after_the_kernels_queued_before():
-    memory = _layer_outermost_memory(background_mapping=True)
-    pool = ReservationPool(memory.buffer(), memory.cache.reserved_bytes)
+    layer = _layer_outermost(background=True)
     try:
-        with pool.context():
-            buffer = torch.zeros(OUTER_BLOCKS * OUTER_LAYERS * OUTER_LAYER_BLOCK, dtype=torch.int8, device="cuda")
-        states = memory.states.states
-        memory.grow(40)
+        buffer, pool = _allocate(layer, OUTER_BYTES)
         torch.cuda.synchronize()
+        states = layer.states
         views = _layer_outermost_views(buffer)
         touching = list(range(32, 41))  # every block on page 1 of each region
-        for layer in range(OUTER_LAYERS):
+        for index in range(OUTER_LAYERS):
             for b in touching:
-                views[layer, b].copy_(_layer_pattern(b, layer))
+                views[index, b].copy_(_layer_pattern(b, index))
         torch.cuda._sleep(1 << 30)  # a forward still reading the blocks at the hand-over
         reads = views[:, 32:41].clone()
         states[touching] = RECLAIMING
-        memory.submit(touching, memory.backed - len(touching))
-        assert memory.mapper.busy() and memory.cache.mapped_pages(1) == 1, "unmapped under a queued read"
-        memory.wait()
-        assert all(states[b] == UNBACKED for b in touching)
-        assert all(memory.cache.mapped_pages(2 * layer + 1) == 0 for layer in range(OUTER_LAYERS))
+        layer.submit(touching, layer.backed_blocks - len(touching))
+        assert layer.mapped_pages(32) == OUTER_LAYERS, "unmapped under a queued read"
+        layer.wait()
         torch.cuda.synchronize()
-        for layer in range(OUTER_LAYERS):
+        assert all(states[b] == UNBACKED for b in touching)
+        assert layer.stats()["pages_held"] == OUTER_LAYERS
+        for index in range(OUTER_LAYERS):
             for i, b in enumerate(touching):
-                assert torch.equal(reads[layer, i], _layer_pattern(b, layer)), f"the read of block {b} lost its page"
-        del views, buffer
+                assert torch.equal(reads[index, i], _layer_pattern(b, index)), f"the read of block {b} lost its page"
+        del views, buffer, pool
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()

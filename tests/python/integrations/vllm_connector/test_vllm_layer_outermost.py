@@ -22,9 +22,10 @@ require_vllm()
 
 from lab import vllm_engine as vt  # noqa: E402
 
+from vkv.integrations.vllm.block_geometry import BlockRanges  # noqa: E402
 from vkv.integrations.vllm.block_states import BACKED, RECLAIMING, UNBACKED  # noqa: E402
-from vkv.integrations.vllm.page_memory import PageMemory  # noqa: E402
-from vkv.integrations.vllm.slot_geometry import BlockRanges  # noqa: E402
+from vkv.integrations.vllm.config import VkvConnectorConfig  # noqa: E402
+from vkv.integrations.vllm.worker import make_backing  # noqa: E402
 
 KIB = 1024
 HEADROOM = 4
@@ -87,20 +88,19 @@ def test_outputs_equal_vllms_own_pool_and_live_pages_stay(name, monkeypatch):
         try:
             assert engine.kv_config.kv_cache_layout == resolved
             if connector:
-                memory = engine.worker._memory
-                assert isinstance(memory, PageMemory), type(memory)
+                layer = vt.backing(engine)
+                ranges = vt.vkv_worker(engine).ranges
                 layers = vt.TINY.layers * (vt.TINY.kv_heads if resolved == "LHBNC" else 1)
-                assert len(memory.ranges) == layers, memory.ranges.describe()
-                assert memory.block_bytes == engine.kv_config.kv_cache_tensors[0].size // engine.num_blocks
+                assert len(ranges) == layers, ranges.describe()
             _trace(engine)
             vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
             if connector:
                 engine.step_while_busy()  # idle: free blocks beyond the headroom go back, with their pages
                 vt.check_live_pages(engine)
-                live = vt.live_blocks(memory)
-                assert len(live) <= engine.connector.stats()["in_use"] + HEADROOM + 2, len(live)
-                assert memory.cache.stats()["pages_created"] == np.unique(memory.pages_of(live)).size
+                live = vt.live_blocks(layer)
+                assert len(live) <= engine.connector.stats()["in_use"] + HEADROOM + 1, len(live)
+                assert layer.stats()["pages_held"] == vt.pages_of(engine, live).size
         finally:
             engine.close()
     assert all(len(tokens) >= 6 for tokens in outputs[1].values())
@@ -118,7 +118,7 @@ def test_a_hybrid_model_in_nhd_overlays_its_groups_in_each_layers_region(monkeyp
         try:
             assert len(engine.kv_config.kv_cache_groups) == 3
             if connector:
-                assert len(engine.worker._memory.ranges) == 2
+                assert len(vt.vkv_worker(engine).ranges) == 2
             _trace(engine, n=6)
             vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
@@ -137,7 +137,7 @@ def test_an_mla_model_in_nhd_is_one_range_a_layer(monkeypatch):
         engine = _engine(layouts, connector, model=model)
         try:
             if connector:
-                assert len(engine.worker._memory.ranges) == 3
+                assert len(vt.vkv_worker(engine).ranges) == 3
             _trace(engine)
             vt.run_until_done(engine, vt.check_live_pages if connector else None)
             outputs.append(engine.outputs)
@@ -174,14 +174,14 @@ def test_pages_go_back_under_pressure_and_outputs_equal_vllms_own_pool(monkeypat
             def check(engine, out):
                 nonlocal most
                 vt.check_live_pages(engine, out)
-                most = max(most, engine.worker._memory.cache.stats()["pages_created"])
+                most = max(most, vt.backing(engine).stats()["pages_held"])
 
             vt.run_until_done(engine, check if connector else None)
             outputs.append(engine.outputs)
             if connector:
-                stats = engine.worker._memory.cache.stats()
+                stats = vt.backing(engine).stats()
                 assert most <= 40, most
-                assert stats["backend"]["unmap"]["units"] > 0, "no page went back under pressure"
+                assert stats["releases"]["units"] > 0, "no page went back under pressure"
                 engine.step_while_busy()
                 vt.check_live_pages(engine)
         finally:
@@ -229,7 +229,7 @@ def test_prefix_hits_under_give_back_pressure_as_on_vllms_own_pool(monkeypatch):
                          on_step=other_engine)
         while b.unfinished():
             b.step(read_back=False)
-        unmapped = a.worker._memory.cache.stats()["backend"]["unmap"]["units"]
+        unmapped = vt.backing(a).stats()["releases"]["units"]
     finally:
         a.close()
         b.close()
@@ -243,57 +243,64 @@ def test_prefix_hits_under_give_back_pressure_as_on_vllms_own_pool(monkeypatch):
     assert len(bursts) >= 3 and unmapped > 0, (bursts, unmapped)  # the pressure was real: A gave pages back
 
 
-def _memory(ranges, num_blocks, block_bytes, page, **options):
-    return PageMemory(engine_id=f"test-layers-{uuid.uuid4().hex[:10]}", num_blocks=num_blocks,
-                      block_bytes=block_bytes, page_bytes=page, block_ranges=ranges, device="cpu",
-                      shared_budget="", memory_budget=options.pop("memory_budget", 0),
-                      headroom_blocks=options.pop("headroom_blocks", 2), background_mapping=False)
+def _layer(ranges, num_blocks, buffer_bytes, page, **settings):
+    """The worker's layer over ``ranges`` (worker.make_backing) on the host backend."""
+    states = np.zeros(num_blocks, dtype=np.uint8)
+    return make_backing(num_blocks, ranges, buffer_bytes, VkvConnectorConfig(device="cpu", page_size=page, **settings),
+                        background=False, states=states)
+
+
+def _pages(ranges, blocks, page):
+    """The pages the blocks' ranges touch, in range order (the test's own arithmetic)."""
+    return [p for block in blocks for start, length, stride in ranges.as_tuples()
+            for p in range((start + block * stride) // page, (start + block * stride + length - 1) // page + 1)]
 
 
 def test_a_page_shared_with_a_live_block_stays_in_every_layers_region():
     # 3 layers, 2 KiB of each a block, 4 KiB pages: blocks 2k and 2k + 1 share one page in each
     # layer's region (pages 8j + k: regions of 32 KiB = 8 pages).
     layers, layer_block, blocks, page = 3, 2 * KIB, 16, 4 * KIB
-    memory = _memory(BlockRanges.per_layer(layers, layer_block, blocks), blocks, layers * layer_block, page)
+    ranges = BlockRanges.per_layer(layers, layer_block, blocks)
+    layer = _layer(ranges, blocks, blocks * layers * layer_block, page)
     try:
-        states, cache, buf = memory.states.states, memory.cache, memory.buffer()
-        assert list(np.flatnonzero(states == BACKED)) == [1, 2]  # the headroom, next to the null block
-        assert list(memory.pages_of(np.array([2, 3]))) == [1, 9, 17, 1, 9, 17]
-        assert cache.stats()["pages_created"] == 2 * layers  # blocks 0-2: pages 0 and 1 of each region
-        memory.grow(3)
-        assert states[3] == BACKED and cache.stats()["pages_created"] == 2 * layers  # a hole in backed pages: free
+        states, buf = layer.states, layer.tensor()
+        layer.back(2)
+        assert list(np.flatnonzero(states[1:] == BACKED) + 1) == [1, 2]  # the headroom, next to the null block
+        assert _pages(ranges, [2, 3], page) == [1, 9, 17, 1, 9, 17]
+        assert layer.stats()["pages_held"] == 2 * layers  # blocks 0-2: pages 0 and 1 of each region
+        layer.back(3)
+        assert states[3] == BACKED and layer.stats()["pages_held"] == 2 * layers  # next to block 2: no new page
         region = blocks * layer_block
-        block3 = [slice(layer * region + 3 * layer_block, layer * region + 4 * layer_block) for layer in range(layers)]
-        for layer, span in enumerate(block3):
-            buf[span] = 5 + layer
+        block3 = [slice(index * region + 3 * layer_block, index * region + 4 * layer_block) for index in range(layers)]
+        for index, span in enumerate(block3):
+            buf[span] = 5 + index
         states[2] = RECLAIMING  # the scheduler takes block 2 back: its pages are block 3's too
-        memory.release([2])
-        assert states[2] == UNBACKED and all(cache.mapped_pages(p) == 1 for p in (1, 9, 17))
-        assert all((buf[span] == 5 + layer).all() for layer, span in enumerate(block3))  # block 3 untouched
+        layer.release([2])
+        assert states[2] == UNBACKED and layer.mapped_pages(3) == layer.pages_in(3) == layers
+        assert layer.stats()["pages_held"] == 2 * layers
+        assert all((buf[span] == 5 + index).all() for index, span in enumerate(block3))  # block 3 untouched
         states[3] = RECLAIMING
-        memory.release([3])  # the last block on them: every region's page goes back
-        assert all(memory.users[p] == 0 and cache.mapped_pages(p) == 0 for p in (1, 9, 17))
-        memory.grow(2)  # block 2 again: its pages come back from the budget as zeros
+        layer.release([3])  # the last block on them: every region's page goes back
+        assert layer.stats()["pages_held"] == layers
+        layer.back(2)  # block 2 again: its pages come back from the budget as zeros
         assert states[2] == BACKED and not any(buf[span].any() for span in block3)
-        assert (memory.users == np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)).all()
+        layer.check_invariants()
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 def test_a_budget_shortage_backs_fewer_blocks_and_changes_nothing_else():
     # 2 layers, 4 KiB pages of 2 blocks each; 6 pages: blocks 0-5 (3 pages a region), no more.
-    memory = _memory(BlockRanges.per_layer(2, 2 * KIB, 32), 32, 4 * KIB, 4 * KIB, memory_budget=6 * 4 * KIB)
+    layer = _layer(BlockRanges.per_layer(2, 2 * KIB, 32), 32, 32 * 4 * KIB, 4 * KIB, memory_budget=6 * 4 * KIB)
     try:
-        before = memory.users.copy()
-        assert memory.grow(20) == 3  # blocks 3-5; block 6 would need a 4th page in each region
-        assert list(np.flatnonzero(memory.states.states == BACKED)) == [1, 2, 3, 4, 5]
-        assert memory.cache.stats()["pages_created"] == 6
-        assert memory.grow(20) == 0 and (memory.users > 0).sum() == 6 and (before <= memory.users).all()
-        assert (memory.users == np.bincount(memory.pages_of(vt.live_blocks(memory)), minlength=memory.num_pages)).all()
+        assert layer.back(2) == 2
+        assert layer.back(20) == 3  # blocks 3-5; block 6 would need a 4th page in each region
+        assert list(np.flatnonzero(layer.states[1:] == BACKED) + 1) == [1, 2, 3, 4, 5]
+        assert layer.stats()["pages_held"] == 6
+        assert layer.back(20) == 0 and layer.stats()["pages_held"] == 6
+        layer.check_invariants()
     finally:
-        memory.states.unlink()
-        memory.close()
+        layer.close()
 
 
 # ---- startup and registration ------------------------------------------------------------------
@@ -304,7 +311,7 @@ def test_views_in_another_layout_than_the_backed_ranges_are_refused_when_registe
     engine = _engine(layouts)  # registers vLLM's LBNHC views: accepted
     try:
         kv_config, worker = engine.kv_config, engine.worker
-        buf = worker._memory.buffer()
+        buf = worker.connector_worker.buffer()
         tensor = kv_config.kv_cache_tensors[0]
         spec = kv_config.kv_cache_groups[0].kv_cache_spec
         # A manager block split into kernel blocks of 8 tokens (vLLM does so in layer-outermost
@@ -335,7 +342,7 @@ def test_the_budget_check_counts_a_page_in_every_layers_region(monkeypatch):
 
 
 def test_byte_runs_of_vllms_layouts():
-    from vkv.integrations.vllm.slot_geometry import byte_runs
+    from vkv.integrations.vllm.block_geometry import byte_runs
     # [L=2, H=2, N=16, C=256 bytes] of a block in LBNHC (N outside H): one 8 KiB run a layer.
     assert byte_runs((2, 2, 16, 256), (1 << 20, 256, 512, 1)) == [(0, 8192), (1 << 20, 8192)]
     # LHBNC: heads outside blocks, one 4 KiB run per layer and head.

@@ -19,7 +19,7 @@ from lab import vllm_engine as vt  # noqa: E402
 
 import vkv  # noqa: E402
 from vkv.integrations.vllm.config import VkvConnectorConfig  # noqa: E402
-from vkv.integrations.vllm.workers import AskBoards, check_parallel, engine_budget_names, physical_gpu  # noqa: E402
+from vkv.integrations.vllm.workers import check_parallel, engine_budget_names, physical_gpu  # noqa: E402
 
 
 def _trace(engine, n=8, prompt=37, gen=6, name="req", first=0):
@@ -167,28 +167,6 @@ def test_a_step_that_changes_no_backing_runs_no_agreement_round():
         engine.close()
 
 
-def test_workers_that_choose_different_blocks_fail_the_step_on_every_worker():
-    engine = pt.ParallelEngine(2, 1, 64, {"background_mapping": False})
-    try:
-        _trace(engine, n=2)
-        engine.step()
-        before = engine.backed_now()
-        engine.choose_differently(1)
-        _trace(engine, n=6, prompt=90, name="more", first=500)
-        with pytest.raises(pt.WorkerError) as caught:
-            for _ in range(4):
-                engine.step()
-        errors = caught.value.errors
-        assert sorted(errors) == [0, 1], errors
-        for rank, text in errors.items():
-            assert "the engine's workers chose different blocks to back" in text and "nothing was backed" in text, text
-        after = engine.backed_now()
-        assert after[0] == after[1] and set(after[0]) <= set(before[0]) | set(after[0]), after
-        assert len(after[0]) <= len(before[0]), (before, after)
-    finally:
-        engine.close()
-
-
 def _budgets(blocks_per_gpu, block_bytes, page=0):
     """One host-backend budget per (emulated) GPU: PREFIX0, PREFIX1, ..."""
     prefix = f"vkv-vllm-test-{uuid.uuid4().hex[:8]}-gpu"
@@ -233,46 +211,29 @@ def test_a_gpu_short_of_pages_makes_every_worker_back_fewer_blocks():
         engine.close()
 
 
-def test_a_worker_whose_backing_fails_fails_the_step_on_every_worker():
+def test_a_worker_whose_job_fails_fails_the_step_on_every_worker():
+    # The step's job fails on tensor-parallel rank 1 of stage 1 alone (it releases a block it
+    # never backed): every worker raises the error naming it, and none backs anything more.
     engine = pt.ParallelEngine(2, 2, 64)
     try:
         _trace(engine, n=3)
         for _ in range(2):
             engine.step()
         before = engine.backed_now()
-        engine.fail_next_backing(3)  # tensor-parallel rank 1 of stage 1
+        engine.fail_next_job(3)
         _trace(engine, n=4, prompt=60, name="more", first=500)
         with pytest.raises(pt.WorkerError) as caught:
             for _ in range(3):
                 engine.step()
         errors = caught.value.errors
         assert sorted(errors) == [0, 1, 2, 3], errors  # every worker, not only the one that failed
-        for rank, text in errors.items():
-            assert "worker rank 3 (tensor-parallel rank 1 of pipeline stage 1) failed to back" in text, text
-            assert "bytes of its GPU's budget" in text and "no worker backed them" in text, text
-        assert "injected backing failure" in errors[3]
+        for text in errors.values():
+            assert "worker rank 3 of 4" in text and "failed to release the job's blocks" in text, text
+            assert "stop the engine" in text, text
+        assert "is not backed" in errors[3], errors[3]
         after = engine.backed_now()
         assert all(backed == after[0] for backed in after), after
-        assert set(after[0]) <= set(before[0]), (before[0], after[0])  # nothing backed (released blocks went)
-    finally:
-        engine.close()
-
-
-def test_a_worker_whose_give_back_fails_fails_the_step_on_every_worker():
-    engine = pt.ParallelEngine(2, 1, 64, {"background_mapping": False})
-    try:
-        engine.fail_next_release(1)
-        _trace(engine, n=8)
-        with pytest.raises(pt.WorkerError) as caught:
-            for _ in range(300):  # the requests end, and their blocks go back
-                engine.step()
-                if not engine.unfinished() and not engine.scheduler.has_requests():
-                    break
-        errors = caught.value.errors
-        assert sorted(errors) == [0, 1], errors
-        for text in errors.values():
-            assert "worker rank 1 (tensor-parallel rank 1 of pipeline stage 0) failed to give back" in text, text
-        assert "injected give-back failure" in errors[1]
+        assert set(after[0]) <= set(before[0]), (before[0], after[0])  # nothing backed
     finally:
         engine.close()
 
@@ -296,7 +257,7 @@ def test_a_worker_killed_mid_burst_ends_the_others_with_an_error_naming_it(backg
                     engine.step(timeout=20)
             text = caught.value.errors[0]
             assert f"rank 1 (pid {dead}) exited" in text, text
-            assert "cannot agree on this step's backing" in text, text
+            assert "the engine's workers cannot agree" in text, text
             # GPU 1's budget counts the dead worker out: its pages are free again.
             stats = budgets[1].stats()
             assert not any(m["pid"] == dead for m in stats["members"]) and stats["used_bytes"] == 0, stats
@@ -340,20 +301,36 @@ def test_each_gpu_has_its_own_budget_name(monkeypatch):
     assert physical_gpu(0) == 0
 
 
-def test_the_scheduler_hears_another_engines_ask_on_any_of_its_gpus():
-    from vkv.integrations.vllm.asks import AskBoard
+def test_the_scheduler_answers_for_its_engine_on_every_gpus_budget():
+    # A TP=2 engine on GPUs 0 and 1 speaks in both budgets: another engine's ask on GPU 1 alone
+    # is its share to give (a block is backed on all GPUs or none), and its own ask stands in both.
+    from vkv.integrations.vllm.engine_budget import EngineBudget
+    block = 8192
     prefix = f"vkv-vllm-test-{uuid.uuid4().hex[:8]}-gpu"
-    ours = AskBoards([prefix + "0", prefix + "1"])  # a TP=2 engine on GPUs 0 and 1
-    other = AskBoard(prefix + "1")  # an engine on GPU 1 only
+    budgets = [vkv.SharedBudget.create(prefix + str(gpu), 32 * block, device="cpu") for gpu in range(2)]
+    ours = [vkv.BlockBacking(64, block, device="cpu", page_size=4096, shared_budget=budget.name,
+                             shared_budget_label="ours") for budget in budgets]
+    other = vkv.BlockBacking(64, block, device="cpu", page_size=4096, shared_budget=budgets[1].name,
+                             shared_budget_label="other")  # an engine on GPU 1 only
+    engine = EngineBudget([budget.name for budget in budgets], "ours", block)
     try:
-        assert not ours.others_want()
-        other.post(1 << 20)
-        assert ours.others_want()  # its free blocks go back on every GPU: a block is backed on all or none
-        other.post(0)
-        ours.post(4096)  # a shortfall of ours is posted on each GPU's board
-        assert other.others_want()
-        assert [board.rows[board.row, 1] for board in ours.boards] == [4096, 4096]
+        for backing in ours + [other]:
+            backing.back(15)
+        assert engine.report(spare_blocks=15, ask_blocks=0, given_blocks=0, settled=True) == 0
+        budgets[1].speak_for("other", ask=4 * block)
+        assert engine.report(spare_blocks=15, ask_blocks=0, given_blocks=0, settled=True) == 4
+        budgets[1].speak_for("other")
+        engine.report(spare_blocks=0, ask_blocks=3, given_blocks=0, settled=True)
+        assert [_wanted(budget, "ours") for budget in budgets] == [3 * block, 3 * block]
+        assert budgets[1].share_of("other")["open_bytes"] == 3 * block
     finally:
-        other.close()
-        ours.close()
-    assert not glob.glob(f"/dev/shm/vkv-vllm-asks-{prefix}*")
+        engine.close()
+        for backing in ours + [other]:
+            backing.close()
+        for budget in budgets:
+            budget.remove()
+    assert not glob.glob(f"/dev/shm/*{prefix}*")
+
+
+def _wanted(budget, label):
+    return next(member["bytes_wanted"] for member in budget.stats()["members"] if member["label"] == label)

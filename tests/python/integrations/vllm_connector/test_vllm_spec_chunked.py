@@ -47,12 +47,12 @@ class Watch:
                 self.prefill_steps[request_id] = self.prefill_steps.get(request_id, 0) + 1
         if engine.worker is None:
             return
-        memory = engine.worker._memory
-        states = memory.states.states
+        layer = vt.backing(engine)
+        states = layer.states
         for request_id, table in engine.block_tables(out).items():
             for block in table:
                 assert states[block] == IN_POOL, (self.steps, request_id, block, states[block])
-                assert memory.cache.mapped_pages(block) >= 1, (self.steps, request_id, block)
+                assert layer.mapped_pages(block) == layer.pages_in(block), (self.steps, request_id, block)
 
 
 def _prompt(seed, length):
@@ -113,7 +113,7 @@ def test_long_prompts_in_small_chunks_as_on_vllms_fixed_pool(speculative, backgr
     assert outputs == fixed
     assert max(watch.prefill_steps.values()) >= 8, watch.prefill_steps  # prompts took many chunks
     assert watch.preempted == fixed_watch.preempted == 0
-    lag = 2 if background else 1  # the background mapper's backing lands a step later
+    lag = 2 if background else 1  # the layer's thread's backing lands a step later
     late = {r: (watch.first[r], fixed_watch.first[r]) for r in watch.first
             if watch.first[r] > fixed_watch.first[r] + lag + 1}
     assert not late, late

@@ -1,23 +1,18 @@
-"""The bytes of vkv's slots and pages behind vLLM's blocks: which memory backs a block of
-``block_bytes`` (memory.py's BlockMemory, one slot a block, or page_memory.py's PageMemory,
-page by page), shared by both without either importing the other."""
+"""Where vLLM's blocks lie in its KV buffer: the ranges vkv.BlockBacking backs for each
+block (one run in a block-outermost layout, one range per layer region in a
+layer-outermost one), and the page each device's backend maps."""
+
+from typing import List, Tuple
 
 from vkv._parameters import resolve_device
 
 _HOST_PAGE = 4096
 _CUDA_PAGE = 2 << 20
-SLOT_TOKEN_BYTES = 4096  # the vkv slot's "token": one layer, one head of 1024 fp16, K and V
 
 
 def default_page_bytes(device: str) -> int:
     """vkv's page on ``device``: 2 MiB on a GPU, 4 KiB on the host backend."""
     return _HOST_PAGE if str(resolve_device(device)) == "cpu" else _CUDA_PAGE
-
-
-def one_slot_per_block(block_bytes: int, page_bytes: int) -> bool:
-    """A block is a power-of-two multiple of the page: vkv backs it as one slot of pages of
-    ``block_bytes`` (BlockMemory); otherwise page by page (page_memory.py)."""
-    return block_bytes % page_bytes == 0 and block_bytes & (block_bytes - 1) == 0
 
 
 def byte_runs(sizes, strides) -> "list[tuple[int, int]]":
@@ -61,6 +56,10 @@ class BlockRanges:
         region = num_blocks * layer_block_bytes
         return cls([layer * region for layer in range(layers)], [layer_block_bytes] * layers,
                    [layer_block_bytes] * layers)
+
+    def as_tuples(self) -> List[Tuple[int, int, int]]:
+        """``[(start, length, stride), ...]``: vkv.BlockBacking's ``ranges``."""
+        return [(int(s), int(n), int(t)) for s, n, t in zip(self.starts, self.lengths, self.strides)]
 
     @property
     def is_one_run(self) -> bool:
