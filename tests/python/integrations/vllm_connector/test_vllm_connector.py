@@ -16,12 +16,7 @@ from lab.vllm_engine import require_vllm  # noqa: E402  (the checkout, on pytest
 
 require_vllm()
 
-<<<<<<< HEAD
 from lab import vllm_engine as vt  # noqa: E402
-import torch  # noqa: E402
-=======
-from lab import vllm_engine as vt  # noqa: E402
->>>>>>> h-vllm
 
 from vkv.integrations.vllm.block_states import BACKED, IN_POOL  # noqa: E402
 

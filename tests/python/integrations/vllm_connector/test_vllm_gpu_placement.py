@@ -20,11 +20,8 @@ import torch
 
 import vkv
 from vkv import _C
-<<<<<<< HEAD
 from vkv._reservation import reservation_tensor
-=======
 from vkv.integrations.vllm.block_geometry import BlockRanges
->>>>>>> h-vllm
 from vkv.integrations.vllm.block_states import BACKED, RECLAIMING, UNBACKED
 from vkv.integrations.vllm.config import VkvConnectorConfig
 from vkv.integrations.vllm.pool import ReservationPool
