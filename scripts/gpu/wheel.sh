@@ -26,6 +26,11 @@ echo "wheel: $(basename "$wheel")" | tee -a "$summary"
 venv=/tmp/vkv-wheel-venv
 rm -rf "$venv"
 python3 -m venv --system-site-packages "$venv"
+# --system-site-packages reaches the base interpreter's packages only, not those of a venv
+# python3 may be, nor its user site: a .pth puts every package folder python3 sees after the
+# venv's own, so the machine's torch is found and the wheel's vkv comes first.
+python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+  > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine-packages.pth"
 start=$SECONDS
 "$venv/bin/python" -m pip install -q --no-deps --no-index "$wheel" > "$out/pip.log" 2>&1
 check "pip install --no-deps ($((SECONDS - start)) s)" $?
