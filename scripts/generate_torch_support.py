@@ -31,7 +31,7 @@ def pyproject(text: str) -> str:
 def readme(text: str) -> str:
     row = (f"| torch | {OLDEST} to {NEWEST} (a newer torch imports with a one-line warning; an older one is refused) "
            f"| {OLDEST} and {NEWEST} from one wheel in CI: `scripts/test_torch_versions.sh`; 2.13 in CI's main run, "
-           f"`scripts/test.sh`; {OLDEST} on an H100: `scripts/gpu/wheel.sh` |")
+           f"`scripts/test.sh`; {OLDEST} on an H200: `scripts/gpu/wheel.sh` (the wheel, 172 GPU tests from it) |")
     return re.sub(r"(?m)^\| torch \|.*\|$", lambda _: row, text, count=1)
 
 
