@@ -30,8 +30,9 @@ import sglang_testing as st  # noqa: E402
 import vkv  # noqa: E402
 from lab import vllm_engine as vt  # noqa: E402
 
-SGLANG_POOL_TOKENS = 320
+SGLANG_POOL_TOKENS = 448
 CAPACITY = SGLANG_POOL_TOKENS * st.TOKEN_BYTES  # what SGLang's pool holds whole: each engine alone wants it all
+VLLM_MAX_MODEL_LEN = 128  # one request of it (8 blocks) + headroom + the null block fit the budget, as vLLM's start checks
 
 
 def _held(budget, pid):
@@ -77,7 +78,7 @@ def test_memory_moves_between_a_vllm_and_an_sglang_engine_and_a_killed_engines_r
     commands, replies = context.Queue(), context.Queue()
     vllm = context.Process(target=vt.engine_process, daemon=True,
                            args=(commands, replies, {"headroom_blocks": 4, "shared_budget": name}, 128,
-                                 {"prefix_caching": False}))
+                                 {"prefix_caching": False, "max_model_len": VLLM_MAX_MODEL_LEN}))
     vllm.start()
     sglang = None
     try:
