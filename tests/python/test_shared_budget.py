@@ -567,7 +567,7 @@ def test_top_once_and_json_show_the_live_members(budget):
         assert (rows[labelled.pid]["floor_bytes"], rows[labelled.pid]["priority"]) == (2 * HOST_PAGE, 4)
         assert rows[plain.pid]["cap_bytes"] == 8 * HOST_PAGE
         assert set(rows[plain.pid]) == {"pid", "label", "bytes_held", "bytes_in_use", "floor_bytes", "cap_bytes",
-                                        "priority", "asks_per_second", "give_backs_per_second",
+                                        "priority", "bytes_wanted", "asks_per_second", "give_backs_per_second",
                                         "seconds_since_answer"}
         done = run_top(budget, "--once")
         assert done.returncode == 0, done.stderr
