@@ -58,10 +58,19 @@ def progress_bar(iterable, description: str, total=None):
                 mininterval=0.5, leave=False)
 
 
+def command() -> str:
+    """The command line as run from the checkout's root: ``python3 -m benchmarks.Q.SCRIPT ARGS``
+    (python -m gives sys.argv[0] as the script's absolute path, a machine's path)."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    module = script[:-3].replace(os.sep, ".") if script.endswith(".py") and not script.startswith("..") else None
+    head = ["-m", module] if module else [sys.argv[0]]
+    return " ".join([os.path.basename(sys.executable)] + head + sys.argv[1:])
+
+
 def machine(device: str) -> dict:
     """What the numbers were measured on, and the command that measured them."""
     info = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "command": command(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()

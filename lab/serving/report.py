@@ -201,7 +201,7 @@ def provenance(folder: Optional[str] = None) -> dict:
         if commit:
             status = _git(where, "status", "--porcelain", "--untracked-files=no")
             return {"git_commit": commit, "git_dirty": None if status is None else bool(status),
-                    "git_source": _git(where, "rev-parse", "--show-toplevel")}
+                    "git_source": "git"}  # the checkout's own history (no machine path)
     return {"git_commit": None, "git_dirty": None, "git_source": None}
 
 
