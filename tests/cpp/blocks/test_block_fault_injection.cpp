@@ -12,7 +12,6 @@
 // zero-fills are queued when a failing call undoes its mappings: the undo must wait.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <functional>
 
 #include "block_testing.h"
@@ -122,10 +121,10 @@ TEST_P(BlockFaultInjection, EveryFailedCallLeavesTheLayerAsItWasAndNothingLeaks)
       expected.push_back(snapshot(backing, *host));
     }
   }
-  const char* every_env = std::getenv("VKV_FAULT_EVERY");
-  const std::size_t every = every_env ? std::max<std::size_t>(1, std::strtoull(every_env, nullptr, 10)) : 1;
+  // Every call fails once, sanitizers too: the script makes about twenty calls, so skipping
+  // some (VKV_FAULT_EVERY, for the long suites) would save nothing and miss most of them.
   std::size_t failures = 0;
-  for (std::size_t fail_at = 1;; fail_at += every) {
+  for (std::size_t fail_at = 1;; ++fail_at) {
     std::shared_ptr<Backend> host = deferred
                                         ? std::make_shared<HostBackend>(kHostTestPageBytes, HostExecution::deferred)
                                         : std::make_shared<HostBackend>(kHostTestPageBytes);
