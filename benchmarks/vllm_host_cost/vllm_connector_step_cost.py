@@ -20,31 +20,36 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
+
+from benchmarks.common import command
 
 HOOKS = ("build_connector_meta", "get_num_new_matched_tokens", "update_connector_output", "on_new_request",
          "request_finished", "request_finished_all_groups", "has_pending_push_work", "update_state_after_alloc")
 
 
 class HookClock:
-    """Wraps the connector's scheduler-side hooks, adding their time to ``spent``."""
+    """Wraps the connector's scheduler-side hooks, adding their wall time to ``spent`` and
+    the engine thread's CPU time to ``cpu`` (what the hooks cost that thread; on a busy
+    machine the wall time also counts the time the thread waited for a core)."""
 
     def __init__(self, connector) -> None:
         self.spent = 0.0
+        self.cpu = 0.0
         for name in HOOKS:
             original = getattr(connector, name)
             setattr(connector, name, self._timed(original))
 
     def _timed(self, original):
-        clock = time.perf_counter
+        clock, cpu_clock = time.perf_counter, time.thread_time
 
         def hook(*args, **kwargs):
-            start = clock()
+            start, cpu_start = clock(), cpu_clock()
             try:
                 return original(*args, **kwargs)
             finally:
                 self.spent += clock() - start
+                self.cpu += cpu_clock() - cpu_start
         return hook
 
 
@@ -62,21 +67,24 @@ def run(num_blocks: int, requests: int, gen: int, warmup: int) -> dict:
         clock = HookClock(engine.connector)
         balloon = engine.connector.connector_scheduler.balloon
         pending = workload(requests)
-        per_step, work, step = [], [], 0
+        per_step, cpu_per_step, work, step = [], [], [], 0
         while pending or engine.unfinished():
             if pending and step % 8 == 0:
                 for request_id, prompt in pending[:16]:
                     engine.add(request_id, prompt, gen)
                 pending = pending[16:]
-            clock.spent, before = 0.0, balloon.work
+            clock.spent, clock.cpu, before = 0.0, 0.0, balloon.work
             engine.step(read_back=False)
             if step >= warmup:
                 per_step.append(clock.spent * 1e6)
+                cpu_per_step.append(clock.cpu * 1e6)
                 work.append(balloon.work - before)
             step += 1
-        ordered = sorted(per_step)
+        ordered, cpu_ordered = sorted(per_step), sorted(cpu_per_step)
         return {"blocks": num_blocks, "steps": step, "median_us": statistics.median(per_step),
                 "p90_us": ordered[int(0.9 * len(ordered))], "max_us": ordered[-1], "mean_us": statistics.fmean(per_step),
+                "cpu_median_us": statistics.median(cpu_per_step), "cpu_p90_us": cpu_ordered[int(0.9 * len(cpu_ordered))],
+                "load_average": os.getloadavg()[0],
                 "work_per_step_max": max(work), "work_total": sum(work)}
     finally:
         engine.close()
@@ -99,18 +107,20 @@ def main() -> None:
             row = dict(run(blocks, args.requests, args.gen, args.warmup), repeat=repeat)
             results.append(row)
             print(f"{blocks:6d} blocks  connector Python a step: median {row['median_us']:.1f} us, "
-                  f"p90 {row['p90_us']:.1f} us, max {row['max_us']:.1f} us  ({row['steps']} steps; "
+                  f"p90 {row['p90_us']:.1f} us, max {row['max_us']:.1f} us; CPU median {row['cpu_median_us']:.1f} us, "
+                  f"p90 {row['cpu_p90_us']:.1f} us  (load {row['load_average']:.1f}; {row['steps']} steps; "
                   f"block ids handled: {row['work_total']}, at most {row['work_per_step_max']} a step)", flush=True)
     summary = {}
     for blocks in sorted({r["blocks"] for r in results}):
         rows = [r for r in results if r["blocks"] == blocks]
         summary[str(blocks)] = {key: statistics.median(r[key] for r in rows)
-                                for key in ("median_us", "p90_us", "max_us", "work_total", "work_per_step_max")}
+                                for key in ("median_us", "p90_us", "max_us", "cpu_median_us", "cpu_p90_us", "work_total",
+                                            "work_per_step_max")}
     here = os.path.dirname(os.path.abspath(__file__))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
     import torch
     import vllm
-    out = {"command": " ".join([os.path.relpath(sys.argv[0], os.path.join(here, "..", ".."))] + sys.argv[1:]),
+    out = {"command": command(),
            "commit": commit, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
            "summary": summary, "runs": results}
