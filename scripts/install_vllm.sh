@@ -25,6 +25,11 @@ pip=("$python" -m pip install -q --no-deps)
   "prometheus_client>=0.18.0" "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11" "llguidance<1.8.0,>=1.7.0" \
   partial-json-parser "opentelemetry-api>=1.27.0" "requests>=2.33.0" urllib3 charset-normalizer idna certifi \
   attrs sniffio cloudpickle py-cpuinfo
+# What a fresh environment (an engine's own, scripts/test_engine_env.sh) lacks besides: pure
+# Python, none of it pulls torch, so with their own dependencies; transformers within vLLM
+# 0.33.0's range, only where none is installed (the transformers tests pick their own).
+"$python" -m pip install -q pydantic regex
+"$python" -c "import transformers" 2>/dev/null || "$python" -m pip install -q "transformers>=5.16.1,<5.21.0"
 
 if ! err=$("$python" -c "$probe" 2>&1); then
   echo "install_vllm.sh: vLLM 0.33.0 still does not import: $(echo "$err" | tail -1)" >&2
