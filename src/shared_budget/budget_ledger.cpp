@@ -19,24 +19,6 @@ namespace {
 // Request numbers wrap: `a` is at or after `b` when their difference, signed, is not negative.
 bool at_or_after(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(a - b) >= 0; }
 
-bool printable(char c) noexcept { return c >= 0x20 && c < 0x7f; }
-
-// NUL-terminated, printable ASCII: what view() accepts back (a process name may hold
-// other bytes, and cutting UTF-8 at 15 bytes would leave half a character).
-void copy_text(char* into, std::size_t size, const std::string& text) noexcept {
-  std::memset(into, 0, size);
-  const std::size_t length = std::min(size - 1, text.size());
-  for (std::size_t i = 0; i < length; ++i) into[i] = printable(text[i]) ? text[i] : '?';
-}
-
-// The text of a field copy_text() wrote; empty when it is not (no NUL, or other bytes).
-bool read_text(const char* from, std::size_t size, std::string& text) {
-  const std::size_t length = strnlen(from, size);
-  if (length == size || !std::all_of(from, from + length, printable)) return false;
-  text.assign(from, length);
-  return true;
-}
-
 ProcessIdentity identity_of(const BudgetMemberRecord& row) noexcept { return {row.pid, row.start_time}; }
 
 // A member `request` still waits for: it has not answered it yet, or owes a pledge.
@@ -104,11 +86,6 @@ std::uint64_t cap_room(const BudgetMemberRecord& row, std::uint64_t bytes) noexc
   return std::min(bytes, cap > held ? cap - held : 0);
 }
 
-std::int64_t monotonic_ns() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 std::string text_of_bytes(std::uint64_t bytes) { return concat(bytes, " bytes (", format_bytes(bytes), ")"); }
 
 }  // namespace
@@ -128,20 +105,6 @@ class BudgetLedger::Lock {
  private:
   RobustLock lock_;
 };
-
-void BudgetLedger::initialize(BudgetSegment& segment, std::size_t capacity, std::size_t device_total,
-                              const std::string& device, const std::string& identity, unsigned mode,
-                              std::size_t device_page_bytes) {
-  segment.version = BudgetSegment::kVersion;
-  segment.mode = mode & 0777;
-  segment.device_page_bytes = device_page_bytes;
-  segment.mutex.init();
-  segment.capacity.store(capacity);
-  segment.device_total = device_total;
-  copy_text(segment.device, sizeof(segment.device), device);
-  copy_text(segment.identity, sizeof(segment.identity), identity);
-  segment.magic.store(BudgetSegment::kMagic, std::memory_order_release);
-}
 
 std::size_t BudgetLedger::join(std::size_t page_bytes, const MemberLimits& limits, const std::string& label) {
   const ProcessIdentity self = ProcessIdentity::self();
