@@ -50,7 +50,9 @@ std::int64_t monotonic_ns() noexcept {
       .count();
 }
 
-std::string budget_description(const std::string& name) { return "shared budget '" + name + "'"; }
+std::string budget_description(const std::string& name) {
+  return name.empty() ? "the shared budget" : "shared budget '" + name + "'";
+}
 
 std::string budget_object_name(const std::string& name) {
   expect_valid_object_name(name, SharedBudget::kMaxNameLength, "shared budget name");

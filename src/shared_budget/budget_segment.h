@@ -6,8 +6,8 @@
 // A member's bytes: `held`, the pages it created and has not released (and bytes it
 // claimed ahead of creating pages). used = sum of held + reserved.
 //
-// Internal. Thread- and process-safety: plain data; the operations on it (budget_ledger.h)
-// say which fields they write under the segment's mutex.
+// Internal. Thread- and process-safety: plain data; the operations on it (budget_ledger.h
+// and the files it names) say which fields they write under the segment's mutex.
 #pragma once
 
 #include <atomic>
@@ -97,7 +97,7 @@ bool read_text(const char* from, std::size_t size, std::string& text);
 /// The clock of the rows' *_ns fields (CLOCK_MONOTONIC, which every process on the machine shares).
 std::int64_t monotonic_ns() noexcept;
 
-/// "shared budget 'name'", for messages.
+/// "shared budget 'name'", for messages; "the shared budget" for a handle given no name.
 std::string budget_description(const std::string& name);
 /// The shared object's name of a budget: "vkv-budget-<name>".
 /// @throws InvalidArgument for a name that is empty, longer than SharedBudget::kMaxNameLength
