@@ -23,7 +23,7 @@ namespace {
 constexpr std::size_t kPage = 1 << 20;
 constexpr std::size_t pages(std::size_t count) { return count * kPage; }
 
-class EngineSharesTest : public ::testing::Test {
+class SharedBudgetEngineSharesTest : public ::testing::Test {
  protected:
   void SetUp() override {
     static std::atomic<int> counter{0};
@@ -64,7 +64,7 @@ SharedBudgetReport report(std::size_t spare_pages, std::size_t ask_pages = 0) {
 
 // An engine that needs 65 pages gets them from the priority-0 engine; the priority-9 one
 // keeps all it has (its prefix cache survives an ask it need not pay for).
-TEST_F(EngineSharesTest, AnAskIsGivenByTheLowestPriorityAndNoMoreThanAsked) {
+TEST_F(SharedBudgetEngineSharesTest, AnAskIsGivenByTheLowestPriorityAndNoMoreThanAsked) {
   SharedBudget budget = create(1000);
   member("low", 300, {0, 0, 0});
   member("high", 300, {0, 0, 9});
@@ -80,7 +80,7 @@ TEST_F(EngineSharesTest, AnAskIsGivenByTheLowestPriorityAndNoMoreThanAsked) {
 }
 
 // The lower priority gives all it can spare; the next one gives only the rest.
-TEST_F(EngineSharesTest, TheNextPriorityGivesOnlyWhatTheLowerCouldNot) {
+TEST_F(SharedBudgetEngineSharesTest, TheNextPriorityGivesOnlyWhatTheLowerCouldNot) {
   SharedBudget budget = create(1000);
   member("low", 300, {0, 0, 0});
   member("high", 300, {0, 0, 9});
@@ -93,7 +93,7 @@ TEST_F(EngineSharesTest, TheNextPriorityGivesOnlyWhatTheLowerCouldNot) {
 }
 
 // A floor of 300 pages: an engine holding 322 gives 22 at most, whatever is asked.
-TEST_F(EngineSharesTest, AFloorIsNeverGivenAway) {
+TEST_F(SharedBudgetEngineSharesTest, AFloorIsNeverGivenAway) {
   SharedBudget budget = create(1000);
   member("floored", 322, {pages(300), 0, 0});
   member("asker", 678);
@@ -104,7 +104,7 @@ TEST_F(EngineSharesTest, AFloorIsNeverGivenAway) {
 
 // An engine short only because of its own cap asks nobody; free capacity covers an ask
 // before anyone gives.
-TEST_F(EngineSharesTest, OnlyRealAsksCost) {
+TEST_F(SharedBudgetEngineSharesTest, OnlyRealAsksCost) {
   SharedBudget budget = create(1000);
   member("idle", 300);
   member("capped", 100, {0, pages(100), 0});
@@ -121,7 +121,7 @@ TEST_F(EngineSharesTest, OnlyRealAsksCost) {
 // Equal priorities give so that each keeps the same spare: 400 and 300 spare, 200 asked:
 // 150 and 50, both keeping 250. Each computes its part alone, before or after the other
 // gave: the parts stay the same.
-TEST_F(EngineSharesTest, EqualPrioritiesKeepEqualSpareWhoeverGivesFirst) {
+TEST_F(SharedBudgetEngineSharesTest, EqualPrioritiesKeepEqualSpareWhoeverGivesFirst) {
   SharedBudget budget = create(1000);
   const std::size_t first = member("first", 410);
   member("second", 310);
@@ -144,7 +144,7 @@ TEST_F(EngineSharesTest, EqualPrioritiesKeepEqualSpareWhoeverGivesFirst) {
 
 // What is given back for a standing ask is the asker's: its worker's next acquire takes it
 // (and the free hint counts it), and the ask closes as it holds more.
-TEST_F(EngineSharesTest, AStandingAsksReservationIsTheAskersToTake) {
+TEST_F(SharedBudgetEngineSharesTest, AStandingAsksReservationIsTheAskersToTake) {
   SharedBudget budget = create(1000);
   const std::size_t giver = member("giver", 500);
   const std::size_t asker = member("asker", 500);
@@ -163,7 +163,7 @@ TEST_F(EngineSharesTest, AStandingAsksReservationIsTheAskersToTake) {
 
 // A cap set below what an engine holds is given from its spare; a resize below what is
 // used is given lowest priority first.
-TEST_F(EngineSharesTest, ACapAndAResizeAreGivenFromTheSpare) {
+TEST_F(SharedBudgetEngineSharesTest, ACapAndAResizeAreGivenFromTheSpare) {
   SharedBudget budget = create(1000);
   const std::size_t capped = member("capped", 250);
   member("other", 300, {0, 0, 1});
@@ -182,7 +182,7 @@ TEST_F(EngineSharesTest, ACapAndAResizeAreGivenFromTheSpare) {
 }
 
 // An engine whose scheduler was SIGKILLed asks nobody any more, at once.
-TEST_F(EngineSharesTest, ADeadSpeakersAskIsDropped) {
+TEST_F(SharedBudgetEngineSharesTest, ADeadSpeakersAskIsDropped) {
   SharedBudget budget = create(1000);
   member("giver", 500);
   member("asker", 500);
@@ -210,7 +210,7 @@ TEST_F(EngineSharesTest, ADeadSpeakersAskIsDropped) {
 
 // A member killed with SIGKILL and not yet counted out holds bytes: an engine with no room
 // counts it out when it asks for its share, and finds its bytes free.
-TEST_F(EngineSharesTest, ADeadMembersBytesAreRoomAtTheNextShare) {
+TEST_F(SharedBudgetEngineSharesTest, ADeadMembersBytesAreRoomAtTheNextShare) {
   SharedBudget budget = create(1000);
   member("engine", 500);
   int ready[2];
@@ -238,7 +238,7 @@ TEST_F(EngineSharesTest, ADeadMembersBytesAreRoomAtTheNextShare) {
 }
 
 // A speaker's thread sleeps in wait_for_request() until an ask opens: no polling.
-TEST_F(EngineSharesTest, AnOpenAskWakesAWaitingSpeaker) {
+TEST_F(SharedBudgetEngineSharesTest, AnOpenAskWakesAWaitingSpeaker) {
   SharedBudget budget = create(1000);
   member("giver", 500);
   member("asker", 500);
