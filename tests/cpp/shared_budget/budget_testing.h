@@ -190,4 +190,26 @@ inline const SharedBudgetMember& member_of(const SharedBudgetStats& stats, pid_t
   throw std::runtime_error("no member with pid " + std::to_string(pid));
 }
 
+// ---- one part of the books alone, in this process's memory ------------------------------
+
+// A budget's segment laid out as SharedBudget::create() lays out the shared object, but in
+// this process's memory: a part's suite drives that part on it directly. Members that join
+// are rows of this process (alive, running); pretend_dead() makes one a killed process's.
+class LocalSegment {
+ public:
+  explicit LocalSegment(std::size_t capacity, std::size_t device_page_bytes = kPage)
+      : segment_(std::make_unique<detail::BudgetSegment>()) {
+    detail::initialize_segment(*segment_, capacity, 4 * capacity, "host", "host", 0600, device_page_bytes);
+  }
+  detail::BudgetSegment& get() const { return *segment_; }
+  detail::BudgetMemberRecord& row(std::size_t member) const { return segment_->members[member]; }
+
+ private:
+  std::unique_ptr<detail::BudgetSegment> segment_;  // value-initialized: zero-filled as a new object is
+};
+
+// The row names a process that started at another time: what a killed member's row is once
+// its pid was reused, and gone as far as the books can tell.
+inline void pretend_dead(detail::BudgetMemberRecord& row) { row.start_time += 1; }
+
 }  // namespace vkv::shared_budget_testing

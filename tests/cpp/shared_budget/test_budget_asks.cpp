@@ -1,14 +1,20 @@
-// Asking and answering (budget_asks.h): a member short of pages gets the others' unclaimed
-// ones (never a claimed page, never below a floor), the lowest priorities give first, and
-// what is given back goes to the askers of higher priority first.
+// Asking and answering (budget_asks.h): an ask is posted within its cap, givers pledge what
+// is asked and not promised, the asker stops at the reservation or every answer and takes
+// what was given; a member short of pages gets the others' unclaimed ones (never a claimed
+// page, never below a floor), the lowest priorities give first, and what is given back
+// goes to the askers of higher priority first.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "budget_testing.h"
 #include "shared_budget/budget_asks.h"
+#include "shared_budget/member_holdings.h"
+#include "shared_budget/member_registry.h"
+#include "shared_budget/member_row.h"
 #include "testing.h"
 #include "vkv/shared_budget.h"
 
@@ -171,6 +177,108 @@ TEST(SharedBudgetAsksTest, GivenBackBytesGoToTheHigherPriorityAskerFirst) {
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetAsksCacheTest, testing::every_backend_with_both_layouts(),
                          testing::backend_and_layout_name);
+
+// ---- asks alone, on a segment in this process's memory -----------------------------------
+
+// Members of this process, in one budget of 10 pages: every one alive and running.
+class SharedBudgetAsksDirectTest : public ::testing::Test {
+ protected:
+  std::size_t member(std::size_t held_pages, const detail::MemberLimits& limits = {}) {
+    const std::size_t row = registry_.join(kPage, limits);
+    EXPECT_TRUE(holdings_.acquire(row, pages(held_pages)));
+    return row;
+  }
+
+  LocalSegment local_{pages(10)};
+  detail::MemberRegistry registry_{local_.get()};
+  detail::MemberHoldings holdings_{local_.get()};
+  detail::BudgetAsks asks_{local_.get()};
+};
+
+TEST_F(SharedBudgetAsksDirectTest, AnAskIsPostedAndCountedUnlessItsCapRefusesIt) {
+  const std::size_t giver = member(4);
+  const std::size_t asker = member(2);
+  const std::size_t capped = member(3, {0, pages(5), 0});  // 1 page free
+  EXPECT_EQ(asks_.others_cached(asker), pages(4 + 3));     // nothing claimed: everything could go
+  holdings_.publish_in_use(giver, pages(3));
+  EXPECT_EQ(asks_.others_cached(asker), pages(1 + 3));
+  EXPECT_EQ(asks_.ask(asker, pages(4)), 1u);
+  EXPECT_EQ(local_.row(asker).wanted, pages(4));
+  EXPECT_EQ(local_.row(asker).asks.load(), 1u);
+  // Its cap leaves it 2 pages, 1 of them free: asking could bring 1, not the 2 it needs.
+  EXPECT_EQ(asks_.ask(capped, pages(2), pages(2)), 1u);
+  EXPECT_EQ(local_.row(capped).wanted, 0u);
+  EXPECT_EQ(asks_.ask(capped, pages(2)), 2u);
+  EXPECT_EQ(local_.row(capped).wanted, pages(1));
+}
+
+// A giver pledges what is asked and not promised yet, never below its floor, and what it
+// holds above its cap whoever asks; its answer ends the pledge and records the request.
+TEST_F(SharedBudgetAsksDirectTest, APledgeCoversWhatIsAskedAndNotPromisedAboveTheFloor) {
+  const std::size_t floored = member(4, {pages(3), 0, 0});
+  const std::size_t other = member(4);
+  const std::size_t asker = member(2);
+  const std::uint32_t request = asks_.ask(asker, pages(3));
+  std::uint64_t asked = 0;
+  EXPECT_EQ(asks_.pledge(floored, pages(4), &asked), pages(1));  // its floor keeps 3
+  EXPECT_EQ(asked, pages(3));
+  EXPECT_EQ(asks_.pledge(other, pages(4)), pages(2));  // 1 promised already
+  EXPECT_EQ(asks_.pledge(other, pages(4)), 0u);
+  EXPECT_TRUE(detail::owes_answer(local_.row(other), request));
+  asks_.answered(other, request, pages(2), /*asked=*/true);
+  EXPECT_EQ(local_.row(other).pledged, 0u);
+  EXPECT_EQ(asks_.last_answered(other), request);
+  EXPECT_EQ(local_.row(other).give_backs.load(), 1u);
+  EXPECT_NE(local_.row(other).last_answer_ns.load(), 0);
+  local_.row(asker).wanted = 0;  // the ask ended
+  local_.row(other).cap = pages(2);
+  EXPECT_EQ(asks_.pledge(other, pages(4), &asked), pages(2));  // above its cap: its own to give, unasked
+  EXPECT_EQ(asked, 0u);
+  asks_.end_pledge(other);
+  EXPECT_EQ(local_.row(other).pledged, 0u);
+}
+
+// The asker stops waiting once what was given back for it covers enough, or everyone
+// answered; it then takes what was given, up to what it wanted.
+TEST_F(SharedBudgetAsksDirectTest, AnAskIsSettledByTheReservationOrByEveryAnswer) {
+  const std::size_t giver = member(8);
+  const std::size_t asker = member(2);
+  const std::uint32_t request = asks_.ask(asker, pages(3));
+  EXPECT_FALSE(asks_.ask_settled(asker, request, pages(2)));
+  EXPECT_FALSE(asks_.all_answered(request, asker));
+  EXPECT_TRUE(asks_.answer_may_come(request, asker));  // the giver can still run
+  EXPECT_EQ(asks_.pledge(giver, pages(8)), pages(3));
+  holdings_.release(giver, pages(2));
+  EXPECT_TRUE(asks_.ask_settled(asker, request, pages(2)));
+  EXPECT_FALSE(asks_.ask_settled(asker, request, pages(3)));
+  asks_.answered(giver, request, pages(2), true);
+  EXPECT_TRUE(asks_.all_answered(request, asker));
+  EXPECT_TRUE(asks_.ask_settled(asker, request, pages(3)));
+  EXPECT_FALSE(asks_.answer_may_come(request, asker));
+  EXPECT_EQ(asks_.claim_reserved(asker), pages(2));
+  EXPECT_EQ(holdings_.held(asker), pages(4));
+  EXPECT_EQ(local_.row(asker).wanted, 0u);
+  EXPECT_EQ(local_.get().reserved.load(), 0u);
+  EXPECT_EQ(local_.get().used.load(), pages(10));
+}
+
+// A member answers only once the members of lower priority that could give have answered.
+TEST_F(SharedBudgetAsksDirectTest, AHigherPriorityWaitsForTheLowerOnesToAnswer) {
+  const std::size_t low = member(3, {0, 0, 1});
+  const std::size_t high = member(3, {0, 0, 2});
+  const std::size_t asker = member(2, {0, 0, 3});
+  const std::uint32_t request = asks_.ask(asker, pages(4));
+  bool deferred = false;
+  EXPECT_EQ(asks_.pledge(high, pages(3), nullptr, &deferred), 0u);
+  EXPECT_TRUE(deferred);
+  EXPECT_EQ(asks_.pledge(low, pages(3), nullptr, &deferred), pages(3));
+  EXPECT_FALSE(deferred);
+  holdings_.release(low, pages(3));
+  asks_.answered(low, request, pages(3), true);
+  EXPECT_EQ(asks_.pledge(high, pages(3), nullptr, &deferred), pages(1));
+  EXPECT_FALSE(deferred);
+  EXPECT_EQ(asks_.given_bytes(low), pages(3));
+}
 
 }  // namespace
 }  // namespace vkv

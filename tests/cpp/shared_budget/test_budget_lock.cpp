@@ -4,11 +4,14 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <string>
 #include <utility>
 
 #include "budget_testing.h"
 #include "shared_budget/budget_lock.h"
+#include "shared_budget/member_holdings.h"
+#include "shared_budget/member_registry.h"
 #include "testing.h"
 #include "vkv/shared_budget.h"
 
@@ -84,6 +87,40 @@ TEST(SharedBudgetLockTest, AnUnderflowedUsedIsRepairedWhenTheBooksAreRecounted) 
   EXPECT_EQ(budget.stats().used_bytes, std::size_t{4} << 20);
   ledger.leave(member);
   EXPECT_EQ(budget.stats().used_bytes, 0u);
+}
+
+// Taken after its holder died, the lock counts the dead out and adds `used` up again from
+// the rows before its taker reads the books; taken after a holder that unlocked, it
+// changes nothing.
+TEST(SharedBudgetLockTest, TakenAfterItsHolderDiedItRepairsTheBooksFirst) {
+  BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 64 << 20, host());
+  RawBudget raw(name.str());
+  detail::BudgetSegment& segment = raw.segment();
+  detail::MemberRegistry registry(segment);
+  detail::MemberHoldings holdings(segment);
+  const std::size_t live = registry.join(1 << 20);
+  const std::size_t dead = registry.join(1 << 20);
+  ASSERT_TRUE(holdings.acquire(live, 8 << 20));
+  ASSERT_TRUE(holdings.acquire(dead, 4 << 20));
+  pretend_dead(segment.members[dead]);
+  segment.used.store(1);  // off, as a change cut short leaves it
+  { const detail::BudgetLock lock(segment); }
+  EXPECT_EQ(segment.used.load(), 1u);
+  EXPECT_NE(segment.members[dead].pid.load(), 0);
+  MemberProcess child([&] {
+    auto* mine = new RawBudget(name.str());  // stays mapped: the lock is held until the process dies
+    mine->segment().mutex.lock();
+  });
+  ASSERT_TRUE(child.started());
+  child.kill();
+  {
+    const detail::BudgetLock lock(segment);
+    EXPECT_EQ(segment.members[dead].pid.load(), 0);
+    EXPECT_EQ(segment.used.load(), std::uint64_t{8} << 20);
+  }
+  registry.leave(live);
+  EXPECT_EQ(segment.used.load(), 0u);
 }
 
 }  // namespace

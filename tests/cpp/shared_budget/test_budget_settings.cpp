@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
 #include "budget_testing.h"
 #include "shared_budget/budget_settings.h"
+#include "shared_budget/member_holdings.h"
+#include "shared_budget/member_registry.h"
 #include "testing.h"
 #include "vkv/shared_budget.h"
 
@@ -124,6 +127,70 @@ TEST(SharedBudgetSettingsTest, FloorsAboveTheCapacityAreRefused) {
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetSettingsCacheTest,
                          testing::every_backend_with_both_layouts(), testing::backend_and_layout_name);
+
+// ---- settings alone, on a segment in this process's memory -------------------------------
+
+// A capacity lowered below what is used calls for give-backs; one below the floors is
+// refused and changes nothing.
+TEST(SharedBudgetSettingsTest, AResizeBelowUsedAsksAndOneBelowTheFloorsIsRefused) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  detail::MemberHoldings holdings(local.get());
+  detail::BudgetSettings settings(local.get(), "kv");
+  const std::size_t member = registry.join(kPage, {pages(2), 0, 0});
+  ASSERT_TRUE(holdings.acquire(member, pages(8)));
+  const std::uint32_t requests = local.get().requests;
+  settings.resize(pages(9));
+  EXPECT_EQ(local.get().capacity.load(), pages(9));
+  EXPECT_EQ(local.get().requests.load(), requests);  // within it: nobody is asked
+  settings.resize(pages(6));
+  EXPECT_EQ(local.get().capacity.load(), pages(6));
+  EXPECT_EQ(local.get().requests.load(), requests + 1);
+  const std::string error = error_of([&] { settings.resize(pages(1)); });
+  EXPECT_NE(error.find("shared budget 'kv': bytes = 65536 is refused: the members' floors would add up to 131072 "
+                       "bytes (128.00 KiB), more than its capacity, 65536 bytes (64.00 KiB)"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(local.get().capacity.load(), pages(6));
+}
+
+// set_limits() sets the fields it is told to, on every member of the process, and refuses
+// (changing nothing) a cap below a member's page or floor, floors above the capacity, or a
+// pid that has no member.
+TEST(SharedBudgetSettingsTest, LimitsAreSetForEveryMemberOfAProcessOrNotAtAll) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  detail::BudgetSettings settings(local.get());
+  const std::size_t first = registry.join(kPage, {pages(1), pages(6), 1});
+  const std::size_t second = registry.join(kPage);
+  detail::LimitChange priority_only;
+  priority_only.priority = true;
+  EXPECT_EQ(settings.set_limits(getpid(), {pages(9), 0, 4}, priority_only), 2u);
+  for (const std::size_t member : {first, second}) EXPECT_EQ(local.row(member).priority.load(), 4u);
+  EXPECT_EQ(local.row(first).floor.load(), pages(1));
+  EXPECT_EQ(local.row(first).cap.load(), pages(6));
+  detail::LimitChange cap_only;
+  cap_only.cap = true;
+  const std::string pid = std::to_string(getpid());
+  std::string error = error_of([&] { settings.set_limits(getpid(), {0, kPage / 2, 0}, cap_only); });
+  EXPECT_NE(error.find("cap = 32768 of pid " + pid + " is less than one page of its cache, 65536 bytes"),
+            std::string::npos)
+      << error;
+  detail::LimitChange floor_only;
+  floor_only.floor = true;
+  error = error_of([&] { settings.set_limits(getpid(), {pages(6), 0, 0}, floor_only); });
+  EXPECT_NE(error.find("with floor = 393216 for pid " + pid + " the members' floors would add up to 786432 bytes"),
+            std::string::npos)
+      << error;
+  error = error_of([&] { settings.set_limits(1, {0, 0, 0}, priority_only); });
+  EXPECT_NE(error.find("the shared budget has no member with pid 1 (its members: " + pid + ", " + pid + ")"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(local.row(first).floor.load(), pages(1));
+  EXPECT_EQ(local.row(first).cap.load(), pages(6));
+  EXPECT_EQ(local.row(second).floor.load(), 0u);
+  EXPECT_EQ(settings.set_limits(getpid(), {pages(5), 0, 0}, floor_only), 2u);  // 10 in all: they fit
+}
 
 }  // namespace
 }  // namespace vkv

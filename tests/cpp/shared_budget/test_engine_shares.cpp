@@ -14,7 +14,9 @@
 #include <string>
 #include <thread>
 
+#include "budget_testing.h"
 #include "shared_budget/budget_ledger.h"
+#include "shared_budget/engine_shares.h"
 #include "vkv/shared_budget.h"
 
 namespace vkv {
@@ -250,6 +252,33 @@ TEST_F(SharedBudgetEngineSharesTest, AnOpenAskWakesAWaitingSpeaker) {
   waiter.join();
   EXPECT_NE(woken.load(), seen);
   EXPECT_EQ(budget.wait_for_request(budget.requests(), std::chrono::milliseconds(1)), budget.requests());
+}
+
+// The share arithmetic alone (engine_shares.h), on a segment in this process's memory: what
+// the asks lack beyond the free capacity is open; the lowest priority covers it as far as
+// its floor lets it, the next one gives the rest; an asker gives nothing and its room is
+// the free capacity.
+TEST(SharedBudgetShareArithmeticTest, TheLowestPriorityCoversWhatTheAsksLackBeyondTheFreeCapacity) {
+  const shared_budget_testing::LocalSegment local(pages(10), kPage);
+  detail::MemberRegistry registry(local.get());
+  detail::MemberHoldings holdings(local.get());
+  const std::size_t low = registry.join(kPage, {0, 0, 0});
+  const std::size_t high = registry.join(kPage, {0, 0, 5});
+  const std::size_t asker = registry.join(kPage);
+  ASSERT_TRUE(holdings.acquire(low, pages(3)));
+  ASSERT_TRUE(holdings.acquire(high, pages(5)));
+  local.row(asker).wanted = pages(4);
+  const detail::BudgetBooks books(local.get());
+  EXPECT_EQ(detail::open_asks(books), pages(2));  // 2 of the 4 are free
+  EXPECT_EQ(detail::share_wanted(books, low), pages(2));
+  EXPECT_EQ(detail::share_wanted(books, high), 0u);
+  EXPECT_EQ(detail::share_wanted(books, asker), 0u);
+  EXPECT_EQ(detail::room_of(books, asker), pages(2));
+  local.row(low).floor = pages(2);  // it can give 1 now
+  EXPECT_EQ(detail::share_wanted(books, low), pages(1));
+  EXPECT_EQ(detail::share_wanted(books, high), pages(1));
+  local.row(high).pledged = pages(1);  // a promise covers its part: 1 is left open
+  EXPECT_EQ(detail::open_asks(books), pages(1));
 }
 
 }  // namespace

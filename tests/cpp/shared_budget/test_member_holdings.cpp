@@ -1,6 +1,8 @@
-// What members hold (member_holdings.h): caches draw pages from one capacity, whatever
-// their shapes and page sizes, the mapper maps ahead within it, and a claim that comes back
-// shorter than the free hint said maps only what it got or fails cleanly.
+// What members hold (member_holdings.h): taking all or nothing or in whole pages, within the
+// others' floors and its own cap, giving back to the askers first; caches draw pages from
+// one capacity, whatever their shapes and page sizes, the mapper maps ahead within it, and
+// a claim that comes back shorter than the free hint said maps only what it got or fails
+// cleanly.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include "budget_testing.h"
 #include "shared_budget/budget_membership.h"
 #include "shared_budget/member_holdings.h"
+#include "shared_budget/member_registry.h"
 #include "testing.h"
 #include "vkv/shared_budget.h"
 
@@ -172,6 +175,69 @@ TEST(SharedBudgetHoldingsTest, MembersOfDifferentShapesAndPageSizesShareTheBytes
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetHoldingsCacheTest,
                          testing::every_backend_with_both_layouts(), testing::backend_and_layout_name);
+
+// ---- holdings alone, on a segment in this process's memory -------------------------------
+
+TEST(SharedBudgetHoldingsTest, AnAcquireIsAllOrNothingAndAcquireUpToTakesWholeUnits) {
+  const LocalSegment local(pages(10) + 100);
+  detail::MemberRegistry registry(local.get());
+  detail::MemberHoldings holdings(local.get());
+  const std::size_t member = registry.join(kPage);
+  EXPECT_FALSE(holdings.acquire(member, pages(11)));
+  EXPECT_EQ(holdings.held(member), 0u);
+  EXPECT_EQ(holdings.acquire_up_to(member, pages(12), kPage), pages(10));  // not the 100 bytes left
+  EXPECT_EQ(holdings.held(member), pages(10));
+  EXPECT_EQ(local.get().used.load(), pages(10));
+  EXPECT_EQ(holdings.acquire_up_to(member, 0, kPage), 0u);
+  holdings.release(member, pages(4));
+  EXPECT_EQ(holdings.held(member), pages(6));
+  EXPECT_EQ(local.get().used.load(), pages(6));
+  holdings.release(member, pages(20));  // never more than it holds
+  EXPECT_EQ(local.get().used.load(), 0u);
+}
+
+// What a member may take: the free capacity less the others' floors' gaps, within its cap;
+// the hint says so, and its text names each.
+TEST(SharedBudgetHoldingsTest, TheOthersFloorsAndItsCapBoundWhatAMemberMayTake) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  detail::MemberHoldings holdings(local.get(), "kv");
+  const std::size_t capped = registry.join(kPage, {0, pages(5), 0});
+  const std::size_t floored = registry.join(kPage, {pages(4), 0, 0});
+  EXPECT_EQ(holdings.free_hint(capped), pages(5));
+  EXPECT_EQ(holdings.free_hint(floored), pages(10));
+  EXPECT_EQ(holdings.acquire_up_to(capped, pages(10), kPage), pages(5));
+  EXPECT_EQ(holdings.free_hint(capped), 0u);
+  EXPECT_EQ(holdings.free_hint(floored), pages(5));
+  const std::string text = holdings.room_text(capped);
+  EXPECT_NE(text.find("shared budget 'kv': 320.00 KiB of 640.00 KiB free, 256.00 KiB of it kept for the other "
+                      "members' floors, this cache holds 320.00 KiB of its cap 320.00 KiB (shared_budget_cap)"),
+            std::string::npos)
+      << text;
+  EXPECT_FALSE(holdings.acquire(capped, kPage));
+  EXPECT_TRUE(holdings.acquire(floored, pages(5)));
+}
+
+// Bytes released while someone asks go to the askers' reservation and count toward what the
+// member pledged; the claimed bytes of a member that died are free to the next acquire.
+TEST(SharedBudgetHoldingsTest, AReleaseGoesToTheAskersAndADeadMembersBytesToTheNextAcquire) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  detail::MemberHoldings holdings(local.get());
+  const std::size_t giver = registry.join(kPage);
+  const std::size_t asker = registry.join(kPage);
+  ASSERT_TRUE(holdings.acquire(giver, pages(10)));
+  local.row(asker).wanted = pages(3);
+  local.row(giver).pledged = pages(2);
+  holdings.release(giver, pages(4));
+  EXPECT_EQ(local.get().reserved.load(), pages(3));
+  EXPECT_EQ(local.get().used.load(), pages(6) + pages(3));
+  EXPECT_EQ(local.row(giver).pledged, 0u);
+  EXPECT_EQ(local.row(giver).given_bytes.load(), pages(2));
+  const std::size_t late = registry.join(kPage);
+  pretend_dead(local.row(giver));
+  EXPECT_EQ(holdings.acquire_up_to(late, pages(10), kPage), pages(7));  // the reservation stays the asker's
+}
 
 }  // namespace
 }  // namespace vkv

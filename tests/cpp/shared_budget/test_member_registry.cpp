@@ -1,13 +1,17 @@
-// The budget's members (member_registry.h): a member that leaves gives everything back, one
-// killed with SIGKILL is counted back (at the next look or the next shortage) with its
-// floor, and a floor joining is freed from the others' unclaimed pages.
+// The budget's members (member_registry.h): a member takes a free row with its limits and
+// label, and a full budget or a cap below a page or the floor is refused; a member that
+// leaves gives everything back, one killed with SIGKILL is counted back (at the next look
+// or the next shortage) with its floor, and a floor joining is freed from the others'
+// unclaimed pages.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "budget_testing.h"
+#include "shared_budget/member_holdings.h"
 #include "shared_budget/member_registry.h"
 #include "testing.h"
 #include "vkv/shared_budget.h"
@@ -120,6 +124,81 @@ TEST(SharedBudgetRegistryTest, ADeadMembersFloorIsCountedOut) {
 
 INSTANTIATE_TEST_SUITE_P(AllBackendsAndLayouts, SharedBudgetRegistryCacheTest,
                          testing::every_backend_with_both_layouts(), testing::backend_and_layout_name);
+
+// ---- the registry alone, on a segment in this process's memory ----------------------------
+
+// A member takes the first free row, with its page size, limits and label (printable, cut
+// to fit), and owes no answer to requests made before it joined; leaving frees the row.
+TEST(SharedBudgetRegistryTest, AJoinTakesTheFirstFreeRowAndALeaveGivesItBack) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  local.get().requests = 5;
+  const std::string label = "engine\x01" + std::string(60, 'x');
+  EXPECT_EQ(registry.join(kPage, {pages(1), pages(4), 2}, label), 0u);
+  EXPECT_EQ(registry.join(kPage), 1u);
+  const detail::BudgetMemberRecord& row = local.row(0);
+  EXPECT_EQ(row.pid.load(), getpid());
+  EXPECT_EQ(row.page_bytes, kPage);
+  EXPECT_EQ(std::string(row.label), "engine?" + std::string(40, 'x'));
+  EXPECT_EQ(row.floor.load(), pages(1));
+  EXPECT_EQ(row.cap.load(), pages(4));
+  EXPECT_EQ(row.priority.load(), 2u);
+  EXPECT_EQ(row.answered, 5u);
+  registry.leave(0);
+  EXPECT_EQ(local.row(0).pid.load(), 0);
+  EXPECT_EQ(registry.join(kPage), 0u);
+}
+
+TEST(SharedBudgetRegistryTest, AFullBudgetRefusesAJoinUntilAMemberIsGone) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  for (std::size_t i = 0; i < detail::BudgetSegment::kMaxMembers; ++i) ASSERT_EQ(registry.join(kPage), i);
+  const std::string error = error_of([&] { registry.join(kPage); });
+  EXPECT_NE(error.find("the shared budget has 64 members already"), std::string::npos) << error;
+  pretend_dead(local.row(5));
+  EXPECT_EQ(registry.join(kPage), 5u);  // joining counts the dead out first
+}
+
+TEST(SharedBudgetRegistryTest, ACapBelowAPageOrTheFloorIsRefusedAtJoining) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  std::string error = error_of([&] { registry.join(kPage, {0, kPage - 1, 0}); });
+  EXPECT_NE(error.find("shared_budget_cap = 65535 is less than one page of this cache, 65536 bytes"), std::string::npos)
+      << error;
+  error = error_of([&] { registry.join(kPage, {pages(3), pages(2), 0}); });
+  EXPECT_NE(error.find("is less than shared_budget_floor = 196608"), std::string::npos) << error;
+  EXPECT_EQ(local.row(0).pid.load(), 0);  // no row taken
+}
+
+// A dead member's bytes come back: to the free capacity, or to the askers' reservation.
+TEST(SharedBudgetRegistryTest, ReapingCountsADeadMembersBytesBack) {
+  const LocalSegment local(pages(10));
+  detail::MemberRegistry registry(local.get());
+  detail::MemberHoldings holdings(local.get());
+  const std::size_t dead = registry.join(kPage);
+  const std::size_t asker = registry.join(kPage);
+  ASSERT_TRUE(holdings.acquire(dead, pages(10)));
+  EXPECT_EQ(registry.reap(), 0u);
+  local.row(asker).wanted = pages(3);
+  pretend_dead(local.row(dead));
+  const std::uint32_t releases = local.get().releases;
+  EXPECT_EQ(registry.reap(), 1u);
+  EXPECT_EQ(local.row(dead).pid.load(), 0);
+  EXPECT_EQ(local.get().reserved.load(), pages(3));
+  EXPECT_EQ(local.get().used.load(), pages(3));
+  EXPECT_NE(local.get().releases.load(), releases);  // an asker waiting is woken
+  EXPECT_EQ(registry.reap(), 0u);
+}
+
+TEST(SharedBudgetRegistryTest, TheLeastCapacityIsTheLargestPageOfTheDeviceAndTheMembers) {
+  const LocalSegment local(pages(10), 4096);
+  detail::MemberRegistry registry(local.get());
+  EXPECT_EQ(registry.largest_page(), 4096u);
+  const std::size_t member = registry.join(kPage);
+  EXPECT_EQ(registry.largest_page(), kPage);
+  registry.leave(member);
+  EXPECT_EQ(registry.largest_page(), 4096u);
+}
 
 }  // namespace
 }  // namespace vkv
