@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
-#include <sstream>
-#include <thread>
 
 #include "budget_ledger.h"
 #include "util/format.h"
@@ -14,44 +12,6 @@
 #include "vkv/error.h"
 
 namespace vkv {
-namespace detail {
-
-std::string budget_description(const std::string& name) { return "shared budget '" + name + "'"; }
-
-std::string budget_object_name(const std::string& name) {
-  expect_valid_object_name(name, SharedBudget::kMaxNameLength, "shared budget name");
-  return "vkv-budget-" + name;
-}
-
-SharedMapping open_budget_object(const std::string& name) {
-  const std::string what = budget_description(name);
-  // The header first: an object of another layout version is refused as one (its size
-  // differs), not as a truncated object.
-  SharedMapping mapping = SharedMapping::open(budget_object_name(name), offsetof(BudgetSegment, mode), what);
-  auto& segment = *static_cast<BudgetSegment*>(mapping.data());
-  // The creator writes the magic number last; give a creator that is just finishing a moment.
-  for (int tries = 0; segment.magic.load(std::memory_order_acquire) != BudgetSegment::kMagic; ++tries) {
-    VKV_EXPECTS(tries < 100, what, " is not a vkv shared budget (or its creator died while creating it: remove it)");
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  VKV_EXPECTS(segment.version == BudgetSegment::kVersion, what, " has layout version ", segment.version,
-              ", this vkv reads version ", BudgetSegment::kVersion, ": use the same vkv in every member");
-  VKV_EXPECTS(mapping.size() >= sizeof(BudgetSegment), what, " is ", mapping.size(), " bytes, less than the ",
-              sizeof(BudgetSegment), " this version of vkv expects: it is not a vkv object, or another version's");
-  // Write permission beyond what the creator chose: someone could truncate or lock it.
-  const unsigned widened = mapping.mode() & ~segment.mode & 0222;
-  if (widened != 0) {
-    std::ostringstream text;
-    text << what << " is writable by more users than its creator chose (mode 0" << std::oct << mapping.mode()
-         << ", created with 0" << segment.mode << std::dec
-         << "): refusing to join it; remove it and create it again with the mode you want";
-    throw InvalidArgument(text.str());
-  }
-  return mapping;
-}
-
-}  // namespace detail
-
 namespace {
 
 SharedBudgetStats to_stats(const std::string& name, const detail::BudgetView& view) {

@@ -14,7 +14,9 @@
 #include <string>
 #include <thread>
 
+#include "budget_testing.h"
 #include "shared_budget/budget_ledger.h"
+#include "shared_budget/engine_shares.h"
 #include "vkv/shared_budget.h"
 
 namespace vkv {
@@ -23,7 +25,7 @@ namespace {
 constexpr std::size_t kPage = 1 << 20;
 constexpr std::size_t pages(std::size_t count) { return count * kPage; }
 
-class EngineSharesTest : public ::testing::Test {
+class SharedBudgetEngineSharesTest : public ::testing::Test {
  protected:
   void SetUp() override {
     static std::atomic<int> counter{0};
@@ -64,7 +66,7 @@ SharedBudgetReport report(std::size_t spare_pages, std::size_t ask_pages = 0) {
 
 // An engine that needs 65 pages gets them from the priority-0 engine; the priority-9 one
 // keeps all it has (its prefix cache survives an ask it need not pay for).
-TEST_F(EngineSharesTest, AnAskIsGivenByTheLowestPriorityAndNoMoreThanAsked) {
+TEST_F(SharedBudgetEngineSharesTest, AnAskIsGivenByTheLowestPriorityAndNoMoreThanAsked) {
   SharedBudget budget = create(1000);
   member("low", 300, {0, 0, 0});
   member("high", 300, {0, 0, 9});
@@ -80,7 +82,7 @@ TEST_F(EngineSharesTest, AnAskIsGivenByTheLowestPriorityAndNoMoreThanAsked) {
 }
 
 // The lower priority gives all it can spare; the next one gives only the rest.
-TEST_F(EngineSharesTest, TheNextPriorityGivesOnlyWhatTheLowerCouldNot) {
+TEST_F(SharedBudgetEngineSharesTest, TheNextPriorityGivesOnlyWhatTheLowerCouldNot) {
   SharedBudget budget = create(1000);
   member("low", 300, {0, 0, 0});
   member("high", 300, {0, 0, 9});
@@ -93,7 +95,7 @@ TEST_F(EngineSharesTest, TheNextPriorityGivesOnlyWhatTheLowerCouldNot) {
 }
 
 // A floor of 300 pages: an engine holding 322 gives 22 at most, whatever is asked.
-TEST_F(EngineSharesTest, AFloorIsNeverGivenAway) {
+TEST_F(SharedBudgetEngineSharesTest, AFloorIsNeverGivenAway) {
   SharedBudget budget = create(1000);
   member("floored", 322, {pages(300), 0, 0});
   member("asker", 678);
@@ -104,7 +106,7 @@ TEST_F(EngineSharesTest, AFloorIsNeverGivenAway) {
 
 // An engine short only because of its own cap asks nobody; free capacity covers an ask
 // before anyone gives.
-TEST_F(EngineSharesTest, OnlyRealAsksCost) {
+TEST_F(SharedBudgetEngineSharesTest, OnlyRealAsksCost) {
   SharedBudget budget = create(1000);
   member("idle", 300);
   member("capped", 100, {0, pages(100), 0});
@@ -121,7 +123,7 @@ TEST_F(EngineSharesTest, OnlyRealAsksCost) {
 // Equal priorities give so that each keeps the same spare: 400 and 300 spare, 200 asked:
 // 150 and 50, both keeping 250. Each computes its part alone, before or after the other
 // gave: the parts stay the same.
-TEST_F(EngineSharesTest, EqualPrioritiesKeepEqualSpareWhoeverGivesFirst) {
+TEST_F(SharedBudgetEngineSharesTest, EqualPrioritiesKeepEqualSpareWhoeverGivesFirst) {
   SharedBudget budget = create(1000);
   const std::size_t first = member("first", 410);
   member("second", 310);
@@ -144,7 +146,7 @@ TEST_F(EngineSharesTest, EqualPrioritiesKeepEqualSpareWhoeverGivesFirst) {
 
 // What is given back for a standing ask is the asker's: its worker's next acquire takes it
 // (and the free hint counts it), and the ask closes as it holds more.
-TEST_F(EngineSharesTest, AStandingAsksReservationIsTheAskersToTake) {
+TEST_F(SharedBudgetEngineSharesTest, AStandingAsksReservationIsTheAskersToTake) {
   SharedBudget budget = create(1000);
   const std::size_t giver = member("giver", 500);
   const std::size_t asker = member("asker", 500);
@@ -163,7 +165,7 @@ TEST_F(EngineSharesTest, AStandingAsksReservationIsTheAskersToTake) {
 
 // A cap set below what an engine holds is given from its spare; a resize below what is
 // used is given lowest priority first.
-TEST_F(EngineSharesTest, ACapAndAResizeAreGivenFromTheSpare) {
+TEST_F(SharedBudgetEngineSharesTest, ACapAndAResizeAreGivenFromTheSpare) {
   SharedBudget budget = create(1000);
   const std::size_t capped = member("capped", 250);
   member("other", 300, {0, 0, 1});
@@ -182,7 +184,7 @@ TEST_F(EngineSharesTest, ACapAndAResizeAreGivenFromTheSpare) {
 }
 
 // An engine whose scheduler was SIGKILLed asks nobody any more, at once.
-TEST_F(EngineSharesTest, ADeadSpeakersAskIsDropped) {
+TEST_F(SharedBudgetEngineSharesTest, ADeadSpeakersAskIsDropped) {
   SharedBudget budget = create(1000);
   member("giver", 500);
   member("asker", 500);
@@ -210,7 +212,7 @@ TEST_F(EngineSharesTest, ADeadSpeakersAskIsDropped) {
 
 // A member killed with SIGKILL and not yet counted out holds bytes: an engine with no room
 // counts it out when it asks for its share, and finds its bytes free.
-TEST_F(EngineSharesTest, ADeadMembersBytesAreRoomAtTheNextShare) {
+TEST_F(SharedBudgetEngineSharesTest, ADeadMembersBytesAreRoomAtTheNextShare) {
   SharedBudget budget = create(1000);
   member("engine", 500);
   int ready[2];
@@ -238,7 +240,7 @@ TEST_F(EngineSharesTest, ADeadMembersBytesAreRoomAtTheNextShare) {
 }
 
 // A speaker's thread sleeps in wait_for_request() until an ask opens: no polling.
-TEST_F(EngineSharesTest, AnOpenAskWakesAWaitingSpeaker) {
+TEST_F(SharedBudgetEngineSharesTest, AnOpenAskWakesAWaitingSpeaker) {
   SharedBudget budget = create(1000);
   member("giver", 500);
   member("asker", 500);
@@ -250,6 +252,33 @@ TEST_F(EngineSharesTest, AnOpenAskWakesAWaitingSpeaker) {
   waiter.join();
   EXPECT_NE(woken.load(), seen);
   EXPECT_EQ(budget.wait_for_request(budget.requests(), std::chrono::milliseconds(1)), budget.requests());
+}
+
+// The share arithmetic alone (engine_shares.h), on a segment in this process's memory: what
+// the asks lack beyond the free capacity is open; the lowest priority covers it as far as
+// its floor lets it, the next one gives the rest; an asker gives nothing and its room is
+// the free capacity.
+TEST(SharedBudgetShareArithmeticTest, TheLowestPriorityCoversWhatTheAsksLackBeyondTheFreeCapacity) {
+  const shared_budget_testing::LocalSegment local(pages(10), kPage);
+  detail::MemberRegistry registry(local.get());
+  detail::MemberHoldings holdings(local.get());
+  const std::size_t low = registry.join(kPage, {0, 0, 0});
+  const std::size_t high = registry.join(kPage, {0, 0, 5});
+  const std::size_t asker = registry.join(kPage);
+  ASSERT_TRUE(holdings.acquire(low, pages(3)));
+  ASSERT_TRUE(holdings.acquire(high, pages(5)));
+  local.row(asker).wanted = pages(4);
+  const detail::BudgetBooks books(local.get());
+  EXPECT_EQ(detail::open_asks(books), pages(2));  // 2 of the 4 are free
+  EXPECT_EQ(detail::share_wanted(books, low), pages(2));
+  EXPECT_EQ(detail::share_wanted(books, high), 0u);
+  EXPECT_EQ(detail::share_wanted(books, asker), 0u);
+  EXPECT_EQ(detail::room_of(books, asker), pages(2));
+  local.row(low).floor = pages(2);  // it can give 1 now
+  EXPECT_EQ(detail::share_wanted(books, low), pages(1));
+  EXPECT_EQ(detail::share_wanted(books, high), pages(1));
+  local.row(high).pledged = pages(1);  // a promise covers its part: 1 is left open
+  EXPECT_EQ(detail::open_asks(books), pages(1));
 }
 
 }  // namespace
