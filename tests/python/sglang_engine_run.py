@@ -3,8 +3,8 @@ the CPU, sends the spec's rounds of requests, waits (with a bound) until a vkv e
 given back its free memory (with ``flush``: after SGLang's flush_cache(), which turns the
 radix cache's pages into free ones), and writes the outputs and what the shared budget saw.
 
-With ``signals`` (a folder), another test drives it: before round N > 0 it waits for the file
-``go-N``; after round N it writes ``round-N`` (JSON: the most its scheduler held in the
+With ``signals`` (a folder), another test drives it: before round N > 0 (and before round 0
+too with ``wait_first``) it waits for the file ``go-N``; after round N it writes ``round-N`` (JSON: the most its scheduler held in the
 budget during the round, and that scheduler's pid); after the last round it waits for
 ``stop`` (or a kill)."""
 
@@ -27,7 +27,7 @@ def main(spec_path: str) -> None:
     signals = spec.get("signals")
     try:
         for index, batch in enumerate(spec["rounds"]):
-            if signals and index:
+            if signals and (index or spec.get("wait_first")):
                 _wait_for(os.path.join(signals, f"go-{index}"))
             watch = _Watch(spec["budget"], os.getpid()) if signals else None
             outputs = engine.generate(input_ids=[r["input_ids"] for r in batch],
