@@ -85,8 +85,8 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
     if (!permanent.empty()) {
       detail::UndoLog undo(detail::waits_for_stream(*backend_, store_.stream()));
       std::size_t fitting = 0;
-      bool asked = false;
-      while (map_chosen(lock, permanent, undo, fitting, asked) == Mapping::replan) {}
+      map_chosen(
+          lock, [] {}, permanent, undo, fitting);  // the same blocks every try
       if (fitting < permanent.size()) {
         throw OutOfMemory(detail::concat("block backing: the budget has no room for the ", permanent.size(),
                                          " permanent blocks (permanent_blocks)", budget_.room_text()),

@@ -222,10 +222,11 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
   expect_valid();
   wait_not_busy(lock, slot);
   if (pages > 0) wait_for_pages(lock, pages, slot, claim);
-  if (pages > 0 && budget_.joined() && source_.pages_short(pages, slot, claim) > 0) {
-    budget_.reap_dead();  // dead members' bytes first: no need to ask for them
-    const std::size_t short_by = source_.pages_short(pages, slot, claim);
-    if (short_by > 0 && budget_.may_ask()) budget_.ask(lock, short_by);
+  if (pages > 0 && budget_.joined()) {
+    // Dead members' bytes first, then the others'; a shortage that stands is the checks'.
+    detail::ShortageLoop(budget_, lock, detail::ShortageLoop::Asking::once).run([&] {
+      return detail::ShortageLoop::short_by(source_.pages_short(pages, slot, claim));
+    });
   }
   expect_valid();
   wait_not_busy(lock, slot);  // waiting for pages may have let the mapper start on it

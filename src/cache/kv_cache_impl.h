@@ -57,6 +57,7 @@
 #include "read_windows.h"
 #include "reclaim_policy.h"
 #include "shared_budget/budget_client.h"
+#include "shared_budget/shortage_loop.h"
 #include "slot_growth.h"
 #include "slot_mappings.h"
 #include "slot_readers.h"
@@ -142,15 +143,20 @@ class KvCache::Impl final {
   bool step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
                    std::chrono::steady_clock::time_point start);
   void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
+  // Pages the mapper is moving are not lost: a shortage is decided once it has put them
+  // down. Waits until it has; whether it had any (the caller plans again). A shortage
+  // loop's own room (shared_budget/shortage_loop.h).
+  bool wait_for_mapper(std::unique_lock<std::mutex>& lock);
 
   // ---- sharing, swapping, elastic memory, preparation ------------------------------
   std::size_t obtain_share_pages(std::unique_lock<std::mutex>& lock, std::size_t src, std::size_t dst,
                                  std::size_t tokens);
   // Maps `to_map` pages a call will claim (`claims`) without claiming them, and makes
-  // `to_free` more free in the pool (a copy-on-write's pages): the pages missing (0 when
-  // none), or nothing when it waited for the mapper and the caller must plan again.
-  std::optional<std::size_t> map_unclaimed(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& claims,
-                                           std::size_t to_map, std::size_t to_free, Stream stream, const char* call);
+  // `to_free` more free in the pool (a copy-on-write's pages): std::nullopt, or the pages
+  // missing (a preparation's attempt in a ShortageLoop). @throws OutOfMemory where the
+  // pages that seemed obtainable were not.
+  detail::ShortageLoop::Shortfall map_unclaimed(const std::vector<std::size_t>& claims, std::size_t to_map,
+                                                std::size_t to_free, Stream stream, const char* call);
 
   // ---- the mapper's work, planned by planner_ (kv_cache_background_units.cpp) ---------
   bool background_work();

@@ -54,40 +54,29 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   const std::size_t horizon =
       config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
   detail::StepPlan plan;
-  bool asked = false;  // the shared budget's other members, once per call
-  for (;;) {
-    plan = step_planner_.plan(seq_lens, count, horizon);
-    profile_.lap(&StepProfile::plan_ns);
-    if (plan.waits_for_mapper) {
-      background_done_.wait(lock);
-      ++profile_.step().mapper_waits;
-      profile_.lap(&StepProfile::mapper_wait_ns);
-      continue;
-    }
-    if (plan.missing == 0) break;
-    try {
-      detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
-      growth_.map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
-      undo.commit();
-      profile_.count_step_pages(plan.missing);
-      profile_.lap(&StepProfile::map_ns);
-      break;
-    } catch (const OutOfMemory& shortage) {
-      profile_.lap(&StepProfile::map_ns);
-      // Pages the mapper is moving are not lost: decide once it has put them down.
-      if (growth_.mapper_busy()) {
-        background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
-      } else if (budget_.reap_dead()) {
-        continue;  // a dead member's bytes are free now (each member is counted out once)
-      } else if (!asked && budget_.may_ask()) {
-        asked = true;
-        budget_.ask(lock, shortage.missing_pages(), budget_.ask_headroom(shortage.missing_pages()));
-        step_planner_.expect_valid(seq_lens, count);  // other threads may have freed slots meanwhile
-      } else {
-        throw;
-      }
-    }
-  }
+  detail::ShortageLoop shortage(budget_, lock, detail::ShortageLoop::Asking::once_with_headroom);
+  shortage.run_or_throw(
+      [&] {
+        for (;;) {
+          plan = step_planner_.plan(seq_lens, count, horizon);
+          profile_.lap(&StepProfile::plan_ns);
+          if (!plan.waits_for_mapper) break;
+          background_done_.wait(lock);
+          ++profile_.step().mapper_waits;
+          profile_.lap(&StepProfile::mapper_wait_ns);
+        }
+        if (plan.missing == 0) return;
+        detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
+        growth_.map_missing(plan.claims, plan.copies, plan.missing, stream, undo, "step");
+        undo.commit();
+        profile_.count_step_pages(plan.missing);
+        profile_.lap(&StepProfile::map_ns);
+      },
+      [&] {
+        profile_.lap(&StepProfile::map_ns);  // the mapping that ran short
+        return wait_for_mapper(lock);
+      },
+      [&] { step_planner_.expect_valid(seq_lens, count); });  // other threads may have freed slots meanwhile
   bool prefilled = false;
   for (std::size_t s = 0; s < count; ++s) {
     Slot& slot = slots_[s];
@@ -122,6 +111,12 @@ void KvCache::Impl::wait_for_pages(std::unique_lock<std::mutex>& lock, std::size
     claims[slot] = std::max(claims[slot], claim);
     return !growth_.mapper_busy() || source_.obtainable_pages(claims) >= missing;
   });
+}
+
+bool KvCache::Impl::wait_for_mapper(std::unique_lock<std::mutex>& lock) {
+  if (!growth_.mapper_busy()) return false;
+  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
+  return true;
 }
 
 }  // namespace vkv

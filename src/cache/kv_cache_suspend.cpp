@@ -186,8 +186,8 @@ void KvCache::Impl::resume(Stream stream) {
   // A page for each kept page a slot still holds (free_reqid() may have forgotten some).
   std::vector<std::size_t> new_index;
   std::vector<Page> pages;
-  bool asked = false;  // the shared budget's other members, once per call
-  for (;;) {
+  detail::ShortageLoop shortage(budget_, lock, detail::ShortageLoop::Asking::once);
+  shortage.run_or_throw([&] {
     VKV_EXPECTS(suspension_, "resume: the cache is not suspended (another thread resumed it meanwhile)");
     const std::size_t kept_pages = suspension_->host.bytes / layout_.page_bytes();
     new_index.assign(kept_pages, kept_pages);
@@ -196,18 +196,10 @@ void KvCache::Impl::resume(Stream stream) {
       for (const std::vector<std::size_t>& region : slot.pages)
         for (std::size_t k : region)
           if (new_index[k] == kept_pages) new_index[k] = needed++;
-    try {
-      const std::vector<std::size_t> claims = slots_.claims();  // all 0: nothing to reclaim
-      source_.expect_obtainable(needed, claims, "resume");
-      pages = source_.obtain(needed, claims);
-      break;
-    } catch (const OutOfMemory& shortage) {
-      if (budget_.reap_dead()) continue;  // a dead member's bytes are free now
-      if (asked || !budget_.may_ask()) throw;
-      asked = true;
-      budget_.ask(lock, shortage.missing_pages());
-    }
-  }
+    const std::vector<std::size_t> claims = slots_.claims();  // all 0: nothing to reclaim
+    source_.expect_obtainable(needed, claims, "resume");
+    pages = source_.obtain(needed, claims);
+  });
 
   const detail::Suspension& kept = *suspension_;
   const std::size_t page_bytes = layout_.page_bytes();
