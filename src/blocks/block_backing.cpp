@@ -65,11 +65,12 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
       table_(config.num_blocks, config.permanent_blocks, shared_states),
       counts_(geometry_),
       lent_(store_, pool_, releases_),
-      budget_(budget_config(config), *backend_, geometry_.page_bytes(), lent_, mutex_),
+      budget_(budget_config(config), *backend_, geometry_.page_bytes(), mutex_),
       pool_(*backend_, budget_pages(config, geometry_, *backend_), 0, budget_.account()),
       store_(*backend_, pool_, geometry_.num_pages(), config.scratch_page),
       prefer_costless_(config.prefer_costless),
       fork_generation_(detail::fork_generation()) {
+  budget_.lend(lent_);
   const std::size_t reserved = geometry_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(reserved <= limit, "the block backing needs ", reserved, " bytes (", detail::format_bytes(reserved),

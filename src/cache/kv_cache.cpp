@@ -71,7 +71,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       statistics_(dynamic_cast<StatisticsBackend*>(backend_.get())),
       layout_(config, backend_->page_bytes()),
       lent_(*backend_, layout_, config_, slots_, pool_, sharing_, mappings_, readers_, source_, prompts_, profile_),
-      budget_(config, *backend_, layout_.page_bytes(), lent_, mutex_),
+      budget_(config, *backend_, layout_.page_bytes(), mutex_),
       pool_(*backend_, budget_pages(config, layout_, *backend_), large_page_pages(config, *backend_),
             budget_.account()),
       slots_(config.max_batch_size, layout_.num_regions()),
@@ -87,6 +87,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
               background_done_, in_flight_pages_),
       fork_generation_(detail::fork_generation()),
       checks_(layout_, config_, slots_, suspension_, mutex_, backend_->name()) {
+  budget_.lend(lent_);
   const std::size_t needed = layout_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(needed <= limit, "the cache needs ", needed, " bytes (", detail::format_bytes(needed),

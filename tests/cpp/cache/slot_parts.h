@@ -19,21 +19,6 @@
 
 namespace vkv::testing {
 
-// What a cache lends its budget client: nothing, without a shared budget.
-struct NoPages final : detail::BudgetClient::CachePages {
-  std::vector<std::size_t> reclaimable_floors() const override { return {}; }
-  std::size_t cached_pages(const std::vector<std::size_t>&, bool) const override { return 0; }
-  std::size_t release(std::size_t, const std::vector<std::size_t>&, detail::BudgetClient::Victims, bool,
-                      detail::BudgetClient::ReleaseTimes&) override {
-    return 0;
-  }
-  bool wait_for_readers(std::unique_lock<std::mutex>&, const std::function<bool()>&) override { return true; }
-  std::uint64_t event_wait_ns() const override { return 0; }
-  std::size_t claimed_pages() const override { return 0; }
-  std::size_t next_prompt_pages() const override { return 0; }
-  std::size_t add_free_pages(std::size_t) override { return 0; }
-};
-
 class SlotParts : public ::testing::Test {
  protected:
   explicit SlotParts(std::size_t large_page_pages = 0) : pool_(*backend_, 64, large_page_pages) {
@@ -103,9 +88,8 @@ class SourceParts : public ReaderParts {
  protected:
   using ReaderParts::ReaderParts;
 
-  NoPages none_;
   std::mutex mutex_;
-  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), none_, mutex_};
+  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), mutex_};  // no shared budget: lent nothing
   detail::PageSource source_{layout_, slots_, pool_, sharing_, mappings_, readers_, budget_};
 };
 

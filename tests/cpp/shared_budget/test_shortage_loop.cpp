@@ -51,13 +51,12 @@ std::string unique_budget_name() {
 
 OutOfMemory shortage_of(std::size_t pages) { return OutOfMemory("short", pages, kPage); }
 
-// Without a shared budget: no budget to turn to, only the caller's room.
+// Without a shared budget: no budget to turn to (nothing to lend it), only the caller's room.
 class ShortageLoopTest : public ::testing::Test {
  protected:
   HostBackend backend_{kPage};
-  FakeCache cache_;
   std::mutex mutex_;
-  BudgetClient budget_{CacheConfig{}, backend_, kPage, cache_, mutex_};
+  BudgetClient budget_{CacheConfig{}, backend_, kPage, mutex_};
   std::unique_lock<std::mutex> lock_{mutex_};
 };
 
@@ -142,8 +141,10 @@ class SharedShortageLoopTest : public ::testing::Test {
   SharedShortageLoopTest() {
     CacheConfig config;
     config.shared_budget = name_;
-    giver_ = std::make_unique<BudgetClient>(config, backend_, kPage, giver_cache_, giver_mutex_);
-    asker_ = std::make_unique<BudgetClient>(config, backend_, kPage, asker_cache_, asker_mutex_);
+    giver_ = std::make_unique<BudgetClient>(config, backend_, kPage, giver_mutex_);
+    asker_ = std::make_unique<BudgetClient>(config, backend_, kPage, asker_mutex_);
+    giver_->lend(giver_cache_);
+    asker_->lend(asker_cache_);
     giver_cache_.account = giver_->account();
     asker_cache_.account = asker_->account();
     EXPECT_TRUE(giver_->account()->take(16));
