@@ -5,18 +5,17 @@
 
 namespace vkv::detail {
 
-AccessChecks::AccessChecks(const KvLayout& layout, const CacheConfig& config, const SlotTable& slots,
-                           const std::optional<Suspension>& suspension, std::mutex& mutex, std::string backend_name)
-    : layout_(layout),
-      config_(config),
-      slots_(slots),
+AccessChecks::AccessChecks(CacheContext& cache, const std::optional<Suspension>& suspension)
+    : layout_(cache.layout),
+      config_(cache.config),
+      slots_(cache.slots),
       suspension_(suspension),
-      mutex_(mutex),
-      backend_name_(std::move(backend_name)),
-      head_bytes_(config.num_kv_heads * config.head_dim * config.dtype_bytes) {
-  if (!config.checked) return;
-  published_ = std::make_unique<std::atomic<std::uint64_t>[]>(config.max_batch_size);
-  for (std::size_t s = 0; s < config.max_batch_size; ++s) published_[s].store(pack({}), std::memory_order_relaxed);
+      mutex_(cache.mutex),
+      backend_name_(cache.backend().name()),
+      head_bytes_(config_.num_kv_heads * config_.head_dim * config_.dtype_bytes) {
+  if (!config_.checked) return;
+  published_ = std::make_unique<std::atomic<std::uint64_t>[]>(config_.max_batch_size);
+  for (std::size_t s = 0; s < config_.max_batch_size; ++s) published_[s].store(pack({}), std::memory_order_relaxed);
 }
 
 AccessChecks::~AccessChecks() { stop(); }

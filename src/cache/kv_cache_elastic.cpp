@@ -10,12 +10,12 @@ namespace vkv {
 
 void KvCache::Impl::set_budget(std::size_t bytes) {
   rethrow_background_error();
-  const std::size_t page = layout_.page_bytes();
+  const std::size_t page = cache_.layout.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   const std::size_t budget = bytes / page;
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(cache_.mutex);
   detail::expect_not_suspended(suspension_, "set_budget");
-  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });  // pages in flight count too
+  cache_.unit_done.wait(lock, [&] { return !growth_.mapper_busy(); });  // pages in flight count too
   const std::size_t in_use = source_.pages_held_now();
   if (in_use > budget) {
     throw OutOfMemory(
@@ -26,14 +26,14 @@ void KvCache::Impl::set_budget(std::size_t bytes) {
             "still in reach of work in flight"),
         in_use - budget, page);
   }
-  const std::size_t old_budget = pool_.budget_pages();
+  const std::size_t old_budget = cache_.pool.budget_pages();
   const std::size_t old_watermark = watermark_pages_;
-  pool_.set_budget(budget);
-  if (config_.reclaim_watermark_pages == 0) watermark_pages_ = budget / 32;
+  cache_.pool.set_budget(budget);
+  if (cache_.config.reclaim_watermark_pages == 0) watermark_pages_ = budget / 32;
   try {
     source_.shrink_to_budget();
   } catch (...) {
-    pool_.set_budget(old_budget);  // what was released stays released, within the old budget
+    cache_.pool.set_budget(old_budget);  // what was released stays released, within the old budget
     watermark_pages_ = old_watermark;
     throw;
   }
@@ -42,24 +42,24 @@ void KvCache::Impl::set_budget(std::size_t bytes) {
 
 std::size_t KvCache::Impl::trim() {
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
-  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
-  host_frees_.free_finished(/*wait=*/false);
+  std::unique_lock<std::mutex> lock(cache_.mutex);
+  cache_.unit_done.wait(lock, [&] { return !growth_.mapper_busy(); });
+  cache_.host_frees.free_finished(/*wait=*/false);
   // The pages leave: no zero-fill, only their last readers done, one event per stream.
-  std::vector<std::size_t> keep(slots_.size());
+  std::vector<std::size_t> keep(cache_.slots.size());
   std::vector<std::size_t> above;
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    keep[s] =
-        mappings_.round_up_to_whole(slots_[s], readers_.first_reclaimable_without_waiting(s));  // large pages go whole
-    if (slots_[s].mapped() > keep[s]) above.push_back(s);
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
+    keep[s] = mappings_.round_up_to_whole(cache_.slots[s],
+                                          readers_.first_reclaimable_without_waiting(s));  // large pages go whole
+    if (cache_.slots[s].mapped() > keep[s]) above.push_back(s);
   }
   readers_.wait_for(above);
   for (const std::size_t s : above) {
     std::vector<Page> pages;
     source_.unmap_tail(s, keep[s], pages);
-    for (const Page& page : pages) pool_.give_back(page);
+    for (const Page& page : pages) cache_.pool.give_back(page);
   }
-  return pool_.trim(0) * layout_.page_bytes();
+  return cache_.pool.trim(0) * cache_.layout.page_bytes();
 }
 
 }  // namespace vkv

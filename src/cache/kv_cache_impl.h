@@ -1,5 +1,8 @@
 // KvCache::Impl: the parts of a cache and how its calls compose them.
 //
+//   CacheContext  cache_context.h   what the parts share (config, backend, layout, lock,
+//                                   budget client, pool, slot table, ...): built first,
+//                                   each part built from it
 //   SlotTable     slot_table.h      who is allocated, what each claims and maps, alloc order
 //   BudgetClient  budget_client.h   the cache's half of a shared budget's protocol
 //   LentPages     lent_pages.h      the pages the cache lends it (BudgetClient::CachePages)
@@ -45,6 +48,7 @@
 
 #include "access_checks.h"
 #include "background_planner.h"
+#include "cache_context.h"
 #include "call_profile.h"
 #include "host_frees.h"
 #include "lent_pages.h"
@@ -112,13 +116,13 @@ class KvCache::Impl final {
   std::string explain(Address address) const;
   /// After a call that changed slots: their state for the checked-mode fault handler.
   void publish_access_state() {
-    if (config_.checked) copy_access_state();
+    if (cache_.config.checked) copy_access_state();
   }
 
-  const CacheConfig& config() const noexcept { return config_; }
-  const KvLayout& layout() const noexcept { return layout_; }
+  const CacheConfig& config() const noexcept { return cache_.config; }
+  const KvLayout& layout() const noexcept { return cache_.layout; }
   Address base() const noexcept { return base_; }
-  Backend& backend() const noexcept { return *backend_; }
+  Backend& backend() const noexcept { return cache_.backend(); }
 
  private:
   using Slot = detail::Slot;
@@ -164,37 +168,25 @@ class KvCache::Impl final {
   bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
   bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
 
-  CacheConfig config_;
-  std::shared_ptr<Backend> backend_;         // the top of the adaptor stack
-  StatisticsBackend* statistics_ = nullptr;  // in that stack when config.backend_statistics
-  KvLayout layout_;
-  detail::LentPages lent_;       // what the budget client may take back (its calls come after start())
-  detail::BudgetClient budget_;  // config.shared_budget's; before pool_, which counts against it
-  PagePool pool_;
-  Address base_ = 0;
-  detail::SlotTable slots_;
-  detail::PageSharing sharing_;
-  detail::SlotMappings mappings_;  // which pages back which range of a slot
-  detail::HostFrees host_frees_;   // host memory to free once its copy completed
-  detail::PromptHistory prompts_;  // recent prompt lengths, for adaptive eager allocation
-  std::size_t watermark_pages_ = 0;
-  std::size_t in_flight_pages_ = 0;  // taken by the mapper: neither in the pool nor in a slot
-  Stream background_stream_ = 0;
-  detail::CallProfile profile_;  // what the calls cost: stats() and last_step_profile()
-  detail::ReadWindows read_windows_;
+  detail::CacheContext cache_;         // what the parts share; each part below is built from it
+  detail::SlotMappings mappings_;      // which pages back which range of a slot
   detail::SlotReaders readers_;        // who may still read a slot's pages; the zero-fills owed
   detail::BackgroundPlanner planner_;  // what the mapper does next
   detail::PageSource source_;          // where a call's pages come from: the pool, then reclamation
   detail::StepPlanner step_planner_;   // what step(seq_lens) must map and copy
   detail::PrefixSharing prefixes_;     // a slot's prefix at another slot (fork, share_prefix)
   detail::SlotGrowth growth_;          // fresh pages mapped at the end of slots (step() and the mapper)
-  std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
+  detail::LentPages lent_;             // what the budget client may take back
   // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).
   std::optional<detail::Suspension> suspension_;
-  mutable std::mutex mutex_;
-  detail::AccessChecks checks_;              // registered from the reservation's start until the destructor's
-  std::condition_variable background_done_;  // a slot stopped being busy
-  std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above
+  detail::AccessChecks checks_;  // registered from the reservation's start until the destructor's
+  Address base_ = 0;
+  std::size_t watermark_pages_ = 0;
+  Stream background_stream_ = 0;
+  std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
+  // Started last in the constructor and stopped first in the destructor: its thread uses
+  // every part.
+  std::unique_ptr<Mapper> mapper_;
 };
 
 }  // namespace vkv

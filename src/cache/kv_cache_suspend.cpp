@@ -75,29 +75,29 @@ void expect_not_suspended(const std::optional<Suspension>& suspension, const cha
 
 bool KvCache::Impl::is_suspended() const {
   detail::expect_same_process(fork_generation_);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(cache_.mutex);
   return suspension_.has_value();
 }
 
 void KvCache::Impl::suspend(Stream stream) {
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(cache_.mutex);
   VKV_EXPECTS(!suspension_, "suspend: the cache is suspended already (resume() first)");
-  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });  // its pages in flight go too
-  host_frees_.free_finished(/*wait=*/false);
+  cache_.unit_done.wait(lock, [&] { return !growth_.mapper_busy(); });  // its pages in flight go too
+  cache_.host_frees.free_finished(/*wait=*/false);
   growth_.unmap_stranded();
 
   // Which pages to keep, each once: a shared page is the same physical page at the same
   // page index of several slots (page_sharing.h), so (handle, index) names it.
-  const std::size_t page_bytes = layout_.page_bytes();
-  const std::size_t regions = layout_.num_regions();
+  const std::size_t page_bytes = cache_.layout.page_bytes();
+  const std::size_t regions = cache_.layout.num_regions();
   detail::Suspension kept;
-  kept.slots.resize(slots_.size());
+  kept.slots.resize(cache_.slots.size());
   std::map<std::pair<PageHandle, std::size_t>, std::size_t> shared_kept;
   std::vector<CopyRun> runs;
   std::size_t kept_pages = 0;
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const Slot& slot = slots_[s];
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
+    const Slot& slot = cache_.slots[s];
     detail::Suspension::KeptSlot& to = kept.slots[s];
     if (!slot.allocated || slot.claimed == 0) continue;  // a swapped-out slot claims nothing
     to.seq_len = slot.seq_len;
@@ -108,7 +108,7 @@ void KvCache::Impl::suspend(Stream stream) {
         const PageHandle handle = slot.pages[r][i];
         std::size_t k = kept_pages;
         bool first = true;
-        if (sharing_.is_shared(handle)) {
+        if (cache_.sharing.is_shared(handle)) {
           const auto [at, inserted] = shared_kept.try_emplace({handle, i}, kept_pages);
           k = at->second;
           first = inserted;
@@ -124,44 +124,44 @@ void KvCache::Impl::suspend(Stream stream) {
   detail::UndoLog undo;
   if (kept_pages > 0) {
     kept.host.bytes = kept_pages * page_bytes;
-    kept.host.host = backend_->allocate_host(kept.host.bytes);
+    kept.host.host = cache_.backend().allocate_host(kept.host.bytes);
     undo.push([this, host = kept.host, stream] {
       try {
-        backend_->synchronize(stream);  // copies already enqueued write into the host memory
+        cache_.backend().synchronize(stream);  // copies already enqueued write into the host memory
       } catch (...) {
         // A dead context runs no copy any more.
       }
-      backend_->free_host(host.host, host.bytes);
+      cache_.backend().free_host(host.host, host.bytes);
     });
   }
   // Freed slots' pages: an event behind their last owner's work, before they are unmapped.
   readers_.enqueue_deferred_fills(stream);
   for (const CopyRun& run : runs)
-    backend_->copy(kept.host.host + run.first * page_bytes, run.device, run.count * page_bytes, stream);
+    cache_.backend().copy(kept.host.host + run.first * page_bytes, run.device, run.count * page_bytes, stream);
   // Nothing is unmapped before the copies, and all work on `stream` ahead of them, are done.
-  const Event copied = backend_->record_event(stream);
-  undo.push([this, copied] { backend_->destroy_event(copied); });
-  backend_->wait_event(copied);
-  if (config_.zero_page) {  // padded reads of the steps so far
-    read_windows_.close_current(stream);
-    read_windows_.wait();
+  const Event copied = cache_.backend().record_event(stream);
+  undo.push([this, copied] { cache_.backend().destroy_event(copied); });
+  cache_.backend().wait_event(copied);
+  if (cache_.config.zero_page) {  // padded reads of the steps so far
+    cache_.read_windows.close_current(stream);
+    cache_.read_windows.wait();
   }
-  for (Slot& slot : slots_)
+  for (Slot& slot : cache_.slots)
     if (slot.mapped() > 0) readers_.wait_free_event(slot);  // previous owners' zero-fills and readers
 
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    const std::size_t mapped = slots_[s].mapped();
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
+    const std::size_t mapped = cache_.slots[s].mapped();
     for (std::size_t r = 0; r < regions && mapped > 0; ++r) {
-      mappings_.unmap_real(s, r, 0, slots_[s].pages[r].data(), mapped);
-      undo.push_remap([this, s, r, mapped] { mappings_.map_real(s, r, 0, slots_[s].pages[r].data(), mapped); });
+      mappings_.unmap_real(s, r, 0, cache_.slots[s].pages[r].data(), mapped);
+      undo.push_remap([this, s, r, mapped] { mappings_.map_real(s, r, 0, cache_.slots[s].pages[r].data(), mapped); });
     }
   }
   undo.commit();
-  backend_->destroy_event(copied);
+  cache_.backend().destroy_event(copied);
 
   // Every backend call succeeded: the books follow, and the pages go.
   std::vector<Page> unmapped;
-  for (Slot& slot : slots_) {
+  for (Slot& slot : cache_.slots) {
     for (std::vector<PageHandle>& pages : slot.pages) {
       mappings_.drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
       pages.clear();
@@ -169,48 +169,49 @@ void KvCache::Impl::suspend(Stream stream) {
     slot.seq_len = 0;
     slot.claimed = 0;
   }
-  pool_.release_all(unmapped);  // counted back to a shared budget once
-  pool_.trim(0);
+  cache_.pool.release_all(unmapped);  // counted back to a shared budget once
+  cache_.pool.trim(0);
   suspension_ = std::move(kept);
-  budget_.publish_in_use();
+  cache_.budget.publish_in_use();
 }
 
 void KvCache::Impl::resume(Stream stream) {
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(cache_.mutex);
   VKV_EXPECTS(suspension_, "resume: the cache is not suspended (suspend() first)");
-  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
-  host_frees_.free_finished(/*wait=*/false);
+  cache_.unit_done.wait(lock, [&] { return !growth_.mapper_busy(); });
+  cache_.host_frees.free_finished(/*wait=*/false);
   growth_.unmap_stranded();
 
   // A page for each kept page a slot still holds (free_reqid() may have forgotten some).
   std::vector<std::size_t> new_index;
   std::vector<Page> pages;
-  detail::ShortageLoop shortage(budget_, lock, detail::ShortageLoop::Asking::once);
+  detail::ShortageLoop shortage(cache_.budget, lock, detail::ShortageLoop::Asking::once);
   shortage.run_or_throw([&] {
     VKV_EXPECTS(suspension_, "resume: the cache is not suspended (another thread resumed it meanwhile)");
-    const std::size_t kept_pages = suspension_->host.bytes / layout_.page_bytes();
+    const std::size_t kept_pages = suspension_->host.bytes / cache_.layout.page_bytes();
     new_index.assign(kept_pages, kept_pages);
     std::size_t needed = 0;
     for (const detail::Suspension::KeptSlot& slot : suspension_->slots)
       for (const std::vector<std::size_t>& region : slot.pages)
         for (std::size_t k : region)
           if (new_index[k] == kept_pages) new_index[k] = needed++;
-    const std::vector<std::size_t> claims = slots_.claims();  // all 0: nothing to reclaim
+    const std::vector<std::size_t> claims = cache_.slots.claims();  // all 0: nothing to reclaim
     source_.expect_obtainable(needed, claims, "resume");
     pages = source_.obtain(needed, claims);
   });
 
   const detail::Suspension& kept = *suspension_;
-  const std::size_t page_bytes = layout_.page_bytes();
-  const std::size_t regions = layout_.num_regions();
-  detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
+  const std::size_t page_bytes = cache_.layout.page_bytes();
+  const std::size_t regions = cache_.layout.num_regions();
+  detail::UndoLog undo(detail::waits_for_stream(cache_.backend(), stream));
   undo.push([this, &pages] {  // unmapped again by the undo below first; the copies may have written them
-    for (const Page& page : pages) pool_.give_back({page.handle, /*clean=*/false});
+    for (const Page& page : pages) cache_.pool.give_back({page.handle, /*clean=*/false});
   });
-  if (config_.zero_page) read_windows_.close_current(stream);  // nothing should read the cache now; if it did
-  std::vector<std::vector<std::vector<PageHandle>>> handles(slots_.size());
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
+  if (cache_.config.zero_page)
+    cache_.read_windows.close_current(stream);  // nothing should read the cache now; if it did
+  std::vector<std::vector<std::vector<PageHandle>>> handles(cache_.slots.size());
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
     const detail::Suspension::KeptSlot& from = kept.slots[s];
     if (from.pages.empty()) continue;
     readers_.order_after_readers(s, 0);
@@ -225,7 +226,7 @@ void KvCache::Impl::resume(Stream stream) {
   // Each kept page into the first address mapping it.
   std::vector<CopyRun> runs;
   std::vector<bool> copied(new_index.size(), false);
-  for (std::size_t s = 0; s < slots_.size(); ++s)
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s)
     for (std::size_t r = 0; r < kept.slots[s].pages.size(); ++r)
       for (std::size_t i = 0; i < kept.slots[s].pages[r].size(); ++i) {
         const std::size_t k = kept.slots[s].pages[r][i];
@@ -235,33 +236,33 @@ void KvCache::Impl::resume(Stream stream) {
       }
   if (!runs.empty()) undo.enqueued_device_work();
   for (const CopyRun& run : runs)
-    backend_->copy(run.device, kept.host.host + run.first * page_bytes, run.count * page_bytes, stream);
+    cache_.backend().copy(run.device, kept.host.host + run.first * page_bytes, run.count * page_bytes, stream);
   // The bytes are back before it returns, for work on any stream; and the host memory
   // can go at once.
-  const Event restored = backend_->record_event(stream);
-  undo.push([this, restored] { backend_->destroy_event(restored); });
-  backend_->wait_event(restored);
+  const Event restored = cache_.backend().record_event(stream);
+  undo.push([this, restored] { cache_.backend().destroy_event(restored); });
+  cache_.backend().wait_event(restored);
   undo.commit();
-  backend_->destroy_event(restored);
+  cache_.backend().destroy_event(restored);
 
   // Every backend call succeeded: the books follow.
   std::vector<std::size_t> mappings(new_index.size(), 0);
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
     const detail::Suspension::KeptSlot& from = kept.slots[s];
-    Slot& slot = slots_[s];
+    Slot& slot = cache_.slots[s];
     if (from.pages.empty()) continue;
     for (std::size_t r = 0; r < regions; ++r) {
       for (std::size_t i = 0; i < from.pages[r].size(); ++i)
-        if (mappings[from.pages[r][i]]++ > 0) sharing_.add_mapping(handles[s][r][i]);
+        if (mappings[from.pages[r][i]]++ > 0) cache_.sharing.add_mapping(handles[s][r][i]);
       slot.pages[r] = std::move(handles[s][r]);
     }
     slot.seq_len = from.seq_len;
     slot.claimed = from.claimed;
-    if (config_.zero_page) slot.backed_end = std::max(slot.backed_end, slot.claimed);
+    if (cache_.config.zero_page) slot.backed_end = std::max(slot.backed_end, slot.claimed);
   }
-  if (kept.host.host != 0) backend_->free_host(kept.host.host, kept.host.bytes);
+  if (kept.host.host != 0) cache_.backend().free_host(kept.host.host, kept.host.bytes);
   suspension_.reset();
-  budget_.publish_in_use();
+  cache_.budget.publish_in_use();
   if (mapper_) mapper_->wake();
 }
 

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache_context.h"
 #include "call_profile.h"
 #include "read_windows.h"
 #include "slot_mappings.h"
@@ -28,16 +29,15 @@ namespace vkv::detail {
 
 class SlotReaders {
  public:
-  /// Everything given must outlive it; `config.zero_page` is read as it is then.
-  SlotReaders(Backend& backend, const KvLayout& layout, const CacheConfig& config, SlotTable& slots,
-              const SlotMappings& mappings, ReadWindows& windows, CallProfile& profile)
-      : backend_(backend),
-        layout_(layout),
-        config_(config),
-        slots_(slots),
+  /// Everything given must outlive it; `cache.config.zero_page` is read as it is then.
+  SlotReaders(CacheContext& cache, const SlotMappings& mappings)
+      : backend_(cache.backend()),
+        layout_(cache.layout),
+        config_(cache.config),
+        slots_(cache.slots),
         mappings_(mappings),
-        windows_(windows),
-        profile_(profile) {}
+        windows_(cache.read_windows),
+        profile_(cache.profile) {}
   SlotReaders(const SlotReaders&) = delete;
   SlotReaders& operator=(const SlotReaders&) = delete;
 

@@ -22,7 +22,7 @@ class BackgroundPlannerTest : public testing::ReaderParts {
     return planner_.next(/*settle_events=*/true, eager_tokens, watermark);
   }
 
-  detail::BackgroundPlanner planner_{*backend_, layout_, config_, slots_, pool_, mappings_, readers_};
+  detail::BackgroundPlanner planner_{cache_, mappings_, readers_};
 };
 
 TEST_F(BackgroundPlannerTest, AnIdleCacheHasNothingToDo) { EXPECT_EQ(next().kind, Kind::none); }

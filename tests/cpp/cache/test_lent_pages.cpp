@@ -14,9 +14,8 @@ class LentPagesTest : public testing::SourceParts {
  protected:
   std::size_t regions() const { return layout_.num_regions(); }
 
-  detail::PromptHistory prompts_;
-  detail::LentPages lent_{*backend_, layout_,  config_, slots_,   pool_,   sharing_,
-                          mappings_, readers_, source_, prompts_, profile_};
+  detail::PromptHistory& prompts_ = cache_.prompts;
+  detail::LentPages lent_{cache_, mappings_, readers_, source_};
 };
 
 TEST_F(LentPagesTest, CachedPagesAreFreeOnesAndWhatSlotsMapAboveTheirFloors) {

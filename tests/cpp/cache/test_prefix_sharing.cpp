@@ -44,7 +44,7 @@ class PrefixSharingTest : public testing::SourceParts {
     undo.commit();
   }
 
-  detail::PrefixSharing sharing_parts_{*backend_, layout_, slots_, pool_, sharing_, mappings_, readers_, source_};
+  detail::PrefixSharing sharing_parts_{cache_, mappings_, readers_, source_};
 };
 
 TEST_F(PrefixSharingTest, TheShapeOfAPrefixThatEndsInsideAPage) {

@@ -14,7 +14,7 @@ class StepPlannerTest : public testing::SlotParts {
   std::size_t tokens_per_page() const { return page() / layout_.token_bytes(); }
   std::size_t regions() const { return layout_.num_regions(); }
 
-  detail::StepPlanner planner_{layout_, config_, slots_, sharing_, mappings_};
+  detail::StepPlanner planner_{cache_, mappings_};
 };
 
 TEST_F(StepPlannerTest, ClaimsGrowWithSeqLensAndNeverShrink) {
