@@ -5,7 +5,7 @@
 
 namespace vkv::detail {
 
-AccessChecks::AccessChecks(CacheContext& cache, const std::optional<Suspension>& suspension)
+AccessChecks::AccessChecks(CacheContext& cache, const std::optional<SuspendedPages>& suspension)
     : layout_(cache.layout),
       config_(cache.config),
       slots_(cache.slots),

@@ -28,7 +28,7 @@ std::size_t KvCache::Impl::map_ahead_now() {
 
 bool KvCache::Impl::background_work() {
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  // While suspended nothing takes the pages suspend() gave back (kv_cache_suspend.cpp).
+  // While suspended nothing takes the pages suspend() gave back (suspension.cpp).
   const detail::BackgroundUnit unit =
       suspension_ ? detail::BackgroundUnit{}
                   : planner_.next(/*settle_events=*/true, detail::eager_tokens(cache_.config, cache_.prompts),

@@ -177,8 +177,8 @@ class KvCache::Impl final {
   detail::PrefixSharing prefixes_;     // a slot's prefix at another slot (fork, share_prefix)
   detail::SlotGrowth growth_;          // fresh pages mapped at the end of slots (step() and the mapper)
   detail::LentPages lent_;             // what the budget client may take back
-  // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).
-  std::optional<detail::Suspension> suspension_;
+  // What suspend() kept, until resume() succeeds (suspension.cpp).
+  std::optional<detail::SuspendedPages> suspension_;
   detail::AccessChecks checks_;  // registered from the reservation's start until the destructor's
   Address base_ = 0;
   std::size_t watermark_pages_ = 0;

@@ -14,7 +14,7 @@
 
 namespace vkv::detail {
 
-struct Suspension {
+struct SuspendedPages {
   HostCopy host;
   struct KeptSlot {
     std::size_t seq_len = 0, claimed = 0;
@@ -27,6 +27,6 @@ struct Suspension {
 };
 
 /// The first check of a call that changes slots or pages: InvalidArgument naming `call`.
-void expect_not_suspended(const std::optional<Suspension>& suspension, const char* call);
+void expect_not_suspended(const std::optional<SuspendedPages>& suspension, const char* call);
 
 }  // namespace vkv::detail

@@ -56,7 +56,7 @@ void extend(std::vector<CopyRun>& runs, Address device, std::size_t kept, std::s
 
 namespace detail {
 
-void Suspension::check(const SlotTable& table) const {
+void SuspendedPages::check(const SlotTable& table) const {
   for (std::size_t s = 0; s < table.size(); ++s) {
     const Slot& slot = table[s];
     if (slot.mapped() != 0 || slot.claimed != 0 || slot.seq_len != 0)
@@ -67,7 +67,7 @@ void Suspension::check(const SlotTable& table) const {
   }
 }
 
-void expect_not_suspended(const std::optional<Suspension>& suspension, const char* call) {
+void expect_not_suspended(const std::optional<SuspendedPages>& suspension, const char* call) {
   VKV_EXPECTS(!suspension, call, ": the cache is suspended (suspend() was called, resume() has not succeeded yet)");
 }
 
@@ -91,14 +91,14 @@ void KvCache::Impl::suspend(Stream stream) {
   // page index of several slots (page_sharing.h), so (handle, index) names it.
   const std::size_t page_bytes = cache_.layout.page_bytes();
   const std::size_t regions = cache_.layout.num_regions();
-  detail::Suspension kept;
+  detail::SuspendedPages kept;
   kept.slots.resize(cache_.slots.size());
   std::map<std::pair<PageHandle, std::size_t>, std::size_t> shared_kept;
   std::vector<CopyRun> runs;
   std::size_t kept_pages = 0;
   for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
     const Slot& slot = cache_.slots[s];
-    detail::Suspension::KeptSlot& to = kept.slots[s];
+    detail::SuspendedPages::KeptSlot& to = kept.slots[s];
     if (!slot.allocated || slot.claimed == 0) continue;  // a swapped-out slot claims nothing
     to.seq_len = slot.seq_len;
     to.claimed = slot.claimed;
@@ -192,7 +192,7 @@ void KvCache::Impl::resume(Stream stream) {
     const std::size_t kept_pages = suspension_->host.bytes / cache_.layout.page_bytes();
     new_index.assign(kept_pages, kept_pages);
     std::size_t needed = 0;
-    for (const detail::Suspension::KeptSlot& slot : suspension_->slots)
+    for (const detail::SuspendedPages::KeptSlot& slot : suspension_->slots)
       for (const std::vector<std::size_t>& region : slot.pages)
         for (std::size_t k : region)
           if (new_index[k] == kept_pages) new_index[k] = needed++;
@@ -201,7 +201,7 @@ void KvCache::Impl::resume(Stream stream) {
     pages = source_.obtain(needed, claims);
   });
 
-  const detail::Suspension& kept = *suspension_;
+  const detail::SuspendedPages& kept = *suspension_;
   const std::size_t page_bytes = cache_.layout.page_bytes();
   const std::size_t regions = cache_.layout.num_regions();
   detail::UndoLog undo(detail::waits_for_stream(cache_.backend(), stream));
@@ -212,7 +212,7 @@ void KvCache::Impl::resume(Stream stream) {
     cache_.read_windows.close_current(stream);  // nothing should read the cache now; if it did
   std::vector<std::vector<std::vector<PageHandle>>> handles(cache_.slots.size());
   for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
-    const detail::Suspension::KeptSlot& from = kept.slots[s];
+    const detail::SuspendedPages::KeptSlot& from = kept.slots[s];
     if (from.pages.empty()) continue;
     readers_.order_after_readers(s, 0);
     handles[s].resize(regions);
@@ -248,7 +248,7 @@ void KvCache::Impl::resume(Stream stream) {
   // Every backend call succeeded: the books follow.
   std::vector<std::size_t> mappings(new_index.size(), 0);
   for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
-    const detail::Suspension::KeptSlot& from = kept.slots[s];
+    const detail::SuspendedPages::KeptSlot& from = kept.slots[s];
     Slot& slot = cache_.slots[s];
     if (from.pages.empty()) continue;
     for (std::size_t r = 0; r < regions; ++r) {
