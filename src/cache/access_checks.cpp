@@ -5,7 +5,7 @@
 
 namespace vkv::detail {
 
-AccessChecks::AccessChecks(CacheContext& cache, const std::optional<SuspendedPages>& suspension)
+AccessChecks::AccessChecks(CacheContext& cache, const Suspension& suspension)
     : layout_(cache.layout),
       config_(cache.config),
       slots_(cache.slots),
@@ -54,7 +54,7 @@ void AccessChecks::publish() noexcept {
   if (!published_) return;
   for (std::size_t s = 0; s < slots_.size(); ++s)
     published_[s].store(pack(state_of(slots_[s])), std::memory_order_relaxed);
-  suspended_.store(suspension_.has_value(), std::memory_order_release);
+  suspended_.store(suspension_.suspended(), std::memory_order_release);
 }
 
 bool AccessChecks::covers(std::uintptr_t address) const noexcept {
@@ -85,7 +85,7 @@ std::string AccessChecks::explain(std::uintptr_t address) const {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     state = state_of(slots_[slot_of(address)]);
-    suspended = suspension_.has_value();
+    suspended = suspension_.suspended();
   }
   describe(address, state, suspended, AccessKind::unknown, /*fault=*/false, text);
   return text.c_str();

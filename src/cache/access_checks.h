@@ -34,7 +34,7 @@ namespace vkv::detail {
 class AccessChecks final : public AddressExplainer {
  public:
   /// Everything given must outlive it; the backend's name names the device in messages.
-  AccessChecks(CacheContext& cache, const std::optional<SuspendedPages>& suspension);
+  AccessChecks(CacheContext& cache, const Suspension& suspension);
   ~AccessChecks() override;
   AccessChecks(const AccessChecks&) = delete;
   AccessChecks& operator=(const AccessChecks&) = delete;
@@ -71,7 +71,7 @@ class AccessChecks final : public AddressExplainer {
   const KvLayout& layout_;
   const CacheConfig& config_;
   const SlotTable& slots_;
-  const std::optional<SuspendedPages>& suspension_;
+  const Suspension& suspension_;
   std::mutex& mutex_;
   std::string backend_name_;
   std::size_t head_bytes_;  // one layer's K or V of one token

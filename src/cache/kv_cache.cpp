@@ -27,6 +27,7 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
       prefixes_(cache_, mappings_, readers_, source_),
       growth_(cache_, mappings_, readers_, source_),
       lent_(cache_, mappings_, readers_, source_),
+      suspension_(cache_, mappings_, readers_, source_, growth_),
       checks_(cache_, suspension_),
       fork_generation_(detail::fork_generation()) {
   cache_.budget.lend(lent_);
@@ -124,7 +125,7 @@ KvCache::Impl::~Impl() {
       // The driver is going away (process exit); the pages die with the context.
     }
   }
-  if (suspension_) cache_.host_frees.add(suspension_->host);  // its copies were waited for
+  if (suspension_.suspended()) cache_.host_frees.add(suspension_.host());  // its copies were waited for
   try {
     cache_.host_frees.free_finished(/*wait=*/true);
   } catch (...) {
@@ -154,7 +155,7 @@ std::size_t KvCache::Impl::alloc_reqid(Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
   const auto locked = detail::Clock::now();
-  detail::expect_not_suspended(suspension_, "alloc_reqid");
+  suspension_.expect_not_suspended("alloc_reqid");
   // The slot to map the next prefill's pages in may have changed: the next step() wakes
   // the mapper for it, here a wake-up would only make the mapper's driver calls meet ours.
   const std::size_t slot = allocate_slot(lock, cache_.slots.next_to_allocate(), stream);
@@ -210,7 +211,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
               " is not allocated: double free, or a slot alloc_reqid() did not return");
   // While suspended it maps nothing: its kept pages are not brought back, the rest changes only books.
-  if (suspension_) suspension_->slots[slot_index] = {};
+  suspension_.forget(slot_index);
   cache_.host_frees.free_finished(/*wait=*/false);
   // A next owner must never see another request's tokens: shared pages leave the slot now.
   // Checked mode keeps none, so that the freed slot's addresses fault (access_checks.h).

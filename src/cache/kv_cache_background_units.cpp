@@ -28,11 +28,11 @@ std::size_t KvCache::Impl::map_ahead_now() {
 
 bool KvCache::Impl::background_work() {
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  // While suspended nothing takes the pages suspend() gave back (suspension.cpp).
+  // While suspended nothing takes the pages suspend() gave back (suspension.h).
   const detail::BackgroundUnit unit =
-      suspension_ ? detail::BackgroundUnit{}
-                  : planner_.next(/*settle_events=*/true, detail::eager_tokens(cache_.config, cache_.prompts),
-                                  watermark_pages_);
+      suspension_.suspended() ? detail::BackgroundUnit{}
+                              : planner_.next(/*settle_events=*/true,
+                                              detail::eager_tokens(cache_.config, cache_.prompts), watermark_pages_);
   switch (unit.kind) {
     case detail::BackgroundUnit::Kind::grow:
       return growth_.grow_ahead(lock, unit.slot, unit.pages, background_stream_);

@@ -1,8 +1,10 @@
 // KvCache: growing and shrinking the physical memory the cache holds while it runs,
-// so that the framework's allocator or another process can use what it gives back.
+// so that the framework's allocator or another process can use what it gives back; and
+// giving all of it back while the engine sleeps (suspend(), resume(): suspension.h).
 #include <algorithm>
 
 #include "kv_cache_impl.h"
+#include "util/fork_guard.h"
 #include "util/format.h"
 #include "vkv/error.h"
 
@@ -14,7 +16,7 @@ void KvCache::Impl::set_budget(std::size_t bytes) {
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   const std::size_t budget = bytes / page;
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "set_budget");
+  suspension_.expect_not_suspended("set_budget");
   cache_.unit_done.wait(lock, [&] { return !growth_.mapper_busy(); });  // pages in flight count too
   const std::size_t in_use = source_.pages_held_now();
   if (in_use > budget) {
@@ -60,6 +62,25 @@ std::size_t KvCache::Impl::trim() {
     for (const Page& page : pages) cache_.pool.give_back(page);
   }
   return cache_.pool.trim(0) * cache_.layout.page_bytes();
+}
+
+void KvCache::Impl::suspend(Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(cache_.mutex);
+  suspension_.suspend(lock, stream);
+}
+
+void KvCache::Impl::resume(Stream stream) {
+  rethrow_background_error();
+  std::unique_lock<std::mutex> lock(cache_.mutex);
+  suspension_.resume(lock, stream);
+  if (mapper_) mapper_->wake();
+}
+
+bool KvCache::Impl::is_suspended() const {
+  detail::expect_same_process(fork_generation_);
+  std::lock_guard<std::mutex> lock(cache_.mutex);
+  return suspension_.suspended();
 }
 
 }  // namespace vkv

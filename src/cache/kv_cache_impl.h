@@ -21,6 +21,7 @@
 //   CallProfile   call_profile.h    what the calls cost (stats' counters, last_step_profile())
 //   HostFrees     host_frees.h      host memory freed once its copy completed
 //   AccessChecks  access_checks.h   what an address is and why it may not be touched (checked mode)
+//   Suspension    suspension.h      suspend() and resume(): the whole cache to host memory and back
 //   Backend       backend.h         the device (behind the statistics adaptor if asked)
 //
 // Each public call checks its arguments, waits for the mapper where it must, and then
@@ -177,9 +178,8 @@ class KvCache::Impl final {
   detail::PrefixSharing prefixes_;     // a slot's prefix at another slot (fork, share_prefix)
   detail::SlotGrowth growth_;          // fresh pages mapped at the end of slots (step() and the mapper)
   detail::LentPages lent_;             // what the budget client may take back
-  // What suspend() kept, until resume() succeeds (suspension.cpp).
-  std::optional<detail::SuspendedPages> suspension_;
-  detail::AccessChecks checks_;  // registered from the reservation's start until the destructor's
+  detail::Suspension suspension_;      // suspend() and resume(), and what suspend() kept meanwhile
+  detail::AccessChecks checks_;        // registered from the reservation's start until the destructor's
   Address base_ = 0;
   std::size_t watermark_pages_ = 0;
   Stream background_stream_ = 0;

@@ -87,7 +87,7 @@ void KvCache::Impl::check_invariants() const {
   std::lock_guard<std::mutex> lock(cache_.mutex);
   cache_.slots.check(cache_.layout, cache_.config.zero_page);
   cache_.sharing.check(cache_.slots);
-  if (suspension_) suspension_->check(cache_.slots);
+  suspension_.check();
   auto expect = [](bool holds, const std::string& what) {
     if (!holds) throw Error("vkv invariant broken: " + what);
   };

@@ -38,7 +38,7 @@ KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, st
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "prepare_step");
+  suspension_.expect_not_suspended("prepare_step");
   step_planner_.expect_valid(seq_lens, count);
   readers_.enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
   const std::size_t regions = cache_.layout.num_regions();
@@ -82,7 +82,7 @@ detail::ShortageLoop::Shortfall KvCache::Impl::map_unclaimed(const std::vector<s
 KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "prepare_swap_in");
+  suspension_.expect_not_suspended("prepare_swap_in");
   cache_.slots.expect_in_range(slot_index);
   const std::size_t regions = cache_.layout.num_regions();
   if (cache_.config.zero_page) cache_.read_windows.close_current(stream);  // mapping may wait for in-flight reads
@@ -109,7 +109,7 @@ KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stre
 KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "prepare_fork");
+  suspension_.expect_not_suspended("prepare_fork");
   cache_.slots.expect_in_range(src);
   for (;;) {
     prefixes_.expect_valid_fork(src);
@@ -129,7 +129,7 @@ KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
 KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "prepare_share_prefix");
+  suspension_.expect_not_suspended("prepare_share_prefix");
   cache_.slots.expect_in_range(src);
   cache_.slots.expect_in_range(dst);
   for (;;) {
@@ -149,7 +149,7 @@ KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
   const std::size_t page = cache_.layout.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
   std::lock_guard<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "prepare_set_budget");
+  suspension_.expect_not_suspended("prepare_set_budget");
   const std::size_t in_use = source_.pages_held_now();
   Preparation plan;
   plan.missing_pages = in_use > bytes / page ? in_use - bytes / page : 0;

@@ -17,7 +17,7 @@ namespace vkv {
 std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "fork");
+  suspension_.expect_not_suspended("fork");
   cache_.slots.expect_in_range(src);
   auto expect_source = [&] { prefixes_.expect_valid_fork(src); };
   expect_source();
@@ -42,7 +42,7 @@ std::size_t KvCache::Impl::fork(std::size_t src, Stream stream) {
 void KvCache::Impl::share_prefix(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "share_prefix");
+  suspension_.expect_not_suspended("share_prefix");
   cache_.slots.expect_in_range(src);
   cache_.slots.expect_in_range(dst);
   auto expect_valid = [&] { prefixes_.expect_valid_share(src, dst, tokens); };

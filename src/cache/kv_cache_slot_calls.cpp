@@ -13,7 +13,7 @@ namespace vkv {
 std::vector<std::size_t> KvCache::Impl::alloc_reqids(std::size_t count, bool contiguous, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "alloc_reqids");
+  suspension_.expect_not_suspended("alloc_reqids");
   VKV_EXPECTS(count > 0, "alloc_reqids: count = 0; ask for at least one slot");
   std::size_t free_slots = 0;
   for (const Slot& slot : cache_.slots) free_slots += slot.allocated ? 0 : 1;
@@ -67,7 +67,7 @@ void KvCache::Impl::step_slots(const std::size_t* slots, const std::size_t* seq_
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "step_slots");
+  suspension_.expect_not_suspended("step_slots");
   VKV_EXPECTS((slots != nullptr && seq_lens != nullptr) || count == 0, "step_slots: slots or seq_lens is null");
   std::vector<std::size_t> lengths(cache_.slots.size());
   for (std::size_t s = 0; s < cache_.slots.size(); ++s) lengths[s] = cache_.slots[s].seq_len;

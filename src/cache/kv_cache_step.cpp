@@ -25,7 +25,7 @@ void KvCache::Impl::step(const std::size_t* seq_lens, std::size_t count, Stream 
     lock.lock();
     cache_.budget.step_waited();
   }
-  detail::expect_not_suspended(suspension_, "step");
+  suspension_.expect_not_suspended("step");
   const bool wake = step_locked(lock, seq_lens, count, stream, start);
   cache_.profile.step().lock_contended = contended;
   lock.unlock();
@@ -94,7 +94,7 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
   cache_.budget.publish_in_use();
   // A wake-up costs a system call and may put the mapper on this core: only with work.
   const bool wake =
-      mapper_ && !suspension_ &&
+      mapper_ && !suspension_.suspended() &&
       planner_.next(/*settle_events=*/false, detail::eager_tokens(cache_.config, cache_.prompts), watermark_pages_)
               .kind != detail::BackgroundUnit::Kind::none;
   cache_.profile.step().woke_mapper = wake;

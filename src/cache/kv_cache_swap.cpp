@@ -23,7 +23,7 @@ bool KvCache::Impl::is_swapped(std::size_t slot) const {
 void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "swap_out");
+  suspension_.expect_not_suspended("swap_out");
   cache_.slots.expect_in_range(slot_index);
   auto expect_valid = [&] {
     VKV_EXPECTS(cache_.slots[slot_index].allocated, "swap_out: slot ", slot_index, " is not allocated");
@@ -70,7 +70,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
 void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
   std::unique_lock<std::mutex> lock(cache_.mutex);
-  detail::expect_not_suspended(suspension_, "swap_in");
+  suspension_.expect_not_suspended("swap_in");
   cache_.slots.expect_in_range(slot_index);
   auto expect_valid = [&] {
     VKV_EXPECTS(cache_.slots[slot_index].allocated && cache_.slots[slot_index].swapped, "swap_in: slot ", slot_index,
