@@ -41,7 +41,7 @@ class UnitExit {
       : slots_(slots), done_(done), lock_(lock), slot_(slot) {}
   ~UnitExit() {
     if (!lock_.owns_lock()) lock_.lock();
-    if (slot_ < slots_.size()) slots_[slot_].busy_from = kNotBusy;
+    if (slot_ < slots_.size()) slots_.mark_not_busy(slot_);
     done_.notify_all();
   }
   UnitExit(const UnitExit&) = delete;

@@ -58,7 +58,8 @@ KvCache::Impl::Impl(const CacheConfig& config, std::shared_ptr<Backend> backend)
   // start everywhere: the caller may write the whole reservation before any step().
   if (config.zero_page && (cache_.backend().traits().zero_backing_is_bulk || config.scratch_page)) {
     cache_.backend().back_with_zeros(base_, needed, config.scratch_page);
-    for (Slot& slot : cache_.slots) slot.backed_end = cache_.layout.pages_per_slot();
+    for (std::size_t s = 0; s < cache_.slots.size(); ++s)
+      cache_.slots.set_backed_end(s, cache_.layout.pages_per_slot());
   }
   undo.commit();
   if (cache_.config.checked && !cache_.backend().traits().host_memory) {
@@ -105,21 +106,21 @@ KvCache::Impl::~Impl() {
   }
   growth_.unmap_stranded();
   for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
-    Slot& slot = cache_.slots[s];
-    slot.deferred_fill = 0;  // its pages go back to the device: nobody reads them again
+    const Slot& slot = cache_.slots[s];
+    cache_.slots.shrink_fill(s, 0);  // its pages go back to the device: nobody reads them again
     if (slot.swapped) cache_.host_frees.add(slot.swap);
     try {
-      readers_.wait_free_event(slot);
+      readers_.wait_free_event(s);
       // One call per region unmaps real and zero-backed pages alike.
       const std::size_t backed = std::max(slot.mapped(), slot.backed_end);
       if (backed > 0)
         for (std::size_t r = 0; r < cache_.layout.num_regions(); ++r)
           cache_.backend().unmap(mappings_.address(r, s, 0), backed * cache_.layout.page_bytes());
-      for (std::vector<PageHandle>& pages : slot.pages) {
+      for (std::size_t r = 0; r < slot.pages.size(); ++r) {
         std::vector<Page> unmapped;
-        mappings_.drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
+        mappings_.drop_mappings(slot.pages[r], 0, slot.pages[r].size(), /*clean=*/false, unmapped);
         for (const Page& page : unmapped) cache_.pool.give_back(page);
-        pages.clear();
+        cache_.slots.truncate_pages(s, r, 0);
       }
     } catch (...) {
       // The driver is going away (process exit); the pages die with the context.
@@ -185,7 +186,7 @@ void KvCache::Impl::settle(std::unique_lock<std::mutex>& lock, std::size_t slot,
 std::size_t KvCache::Impl::allocate_slot(std::unique_lock<std::mutex>& lock, std::size_t best, Stream stream) {
   VKV_EXPECTS(best < cache_.slots.size(), "no free slot: all max_batch_size = ", cache_.slots.size(),
               " slots are allocated (free_reqid one first)");
-  Slot& slot = cache_.slots[best];
+  const Slot& slot = cache_.slots[best];
   if (cache_.config.zero_page && slot.backed_end < cache_.layout.pages_per_slot()) {
     // Not yet backed by the mapper: an allocated slot reads as zeros to its end. Pages
     // past backed_end are unmapped, so nothing in flight reads them.
@@ -207,7 +208,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   std::unique_lock<std::mutex> lock(cache_.mutex);
   const auto locked = detail::Clock::now();
   cache_.slots.expect_in_range(slot_index);
-  Slot& slot = cache_.slots[slot_index];
+  const Slot& slot = cache_.slots[slot_index];
   VKV_EXPECTS(slot.allocated, "slot ", slot_index,
               " is not allocated: double free, or a slot alloc_reqid() did not return");
   // While suspended it maps nothing: its kept pages are not brought back, the rest changes only books.
@@ -224,11 +225,7 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
   // Nothing can fail from here on: the pages kept are zero-filled on `stream` by the next
   // call that needs them (slot_readers.cpp), and nothing the mapper could do changed.
   if (keeps_pages) readers_.defer_fill(slot_index, stream);
-  if (slot.swapped) {
-    cache_.host_frees.add(slot.swap);
-    slot.swap = {};
-    slot.swapped = false;
-  }
+  if (slot.swapped) cache_.host_frees.add(cache_.slots.take_swap(slot_index));
   // What alloc_reqid() prefers follows the calls alone, not the pages: whether a slot
   // holds shared pages depends, with large pages, on what each rank's pool had.
   const bool keeps_claim = cache_.config.deferred_reclamation && !slot.shared_a_page;
@@ -245,16 +242,15 @@ void KvCache::Impl::free_reqid(std::size_t slot_index, Stream stream) {
 // of it; pages mapped nowhere else go back to the pool, or to the driver with
 // return_to_device (the behaviour of an allocator that frees at once).
 void KvCache::Impl::drop_all_pages(std::size_t slot_index, Stream stream, bool return_to_device) {
-  Slot& slot = cache_.slots[slot_index];
+  const Slot& slot = cache_.slots[slot_index];
   if (slot.mapped() == 0) return;
   if (slot.deferred_fill != 0) {  // a swapped-out slot freed without deferred reclamation
     readers_.enqueue_fill(slot_index);
-    readers_.wait_free_event(slot);  // the pages go back clean
+    readers_.wait_free_event(slot_index);  // the pages go back clean
   }
   const Event event = cache_.backend().record_event(stream);
   if (slot.free_event != 0) cache_.backend().destroy_event(slot.free_event);
-  slot.free_event = event;
-  slot.free_event_stream = stream;
+  cache_.slots.set_free_event(slot_index, event, stream);
   std::vector<Page> pages;
   source_.unmap_tail(slot_index, 0, pages);
   if (return_to_device) {

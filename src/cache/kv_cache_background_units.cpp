@@ -50,33 +50,33 @@ bool KvCache::Impl::background_work() {
 
 bool KvCache::Impl::shrink_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index,
                                          std::size_t pages) {
-  Slot& slot = cache_.slots[slot_index];
+  const Slot& slot = cache_.slots[slot_index];
   const std::size_t mapped = slot.mapped();
   const std::size_t keep = mapped - pages;
-  slot.busy_from = keep;
+  cache_.slots.mark_busy(slot_index, keep);
   lock.unlock();
   const detail::UnitExit exit(cache_.slots, cache_.unit_done, lock, slot_index);
   mappings_.unmap_regions(slot_index, keep, pages);
   lock.lock();
   // Unclaimed (step() waits for a busy slot before claiming past busy_from): clean.
-  for (std::vector<PageHandle>& handles : slot.pages) {
+  for (std::size_t r = 0; r < slot.pages.size(); ++r) {
     std::vector<Page> unmapped;
-    mappings_.drop_mappings(handles, keep, mapped, /*clean=*/true, unmapped);
+    mappings_.drop_mappings(slot.pages[r], keep, mapped, /*clean=*/true, unmapped);
     for (const Page& page : unmapped) cache_.pool.give_back(page);
-    handles.resize(keep);
+    cache_.slots.truncate_pages(slot_index, r, keep);
   }
   return true;
 }
 
 bool KvCache::Impl::cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t until) {
-  Slot& slot = cache_.slots[slot_index];
+  const Slot& slot = cache_.slots[slot_index];
   const std::size_t from = std::max(slot.mapped(), slot.backed_end);
-  slot.busy_from = from;  // nobody maps there meanwhile; the range is unmapped, so nothing reads it
+  cache_.slots.mark_busy(slot_index, from);  // nobody maps there meanwhile; the range is unmapped, so nothing reads it
   lock.unlock();
   const detail::UnitExit exit(cache_.slots, cache_.unit_done, lock, slot_index);
   mappings_.back_regions_with_zeros(slot_index, from, until);
   lock.lock();
-  slot.backed_end = until;
+  cache_.slots.set_backed_end(slot_index, until);
   return true;
 }
 

@@ -102,7 +102,7 @@ void KvCache::Impl::expect_tokens(std::size_t slot_index, std::size_t tokens) {
     VKV_EXPECTS(!slot.swapped, "expect_tokens: slot ", slot_index, " is swapped out (swap_in it first)");
     VKV_EXPECTS(tokens <= cache_.config.max_context_len, "expect_tokens: tokens = ", tokens,
                 " exceeds max_context_len = ", cache_.config.max_context_len);
-    cache_.slots[slot_index].expected_tokens = tokens;
+    cache_.slots.set_expected_tokens(slot_index, tokens);
   }
   if (mapper_) mapper_->wake();  // without the lock: the mapper takes it first thing
 }

@@ -79,13 +79,12 @@ bool KvCache::Impl::step_locked(std::unique_lock<std::mutex>& lock, const std::s
       [&] { step_planner_.expect_valid(seq_lens, count); });  // other threads may have freed slots meanwhile
   bool prefilled = false;
   for (std::size_t s = 0; s < count; ++s) {
-    Slot& slot = cache_.slots[s];
+    const Slot& slot = cache_.slots[s];
     if (slot.claimed == 0 && seq_lens[s] > 0) {  // a prefill: what the next one may need
       cache_.prompts.record(seq_lens[s]);
       prefilled = true;
     }
-    slot.seq_len = seq_lens[s];
-    slot.claimed = plan.claims[s];
+    cache_.slots.set_tokens(s, seq_lens[s], plan.claims[s]);
     VKV_ASSERT(slot.claimed <= slot.mapped());
   }
   if (prefilled)

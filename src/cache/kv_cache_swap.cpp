@@ -32,7 +32,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   settle(lock, slot_index, 0, 0, expect_valid);
   cache_.host_frees.free_finished(/*wait=*/false);
 
-  Slot& slot = cache_.slots[slot_index];
+  const Slot& slot = cache_.slots[slot_index];
   const std::size_t region_bytes = slot.seq_len * cache_.layout.token_bytes();
   detail::HostCopy copy;
   copy.bytes = region_bytes * cache_.layout.num_regions();
@@ -58,11 +58,7 @@ void KvCache::Impl::swap_out(std::size_t slot_index, Stream stream) {
   if (shares) drop_all_pages(slot_index, stream, /*return_to_device=*/false);
   undo.commit();
   if (!shares) readers_.defer_fill(slot_index, stream);  // behind the copy on the stream (slot_readers.cpp)
-  slot.swapped = true;
-  slot.swap = copy;
-  slot.seq_len = 0;
-  slot.claimed = 0;
-  slot.expected_tokens = 0;  // swap_in() brings back what it had, no more
+  cache_.slots.mark_swapped_out(slot_index, copy);
   cache_.budget.publish_in_use();
   if (mapper_) mapper_->wake();
 }
@@ -84,7 +80,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   readers_.enqueue_fill(slot_index);                                       // before the copy back
   if (cache_.config.zero_page) cache_.read_windows.close_current(stream);  // undo and reclamation may wait for it
 
-  Slot& slot = cache_.slots[slot_index];
+  const Slot& slot = cache_.slots[slot_index];
   const std::size_t tokens = detail::swapped_tokens(slot, cache_.layout);
   std::vector<std::size_t> claims = cache_.slots.claims();
   claims[slot_index] = cache_.layout.pages_for_tokens(tokens);
@@ -112,10 +108,7 @@ void KvCache::Impl::swap_in(std::size_t slot_index, Stream stream) {
   } else {
     undo.commit();
   }
-  slot.swap = {};
-  slot.swapped = false;
-  slot.seq_len = tokens;
-  slot.claimed = claims[slot_index];
+  cache_.slots.mark_swapped_in(slot_index, tokens, claims[slot_index]);
   cache_.budget.publish_in_use();
   if (mapper_) mapper_->wake();
 }

@@ -84,7 +84,9 @@ class SlotReaders {
   /// Before pages of `slot` are unmapped: waits for its last readers (an event on its fill
   /// stream if its fill is deferred and nobody waited yet, then its free_event).
   void wait_last_readers(std::size_t slot);
-  void wait_free_event(Slot& slot);
+  /// Waits for the free_event of `slot` and forgets it (its fill is not deferred, or its
+  /// readers are done).
+  void wait_free_event(std::size_t slot);
   /// Work enqueued on `stream` from now on runs after free_event (no call on its own stream).
   void order_after_free_event(const Slot& slot, Stream stream);
   /// Before an engine call changes the mappings of `slot` from page `first` on: waits for

@@ -127,8 +127,8 @@ void Suspension::copy_out_and_unmap(SuspendedPages& kept, const std::vector<Copy
     cache_.read_windows.close_current(stream);
     cache_.read_windows.wait();
   }
-  for (Slot& slot : cache_.slots)
-    if (slot.mapped() > 0) readers_.wait_free_event(slot);  // previous owners' zero-fills and readers
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s)
+    if (cache_.slots[s].mapped() > 0) readers_.wait_free_event(s);  // previous owners' zero-fills and readers
 
   const std::size_t regions = cache_.layout.num_regions();
   for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
@@ -144,13 +144,13 @@ void Suspension::copy_out_and_unmap(SuspendedPages& kept, const std::vector<Copy
 
 void Suspension::forget_all_pages() {
   std::vector<Page> unmapped;
-  for (Slot& slot : cache_.slots) {
-    for (std::vector<PageHandle>& pages : slot.pages) {
-      mappings_.drop_mappings(pages, 0, pages.size(), /*clean=*/false, unmapped);
-      pages.clear();
+  for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
+    const Slot& slot = cache_.slots[s];
+    for (std::size_t r = 0; r < slot.pages.size(); ++r) {
+      mappings_.drop_mappings(slot.pages[r], 0, slot.pages[r].size(), /*clean=*/false, unmapped);
+      cache_.slots.truncate_pages(s, r, 0);
     }
-    slot.seq_len = 0;
-    slot.claimed = 0;
+    cache_.slots.set_tokens(s, 0, 0);
   }
   cache_.pool.release_all(unmapped);  // counted back to a shared budget once
   cache_.pool.trim(0);
@@ -244,16 +244,14 @@ void Suspension::restore_books(SlotHandles& handles, std::size_t kept_pages) {
   std::vector<std::size_t> mapped_at(kept_pages, 0);  // slots mapping kept page k so far
   for (std::size_t s = 0; s < cache_.slots.size(); ++s) {
     const SuspendedPages::KeptSlot& from = kept_->slots[s];
-    Slot& slot = cache_.slots[s];
     if (from.pages.empty()) continue;
     for (std::size_t r = 0; r < regions; ++r) {
       for (std::size_t i = 0; i < from.pages[r].size(); ++i)
         if (mapped_at[from.pages[r][i]]++ > 0) cache_.sharing.add_mapping(handles[s][r][i]);
-      slot.pages[r] = std::move(handles[s][r]);
+      cache_.slots.set_pages(s, r, std::move(handles[s][r]));
     }
-    slot.seq_len = from.seq_len;
-    slot.claimed = from.claimed;
-    if (cache_.config.zero_page) slot.backed_end = std::max(slot.backed_end, slot.claimed);
+    cache_.slots.set_tokens(s, from.seq_len, from.claimed);
+    if (cache_.config.zero_page) cache_.slots.set_backed_end(s, std::max(cache_.slots[s].backed_end, from.claimed));
   }
 }
 

@@ -31,14 +31,14 @@ class SlotParts : public ::testing::Test {
     backend_->fail_at = 0;
     backend_->synchronize_device();
     for (std::size_t s = 0; s < slots_.size(); ++s) {
-      detail::Slot& slot = slots_[s];
+      const detail::Slot& slot = slots_[s];
       const std::size_t backed = std::max(slot.mapped(), slot.backed_end);
       for (std::size_t r = 0; r < layout_.num_regions() && backed > 0; ++r)
         backend_->unmap(mappings_.address(r, s, 0), backed * layout_.page_bytes());
       std::vector<Page> unmapped;
-      for (auto& pages : slot.pages) {
-        mappings_.drop_mappings(pages, 0, pages.size(), false, unmapped);
-        pages.clear();
+      for (std::size_t r = 0; r < slot.pages.size(); ++r) {
+        mappings_.drop_mappings(slot.pages[r], 0, slot.pages[r].size(), false, unmapped);
+        slots_.truncate_pages(s, r, 0);
       }
       for (const Page& page : unmapped) pool_.give_back(page);
       if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
@@ -61,7 +61,7 @@ class SlotParts : public ::testing::Test {
       std::vector<PageHandle> handles;
       for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[r * count + i].handle);
       mappings_.map_real(slot, r, first, handles.data(), count);
-      slots_[slot].pages[r].insert(slots_[slot].pages[r].end(), handles.begin(), handles.end());
+      slots_.append_pages(slot, r, handles.data(), count);
     }
     return pages;
   }

@@ -31,8 +31,7 @@ class SuspensionTest : public testing::SourceParts {
   void allocate(std::size_t slot, std::size_t claimed, std::size_t mapped) {
     slots_.mark_allocated(slot, 0);
     grow(slot, mapped);
-    slots_[slot].claimed = claimed;
-    slots_[slot].seq_len = claimed * tokens_per_page() - 1;
+    slots_.set_tokens(slot, claimed * tokens_per_page() - 1, claimed);
   }
   // Distinct bytes over the first `pages` pages of every region of `slot`.
   std::vector<Bytes> write(std::size_t slot, std::size_t pages, std::uint8_t seed) {
@@ -107,10 +106,10 @@ TEST_F(SuspensionTest, ASharedPageIsKeptOnceAndComesBackShared) {
   for (std::size_t r = 0; r < regions(); ++r) {  // slot 0's first page at slot 1 too
     const PageHandle shared = slots_[0].pages[r][0];
     mappings_.map_real(1, r, 0, &shared, 1);
-    slots_[1].pages[r].push_back(shared);
+    slots_.append_pages(1, r, &shared, 1);
     sharing_.add_mapping(shared);
   }
-  slots_[1].claimed = 1;
+  slots_.set_tokens(1, slots_[1].seq_len, 1);
   const std::vector<Bytes> bytes = write(0, 2, 7);
   suspend();
   EXPECT_EQ(suspension_.host().bytes, 2 * regions() * page());
@@ -158,9 +157,9 @@ TEST_F(SuspensionTest, CheckNamesASlotThatClaimsWhileSuspended) {
   allocate(0, 1, 1);
   suspension_.check();  // not suspended: nothing to check
   suspend();
-  slots_[0].claimed = 1;
+  slots_.set_tokens(0, slots_[0].seq_len, 1);
   EXPECT_THROW(suspension_.check(), Error);
-  slots_[0].claimed = 0;
+  slots_.set_tokens(0, slots_[0].seq_len, 0);
   suspension_.check();
 }
 
