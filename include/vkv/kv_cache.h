@@ -225,7 +225,7 @@ class KvCache {
   /// mapper maps ahead again within the budget; set_budget() keeps memory away for good.
   std::size_t trim();
 
-  // ---- suspending (kv_cache_suspend.cpp) --------------------------------------------
+  // ---- suspending (src/cache/suspension.h) ------------------------------------------
   // An engine that sleeps (vLLM's sleep()) keeps its KV this way: suspend() moves what
   // allocated slots hold to host memory and gives every physical page back (to the
   // device, or to the shared budget, where other members may take it); resume() maps

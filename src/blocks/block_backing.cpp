@@ -65,11 +65,12 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
       table_(config.num_blocks, config.permanent_blocks, shared_states),
       counts_(geometry_),
       lent_(store_, pool_, releases_),
-      budget_(budget_config(config), *backend_, geometry_.page_bytes(), lent_, mutex_),
+      budget_(budget_config(config), *backend_, geometry_.page_bytes(), mutex_),
       pool_(*backend_, budget_pages(config, geometry_, *backend_), 0, budget_.account()),
       store_(*backend_, pool_, geometry_.num_pages(), config.scratch_page),
       prefer_costless_(config.prefer_costless),
       fork_generation_(detail::fork_generation()) {
+  budget_.lend(lent_);
   const std::size_t reserved = geometry_.reserved_bytes();
   const std::size_t limit = backend_->max_reservation_bytes();
   VKV_EXPECTS(reserved <= limit, "the block backing needs ", reserved, " bytes (", detail::format_bytes(reserved),
@@ -85,8 +86,8 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
     if (!permanent.empty()) {
       detail::UndoLog undo(detail::waits_for_stream(*backend_, store_.stream()));
       std::size_t fitting = 0;
-      bool asked = false;
-      while (map_chosen(lock, permanent, undo, fitting, asked) == Mapping::replan) {}
+      map_chosen(
+          lock, [] {}, permanent, undo, fitting);  // the same blocks every try
       if (fitting < permanent.size()) {
         throw OutOfMemory(detail::concat("block backing: the budget has no room for the ", permanent.size(),
                                          " permanent blocks (permanent_blocks)", budget_.room_text()),

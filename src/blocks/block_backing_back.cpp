@@ -2,8 +2,10 @@
 // back first), a shortage met by giving pending pages back, asking the budget, and then
 // fewer blocks; with workers, one round each try that all of them back the same.
 #include <algorithm>
+#include <optional>
 
 #include "block_backing_impl.h"
+#include "shared_budget/shortage_loop.h"
 #include "util/clock.h"
 #include "util/fork_guard.h"
 #include "vkv/error.h"
@@ -36,9 +38,7 @@ std::vector<std::int64_t> BlockBacking::Impl::back_some(std::size_t count) {
   return std::vector<std::int64_t>(chosen_.begin(), chosen_.begin() + static_cast<std::ptrdiff_t>(backed));
 }
 
-BlockBacking::Impl::Mapping BlockBacking::Impl::map_chosen(std::unique_lock<std::mutex>& lock,
-                                                           const std::vector<std::size_t>& chosen,
-                                                           detail::UndoLog& undo, std::size_t& fitting, bool& asked) {
+void BlockBacking::Impl::map_new_pages(const std::vector<std::size_t>& chosen, detail::UndoLog& undo) {
   // The pages no backed block touches yet: mapped fresh, or (pending) taken back.
   new_pages_.clear();
   for (std::size_t block : chosen) {
@@ -53,27 +53,32 @@ BlockBacking::Impl::Mapping BlockBacking::Impl::map_chosen(std::unique_lock<std:
   for (std::size_t page : new_pages_) {
     (store_.state(page) == detail::PageStore::State::pending ? pending_again_ : fresh_).push_back(page);
   }
-  try {
-    store_.map_fresh(fresh_, undo);  // all or nothing
-  } catch (const OutOfMemory& shortage) {
-    // Released pages waiting for their readers: once those are done, they are room.
-    if (store_.pending_pages() > pending_again_.size()) {
-      settle(/*wait=*/true);
-      return Mapping::replan;
-    }
-    if (budget_.joined()) {
-      if (budget_.reap_dead()) return Mapping::replan;  // a dead member's bytes are free now
-      if (!asked && budget_.may_ask()) {
-        asked = true;
-        budget_.ask(lock, shortage.missing_pages());  // the lock is released meanwhile
-        return Mapping::replan;
-      }
-    }
-    fitting = detail::fitting_prefix(geometry_, chosen, shortage.missing_pages(), [this](std::size_t page) {
+  store_.map_fresh(fresh_, undo);  // all or nothing
+}
+
+BlockBacking::Impl::Mapping BlockBacking::Impl::map_chosen(std::unique_lock<std::mutex>& lock,
+                                                           const std::function<void()>& choose,
+                                                           std::vector<std::size_t>& chosen, detail::UndoLog& undo,
+                                                           std::size_t& fitting) {
+  auto map = [&]() -> std::optional<std::size_t> {
+    choose();
+    if (!chosen.empty()) map_new_pages(chosen, undo);
+    return std::nullopt;
+  };
+  // Released pages waiting for their readers: once those are done, they are room.
+  auto settle_pending = [&] {
+    if (store_.pending_pages() <= pending_again_.size()) return false;
+    settle(/*wait=*/true);
+    return true;
+  };
+  detail::ShortageLoop shortage(budget_, lock, detail::ShortageLoop::Asking::once);
+  if (const std::optional<std::size_t> missing = shortage.run(map, settle_pending)) {
+    fitting = detail::fitting_prefix(geometry_, chosen, *missing, [this](std::size_t page) {
       return !counts_.backed(page) && store_.state(page) == detail::PageStore::State::unmapped;
     });
     return Mapping::short_of_pages;
   }
+  if (chosen.empty()) return Mapping::mapped;
   store_.take_back(pending_again_, undo);
   fitting = chosen.size();
   return Mapping::mapped;
@@ -109,14 +114,13 @@ std::size_t BlockBacking::Impl::back_locked(std::unique_lock<std::mutex>& lock, 
     detail::UndoLog undo(detail::waits_for_stream(*backend_, store_.stream()));  // undone at scope end unless committed
     Mapping mapping = Mapping::mapped;
     std::size_t fitting = 0;
-    bool asked = false;
     chosen.clear();
     if (!failed) {
       try {
-        do {
+        auto choose = [&] {
           detail::choose_blocks(geometry_, counts_, table_, prefer_costless_, want, chosen, choice_scratch_);
-          mapping = chosen.empty() ? Mapping::mapped : map_chosen(lock, chosen, undo, fitting, asked);
-        } while (mapping == Mapping::replan);
+        };
+        mapping = map_chosen(lock, choose, chosen, undo, fitting);
       } catch (...) {
         failed = std::current_exception();
       }

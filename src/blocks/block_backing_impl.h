@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -88,9 +89,8 @@ class BlockBacking::Impl final {
     Event event = 0;
     std::uint64_t number = 0;
   };
-  // How an attempt to map the chosen blocks' pages went; `replan`: nothing changed, but
-  // pending pages went back or the lock was released (to ask the budget): choose again.
-  enum class Mapping { mapped, short_of_pages, replan };
+  // How an attempt to map the chosen blocks' pages went.
+  enum class Mapping { mapped, short_of_pages };
 
   // ---- backing (block_backing_back.cpp) ---------------------------------------------
   // Backs `want` more blocks (fewer on a shortage), every worker alike; `chosen` gets
@@ -101,10 +101,14 @@ class BlockBacking::Impl final {
                           bool released, std::exception_ptr release_failed);
   // The one error every worker raises when the round names a failed worker.
   Error failure(const detail::WorkerAgreement::Verdict& verdict, std::size_t want, std::exception_ptr own) const;
-  // Maps the new pages `chosen` needs (all or nothing); on a shortage, gives pending pages
-  // back, asks the budget and, failing that, sets `fitting` to the prefix that fits.
-  Mapping map_chosen(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& chosen, detail::UndoLog& undo,
-                     std::size_t& fitting, bool& asked);
+  // Maps the new pages of the blocks `choose()` puts in `chosen` (all or nothing); on a
+  // shortage, gives pending pages back and asks the budget, choosing again after each (a
+  // ShortageLoop), and failing that sets `fitting` to the prefix of `chosen` that fits.
+  Mapping map_chosen(std::unique_lock<std::mutex>& lock, const std::function<void()>& choose,
+                     std::vector<std::size_t>& chosen, detail::UndoLog& undo, std::size_t& fitting);
+  // Sorts the new pages `chosen` needs into fresh_ and pending_again_ and maps the fresh
+  // ones (all or nothing). @throws OutOfMemory.
+  void map_new_pages(const std::vector<std::size_t>& chosen, detail::UndoLog& undo);
   // Commits the mapped chosen blocks: counts, BACKED states.
   void commit_backed(const std::vector<std::size_t>& chosen);
   std::size_t want_for(std::size_t target) const noexcept;

@@ -5,18 +5,17 @@
 
 namespace vkv::detail {
 
-AccessChecks::AccessChecks(const KvLayout& layout, const CacheConfig& config, const SlotTable& slots,
-                           const std::optional<Suspension>& suspension, std::mutex& mutex, std::string backend_name)
-    : layout_(layout),
-      config_(config),
-      slots_(slots),
+AccessChecks::AccessChecks(CacheContext& cache, const Suspension& suspension)
+    : layout_(cache.layout),
+      config_(cache.config),
+      slots_(cache.slots),
       suspension_(suspension),
-      mutex_(mutex),
-      backend_name_(std::move(backend_name)),
-      head_bytes_(config.num_kv_heads * config.head_dim * config.dtype_bytes) {
-  if (!config.checked) return;
-  published_ = std::make_unique<std::atomic<std::uint64_t>[]>(config.max_batch_size);
-  for (std::size_t s = 0; s < config.max_batch_size; ++s) published_[s].store(pack({}), std::memory_order_relaxed);
+      mutex_(cache.mutex),
+      backend_name_(cache.backend().name()),
+      head_bytes_(config_.num_kv_heads * config_.head_dim * config_.dtype_bytes) {
+  if (!config_.checked) return;
+  published_ = std::make_unique<std::atomic<std::uint64_t>[]>(config_.max_batch_size);
+  for (std::size_t s = 0; s < config_.max_batch_size; ++s) published_[s].store(pack({}), std::memory_order_relaxed);
 }
 
 AccessChecks::~AccessChecks() { stop(); }
@@ -55,7 +54,7 @@ void AccessChecks::publish() noexcept {
   if (!published_) return;
   for (std::size_t s = 0; s < slots_.size(); ++s)
     published_[s].store(pack(state_of(slots_[s])), std::memory_order_relaxed);
-  suspended_.store(suspension_.has_value(), std::memory_order_release);
+  suspended_.store(suspension_.suspended(), std::memory_order_release);
 }
 
 bool AccessChecks::covers(std::uintptr_t address) const noexcept {
@@ -86,7 +85,7 @@ std::string AccessChecks::explain(std::uintptr_t address) const {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     state = state_of(slots_[slot_of(address)]);
-    suspended = suspension_.has_value();
+    suspended = suspension_.suspended();
   }
   describe(address, state, suspended, AccessKind::unknown, /*fault=*/false, text);
   return text.c_str();

@@ -21,6 +21,7 @@
 #include <optional>
 #include <string>
 
+#include "cache_context.h"
 #include "slot_table.h"
 #include "suspension.h"
 #include "util/fault_report.h"
@@ -32,9 +33,8 @@ namespace vkv::detail {
 
 class AccessChecks final : public AddressExplainer {
  public:
-  /// Everything given must outlive it. `backend_name` names the device in messages.
-  AccessChecks(const KvLayout& layout, const CacheConfig& config, const SlotTable& slots,
-               const std::optional<Suspension>& suspension, std::mutex& mutex, std::string backend_name);
+  /// Everything given must outlive it; the backend's name names the device in messages.
+  AccessChecks(CacheContext& cache, const Suspension& suspension);
   ~AccessChecks() override;
   AccessChecks(const AccessChecks&) = delete;
   AccessChecks& operator=(const AccessChecks&) = delete;
@@ -71,7 +71,7 @@ class AccessChecks final : public AddressExplainer {
   const KvLayout& layout_;
   const CacheConfig& config_;
   const SlotTable& slots_;
-  const std::optional<Suspension>& suspension_;
+  const Suspension& suspension_;
   std::mutex& mutex_;
   std::string backend_name_;
   std::size_t head_bytes_;  // one layer's K or V of one token

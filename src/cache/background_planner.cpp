@@ -13,13 +13,14 @@ BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, st
   const std::size_t regions = layout_.num_regions();
   const bool can_grow = pool_.obtainable_pages() >= regions;  // ahead mapping uses free memory only
   // A freed slot's pages may still be read by its last owner's work: only after its event.
-  auto readers_done = [&](Slot& slot) {
+  auto readers_done = [&](std::size_t s) {
+    const Slot& slot = slots_[s];
     if (slot.deferred_fill != 0) return false;  // the next step() enqueues it and wakes the mapper
     if (slot.free_event == 0) return true;
     if (!settle_events) return true;
     if (!backend_.event_done(slot.free_event)) return false;  // later: the next step() wakes the mapper
     backend_.destroy_event(slot.free_event);
-    slot.free_event = 0;
+    slots_.clear_free_event(s);
     return true;
   };
   // With a scratch page the caller may write anywhere at any time (vLLM zero-fills its whole
@@ -45,10 +46,10 @@ BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, st
   //     compute, after every slot's next iterations. Not while the previous owner's
   //     zero-fill is still deferred or (zero_page) its readers may be in flight.
   for (std::size_t s = 0; s < slots_.size() && can_grow && maps_ahead; ++s) {
-    Slot& slot = slots_[s];
+    const Slot& slot = slots_[s];
     if (!slot.allocated || slot.swapped || slot.busy() || slot.expected_tokens == 0) continue;
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(slot.expected_tokens));
-    if (target > slot.mapped() && slot.deferred_fill == 0 && (!config_.zero_page || readers_done(slot)) &&
+    if (target > slot.mapped() && slot.deferred_fill == 0 && (!config_.zero_page || readers_done(s)) &&
         slot.mapped() >= readers_.first_reclaimable_without_waiting(s))
       return {BackgroundUnit::Kind::grow, s, target};
   }
@@ -56,7 +57,7 @@ BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, st
   const std::size_t next = slots_.next_to_allocate();
   if (maps_ahead && can_grow && eager > 0 && next < slots_.size() && !slots_[next].busy()) {
     const std::size_t target = std::min(max_pages, layout_.pages_for_tokens(eager));
-    if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(slots_[next])))
+    if (target > slots_[next].mapped() && (!config_.zero_page || readers_done(next)))
       return {BackgroundUnit::Kind::grow, next, target};
   }
   // 3. Below the watermark, unmap the least recently freed slot's pages into the pool, so
@@ -66,7 +67,7 @@ BackgroundUnit BackgroundPlanner::next(bool settle_events, std::size_t eager, st
     // Not the slot handed out next: its pages are the next prefill's.
     const std::size_t victim =
         choose_victim(slots_, std::vector<std::size_t>(slots_.size(), 0), VictimKinds::freed_only, next);
-    if (victim < slots_.size() && readers_done(slots_[victim])) {
+    if (victim < slots_.size() && readers_done(victim)) {
       const std::size_t mapped = slots_[victim].mapped();
       const std::size_t pages = std::min(mapped, (watermark_pages - obtainable + regions - 1) / regions);
       return {BackgroundUnit::Kind::shrink, victim,

@@ -1,5 +1,8 @@
 // KvCache::Impl: the parts of a cache and how its calls compose them.
 //
+//   CacheContext  cache_context.h   what the parts share (config, backend, layout, lock,
+//                                   budget client, pool, slot table, ...): built first,
+//                                   each part built from it
 //   SlotTable     slot_table.h      who is allocated, what each claims and maps, alloc order
 //   BudgetClient  budget_client.h   the cache's half of a shared budget's protocol
 //   LentPages     lent_pages.h      the pages the cache lends it (BudgetClient::CachePages)
@@ -18,6 +21,7 @@
 //   CallProfile   call_profile.h    what the calls cost (stats' counters, last_step_profile())
 //   HostFrees     host_frees.h      host memory freed once its copy completed
 //   AccessChecks  access_checks.h   what an address is and why it may not be touched (checked mode)
+//   Suspension    suspension.h      suspend() and resume(): the whole cache to host memory and back
 //   Backend       backend.h         the device (behind the statistics adaptor if asked)
 //
 // Each public call checks its arguments, waits for the mapper where it must, and then
@@ -45,6 +49,7 @@
 
 #include "access_checks.h"
 #include "background_planner.h"
+#include "cache_context.h"
 #include "call_profile.h"
 #include "host_frees.h"
 #include "lent_pages.h"
@@ -57,6 +62,7 @@
 #include "read_windows.h"
 #include "reclaim_policy.h"
 #include "shared_budget/budget_client.h"
+#include "shared_budget/shortage_loop.h"
 #include "slot_growth.h"
 #include "slot_mappings.h"
 #include "slot_readers.h"
@@ -111,13 +117,13 @@ class KvCache::Impl final {
   std::string explain(Address address) const;
   /// After a call that changed slots: their state for the checked-mode fault handler.
   void publish_access_state() {
-    if (config_.checked) copy_access_state();
+    if (cache_.config.checked) copy_access_state();
   }
 
-  const CacheConfig& config() const noexcept { return config_; }
-  const KvLayout& layout() const noexcept { return layout_; }
+  const CacheConfig& config() const noexcept { return cache_.config; }
+  const KvLayout& layout() const noexcept { return cache_.layout; }
   Address base() const noexcept { return base_; }
-  Backend& backend() const noexcept { return *backend_; }
+  Backend& backend() const noexcept { return cache_.backend(); }
 
  private:
   using Slot = detail::Slot;
@@ -142,15 +148,20 @@ class KvCache::Impl final {
   bool step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
                    std::chrono::steady_clock::time_point start);
   void wait_for_pages(std::unique_lock<std::mutex>& lock, std::size_t missing, std::size_t slot, std::size_t claim);
+  // Pages the mapper is moving are not lost: a shortage is decided once it has put them
+  // down. Waits until it has; whether it had any (the caller plans again). A shortage
+  // loop's own room (shared_budget/shortage_loop.h).
+  bool wait_for_mapper(std::unique_lock<std::mutex>& lock);
 
   // ---- sharing, swapping, elastic memory, preparation ------------------------------
   std::size_t obtain_share_pages(std::unique_lock<std::mutex>& lock, std::size_t src, std::size_t dst,
                                  std::size_t tokens);
   // Maps `to_map` pages a call will claim (`claims`) without claiming them, and makes
-  // `to_free` more free in the pool (a copy-on-write's pages): the pages missing (0 when
-  // none), or nothing when it waited for the mapper and the caller must plan again.
-  std::optional<std::size_t> map_unclaimed(std::unique_lock<std::mutex>& lock, const std::vector<std::size_t>& claims,
-                                           std::size_t to_map, std::size_t to_free, Stream stream, const char* call);
+  // `to_free` more free in the pool (a copy-on-write's pages): std::nullopt, or the pages
+  // missing (a preparation's attempt in a ShortageLoop). @throws OutOfMemory where the
+  // pages that seemed obtainable were not.
+  detail::ShortageLoop::Shortfall map_unclaimed(const std::vector<std::size_t>& claims, std::size_t to_map,
+                                                std::size_t to_free, Stream stream, const char* call);
 
   // ---- the mapper's work, planned by planner_ (kv_cache_background_units.cpp) ---------
   bool background_work();
@@ -158,37 +169,24 @@ class KvCache::Impl final {
   bool cover_in_background(std::unique_lock<std::mutex>& lock, std::size_t slot, std::size_t until);
   bool create_in_background(std::unique_lock<std::mutex>& lock, std::size_t pages);
 
-  CacheConfig config_;
-  std::shared_ptr<Backend> backend_;         // the top of the adaptor stack
-  StatisticsBackend* statistics_ = nullptr;  // in that stack when config.backend_statistics
-  KvLayout layout_;
-  detail::LentPages lent_;       // what the budget client may take back (its calls come after start())
-  detail::BudgetClient budget_;  // config.shared_budget's; before pool_, which counts against it
-  PagePool pool_;
-  Address base_ = 0;
-  detail::SlotTable slots_;
-  detail::PageSharing sharing_;
-  detail::SlotMappings mappings_;  // which pages back which range of a slot
-  detail::HostFrees host_frees_;   // host memory to free once its copy completed
-  detail::PromptHistory prompts_;  // recent prompt lengths, for adaptive eager allocation
-  std::size_t watermark_pages_ = 0;
-  std::size_t in_flight_pages_ = 0;  // taken by the mapper: neither in the pool nor in a slot
-  Stream background_stream_ = 0;
-  detail::CallProfile profile_;  // what the calls cost: stats() and last_step_profile()
-  detail::ReadWindows read_windows_;
+  detail::CacheContext cache_;         // what the parts share; each part below is built from it
+  detail::SlotMappings mappings_;      // which pages back which range of a slot
   detail::SlotReaders readers_;        // who may still read a slot's pages; the zero-fills owed
   detail::BackgroundPlanner planner_;  // what the mapper does next
   detail::PageSource source_;          // where a call's pages come from: the pool, then reclamation
   detail::StepPlanner step_planner_;   // what step(seq_lens) must map and copy
   detail::PrefixSharing prefixes_;     // a slot's prefix at another slot (fork, share_prefix)
   detail::SlotGrowth growth_;          // fresh pages mapped at the end of slots (step() and the mapper)
+  detail::LentPages lent_;             // what the budget client may take back
+  detail::Suspension suspension_;      // suspend() and resume(), and what suspend() kept meanwhile
+  detail::AccessChecks checks_;        // registered from the reservation's start until the destructor's
+  Address base_ = 0;
+  std::size_t watermark_pages_ = 0;
+  Stream background_stream_ = 0;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
-  // What suspend() kept, until resume() succeeds (kv_cache_suspend.cpp).
-  std::optional<detail::Suspension> suspension_;
-  mutable std::mutex mutex_;
-  detail::AccessChecks checks_;              // registered from the reservation's start until the destructor's
-  std::condition_variable background_done_;  // a slot stopped being busy
-  std::unique_ptr<Mapper> mapper_;           // last: its thread uses everything above
+  // Started last in the constructor and stopped first in the destructor: its thread uses
+  // every part.
+  std::unique_ptr<Mapper> mapper_;
 };
 
 }  // namespace vkv

@@ -23,121 +23,118 @@
 #include "vkv/error.h"
 
 namespace vkv {
+namespace {
+
+using Asking = detail::ShortageLoop::Asking;
+using Shortfall = detail::ShortageLoop::Shortfall;
+
+// What a preparation says is missing: a shortage that stood, at least one page (an
+// OutOfMemory may name none), or 0.
+std::size_t pages_short(const Shortfall& missing) { return missing ? std::max<std::size_t>(*missing, 1) : 0; }
+
+}  // namespace
 
 KvCache::Preparation KvCache::Impl::prepare_step(const std::size_t* seq_lens, std::size_t count, Stream stream) {
   const auto start = std::chrono::steady_clock::now();
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
-  detail::expect_not_suspended(suspension_, "prepare_step");
+  std::unique_lock<std::mutex> lock(cache_.mutex);
+  suspension_.expect_not_suspended("prepare_step");
   step_planner_.expect_valid(seq_lens, count);
   readers_.enqueue_deferred_fills(stream);  // the step() that follows agreement then makes no backend call
-  const std::size_t regions = layout_.num_regions();
-  if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
+  const std::size_t regions = cache_.layout.num_regions();
+  if (cache_.config.zero_page) cache_.read_windows.close_current(stream);  // mapping may wait for in-flight reads
   const std::size_t horizon =
-      config_.zero_page ? layout_.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
-  for (;;) {
-    const detail::StepPlan step = step_planner_.plan(seq_lens, count, horizon);
-    if (step.waits_for_mapper) {
-      background_done_.wait(lock);
-      continue;
+      cache_.config.zero_page ? cache_.layout.pages_for_tokens(*std::max_element(seq_lens, seq_lens + count)) : 0;
+  detail::StepPlan step;
+  auto map = [&] {
+    for (;;) {
+      step = step_planner_.plan(seq_lens, count, horizon);
+      if (!step.waits_for_mapper) break;
+      cache_.unit_done.wait(lock);
     }
-    const std::optional<std::size_t> missing =
-        map_unclaimed(lock, step.claims, step.to_map, step.copies.size() * regions, stream, "step");
-    if (!missing) continue;  // the mapper moved pages meanwhile: plan again
-    Preparation plan;
-    plan.copied_pages = step.copies.size();
-    plan.missing_pages = *missing;
-    if (*missing == 0) {
-      profile_.count_prepared(step.to_map, start);
-    }
-    return plan;
-  }
+    return map_unclaimed(step.claims, step.to_map, step.copies.size() * regions, stream, "step");
+  };
+  const Shortfall missing =
+      detail::ShortageLoop(cache_.budget, lock, Asking::never).run(map, [&] { return wait_for_mapper(lock); });
+  Preparation plan;
+  plan.copied_pages = step.copies.size();
+  plan.missing_pages = pages_short(missing);
+  if (!missing) cache_.profile.count_prepared(step.to_map, start);
+  return plan;
 }
 
-std::optional<std::size_t> KvCache::Impl::map_unclaimed(std::unique_lock<std::mutex>& lock,
-                                                        const std::vector<std::size_t>& claims, std::size_t to_map,
-                                                        std::size_t to_free, Stream stream, const char* call) {
+detail::ShortageLoop::Shortfall KvCache::Impl::map_unclaimed(const std::vector<std::size_t>& claims, std::size_t to_map,
+                                                             std::size_t to_free, Stream stream, const char* call) {
   const std::size_t missing = to_map + to_free;
-  if (missing == 0) return 0;
+  if (missing == 0) return std::nullopt;
   const std::size_t obtainable = source_.obtainable_pages(claims);
-  if (missing <= obtainable) {
-    try {
-      detail::UndoLog undo(detail::waits_for_stream(*backend_, stream));
-      if (to_map > 0) growth_.map_missing(claims, {}, to_map, stream, undo, call);
-      // The copies' pages wait in the pool: the call takes them without creating any.
-      if (to_free > 0)
-        for (const Page& page : source_.obtain(to_free, claims)) pool_.give_back(page);
-      undo.commit();
-      return 0;
-    } catch (const OutOfMemory& error) {  // the device ran out, or the budget's room went meanwhile
-      if (!growth_.mapper_busy()) {
-        if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
-        return std::max<std::size_t>(error.missing_pages(), 1);
-      }
-    }
-  } else if (!growth_.mapper_busy()) {
-    if (budget_.reap_dead()) return std::nullopt;  // plan again with their bytes
-    return missing - obtainable;
-  }
-  // Pages the mapper is moving are not lost: decide once it has put them down.
-  background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
+  if (missing > obtainable) return missing - obtainable;
+  // OutOfMemory here: the device ran out, or the budget's room went meanwhile.
+  detail::UndoLog undo(detail::waits_for_stream(cache_.backend(), stream));
+  if (to_map > 0) growth_.map_missing(claims, {}, to_map, stream, undo, call);
+  // The copies' pages wait in the pool: the call takes them without creating any.
+  if (to_free > 0)
+    for (const Page& page : source_.obtain(to_free, claims)) cache_.pool.give_back(page);
+  undo.commit();
   return std::nullopt;
 }
 
 KvCache::Preparation KvCache::Impl::prepare_swap_in(std::size_t slot_index, Stream stream) {
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
-  detail::expect_not_suspended(suspension_, "prepare_swap_in");
-  slots_.expect_in_range(slot_index);
-  const std::size_t regions = layout_.num_regions();
-  if (config_.zero_page) read_windows_.close_current(stream);  // mapping may wait for in-flight reads
-  for (;;) {
-    const Slot& slot = slots_[slot_index];
-    VKV_EXPECTS(slot.allocated && slot.swapped, "swap_in: slot ", slot_index, " is not swapped out");
-    if (slot.busy()) {
+  std::unique_lock<std::mutex> lock(cache_.mutex);
+  suspension_.expect_not_suspended("prepare_swap_in");
+  cache_.slots.expect_in_range(slot_index);
+  const std::size_t regions = cache_.layout.num_regions();
+  if (cache_.config.zero_page) cache_.read_windows.close_current(stream);  // mapping may wait for in-flight reads
+  auto map = [&] {
+    for (;;) {
+      const Slot& slot = cache_.slots[slot_index];
+      VKV_EXPECTS(slot.allocated && slot.swapped, "swap_in: slot ", slot_index, " is not swapped out");
+      if (!slot.busy()) break;
       wait_not_busy(lock, slot_index);
-      continue;
     }
-    std::vector<std::size_t> claims = slots_.claims();
-    claims[slot_index] = layout_.pages_for_tokens(detail::swapped_tokens(slot, layout_));
+    const Slot& slot = cache_.slots[slot_index];
+    std::vector<std::size_t> claims = cache_.slots.claims();
+    claims[slot_index] = cache_.layout.pages_for_tokens(detail::swapped_tokens(slot, cache_.layout));
     const std::size_t to_map = claims[slot_index] > slot.mapped() ? (claims[slot_index] - slot.mapped()) * regions : 0;
-    const std::optional<std::size_t> missing = map_unclaimed(lock, claims, to_map, 0, stream, "swap_in");
-    if (!missing) continue;
-    Preparation plan;
-    plan.missing_pages = *missing;
-    return plan;
-  }
+    return map_unclaimed(claims, to_map, 0, stream, "swap_in");
+  };
+  const Shortfall missing =
+      detail::ShortageLoop(cache_.budget, lock, Asking::never).run(map, [&] { return wait_for_mapper(lock); });
+  Preparation plan;
+  plan.missing_pages = pages_short(missing);
+  return plan;
 }
 
 KvCache::Preparation KvCache::Impl::prepare_fork(std::size_t src) {
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
-  detail::expect_not_suspended(suspension_, "prepare_fork");
-  slots_.expect_in_range(src);
+  std::unique_lock<std::mutex> lock(cache_.mutex);
+  suspension_.expect_not_suspended("prepare_fork");
+  cache_.slots.expect_in_range(src);
   for (;;) {
     prefixes_.expect_valid_fork(src);
     Preparation plan;
-    plan.slot = slots_.next_to_allocate();
-    VKV_EXPECTS(plan.slot < slots_.size(), "no free slot: all max_batch_size = ", slots_.size(),
+    plan.slot = cache_.slots.next_to_allocate();
+    VKV_EXPECTS(plan.slot < cache_.slots.size(), "no free slot: all max_batch_size = ", cache_.slots.size(),
                 " slots are allocated (free_reqid one first)");
-    if (slots_[plan.slot].busy()) {
+    if (cache_.slots[plan.slot].busy()) {
       wait_not_busy(lock, plan.slot);
       continue;
     }
-    plan.missing_pages = obtain_share_pages(lock, src, plan.slot, slots_[src].seq_len);
+    plan.missing_pages = obtain_share_pages(lock, src, plan.slot, cache_.slots[src].seq_len);
     return plan;
   }
 }
 
 KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::size_t dst, std::size_t tokens) {
   rethrow_background_error();
-  std::unique_lock<std::mutex> lock(mutex_);
-  detail::expect_not_suspended(suspension_, "prepare_share_prefix");
-  slots_.expect_in_range(src);
-  slots_.expect_in_range(dst);
+  std::unique_lock<std::mutex> lock(cache_.mutex);
+  suspension_.expect_not_suspended("prepare_share_prefix");
+  cache_.slots.expect_in_range(src);
+  cache_.slots.expect_in_range(dst);
   for (;;) {
     prefixes_.expect_valid_share(src, dst, tokens);
-    if (slots_[dst].busy()) {
+    if (cache_.slots[dst].busy()) {
       wait_not_busy(lock, dst);
       continue;
     }
@@ -149,10 +146,10 @@ KvCache::Preparation KvCache::Impl::prepare_share_prefix(std::size_t src, std::s
 
 KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
   rethrow_background_error();
-  const std::size_t page = layout_.page_bytes();
+  const std::size_t page = cache_.layout.page_bytes();
   VKV_EXPECTS(bytes >= page, "set_budget: bytes = ", bytes, " is less than one page (", page, " bytes)");
-  std::lock_guard<std::mutex> lock(mutex_);
-  detail::expect_not_suspended(suspension_, "prepare_set_budget");
+  std::lock_guard<std::mutex> lock(cache_.mutex);
+  suspension_.expect_not_suspended("prepare_set_budget");
   const std::size_t in_use = source_.pages_held_now();
   Preparation plan;
   plan.missing_pages = in_use > bytes / page ? in_use - bytes / page : 0;
@@ -165,30 +162,20 @@ KvCache::Preparation KvCache::Impl::prepare_set_budget(std::size_t bytes) {
 // pool (created, or unmapped from where no slot claims them); returns the shortfall.
 std::size_t KvCache::Impl::obtain_share_pages(std::unique_lock<std::mutex>& lock, std::size_t src, std::size_t dst,
                                               std::size_t tokens) {
-  for (;;) {
+  auto obtain = [&]() -> Shortfall {
     const detail::PrefixSharing::Shape shape = prefixes_.shape(src, dst, tokens);
-    const std::size_t needed = shape.fresh * layout_.num_regions();
-    if (needed == 0) return 0;
+    const std::size_t needed = shape.fresh * cache_.layout.num_regions();
+    if (needed == 0) return std::nullopt;
     // No stream to wait on here: pages work in flight may read stay where they are.
     std::vector<std::size_t> claims = readers_.reclaimable_floors();
-    if (shape.keeps_tail) claims[dst] = slots_[dst].mapped();
+    if (shape.keeps_tail) claims[dst] = cache_.slots[dst].mapped();
     const std::size_t obtainable = source_.obtainable_pages(claims);
-    if (obtainable >= needed) {
-      try {
-        for (const Page& fresh : source_.obtain(needed, claims)) pool_.give_back(fresh);
-        return 0;
-      } catch (const OutOfMemory& error) {
-        if (!growth_.mapper_busy()) {
-          if (budget_.reap_dead()) continue;  // plan again with their bytes
-          return std::max<std::size_t>(error.missing_pages(), 1);
-        }
-      }
-    } else if (!growth_.mapper_busy()) {
-      if (budget_.reap_dead()) continue;  // plan again with their bytes
-      return needed - obtainable;
-    }
-    background_done_.wait(lock, [&] { return !growth_.mapper_busy(); });
-  }
+    if (obtainable < needed) return needed - obtainable;
+    for (const Page& fresh : source_.obtain(needed, claims)) cache_.pool.give_back(fresh);
+    return std::nullopt;
+  };
+  return pages_short(
+      detail::ShortageLoop(cache_.budget, lock, Asking::never).run(obtain, [&] { return wait_for_mapper(lock); }));
 }
 
 }  // namespace vkv

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cache_context.h"
 #include "call_profile.h"
 #include "page_pool.h"
 #include "page_sharing.h"
@@ -31,20 +32,18 @@ class LentPages final : public BudgetClient::CachePages {
  public:
   using Victims = BudgetClient::Victims;
   /// Everything given must outlive it.
-  LentPages(Backend& backend, const KvLayout& layout, const CacheConfig& config, SlotTable& slots, PagePool& pool,
-            const PageSharing& sharing, const SlotMappings& mappings, SlotReaders& readers, PageSource& source,
-            const PromptHistory& prompts, CallProfile& profile)
-      : backend_(backend),
-        layout_(layout),
-        config_(config),
-        slots_(slots),
-        pool_(pool),
-        sharing_(sharing),
+  LentPages(CacheContext& cache, const SlotMappings& mappings, SlotReaders& readers, PageSource& source)
+      : backend_(cache.backend()),
+        layout_(cache.layout),
+        config_(cache.config),
+        slots_(cache.slots),
+        pool_(cache.pool),
+        sharing_(cache.sharing),
         mappings_(mappings),
         readers_(readers),
         source_(source),
-        prompts_(prompts),
-        profile_(profile) {}
+        prompts_(cache.prompts),
+        profile_(cache.profile) {}
 
   std::vector<std::size_t> reclaimable_floors() const override { return readers_.reclaimable_floors(); }
   std::size_t cached_pages(const std::vector<std::size_t>& floors, bool freed_only) const override;

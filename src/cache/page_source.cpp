@@ -65,7 +65,7 @@ bool PageSource::reclaim_coldest(std::vector<Page>& into, std::size_t wanted, co
 }
 
 void PageSource::unmap_tail(std::size_t slot_index, std::size_t keep, std::vector<Page>& into) {
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   const std::size_t mapped = slot.mapped();
   if (mapped <= keep) return;
   VKV_ASSERT(mappings_.round_down_to_whole(slot, keep) == keep);  // large pages go whole
@@ -78,10 +78,10 @@ void PageSource::unmap_tail(std::size_t slot_index, std::size_t keep, std::vecto
   const std::size_t dirty_end =
       keep < slot.claimed ? mapped
                           : std::min(mapped, mappings_.round_up_to_whole(slot, std::max(keep, slot.deferred_fill)));
-  for (std::vector<PageHandle>& pages : slot.pages) {
-    mappings_.drop_mappings(pages, keep, dirty_end, /*clean=*/false, into);
-    mappings_.drop_mappings(pages, dirty_end, mapped, /*clean=*/true, into);
-    pages.resize(keep);
+  for (std::size_t r = 0; r < slot.pages.size(); ++r) {
+    mappings_.drop_mappings(slot.pages[r], keep, dirty_end, /*clean=*/false, into);
+    mappings_.drop_mappings(slot.pages[r], dirty_end, mapped, /*clean=*/true, into);
+    slots_.truncate_pages(slot_index, r, keep);
   }
   readers_.shrink_fill(slot_index, keep);
 }

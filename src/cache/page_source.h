@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "cache_context.h"
 #include "page_pool.h"
 #include "page_sharing.h"
 #include "reclaim_policy.h"
@@ -24,15 +25,14 @@ namespace vkv::detail {
 class PageSource {
  public:
   /// Everything given must outlive it.
-  PageSource(const KvLayout& layout, SlotTable& slots, PagePool& pool, const PageSharing& sharing,
-             SlotMappings& mappings, SlotReaders& readers, const BudgetClient& budget)
-      : layout_(layout),
-        slots_(slots),
-        pool_(pool),
-        sharing_(sharing),
+  PageSource(CacheContext& cache, SlotMappings& mappings, SlotReaders& readers)
+      : layout_(cache.layout),
+        slots_(cache.slots),
+        pool_(cache.pool),
+        sharing_(cache.sharing),
         mappings_(mappings),
         readers_(readers),
-        budget_(budget) {}
+        budget_(cache.budget) {}
   PageSource(const PageSource&) = delete;
   PageSource& operator=(const PageSource&) = delete;
 

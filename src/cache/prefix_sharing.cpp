@@ -47,8 +47,8 @@ PrefixSharing::Shape PrefixSharing::shape(std::size_t src, std::size_t dst, std:
 // receives a copy of src's bytes of tokens below `tokens` only: src's later tokens may
 // belong to another request.
 void PrefixSharing::share_into(std::size_t src, std::size_t dst, std::size_t tokens, Stream stream, UndoLog& undo) {
-  Slot& from = slots_[src];
-  Slot& to = slots_[dst];
+  const Slot& from = slots_[src];
+  const Slot& to = slots_[dst];
   const std::size_t page_bytes = layout_.page_bytes();
   const std::size_t regions = layout_.num_regions();
   Shape shape = this->shape(src, dst, tokens);
@@ -70,7 +70,7 @@ void PrefixSharing::share_into(std::size_t src, std::size_t dst, std::size_t tok
   const std::size_t full = shape.full;
   const std::size_t aliased = shape.aliased;
   const std::size_t replaced = shape.replaced;
-  readers_.wait_free_event(to);          // the previous owner's zero-fill still writes the pages replaced
+  readers_.wait_free_event(dst);         // the previous owner's zero-fill still writes the pages replaced
   readers_.order_after_readers(dst, 0);  // and reads of dst in flight (zero_page)
 
   std::vector<PageHandle> fresh_handles(shape.fresh);
@@ -110,22 +110,24 @@ void PrefixSharing::share_into(std::size_t src, std::size_t dst, std::size_t tok
 
   // Every backend call succeeded: the bookkeeping follows.
   for (std::size_t r = 0; r < regions; ++r) {
-    std::vector<PageHandle>& pages = to.pages[r];
+    const std::vector<PageHandle>& pages = to.pages[r];
     std::vector<Page> unmapped;
     mappings_.drop_mappings(pages, 0, replaced, /*clean=*/true, unmapped);  // zeroed at free, waited for
     for (const Page& page : unmapped) pool_.give_back(page);
     std::vector<PageHandle> now(from.pages[r].begin(), from.pages[r].begin() + static_cast<std::ptrdiff_t>(aliased));
     for (std::size_t i = 0; i < shape.fresh; ++i) now.push_back(fresh[r * shape.fresh + i].handle);
     if (mapped > replaced) now.insert(now.end(), pages.begin() + static_cast<std::ptrdiff_t>(replaced), pages.end());
-    pages = std::move(now);
+    slots_.set_pages(dst, r, std::move(now));
     for (std::size_t i = 0, end = 0; i < aliased; i = end) {
       end = run_end(pages.data(), i, aliased, [](PageHandle page) { return page; });
       sharing_.add_mapping(pages[i], end - i);
     }
   }
-  to.seq_len = tokens;
-  to.claimed = layout_.pages_for_tokens(tokens);
-  if (full > 0) from.shared_a_page = to.shared_a_page = true;  // also where large pages made it a copy
+  slots_.set_tokens(dst, tokens, layout_.pages_for_tokens(tokens));
+  if (full > 0) {  // also where large pages made it a copy
+    slots_.mark_shared_a_page(src);
+    slots_.mark_shared_a_page(dst);
+  }
 }
 
 }  // namespace vkv::detail

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 
+#include "cache_context.h"
 #include "page_pool.h"
 #include "page_sharing.h"
 #include "page_source.h"
@@ -24,13 +25,12 @@ namespace vkv::detail {
 class PrefixSharing {
  public:
   /// Everything given must outlive it.
-  PrefixSharing(Backend& backend, const KvLayout& layout, SlotTable& slots, PagePool& pool, PageSharing& sharing,
-                SlotMappings& mappings, SlotReaders& readers, PageSource& source)
-      : backend_(backend),
-        layout_(layout),
-        slots_(slots),
-        pool_(pool),
-        sharing_(sharing),
+  PrefixSharing(CacheContext& cache, SlotMappings& mappings, SlotReaders& readers, PageSource& source)
+      : backend_(cache.backend()),
+        layout_(cache.layout),
+        slots_(cache.slots),
+        pool_(cache.pool),
+        sharing_(cache.sharing),
         mappings_(mappings),
         readers_(readers),
         source_(source) {}

@@ -60,7 +60,7 @@ void SlotGrowth::map_missing(const std::vector<std::size_t>& claims, const std::
   };
   std::vector<Fresh> fresh;
   for (std::size_t s = 0; s < slots_.size(); ++s) {
-    Slot& slot = slots_[s];
+    const Slot& slot = slots_[s];
     const std::size_t mapped = slot.mapped();
     if (claims[s] <= mapped) continue;
     const std::size_t count = claims[s] - mapped;
@@ -68,8 +68,8 @@ void SlotGrowth::map_missing(const std::vector<std::size_t>& claims, const std::
     map_fresh(s, mapped, pages, next, count, undo, /*stranded=*/nullptr);
     if (config_.zero_page) {
       const std::size_t backed_end = slot.backed_end;
-      slot.backed_end = std::max(backed_end, claims[s]);
-      undo.push([this, s, backed_end] { slots_[s].backed_end = backed_end; });
+      slots_.set_backed_end(s, std::max(backed_end, claims[s]));
+      undo.push([this, s, backed_end] { slots_.set_backed_end(s, backed_end); });
     }
     budget_.serve_give_back(claims);
   }
@@ -83,7 +83,7 @@ void SlotGrowth::map_missing(const std::vector<std::size_t>& claims, const std::
 bool SlotGrowth::grow_ahead(std::unique_lock<std::mutex>& lock, std::size_t slot_index, std::size_t target,
                             Stream stream) {
   if (!stranded_.empty()) unmap_stranded();  // before mapping past the slot's books
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   const std::size_t regions = layout_.num_regions();
   const std::size_t first = slot.mapped();
   const std::size_t span = pool_.large_page_pages();
@@ -138,7 +138,7 @@ bool SlotGrowth::grow_ahead(std::unique_lock<std::mutex>& lock, std::size_t slot
   VKV_ASSERT(singles.size() + to_create == count || (per_region == span && large.size() + large_to_create == regions));
   const bool large_unit = !large.empty() || large_to_create > 0;
   in_flight_pages_ += count;
-  slot.busy_from = first;
+  slots_.mark_busy(slot_index, first);
   lock.unlock();
   const UnitExit exit(slots_, unit_done_, lock, slot_index);
   const Clock::time_point started = Clock::now();
@@ -187,9 +187,12 @@ bool SlotGrowth::grow_ahead(std::unique_lock<std::mutex>& lock, std::size_t slot
   lock.lock();
   profile_.count_mapped_ahead(count, elapsed);
   for (std::size_t i = regions - large_to_create; i < large.size(); ++i) pool_.adopt_large(large[i].handle);
-  for (std::size_t r = 0; r < regions; ++r)
-    for (std::size_t i = 0; i < per_region; ++i) slot.pages[r].push_back(pages[r * per_region + i].handle);
-  if (config_.zero_page) slot.backed_end = std::max(slot.backed_end, first + per_region);
+  std::vector<PageHandle> handles(per_region);
+  for (std::size_t r = 0; r < regions; ++r) {
+    for (std::size_t i = 0; i < per_region; ++i) handles[i] = pages[r * per_region + i].handle;
+    slots_.append_pages(slot_index, r, handles.data(), per_region);
+  }
+  if (config_.zero_page) slots_.set_backed_end(slot_index, std::max(slot.backed_end, first + per_region));
   in_flight_pages_ -= count;
   return true;
 }
@@ -231,14 +234,14 @@ void SlotGrowth::map_fresh(std::size_t s, std::size_t first, const std::vector<P
       });
       continue;
     }
-    slots_[s].pages[r].insert(slots_[s].pages[r].end(), handles.begin(), handles.end());
+    slots_.append_pages(s, r, handles.data(), handles.size());
     undo.push_remap([this, s, r, first] {
-      std::vector<PageHandle>& list = slots_[s].pages[r];
+      const std::vector<PageHandle>& list = slots_[s].pages[r];
       mappings_.unmap_real(s, r, first, list.data() + first, list.size() - first);
       std::vector<Page> unmapped;
       mappings_.drop_mappings(list, first, list.size(), /*clean=*/false, unmapped);
       for (const Page& page : unmapped) pool_.give_back(page);
-      list.resize(first);
+      slots_.truncate_pages(s, r, first);
     });
   }
 }
@@ -317,14 +320,12 @@ void SlotGrowth::copy_on_write(const std::vector<PageRef>& copies, const std::ve
         throw;
       }
       next += count;
-      std::vector<PageHandle>& list = slots_[ref.slot].pages[r];
-      std::copy(fresh.begin(), fresh.end(), list.begin() + static_cast<std::ptrdiff_t>(ref.page));
+      slots_.replace_pages(ref.slot, r, ref.page, fresh.data(), fresh.size());
       sharing_.drop_mapping(shared);
       undo.push_remap([this, ref, r, address, shared_run, fresh, page_bytes] {
         backend_.unmap(address, shared_run.size() * page_bytes);
         mappings_.map_handles(address, shared_run.data(), shared_run.size());
-        std::vector<PageHandle>& pages_now = slots_[ref.slot].pages[r];
-        std::copy(shared_run.begin(), shared_run.end(), pages_now.begin() + static_cast<std::ptrdiff_t>(ref.page));
+        slots_.replace_pages(ref.slot, r, ref.page, shared_run.data(), shared_run.size());
         sharing_.add_mapping(shared_run.front(), shared_run.size());
         for (PageHandle page : fresh) pool_.give_back({page, false});
       });

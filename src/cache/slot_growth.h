@@ -21,6 +21,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cache_context.h"
 #include "call_profile.h"
 #include "page_pool.h"
 #include "page_sharing.h"
@@ -38,25 +39,22 @@ namespace vkv::detail {
 
 class SlotGrowth {
  public:
-  /// Everything given must outlive it. `in_flight_pages`: the cache's count of pages the
-  /// mapper took (neither in the pool nor in a slot); `unit_done`: told when a unit ends.
-  SlotGrowth(Backend& backend, const KvLayout& layout, const CacheConfig& config, SlotTable& slots, PagePool& pool,
-             PageSharing& sharing, SlotMappings& mappings, SlotReaders& readers, PageSource& source,
-             BudgetClient& budget, CallProfile& profile, std::condition_variable& unit_done,
-             std::size_t& in_flight_pages)
-      : backend_(backend),
-        layout_(layout),
-        config_(config),
-        slots_(slots),
-        pool_(pool),
-        sharing_(sharing),
+  /// Everything given must outlive it. It counts the pages the mapper took in
+  /// `cache.in_flight_pages` and tells `cache.unit_done` when a unit ends.
+  SlotGrowth(CacheContext& cache, SlotMappings& mappings, SlotReaders& readers, PageSource& source)
+      : backend_(cache.backend()),
+        layout_(cache.layout),
+        config_(cache.config),
+        slots_(cache.slots),
+        pool_(cache.pool),
+        sharing_(cache.sharing),
         mappings_(mappings),
         readers_(readers),
         source_(source),
-        budget_(budget),
-        profile_(profile),
-        unit_done_(unit_done),
-        in_flight_pages_(in_flight_pages) {}
+        budget_(cache.budget),
+        profile_(cache.profile),
+        unit_done_(cache.unit_done),
+        in_flight_pages_(cache.in_flight_pages) {}
   SlotGrowth(const SlotGrowth&) = delete;
   SlotGrowth& operator=(const SlotGrowth&) = delete;
 

@@ -73,7 +73,7 @@ void SlotMappings::unmap_real(std::size_t slot_index, std::size_t region, std::s
 }
 
 void SlotMappings::unmap_regions(std::size_t slot_index, std::size_t keep, std::size_t count) {
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   std::size_t region = 0;
   try {
     for (; region < slot.pages.size(); ++region)
@@ -91,11 +91,11 @@ void SlotMappings::unmap_regions(std::size_t slot_index, std::size_t keep, std::
 }
 
 void SlotMappings::back_with_zeros(std::size_t slot_index, std::size_t until) {
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   const std::size_t from = std::max(slot.mapped(), slot.backed_end);
   if (until <= from) return;
   back_regions_with_zeros(slot_index, from, until);
-  slot.backed_end = until;
+  slots_.set_backed_end(slot_index, until);
 }
 
 void SlotMappings::back_regions_with_zeros(std::size_t slot_index, std::size_t from, std::size_t until) {

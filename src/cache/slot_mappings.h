@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "cache_context.h"
 #include "page_pool.h"
 #include "page_sharing.h"
 #include "slot_table.h"
@@ -28,10 +29,14 @@ namespace vkv::detail {
 
 class SlotMappings {
  public:
-  /// Everything given must outlive it; `config` is read (zero_page, scratch_page) as it is then.
-  SlotMappings(Backend& backend, const KvLayout& layout, const CacheConfig& config, SlotTable& slots,
-               PageSharing& sharing, PagePool& pool)
-      : backend_(backend), layout_(layout), config_(config), slots_(slots), sharing_(sharing), pool_(pool) {}
+  /// `cache` must outlive it; its config (zero_page, scratch_page) is read as it is then.
+  explicit SlotMappings(CacheContext& cache)
+      : backend_(cache.backend()),
+        layout_(cache.layout),
+        config_(cache.config),
+        slots_(cache.slots),
+        sharing_(cache.sharing),
+        pool_(cache.pool) {}
   SlotMappings(const SlotMappings&) = delete;
   SlotMappings& operator=(const SlotMappings&) = delete;
 

@@ -27,18 +27,15 @@
 namespace vkv::detail {
 
 void SlotReaders::defer_fill(std::size_t slot_index, Stream stream) {
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   if (slot.claimed == 0) return;  // beyond its claim a slot's pages hold zeros already
   VKV_ASSERT(slot.deferred_fill == 0);
-  slot.deferred_fill = slot.claimed;
-  slot.fill_stream = stream;
-  slot.fill_readers_done = false;
-  slot.fill_mark = ++fill_marks_;
+  slots_.defer_fill(slot_index, stream, ++fill_marks_);
   ++deferred_fills_;
 }
 
 void SlotReaders::enqueue_fill(std::size_t slot_index, std::optional<Stream> consumer) {
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   if (slot.deferred_fill == 0) return;
   const Stream stream = slot.fill_stream;
   // After an earlier fill of these pages, which may run on another stream.
@@ -49,13 +46,11 @@ void SlotReaders::enqueue_fill(std::size_t slot_index, std::optional<Stream> con
   // A failure from here on leaves the fill deferred: enqueued again, it writes zeros twice.
   const Event event = backend_.record_event(stream);
   if (slot.free_event != 0) backend_.destroy_event(slot.free_event);
-  slot.free_event = event;
-  slot.free_event_stream = stream;
+  slots_.set_free_event(slot_index, event, stream);
   // A new owner's work on another stream must not overtake it (on the same stream it
   // cannot). Until that holds the fill stays deferred: enqueued again, it writes zeros twice.
   if (slot.allocated && consumer && *consumer != stream) backend_.stream_wait_event(*consumer, event);
-  slot.deferred_fill = 0;
-  slot.fill_readers_done = false;
+  slots_.shrink_fill(slot_index, 0);
   --deferred_fills_;
 }
 
@@ -89,29 +84,25 @@ SlotReaders::Fence SlotReaders::fence(const std::vector<std::size_t>& slots, boo
 
 void SlotReaders::mark_done(const Fence& fence) noexcept {
   for (const auto& [s, mark] : fence.fills) {
-    Slot& slot = slots_[s];
+    const Slot& slot = slots_[s];
     // Another deferral since (freed again, or filled and freed again): not what was waited for.
     if (slot.deferred_fill == 0 || slot.fill_mark != mark) continue;
-    slot.fill_readers_done = true;
+    slots_.mark_fill_readers_done(s);
   }
 }
 
 void SlotReaders::wait_last_readers(std::size_t slot_index) {
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   if (slot.deferred_fill != 0 && !slot.fill_readers_done) {
     wait_for({slot_index}, /*timed=*/true);
   }
-  wait_free_event(slot);
+  wait_free_event(slot_index);
 }
 
 void SlotReaders::shrink_fill(std::size_t slot_index, std::size_t keep) noexcept {
-  Slot& slot = slots_[slot_index];
-  if (slot.deferred_fill <= keep) return;
-  slot.deferred_fill = keep;  // what stays is still filled before anyone reads it
-  if (keep == 0) {
-    slot.fill_readers_done = false;
-    --deferred_fills_;
-  }
+  if (slots_[slot_index].deferred_fill <= keep) return;
+  slots_.shrink_fill(slot_index, keep);  // what stays is still filled before anyone reads it
+  if (keep == 0) --deferred_fills_;
 }
 
 void SlotReaders::wait_then_destroy(const std::vector<std::pair<Stream, Event>>& events) {
@@ -134,7 +125,7 @@ void SlotReaders::wait_for(const std::vector<std::size_t>& slots, bool timed) {
 
 void SlotReaders::order_after_readers(std::size_t slot_index, std::size_t first) {
   if (!config_.zero_page) return;  // without zero backing nothing reads beyond a slot's tokens
-  Slot& slot = slots_[slot_index];
+  const Slot& slot = slots_[slot_index];
   if (first >= std::max(slot.mapped(), slot.backed_end)) return;  // unmapped from there on: unreadable
   wait_last_readers(slot_index);                                  // the previous owner's padded reads
   if (slot.allocated && first < windows_.horizon(slot.allocated_at, /*include_current=*/false)) {
@@ -160,14 +151,15 @@ void SlotReaders::order_after_free_event(const Slot& slot, Stream stream) {
   if (slot.free_event != 0 && slot.free_event_stream != stream) backend_.stream_wait_event(stream, slot.free_event);
 }
 
-void SlotReaders::wait_free_event(Slot& slot) {
+void SlotReaders::wait_free_event(std::size_t slot_index) {
+  const Slot& slot = slots_[slot_index];
   VKV_ASSERT(slot.deferred_fill == 0 || slot.fill_readers_done);  // else no event follows the last owner's work yet
   if (slot.free_event == 0) return;
   const Clock::time_point start = Clock::now();
   backend_.wait_event(slot.free_event);
   profile_.add_event_wait(start);
   backend_.destroy_event(slot.free_event);
-  slot.free_event = 0;
+  slots_.clear_free_event(slot_index);
 }
 
 }  // namespace vkv::detail

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache_context.h"
 #include "call_profile.h"
 #include "read_windows.h"
 #include "slot_mappings.h"
@@ -28,16 +29,15 @@ namespace vkv::detail {
 
 class SlotReaders {
  public:
-  /// Everything given must outlive it; `config.zero_page` is read as it is then.
-  SlotReaders(Backend& backend, const KvLayout& layout, const CacheConfig& config, SlotTable& slots,
-              const SlotMappings& mappings, ReadWindows& windows, CallProfile& profile)
-      : backend_(backend),
-        layout_(layout),
-        config_(config),
-        slots_(slots),
+  /// Everything given must outlive it; `cache.config.zero_page` is read as it is then.
+  SlotReaders(CacheContext& cache, const SlotMappings& mappings)
+      : backend_(cache.backend()),
+        layout_(cache.layout),
+        config_(cache.config),
+        slots_(cache.slots),
         mappings_(mappings),
-        windows_(windows),
-        profile_(profile) {}
+        windows_(cache.read_windows),
+        profile_(cache.profile) {}
   SlotReaders(const SlotReaders&) = delete;
   SlotReaders& operator=(const SlotReaders&) = delete;
 
@@ -84,7 +84,9 @@ class SlotReaders {
   /// Before pages of `slot` are unmapped: waits for its last readers (an event on its fill
   /// stream if its fill is deferred and nobody waited yet, then its free_event).
   void wait_last_readers(std::size_t slot);
-  void wait_free_event(Slot& slot);
+  /// Waits for the free_event of `slot` and forgets it (its fill is not deferred, or its
+  /// readers are done).
+  void wait_free_event(std::size_t slot);
   /// Work enqueued on `stream` from now on runs after free_event (no call on its own stream).
   void order_after_free_event(const Slot& slot, Stream stream);
   /// Before an engine call changes the mappings of `slot` from page `first` on: waits for

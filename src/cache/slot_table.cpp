@@ -1,8 +1,9 @@
-// SlotTable: the books of alloc and free, and the slots' own invariants.
+// SlotTable: the books of alloc and free, the other transitions, and the slots' own invariants.
 #include "slot_table.h"
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "vkv/error.h"
 
@@ -74,6 +75,75 @@ void SlotTable::mark_freed(std::size_t slot, std::size_t kept) noexcept {
   entry.shared_a_page = false;
   entry.freed_at = ++frees_;
   if (!is_free(eager_slot_)) eager_slot_ = most_kept();
+}
+
+void SlotTable::set_tokens(std::size_t slot, std::size_t seq_len, std::size_t claimed) noexcept {
+  slots_[slot].seq_len = seq_len;
+  slots_[slot].claimed = claimed;
+}
+
+void SlotTable::mark_swapped_out(std::size_t slot, const HostCopy& copy) noexcept {
+  Slot& entry = slots_[slot];
+  entry.swapped = true;
+  entry.swap = copy;
+  entry.seq_len = 0;
+  entry.claimed = 0;
+  entry.expected_tokens = 0;  // swap_in() brings back what it had, no more
+}
+
+void SlotTable::mark_swapped_in(std::size_t slot, std::size_t seq_len, std::size_t claimed) noexcept {
+  Slot& entry = slots_[slot];
+  entry.swap = {};
+  entry.swapped = false;
+  entry.seq_len = seq_len;
+  entry.claimed = claimed;
+}
+
+HostCopy SlotTable::take_swap(std::size_t slot) noexcept {
+  Slot& entry = slots_[slot];
+  const HostCopy copy = entry.swap;
+  entry.swap = {};
+  entry.swapped = false;
+  return copy;
+}
+
+void SlotTable::append_pages(std::size_t slot, std::size_t region, const PageHandle* pages, std::size_t count) {
+  std::vector<PageHandle>& list = slots_[slot].pages[region];
+  list.insert(list.end(), pages, pages + count);
+}
+
+void SlotTable::set_pages(std::size_t slot, std::size_t region, std::vector<PageHandle> pages) noexcept {
+  slots_[slot].pages[region] = std::move(pages);
+}
+
+void SlotTable::replace_pages(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* pages,
+                              std::size_t count) noexcept {
+  std::copy(pages, pages + count, slots_[slot].pages[region].begin() + static_cast<std::ptrdiff_t>(first));
+}
+
+void SlotTable::truncate_pages(std::size_t slot, std::size_t region, std::size_t keep) noexcept {
+  std::vector<PageHandle>& list = slots_[slot].pages[region];
+  if (keep < list.size()) list.resize(keep);
+}
+
+void SlotTable::set_free_event(std::size_t slot, Event event, Stream stream) noexcept {
+  slots_[slot].free_event = event;
+  slots_[slot].free_event_stream = stream;
+}
+
+void SlotTable::defer_fill(std::size_t slot, Stream stream, std::uint64_t mark) noexcept {
+  Slot& entry = slots_[slot];
+  entry.deferred_fill = entry.claimed;
+  entry.fill_stream = stream;
+  entry.fill_readers_done = false;
+  entry.fill_mark = mark;
+}
+
+void SlotTable::shrink_fill(std::size_t slot, std::size_t keep) noexcept {
+  Slot& entry = slots_[slot];
+  if (entry.deferred_fill <= keep) return;
+  entry.deferred_fill = keep;  // what stays is still filled before anyone reads it
+  if (keep == 0) entry.fill_readers_done = false;
 }
 
 void SlotTable::check(const KvLayout& layout, bool zero_page) const {

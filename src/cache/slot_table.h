@@ -8,6 +8,10 @@
 // slot to its end; only a slot without tokens (free, swapped out, or allocated and not
 // stepped yet) has a deferred zero-fill, of pages it maps.
 //
+// Every change to a slot is one of the table's named transitions (mark_allocated(),
+// set_tokens(), append_pages(), mark_busy(), defer_fill(), ...); the parts read slots
+// through const references.
+//
 // Internal. Thread-safety: none; the cache serializes every call under its mutex.
 #pragma once
 
@@ -103,10 +107,8 @@ class SlotTable {
   std::size_t size() const noexcept { return slots_.size(); }
   /// @throws InvalidArgument naming `slot` and max_batch_size when it is out of range.
   void expect_in_range(std::size_t slot) const;
-  Slot& operator[](std::size_t slot) noexcept { return slots_[slot]; }
+  /// Slots are read here and changed only by the transitions below.
   const Slot& operator[](std::size_t slot) const noexcept { return slots_[slot]; }
-  std::vector<Slot>::iterator begin() noexcept { return slots_.begin(); }
-  std::vector<Slot>::iterator end() noexcept { return slots_.end(); }
   std::vector<Slot>::const_iterator begin() const noexcept { return slots_.begin(); }
   std::vector<Slot>::const_iterator end() const noexcept { return slots_.end(); }
 
@@ -133,6 +135,48 @@ class SlotTable {
   void unmark_allocated(std::size_t slot, std::size_t kept_at_free, std::size_t eager_slot) noexcept;
   /// The books of a free: `kept` pages stay for the next owner's preference.
   void mark_freed(std::size_t slot, std::size_t kept) noexcept;
+
+  // ---- the other transitions: the books follow what the caller did ------------------
+  /// step() and share_prefix(): the slot holds `seq_len` tokens over `claimed` pages.
+  void set_tokens(std::size_t slot, std::size_t seq_len, std::size_t claimed) noexcept;
+  /// swap_out(): its tokens are in `copy`; it claims and expects nothing until swap_in().
+  void mark_swapped_out(std::size_t slot, const HostCopy& copy) noexcept;
+  /// swap_in(): back with `seq_len` tokens over `claimed` pages; the host copy is the
+  /// caller's to free.
+  void mark_swapped_in(std::size_t slot, std::size_t seq_len, std::size_t claimed) noexcept;
+  /// free_reqid() of a swapped-out slot: forgets its host copy and returns it to free.
+  HostCopy take_swap(std::size_t slot) noexcept;
+  /// expect_tokens(): the mapper's hint.
+  void set_expected_tokens(std::size_t slot, std::size_t tokens) noexcept { slots_[slot].expected_tokens = tokens; }
+  /// fork() or share_prefix() put a whole page of the slot's tokens at another slot.
+  void mark_shared_a_page(std::size_t slot) noexcept { slots_[slot].shared_a_page = true; }
+
+  /// `count` pages mapped after the last of region `region`.
+  void append_pages(std::size_t slot, std::size_t region, const PageHandle* pages, std::size_t count);
+  /// Region `region` maps `pages` now, in place of what it mapped.
+  void set_pages(std::size_t slot, std::size_t region, std::vector<PageHandle> pages) noexcept;
+  /// Pages [first, first + count) of region `region` are `pages` now (copy-on-write).
+  void replace_pages(std::size_t slot, std::size_t region, std::size_t first, const PageHandle* pages,
+                     std::size_t count) noexcept;
+  /// Region `region` keeps its first `keep` pages; the rest were unmapped.
+  void truncate_pages(std::size_t slot, std::size_t region, std::size_t keep) noexcept;
+  /// Zero backing reaches page `pages` (zero_page); nothing past it is mapped.
+  void set_backed_end(std::size_t slot, std::size_t pages) noexcept { slots_[slot].backed_end = pages; }
+
+  /// A background unit maps or unmaps the slot's pages from `first` on without the lock.
+  void mark_busy(std::size_t slot, std::size_t first) noexcept { slots_[slot].busy_from = first; }
+  void mark_not_busy(std::size_t slot) noexcept { slots_[slot].busy_from = kNotBusy; }
+  /// `event`, recorded on `stream`, follows the slot's last zero-fill (the caller
+  /// destroyed the one before); clear_free_event() once it was waited for and destroyed.
+  void set_free_event(std::size_t slot, Event event, Stream stream) noexcept;
+  void clear_free_event(std::size_t slot) noexcept { slots_[slot].free_event = 0; }
+  /// The slot's claimed pages hold a leaving owner's tokens until a zero-fill on
+  /// `stream`, deferred; `mark` names this deferral.
+  void defer_fill(std::size_t slot, Stream stream, std::uint64_t mark) noexcept;
+  /// The deferred fill covers the first `keep` pages only (0: none left, enqueued or moot).
+  void shrink_fill(std::size_t slot, std::size_t keep) noexcept;
+  /// The owner's last work ahead of the deferred fill is known done.
+  void mark_fill_readers_done(std::size_t slot) noexcept { slots_[slot].fill_readers_done = true; }
 
   /// @throws Error naming the broken invariant (see the file comment).
   void check(const KvLayout& layout, bool zero_page) const;

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "cache_context.h"
 #include "page_sharing.h"
 #include "slot_mappings.h"
 #include "slot_table.h"
@@ -29,9 +30,12 @@ struct StepPlan {
 class StepPlanner {
  public:
   /// Everything given must outlive it.
-  StepPlanner(const KvLayout& layout, const CacheConfig& config, const SlotTable& slots, const PageSharing& sharing,
-              const SlotMappings& mappings)
-      : layout_(layout), config_(config), slots_(slots), sharing_(sharing), mappings_(mappings) {}
+  StepPlanner(const CacheContext& cache, const SlotMappings& mappings)
+      : layout_(cache.layout),
+        config_(cache.config),
+        slots_(cache.slots),
+        sharing_(cache.sharing),
+        mappings_(mappings) {}
 
   /// @throws InvalidArgument naming the entry of `seq_lens` that is out of range, or
   /// names a slot that is not allocated or is swapped out.

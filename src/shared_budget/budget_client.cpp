@@ -6,6 +6,7 @@
 
 #include "util/fork_guard.h"
 #include "util/format.h"
+#include "util/internal_assert.h"
 #include "util/log.h"
 #include "vkv/error.h"
 
@@ -22,10 +23,8 @@ std::unique_ptr<BudgetMembership> join(const CacheConfig& config, const Backend&
 
 }  // namespace
 
-BudgetClient::BudgetClient(const CacheConfig& config, const Backend& backend, std::size_t page_bytes, CachePages& cache,
-                           std::mutex& mutex)
+BudgetClient::BudgetClient(const CacheConfig& config, const Backend& backend, std::size_t page_bytes, std::mutex& mutex)
     : membership_(join(config, backend, page_bytes)),
-      cache_(cache),
       mutex_(mutex),
       page_bytes_(page_bytes),
       idle_period_(config.shared_budget_idle_ms),
@@ -36,6 +35,7 @@ BudgetClient::~BudgetClient() { stop(); }
 
 void BudgetClient::start() {
   if (!membership_) return;
+  VKV_ASSERT(cache_ != nullptr);  // lend() first: the watcher calls into the cache
   membership_->start_watching(
       {[this] { return cached_bytes(); }, [this](std::size_t bytes) { give_back(bytes); },
        idle_period_.count() > 0 ? std::function<void()>([this] { release_when_idle(); }) : nullptr,
@@ -68,7 +68,7 @@ void BudgetClient::ask(std::unique_lock<std::mutex>& lock, std::size_t pages, st
   asks_.calls += 1;
   asks_.nanoseconds += nanoseconds_since(start);
   try {
-    asks_.units += cache_.add_free_pages(membership_->claimed_pages());
+    asks_.units += cache_->add_free_pages(membership_->claimed_pages());
   } catch (const OutOfMemory&) {
     // The device itself is short (memory outside the budget): the call will say so.
   }
@@ -80,7 +80,7 @@ std::size_t BudgetClient::ask_headroom(std::size_t missing) const {
   // prompt's pages too (eager allocation's estimate) halves the asks. At most `missing`
   // more, and only where the others cache plenty (twice what this would ask): when they
   // are busy too, taking more than needed would make them ask it back (and preempt).
-  const std::size_t headroom = std::min(missing, cache_.next_prompt_pages());
+  const std::size_t headroom = std::min(missing, cache_->next_prompt_pages());
   return membership_->others_cached_pages() >= 2 * (missing + headroom) ? headroom : 0;
 }
 
@@ -91,7 +91,7 @@ bool BudgetClient::counts_exactly(std::size_t created_pages) const {
 }
 
 void BudgetClient::publish_in_use() noexcept {
-  if (membership_) membership_->publish_in_use(cache_.claimed_pages() * page_bytes_);
+  if (membership_) membership_->publish_in_use(cache_->claimed_pages() * page_bytes_);
 }
 
 void BudgetClient::step_ended(Clock::time_point end) noexcept {
@@ -105,7 +105,7 @@ std::size_t BudgetClient::cached_bytes() {
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return membership_->published_cached_bytes();
   // Unclaimed pages are never shared: each counts once.
-  return cache_.cached_pages(cache_.reclaimable_floors(), /*freed_only=*/false) * page_bytes_;
+  return cache_->cached_pages(cache_->reclaimable_floors(), /*freed_only=*/false) * page_bytes_;
 }
 
 void BudgetClient::give_back(std::size_t bytes) {
@@ -129,25 +129,25 @@ void BudgetClient::give_back(std::size_t bytes) {
     lock_wait_ns += nanoseconds_since(waiting);
   };
   lock_or_post();
-  std::uint64_t event_wait_before = cache_.event_wait_ns();
+  std::uint64_t event_wait_before = cache_->event_wait_ns();
   const ReleaseTimes times_before = release_times_;  // what the owner's calls give meanwhile serves this answer too
   // Pages the mapper is moving are in no slot's books nor in the pool: they are left alone,
   // and so is a slot it works on. No wait for it.
   auto wanted = [&] { return (bytes + page - 1) / page; };
-  released = release(wanted(), cache_.reclaimable_floors(), Victims::freed_then_surplus, /*may_wait=*/false);
+  released = release(wanted(), cache_->reclaimable_floors(), Victims::freed_then_surplus, /*may_wait=*/false);
   if (released < wanted()) {
     // The rest is in slots whose last readers may still run (the owner's queue may hold a
     // whole iteration): wait for them with the lock released, so that the owner's calls go
     // on meanwhile, then take what is ready.
-    event_wait_ns += cache_.event_wait_ns() - event_wait_before;  // the owner's calls' waits are not the watcher's
+    event_wait_ns += cache_->event_wait_ns() - event_wait_before;  // the owner's calls' waits are not the watcher's
     const auto waiting = Clock::now();
-    cache_.wait_for_readers(lock, [&] {
+    cache_->wait_for_readers(lock, [&] {
       event_wait_ns += nanoseconds_since(waiting);
       lock_or_post();
       return true;
     });
-    event_wait_before = cache_.event_wait_ns();
-    released += release(wanted() - std::min(wanted(), released), cache_.reclaimable_floors(),
+    event_wait_before = cache_->event_wait_ns();
+    released += release(wanted() - std::min(wanted(), released), cache_->reclaimable_floors(),
                         Victims::freed_then_surplus, /*may_wait=*/true);
   }
   publish_in_use();
@@ -157,7 +157,7 @@ void BudgetClient::give_back(std::size_t bytes) {
   handoff_.answers += 1;
   handoff_.answer_pages += released;
   handoff_.answer_lock_wait_ns += lock_wait_ns;
-  handoff_.answer_event_wait_ns += event_wait_ns + (cache_.event_wait_ns() - event_wait_before);
+  handoff_.answer_event_wait_ns += event_wait_ns + (cache_->event_wait_ns() - event_wait_before);
   handoff_.answer_ns += nanoseconds_since(start);
 }
 
@@ -197,7 +197,7 @@ void BudgetClient::release_when_idle() {
   std::size_t released = 0;
   auto release_ready = [&] {
     for (;;) {
-      const std::size_t given = release(kChunk, cache_.reclaimable_floors(), Victims::freed_only, /*may_wait=*/false);
+      const std::size_t given = release(kChunk, cache_->reclaimable_floors(), Victims::freed_only, /*may_wait=*/false);
       released += given;
       if (given < kChunk || steps_waiting_.load() > 0) return given >= kChunk;
     }
@@ -207,7 +207,7 @@ void BudgetClient::release_when_idle() {
     publish_in_use();
     return;
   }
-  const bool go_on = cache_.wait_for_readers(lock, [&] {
+  const bool go_on = cache_->wait_for_readers(lock, [&] {
     lock.lock();
     return idle_released_;  // a step() meanwhile ended the idle spell: its pages stay
   });
@@ -224,8 +224,8 @@ bool BudgetClient::trim_under_pressure() {
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return false;  // a call holds it: the next poll tries again
   const std::size_t headroom = trim_headroom();
-  std::vector<std::size_t> floors = cache_.reclaimable_floors();
-  const std::size_t cached = cache_.cached_pages(floors, /*freed_only=*/true);
+  std::vector<std::size_t> floors = cache_->reclaimable_floors();
+  const std::size_t cached = cache_->cached_pages(floors, /*freed_only=*/true);
   if (cached <= headroom) return false;
   // Freed slots only (a running request's pages mapped ahead are its next steps'), and only
   // pages whose readers are done: no wait here, where the watcher would answer an ask late.
@@ -236,8 +236,8 @@ bool BudgetClient::trim_under_pressure() {
   handoff_.pressure_ns += nanoseconds_since(start);
   if (released == 0) return false;
   publish_in_use();
-  floors = cache_.reclaimable_floors();
-  return cache_.cached_pages(floors, /*freed_only=*/true) > headroom && steps_waiting_.load() == 0;
+  floors = cache_->reclaimable_floors();
+  return cache_->cached_pages(floors, /*freed_only=*/true) > headroom && steps_waiting_.load() == 0;
 }
 
 }  // namespace vkv::detail

@@ -79,11 +79,9 @@ class BudgetClient {
     virtual std::size_t add_free_pages(std::size_t pages) = 0;
   };
 
-  /// Joins config.shared_budget (none: every call does nothing). `cache` and `mutex`
-  /// must outlive the client; nothing calls `cache` before start().
-  /// @throws as BudgetMembership's constructor.
-  BudgetClient(const CacheConfig& config, const Backend& backend, std::size_t page_bytes, CachePages& cache,
-               std::mutex& mutex);
+  /// Joins config.shared_budget (none: every call does nothing). `mutex` must outlive
+  /// the client. @throws as BudgetMembership's constructor.
+  BudgetClient(const CacheConfig& config, const Backend& backend, std::size_t page_bytes, std::mutex& mutex);
   ~BudgetClient();
   BudgetClient(const BudgetClient&) = delete;
   BudgetClient& operator=(const BudgetClient&) = delete;
@@ -91,6 +89,10 @@ class BudgetClient {
   bool joined() const noexcept { return membership_ != nullptr; }
   /// What the cache's pool creates pages against; null without a budget.
   PageAccount* account() noexcept { return membership_.get(); }
+  /// The cache's pages, which the client asks of (it must outlive the client): once the
+  /// cache can answer, before any call but joined() and account(). Apart from the
+  /// constructor, so that the pool the cache lends can count against account().
+  void lend(CachePages& cache) noexcept { cache_ = &cache; }
   /// Starts answering the others (the watcher); once, when the cache can answer.
   void start();
   /// Stops answering: the watcher calls into the cache. Before the cache goes.
@@ -153,14 +155,14 @@ class BudgetClient {
   // whether more is left.
   bool trim_under_pressure();
   // Pages a member under pressure keeps free or in freed slots: twice its next prompt's.
-  std::size_t trim_headroom() const { return 2 * cache_.next_prompt_pages(); }
+  std::size_t trim_headroom() const { return 2 * cache_->next_prompt_pages(); }
   // The cache's release(), timed into release_times_.
   std::size_t release(std::size_t wanted, const std::vector<std::size_t>& floors, Victims victims, bool may_wait) {
-    return cache_.release(wanted, floors, victims, may_wait, release_times_);
+    return cache_->release(wanted, floors, victims, may_wait, release_times_);
   }
 
   std::unique_ptr<BudgetMembership> membership_;
-  CachePages& cache_;
+  CachePages* cache_ = nullptr;  // lend()'s
   std::mutex& mutex_;
   std::size_t page_bytes_;
   std::chrono::milliseconds idle_period_;

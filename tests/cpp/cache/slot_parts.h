@@ -1,6 +1,7 @@
 // The parts a cache's slots are made of, put together on the host backend without a
 // cache, for the suites of the parts that act on them (SlotMappings, SlotReaders, ...):
-// a reservation, the slot table, the sharing counts, a page pool and the mappings.
+// a cache's context (the slot table, the sharing counts, a page pool of 64 pages, ...), a
+// reservation and the mappings.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 
 #include <mutex>
 
+#include "cache/cache_context.h"
 #include "cache/page_source.h"
 #include "cache/slot_mappings.h"
 #include "cache/slot_readers.h"
@@ -19,24 +21,9 @@
 
 namespace vkv::testing {
 
-// What a cache lends its budget client: nothing, without a shared budget.
-struct NoPages final : detail::BudgetClient::CachePages {
-  std::vector<std::size_t> reclaimable_floors() const override { return {}; }
-  std::size_t cached_pages(const std::vector<std::size_t>&, bool) const override { return 0; }
-  std::size_t release(std::size_t, const std::vector<std::size_t>&, detail::BudgetClient::Victims, bool,
-                      detail::BudgetClient::ReleaseTimes&) override {
-    return 0;
-  }
-  bool wait_for_readers(std::unique_lock<std::mutex>&, const std::function<bool()>&) override { return true; }
-  std::uint64_t event_wait_ns() const override { return 0; }
-  std::size_t claimed_pages() const override { return 0; }
-  std::size_t next_prompt_pages() const override { return 0; }
-  std::size_t add_free_pages(std::size_t) override { return 0; }
-};
-
 class SlotParts : public ::testing::Test {
  protected:
-  explicit SlotParts(std::size_t large_page_pages = 0) : pool_(*backend_, 64, large_page_pages) {
+  explicit SlotParts(std::size_t large_page_pages = 0) : cache_(make_config(large_page_pages), backend_) {
     base_ = backend_->reserve(layout_.reserved_bytes());
     mappings_.set_base(base_);
   }
@@ -44,23 +31,25 @@ class SlotParts : public ::testing::Test {
     backend_->fail_at = 0;
     backend_->synchronize_device();
     for (std::size_t s = 0; s < slots_.size(); ++s) {
-      detail::Slot& slot = slots_[s];
+      const detail::Slot& slot = slots_[s];
       const std::size_t backed = std::max(slot.mapped(), slot.backed_end);
       for (std::size_t r = 0; r < layout_.num_regions() && backed > 0; ++r)
         backend_->unmap(mappings_.address(r, s, 0), backed * layout_.page_bytes());
       std::vector<Page> unmapped;
-      for (auto& pages : slot.pages) {
-        mappings_.drop_mappings(pages, 0, pages.size(), false, unmapped);
-        pages.clear();
+      for (std::size_t r = 0; r < slot.pages.size(); ++r) {
+        mappings_.drop_mappings(slot.pages[r], 0, slot.pages[r].size(), false, unmapped);
+        slots_.truncate_pages(s, r, 0);
       }
       for (const Page& page : unmapped) pool_.give_back(page);
       if (slot.free_event != 0) backend_->destroy_event(slot.free_event);
     }
     backend_->free_reservation(base_, layout_.reserved_bytes());
   }
-  static CacheConfig make_config() {
+  static CacheConfig make_config(std::size_t large_page_pages) {
     CacheConfig config = small_config(LayoutKind::per_layer, kHostTestPageBytes);
     config.zero_page = true;
+    config.memory_budget = 64 * kHostTestPageBytes;
+    config.large_page_size = large_page_pages * kHostTestPageBytes;
     return config;
   }
   std::size_t page() const { return layout_.page_bytes(); }
@@ -72,19 +61,21 @@ class SlotParts : public ::testing::Test {
       std::vector<PageHandle> handles;
       for (std::size_t i = 0; i < count; ++i) handles.push_back(pages[r * count + i].handle);
       mappings_.map_real(slot, r, first, handles.data(), count);
-      slots_[slot].pages[r].insert(slots_[slot].pages[r].end(), handles.begin(), handles.end());
+      slots_.append_pages(slot, r, handles.data(), count);
     }
     return pages;
   }
 
-  CacheConfig config_ = make_config();
   std::shared_ptr<FaultInjectingBackend> backend_ =
       std::make_shared<FaultInjectingBackend>(std::make_shared<HostBackend>(kHostTestPageBytes));
-  KvLayout layout_{config_, kHostTestPageBytes};
-  detail::SlotTable slots_{config_.max_batch_size, layout_.num_regions()};
-  detail::PageSharing sharing_;
-  PagePool pool_;
-  detail::SlotMappings mappings_{*backend_, layout_, config_, slots_, sharing_, pool_};
+  detail::CacheContext cache_;
+  // The context's pieces by the names the suites use (config_ may change between calls).
+  CacheConfig& config_ = cache_.config;
+  const KvLayout& layout_ = cache_.layout;
+  detail::SlotTable& slots_ = cache_.slots;
+  detail::PageSharing& sharing_ = cache_.sharing;
+  PagePool& pool_ = cache_.pool;
+  detail::SlotMappings mappings_{cache_};
   Address base_ = 0;
 };
 
@@ -93,9 +84,9 @@ class ReaderParts : public SlotParts {
  protected:
   using SlotParts::SlotParts;
 
-  detail::ReadWindows windows_{*backend_};
-  detail::CallProfile profile_;
-  detail::SlotReaders readers_{*backend_, layout_, config_, slots_, mappings_, windows_, profile_};
+  detail::ReadWindows& windows_ = cache_.read_windows;
+  detail::CallProfile& profile_ = cache_.profile;
+  detail::SlotReaders readers_{cache_, mappings_};
 };
 
 /// With a budget client (no shared budget) and where pages come from.
@@ -103,10 +94,9 @@ class SourceParts : public ReaderParts {
  protected:
   using ReaderParts::ReaderParts;
 
-  NoPages none_;
-  std::mutex mutex_;
-  detail::BudgetClient budget_{config_, *backend_, layout_.page_bytes(), none_, mutex_};
-  detail::PageSource source_{layout_, slots_, pool_, sharing_, mappings_, readers_, budget_};
+  std::mutex& mutex_ = cache_.mutex;
+  detail::BudgetClient& budget_ = cache_.budget;  // no shared budget: lent nothing
+  detail::PageSource source_{cache_, mappings_, readers_};
 };
 
 }  // namespace vkv::testing

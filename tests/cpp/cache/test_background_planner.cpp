@@ -22,7 +22,7 @@ class BackgroundPlannerTest : public testing::ReaderParts {
     return planner_.next(/*settle_events=*/true, eager_tokens, watermark);
   }
 
-  detail::BackgroundPlanner planner_{*backend_, layout_, config_, slots_, pool_, mappings_, readers_};
+  detail::BackgroundPlanner planner_{cache_, mappings_, readers_};
 };
 
 TEST_F(BackgroundPlannerTest, AnIdleCacheHasNothingToDo) { EXPECT_EQ(next().kind, Kind::none); }
@@ -30,8 +30,7 @@ TEST_F(BackgroundPlannerTest, AnIdleCacheHasNothingToDo) { EXPECT_EQ(next().kind
 TEST_F(BackgroundPlannerTest, AnAllocatedSlotGrowsByItsLookahead) {
   slots_.mark_allocated(2, 0);
   grow(2, 1);
-  slots_[2].claimed = 1;
-  slots_[2].seq_len = tokens_per_page() / 2;
+  slots_.set_tokens(2, tokens_per_page() / 2, 1);
   const BackgroundUnit unit = next();
   EXPECT_EQ(unit.kind, Kind::grow);
   EXPECT_EQ(unit.slot, 2u);
@@ -40,15 +39,15 @@ TEST_F(BackgroundPlannerTest, AnAllocatedSlotGrowsByItsLookahead) {
 
 TEST_F(BackgroundPlannerTest, ABusySlotIsLeftToTheUnitAtWorkOnIt) {
   slots_.mark_allocated(2, 0);
-  slots_[2].seq_len = 10;
-  slots_[2].busy_from = 0;
+  slots_.set_tokens(2, 10, slots_[2].claimed);
+  slots_.mark_busy(2, 0);
   EXPECT_EQ(next().kind, Kind::none);
-  slots_[2].busy_from = detail::kNotBusy;
+  slots_.mark_not_busy(2);
 }
 
 TEST_F(BackgroundPlannerTest, ExpectedTokensGrowAfterEverySlotsLookahead) {
   slots_.mark_allocated(0, 0);
-  slots_[0].expected_tokens = 5 * tokens_per_page();
+  slots_.set_expected_tokens(0, 5 * tokens_per_page());
   const BackgroundUnit unit = next();
   EXPECT_EQ(unit.kind, Kind::grow);
   EXPECT_EQ(unit.slot, 0u);
@@ -76,10 +75,10 @@ TEST_F(BackgroundPlannerTest, BelowTheWatermarkAFreedSlotsPagesGo) {
 TEST_F(BackgroundPlannerTest, AFreedSlotOwedAZeroFillIsLeftAlone) {
   slots_.mark_allocated(1, 0);
   grow(1, 3);
-  slots_[1].claimed = 3;
+  slots_.set_tokens(1, slots_[1].seq_len, 3);
   readers_.defer_fill(1, 0);
   slots_.mark_freed(1, 0);
-  slots_[1].claimed = 0;
+  slots_.set_tokens(1, slots_[1].seq_len, 0);
   EXPECT_EQ(next(0, /*watermark=*/1000).kind, Kind::none);
   readers_.enqueue_deferred_fills();
   EXPECT_EQ(next(0, /*watermark=*/1000).kind, Kind::shrink);
@@ -87,7 +86,7 @@ TEST_F(BackgroundPlannerTest, AFreedSlotOwedAZeroFillIsLeftAlone) {
 
 TEST_F(BackgroundPlannerTest, WithZeroBackingSlotsNotHandedOutAreBackedTheNextOneFirst) {
   config_.zero_page = true;
-  slots_[0].backed_end = layout_.pages_per_slot();
+  slots_.set_backed_end(0, layout_.pages_per_slot());
   const BackgroundUnit unit = next();
   EXPECT_EQ(unit.kind, Kind::cover);
   EXPECT_EQ(unit.slot, 1u);
@@ -98,24 +97,24 @@ TEST_F(BackgroundPlannerTest, WithZeroBackingSlotsNotHandedOutAreBackedTheNextOn
 
 TEST_F(BackgroundPlannerTest, WithZeroBackingFreePagesAreCreatedForSlotsInReach) {
   config_.zero_page = true;
-  for (detail::Slot& slot : slots_) slot.backed_end = layout_.pages_per_slot();
+  for (std::size_t s = 0; s < slots_.size(); ++s) slots_.set_backed_end(s, layout_.pages_per_slot());
   slots_.mark_allocated(0, windows_.steps());
-  slots_[0].claimed = 1;  // step() swaps its next page in itself
+  slots_.set_tokens(0, slots_[0].seq_len, 1);  // step() swaps its next page in itself
   const BackgroundUnit unit = next();
   EXPECT_EQ(unit.kind, Kind::create);
   EXPECT_EQ(unit.pages, std::min(layout_.num_regions(), detail::BackgroundPlanner::kPagesPerUnit));
-  slots_[0].claimed = 0;
+  slots_.set_tokens(0, slots_[0].seq_len, 0);
 }
 
 TEST_F(BackgroundPlannerTest, WithAScratchPageNothingIsMappedAheadOrReclaimed) {
   config_.zero_page = true;
   config_.scratch_page = true;
   slots_.mark_allocated(2, 0);
-  slots_[2].seq_len = 10;
+  slots_.set_tokens(2, 10, slots_[2].claimed);
   slots_.mark_allocated(1, 0);
   grow(1, 3);
   slots_.mark_freed(1, 0);
-  for (detail::Slot& slot : slots_) slot.backed_end = layout_.pages_per_slot();
+  for (std::size_t s = 0; s < slots_.size(); ++s) slots_.set_backed_end(s, layout_.pages_per_slot());
   EXPECT_EQ(next(3 * tokens_per_page(), /*watermark=*/1000).kind, Kind::none);
   config_.scratch_page = false;
 }

@@ -14,22 +14,21 @@ class LentPagesTest : public testing::SourceParts {
  protected:
   std::size_t regions() const { return layout_.num_regions(); }
 
-  detail::PromptHistory prompts_;
-  detail::LentPages lent_{*backend_, layout_,  config_, slots_,   pool_,   sharing_,
-                          mappings_, readers_, source_, prompts_, profile_};
+  detail::PromptHistory& prompts_ = cache_.prompts;
+  detail::LentPages lent_{cache_, mappings_, readers_, source_};
 };
 
 TEST_F(LentPagesTest, CachedPagesAreFreeOnesAndWhatSlotsMapAboveTheirFloors) {
   grow(0, 3);
   slots_.mark_allocated(0, 0);
-  slots_[0].claimed = 1;
+  slots_.set_tokens(0, slots_[0].seq_len, 1);
   grow(1, 2);  // free slot: all of it is cached
   for (const Page& page : pool_.take(2)) pool_.give_back(page);
   const std::vector<std::size_t> floors = slots_.claims();
   EXPECT_EQ(lent_.cached_pages(floors, /*freed_only=*/false), pool_.free_pages() + 2 * regions() + 2 * regions());
   EXPECT_EQ(lent_.cached_pages(floors, /*freed_only=*/true), pool_.free_pages() + 2 * regions());
   EXPECT_EQ(lent_.claimed_pages(), regions());
-  slots_[0].claimed = 0;
+  slots_.set_tokens(0, slots_[0].seq_len, 0);
 }
 
 TEST_F(LentPagesTest, TheNextPromptsPagesFollowEagerAllocation) {
@@ -59,9 +58,9 @@ TEST_F(LentPagesTest, ReleaseGivesFreePagesBackFirstThenFreedSlotsPages) {
 
 TEST_F(LentPagesTest, WaitingForReadersWithTheLockReleasedMarksTheFillsItSaw) {
   grow(2, 2);
-  slots_[2].claimed = 2;
+  slots_.set_tokens(2, slots_[2].seq_len, 2);
   readers_.defer_fill(2, 0);
-  slots_[2].claimed = 0;
+  slots_.set_tokens(2, slots_[2].seq_len, 0);
   std::unique_lock<std::mutex> lock(mutex_);
   EXPECT_TRUE(lent_.wait_for_readers(lock, [&] {
     lock.lock();

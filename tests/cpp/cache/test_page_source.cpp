@@ -19,11 +19,11 @@ class PageSourceTest : public testing::SourceParts {
 TEST_F(PageSourceTest, WhatCanBeHadIsThePoolsAndWhatSlotsMapAboveTheirClaims) {
   EXPECT_EQ(source_.obtainable_pages(claims()), pool_.budget_pages());
   grow(1, 3);
-  slots_[1].claimed = 1;
+  slots_.set_tokens(1, slots_[1].seq_len, 1);
   EXPECT_EQ(source_.obtainable_pages(claims()), pool_.budget_pages() - regions());
-  slots_[1].busy_from = 1;  // the mapper's pages are not to be had
+  slots_.mark_busy(1, 1);  // the mapper's pages are not to be had
   EXPECT_EQ(source_.obtainable_pages(claims()), pool_.budget_pages() - 3 * regions());
-  slots_[1].busy_from = detail::kNotBusy;
+  slots_.mark_not_busy(1);
 }
 
 TEST_F(PageSourceTest, AShortageNamesTheCallWhatIsMissingAndWhatCanBeHad) {
@@ -52,7 +52,7 @@ TEST_F(PageSourceTest, PagesComeFromThePoolThenFromTheColdestSlotAboveItsFloor) 
 
 TEST_F(PageSourceTest, ReclamationKeepsWhatASlotClaims) {
   grow(2, 4);
-  slots_[2].claimed = 3;
+  slots_.set_tokens(2, slots_[2].seq_len, 3);
   std::vector<Page> into;
   EXPECT_TRUE(source_.reclaim_coldest(into, 100, claims()));
   EXPECT_EQ(slots_[2].mapped(), 3u);
@@ -63,9 +63,9 @@ TEST_F(PageSourceTest, ReclamationKeepsWhatASlotClaims) {
 
 TEST_F(PageSourceTest, AnUnmappedTailShrinksAFillStillOwed) {
   grow(0, 3);
-  slots_[0].claimed = 3;
+  slots_.set_tokens(0, slots_[0].seq_len, 3);
   readers_.defer_fill(0, 0);
-  slots_[0].claimed = 0;
+  slots_.set_tokens(0, slots_[0].seq_len, 0);
   std::vector<Page> into;
   source_.unmap_tail(0, 1, into);
   EXPECT_EQ(slots_[0].mapped(), 1u);

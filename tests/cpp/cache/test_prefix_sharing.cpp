@@ -18,22 +18,21 @@ class PrefixSharingTest : public testing::SourceParts {
     grow(0, 3);
     for (std::size_t r = 0; r < regions(); ++r)
       testing::fill_bytes(*backend_, mappings_.address(r, 0, 0), 3 * page(), 7);
-    slots_[0].claimed = 3;
-    slots_[0].seq_len = 3 * tokens_per_page();
-    for (detail::Slot& slot : slots_) slot.backed_end = layout_.pages_per_slot();
+    slots_.set_tokens(0, 3 * tokens_per_page(), 3);
+    for (std::size_t s = 0; s < slots_.size(); ++s) slots_.set_backed_end(s, layout_.pages_per_slot());
     for (std::size_t s = 1; s < slots_.size(); ++s) mappings_.back_with_zeros(s, layout_.pages_per_slot());
   }
   ~PrefixSharingTest() override {
-    for (std::vector<PageHandle>& pages : slots_[1].pages) {  // the shared pages go back once, with src's
+    for (std::size_t r = 0; r < regions(); ++r) {  // the shared pages go back once, with src's
       std::vector<PageHandle> own;
-      for (PageHandle handle : pages) {
+      for (PageHandle handle : slots_[1].pages[r]) {
         if (sharing_.is_shared(handle)) {
           sharing_.drop_mapping(handle);
         } else {
           own.push_back(handle);
         }
       }
-      pages = own;
+      slots_.set_pages(1, r, own);
     }
   }
   std::size_t tokens_per_page() const { return page() / layout_.token_bytes(); }
@@ -44,7 +43,7 @@ class PrefixSharingTest : public testing::SourceParts {
     undo.commit();
   }
 
-  detail::PrefixSharing sharing_parts_{*backend_, layout_, slots_, pool_, sharing_, mappings_, readers_, source_};
+  detail::PrefixSharing sharing_parts_{cache_, mappings_, readers_, source_};
 };
 
 TEST_F(PrefixSharingTest, TheShapeOfAPrefixThatEndsInsideAPage) {

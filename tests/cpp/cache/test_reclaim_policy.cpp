@@ -9,7 +9,8 @@ namespace {
 // A table of `slots` slots, one region each; maps `mapped[s]` pages in slot s.
 SlotTable table(const std::vector<std::size_t>& mapped) {
   SlotTable slots(mapped.size(), 1);
-  for (std::size_t s = 0; s < mapped.size(); ++s) slots[s].pages[0].assign(mapped[s], PageHandle{s + 1});
+  for (std::size_t s = 0; s < mapped.size(); ++s)
+    slots.set_pages(s, 0, std::vector<PageHandle>(mapped[s], PageHandle{s + 1}));
   return slots;
 }
 
@@ -35,7 +36,7 @@ TEST(ReclaimPolicy, FloorsBusySlotsAndTheExcludedSlotAreLeftAlone) {
   SlotTable slots = table({4, 4, 4, 0});
   slots.mark_allocated(0, 0);  // allocated, at its floor: nothing to give
   slots.mark_freed(1, 4);
-  slots[1].busy_from = 0;  // the mapper is working on it
+  slots.mark_busy(1, 0);   // the mapper is working on it
   slots.mark_freed(2, 4);  // the one alloc_reqid() hands out next
   slots.mark_freed(3, 0);  // nothing mapped
   const std::vector<std::size_t> floors = {4, 0, 0, 0};

@@ -38,10 +38,9 @@ class SlotGrowthTest : public testing::SourceParts {
           testing::read_bytes(*backend_, mappings_.address(r, slot, 0), slots_[slot].mapped() * page())));
   }
 
-  std::condition_variable unit_done_;
-  std::size_t in_flight_ = 0;
-  detail::SlotGrowth growth_{*backend_, layout_, config_, slots_,   pool_,      sharing_,  mappings_,
-                             readers_,  source_, budget_, profile_, unit_done_, in_flight_};
+  std::condition_variable& unit_done_ = cache_.unit_done;
+  std::size_t& in_flight_ = cache_.in_flight_pages;
+  detail::SlotGrowth growth_{cache_, mappings_, readers_, source_};
 };
 
 TEST_F(SlotGrowthTest, StepsWayMapsEveryRegionWithItsBooks) {

@@ -31,9 +31,9 @@ TEST_F(SlotMappingsTest, RealPagesReplaceZeroBackingAndGiveItBack) {
   // Zero backing is back where the real pages were: the bytes written are gone.
   EXPECT_TRUE(testing::all_zero(testing::read_bytes(*backend_, mappings_.address(0, 1, 0), 4 * page())));
   std::vector<Page> unmapped;
-  for (auto& pages : slots_[1].pages) {
-    mappings_.drop_mappings(pages, 0, pages.size(), false, unmapped);
-    pages.clear();
+  for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
+    mappings_.drop_mappings(slots_[1].pages[r], 0, slots_[1].pages[r].size(), false, unmapped);
+    slots_.truncate_pages(1, r, 0);
   }
   EXPECT_EQ(unmapped.size(), 2 * layout_.num_regions());
   for (const Page& page : unmapped) pool_.give_back(page);
@@ -61,7 +61,7 @@ TEST_F(SlotMappingsTest, AFailedUnmapOfOneRegionMapsTheOthersBack) {
     EXPECT_EQ(bytes, std::vector<std::uint8_t>(3 * page(), static_cast<std::uint8_t>(r + 1))) << "region " << r;
   }
   mappings_.unmap_regions(2, 1, 2);
-  for (std::size_t r = 0; r < layout_.num_regions(); ++r) slots_[2].pages[r].resize(1);
+  for (std::size_t r = 0; r < layout_.num_regions(); ++r) slots_.truncate_pages(2, r, 1);
 }
 
 TEST_F(SlotMappingsTest, AFailedMapLeavesZeroBackingAsItWas) {
@@ -120,7 +120,7 @@ TEST_F(SlotMappingsLargeTest, LargePagesMapWithOneCallAndRoundWhole) {
   for (std::size_t r = 0; r < layout_.num_regions(); ++r) {
     const std::vector<PageHandle> run(kSpan, large[r].handle);
     mappings_.map_real(1, r, 0, run.data(), kSpan);
-    slots_[1].pages[r] = run;
+    slots_.set_pages(1, r, run);
   }
   grow(1, 1);  // a single page after the span
   EXPECT_EQ(mappings_.round_down_to_whole(slots_[1], 2), 0u);

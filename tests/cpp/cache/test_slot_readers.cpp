@@ -16,9 +16,9 @@ class SlotReadersTest : public testing::ReaderParts {
     grow(slot, 2);
     for (std::size_t r = 0; r < layout_.num_regions(); ++r)
       testing::fill_bytes(*backend_, mappings_.address(r, slot, 0), 2 * page(), 5);
-    slots_[slot].claimed = 2;
+    slots_.set_tokens(slot, slots_[slot].seq_len, 2);
     readers_.defer_fill(slot, stream);
-    slots_[slot].claimed = 0;
+    slots_.set_tokens(slot, slots_[slot].seq_len, 0);
   }
   bool slot_is_zero(std::size_t slot) {
     for (std::size_t r = 0; r < layout_.num_regions(); ++r)
@@ -44,7 +44,7 @@ TEST_F(SlotReadersTest, AFillIsDeferredWithNoBackendCallAndEnqueuedOnce) {
   const std::size_t after = backend_->calls;
   readers_.enqueue_fill(1);  // nothing owed any more
   EXPECT_EQ(backend_->calls, after);
-  readers_.wait_free_event(slots_[1]);
+  readers_.wait_free_event(1);
   EXPECT_EQ(slots_[1].free_event, 0u);
 }
 
@@ -90,10 +90,10 @@ TEST_F(SlotReadersTest, AFenceRecordsOneEventPerStreamAndMarksOnlyTheDeferralItS
   readers_.wait_then_destroy(fence.events);
   // Slot 1's fill was enqueued and the slot left again meanwhile: another deferral.
   readers_.enqueue_fill(1);
-  readers_.wait_free_event(slots_[1]);
-  slots_[1].claimed = 2;
+  readers_.wait_free_event(1);
+  slots_.set_tokens(1, slots_[1].seq_len, 2);
   readers_.defer_fill(1, 0);
-  slots_[1].claimed = 0;
+  slots_.set_tokens(1, slots_[1].seq_len, 0);
   readers_.mark_done(fence);
   EXPECT_TRUE(slots_[0].fill_readers_done);
   EXPECT_FALSE(slots_[1].fill_readers_done);
@@ -114,13 +114,13 @@ TEST_F(SlotReadersTest, WaitingForTheLastReadersOfADeferredFillCountsAsAnEventWa
 }
 
 TEST_F(SlotReadersTest, AllocatedSlotsFloorsFollowTheReadHorizon) {
-  slots_[0].claimed = 0;
+  slots_.set_tokens(0, slots_[0].seq_len, 0);
   slots_.mark_allocated(0, windows_.steps());
   windows_.begin_step(0);
   windows_.end_step(3);  // the work enqueued from now on reads up to page 3
   EXPECT_EQ(readers_.first_reclaimable_without_waiting(0), 3u);
   EXPECT_EQ(readers_.first_reclaimable_without_waiting(1), 0u);  // free: its claim
-  slots_[0].claimed = 5;
+  slots_.set_tokens(0, slots_[0].seq_len, 5);
   EXPECT_EQ(readers_.reclaimable_floors(), (std::vector<std::size_t>{5, 0, 0, 0}));
   backend_->synchronize_device();
   windows_.forget_completed();

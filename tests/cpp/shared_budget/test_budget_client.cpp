@@ -59,7 +59,8 @@ TEST(BudgetClientTest, WithoutASharedBudgetEveryCallDoesNothing) {
   HostBackend backend(kPage);
   FakeCache cache;
   std::mutex mutex;
-  BudgetClient client(CacheConfig{}, backend, kPage, cache, mutex);
+  BudgetClient client(CacheConfig{}, backend, kPage, mutex);
+  client.lend(cache);
   EXPECT_FALSE(client.joined());
   EXPECT_EQ(client.account(), nullptr);
   EXPECT_FALSE(client.may_ask());
@@ -78,7 +79,8 @@ TEST(BudgetClientTest, PublishesWhatTheCachesRequestsClaim) {
   HostBackend backend(kPage);
   FakeCache cache;
   std::mutex mutex;
-  BudgetClient client(config_in(name), backend, kPage, cache, mutex);
+  BudgetClient client(config_in(name), backend, kPage, mutex);
+  client.lend(cache);
   cache.account = client.account();
   ASSERT_TRUE(client.account()->take(4));
   cache.held = 4;
@@ -102,8 +104,10 @@ TEST(BudgetClientTest, AnotherMembersAskIsAnsweredFromTheCachesUnclaimedPages) {
   HostBackend backend(kPage);
   FakeCache giver_cache, asker_cache;
   std::mutex giver_mutex, asker_mutex;
-  BudgetClient giver(config_in(name), backend, kPage, giver_cache, giver_mutex);
-  BudgetClient asker(config_in(name), backend, kPage, asker_cache, asker_mutex);
+  BudgetClient giver(config_in(name), backend, kPage, giver_mutex);
+  BudgetClient asker(config_in(name), backend, kPage, asker_mutex);
+  giver.lend(giver_cache);
+  asker.lend(asker_cache);
   giver_cache.account = giver.account();
   asker_cache.account = asker.account();
   ASSERT_TRUE(giver.account()->take(8));  // the whole capacity, claimed by no request
