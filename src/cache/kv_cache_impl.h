@@ -142,7 +142,7 @@ class KvCache::Impl final {
   void drop_all_pages(std::size_t slot, Stream stream, bool return_to_device);
 
   // ---- step and mapping what is missing (kv_cache_step.cpp) ------------------------
-  // step() with mutex_ held (step_slots() builds its seq_lens under the same lock).
+  // step() with the cache's mutex held (step_slots() builds its seq_lens under the same lock).
   // Returns whether the mapper has work: the caller wakes it once it released the lock,
   // so that the mapper does not wake up only to block on it (and the unlock wake it again).
   bool step_locked(std::unique_lock<std::mutex>& lock, const std::size_t* seq_lens, std::size_t count, Stream stream,
@@ -184,8 +184,8 @@ class KvCache::Impl final {
   std::size_t watermark_pages_ = 0;
   Stream background_stream_ = 0;
   std::uint64_t fork_generation_ = 0;  // detail::fork_generation() at construction
-  // Started last in the constructor and stopped first in the destructor: its thread uses
-  // every part.
+  // Started once every part is built, and stopped in the destructor's body (or, when the
+  // constructor fails after it, at once) before any part goes: its thread uses them all.
   std::unique_ptr<Mapper> mapper_;
 };
 
