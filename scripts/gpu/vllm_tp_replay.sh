@@ -50,7 +50,7 @@ step tp2_replay 240 env OUT="$out" python3 -m benchmarks.vllm_replay.vllm_tp_rep
 step tp2_replay_70b 180 env OUT="$out" python3 -m benchmarks.vllm_replay.vllm_tp_replay "$trace" --tp 2 --device cuda \
   --attention flashinfer --shape 80,8,128,32 --dense --tag 70b
 grep -hE "^(rank [0-9]+:|tp=)" "$out/tp2_replay.log" "$out/tp2_replay_70b.log" | tee -a "$summary"
-reports=("$out"/vllm_replay_tp2*_rank*.json)
+reports=("$out"/vllm_replay_tp2*_rank[0-9].json)  # not the per-step *_steps.json
 [ -f "${reports[0]}" ] && python3 -m benchmarks.vllm_replay.vllm_replay table "${reports[@]}" | tee -a "$summary"
 mv "$out"/vllm_tp_replay*.json "$result/" 2>/dev/null
 tar -czf "$result/logs.tar.gz" -C "$result" logs && rm -rf "$out"
