@@ -113,12 +113,15 @@ from .runs import DEFAULT_SETTING, KVCACHED, TTFT_TARGET_MS, goals, label_of
 # shared_budget_pressure_ms (0: off). kernels: flash-attn (FlashAttention-2 on vkv's
 # contiguous tensors) or flashinfer (FlashInfer's paged kernels on every store; the kvcached
 # store needs it). vkv_page_tokens: with flashinfer, vkv's slots seen as pages of this many
-# tokens (0: one page per request).
+# tokens (0: one page per request). 16, the block kvcached's and the paged static pool's
+# decode reads, so that every store runs the same kernel: one 2048-token page per request
+# made FlashInfer's graphed decode ~17% slower a step on an H200 (8.2 against 7.0 ms, 3
+# Llama-3-8B engines; benchmarks/multi_engine/NOTES.md).
 BASE = dict(models=["tiny", "tiny-b"], trace="bursts", bursts=2, requests_per_burst=[24, 32], burst_seconds=0.2,
             period=4.0, stagger=1.0, ramp_peak_rps=[0.0], ramp_seconds=0.0, ramp_stagger_s=0.0, ramp_increment=1,
             ramp_end_rps=1, prompt_tokens=0, output_tokens=0, kv_budget_mib=3, max_context=1024, length_scale=0.25,
             page_size_kib=32, max_slots=64, max_prefill_tokens=2048, kill_at=0.0, idle_ms=200, pressure_ms=500,
-            kernels="flash-attn", vkv_page_tokens=0, scale=1.0)
+            kernels="flash-attn", vkv_page_tokens=16, scale=1.0)
 _H100 = dict(page_size_kib=0, max_slots=256, max_prefill_tokens=8192, max_context=2048, length_scale=1.0)
 PRESETS = {
     "small": dict(BASE),

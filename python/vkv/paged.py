@@ -18,6 +18,10 @@ and ``page_lists`` the CSR lists a batch's plan takes (``indptr``, ``indices``,
     decode.plan(indptr, indices, last_page_len, ...)   # flashinfer.BatchDecodeWithPagedKVCacheWrapper
     out = decode.run(q, (k_pages, v_pages))
 
+Cut slots into pages of 16-128 tokens for FlashInfer's decode rather than one page per slot:
+with a whole 2048-token slot as its page, a graphed decode step of a Llama-3-8B shape took
+8.2 ms against 7.0 ms with 16-token pages on an H200 (benchmarks/multi_engine/NOTES.md).
+
 Both layouts work: FlashInfer reads the page, token and head strides of the tensors it is
 given (the interleaved layout's token stride spans every layer). It keeps strides in 32 bits:
 ``slot_pages`` refuses a view whose page stride reaches 2**32 elements (long contexts in the
