@@ -1,7 +1,9 @@
-"""Floors and caps in SGLang's own engine: two SGLang 0.5.23 engines on the CPU
-(sglang_testing.py), two processes on one vkv.SharedBudget, each wanting the whole budget.
-One sets VKV_SGLANG_FLOOR and VKV_SGLANG_CAP: busy, it never holds more than its cap though
-the budget has more free; idle, the other engine, busy and asking, never grows into its floor.
+"""Floors and caps in SGLang's own engine: SGLang 0.5.23 engines on the CPU
+(sglang_testing.py), each in its own process, on one vkv.SharedBudget.
+
+Two engines, each wanting the whole budget: one sets VKV_SGLANG_FLOOR (between two of its
+growth steps) and VKV_SGLANG_CAP: busy, it never holds more than its cap though the budget
+has more free; idle, the other engine, busy and asking, never takes it below its floor.
 Needs SGLang: scripts/install_sglang.sh, then run with .venv-sglang's Python."""
 
 import importlib.util
@@ -26,7 +28,8 @@ POOL_TOKENS = 512  # each engine's SGLang pool: 32 pages of 16, more than the wo
 CAPACITY = POOL_TOKENS * st.TOKEN_BYTES  # the budget (256 KiB): what one engine's pool holds whole
 # An engine grows by one 4 KiB vkv page of each of its 4 buffers (2 layers' K and V) at a time.
 STEP = 2 * st.LAYERS * 4096
-FLOOR = 4 * STEP  # 64 KiB
+FLOOR = 5 * STEP // 2  # 40 KiB, between two steps: held as the step above it, 48 KiB
+FLOOR_HELD = -(-FLOOR // STEP) * STEP
 CAP = 8 * STEP  # 128 KiB, below what the budget has free; still more than one request's need
 IDLE = 2 * STEP  # an idle engine: page 0 and the headroom's pages (2 vkv pages of every buffer)
 SERVER_ARGS = {"page_size": st.PAGE, "max_total_tokens": POOL_TOKENS, "chunked_prefill_size": 64,
@@ -132,20 +135,23 @@ def test_a_capped_engine_stays_under_its_cap_and_a_busy_engine_leaves_a_floor_al
                 # Idle: it gives back its free pages, and keeps its radix cache (which it gives if asked).
                 _until(lambda: _held(budget, pid, "bytes_in_use") <= IDLE, 120, budget.stats)
                 kept = _held(budget, pid)
-                assert kept > FLOOR, kept
+                assert kept > FLOOR_HELD, kept
 
                 held.reset()
                 (greedy.signals / "go-0").touch()
                 second = greedy.round(0)  # busy, wanting the whole budget: it asks the idle engine
                 most, least = held.seen()
                 other = second["scheduler_pid"]
-                # Asked, the idle engine gave its radix cache down to its floor, not below, and the
-                # busy one, pressing against the floor, never grew into it.
-                assert FLOOR <= least[pid] < kept, (least, kept, FLOOR)
-                assert CAPACITY - FLOOR - STEP <= most[other] <= CAPACITY - FLOOR, (most, CAPACITY - FLOOR)
+                # Asked, the idle engine gave its radix cache down to its floor (the step above
+                # it), not below, and the busy one, pressing against the floor, never grew into it.
+                assert FLOOR_HELD <= least[pid] < kept, (least, kept, FLOOR_HELD)
+                assert CAPACITY - FLOOR_HELD - STEP <= most[other] <= CAPACITY - FLOOR_HELD, (most, FLOOR_HELD)
+                floors = {m["pid"]: m["floor_bytes"] for m in budget.stats()["members"]}
+                assert floors[pid] == FLOOR_HELD, floors  # the floor as the budget keeps it: rounded up, to a step
             finally:
                 for engine in engines:
                     engine.stop()
     finally:
         held.stop()
         budget.remove()
+
