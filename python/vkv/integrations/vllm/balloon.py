@@ -8,8 +8,8 @@ Finding what the worker backed, without scanning: the worker's layer (vkv.BlockB
 ``prefer_costless`` off) always backs the lowest unbacked ids. So the blocks a job backs
 are among the lowest ``target - in_pool`` of the ids this side knows unbacked (those that
 job may release included: a released block may be backed again in the same job, and
-fewer backed ones only shift its choice down). Each step moves those ids from a heap of
-unbacked ids to a set of candidates and reads the candidates' state bytes; a candidate
+fewer backed ones only shift its choice down). Each step moves those ids from the unbacked
+ones (unbacked_ids.py) to a set of candidates and reads the candidates' state bytes; a candidate
 that every job which could have backed it has finished without backing goes back to the
 heap (the worker records the last finished job in the state file). The work per step is
 O(blocks backed, released or still awaited), whatever the pool's size.
@@ -29,13 +29,13 @@ driver.
 """
 
 import bisect
-import heapq
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
 from .held_blocks import count_held_blocks_as_free
+from .unbacked_ids import UnbackedIds
 
 
 class Balloon:
@@ -50,9 +50,9 @@ class Balloon:
         self._target = headroom_blocks  # blocks the worker was last told to keep backed
         self.shortfall = 0  # blocks the need lacked at the last plan(), all free blocks counted
         self.job = 0  # the last step's job number (the metadata's)
-        # What this side knows of the blocks out of the pool: unbacked ones (a heap of ids),
-        # candidates a job may have backed (id -> the last job that may back it, and sorted).
-        self._unbacked: List[int] = []
+        # What this side knows of the blocks out of the pool: unbacked ones, candidates a job
+        # may have backed (id -> the last job that may back it, in the order they became
+        # candidates, and sorted).
         self._candidates: Dict[int, int] = {}
         self._candidates_sorted: List[int] = []
         self.work = 0  # block ids handled so far (what a test counts: O(changes) a step)
@@ -63,9 +63,8 @@ class Balloon:
         # BACKED (the worker started first and backed some) stays; anything else is unbacked.
         stale = ids[states.states[ids] != BACKED]
         states.states[stale] = UNBACKED
-        self._unbacked = stale.tolist()
-        heapq.heapify(self._unbacked)
-        self._admit(ids[states.states[ids] == BACKED])
+        self._unbacked = UnbackedIds(stale)
+        self._admit(ids[states.states[ids] == BACKED].tolist())
         count_held_blocks_as_free(pool, lambda: self.held)  # reset_prefix_cache(), get_usage()
 
     @property
@@ -85,37 +84,43 @@ class Balloon:
         """The worker was told to back more than the pool has: its blocks may land."""
         return self.in_pool() < self._target
 
-    def _admit(self, ready) -> None:
+    def _admit(self, ready: List[int]) -> None:
         """Blocks the worker backed: into the pool. Without a hash, free_blocks() puts them at
         the head of the free list, the blocks vLLM hands out first (before a cached one)."""
-        if len(ready):
-            blocks = self.pool.blocks
-            self.states.states[ready] = IN_POOL
+        if ready:
+            states, blocks = self.states.view, self.pool.blocks
+            for block in ready:
+                states[block] = IN_POOL
             self.held -= len(ready)
             self.work += len(ready)
-            self.pool.free_blocks([blocks[b] for b in ready])
+            self.pool.free_blocks([blocks[block] for block in ready])
 
     def release_backed(self) -> int:
         """Free every block the worker has backed since last time into the pool: reads the
         candidates' states only. Returns how many."""
-        if not self._candidates:
+        candidates = self._candidates
+        if not candidates:
             return 0
-        ids = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
-        states = self.states.states[ids]
-        self.work += len(ids)
-        ready = ids[states == BACKED]
-        # Jobs up to the worker's last finished one are done: a candidate they left unbacked
-        # (the target fell, the budget said no) is unbacked until a later job chooses it.
+        # Jobs up to the worker's last finished one are done (read first: their states are
+        # then final): a candidate they left unbacked (the target fell, the budget said no)
+        # is unbacked until a later job chooses it.
         finished = self.states.finished_job()
-        stale = ids[(states == UNBACKED) & (np.fromiter(self._candidates.values(), dtype=np.int64,
-                                                         count=len(ids)) <= finished)]
-        for block in ready.tolist():
-            del self._candidates[block]
-        for block in stale.tolist():
-            del self._candidates[block]
-            heapq.heappush(self._unbacked, block)
-        if len(ready) or len(stale):
-            self._candidates_sorted = sorted(self._candidates)
+        states = self.states.view
+        ready, stale = [], []
+        for block, job in candidates.items():
+            state = states[block]
+            if state == BACKED:
+                ready.append(block)
+            elif state == UNBACKED and job <= finished:
+                stale.append(block)
+        self.work += len(candidates)
+        if ready or stale:
+            for block in ready:
+                del candidates[block]
+            for block in stale:
+                del candidates[block]
+                self._unbacked.push(block)
+            self._candidates_sorted = sorted(candidates)
         self._admit(ready)
         return len(ready)
 
@@ -125,12 +130,12 @@ class Balloon:
         want = target - self.in_pool()
         if want <= 0:
             return
-        candidates, unbacked, tags, job = self._candidates_sorted, self._unbacked, self._candidates, self.job
-        while unbacked and bisect.bisect_left(candidates, unbacked[0]) < want:
-            block = heapq.heappop(unbacked)
-            bisect.insort(candidates, block)
-            tags[block] = job
-        for block in candidates[:want]:
+        candidates, tags, job = self._candidates_sorted, self._candidates, self.job
+        lowest = self._unbacked.lowest(want, candidates)
+        # The candidates not among the lowest are above all of them.
+        self._candidates_sorted = lowest + candidates[bisect.bisect_right(candidates, lowest[-1]):] if lowest \
+            else candidates
+        for block in lowest:
             tags[block] = job
         self.work += want
 
@@ -182,10 +187,11 @@ class Balloon:
             # The free list's head: blocks without a hash, then the least recently used cached ones.
             reclaim = [block.block_id for block in self.pool.get_new_blocks(count)]
             self.held += count
-            self.states.states[reclaim] = RECLAIMING
+            states, unbacked = self.states.view, self._unbacked
             self.work += count
             for block in reclaim:  # the job may back it again: it is among the unbacked from now
-                heapq.heappush(self._unbacked, block)
+                states[block] = RECLAIMING
+                unbacked.push(block)
             available = max(0, available - count)
             if given:
                 self._last_excess = 0

@@ -118,7 +118,7 @@ class VkvScheduler:
         (a page several blocks share gives back fewer bytes than the blocks were counted for)."""
         pending = bool(self._given)
         if pending and self.balloon is not None:
-            states = self.balloon.states.states
+            states = self.balloon.states.view
             self._given = [block for block in self._given if states[block] != UNBACKED]
         settled = pending and not self._given
         self._given.extend(given)
