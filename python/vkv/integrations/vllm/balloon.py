@@ -124,10 +124,10 @@ class Balloon:
         self._admit(ready)
         return len(ready)
 
-    def _predict(self, target: int) -> None:
-        """The blocks the job about to be sent may back: the lowest ``target - in_pool`` of
-        the unbacked and candidate ids become candidates, tagged with this job."""
-        want = target - self.in_pool()
+    def _predict(self, want: int) -> None:
+        """The blocks the job about to be sent may back (``want``: its target beyond the
+        blocks in the pool): the lowest ``want`` of the unbacked and candidate ids become
+        candidates, tagged with this job."""
         if want <= 0:
             return
         candidates, tags, job = self._candidates_sorted, self._candidates, self.job
@@ -154,7 +154,9 @@ class Balloon:
             return min(limit, self.pool.get_num_free_blocks())
         block = self.pool.free_block_queue.fake_free_list_head.next_free_block
         count = 0
-        while count < limit and block.next_free_block is not None and block.block_hash is None:
+        # KVCacheBlock._block_hash: the slot behind vLLM's block_hash property (a property
+        # call per block cost more than the rest of the walk).
+        while count < limit and block.next_free_block is not None and block._block_hash is None:
             count += 1
             block = block.next_free_block
         self.work += count
@@ -185,22 +187,23 @@ class Balloon:
         reclaim: List[int] = []
         if count > 0:
             # The free list's head: blocks without a hash, then the least recently used cached ones.
-            reclaim = [block.block_id for block in self.pool.get_new_blocks(count)]
+            states, push = self.states.view, self._unbacked.push
+            for block in self.pool.get_new_blocks(count):
+                reclaim.append(block.block_id)
+                states[block.block_id] = RECLAIMING
+                push(block.block_id)  # the job may back it again: it is among the unbacked from now
             self.held += count
-            states, unbacked = self.states.view, self._unbacked
             self.work += count
-            for block in reclaim:  # the job may back it again: it is among the unbacked from now
-                states[block] = RECLAIMING
-                unbacked.push(block)
             available = max(0, available - count)
             if given:
                 self._last_excess = 0
                 available = self.pool.get_num_free_blocks()  # the cached ones count: nothing new for them
         # Keep the cached free blocks (not counted as available) and back the need beside them.
-        target = min(self.usable_blocks, self.in_pool() - available + need)
+        in_pool = self.in_pool()
+        target = min(self.usable_blocks, in_pool - available + need)
         if room is not None:  # what the budget cannot give now would only be refused
-            target = min(target, self.in_pool() + room)
+            target = min(target, in_pool + room)
         self._target = target
         self._free_after_plan = self.pool.get_num_free_blocks()
-        self._predict(target)
+        self._predict(target - in_pool)
         return reclaim, target, min(given, count)

@@ -2,12 +2,13 @@
 
 The worker backs the lowest unbacked ids, so what it never backed is, from the start, every
 id from some ``frontier`` up; the ids it backed and released since (and those a job left
-unbacked) are a few below it. So: a heap of the ids below the frontier, and the frontier.
-Taking the lowest ``n`` is then O(n + the ids below the frontier taken), whatever the pool's
-size; a heap of every unbacked id cost a sift through all of them per id.
+unbacked) are a few below it. So: a list of the ids below the frontier, sorted when taken
+from, and the frontier. Taking the lowest ``n`` is then a few C calls (sort, slices, bisect)
+over those few ids, whatever the pool's size; a heap of every unbacked id cost a sift
+through all of them per id, and a Python loop per id taken.
 """
 
-import heapq
+import bisect
 from typing import List
 
 import numpy as np
@@ -24,30 +25,25 @@ class UnbackedIds:
         # The frontier: where the last run of consecutive ids (up to the highest) starts.
         gaps = np.flatnonzero(np.diff(ids) != 1)
         start = int(gaps[-1]) + 1 if len(gaps) else 0
-        self._below: List[int] = ids[:start].tolist()  # sorted: a heap as it is
+        self._below: List[int] = ids[:start].tolist()
+        self.push = self._below.append  # sorted when taken from
         self.frontier = int(ids[start]) if len(ids) else 0
         self.end = int(ids[-1]) + 1 if len(ids) else 0
 
     def __len__(self) -> int:
         return len(self._below) + self.end - self.frontier
 
-    def push(self, block: int) -> None:
-        heapq.heappush(self._below, block)
-
     def lowest(self, count: int, taken: List[int]) -> List[int]:
         """The lowest ``count`` ids of this set and of ``taken`` (sorted, each below the
         frontier), ascending; those of this set leave it. ``taken``'s ids are not moved."""
-        below, i, n = self._below, 0, len(taken)
-        out: List[int] = []
-        pop = heapq.heappop
-        while len(out) < count and (below or i < n):
-            if below and (i >= n or below[0] < taken[i]):
-                out.append(pop(below))
-            else:
-                out.append(taken[i])
-                i += 1
+        below = self._below
+        below.sort()
+        # The lowest of both are among the first ``count`` of each; all lie below the frontier.
+        out = sorted(below[:count] + taken[:count])[:count]
         more = min(count - len(out), self.end - self.frontier)
         if more > 0:
             out.extend(range(self.frontier, self.frontier + more))
             self.frontier += more
+        if out and below:
+            del below[:bisect.bisect_right(below, out[-1])]
         return out
