@@ -56,6 +56,7 @@ class Balloon:
         self._candidates: Dict[int, int] = {}
         self._candidates_sorted: List[int] = []
         self.work = 0  # block ids handled so far (what a test counts: O(changes) a step)
+        self.usable_blocks = pool.num_gpu_blocks - 1  # blocks the pool could ever hold (all but the null block)
         free = pool.get_num_free_blocks()
         blocks = pool.get_new_blocks(free) if free else []
         self.held = len(blocks)  # blocks taken out of the pool (pool.blocks[id] is the block itself)
@@ -66,11 +67,6 @@ class Balloon:
         self._unbacked = UnbackedIds(stale)
         self._admit(ids[states.states[ids] == BACKED].tolist())
         count_held_blocks_as_free(pool, lambda: self.held)  # reset_prefix_cache(), get_usage()
-
-    @property
-    def usable_blocks(self) -> int:
-        """Blocks the pool could ever hold (all but the null block)."""
-        return self.pool.num_gpu_blocks - 1
 
     def in_pool(self) -> int:
         """Blocks in vLLM's circulation: in some block table, the prefix cache or the free list."""
@@ -194,16 +190,17 @@ class Balloon:
                 push(block.block_id)  # the job may back it again: it is among the unbacked from now
             self.held += count
             self.work += count
+            free -= count
             available = max(0, available - count)
             if given:
                 self._last_excess = 0
-                available = self.pool.get_num_free_blocks()  # the cached ones count: nothing new for them
+                available = free  # the cached ones count: nothing new for them
         # Keep the cached free blocks (not counted as available) and back the need beside them.
         in_pool = self.in_pool()
         target = min(self.usable_blocks, in_pool - available + need)
         if room is not None:  # what the budget cannot give now would only be refused
             target = min(target, in_pool + room)
         self._target = target
-        self._free_after_plan = self.pool.get_num_free_blocks()
+        self._free_after_plan = free
         self._predict(target - in_pool)
         return reclaim, target, min(given, count)

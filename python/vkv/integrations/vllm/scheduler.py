@@ -98,7 +98,7 @@ class VkvScheduler:
         give, room = budget.share() if budget is not None else (0, None)
         release, target, given = balloon.plan(need, give, room)
         self._expecting_steps = self._expecting_steps + 1 if balloon.expecting() else 0
-        settled = self._track_given(release[:given])
+        settled = self._track_given(release[:given]) if given or self._given else False
         if budget is not None:
             # What the need lacks (the budget counts its free capacity against it): a standing ask.
             ask = balloon.shortfall
