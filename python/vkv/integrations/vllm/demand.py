@@ -56,9 +56,6 @@ class Demand:
         self._requests: Dict[str, Request] = {}  # request id -> vLLM's Request, until it finishes
         self._waiting: "OrderedDict[str, Request]" = OrderedDict()  # not scheduled since added or preempted
 
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
     def added(self, request: Request) -> None:
         """From ``on_new_request``."""
         self._requests[request.request_id] = request
@@ -108,6 +105,7 @@ class Demand:
         gap = 0  # the most a considered request's whole prompt needs beyond its first chunks
         head = True
         stale = []
+        whole_prompt, max_model_len = self.full_prompt_must_fit, self.max_model_len
         for request_id, request in self._waiting.items():
             if request_id in scheduled or request.status not in _WAITING:
                 stale.append(request_id)  # scheduled meanwhile (a resumed request, say)
@@ -115,11 +113,12 @@ class Demand:
             if not head and (seats <= 0 or tokens_left <= 0):
                 break
             start = request.num_computed_tokens
-            total = min(request.num_tokens, self.max_model_len)
+            total = min(request.num_tokens, max_model_len)
             take = max(0, min(total - start, tokens_left))
-            blocks += self._blocks(start + take) - self._blocks(start)
-            if self.full_prompt_must_fit:
-                gap = max(gap, self._blocks(total) - self._blocks(start + take))
+            first_chunks_end = -(-(start + take) // size)  # in blocks, rounded up
+            blocks += first_chunks_end - -(-start // size)
+            if whole_prompt:
+                gap = max(gap, -(-total // size) - first_chunks_end)
             tokens_left -= take
             seats -= 1
             head = False
