@@ -74,8 +74,10 @@ class Demand:
             if request is not None:  # back at the head of vLLM's waiting queue
                 self._waiting[request_id] = request
                 self._waiting.move_to_end(request_id, last=False)
+        one_by_one = []  # the new requests, then the running ones that prefill
         for new in scheduler_output.scheduled_new_reqs:
             self._waiting.pop(new.req_id, None)
+            one_by_one.append(new.req_id)
         size = self.block_size
         decode_ahead = self.decode_ahead
         requests = self._requests
@@ -87,7 +89,7 @@ class Demand:
         cached = scheduler_output.scheduled_cached_reqs
         blocks, decoding, chunked = _C.vllm_decode_blocks(cached.req_ids, cached.num_computed_tokens, scheduled,
                                                          requests, size, self.tokens_per_step, decode_ahead)
-        one_by_one = [new.req_id for new in scheduler_output.scheduled_new_reqs] + chunked
+        one_by_one += chunked
         for request_id in one_by_one:
             request = requests.get(request_id)
             if request is None:
