@@ -27,6 +27,7 @@ void bind_stats(py::module_& m);           // stats.cpp: vkv._C.stats_fields()
 void bind_shared_budget(py::module_& m);   // budget.cpp: vkv._C.SharedBudget
 void bind_distributed(py::module_& m);     // distributed.cpp: vkv._C.HostAllReduce, agreed_step
 void bind_pool_allocator(py::module_& m);  // pool_allocator.cpp: vLLM's KV buffer in a reservation
+void bind_vllm_demand(py::module_& m);     // vllm_demand.cpp: the vLLM connector's count of decoding blocks
 void bind_block_backing(py::module_& m);   // block_backing.cpp: vkv._C.BlockBacking
 
 /// KvCache.stats() and last_step_profile() as dicts (stats.cpp).

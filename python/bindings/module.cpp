@@ -1,9 +1,10 @@
 // vkv._C: the Python face of vkv's C++ core (internal: the vkv package is the API). One
 // part per concept: config.cpp, cache.cpp, reservation.cpp, current_stream.cpp, stats.cpp,
-// budget.cpp, distributed.cpp, pool_allocator.cpp (vLLM's KV buffer) and
-// block_backing.cpp (an engine's block pool's memory). This file puts
-// them together and turns vkv's exceptions into Python's. vkv.vattention needs nothing of its
-// own here: it drives KvCache. It links no libtorch: one build serves every torch release.
+// budget.cpp, distributed.cpp, pool_allocator.cpp (vLLM's KV buffer), vllm_demand.cpp (the
+// vLLM connector's one loop over its running requests) and block_backing.cpp (an engine's
+// block pool's memory). This file puts them together and turns vkv's exceptions into Python's.
+// vkv.vattention needs nothing of its own here: it drives KvCache. It links no libtorch: one
+// build serves every torch release.
 #include <pybind11/pybind11.h>
 
 #include <vkv/backend.h>
@@ -55,5 +56,6 @@ PYBIND11_MODULE(_C, m) {
   vkv_bindings::bind_shared_budget(m);
   vkv_bindings::bind_distributed(m);
   vkv_bindings::bind_pool_allocator(m);
+  vkv_bindings::bind_vllm_demand(m);
   vkv_bindings::bind_block_backing(m);
 }

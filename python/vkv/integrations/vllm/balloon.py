@@ -8,8 +8,8 @@ Finding what the worker backed, without scanning: the worker's layer (vkv.BlockB
 ``prefer_costless`` off) always backs the lowest unbacked ids. So the blocks a job backs
 are among the lowest ``target - in_pool`` of the ids this side knows unbacked (those that
 job may release included: a released block may be backed again in the same job, and
-fewer backed ones only shift its choice down). Each step moves those ids from a heap of
-unbacked ids to a set of candidates and reads the candidates' state bytes; a candidate
+fewer backed ones only shift its choice down). Each step moves those ids from the unbacked
+ones (unbacked_ids.py) to a set of candidates and reads the candidates' state bytes; a candidate
 that every job which could have backed it has finished without backing goes back to the
 heap (the worker records the last finished job in the state file). The work per step is
 O(blocks backed, released or still awaited), whatever the pool's size.
@@ -29,13 +29,13 @@ driver.
 """
 
 import bisect
-import heapq
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
 from .held_blocks import count_held_blocks_as_free
+from .unbacked_ids import UnbackedIds
 
 
 class Balloon:
@@ -50,12 +50,13 @@ class Balloon:
         self._target = headroom_blocks  # blocks the worker was last told to keep backed
         self.shortfall = 0  # blocks the need lacked at the last plan(), all free blocks counted
         self.job = 0  # the last step's job number (the metadata's)
-        # What this side knows of the blocks out of the pool: unbacked ones (a heap of ids),
-        # candidates a job may have backed (id -> the last job that may back it, and sorted).
-        self._unbacked: List[int] = []
+        # What this side knows of the blocks out of the pool: unbacked ones, candidates a job
+        # may have backed (id -> the last job that may back it, in the order they became
+        # candidates, and sorted).
         self._candidates: Dict[int, int] = {}
         self._candidates_sorted: List[int] = []
         self.work = 0  # block ids handled so far (what a test counts: O(changes) a step)
+        self.usable_blocks = pool.num_gpu_blocks - 1  # blocks the pool could ever hold (all but the null block)
         free = pool.get_num_free_blocks()
         blocks = pool.get_new_blocks(free) if free else []
         self.held = len(blocks)  # blocks taken out of the pool (pool.blocks[id] is the block itself)
@@ -63,15 +64,9 @@ class Balloon:
         # BACKED (the worker started first and backed some) stays; anything else is unbacked.
         stale = ids[states.states[ids] != BACKED]
         states.states[stale] = UNBACKED
-        self._unbacked = stale.tolist()
-        heapq.heapify(self._unbacked)
-        self._admit(ids[states.states[ids] == BACKED])
+        self._unbacked = UnbackedIds(stale)
+        self._admit(ids[states.states[ids] == BACKED].tolist())
         count_held_blocks_as_free(pool, lambda: self.held)  # reset_prefix_cache(), get_usage()
-
-    @property
-    def usable_blocks(self) -> int:
-        """Blocks the pool could ever hold (all but the null block)."""
-        return self.pool.num_gpu_blocks - 1
 
     def in_pool(self) -> int:
         """Blocks in vLLM's circulation: in some block table, the prefix cache or the free list."""
@@ -85,52 +80,58 @@ class Balloon:
         """The worker was told to back more than the pool has: its blocks may land."""
         return self.in_pool() < self._target
 
-    def _admit(self, ready) -> None:
+    def _admit(self, ready: List[int]) -> None:
         """Blocks the worker backed: into the pool. Without a hash, free_blocks() puts them at
         the head of the free list, the blocks vLLM hands out first (before a cached one)."""
-        if len(ready):
-            blocks = self.pool.blocks
-            self.states.states[ready] = IN_POOL
+        if ready:
+            states, blocks = self.states.view, self.pool.blocks
+            for block in ready:
+                states[block] = IN_POOL
             self.held -= len(ready)
             self.work += len(ready)
-            self.pool.free_blocks([blocks[b] for b in ready])
+            self.pool.free_blocks([blocks[block] for block in ready])
 
     def release_backed(self) -> int:
         """Free every block the worker has backed since last time into the pool: reads the
         candidates' states only. Returns how many."""
-        if not self._candidates:
+        candidates = self._candidates
+        if not candidates:
             return 0
-        ids = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
-        states = self.states.states[ids]
-        self.work += len(ids)
-        ready = ids[states == BACKED]
-        # Jobs up to the worker's last finished one are done: a candidate they left unbacked
-        # (the target fell, the budget said no) is unbacked until a later job chooses it.
+        # Jobs up to the worker's last finished one are done (read first: their states are
+        # then final): a candidate they left unbacked (the target fell, the budget said no)
+        # is unbacked until a later job chooses it.
         finished = self.states.finished_job()
-        stale = ids[(states == UNBACKED) & (np.fromiter(self._candidates.values(), dtype=np.int64,
-                                                         count=len(ids)) <= finished)]
-        for block in ready.tolist():
-            del self._candidates[block]
-        for block in stale.tolist():
-            del self._candidates[block]
-            heapq.heappush(self._unbacked, block)
-        if len(ready) or len(stale):
-            self._candidates_sorted = sorted(self._candidates)
+        states = self.states.view
+        ready, stale = [], []
+        for block, job in candidates.items():
+            state = states[block]
+            if state == BACKED:
+                ready.append(block)
+            elif state == UNBACKED and job <= finished:
+                stale.append(block)
+        self.work += len(candidates)
+        if ready or stale:
+            for block in ready:
+                del candidates[block]
+            for block in stale:
+                del candidates[block]
+                self._unbacked.push(block)
+            self._candidates_sorted = sorted(candidates)
         self._admit(ready)
         return len(ready)
 
-    def _predict(self, target: int) -> None:
-        """The blocks the job about to be sent may back: the lowest ``target - in_pool`` of
-        the unbacked and candidate ids become candidates, tagged with this job."""
-        want = target - self.in_pool()
+    def _predict(self, want: int) -> None:
+        """The blocks the job about to be sent may back (``want``: its target beyond the
+        blocks in the pool): the lowest ``want`` of the unbacked and candidate ids become
+        candidates, tagged with this job."""
         if want <= 0:
             return
-        candidates, unbacked, tags, job = self._candidates_sorted, self._unbacked, self._candidates, self.job
-        while unbacked and bisect.bisect_left(candidates, unbacked[0]) < want:
-            block = heapq.heappop(unbacked)
-            bisect.insort(candidates, block)
-            tags[block] = job
-        for block in candidates[:want]:
+        candidates, tags, job = self._candidates_sorted, self._candidates, self.job
+        lowest = self._unbacked.lowest(want, candidates)
+        # The candidates not among the lowest are above all of them.
+        self._candidates_sorted = lowest + candidates[bisect.bisect_right(candidates, lowest[-1]):] if lowest \
+            else candidates
+        for block in lowest:
             tags[block] = job
         self.work += want
 
@@ -149,7 +150,9 @@ class Balloon:
             return min(limit, self.pool.get_num_free_blocks())
         block = self.pool.free_block_queue.fake_free_list_head.next_free_block
         count = 0
-        while count < limit and block.next_free_block is not None and block.block_hash is None:
+        # KVCacheBlock._block_hash: the slot behind vLLM's block_hash property (a property
+        # call per block cost more than the rest of the walk).
+        while count < limit and block.next_free_block is not None and block._block_hash is None:
             count += 1
             block = block.next_free_block
         self.work += count
@@ -180,21 +183,24 @@ class Balloon:
         reclaim: List[int] = []
         if count > 0:
             # The free list's head: blocks without a hash, then the least recently used cached ones.
-            reclaim = [block.block_id for block in self.pool.get_new_blocks(count)]
+            states, push = self.states.view, self._unbacked.push
+            for block in self.pool.get_new_blocks(count):
+                reclaim.append(block.block_id)
+                states[block.block_id] = RECLAIMING
+                push(block.block_id)  # the job may back it again: it is among the unbacked from now
             self.held += count
-            self.states.states[reclaim] = RECLAIMING
             self.work += count
-            for block in reclaim:  # the job may back it again: it is among the unbacked from now
-                heapq.heappush(self._unbacked, block)
+            free -= count
             available = max(0, available - count)
             if given:
                 self._last_excess = 0
-                available = self.pool.get_num_free_blocks()  # the cached ones count: nothing new for them
+                available = free  # the cached ones count: nothing new for them
         # Keep the cached free blocks (not counted as available) and back the need beside them.
-        target = min(self.usable_blocks, self.in_pool() - available + need)
+        in_pool = self.in_pool()
+        target = min(self.usable_blocks, in_pool - available + need)
         if room is not None:  # what the budget cannot give now would only be refused
-            target = min(target, self.in_pool() + room)
+            target = min(target, in_pool + room)
         self._target = target
-        self._free_after_plan = self.pool.get_num_free_blocks()
-        self._predict(target)
+        self._free_after_plan = free
+        self._predict(target - in_pool)
         return reclaim, target, min(given, count)

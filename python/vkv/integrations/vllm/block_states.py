@@ -112,11 +112,14 @@ class BlockStates:
             fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: the mapping's duplicate of fd would keep it
             os.close(fd)
         self.states = np.frombuffer(self._map, dtype=np.uint8, count=num_blocks, offset=HEADER_BYTES)
-        self._finished_job = np.frombuffer(self._map, dtype=np.uint64, count=1, offset=_FINISHED_JOB)
+        # The same bytes for one block at a time: a memoryview reads and writes a Python int
+        # without numpy's fixed cost (a step touches a few blocks).
+        self.view = memoryview(self._map)[HEADER_BYTES:HEADER_BYTES + num_blocks]
+        self._finished_job = memoryview(self._map)[_FINISHED_JOB:_FINISHED_JOB + 8].cast("Q")
 
     def finished_job(self) -> int:
         """The number of the last step job the worker finished (0: none yet)."""
-        return int(self._finished_job[0])
+        return self._finished_job[0]
 
     def set_finished_job(self, job: int) -> None:
         """The worker's: every job up to ``job`` has finished."""

@@ -117,7 +117,8 @@ class VkvConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def request_finished_all_groups(self, request, block_ids):
-        return self.request_finished(request, block_ids)
+        self.scheduler.request_finished(request)
+        return False, None
 
     def stats(self) -> dict:
         """Scheduler side: blocks in use, free in the pool, held out of it."""

@@ -98,7 +98,7 @@ class VkvScheduler:
         give, room = budget.share() if budget is not None else (0, None)
         release, target, given = balloon.plan(need, give, room)
         self._expecting_steps = self._expecting_steps + 1 if balloon.expecting() else 0
-        settled = self._track_given(release[:given])
+        settled = self._track_given(release[:given]) if given or self._given else False
         if budget is not None:
             # What the need lacks (the budget counts its free capacity against it): a standing ask.
             ask = balloon.shortfall
@@ -118,7 +118,7 @@ class VkvScheduler:
         (a page several blocks share gives back fewer bytes than the blocks were counted for)."""
         pending = bool(self._given)
         if pending and self.balloon is not None:
-            states = self.balloon.states.states
+            states = self.balloon.states.view
             self._given = [block for block in self._given if states[block] != UNBACKED]
         settled = pending and not self._given
         self._given.extend(given)

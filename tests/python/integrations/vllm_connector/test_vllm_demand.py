@@ -39,11 +39,11 @@ def test_decoding_requests_need_the_blocks_their_next_tokens_cross():
             request_id = f"r{i}"
             prompt = rng.randint(1, 2000)
             computed[request_id] = prompt + rng.randint(0, 500)
-            running[request_id] = rng.randint(1, tokens_per_step)
+            running[request_id] = rng.choice([1, rng.randint(1, tokens_per_step)])  # 1: the usual decode step
             # vLLM's Request: what a prefill would read; a decoding request's tokens are all computed.
             demand.added(SimpleNamespace(request_id=request_id, num_tokens=computed[request_id] + running[request_id],
                                          num_computed_tokens=computed[request_id], status=None))
-        gone = set(rng.sample(sorted(running), k=len(running) // 4))
+        gone = set(rng.sample(sorted(running), k=rng.choice([0, len(running) // 4])))
         for request_id in gone:
             demand.finished(request_id)
         ahead = steps_ahead * tokens_per_step
@@ -57,3 +57,15 @@ def test_a_prefilling_request_needs_its_next_chunks():
     demand.added(SimpleNamespace(request_id="p", num_tokens=1000, num_computed_tokens=0, status=None))
     # 256 tokens scheduled now; the next two steps' budget, 512 tokens, beyond them.
     assert demand.blocks(_output({"p": 256}, {"p": 0})) == _blocks(256 + 512, 16) - _blocks(256, 16)
+
+
+def test_new_requests_take_the_next_steps_budget_before_running_prefills():
+    demand = Demand(16, 1, max_num_seqs=8, max_num_batched_tokens=256, steps_ahead=2)
+    demand.added(SimpleNamespace(request_id="new", num_tokens=1000, num_computed_tokens=0, status=None))
+    demand.added(SimpleNamespace(request_id="chunked", num_tokens=1000, num_computed_tokens=8, status=None))
+    output = _output({"chunked": 8}, {"chunked": 8})
+    output.num_scheduled_tokens["new"] = 1
+    output.scheduled_new_reqs = [SimpleNamespace(req_id="new")]
+    # The next two steps' 512 tokens all go to the new request (past its first token); the
+    # running prefill then counts a decode step's tokens only.
+    assert demand.blocks(output) == (_blocks(1 + 512, 16) - _blocks(1, 16)) + (_blocks(16 + 2, 16) - _blocks(16, 16))
