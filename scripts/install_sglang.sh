@@ -7,14 +7,14 @@
 # pure-Python packages that SGLang's launcher, scheduler and detokenizer import, then the
 # test tools and what vkv builds with. Idempotent: does nothing when SGLang already imports.
 # Then install vkv into it: a wheel with --no-deps (scripts/test_sglang.sh WHEEL does both).
-# VKV_SGLANG_PIP_CONFIG_FILE: pip's configuration for this environment alone (CI points the
+# VKV_TEST_SGLANG_PIP_CONFIG_FILE: pip's configuration for this environment alone (CI points the
 # others at PyPI; SGLang's torch 2.14.1 comes from the machine's own index).
-# Usage: scripts/install_sglang.sh      (VKV_SGLANG_VENV=DIR for another place,
-#                                        VKV_SGLANG_WHEEL=/path/to/sglang-0.5.23-*.whl to skip its download)
+# Usage: scripts/install_sglang.sh      (VKV_TEST_SGLANG_VENV=DIR for another place,
+#                                        VKV_TEST_SGLANG_WHEEL=/path/to/sglang-0.5.23-*.whl to skip its download)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${VKV_SGLANG_VENV:-$root/.venv-sglang}"
-[ -z "${VKV_SGLANG_PIP_CONFIG_FILE:-}" ] || export PIP_CONFIG_FILE="$VKV_SGLANG_PIP_CONFIG_FILE"
+venv="${VKV_TEST_SGLANG_VENV:-$root/.venv-sglang}"
+[ -z "${VKV_TEST_SGLANG_PIP_CONFIG_FILE:-}" ] || export PIP_CONFIG_FILE="$VKV_TEST_SGLANG_PIP_CONFIG_FILE"
 python="$venv/bin/python"
 probe='import sglang, sglang.srt.managers.scheduler, sglang.srt.entrypoints.engine, sglang.srt.plugins.hook_registry, pytest, hypothesis; assert sglang.__version__ == "0.5.23", sglang.__version__'
 
@@ -32,7 +32,7 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
 fi
 "$python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
 pip=("$python" -m pip install -q --no-deps)
-"${pip[@]}" "${VKV_SGLANG_WHEEL:-sglang==0.5.23}"
+"${pip[@]}" "${VKV_TEST_SGLANG_WHEEL:-sglang==0.5.23}"
 # Found by starting sglang.Engine on a CPU (SGLANG_USE_CPU_ENGINE=1, tests/python/sglang_testing.py),
 # versions where SGLang 0.5.23 pins one. No CUDA packages besides torch's own.
 "${pip[@]}" numpy orjson psutil pybase64 requests urllib3 idna certifi packaging pillow starlette anyio \

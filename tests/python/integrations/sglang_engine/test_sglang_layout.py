@@ -1,6 +1,9 @@
 """Where vkv puts SGLang's pool buffers (vkv.integrations.sglang.layout) and the plugin's
 settings: no SGLang needed."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from vkv.integrations.sglang.layout import mha_layout, mla_layout
@@ -53,3 +56,13 @@ def test_bad_settings_are_refused_in_one_line(name, value, words):
     with pytest.raises(ValueError) as error:
         Settings.from_environment({"VKV_SGLANG_BUDGET": "gpu0", name: value})
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_projects_own_scripts_set_no_variable_the_plugin_would_refuse():
+    # SGLang inherits its launcher's environment: a VKV_SGLANG_* name a script or CI exports
+    # for itself would stop every engine the tests start.
+    root = Path(__file__).resolve().parents[4]
+    texts = [path.read_text() for path in [root / ".ci" / "run", *(root / "scripts").rglob("*.sh")] if path.exists()]
+    names = {name for text in texts for name in re.findall(r"\bVKV_SGLANG_[A-Z_]+", text)}
+    known = {"VKV_SGLANG_" + key for key in ("BUDGET", "FLOOR", "CAP", "PRIORITY", "LABEL", "HEADROOM")}
+    assert names <= known, sorted(names - known)

@@ -5,7 +5,7 @@ the host backend. Memory moves from the idle engine to the busy one and back, an
 engine's memory returns. An idle engine gives back its free pages unasked, and keeps what it
 caches (SGLang's radix cache) until another member asks: then it evicts it and gives it too.
 Runs where both are installed: vLLM in this Python (scripts/install_vllm.sh), SGLang in
-VKV_SGLANG_PYTHON's (scripts/test_sglang.sh sets it)."""
+VKV_TEST_SGLANG_PYTHON's (scripts/test_sglang.sh sets it)."""
 
 import importlib.util
 import json
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-SGLANG_PYTHON = os.environ.get("VKV_SGLANG_PYTHON", "")
+SGLANG_PYTHON = os.environ.get("VKV_TEST_SGLANG_PYTHON", "")
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here (scripts/install_vllm.sh)", allow_module_level=True)
 if not SGLANG_PYTHON or subprocess.run([SGLANG_PYTHON, "-c", "import sglang, vkv"], capture_output=True).returncode:
-    pytest.skip("VKV_SGLANG_PYTHON names no Python with SGLang and vkv (scripts/test_sglang.sh)",
+    pytest.skip("VKV_TEST_SGLANG_PYTHON names no Python with SGLang and vkv (scripts/test_sglang.sh)",
                 allow_module_level=True)
 
 import sglang_testing as st  # noqa: E402
