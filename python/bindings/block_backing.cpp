@@ -99,6 +99,12 @@ std::size_t release(BlockBacking& backing, py::handle blocks, std::optional<std:
   return backing.release(ids.data(), ids.size(), resolved);
 }
 
+std::size_t releasable_within(const BlockBacking& backing, py::handle blocks, std::size_t max_bytes) {
+  const std::vector<std::int64_t> ids = read_integers(blocks, "blocks");
+  py::gil_scoped_release unlocked;  // it takes the layer's lock, which a job may hold
+  return backing.releasable_within(ids.data(), ids.size(), max_bytes);
+}
+
 py::array_t<std::int64_t> back_some(BlockBacking& backing, std::size_t count) {
   std::vector<std::int64_t> ids;
   {
@@ -167,6 +173,7 @@ void bind_block_backing(py::module_& m) {
       .def("back", &BlockBacking::back, arg("target"), unlocked)
       .def("back_some", &back_some, arg("count"))
       .def("release", &release, arg("blocks"), arg("stream") = py::none())
+      .def("releasable_within", &releasable_within, arg("blocks"), arg("max_bytes"))
       .def("is_backed", &BlockBacking::is_backed, arg("block"), unlocked)
       .def("mapped_pages", &BlockBacking::mapped_pages, arg("block"), unlocked)
       .def("pages_in", &BlockBacking::pages_in, arg("block"), unlocked)

@@ -202,6 +202,13 @@ class BlockBacking:
         queued on ``stream`` (None: torch's current) is done. Returns the bytes that go back."""
         return self._live().release(blocks, _stream(stream))
 
+    def releasable_within(self, blocks: Any, max_bytes: int) -> int:
+        """How many of ``blocks``, from the first, ``release()`` can take while the pages it gives
+        back come to at most ``max_bytes``: an engine answering a budget's ask with whole
+        blocks releases that many (a block can free a whole page in every buffer, more than
+        its own bytes, and the ask stops at the member's floor). Changes nothing."""
+        return self._live().releasable_within(blocks, expect_int("max_bytes", max_bytes))
+
     @property
     def backed_blocks(self) -> int:
         """Non-permanent blocks backed."""

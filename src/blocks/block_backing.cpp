@@ -272,6 +272,10 @@ std::vector<std::int64_t> BlockBacking::back_some(std::size_t count) { return im
 std::size_t BlockBacking::release(const std::int64_t* blocks, std::size_t count, Stream stream) {
   return impl_->release(blocks, count, stream);
 }
+std::size_t BlockBacking::releasable_within(const std::int64_t* blocks, std::size_t count,
+                                            std::size_t max_bytes) const {
+  return impl_->releasable_within(blocks, count, max_bytes);
+}
 std::size_t BlockBacking::backed_blocks() const { return impl_->backed_blocks(); }
 bool BlockBacking::is_backed(std::size_t block) const { return impl_->is_backed(block); }
 std::size_t BlockBacking::mapped_pages(std::size_t block) const { return impl_->mapped_pages(block); }

@@ -65,6 +65,7 @@ class BlockBacking::Impl final {
   std::size_t back(std::size_t target);
   std::vector<std::int64_t> back_some(std::size_t count);
   std::size_t release(const std::int64_t* blocks, std::size_t count, Stream stream);
+  std::size_t releasable_within(const std::int64_t* blocks, std::size_t count, std::size_t max_bytes) const;
   std::size_t backed_blocks() const;
   bool is_backed(std::size_t block) const;
   std::size_t mapped_pages(std::size_t block) const;

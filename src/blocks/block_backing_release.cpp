@@ -1,7 +1,8 @@
 // BlockBacking: releasing blocks -- UNBACKED at once, their pages counted down, and those no
 // backed block has bytes on any more pending until the device work that may read them is
-// done; giving pending pages back.
+// done; giving pending pages back; how many of a list release within a number of bytes.
 #include <algorithm>
+#include <unordered_map>
 
 #include "block_backing_impl.h"
 #include "util/fork_guard.h"
@@ -26,6 +27,27 @@ std::size_t BlockBacking::Impl::release(const std::int64_t* blocks, std::size_t 
     detail::log_debug(std::string("block backing: giving released pages back failed: ") + error.what());
   }
   return bytes;
+}
+
+std::size_t BlockBacking::Impl::releasable_within(const std::int64_t* blocks, std::size_t count,
+                                                  std::size_t max_bytes) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  table_.expect_releasable(blocks, count, "releasable_within", /*reclaiming=*/false);
+  // The backed blocks left on each page the prefix touches, counted down as release() would.
+  std::unordered_map<std::size_t, std::uint32_t> left;
+  std::vector<std::size_t> pages;
+  std::size_t freed = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    geometry_.pages_of(static_cast<std::size_t>(blocks[i]), pages);
+    std::size_t more = 0;
+    for (std::size_t page : pages) {
+      const auto entry = left.try_emplace(page, counts_.users(page)).first;
+      if (--entry->second == 0) ++more;
+    }
+    if ((freed + more) * geometry_.page_bytes() > max_bytes) return i;
+    freed += more;
+  }
+  return count;
 }
 
 std::size_t BlockBacking::Impl::release_locked(const std::int64_t* blocks, std::size_t count, Event event) {

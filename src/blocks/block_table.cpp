@@ -63,23 +63,24 @@ void BlockTable::expect_in_range(std::size_t block) const {
   VKV_EXPECTS(block < size(), "block ", block, " is out of range: num_blocks = ", size());
 }
 
-void BlockTable::expect_releasable(const std::int64_t* blocks, std::size_t count) {
-  VKV_EXPECTS(blocks != nullptr || count == 0, "release: blocks is null");
+void BlockTable::expect_releasable(const std::int64_t* blocks, std::size_t count, const char* call,
+                                   bool reclaiming) const {
+  VKV_EXPECTS(blocks != nullptr || count == 0, call, ": blocks is null");
   if (++listing_ == 0) {  // wrapped: forget the old listings
     std::fill(listed_.begin(), listed_.end(), 0);
     listing_ = 1;
   }
   for (std::size_t i = 0; i < count; ++i) {
     const std::int64_t id = blocks[i];
-    VKV_EXPECTS(id >= 0 && static_cast<std::size_t>(id) < size(), "release: block ", id, " (blocks[", i,
+    VKV_EXPECTS(id >= 0 && static_cast<std::size_t>(id) < size(), call, ": block ", id, " (blocks[", i,
                 "]) is out of range: num_blocks = ", size());
     const auto block = static_cast<std::size_t>(id);
-    VKV_EXPECTS(!permanent_[block], "release: block ", block, " is permanent (permanent_blocks): it is never released");
-    VKV_EXPECTS(listed_[block] != listing_, "release: block ", block, " is listed twice");
+    VKV_EXPECTS(!permanent_[block], call, ": block ", block, " is permanent (permanent_blocks): it is never released");
+    VKV_EXPECTS(listed_[block] != listing_, call, ": block ", block, " is listed twice");
     listed_[block] = listing_;
-    VKV_EXPECTS(backed_[block], "release: block ", block, " is not backed (released twice?)");
+    VKV_EXPECTS(backed_[block], call, ": block ", block, " is not backed (released twice?)");
     const std::uint8_t now = state(block);
-    VKV_EXPECTS(!shared_ || now == kReclaiming, "release: block ", block, " is ", state_name(now),
+    VKV_EXPECTS(!shared_ || !reclaiming || now == kReclaiming, call, ": block ", block, " is ", state_name(now),
                 ", not RECLAIMING: the engine gives back only blocks it took out of its pool");
   }
 }

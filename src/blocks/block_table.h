@@ -39,9 +39,10 @@ class BlockTable {
   std::size_t lowest_unbacked() const noexcept { return lowest_unbacked_; }
 
   /// Checks that `blocks` may be released: each in range, not permanent, listed once,
-  /// backed and, where the states are shared, RECLAIMING. @throws InvalidArgument naming
-  /// the first that is not (nothing changes).
-  void expect_releasable(const std::int64_t* blocks, std::size_t count);
+  /// backed and, where the states are shared and `reclaiming` asks, RECLAIMING.
+  /// @throws InvalidArgument naming `call` and the first that is not (nothing changes).
+  void expect_releasable(const std::int64_t* blocks, std::size_t count, const char* call = "release",
+                         bool reclaiming = true) const;
   /// @throws InvalidArgument for a block out of range.
   void expect_in_range(std::size_t block) const;
   /// Checks the counts and the states against the backed blocks. @throws Error.
@@ -60,8 +61,8 @@ class BlockTable {
   std::size_t backed_count_ = 0;
   std::size_t permanent_count_ = 0;
   std::size_t lowest_unbacked_ = 0;
-  std::vector<std::uint32_t> listed_;  // expect_releasable(): the call that last listed each block
-  std::uint32_t listing_ = 0;
+  mutable std::vector<std::uint32_t> listed_;  // expect_releasable(): the call that last listed each block
+  mutable std::uint32_t listing_ = 0;
 };
 
 }  // namespace vkv::detail

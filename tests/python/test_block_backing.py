@@ -93,6 +93,40 @@ def test_layer_outermost_ranges_and_a_short_budget():
         assert backing.stats()["shortages"] == 1
 
 
+def test_an_ask_answered_within_its_bytes_keeps_a_floor_between_two_steps():
+    # SGLang's pool: 4 buffers (2 layers' K and V), two of its pages on one vkv page of each:
+    # memory comes and goes in steps of 4 vkv pages. A floor of 2.5 steps is held as 3.
+    step = 4 * HOST_PAGE
+    ranges = [(i * 17 * HOST_PAGE, BLOCK, BLOCK) for i in range(4)]
+    name = f"test-blocks-floor-{uuid.uuid4().hex[:8]}"
+    budget = vkv.SharedBudget.create(name, 16 * step, device="cpu")
+    try:
+        floored = vkv.BlockBacking(33, ranges=ranges, device="cpu", page_size=HOST_PAGE, shared_budget=name,
+                                   shared_budget_floor=5 * step // 2, shared_budget_label="floored")
+        asker = vkv.BlockBacking(33, ranges=ranges, device="cpu", page_size=HOST_PAGE, shared_budget=name,
+                                 shared_budget_label="asker")
+        assert floored.back(10) == 10  # blocks 0-10 in 6 steps: block 10 alone in its step
+        spare = 10 * step // 2
+        budget.speak_for("floored", spare=spare)
+        budget.speak_for("asker", ask=16 * step)
+        share = budget.speak_for("floored", spare=spare)
+        assert share["give_bytes"] == 7 * step // 2  # its part, down to its floor: 7 blocks' bytes
+        highest = np.arange(10, 0, -1, dtype=np.int64)
+        # The 7 highest blocks would free 4 steps (block 4 takes its step along): 2 left, below the floor.
+        count = floored.releasable_within(highest, share["give_bytes"])
+        assert count == 6
+        assert floored.releasable_within(highest, 8 * step) == 10 and floored.stats()["bytes_held"] == 6 * step
+        assert floored.release(highest[:count]) == 3 * step
+        held = {m["label"]: m["bytes_held"] for m in budget.stats()["members"]}
+        assert held["floored"] == 3 * step >= 5 * step // 2
+        with pytest.raises(ValueError, match="releasable_within: block 10 is not backed"):
+            floored.releasable_within([10], step)
+        floored.close()
+        asker.close()
+    finally:
+        budget.remove()
+
+
 def test_stats_have_every_field_of_the_list():
     with small_backing() as backing:
         backing.back(4)

@@ -1,7 +1,7 @@
 // BlockBacking's calls on the host backend: backing and releasing, page counts (a page two
-// blocks share goes back after both), states, permanent blocks, zeros on pages backed
-// anew, the scratch page, refusals that name the value, and shortages of the budget
-// (fewer blocks; a failed call changes nothing).
+// blocks share goes back after both; how many blocks release within a bound), states,
+// permanent blocks, zeros on pages backed anew, the scratch page, refusals that name the
+// value, and shortages of the budget (fewer blocks; a failed call changes nothing).
 #include <gtest/gtest.h>
 
 #include "block_testing.h"
@@ -51,6 +51,27 @@ TEST(BlockBacking, APageTwoBlocksShareGoesBackOnlyAfterBoth) {
   EXPECT_EQ(backing.release(&five, 1, 0), 0u);  // block 4 keeps page 2
   EXPECT_EQ(backing.stats().pages_held, 2u);
   EXPECT_EQ(backing.stats().pages_pending, 0u);  // the host backend's events are complete at once
+  backing.check_invariants();
+}
+
+TEST(BlockBacking, ReleasableWithinCountsThePagesAPrefixGivesBack) {
+  // Two blocks a page in each of two buffers: a page pair goes back with the second of its blocks.
+  BlockBacking backing(testing::block_config(16, {{0, kPage / 2, kPage / 2}, {8 * kPage, kPage / 2, kPage / 2}}),
+                       nullptr, std::nullopt, host());
+  ASSERT_EQ(backing.back(6), 6u);  // blocks 0-6: block 6 alone on its pages
+  const std::vector<std::int64_t> highest = {6, 5, 4, 3, 2};
+  EXPECT_EQ(backing.releasable_within(highest.data(), 5, 2 * kPage - 1), 0u);  // block 6 frees 2 pages
+  EXPECT_EQ(backing.releasable_within(highest.data(), 5, 3 * kPage), 2u);      // 6, 5: block 4 would free 2 more
+  EXPECT_EQ(backing.releasable_within(highest.data(), 5, 5 * kPage), 4u);      // block 3 frees nothing, 2 frees 2
+  EXPECT_EQ(backing.releasable_within(highest.data(), 5, 6 * kPage), 5u);
+  const std::vector<std::int64_t> halves = {5, 3};  // each leaves its partner backed: frees nothing
+  EXPECT_EQ(backing.releasable_within(halves.data(), 2, 0), 2u);
+  EXPECT_EQ(backing.stats().pages_held, 8u);                    // a question: nothing released
+  EXPECT_EQ(backing.release(highest.data(), 4, 0), 4 * kPage);  // release() agrees
+  const std::vector<std::int64_t> refused = {1, 1};
+  const std::string message =
+      message_of<InvalidArgument>([&] { backing.releasable_within(refused.data(), refused.size(), kPage); });
+  EXPECT_TRUE(contains(message, "releasable_within: block 1 is listed twice")) << message;
   backing.check_invariants();
 }
 

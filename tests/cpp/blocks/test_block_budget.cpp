@@ -1,6 +1,7 @@
 // The layer as a member of a shared budget: its cap bounds what it backs, another member's
-// floor is kept from it, its released pages go back to the budget, and when it runs short
-// it asks the other members for the pages their requests do not claim.
+// floor is kept from it, its released pages go back to the budget, an ask answered within
+// its bytes keeps the member's floor held, and when it runs short it asks the other
+// members for the pages their requests do not claim.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -46,6 +47,12 @@ std::size_t held_pages(const SharedBudget& budget) {
   return held / kPage;
 }
 
+std::size_t held_bytes(const SharedBudget& budget, const std::string& label) {
+  for (const SharedBudgetMember& member : budget.stats().members)
+    if (member.label == label) return member.held_bytes;
+  return 0;
+}
+
 TEST(BlockBudget, ACapBoundsWhatIsBackedAndReleasedPagesGoBack) {
   const BudgetName name;
   const SharedBudget budget = SharedBudget::create(name.str(), 16 * kPage, Device::parse("cpu"));
@@ -70,6 +77,39 @@ TEST(BlockBudget, AnotherMembersFloorIsKeptFromTheLayer) {
   EXPECT_EQ(held_pages(budget), 12u);
   floored.check_invariants();
   other.check_invariants();
+}
+
+TEST(BlockBudget, AnAskAnsweredWithinItsBytesKeepsAFloorThatIsNoWholeNumberOfPages) {
+  // An engine answers for the floored member, whose blocks (two a page) go back a page at a
+  // time: its floor of 2.5 pages can only be held as 3.
+  const BudgetName name;
+  SharedBudget budget = SharedBudget::create(name.str(), 8 * kPage, Device::parse("cpu"));
+  BlockBackingConfig floored_config = member(name.str());
+  floored_config.shared_budget_floor = 5 * kPage / 2;
+  BlockBacking floored(floored_config, nullptr, std::nullopt, std::make_shared<HostBackend>(kPage));
+  BlockBackingConfig asker_config = member(name.str());
+  asker_config.shared_budget_label = "asker";
+  BlockBacking asker(asker_config, nullptr, std::nullopt, std::make_shared<HostBackend>(kPage));
+  ASSERT_EQ(floored.back(10), 10u);          // blocks 0-10 on pages 0-5: block 10 alone on page 5
+  const std::size_t spare = 10 * kPage / 2;  // every block but the permanent one is free
+  budget.speak_for("blocks", {spare, 0, 0, true});
+  budget.speak_for("asker", {0, 8 * kPage, 0, true});  // it wants the whole budget
+  const SharedBudgetShare share = budget.speak_for("blocks", {spare, 0, 0, true});
+  EXPECT_EQ(share.give_bytes, 7 * kPage / 2);  // down to its floor exactly: 7 blocks' bytes
+  // The 7 highest blocks would give back 4 pages (block 4 takes page 2 with it), below the
+  // floor; within the ask's bytes, 6 of them go.
+  const std::vector<std::int64_t> highest = {10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+  const std::size_t count = floored.releasable_within(highest.data(), highest.size(), share.give_bytes);
+  EXPECT_EQ(count, 6u);
+  EXPECT_EQ(floored.release(highest.data(), count, 0), 3 * kPage);
+  EXPECT_EQ(held_bytes(budget, "blocks"), 3 * kPage);  // above the floor: the closest whole page
+  // Asked again for the half page it holds above its floor: any block it gives frees a page.
+  const SharedBudgetShare again = budget.speak_for("blocks", {4 * kPage / 2, 0, 0, true});
+  EXPECT_EQ(again.give_bytes, kPage / 2);
+  const std::vector<std::int64_t> left = {4, 3, 2, 1};
+  EXPECT_EQ(floored.releasable_within(left.data(), left.size(), again.give_bytes), 0u);
+  floored.check_invariants();
+  asker.check_invariants();
 }
 
 TEST(BlockBudget, AShortLayerAsksTheOthersForTheirUnclaimedPages) {

@@ -2,7 +2,8 @@
 // states the test moves as an engine would, against a reference model: after every call
 // check_invariants(), the backed blocks are the model's (the plain choice, cut to the
 // longest prefix the budget holds), every backed block keeps the bytes written into it,
-// and a block whose pages were all backed anew reads zeros.
+// a block whose pages were all backed anew reads zeros, and releasable_within() counts
+// the longest prefix of a release whose freed pages fit its bound.
 //
 // CI runs fixed seeds for a bounded number of operations. For a longer run:
 //   VKV_MODEL_OPS=100000 VKV_MODEL_SEED=$RANDOM ./build/tests/cpp/vkv_tests --gtest_filter='BlockModel*'
@@ -75,6 +76,17 @@ class BlockModel : public ::testing::TestWithParam<std::tuple<std::size_t, bool>
     chosen.resize(keep);
     return chosen;
   }
+  // The model's releasable_within(): the longest prefix of `blocks` whose release frees
+  // pages of at most `max_bytes` (what it frees only grows with the prefix).
+  std::size_t expected_within(const std::vector<std::int64_t>& blocks, std::size_t max_bytes) const {
+    std::vector<bool> backed = backed_;
+    const std::size_t before = held_pages(backed);
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      backed[static_cast<std::size_t>(blocks[i])] = false;
+      if ((before - held_pages(backed)) * kHostTestPageBytes > max_bytes) return i;
+    }
+    return blocks.size();
+  }
   std::vector<std::int64_t> pick_release(std::mt19937& random) {
     std::vector<std::int64_t> held;
     for (std::size_t b = 1; b < backed_.size(); ++b)
@@ -146,8 +158,16 @@ TEST_P(BlockModel, RandomCallsKeepTheLayerEqualToTheModel) {
         ASSERT_EQ(std::vector<std::size_t>(ids.begin(), ids.end()), expected);
         break;
       }
-      case 2: {  // release()
-        const std::vector<std::int64_t> blocks = pick_release(random);
+      case 2: {  // release(); half the time of the prefix releasable_within() allows for a random bound
+        std::vector<std::int64_t> blocks = pick_release(random);
+        if (random() % 2) {
+          const std::size_t max_bytes = random() % (4 * kHostTestPageBytes);
+          const std::size_t count = backing_->releasable_within(blocks.data(), blocks.size(), max_bytes);
+          ASSERT_EQ(count, expected_within(blocks, max_bytes));
+          for (std::size_t i = count; i < blocks.size(); ++i)
+            if (shared_) states_[static_cast<std::size_t>(blocks[i])] = kInPool;  // the engine keeps them
+          blocks.resize(count);
+        }
         backing_->release(blocks.data(), blocks.size(), 0);
         model_release(blocks);
         break;

@@ -21,6 +21,8 @@ prefix hit never lands on given-back memory; the backing unmaps a released page 
 an event recorded on the forward stream behind every forward queued so far (SGLang's
 overlap loop frees pages while the previous batch may still read them). Released pages are
 the highest free ones, whose vkv pages SGLang's lowest-first allocation leaves empty first.
+A give-back is bounded in bytes (``pages_within``): no more memory than asked, and never
+below the engine's floor.
 
 Not thread-safe: SGLang calls its allocator from the scheduler thread only.
 """
@@ -102,6 +104,18 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if missing > 0:
             self.grow(missing)
         return self.available_size() >= tokens
+
+    def pages_within(self, pages: int, keep_pages: int, max_bytes: int) -> int:
+        """Of the ``pages`` free pages ``give_back(pages, keep_pages)`` would release (the
+        highest ids), how many it can release while the memory going back comes to at most
+        ``max_bytes``: a page can free a vkv page in every buffer (whose other pages are
+        free or unbacked), more than its own bytes."""
+        free = self.get_all_free_pages()
+        count = min(pages, len(free) - keep_pages)
+        if count <= 0:
+            return 0
+        highest = torch.sort(free, descending=True)[0][:count]
+        return int(self.backing.releasable_within(highest.cpu().numpy(), max_bytes))
 
     def give_back(self, pages: int, keep_pages: int = 0) -> int:
         """Releases up to ``pages`` free pages (the highest ids), keeping ``keep_pages`` free;

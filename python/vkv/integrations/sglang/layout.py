@@ -56,6 +56,13 @@ class PoolLayout:
         """Bytes one token slot occupies over every buffer."""
         return sum(row for _, row in self.regions)
 
+    def held_floor(self, floor: int, vkv_page_bytes: int) -> int:
+        """A floor as the engine can hold it: rounded up to whole steps of a vkv page in
+        every region, the memory its pages come and go in (between two steps, the step
+        above)."""
+        step = vkv_page_bytes * len(self.regions)
+        return -(-floor // step) * step
+
 
 def _align(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment

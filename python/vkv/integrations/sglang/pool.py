@@ -64,6 +64,7 @@ class _VkvBuffers:
     vkv_layout: Optional[PoolLayout] = None
     vkv_settings: Optional[Settings] = None
     vkv_budget: str = ""  # the shared budget's name on this rank's device
+    vkv_floor: int = 0  # VKV_SGLANG_FLOOR as the budget keeps it (PoolLayout.held_floor)
     device: Any  # SGLang's pool sets it
 
     def _vkv_make_backing(self, layout: PoolLayout) -> torch.Tensor:
@@ -76,10 +77,12 @@ class _VkvBuffers:
         agreement = (f"vkv-sglang-{engine}", rank, ranks, AGREEMENT_TIMEOUT_S) if ranks > 1 else None
         device = _device(self.device)
         self.vkv_settings, self.vkv_layout, self.vkv_budget = settings, layout, settings.budget_on(device)
+        self.vkv_floor = layout.held_floor(settings.floor, self._vkv_page_bytes())
         self.vkv_backing = vkv.BlockBacking(
             layout.num_blocks, ranges=layout.ranges(), reserved_bytes=layout.reserved_bytes,
             device=device, shared_budget=self.vkv_budget,
-            shared_budget_floor=settings.floor, shared_budget_cap=settings.cap,
+            shared_budget_floor=self.vkv_floor,
+            shared_budget_cap=settings.cap,
             shared_budget_priority=settings.priority,
             shared_budget_label=settings.member_label(tp_rank, tp_size),
             page_size=self._vkv_page_bytes(), permanent_blocks=(0,), agreement=agreement)

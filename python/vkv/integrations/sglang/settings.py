@@ -10,7 +10,10 @@ VKV_SGLANG_BUDGET   the vkv.SharedBudget the engine draws its KV memory from
                     rank's GPU index (``gpu{device}``: with tensor parallelism, each GPU's
                     budget); unset or empty: vkv stays off and SGLang runs as if vkv were not
                     installed.
-VKV_SGLANG_FLOOR    bytes no other member of the budget takes from this engine (e.g. 8GiB); 0
+VKV_SGLANG_FLOOR    bytes no other member of the budget takes from this engine (e.g. 8GiB),
+                    rounded up to whole steps of a vkv page in every buffer of its pool (the
+                    memory its pages come and go in: 2 MiB x 2 x layers for an MHA pool on a
+                    GPU); 0
 VKV_SGLANG_CAP      the most this engine holds (e.g. 30GiB); 0 = none
 VKV_SGLANG_PRIORITY who gives back first when the budget is short: lower priorities; 0
 VKV_SGLANG_LABEL    the engine's name in ``python -m vkv.budget top`` (a rank's gets "-tpN");

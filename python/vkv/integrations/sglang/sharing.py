@@ -7,8 +7,11 @@ back, at a step: once a scheduler iteration (and at every idle pass) it tells th
 pages its last growth could not back: a standing ask) and what it gave; the budget answers
 with its part of the others' asks (lowest priorities first, never below a floor). While the
 engine is idle it also gives back every free page beyond its headroom unasked, and forgets
-its ask. Tensor-parallel ranks each speak for their own GPU's member, then take the largest
-of their answers (vkv's host all-reduce), so that every rank releases the same pages.
+its ask. Either way it gives no more memory than asked and never goes below its floor (the
+floor rounded up to its step, pool.py): a release is bounded in bytes, not pages, since a
+page can free a vkv page in every buffer along with it. Tensor-parallel ranks each speak
+for their own GPU's member, then take the largest of their answers and the fewest pages
+their bounds allow (vkv's host all-reduce), so that every rank releases the same pages.
 """
 
 import time
@@ -38,6 +41,8 @@ class BudgetSpeaker:
         self.tree_cache = getattr(scheduler, "tree_cache", None)
         self.budget = vkv.SharedBudget.open(allocator.get_kvcache().vkv_budget)
         self.label = settings.member_label(tp_rank, tp_size)
+        self.floor = allocator.get_kvcache().vkv_floor
+        self.kept_at_floor: Optional[tuple] = None  # (backed, spare) pages when the floor last kept all spare
         self.share = {"give_bytes": 0}
         self.reported_at = 0.0
         self.settle_passes = 0
@@ -59,7 +64,8 @@ class BudgetSpeaker:
 
     def step(self, idle: bool) -> int:
         """Reports to the budget and gives back what it asks; ``idle``: the engine has no
-        request, so every free page beyond the headroom goes too. Returns pages released."""
+        request, so every free page beyond the headroom goes too (down to the floor).
+        Returns pages released."""
         allocator = self.allocator
         allocator.iteration += 1
         page_bytes = allocator.token_page_bytes
@@ -76,18 +82,32 @@ class BudgetSpeaker:
                                                given=allocator.given_pages * page_bytes, settled=True)
             allocator.given_pages = 0
             self.reported_at = now
-        asked = -(-int(self.share["give_bytes"]) // page_bytes)
+        asked_bytes = int(self.share["give_bytes"])
+        asked = -(-asked_bytes // page_bytes)
         self.share = {"give_bytes": 0}  # acted on once; the next report asks again
         give = max(asked, allocator.spare_pages() if idle else 0)
         if self.reduce is not None:  # every rank releases the same pages
             give, asked = (int(x) for x in self.reduce.reduce_max([give, asked], REDUCE_TIMEOUT_S))
         if give <= 0:
             return 0
+        pages = (allocator.backed_pages(), allocator.spare_pages())
+        if not asked and pages == self.kept_at_floor:
+            return 0  # the free pages the floor kept at the last idle pass: nothing changed
         keep = 0 if asked else allocator.headroom_pages
         missing = give + keep - (allocator.available_size() // allocator.page_size)
         if asked and missing > 0 and self.tree_cache is not None and self._evictable_tokens():
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             self.tree_cache.evict(EvictParams(num_tokens=missing * allocator.page_size))
+        if asked or self.floor:
+            # Never below the floor, asked or not, nor more than asked: bounded in bytes, since
+            # a page can free a vkv page in every buffer (with the other pages there).
+            bound = max(0, allocator.backing.stats()["bytes_held"] - self.floor)
+            if asked_bytes:
+                bound = min(bound, asked_bytes)
+            give = allocator.pages_within(give, keep, bound)
+            if self.reduce is not None:  # the fewest of every rank's
+                give = -int(self.reduce.reduce_max([-give], REDUCE_TIMEOUT_S)[0])
+            self.kept_at_floor = pages if give == 0 and not asked else None
         released = allocator.give_back(give, keep_pages=keep)
         if released:
             self.settle_passes = SETTLE_PASSES

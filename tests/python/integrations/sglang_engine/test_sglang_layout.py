@@ -33,6 +33,15 @@ def test_mha_with_its_own_v_head_size():
     assert [length for _, length, _ in layout.ranges()] == [16 * 768, 16 * 512]
 
 
+def test_a_floor_is_held_in_whole_steps_of_a_page_in_every_buffer():
+    layout = mha_layout(size=512, page_size=16, layers=2, heads=2, head_dim=16, v_head_dim=16, itemsize=4,
+                        vkv_page_bytes=4096)
+    step = 4 * 4096  # 2 layers' K and V
+    assert [layout.held_floor(floor, 4096) for floor in (0, 1, step, 5 * step // 2)] == [0, step, step, 3 * step]
+    fused = mla_layout(size=160, page_size=32, layers=3, kv_cache_dim=576, itemsize=2, vkv_page_bytes=2 * MIB)
+    assert fused.held_floor(8 * MIB, 2 * MIB) == 12 * MIB  # one buffer a layer
+
+
 def test_mla_one_latent_buffer_a_layer():
     layout = mla_layout(size=160, page_size=32, layers=2, kv_cache_dim=576, itemsize=2, vkv_page_bytes=2 * MIB)
     assert [b.shape for b in layout.buffers] == [(192, 1, 576)] * 2
