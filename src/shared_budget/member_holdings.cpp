@@ -22,18 +22,20 @@ std::size_t MemberHoldings::acquire_up_to(std::size_t member, std::size_t bytes,
   BudgetLock lock(segment_);
   BudgetBooks books(segment_);
   BudgetMemberRecord& row = segment_.members[member];
-  auto take = [&] { return std::min<std::uint64_t>(bytes, cap_room(row, books.free_for(member)) / unit * unit); };
-  // A standing ask's reservation is the member's own: what was given back for it comes first.
-  std::uint64_t mine =
-      std::min<std::uint64_t>(std::min(books.reserved_for(member), standing_ask(row)), bytes) / unit * unit;
+  // A standing ask's reservation is the member's own: what was given back for it comes
+  // first, and free capacity within its cap after it; whole units of the two together.
+  std::uint64_t mine = 0;
+  auto fitting = [&] {
+    mine = std::min<std::uint64_t>(std::min(books.reserved_for(member), standing_ask(row)), bytes);
+    return std::min<std::uint64_t>(bytes, mine + cap_room(row, books.free_for(member), mine)) / unit * unit;
+  };
+  std::uint64_t total = fitting();
+  if (total < bytes && reap_locked(segment_) > 0) total = fitting();  // a dead member's bytes (and floor) are free
+  mine = std::min(mine, total);
   segment_.reserved -= mine;
-  row.held += mine;
-  bytes -= mine;
-  std::uint64_t taken = take();
-  if (taken < bytes && reap_locked(segment_) > 0) taken = take();  // a dead member's bytes (and floor) are free
-  row.held += taken;
-  segment_.used.fetch_add(taken, std::memory_order_relaxed);
-  return mine + taken;
+  row.held += total;
+  segment_.used.fetch_add(total - mine, std::memory_order_relaxed);
+  return total;
 }
 
 void MemberHoldings::release(std::size_t member, std::size_t bytes) noexcept {

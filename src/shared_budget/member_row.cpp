@@ -24,9 +24,9 @@ std::uint64_t floor_gap(const BudgetMemberRecord& row) noexcept {
   return floor > held ? floor - held : 0;
 }
 
-std::uint64_t cap_room(const BudgetMemberRecord& row, std::uint64_t bytes) noexcept {
+std::uint64_t cap_room(const BudgetMemberRecord& row, std::uint64_t bytes, std::uint64_t more_held) noexcept {
   const std::uint64_t cap = row.cap.load(std::memory_order_relaxed);
-  const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+  const std::uint64_t held = row.held.load(std::memory_order_relaxed) + more_held;
   if (cap == 0) return bytes;
   return std::min(bytes, cap > held ? cap - held : 0);
 }

@@ -28,8 +28,9 @@ bool owes_answer(const BudgetMemberRecord& row, std::uint32_t request) noexcept;
 
 /// What its floor keeps that it does not hold: floor - held, or 0.
 std::uint64_t floor_gap(const BudgetMemberRecord& row) noexcept;
-/// Of `bytes`, what its cap leaves room for (all of them without a cap).
-std::uint64_t cap_room(const BudgetMemberRecord& row, std::uint64_t bytes) noexcept;
+/// Of `bytes`, what its cap leaves room for (all of them without a cap), were it to hold
+/// `more_held` more.
+std::uint64_t cap_room(const BudgetMemberRecord& row, std::uint64_t bytes, std::uint64_t more_held = 0) noexcept;
 /// What it holds above its cap (a cap lowered at run time); 0 without a cap.
 std::uint64_t over_cap(const BudgetMemberRecord& row) noexcept;
 

@@ -163,6 +163,27 @@ TEST_F(SharedBudgetEngineSharesTest, AStandingAsksReservationIsTheAskersToTake) 
   EXPECT_EQ(budget.share_of("giver").give_bytes, 0u);
 }
 
+// An all-or-nothing acquire larger than the reservation takes the reservation and free
+// capacity together (a block layer backing the whole ask in one map).
+TEST_F(SharedBudgetEngineSharesTest, AnAcquireTakesTheReservationAndFreeCapacityTogether) {
+  SharedBudget budget = create(1000);
+  const std::size_t giver = member("giver", 900);
+  const std::size_t asker = member("asker", 80);
+  budget.speak_for("giver", report(800));
+  budget.speak_for("asker", report(0, 100));  // 20 free, 80 more wanted
+  SharedBudgetReport gave = report(720);
+  gave.given_bytes = pages(80);
+  budget.speak_for("giver", gave);
+  ledger().release(giver, pages(80));
+  EXPECT_EQ(budget.share_of("asker").room_bytes, pages(100));
+  EXPECT_FALSE(ledger().acquire(asker, pages(101)));  // nothing taken
+  EXPECT_EQ(budget.stats().reserved_bytes, pages(80));
+  EXPECT_TRUE(ledger().acquire(asker, pages(100)));
+  EXPECT_EQ(budget.stats().reserved_bytes, 0u);
+  EXPECT_EQ(budget.stats().used_bytes, pages(1000));
+  EXPECT_EQ(budget.share_of("asker").asking_bytes, 0u);
+}
+
 // A cap set below what an engine holds is given from its spare; a resize below what is
 // used is given lowest priority first.
 TEST_F(SharedBudgetEngineSharesTest, ACapAndAResizeAreGivenFromTheSpare) {
