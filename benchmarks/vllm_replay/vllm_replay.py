@@ -550,6 +550,9 @@ def _reset(backing, scheduler, num_blocks, pools_bytes) -> None:
         if scheduler is not None:
             scheduler.take_back(backed)
         backing.release(backed)
+    if backing.device.type == "cuda":
+        torch.cuda.synchronize(backing.device)
+    backing.back_some(0)  # every pending page goes back now (a job gives back give_back_per_job at most)
     for buffer, held in pools_bytes:
         buffer[:held].zero_()
 
@@ -760,6 +763,9 @@ class _Replayer:
                    "decode_batch_60_64": _figures(per_step, full),
                    "jobs": after["jobs"]["calls"] - before["jobs"]["calls"],
                    "backend": _backend_cost(before, after, model.block_bytes),
+                   # released in the last steps past give_back_per_job: given back after the
+                   # trace, between jobs (no step waits for them)
+                   "pages_pending_at_end": after["pages_pending"],
                    "gc_ms": {k: round(1e3 * (v - gc_start[k]), 3) for k, v in self.gc_clock.seconds.items()}}
         return summary, per_step
 

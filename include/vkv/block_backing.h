@@ -93,6 +93,12 @@ struct BlockBackingConfig {
   bool scratch_page = false;
   /// Jobs run on the layer's own thread; off: submit() runs them inline.
   bool background = true;
+  /// Most bytes of released pages one job gives back (rounded up to pages): a step in which
+  /// many requests end then waits for no more unmapping than this (~30 us a 2 MiB page on a
+  /// GPU). The rest stay pending -- still the layer's, taken back first by later backs --
+  /// and go at the next jobs, at once when a back() runs short or the budget asks, and on
+  /// the layer's thread once no job came for 100 ms (background on). 0: no limit.
+  std::size_t give_back_per_job = std::size_t{128} << 20;
   /// Backed at construction and never released (vLLM's null block 0); not counted in
   /// backed_blocks() nor in back()'s target.
   std::vector<std::size_t> permanent_blocks;
@@ -153,8 +159,9 @@ class BlockBacking {
   /// forward queued so far (when `release_count` > 0: released pages are unmapped only
   /// after it completes), and hands (release, target) to the thread -- or runs it inline
   /// with config.background off, or keeps it until start() when `start` is false. The job
-  /// is release(release) then back(target), each as the calls below. Returns at once with
-  /// the thread; the ids are copied.
+  /// is release(release) then back(target), each as the calls below, then gives back at
+  /// most config.give_back_per_job of the released pages. Returns at once with the thread;
+  /// the ids are copied.
   /// @throws the previous job's error; InvalidArgument (inline: the job's errors, as below);
   ///         DriverError recording the event.
   void submit(const std::int64_t* release, std::size_t release_count, std::size_t target, Stream stream,

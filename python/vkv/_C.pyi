@@ -301,7 +301,8 @@ class BlockBacking:
     def __init__(self, num_blocks: int, ranges: List[Tuple[int, int, int]], reserved_bytes: int, page_size: int,
                  device: str, memory_budget: int, shared_budget: str, shared_budget_floor: int,
                  shared_budget_cap: int, shared_budget_priority: int, shared_budget_label: str, scratch_page: bool,
-                 background: bool, permanent_blocks: List[int], prefer_costless: bool, states: Optional[Any],
+                 background: bool, permanent_blocks: List[int], prefer_costless: bool, give_back_per_job: int,
+                 states: Optional[Any],
                  agreement: Optional[Tuple[str, int, int, float]]) -> None: ...
     def submit(self, release: Any, target: int, stream: Optional[int] = None, start: bool = True) -> None: ...
     def start(self) -> None: ...

@@ -98,7 +98,7 @@ class BlockBacking:
                  shared_budget_cap: int = 0, shared_budget_priority: int = 0, shared_budget_label: str = "",
                  scratch_page: Optional[bool] = None, background: Optional[bool] = None, states: Any = None,
                  permanent_blocks: Iterable[int] = (0,), agreement: Optional[Sequence[Any]] = None,
-                 prefer_costless: bool = True) -> None:
+                 prefer_costless: bool = True, give_back_per_job: int = 128 << 20) -> None:
         """Reserves the buffer, backs the permanent blocks and starts the job thread.
 
         Args:
@@ -122,6 +122,10 @@ class BlockBacking:
             agreement: (name, rank, ranks, timeout_s): the engine's tensor/pipeline-parallel
                 workers back the same blocks at every job; a collective (every rank constructs).
             prefer_costless: back first the blocks whose pages are all backed already.
+            give_back_per_job: most bytes of released pages one job gives back (a step in
+                which many requests end waits for no more unmapping); the rest stay pending
+                and go at the next jobs, when a back runs short or the budget asks, or on the
+                layer's thread once no job came for 100 ms. 0: no limit.
         """
         num_blocks = expect_int("num_blocks", num_blocks, 1)
         self.device = resolve_device(device)
@@ -139,7 +143,9 @@ class BlockBacking:
             scratch_page=cuda if scratch_page is None else bool(scratch_page),
             background=cuda if background is None else bool(background),
             permanent_blocks=[expect_int("permanent_blocks", block) for block in permanent_blocks],
-            prefer_costless=bool(prefer_costless), states=state_array, agreement=_agreement(agreement))
+            prefer_costless=bool(prefer_costless),
+            give_back_per_job=expect_int("give_back_per_job", give_back_per_job), states=state_array,
+            agreement=_agreement(agreement))
         self._core: Optional[Any] = core
         self._states = state_array if state_array is not None else core.states
 

@@ -69,6 +69,9 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
       pool_(*backend_, budget_pages(config, geometry_, *backend_), 0, budget_.account()),
       store_(*backend_, pool_, geometry_.num_pages(), config.scratch_page),
       prefer_costless_(config.prefer_costless),
+      give_back_pages_per_job_(config.give_back_per_job == 0
+                                   ? detail::PageStore::kEveryPage
+                                   : (config.give_back_per_job + geometry_.page_bytes() - 1) / geometry_.page_bytes()),
       fork_generation_(detail::fork_generation()) {
   budget_.lend(lent_);
   const std::size_t reserved = geometry_.reserved_bytes();
@@ -105,7 +108,10 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
     throw;
   }
   budget_.start();
-  if (config.background) thread_ = std::make_unique<detail::JobThread>([this] { run_job(running_); });
+  if (config.background) {
+    thread_ = std::make_unique<detail::JobThread>([this] { run_job(running_); }, [this] { return give_back_idle(); },
+                                                  detail::kIdleGiveBackAfter);
+  }
 }
 
 BlockBacking::Impl::~Impl() {

@@ -21,6 +21,7 @@
 // mutex from start to end, its wait for the forwards' event included.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -46,6 +47,13 @@
 #include "worker_agreement.h"
 
 namespace vkv {
+namespace detail {
+// Between jobs: once none came for this long, the layer's thread gives back the pending
+// pages past give_back_per_job, this many at a time (a job handed meanwhile waits for one
+// such bite at most: ~0.25 ms on a GPU).
+inline constexpr std::chrono::milliseconds kIdleGiveBackAfter{100};
+inline constexpr std::size_t kIdleGiveBackPages = 8;
+}  // namespace detail
 
 class BlockBacking::Impl final {
  public:
@@ -120,7 +128,10 @@ class BlockBacking::Impl final {
   std::size_t release_locked(const std::int64_t* blocks, std::size_t count, Event event);
   // Gives back the pending pages whose events completed (`wait`: all); returns how many.
   // @throws DriverError (the pages not given back stay pending).
-  std::size_t settle(bool wait);
+  std::size_t settle(bool wait, std::size_t most = detail::PageStore::kEveryPage);
+  // The thread's work between jobs once none came for a while: gives back a few pending
+  // pages whose readers are done. Never throws (a page it cannot give back stays pending).
+  detail::JobThread::Idle give_back_idle() noexcept;
 
   // ---- jobs (block_backing_jobs.cpp) ------------------------------------------------
   // Runs a job (on the thread, or inline); keeps its error, naming it, for the next call.
@@ -145,6 +156,7 @@ class BlockBacking::Impl final {
   Address base_ = 0;
   std::unique_ptr<detail::WorkerAgreement> agreement_;
   bool prefer_costless_;
+  std::size_t give_back_pages_per_job_;  // config.give_back_per_job in pages; kEveryPage: no limit
   std::string broken_;  // why the workers' backing may differ: every later call refuses
   std::uint64_t fork_generation_;
   // Reused by every call: a job's backing allocates nothing once warm.

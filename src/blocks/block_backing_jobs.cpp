@@ -133,9 +133,10 @@ void BlockBacking::Impl::run_job_locked(std::unique_lock<std::mutex>& lock, Job&
     job.event = 0;  // the pending pages own it now
   }
   back_locked(lock, want_for(job.target), chosen_, !job.release.empty(), release_failed);
-  // The released pages go back once the forwards queued before submit() are done.
+  // The released pages go back once the forwards queued before submit() are done; past
+  // give_back_per_job, at the next jobs or between them.
   const auto waiting = detail::Clock::now();
-  settle(/*wait=*/true);
+  settle(/*wait=*/true, give_back_pages_per_job_);
   last_job_event_wait_ns_ = detail::nanoseconds_since(waiting);
 }
 

@@ -66,10 +66,24 @@ std::size_t BlockBacking::Impl::release_locked(const std::int64_t* blocks, std::
   return freed_.size() * geometry_.page_bytes();
 }
 
-std::size_t BlockBacking::Impl::settle(bool wait) {
-  const std::size_t given = store_.settle(wait, releases_);
+std::size_t BlockBacking::Impl::settle(bool wait, std::size_t most) {
+  const std::size_t given = store_.settle(wait, releases_, most);
   if (given > 0) budget_.publish_in_use();
   return given;
+}
+
+detail::JobThread::Idle BlockBacking::Impl::give_back_idle() noexcept {
+  using Idle = detail::JobThread::Idle;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!broken_.empty() || store_.pending_pages() == 0) return Idle::done;
+  std::size_t given = 0;
+  try {
+    given = settle(/*wait=*/false, detail::kIdleGiveBackPages);
+  } catch (...) {
+    detail::log_debug("block backing: pending pages could not be given back between jobs; they stay pending");
+  }
+  if (store_.pending_pages() == 0) return Idle::done;
+  return given > 0 ? Idle::more_now : Idle::more_later;  // later: their readers are still running
 }
 
 }  // namespace vkv

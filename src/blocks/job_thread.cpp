@@ -7,7 +7,8 @@
 
 namespace vkv::detail {
 
-JobThread::JobThread(std::function<void()> run) : run_(std::move(run)), thread_([this] { loop(); }) {}
+JobThread::JobThread(std::function<void()> run, std::function<Idle()> idle, std::chrono::milliseconds idle_after)
+    : run_(std::move(run)), idle_(std::move(idle)), idle_after_(idle_after), thread_([this] { loop(); }) {}
 
 JobThread::~JobThread() { stop(); }
 
@@ -42,17 +43,28 @@ void JobThread::stop() noexcept {
 
 void JobThread::loop() {
   std::unique_lock<std::mutex> lock(mutex_);
+  Idle idle = Idle::done;  // what the owner's idle work has left
+  const auto woken = [this] { return busy_ || stopping_; };
   for (;;) {
-    changed_.wait(lock, [this] { return busy_ || stopping_; });
+    if (idle == Idle::done) {
+      changed_.wait(lock, woken);
+    } else if (idle == Idle::more_later) {
+      changed_.wait_for(lock, idle_after_, woken);
+    }
     if (busy_) {
       lock.unlock();
       run_();
       lock.lock();
       busy_ = false;
       changed_.notify_all();
+      idle = idle_ ? Idle::more_later : Idle::done;
       continue;
     }
-    return;  // stopping, and the job in flight is done
+    if (stopping_) return;  // the job in flight is done
+    if (idle == Idle::done) continue;
+    lock.unlock();
+    idle = idle_();
+    lock.lock();
   }
 }
 

@@ -2,12 +2,16 @@
 // engine's thread (no Python, no GIL: the engine's thread only hands the job over).
 //
 // Mechanism only: what a job is, its errors and its number are the owner's; `run` must
-// not throw (it keeps what it caught for the owner's next call).
+// not throw (it keeps what it caught for the owner's next call). Between jobs, once none
+// came for `idle_after`, the thread runs the owner's `idle` work in short bites until it
+// says it is done; a job handed meanwhile runs after the bite in flight, and wait() never
+// waits for idle work.
 //
 // Thread-safety: hand(), wait(), idle() and stop() may be called from any thread; one job
 // at a time (hand() while busy is a bug).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -17,8 +21,13 @@ namespace vkv::detail {
 
 class JobThread {
  public:
-  /// Starts the thread; `run` runs each job handed over.
-  explicit JobThread(std::function<void()> run);
+  /// What an idle bite left: nothing, more to do at once, or more once a while has passed.
+  enum class Idle { done, more_now, more_later };
+
+  /// Starts the thread; `run` runs each job handed over; `idle` (may be empty) after each
+  /// job, once no other came for `idle_after`.
+  JobThread(std::function<void()> run, std::function<Idle()> idle = {},
+            std::chrono::milliseconds idle_after = std::chrono::milliseconds(100));
   /// stop().
   ~JobThread();
   JobThread(const JobThread&) = delete;
@@ -36,6 +45,8 @@ class JobThread {
   void loop();
 
   std::function<void()> run_;
+  std::function<Idle()> idle_;
+  std::chrono::milliseconds idle_after_;
   mutable std::mutex mutex_;  // guards the two flags below
   std::condition_variable changed_;
   bool busy_ = false;

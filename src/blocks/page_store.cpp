@@ -155,7 +155,7 @@ void PageStore::unmap_run(std::size_t first, std::size_t count) {
   }
 }
 
-std::size_t PageStore::settle(bool wait, CallStats& given_back) {
+std::size_t PageStore::settle(bool wait, CallStats& given_back, std::size_t most) {
   if (pending_.empty()) {
     drop_unused_events();
     return 0;
@@ -174,6 +174,9 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back) {
   for (std::size_t page : pending_)
     if (events_[pending_event_[page]].ready) going.push_back(page);
   std::sort(going.begin(), going.end());
+  // The highest go first: backing takes the lowest unbacked blocks, whose pending pages
+  // it can take back without mapping.
+  if (going.size() > most) going.erase(going.begin(), going.end() - static_cast<std::ptrdiff_t>(most));
   std::size_t given = 0;
   std::vector<Page> released;
   auto forget_given = [&] {

@@ -32,6 +32,7 @@ namespace vkv::detail {
 class PageStore {
  public:
   enum class State : std::uint8_t { unmapped, held, pending };
+  static constexpr std::size_t kEveryPage = static_cast<std::size_t>(-1);
 
   /// Creates its stream. `backend` and `pool` must outlive it. @throws DriverError.
   PageStore(Backend& backend, PagePool& pool, std::size_t num_pages, bool scratch_page);
@@ -59,10 +60,10 @@ class PageStore {
   /// Takes ownership of `event` (destroyed once no page waits for it; at once when `pages`
   /// is empty).
   void add_pending(const std::vector<std::size_t>& pages, Event event) noexcept;
-  /// Gives back the pending pages whose events completed (`wait`: waits for them all);
-  /// returns how many went. Counts them and the time in `given_back`.
-  /// @throws DriverError (the pages not given back stay pending).
-  std::size_t settle(bool wait, CallStats& given_back);
+  /// Gives back the pending pages whose events completed (`wait`: waits for them all), at
+  /// most `most` of them (the highest); returns how many went. Counts them and the time in
+  /// `given_back`. @throws DriverError (the pages not given back stay pending).
+  std::size_t settle(bool wait, CallStats& given_back, std::size_t most = kEveryPage);
   /// Waits for the zero-fills enqueued on stream(). @throws DriverError.
   void finish_device_work();
   /// The layer is going away and the device is idle: unmaps every page (and the scratch

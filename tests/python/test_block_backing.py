@@ -74,6 +74,8 @@ def test_arguments_are_checked_in_the_callers_names():
         vkv.BlockBacking(8, 64, device="cpu", states=np.zeros(9, dtype=np.uint8))
     with pytest.raises(ValueError, match="agreement's rank = 2 must be <= 1"):
         vkv.BlockBacking(8, 64, device="cpu", agreement=("x", 2, 2, 1.0))
+    with pytest.raises(ValueError, match="give_back_per_job = -1 must be >= 0"):
+        vkv.BlockBacking(8, 64, device="cpu", give_back_per_job=-1)
     with small_backing() as backing:
         backing.back(2)
         with pytest.raises(ValueError, match="release: block 40 \\(blocks\\[1\\]\\) is out of range: num_blocks = 32"):
@@ -156,6 +158,23 @@ def test_jobs_run_and_their_errors_name_them():
             backing.start()
             backing.wait()
             assert backing.backed_blocks == 8
+
+
+def test_a_job_unmaps_at_most_give_back_per_job_and_keeps_the_rest_pending():
+    # Many requests ending in one step: that step's job gives back 2 pages; the next jobs
+    # the rest, and the lowest blocks, backed again, take their pending pages back.
+    with vkv.BlockBacking(32, HOST_PAGE, device="cpu", page_size=HOST_PAGE, background=False,
+                          give_back_per_job=2 * HOST_PAGE) as backing:
+        backing.submit([], 10)
+        backing.submit(list(range(1, 11)), 0)
+        assert backing.stats()["pages_pending"] == 8
+        backing.submit([], 3)
+        assert (backing.backed_blocks, backing.stats()["pages_pending"]) == (3, 3)
+        assert all(backing.is_backed(block) for block in (1, 2, 3))
+        backing.submit([], 3)
+        assert backing.stats()["pages_pending"] == 1
+        backing.submit([], 3)
+        assert backing.stats()["pages_pending"] == 0
 
 
 # The other process: opens the states file, says what it sees, gives blocks 2 and 3 back

@@ -6,9 +6,11 @@
 // error is rethrown by the next submit() or wait(), naming the job.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "block_testing.h"
 
@@ -119,6 +121,76 @@ TEST(BlockJobs, ReleasedPagesAreUnmappedOnlyAfterTheSubmitsEvent) {
   const std::vector<std::size_t> pending = events->pending_at_each_unmap();
   ASSERT_FALSE(pending.empty());
   for (std::size_t count : pending) EXPECT_EQ(count, 0u) << "an unmap while the forwards' event was pending";
+}
+
+// Many requests ending in one step: the job unmaps no more than give_back_per_job; the
+// pages past it stay pending (the layer's), for the next jobs or a back() that takes them.
+TEST(BlockJobs, AJobGivesBackAtMostItsShareAndTheNextJobsTheRest) {
+  auto backend = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
+  BlockBackingConfig config = one_run(16, testing::kHostTestPageBytes);
+  config.give_back_per_job = 3 * testing::kHostTestPageBytes - 1;  // rounded up: 3 pages
+  BlockBacking backing(config, nullptr, std::nullopt, backend);
+  backing.submit(nullptr, 0, 10, 0);
+  std::vector<std::int64_t> release;
+  for (std::int64_t b = 1; b <= 10; ++b) release.push_back(b);  // block 0 is permanent
+  backing.submit(release.data(), release.size(), 0, 0);
+  EXPECT_EQ(backing.backed_blocks(), 0u);
+  EXPECT_EQ(backing.stats().pages_pending, 7u);
+  EXPECT_EQ(backing.stats().releases.units, 3u);
+  backing.check_invariants();
+  backing.submit(nullptr, 0, 0, 0);
+  EXPECT_EQ(backing.stats().pages_pending, 4u);  // blocks 1-4's: the highest went first
+  // A back takes the lowest blocks, whose pages are pending: mapped already, no page mapped.
+  const std::uint64_t mapped = backing.stats().backend.map.units;
+  backing.submit(nullptr, 0, 2, 0);
+  EXPECT_EQ(backing.backed_blocks(), 2u);
+  EXPECT_EQ(backing.stats().backend.map.units, mapped);
+  EXPECT_EQ(backing.stats().pages_pending, 0u);  // and the job gave back the other two
+  EXPECT_EQ(backing.stats().pages_held, 3u);     // block 0's and the two backed
+  backing.check_invariants();
+}
+
+TEST(BlockJobs, NoLimitGivesEveryReleasedPageBackInTheJob) {
+  auto backend = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
+  BlockBackingConfig config = one_run(16, testing::kHostTestPageBytes);
+  config.give_back_per_job = 0;
+  BlockBacking backing(config, nullptr, std::nullopt, backend);
+  backing.submit(nullptr, 0, 12, 0);
+  std::vector<std::int64_t> release;
+  for (std::int64_t b = 1; b <= 12; ++b) release.push_back(b);
+  backing.submit(release.data(), release.size(), 0, 0);
+  EXPECT_EQ(backing.stats().pages_pending, 0u);
+  EXPECT_EQ(backing.stats().pages_held, 1u);  // the permanent block 0's
+}
+
+// An engine gone idle after a burst of releases: the layer's thread gives the pages past
+// the job's share back by itself, without another job.
+TEST(BlockJobs, TheThreadGivesTheRestBackOnceNoJobCame) {
+  auto events =
+      std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  BlockBackingConfig config = one_run(32, testing::kHostTestPageBytes, /*background=*/true);
+  config.give_back_per_job = 2 * testing::kHostTestPageBytes;
+  BlockBacking backing(config, nullptr, std::nullopt, events);
+  backing.submit(nullptr, 0, 20, 0);
+  backing.wait();
+  std::vector<std::int64_t> release;
+  for (std::int64_t b = 1; b <= 20; ++b) release.push_back(b);
+  backing.submit(release.data(), release.size(), 0, 0);
+  events->complete_all();  // the forwards that read them are done
+  backing.wait();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (backing.stats().pages_pending > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(backing.stats().pages_pending, 0u);
+  EXPECT_EQ(backing.stats().pages_held, 1u);
+  EXPECT_EQ(backing.stats().jobs.calls, 2u);
+  // A job handed while the thread gives back between jobs runs as ever.
+  backing.submit(nullptr, 0, 5, 0);
+  backing.wait();
+  EXPECT_EQ(backing.backed_blocks(), 5u);
+  for (std::size_t count : events->pending_at_each_unmap()) EXPECT_EQ(count, 0u) << "an unmap before its event";
+  backing.check_invariants();
 }
 
 class BlockJobOrdering : public ::testing::TestWithParam<BackendKind> {};
