@@ -98,7 +98,7 @@ struct BlockBackingConfig {
   /// GPU). The rest stay pending -- still the layer's, taken back first by later backs --
   /// and go at the next jobs, at once when a back() runs short or the budget asks, and on
   /// the layer's thread once no job came for 100 ms (background on). 0: no limit.
-  std::size_t give_back_per_job = std::size_t{128} << 20;
+  std::size_t give_back_per_job = std::size_t{32} << 20;
   /// Backed at construction and never released (vLLM's null block 0); not counted in
   /// backed_blocks() nor in back()'s target.
   std::vector<std::size_t> permanent_blocks;

@@ -98,7 +98,7 @@ class BlockBacking:
                  shared_budget_cap: int = 0, shared_budget_priority: int = 0, shared_budget_label: str = "",
                  scratch_page: Optional[bool] = None, background: Optional[bool] = None, states: Any = None,
                  permanent_blocks: Iterable[int] = (0,), agreement: Optional[Sequence[Any]] = None,
-                 prefer_costless: bool = True, give_back_per_job: int = 128 << 20) -> None:
+                 prefer_costless: bool = True, give_back_per_job: int = 32 << 20) -> None:
         """Reserves the buffer, backs the permanent blocks and starts the job thread.
 
         Args:
