@@ -49,8 +49,7 @@ std::shared_ptr<BlockBacking> make_backing(
     const std::string& shared_budget, std::size_t shared_budget_floor, std::size_t shared_budget_cap,
     std::size_t shared_budget_priority, const std::string& shared_budget_label, bool scratch_page, bool background,
     const std::vector<std::size_t>& permanent_blocks, bool prefer_costless, std::size_t give_back_per_job,
-    py::handle states,
-    const std::optional<std::tuple<std::string, std::size_t, std::size_t, double>>& agreement) {
+    py::handle states, const std::optional<std::tuple<std::string, std::size_t, std::size_t, double>>& agreement) {
   vkv::BlockBackingConfig config;
   config.num_blocks = num_blocks;
   for (const auto& [start, length, stride] : ranges) config.ranges.push_back({start, length, stride});

@@ -157,7 +157,7 @@ class BlockBacking::Impl final {
   std::unique_ptr<detail::WorkerAgreement> agreement_;
   bool prefer_costless_;
   std::size_t give_back_pages_per_job_;  // config.give_back_per_job in pages; kEveryPage: no limit
-  std::string broken_;  // why the workers' backing may differ: every later call refuses
+  std::string broken_;                   // why the workers' backing may differ: every later call refuses
   std::uint64_t fork_generation_;
   // Reused by every call: a job's backing allocates nothing once warm.
   detail::ChoiceScratch choice_scratch_;
