@@ -21,8 +21,8 @@ prefix hit never lands on given-back memory; the backing unmaps a released page 
 an event recorded on the forward stream behind every forward queued so far (SGLang's
 overlap loop frees pages while the previous batch may still read them). Released pages are
 the highest free ones, whose vkv pages SGLang's lowest-first allocation leaves empty first.
-A give-back is bounded in bytes (``pages_within``): no more memory than asked, and never
-below the engine's floor.
+A give-back never goes below the engine's floor: it is bounded in bytes (``pages_within``),
+since a page can free a vkv page in every buffer.
 
 Not thread-safe: SGLang calls its allocator from the scheduler thread only.
 """
@@ -42,6 +42,8 @@ from .pool import _VkvBuffers, refuse_page_size_one
 class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """``get_paged_allocator_cls()``'s answer when vkv is on."""
 
+    num_staged_pages: int  # SGLang's: freed pages not yet merged into free_pages
+
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any,
                  need_sort: bool) -> None:
         refuse_page_size_one(page_size)
@@ -58,6 +60,7 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             headroom = max(self.backing.page_bytes // max(layout.regions[0][1], 1), page_size)
         self.headroom_pages = max(1, -(-headroom // page_size))
         self.short_pages = 0  # what the last growth could not back: the standing ask
+        self.short_goal = 0  # free pages that growth wanted: the ask stands until they are free
         self.given_pages = 0  # given back since the last report to the budget
         self.iteration = 0  # the scheduler's iterations (sharing.BudgetSpeaker counts them)
         self._short_in = -1  # the iteration whose growth came up short: no second try in it
@@ -91,12 +94,20 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.short_pages = max(0, min(pages, wanted) - len(ids))  # the pool's end is no budget's shortfall
         if self.short_pages:
             self._short_in = self.iteration
+            self.short_goal = len(self.free_pages) + self.num_staged_pages + len(ids) + self.short_pages
         if len(ids):
             merged = torch.cat((self.get_all_free_pages(), torch.from_numpy(ids).to(self.device)))
             self.free_pages, _ = torch.sort(merged)
             self.staged_pages: list = []
             self.num_staged_pages = 0
         return len(ids)
+
+    def ask_still_stands(self) -> bool:
+        """Whether the standing ask is still wanted: the free pages its growth wanted are not
+        free yet (requests that finished may have freed them since; then it is withdrawn)."""
+        if self.short_pages and len(self.free_pages) + self.num_staged_pages >= self.short_goal:
+            self.short_pages = 0
+        return self.short_pages > 0
 
     def ensure_free(self, tokens: int) -> bool:
         """Whether ``tokens`` slots are free after backing what is missing."""

@@ -7,11 +7,11 @@ back, at a step: once a scheduler iteration (and at every idle pass) it tells th
 pages its last growth could not back: a standing ask) and what it gave; the budget answers
 with its part of the others' asks (lowest priorities first, never below a floor). While the
 engine is idle it also gives back every free page beyond its headroom unasked, and forgets
-its ask. Either way it gives no more memory than asked and never goes below its floor (the
-floor rounded up to its step, pool.py): a release is bounded in bytes, not pages, since a
-page can free a vkv page in every buffer along with it. Tensor-parallel ranks each speak
-for their own GPU's member, then take the largest of their answers and the fewest pages
-their bounds allow (vkv's host all-reduce), so that every rank releases the same pages.
+its ask. Either way it never goes below its floor (the floor rounded up to its step,
+pool.py): a release is bounded in bytes, not pages, since a page can free a vkv page in
+every buffer along with it. Tensor-parallel ranks each speak for their own GPU's member,
+then take the largest of their answers and the fewest pages their bounds allow (vkv's host
+all-reduce), so that every rank releases the same pages.
 """
 
 import time
@@ -76,6 +76,7 @@ class BudgetSpeaker:
                 if self.settle_passes % SETTLE_EVERY == 0:
                     allocator.backing.back_some(0)
         now = time.monotonic()
+        allocator.ask_still_stands()  # withdrawn once what it wanted is free
         if not idle or allocator.given_pages or now - self.reported_at >= IDLE_REPORT_S:
             spare = (allocator.spare_pages() + self._evictable_tokens() // allocator.page_size) * page_bytes
             self.share = self.budget.speak_for(self.label, spare=spare, ask=allocator.short_pages * page_bytes,
@@ -98,12 +99,11 @@ class BudgetSpeaker:
         if asked and missing > 0 and self.tree_cache is not None and self._evictable_tokens():
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
             self.tree_cache.evict(EvictParams(num_tokens=missing * allocator.page_size))
-        if asked or self.floor:
-            # Never below the floor, asked or not, nor more than asked: bounded in bytes, since
-            # a page can free a vkv page in every buffer (with the other pages there).
+        if self.floor:
+            # Never below the floor, asked or not: bounded in bytes, since a page can free a vkv
+            # page in every buffer (with the other pages there). Not by the asked bytes: an ask
+            # smaller than what one page frees must still be answered.
             bound = max(0, allocator.backing.stats()["bytes_held"] - self.floor)
-            if asked_bytes:
-                bound = min(bound, asked_bytes)
             give = allocator.pages_within(give, keep, bound)
             if self.reduce is not None:  # the fewest of every rank's
                 give = -int(self.reduce.reduce_max([-give], REDUCE_TIMEOUT_S)[0])

@@ -344,7 +344,8 @@ def test_vkv_mla_pool_reads_back_what_sglangs_does_under_a_short_budget(pools, m
 
 
 @pytest.mark.parametrize("model", MODELS[:1])
-def test_an_ask_through_the_budget_takes_free_pages_only(pools, model):
+@pytest.mark.parametrize("small", [False, True], ids=["two-pages", "one-byte"])
+def test_an_ask_through_the_budget_takes_free_pages_only(pools, model, small):
     run = Run(*pools(model, short_budget=True))
     rng, generator = random.Random(5), torch.Generator().manual_seed(5)
     try:
@@ -361,10 +362,11 @@ def test_an_ask_through_the_budget_takes_free_pages_only(pools, model):
         free_pages = len(run.allocator.get_all_free_pages())
         assert free_pages >= 4 and run.allocator.short_pages == 0
         # The other member takes all the budget has left, and asks for two allocator pages'
-        # memory (a give-back gives no more bytes than asked: a page's vkv pages in every layer).
+        # memory, or for one byte: less than any page frees (a vkv page in every layer), which
+        # must still be answered.
         taken = run.other.back(OTHER_BLOCKS - 1)
         assert 0 < taken < OTHER_BLOCKS - 1
-        ask = 2 * run.allocator.token_page_bytes
+        ask = 1 if small else 2 * run.allocator.token_page_bytes
         assert run.budget.speak_for("other", ask=ask)["open_bytes"] == ask
         run.check()
         # vkv's engine gives back free pages at its step, and the other member has their memory.
@@ -373,6 +375,38 @@ def test_an_ask_through_the_budget_takes_free_pages_only(pools, model):
         run.check()
         assert len(run.allocator.get_all_free_pages()) == free_pages - given
         assert run.other.back(OTHER_BLOCKS - 1) > 0
+        run.check()
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("model", MODELS[:1])
+def test_a_standing_ask_is_withdrawn_once_what_it_wanted_is_free(pools, model):
+    # A prefill the budget could not back leaves an ask; a request that finishes frees what it
+    # wanted, and the next step withdraws the ask instead of holding the others to it.
+    run = Run(*pools(model, short_budget=True))
+    rng, generator = random.Random(7), torch.Generator().manual_seed(7)
+    try:
+        first = [torch.empty(0, dtype=torch.int64)] * 2
+        new = run.allocate([first], _extend(run.allocator, [(first[0], 12 * PAGE)]),
+                           _extend(run.sglang_allocator, [(first[1], 12 * PAGE)]))
+        assert new
+        run.requests.append(first)
+        run.check(new)
+        run.write(new, rng, generator)
+        # Two pages more than the budget has free.
+        beyond = run.budget.stats()["free_bytes"] // run.allocator.token_page_bytes + 2
+        assert not run.allocator.ensure_free(run.allocator.available_size() + beyond * PAGE)
+        short = run.allocator.short_pages
+        assert 0 < short <= 12, short
+        run.speaker.step(idle=False)
+        assert run.budget.share_of(run.speaker.label)["asking_bytes"] > 0
+        finished = run.requests.pop()
+        run.allocator.free(finished[0])
+        run.sglang_allocator.free(finished[1])
+        run.speaker.step(idle=False)
+        assert run.allocator.short_pages == 0
+        assert run.budget.share_of(run.speaker.label)["asking_bytes"] == 0
         run.check()
     finally:
         run.close()
