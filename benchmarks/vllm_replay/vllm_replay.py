@@ -47,10 +47,15 @@ the queue's prompts ahead the same way: expect_tokens()); in-step leaves it to t
 steps' jobs, as recorded (the burst's mapping then weighs on its first steps); either way the
 worker backs its start headroom first (the trace's headroom_blocks, 8 in the traces so far).
 
+Job start (--job-start): after-launch (default) keeps the job submit() hands over at the bind
+until the forward is queued, as the connector's worker does in vLLM 0.33 (start_load_kv()
+after the forward's launch): the job's driver calls never compete with the launches; bind
+starts it at once, beside them.
+
 A step's time per pool, in order (each pool's step starts on an idle GPU; the pools alternate
 which goes first, step by step and run by run):
   bind    submit(): hands the job over (vkv; the previous job is done by then)
-  launch  queueing the step's work: eager launches, or the graph's replay()
+  launch  queueing the step's work: eager launches, or the graph's replay() (and start())
   drain   from the last launch until the GPU is done
   wait    from then until the step's job is done (vkv): what the next step's bind would wait
   gpu     CUDA events around the step's work (it overlaps launch and drain)
@@ -661,6 +666,9 @@ LAUNCHES = {"eager": "every step's kernels launched one by one",
 ADMISSIONS = {"ahead": "the first step's target backed before the clock (the queue mapped while the engine waits)",
               "in-step": "as recorded: the worker's start backs its headroom (8 blocks), the first steps' jobs "
                          "the queue's blocks"}
+JOB_STARTS = {"after-launch": "submit() at the bind keeps the job; start() once the forward is queued "
+                              "(the connector in vLLM 0.33: start_load_kv() after the forward's launch)",
+              "bind": "submit() at the bind starts the job at once, beside the forward's launches"}
 GOALS = {"median": 0.01, "p90": 0.02, "total": 0.03}  # decode 60-64 median and p90 a step, all steps' total
 
 
@@ -669,10 +677,11 @@ class _Replayer:
     run replays the whole trace from a fresh start (_reset), with one launch."""
 
     def __init__(self, steps, model, backing, scheduler, fixed, device, admission, sizes, step_barrier,
-                 keep_going, control, start_blocks):
+                 keep_going, control, start_blocks, job_start="after-launch"):
         self.steps, self.model, self.backing, self.scheduler = steps, model, backing, scheduler
         self.start_blocks = start_blocks
         self.device, self.cuda, self.admission = device, device.startswith("cuda"), admission
+        self.job_start = job_start
         self.sizes, self.step_barrier, self.keep_going, self.control = sizes, step_barrier, keep_going, control
         vkv_buffer = backing.tensor()
         self.pools = {"vkv": model.pool(vkv_buffer, model.num_blocks), "fixed": model.pool(fixed, model.num_blocks)}
@@ -780,12 +789,15 @@ class _Replayer:
         t0 = time.perf_counter()
         if name == "vkv":
             # The connector's worker at the bind, before the forward is queued, on its stream:
-            # one call (the previous job is done: this step started after it).
-            self.backing.submit(release, step["target"])
+            # one call (the previous job is done: this step started after it), kept until the
+            # forward is queued (after-launch, as vLLM's start_load_kv()) or started at once.
+            self.backing.submit(release, step["target"], start=self.job_start == "bind")
         t1 = time.perf_counter()
         if self.cuda:
             begin.record()
         out = self.graphs.launch(name, size) if size else self.model.forward(self.pools[name], inputs)
+        if name == "vkv" and self.job_start != "bind":
+            self.backing.start()  # on the host's path: counted in the launch
         t2 = time.perf_counter()
         if self.cuda:
             end.record()
@@ -807,7 +819,7 @@ class _Replayer:
 
 
 def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 1, admission: str = "ahead",
-           max_steps: int = 0, keep_going: bool = False, control: bool = False, gc_freeze: bool = True,
+           job_start: str = "after-launch", max_steps: int = 0, keep_going: bool = False, control: bool = False, gc_freeze: bool = True,
            page_bytes: int = 0, background=None, agreement=None, step_barrier=None, name: str = "llama") -> dict:
     """Replays the trace at ``path`` over vkv.BlockBacking and a fixed pool, ``rounds`` times
     each launch of ``launches``; returns the report (written to $OUT when set).
@@ -825,6 +837,8 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
             raise ValueError(f"vllm_replay: launch {launch!r} is not one of {sorted(LAUNCHES)}")
     if admission not in ADMISSIONS:
         raise ValueError(f"vllm_replay: admission {admission!r} is not one of {sorted(ADMISSIONS)}")
+    if job_start not in JOB_STARTS:
+        raise ValueError(f"vllm_replay: job_start {job_start!r} is not one of {sorted(JOB_STARTS)}")
     cuda = device.startswith("cuda")
     trace = load(path)
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
@@ -850,7 +864,7 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
         # The traces so far were recorded with the connector's worker backing 8 blocks at its start.
         start_blocks = trace.get("headroom_blocks", 8)
         replayer = _Replayer(steps, model, backing, scheduler, fixed, device, admission, sizes, step_barrier,
-                             keep_going, control, start_blocks)
+                             keep_going, control, start_blocks, job_start)
         model.warm(replayer.pools)  # JIT compilation and first calls, out of the timings
         graphs = replayer.graphs
         graph_error = None
@@ -888,7 +902,7 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
                   "max_batch": max((len(s["batch"]) for s in steps), default=0), **model.report,
                   "num_blocks": nb, "block_bytes": model.block_bytes, "page_bytes": backing.stats()["page_bytes"],
                   "memory": "vkv.BlockBacking", "background": cuda if background is None else background,
-                  "admission": admission,
+                  "admission": admission, "job_start": job_start,
                   "launches": list(launches), "rounds": rounds,
                   "cudagraph_mode": "FULL_AND_PIECEWISE (FULL graphs for uniform decode batches, the rest eager)",
                   "capture_sizes": sizes_list, "captured_sizes": graphs.captured,
@@ -1008,6 +1022,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each launch, rotated round by round")
     parser.add_argument("--admission", choices=sorted(ADMISSIONS), default="ahead",
                         help="; ".join(f"{k}: {v}" for k, v in ADMISSIONS.items()))
+    parser.add_argument("--job-start", choices=sorted(JOB_STARTS), default="after-launch",
+                        help="; ".join(f"{k}: {v}" for k, v in JOB_STARTS.items()))
     parser.add_argument("--background", choices=["auto", "on", "off"], default="auto",
                         help="the layer's job thread (auto: on CUDA; off: submit() runs the job inline)")
     parser.add_argument("--page-bytes", type=int, default=0,
@@ -1027,6 +1043,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 def replay_options(args: argparse.Namespace) -> dict:
     """replay()'s keyword arguments from add_replay_arguments()'s."""
     return dict(launches=tuple(args.launch.split(",")), rounds=args.rounds, admission=args.admission,
+                job_start=args.job_start,
                 background={"auto": None, "on": True, "off": False}[args.background], page_bytes=args.page_bytes,
                 max_steps=args.steps, gc_freeze=not args.no_gc_freeze, keep_going=args.keep_going,
                 control=args.control)

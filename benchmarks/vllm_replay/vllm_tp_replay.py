@@ -47,7 +47,7 @@ def _rank(rank: int, args: argparse.Namespace, agreement: str, results, barrier)
         model = lambda block, num_blocks: vllm_replay._Gqa(  # noqa: E731
             device, layers, heads, dim, q_heads, args.attention, args.dense, "auto", block, torch.bfloat16, num_blocks)
         report = vllm_replay.replay(args.trace, device, model, launches=tuple(args.launch.split(",")),
-                                    rounds=args.rounds, max_steps=args.steps,
+                                    rounds=args.rounds, job_start=args.job_start, max_steps=args.steps,
                                     agreement=(agreement, rank, args.tp, float(args.timeout)),
                                     step_barrier=None if args.no_barrier else barrier.wait,
                                     name=f"tp{args.tp}{args.tag and '_' + args.tag}_rank{rank}")
@@ -67,6 +67,8 @@ def main() -> int:
     parser.add_argument("--attention", choices=["torch", "flashinfer"], default="flashinfer")
     parser.add_argument("--launch", default="eager", help="eager, graph or both, comma-separated")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--job-start", choices=["after-launch", "bind"], default="after-launch",
+                        help="when each rank's job starts (vllm_replay.py's --job-start)")
     parser.add_argument("--dense", action="store_true")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=120, help="seconds a rank waits for the others to agree")

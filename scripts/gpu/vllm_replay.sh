@@ -13,8 +13,10 @@
 # Each replay runs every launch (eager; graph: decode steps from CUDA graphs as vLLM's default
 # FULL_AND_PIECEWISE runs them, the rest eager) VLLM_REPLAY_ROUNDS times (3), rotated, in one
 # process; every step's outputs must be bitwise equal between the pools. The worker's memory is
-# driven as the connector's: one submit(release, target) per step at the bind, the job on vkv's
-# C++ thread; the first step's target is backed before the clock (--admission ahead).
+# driven as the connector's: one submit(release, target) per step at the bind, the job kept
+# until the forward is queued and then run on vkv's C++ thread (--job-start after-launch, as
+# vLLM 0.33's start_load_kv(); VLLM_REPLAY_LLAMA_ARGS="--job-start bind" starts it at the bind);
+# the first step's target is backed before the clock (--admission ahead).
 # FlashInfer's kernels are built (or loaded from the archive's AOT modules) by two processes
 # started before vkv's build and running beside it (~13 s decode, ~90 s FA3 prefill, 1-2 min
 # MLA, where the archive has none compiled).

@@ -158,6 +158,21 @@ def test_the_admission_ahead_backs_the_first_target_before_the_clock(capsys, mon
     assert ahead["admission"] == "ahead" and in_step["admission"] == "in-step"
 
 
+def test_the_job_starts_after_the_launch_as_in_vllm_or_at_the_bind(capsys, monkeypatch):
+    # On the layer's thread, kept by submit() until the forward is queued (vLLM 0.33's
+    # start_load_kv() after the launch), or started at the bind: the same decisions either way.
+    runs = {}
+    for job_start in ("after-launch", "bind"):
+        report, _ = _replay(capsys, monkeypatch, trace=SHORT, max_steps=6, page_bytes=4096, background=True,
+                            job_start=job_start)
+        assert report["bitwise_equal"] and report["job_start"] == job_start
+        runs[job_start] = report["runs"][0]
+    assert runs["after-launch"]["jobs"] == runs["bind"]["jobs"] == 6
+    assert [{kind: r["backend"][kind]["pages"] for kind in ("map", "unmap")} for r in runs.values()] == \
+        [{kind: runs["bind"]["backend"][kind]["pages"] for kind in ("map", "unmap")}] * 2
+    with pytest.raises(ValueError, match="job_start 'later' is not one of"):
+        _replay(capsys, monkeypatch, trace=SHORT, max_steps=1, job_start="later")
+
 @pytest.mark.parametrize("launches", [("eager",), ("graph",)])
 def test_a_whole_recorded_trace_replays_its_releases_bitwise_equal(tmp_path, monkeypatch, capsys, launches):
     # A short trace, recorded here with vLLM's scheduler, takes every block back once its
