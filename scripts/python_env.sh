@@ -83,8 +83,9 @@ vkv_install() {
   mkdir -p "$vkv_root/build"
   local log="${VKV_INSTALL_LOG:-$vkv_root/build/pip-install.log}" start=$SECONDS
   echo "== building and installing vkv into $VKV_PYTHON (a first build takes minutes; log: $log)"
-  if ! (cd "$vkv_root" && "$VKV_PYTHON" -m pip install -v --no-build-isolation --no-deps "$@" .) 2>&1 | tee "$log" |
-    vkv_build_progress; then
+  # pipefail here too: a caller without it would read the progress filter's status, not pip's.
+  if ! (set -o pipefail; (cd "$vkv_root" && "$VKV_PYTHON" -m pip install -v --no-build-isolation --no-deps "$@" .) 2>&1 |
+    tee "$log" | vkv_build_progress); then
     echo "== building vkv failed; the end of $log:" >&2
     tail -n 40 "$log" >&2
     return 1
