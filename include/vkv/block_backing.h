@@ -202,9 +202,8 @@ class BlockBacking {
   std::size_t release(const std::int64_t* blocks, std::size_t count, Stream stream);
   /// How many of `blocks`, from the first, release() can take while the pages it gives back
   /// come to at most `max_bytes` (a page goes back only once no block left backed has bytes
-  /// on it). An engine answering a budget's ask with whole blocks releases that many, never
-  /// more bytes than asked: a block can free a whole page (one in every range) for less than
-  /// a page's bytes, and the ask stops at the member's floor. Changes nothing.
+  /// on it). An engine giving whole blocks back down to a floor releases that many: a block
+  /// can free a whole page (one in every range) for less than a page's bytes. Changes nothing.
   /// @throws InvalidArgument naming the first block release() would refuse (shared states
   ///         need not be RECLAIMING yet).
   std::size_t releasable_within(const std::int64_t* blocks, std::size_t count, std::size_t max_bytes) const;

@@ -210,9 +210,9 @@ class BlockBacking:
 
     def releasable_within(self, blocks: Any, max_bytes: int) -> int:
         """How many of ``blocks``, from the first, ``release()`` can take while the pages it gives
-        back come to at most ``max_bytes``: an engine answering a budget's ask with whole
-        blocks releases that many (a block can free a whole page in every buffer, more than
-        its own bytes, and the ask stops at the member's floor). Changes nothing."""
+        back come to at most ``max_bytes``: an engine giving whole blocks back down to a floor
+        releases that many (a block can free a whole page in every buffer, more than its own
+        bytes). Changes nothing."""
         return self._live().releasable_within(blocks, expect_int("max_bytes", max_bytes))
 
     @property
