@@ -26,8 +26,7 @@ class JobThread {
 
   /// Starts the thread; `run` runs each job handed over; `idle` (may be empty) after each
   /// job, once no other came for `idle_after`.
-  JobThread(std::function<void()> run, std::function<Idle()> idle = {},
-            std::chrono::milliseconds idle_after = std::chrono::milliseconds(100));
+  JobThread(std::function<void()> run, std::function<Idle()> idle, std::chrono::milliseconds idle_after);
   /// stop().
   ~JobThread();
   JobThread(const JobThread&) = delete;

@@ -94,7 +94,7 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.short_pages = max(0, min(pages, wanted) - len(ids))  # the pool's end is no budget's shortfall
         if self.short_pages:
             self._short_in = self.iteration
-            self.short_goal = len(self.free_pages) + self.num_staged_pages + len(ids) + self.short_pages
+            self.short_goal = self.free_page_count() + len(ids) + self.short_pages
         if len(ids):
             merged = torch.cat((self.get_all_free_pages(), torch.from_numpy(ids).to(self.device)))
             self.free_pages, _ = torch.sort(merged)
@@ -102,12 +102,11 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self.num_staged_pages = 0
         return len(ids)
 
-    def ask_still_stands(self) -> bool:
-        """Whether the standing ask is still wanted: the free pages its growth wanted are not
-        free yet (requests that finished may have freed them since; then it is withdrawn)."""
-        if self.short_pages and len(self.free_pages) + self.num_staged_pages >= self.short_goal:
+    def withdraw_met_ask(self) -> None:
+        """Withdraws the standing ask once the free pages its growth wanted are free (requests
+        that finished may have freed them since)."""
+        if self.short_pages and self.free_page_count() >= self.short_goal:
             self.short_pages = 0
-        return self.short_pages > 0
 
     def ensure_free(self, tokens: int) -> bool:
         """Whether ``tokens`` slots are free after backing what is missing."""
@@ -121,21 +120,18 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         highest ids), how many it can release while the memory going back comes to at most
         ``max_bytes``: a page can free a vkv page in every buffer (whose other pages are
         free or unbacked), more than its own bytes."""
-        free = self.get_all_free_pages()
-        count = min(pages, len(free) - keep_pages)
-        if count <= 0:
+        free, count = self._giving(pages, keep_pages)
+        if count == 0:
             return 0
-        highest = torch.sort(free, descending=True)[0][:count]
-        return int(self.backing.releasable_within(highest.cpu().numpy(), max_bytes))
+        highest_first = free[len(free) - count:].flip(0)
+        return int(self.backing.releasable_within(highest_first.cpu().numpy(), max_bytes))
 
     def give_back(self, pages: int, keep_pages: int = 0) -> int:
         """Releases up to ``pages`` free pages (the highest ids), keeping ``keep_pages`` free;
         returns the pages released."""
-        free = self.get_all_free_pages()
-        count = min(pages, len(free) - keep_pages)
-        if count <= 0:
+        free, count = self._giving(pages, keep_pages)
+        if count == 0:
             return 0
-        free, _ = torch.sort(free)
         released, self.free_pages = free[len(free) - count:], free[:len(free) - count]
         self.staged_pages, self.num_staged_pages = [], 0
         stream = self.forward_stream if torch.device(self.device).type == "cuda" else None
@@ -143,9 +139,18 @@ class VkvPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.given_pages += count
         return count
 
+    def _giving(self, pages: int, keep_pages: int) -> "tuple[torch.Tensor, int]":
+        """The free pages, sorted, and how many of the highest ``give_back(pages, keep_pages)``
+        releases."""
+        free, _ = torch.sort(self.get_all_free_pages())
+        return free, max(0, min(pages, len(free) - keep_pages))
+
+    def free_page_count(self) -> int:
+        return len(self.free_pages) + self.num_staged_pages
+
     def spare_pages(self) -> int:
         """Free pages beyond the headroom: what the engine gives back first."""
-        return max(0, len(self.free_pages) + self.num_staged_pages - self.headroom_pages)
+        return max(0, self.free_page_count() - self.headroom_pages)
 
     # -- SGLang's capacity hooks: where demand is learnt -------------------------------
 

@@ -76,15 +76,14 @@ class BudgetSpeaker:
                 if self.settle_passes % SETTLE_EVERY == 0:
                     allocator.backing.back_some(0)
         now = time.monotonic()
-        allocator.ask_still_stands()  # withdrawn once what it wanted is free
+        allocator.withdraw_met_ask()
         if not idle or allocator.given_pages or now - self.reported_at >= IDLE_REPORT_S:
             spare = (allocator.spare_pages() + self._evictable_tokens() // allocator.page_size) * page_bytes
             self.share = self.budget.speak_for(self.label, spare=spare, ask=allocator.short_pages * page_bytes,
                                                given=allocator.given_pages * page_bytes, settled=True)
             allocator.given_pages = 0
             self.reported_at = now
-        asked_bytes = int(self.share["give_bytes"])
-        asked = -(-asked_bytes // page_bytes)
+        asked = -(-int(self.share["give_bytes"]) // page_bytes)
         self.share = {"give_bytes": 0}  # acted on once; the next report asks again
         give = max(asked, allocator.spare_pages() if idle else 0)
         if self.reduce is not None:  # every rank releases the same pages
