@@ -15,8 +15,12 @@ heap (the worker records the last finished job in the state file). The work per 
 O(blocks backed, released or still awaited), whatever the pool's size.
 
 How many free blocks the pool keeps (``plan()``): the headroom + what the next steps will
-ask for (demand.py), never fewer. Beyond that, free blocks without a prefix-cache entry go
-back when they were beyond it at the previous step too (a finished request's blocks are
+ask for (demand.py), never fewer. Once they fall below that, the worker backs up to it and
+``ahead`` blocks more (the running requests' growth over ``map_ahead_steps`` steps) in one
+job, and nothing while the free blocks stay between the two marks: a job costs a few hundred
+µs of driver calls however few pages it maps, so most steps should map none. Beyond the
+upper mark, free blocks without a prefix-cache entry go back when they were beyond it at
+the previous step too (a finished request's blocks are
 usually what the next arrival takes: unmapping them for one step only to map them again
 costs the driver twice); free blocks that hold a prefix-cache entry stay backed, as in
 vLLM's own pool, unless the shared budget wants bytes of this engine (``give``: another
@@ -48,6 +52,7 @@ class Balloon:
         self._last_excess = 0  # free blocks without a hash beyond need at the previous plan()
         self._free_after_plan = 0  # free blocks in the pool when the previous plan() ended
         self._target = headroom_blocks  # blocks the worker was last told to keep backed
+        self._upper = headroom_blocks  # the previous plan's upper mark (free blocks kept up to it)
         self.shortfall = 0  # blocks the need lacked at the last plan(), all free blocks counted
         self.job = 0  # the last step's job number (the metadata's)
         # What this side knows of the blocks out of the pool: unbacked ones, candidates a job
@@ -158,26 +163,35 @@ class Balloon:
         self.work += count
         return count
 
-    def plan(self, demand_blocks: int = 0, give: int = 0, room: Optional[int] = None) -> Tuple[List[int], int, int]:
+    def plan(self, demand_blocks: int = 0, give: int = 0, room: Optional[int] = None,
+             ahead: int = 0) -> Tuple[List[int], int, int]:
         """Once per step, after ``release_backed()``: take back the free blocks beyond the
-        headroom + ``demand_blocks`` (what the next steps will ask for, demand.py) that
-        went unused two steps running and have no hash, and ``give`` more (what the shared
-        budget wants of this engine: cached ones too, never below the need); back no more
-        than ``room`` new blocks (what the budget has for this engine; None: no limit).
-        Returns (blocks the worker must release, blocks the worker should keep backed, how
-        many of those released were the budget's)."""
+        headroom + ``demand_blocks`` (what the next steps will ask for, demand.py) + ``ahead``
+        that went unused two steps running and have no hash, and ``give`` more (what the
+        shared budget wants of this engine: cached ones too, never below the need); once the
+        free blocks are fewer than the need, back up to the need + ``ahead`` (blocks backed
+        ahead in one job), else nothing new; back no more than ``room`` new blocks (what the
+        budget has for this engine; None: no limit). Returns (blocks the worker must
+        release, blocks the worker should keep backed, how many of those released were the
+        budget's)."""
         self.job += 1
         need = self.headroom + demand_blocks
+        upper = need + ahead
         free = self.pool.get_num_free_blocks()
         self.shortfall = max(0, need - free)
         given = min(give, max(0, free - need))
         # Blocks without a hash at the free list's head, walked just past all of them: at most
-        # the need and the excess the previous plan left, and what was freed since (the
-        # steps' changes; freed blocks without a hash go to the head).
+        # the need (where more blocks are free than the upper mark: that mark, or the
+        # previous plan's, whose blocks may be beyond this one), the excess the previous plan
+        # left, and what was freed since (the steps' changes; freed blocks without a hash go
+        # to the head). A walk cut short counts fewer than are free, never fewer than the
+        # need: the target is the same.
         freed = max(0, free - self._free_after_plan)
-        available = self._uncached_head(need + given + self._last_excess + freed + 1)
-        excess = max(0, available - need)
-        unused = min(excess, self._last_excess)  # beyond need at the previous step too
+        mark = max(upper, self._upper) if free > upper else need
+        self._upper = upper
+        available = self._uncached_head(mark + given + self._last_excess + freed + 1)
+        excess = max(0, available - upper)
+        unused = min(excess, self._last_excess)  # beyond the upper mark at the previous step too
         self._last_excess = excess - unused
         count = max(unused, given)
         reclaim: List[int] = []
@@ -195,9 +209,11 @@ class Balloon:
             if given:
                 self._last_excess = 0
                 available = free  # the cached ones count: nothing new for them
-        # Keep the cached free blocks (not counted as available) and back the need beside them.
+        # Keep the cached free blocks (not counted as available) and back the need beside
+        # them: short of the need, up to the upper mark; between the marks, as it is.
         in_pool = self.in_pool()
-        target = min(self.usable_blocks, in_pool - available + need)
+        keep = upper if available < need else min(available, upper)
+        target = min(self.usable_blocks, in_pool - available + keep)
         if room is not None:  # what the budget cannot give now would only be refused
             target = min(target, in_pool + room)
         self._target = target

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 _DEFAULT_HEADROOM_BLOCKS = 8
+_DEFAULT_MAP_AHEAD_STEPS = 16
 
 
 def budget_label(engine_id: str) -> str:
@@ -24,6 +25,13 @@ class VkvConnectorConfig:
         every block vLLM's pool has).
     headroom_blocks: free blocks kept backed in vLLM's pool ahead of need, so scheduling
         never waits on the driver; free blocks beyond it go back to the budget.
+    map_ahead_steps: once the pool's free blocks fall below the headroom and the next
+        steps' demand, the worker backs that much and this many steps of the running
+        requests' growth (one block a request every block_size / tokens-a-step steps) in one
+        job, so that most steps map nothing: a job's driver calls cost a few hundred µs
+        however few pages it maps, and ~40 µs a page more. Free blocks up to that mark stay
+        backed; the shared budget may still take them. 0: every step backs exactly what the
+        next steps need (a small job a step).
     device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
     shared_budget_floor, shared_budget_cap, shared_budget_priority: this engine's guarantees
         in the shared budget (bytes no other member takes from it; the most it holds, 0 = no
@@ -45,6 +53,7 @@ class VkvConnectorConfig:
     shared_budget: str = ""
     memory_budget: int = 0
     headroom_blocks: int = _DEFAULT_HEADROOM_BLOCKS
+    map_ahead_steps: int = _DEFAULT_MAP_AHEAD_STEPS
     device: str = "auto"
     background_mapping: Optional[bool] = None
     shared_budget_floor: int = 0
@@ -59,8 +68,8 @@ class VkvConnectorConfig:
         ValueError naming the key, its value and what it must be, or an unknown key and the
         closest known one. (Under vLLM's MultiConnector each connector gets its own entry's
         dict: other connectors' keys never reach this one.)"""
-        known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "device": str,
-                 "background_mapping": bool, "shared_budget_floor": int, "shared_budget_cap": int,
+        known = {"shared_budget": str, "memory_budget": int, "headroom_blocks": int, "map_ahead_steps": int,
+                 "device": str, "background_mapping": bool, "shared_budget_floor": int, "shared_budget_cap": int,
                  "shared_budget_priority": int, "worker_timeout_s": int, "page_size": int}
         values = {}
         for key, value in (extra or {}).items():
@@ -98,4 +107,6 @@ class VkvConnectorConfig:
                              "of two (a multiple of the backend's page: 2 MiB on a GPU, 4 KiB on the host)")
         if config.headroom_blocks < 1:
             raise ValueError(f"kv_connector_extra_config['headroom_blocks'] = {config.headroom_blocks} must be >= 1")
+        if config.map_ahead_steps < 0:
+            raise ValueError(f"kv_connector_extra_config['map_ahead_steps'] = {config.map_ahead_steps} must be >= 0")
         return config

@@ -65,6 +65,15 @@ class Demand:
         self._requests.pop(request_id, None)
         self._waiting.pop(request_id, None)
 
+    def growth(self, scheduler_output, steps: int) -> int:
+        """The most blocks the scheduled requests cross in ``steps`` more decode steps (each
+        ceil(steps * tokens a step / block_size)): what a job that backs at all backs beyond
+        the need (``map_ahead_steps``, balloon.py)."""
+        if steps <= 0:
+            return 0
+        per_request = -(-steps * self.tokens_per_step // self.block_size)
+        return len(scheduler_output.num_scheduled_tokens) * per_request * self.groups
+
     def blocks(self, scheduler_output) -> int:
         """At ``build_connector_meta`` (before vLLM advances its requests): the free blocks
         the pool must have, beyond what this step's block tables hold."""

@@ -96,7 +96,8 @@ class VkvScheduler:
         self._released_this_step = False
         # The shared budget: what it wants back of this engine, and how much its worker may back.
         give, room = budget.share() if budget is not None else (0, None)
-        release, target, given = balloon.plan(need, give, room)
+        ahead = self.demand.growth(scheduler_output, self.settings.map_ahead_steps)
+        release, target, given = balloon.plan(need, give, room, ahead)
         self._expecting_steps = self._expecting_steps + 1 if balloon.expecting() else 0
         settled = self._track_given(release[:given]) if given or self._given else False
         if budget is not None:

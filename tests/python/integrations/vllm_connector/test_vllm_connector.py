@@ -173,6 +173,41 @@ def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forw
         engine.close()
 
 
+def _steps_that_back(map_ahead_steps):
+    """16 requests decoding 96 tokens: the steps whose job backed blocks, and the steps
+    vLLM's loop made after the last request (until the connector had no work left)."""
+    engine = vt.Engine(1024, {"headroom_blocks": HEADROOM, "map_ahead_steps": map_ahead_steps}, prefix_caching=False)
+    try:
+        for i in range(16):
+            engine.add(f"r{i}", [(7 * i + t) % 1000 for t in range(40 + 3 * i)], 96)
+        layer = vt.backing(engine)
+        backing_steps = 0
+        while engine.unfinished():
+            before = layer.stats()["backs"]["calls"]
+            out = engine.step()
+            _every_scheduled_block_backed(engine, out)
+            backing_steps += layer.stats()["backs"]["calls"] > before
+        idle_steps = engine.step_while_busy()
+        held = layer.stats()["bytes_held"] // engine_block_bytes()
+        assert held <= HEADROOM + 1, held  # the headroom + the null block: the run's blocks went back too
+        return backing_steps, idle_steps
+    finally:
+        engine.close()
+
+
+def test_a_decode_batch_is_backed_in_a_few_jobs_ahead_of_need():
+    # A job's driver calls cost a few hundred µs however few pages it maps: with
+    # map_ahead_steps (16, the default) a job that backs at all backs 16 steps of the batch's
+    # growth, so about one step in 16 maps anything (the admission's steps aside), and no
+    # scheduled block is ever unbacked; 0 backs what the next steps need at every step that
+    # crosses a block boundary. An idle engine gives the blocks backed ahead back as fast.
+    ahead, ahead_idle = _steps_that_back(16)
+    exact, exact_idle = _steps_that_back(0)
+    assert exact > 40, exact  # 101 steps, a block boundary crossed at most of them
+    assert ahead <= 101 // 16 + 3, ahead
+    assert ahead_idle <= 2 and exact_idle <= 2, (ahead_idle, exact_idle)
+
+
 class _Recording:
     """The worker's layer with its calls counted: what the worker side does per step."""
 
