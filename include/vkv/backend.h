@@ -136,7 +136,9 @@ class Backend {
   /// Enqueues a copy on `stream`. Either side may also be host memory from allocate_host().
   virtual void copy(Address destination, Address source, std::size_t bytes, Stream stream) = 0;
   /// A stream of the backend's own that does not wait for the legacy default stream
-  /// (the mapper zero-fills there while the model's kernels run). @throws DriverError.
+  /// (the mapper zero-fills there while the model's kernels run; CUDA gives it the greatest
+  /// priority, so that those short fills do not queue behind the model's kernels).
+  /// @throws DriverError.
   virtual Stream create_stream() = 0;
   virtual void destroy_stream(Stream stream) noexcept = 0;
   /// Blocks until everything enqueued on `stream` has completed. By default: an event

@@ -25,7 +25,7 @@
   X(cuMemUnmap) X(cuMemSetAccess) X(cuMemsetD8Async) X(cuMemcpyAsync) X(cuEventCreate)  \
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuEventDestroy)               \
   X(cuStreamWaitEvent) X(cuStreamSynchronize) X(cuCtxSynchronize) \
-  X(cuStreamCreate) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuLaunchHostFunc) \
+  X(cuStreamCreateWithPriority) X(cuCtxGetStreamPriorityRange) X(cuStreamDestroy) X(cuMemHostAlloc) X(cuMemFreeHost) X(cuLaunchHostFunc) \
   X(cuDeviceGetAttribute) X(cuDeviceTotalMem) X(cuDeviceGetUuid) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel)
 // clang-format on
 
