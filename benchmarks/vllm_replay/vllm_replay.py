@@ -84,7 +84,9 @@ def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int, mod
     ``page_size``: the connector's vkv page (0: the host backend's 4 KiB)."""
     from lab import vllm_engine as vt
     model = model or vt.TINY
-    extra = dict({"headroom_blocks": 8}, **({"page_size": page_size} if page_size else {}))
+    from vkv.integrations.vllm.config import VkvConnectorConfig
+    extra = dict({"headroom_blocks": 8, "map_ahead_steps": VkvConnectorConfig.map_ahead_steps},
+                 **({"page_size": page_size} if page_size else {}))
     engine = vt.Engine(num_blocks, extra, max_num_seqs=requests, max_num_batched_tokens=2048,
                        prefix_caching=False, async_scheduling=False, model=model)  # the traces recorded so far
     for i in range(requests):
@@ -107,7 +109,7 @@ def record(path: str, requests: int, prompt: int, gen: int, num_blocks: int, mod
         steps.append({"release": meta.release, "target": meta.target_backed, "batch": batch})
     engine.close()
     trace = {"num_blocks": num_blocks, "block_size": model.block_size, "requests": requests, "prompt": prompt,
-             "headroom_blocks": extra["headroom_blocks"],
+             "headroom_blocks": extra["headroom_blocks"], "map_ahead_steps": extra["map_ahead_steps"],
              "gen": gen, **({"model": dataclasses.asdict(model)} if model != vt.TINY else {}),
              "tables": "incremental", "steps": steps}
     with open(path, "w") as f:
@@ -643,13 +645,20 @@ def _call_stats(stats, kind):
 
 def _backend_cost(before, after, block_bytes):
     """Map and unmap over a run: calls, pages, µs per page and per block (a page's cost
-    times block bytes / page bytes)."""
+    times block bytes / page bytes); and where the jobs' time went, in ms over the run: the
+    jobs, their backing (choice, mapping, zero-fills and the wait for them), the pages given
+    back (unmapping), and the backend's calls (map, unmap, zero-fill enqueues, events)."""
     cost = {}
     for kind in ("map", "unmap"):
         (c0, u0, s0), (c1, u1, s1) = _call_stats(before, kind), _call_stats(after, kind)
         per_page = 1e6 * (s1 - s0) / (u1 - u0) if u1 > u0 else 0.0
         cost[kind] = {"calls": c1 - c0, "pages": u1 - u0, "us_per_page": round(per_page, 3),
                       "us_per_block": round(per_page * block_bytes / after["page_bytes"], 3)}
+    parts = {name: 1e3 * (after[name]["seconds"] - before[name]["seconds"]) for name in ("jobs", "backs", "releases")}
+    for kind in ("map", "unmap", "zero", "event"):
+        parts[kind] = 1e3 * (_call_stats(after, kind)[2] - _call_stats(before, kind)[2])
+    parts["backing_jobs"] = after["backs"]["calls"] - before["backs"]["calls"]
+    cost["job_ms"] = {name: round(value, 3) for name, value in parts.items()}
     return cost
 
 
