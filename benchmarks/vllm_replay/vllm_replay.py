@@ -1078,13 +1078,18 @@ def main() -> int:
     if args.mode == "table":
         print(goal_table([json.load(open(path)) for path in args.paths]))
         return 0
-    if args.mode == "record":
-        record(args.paths[0], args.requests, args.prompt, args.gen, args.num_blocks)
-        return 0
     shape = list(map(int, args.shape.split(",")))
     if len(shape) not in (3, 4):
         raise ValueError(f"vllm_replay: --shape {args.shape!r} is not layers,kv_heads,head_dim[,q_heads]")
     layers, heads, dim = shape[:3]
+    if args.mode == "record":
+        # The connector sizes some decisions in bytes (a job backs at most 32 MiB ahead of
+        # need): record at the replayed shape, on 2 MiB pages as on a GPU, to keep them.
+        from lab import vllm_engine as vt
+        model = vt.Model(layers=layers, kv_heads=heads, head_dim=dim) if args.shape != "2,2,64" else None
+        record(args.paths[0], args.requests, args.prompt, args.gen, args.num_blocks, model=model,
+               page_size=2 << 20 if model else 0)
+        return 0
     q_heads = shape[3] if len(shape) == 4 else heads
     if args.attention == "flashinfer" and not args.device.startswith("cuda"):
         raise ValueError(f"vllm_replay: --attention flashinfer needs a CUDA --device, got {args.device!r}")

@@ -16,9 +16,10 @@ O(blocks backed, released or still awaited), whatever the pool's size.
 
 How many free blocks the pool keeps (``plan()``): the headroom + what the next steps will
 ask for (demand.py), never fewer. Once they fall below that, the worker backs up to it and
-``ahead`` blocks more (the running requests' growth over ``map_ahead_steps`` steps) in one
-job, and nothing while the free blocks stay between the two marks: a job costs a few hundred
-µs of driver calls however few pages it maps, so most steps should map none. Beyond the
+``ahead`` blocks more (the running requests' growth over ``map_ahead_steps`` steps), at most
+``ahead_per_job`` of them a step (32 MiB: a job that fits behind a forward), and then
+nothing while the free blocks stay between the two marks: a job costs a few hundred µs of
+driver calls however few pages it maps, so most steps should map none. Beyond the
 upper mark, free blocks without a prefix-cache entry go back when they were beyond it at
 the previous step too (a finished request's blocks are
 usually what the next arrival takes: unmapping them for one step only to map them again
@@ -45,10 +46,12 @@ from .unbacked_ids import UnbackedIds
 class Balloon:
     """Not thread-safe: vLLM calls the scheduler-side connector from its one engine thread."""
 
-    def __init__(self, pool, states: BlockStates, headroom_blocks: int) -> None:
+    def __init__(self, pool, states: BlockStates, headroom_blocks: int, ahead_per_job: int = 1 << 62) -> None:
         self.pool = pool
         self.states = states
         self.headroom = headroom_blocks
+        self.ahead_per_job = ahead_per_job  # blocks a job backs beyond the need at most
+        self._climbing = False  # backing toward the upper mark, ahead_per_job a step
         self._last_excess = 0  # free blocks without a hash beyond need at the previous plan()
         self._free_after_plan = 0  # free blocks in the pool when the previous plan() ended
         self._target = headroom_blocks  # blocks the worker was last told to keep backed
@@ -181,13 +184,13 @@ class Balloon:
         self.shortfall = max(0, need - free)
         given = min(give, max(0, free - need))
         # Blocks without a hash at the free list's head, walked just past all of them: at most
-        # the need (where more blocks are free than the upper mark: that mark, or the
-        # previous plan's, whose blocks may be beyond this one), the excess the previous plan
-        # left, and what was freed since (the steps' changes; freed blocks without a hash go
-        # to the head). A walk cut short counts fewer than are free, never fewer than the
-        # need: the target is the same.
+        # the need (where more blocks are free than the upper mark, or while backing toward
+        # it: that mark, or the previous plan's, whose blocks may be beyond this one), the
+        # excess the previous plan left, and what was freed since (the steps' changes; freed
+        # blocks without a hash go to the head). A walk cut short counts fewer than are free,
+        # never fewer than the need: the target is the same.
         freed = max(0, free - self._free_after_plan)
-        mark = max(upper, self._upper) if free > upper else need
+        mark = max(upper, self._upper) if free > upper or self._climbing else need
         self._upper = upper
         available = self._uncached_head(mark + given + self._last_excess + freed + 1)
         excess = max(0, available - upper)
@@ -210,9 +213,14 @@ class Balloon:
                 self._last_excess = 0
                 available = free  # the cached ones count: nothing new for them
         # Keep the cached free blocks (not counted as available) and back the need beside
-        # them: short of the need, up to the upper mark; between the marks, as it is.
+        # them: short of the need, toward the upper mark, ahead_per_job a step beyond the need
+        # until it is reached; between the marks, as it is.
         in_pool = self.in_pool()
-        keep = upper if available < need else min(available, upper)
+        if available < need or self._climbing:
+            keep = min(upper, max(need, available + self.ahead_per_job))
+            self._climbing = keep < upper  # the next steps back more of it
+        else:
+            keep = min(available, upper)
         target = min(self.usable_blocks, in_pool - available + keep)
         if room is not None:  # what the budget cannot give now would only be refused
             target = min(target, in_pool + room)

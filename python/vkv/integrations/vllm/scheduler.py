@@ -26,6 +26,11 @@ from .wakeup import find_engine_wakeup
 from .workers import engine_budget_names
 
 
+# The most bytes of blocks a step's job backs ahead of need: with the job's fixed cost, about
+# a millisecond of driver calls on a GPU, which a decode step's forward hides.
+AHEAD_BYTES_PER_JOB = 32 << 20
+
+
 class VkvScheduler:
     """Not thread-safe: vLLM calls the scheduler-side connector from its one engine thread
     (the budget's watcher threads only set ``EngineBudget.owed``)."""
@@ -49,7 +54,11 @@ class VkvScheduler:
     def bind(self, pool) -> None:
         """``bind_gpu_block_pool``: take the pool's free blocks out, count the demand."""
         states = BlockStates(self.engine_id, pool.num_gpu_blocks)
-        self.balloon = Balloon(pool, states, self.settings.headroom_blocks)
+        tensors = getattr(self.kv_cache_config, "kv_cache_tensors", None) or []
+        # One block's bytes over every KV tensor (1 where vLLM has not sized them yet).
+        all_layers_block_bytes = max(1, sum(t.size for t in tensors) // pool.num_gpu_blocks)
+        self.balloon = Balloon(pool, states, self.settings.headroom_blocks,
+                               ahead_per_job=max(1, AHEAD_BYTES_PER_JOB // all_layers_block_bytes))
         config = self.vllm_config
         sched = config.scheduler_config
         # A step writes 1 token per running request, + the speculative/lookahead ones.

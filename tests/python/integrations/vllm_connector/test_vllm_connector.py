@@ -173,24 +173,27 @@ def test_with_background_mapping_every_scheduled_block_is_backed_before_its_forw
         engine.close()
 
 
-def _steps_that_back(map_ahead_steps):
-    """16 requests decoding 96 tokens: the steps whose job backed blocks, and the steps
-    vLLM's loop made after the last request (until the connector had no work left)."""
+def _backing_of_a_decode_batch(map_ahead_steps):
+    """16 requests decoding 96 tokens: the steps whose job backed blocks, the most blocks
+    one step backed once every request was running, and the steps vLLM's loop made after
+    the last request (until the connector had no work left)."""
     engine = vt.Engine(1024, {"headroom_blocks": HEADROOM, "map_ahead_steps": map_ahead_steps}, prefix_caching=False)
     try:
         for i in range(16):
             engine.add(f"r{i}", [(7 * i + t) % 1000 for t in range(40 + 3 * i)], 96)
         layer = vt.backing(engine)
-        backing_steps = 0
+        backing_steps, most_in_a_decode_step = 0, 0
         while engine.unfinished():
-            before = layer.stats()["backs"]["calls"]
+            calls, backed = layer.stats()["backs"]["calls"], layer.backed_blocks
             out = engine.step()
             _every_scheduled_block_backed(engine, out)
-            backing_steps += layer.stats()["backs"]["calls"] > before
+            backing_steps += layer.stats()["backs"]["calls"] > calls
+            if not out.scheduled_new_reqs and len(out.num_scheduled_tokens) == 16:
+                most_in_a_decode_step = max(most_in_a_decode_step, layer.backed_blocks - backed)
         idle_steps = engine.step_while_busy()
         held = layer.stats()["bytes_held"] // engine_block_bytes()
         assert held <= HEADROOM + 1, held  # the headroom + the null block: the run's blocks went back too
-        return backing_steps, idle_steps
+        return backing_steps, most_in_a_decode_step, idle_steps
     finally:
         engine.close()
 
@@ -201,11 +204,24 @@ def test_a_decode_batch_is_backed_in_a_few_jobs_ahead_of_need():
     # growth, so about one step in 16 maps anything (the admission's steps aside), and no
     # scheduled block is ever unbacked; 0 backs what the next steps need at every step that
     # crosses a block boundary. An idle engine gives the blocks backed ahead back as fast.
-    ahead, ahead_idle = _steps_that_back(16)
-    exact, exact_idle = _steps_that_back(0)
+    ahead, _, ahead_idle = _backing_of_a_decode_batch(16)
+    exact, _, exact_idle = _backing_of_a_decode_batch(0)
     assert exact > 40, exact  # 101 steps, a block boundary crossed at most of them
     assert ahead <= 101 // 16 + 3, ahead
     assert ahead_idle <= 2 and exact_idle <= 2, (ahead_idle, exact_idle)
+
+
+def test_a_job_backs_at_most_32_mib_ahead_of_need(monkeypatch):
+    # The blocks backed ahead (16 here: one a request) come over several steps, 32 MiB a
+    # job at most (here 3 blocks): each job fits behind a forward. What the next steps need
+    # is backed whole, whatever the bound.
+    from vkv.integrations.vllm import scheduler
+    _, whole, _ = _backing_of_a_decode_batch(16)
+    monkeypatch.setattr(scheduler, "AHEAD_BYTES_PER_JOB", 3 * engine_block_bytes())
+    backing_steps, bounded, _ = _backing_of_a_decode_batch(16)
+    assert whole >= 12, whole
+    assert bounded <= 3 + 2, bounded  # + the blocks the need itself lacked at that step (at most 2 here)
+    assert backing_steps <= 101 // 16 * 6 + 3, backing_steps
 
 
 class _Recording:
