@@ -102,6 +102,29 @@ TEST(BlockJobs, AKeptJobStartsAtStartOrAtTheNextCall) {
   }
 }
 
+TEST(BlockJobs, AJobWithNothingToDoIsDoneWhenSubmitReturns) {
+  // Most decode steps release nothing and find their target backed: such a job is counted
+  // as run at submit(), never kept for start() nor handed to the thread; one with a block to
+  // back is kept as before.
+  auto backend = std::make_shared<HostBackend>(testing::kHostTestPageBytes);
+  for (bool background : {false, true}) {
+    BlockBacking backing(one_run(16, 4096, background), nullptr, std::nullopt, backend);
+    backing.submit(nullptr, 0, 4, 0);
+    backing.wait();
+    const std::uint64_t calls = backing.stats().jobs.calls;
+    backing.submit(nullptr, 0, 4, 0, /*start=*/false);
+    EXPECT_EQ(backing.stats().jobs.calls, calls + 1) << "done at submit(), not kept";
+    backing.submit(nullptr, 0, 5, 0, /*start=*/false);
+    EXPECT_EQ(backing.stats().jobs.calls, calls + 1) << "kept until start()";
+    EXPECT_EQ(backing.backed_blocks(), 4u);
+    backing.start();
+    backing.wait();
+    EXPECT_EQ(backing.backed_blocks(), 5u);
+    EXPECT_EQ(backing.stats().jobs.calls, calls + 2);
+    backing.check_invariants();
+  }
+}
+
 TEST(BlockJobs, ReleasedPagesAreUnmappedOnlyAfterTheSubmitsEvent) {
   auto events =
       std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
