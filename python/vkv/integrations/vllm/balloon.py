@@ -19,14 +19,13 @@ ask for (demand.py), never fewer. Once they fall below that, the worker backs up
 ``ahead`` blocks more (the running requests' growth over ``map_ahead_steps`` steps), at most
 ``ahead_per_job`` of them a step (32 MiB: a job that fits behind a forward), and then
 nothing while the free blocks stay between the two marks: a job costs a few hundred µs of
-driver calls however few pages it maps, so most steps should map none. Beyond the
-upper mark, free blocks without a prefix-cache entry go back when they were beyond it at
-the previous step too (a finished request's blocks are
-usually what the next arrival takes: unmapping them for one step only to map them again
-costs the driver twice); free blocks that hold a prefix-cache entry stay backed, as in
-vLLM's own pool, unless the shared budget wants bytes of this engine (``give``: another
-engine's ask, a cap, a resize), which takes the free list's head: blocks without a hash
-first, then the least recently used cached ones.
+driver calls however few pages it maps, so most steps should map none. Beyond the upper
+mark, free blocks without a prefix-cache entry go back when they were beyond it at the
+previous step too (a finished request's blocks are usually what the next arrival takes:
+unmapping them for one step only to map them again costs the driver twice); free blocks
+that hold a prefix-cache entry stay backed, as in vLLM's own pool, unless the shared budget
+wants bytes of this engine (``give``: another engine's ask, a cap, a resize), which takes
+the free list's head: blocks without a hash first, then the least recently used cached ones.
 
 A shortage of pages therefore shows as a smaller pool, and vLLM's own answer to that is to
 keep requests waiting or preempt them; schedule() never raises and never waits on the
@@ -52,7 +51,7 @@ class Balloon:
         self.headroom = headroom_blocks
         self.ahead_per_job = ahead_per_job  # blocks a job backs beyond the need at most
         self._climbing = False  # backing toward the upper mark, ahead_per_job a step
-        self._last_excess = 0  # free blocks without a hash beyond need at the previous plan()
+        self._last_excess = 0  # free blocks without a hash beyond the upper mark at the previous plan()
         self._free_after_plan = 0  # free blocks in the pool when the previous plan() ended
         self._target = headroom_blocks  # blocks the worker was last told to keep backed
         self._upper = headroom_blocks  # the previous plan's upper mark (free blocks kept up to it)
@@ -211,6 +210,7 @@ class Balloon:
             available = max(0, available - count)
             if given:
                 self._last_excess = 0
+                self._climbing = False  # the budget wants bytes of this engine: nothing ahead
                 available = free  # the cached ones count: nothing new for them
         # Keep the cached free blocks (not counted as available) and back the need beside
         # them: short of the need, toward the upper mark, ahead_per_job a step beyond the need
