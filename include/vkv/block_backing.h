@@ -161,9 +161,10 @@ class BlockBacking {
   /// with config.background off, or keeps it until start() when `start` is false. The job
   /// is release(release) then back(target), each as the calls below, then gives back at
   /// most config.give_back_per_job of the released pages. Returns at once with the thread;
-  /// the ids are copied. A job with nothing to do (nothing released, `target` already
-  /// backed, no released page waiting to go back) is done when submit() returns: no thread
-  /// is woken and start() has nothing to start (most decode steps).
+  /// the ids are copied. Without workers, a job with nothing to do (nothing released,
+  /// `target` already backed, no released page waiting to go back) is done when submit()
+  /// returns: no thread is woken and start() has nothing to start (most decode steps).
+  /// With workers the thread runs it, looking whether they are all alive.
   /// @throws the previous job's error; InvalidArgument (inline: the job's errors, as below);
   ///         DriverError recording the event.
   void submit(const std::int64_t* release, std::size_t release_count, std::size_t target, Stream stream,

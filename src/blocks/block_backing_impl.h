@@ -122,8 +122,8 @@ class BlockBacking::Impl final {
   void commit_backed(const std::vector<std::size_t>& chosen);
   std::size_t want_for(std::size_t target) const noexcept;
   // A job of `release_count` releases and `target` would change nothing (no block to
-  // release or back, no page waiting to go back, the layer whole): counts it as run and
-  // returns true.
+  // release or back, no page waiting to go back, the layer whole, no other workers to look
+  // at): counts it as run and returns true.
   bool done_if_nothing_to_do(std::size_t release_count, std::size_t target);
 
   // ---- releasing (block_backing_release.cpp) ------------------------------------------
