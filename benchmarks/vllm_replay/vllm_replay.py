@@ -1086,7 +1086,8 @@ def main() -> int:
         # The connector sizes some decisions in bytes (a job backs at most 32 MiB ahead of
         # need): record at the replayed shape, on 2 MiB pages as on a GPU, to keep them.
         from lab import vllm_engine as vt
-        model = vt.Model(layers=layers, kv_heads=heads, head_dim=dim) if args.shape != "2,2,64" else None
+        model = vt.Model(layers=layers, kv_heads=heads, head_dim=dim)
+        model = None if model == vt.TINY else model
         record(args.paths[0], args.requests, args.prompt, args.gen, args.num_blocks, model=model,
                page_size=2 << 20 if model else 0)
         return 0

@@ -173,6 +173,7 @@ def test_the_job_starts_after_the_launch_as_in_vllm_or_at_the_bind(capsys, monke
     with pytest.raises(ValueError, match="job_start 'later' is not one of"):
         _replay(capsys, monkeypatch, trace=SHORT, max_steps=1, job_start="later")
 
+
 @pytest.mark.parametrize("launches", [("eager",), ("graph",)])
 def test_a_whole_recorded_trace_replays_its_releases_bitwise_equal(tmp_path, monkeypatch, capsys, launches):
     # A short trace, recorded here with vLLM's scheduler, takes every block back once its

@@ -74,7 +74,6 @@ class VkvScheduler:
                              max_model_len=config.model_config.max_model_len,
                              groups=len(getattr(self.kv_cache_config, "kv_cache_groups", None) or [None]))
         if self.settings.shared_budget:
-            tensors = getattr(self.kv_cache_config, "kv_cache_tensors", None) or []
             block_bytes = tensors[0].size // pool.num_gpu_blocks if tensors else 1
             # The most blocks its own memory_budget lets it back: it asks the others for no more.
             self._most_blocks = self.settings.memory_budget // block_bytes - 1 if self.settings.memory_budget else None
