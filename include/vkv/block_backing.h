@@ -169,6 +169,14 @@ class BlockBacking {
   ///         DriverError recording the event.
   void submit(const std::int64_t* release, std::size_t release_count, std::size_t target, Stream stream,
               bool start = true);
+  /// submit(nothing, target) where it needs no lock: the last job found nothing to do,
+  /// nothing changed since and `target` is backed. Lock-free and never waits, so that a
+  /// binding may try it before letting go of an interpreter lock; false: call submit(),
+  /// which decides under the locks (and is the only way to a done-at-once job with workers).
+  bool submit_if_nothing_to_do(std::size_t target) noexcept;
+  /// Lock-free: true where start() and wait() would return at once (no job kept, in flight
+  /// or with an error to rethrow since the last job with nothing to do); false: call them.
+  bool jobs_idle() const noexcept;
   /// Hands the job kept by submit(start=false) to the thread (inline: runs it); none kept:
   /// nothing. Call once the step's forward is queued: its launches have the host to themselves.
   /// @throws (inline) the job's error.

@@ -85,12 +85,35 @@ std::uintptr_t stream_or_current(const BlockBacking& backing, const std::optiona
   return stream ? *stream : current_stream(backing.backend(), backing.config().device.index);
 }
 
+// An empty list or tuple: the connector's release on most steps.
+bool nothing_in(py::handle release) {
+  PyObject* object = release.ptr();
+  return (PyList_Check(object) && PyList_GET_SIZE(object) == 0) ||
+         (PyTuple_Check(object) && PyTuple_GET_SIZE(object) == 0);
+}
+
 void submit(BlockBacking& backing, py::handle release, std::size_t target, std::optional<std::uintptr_t> stream,
             bool start) {
+  // Most decode steps end here: no lock, no stream to read, the GIL kept (letting it go
+  // and taking it back cost more than the job on a step's path).
+  if (nothing_in(release) && backing.submit_if_nothing_to_do(target)) return;
   const std::vector<std::int64_t> ids = read_integers(release, "release");
   const std::uintptr_t resolved = stream_or_current(backing, stream);
   py::gil_scoped_release unlocked;
   backing.submit(ids.data(), ids.size(), target, resolved, start);
+}
+
+// start() and wait(): at once where no job is kept or in flight (the GIL kept, as above).
+void start(BlockBacking& backing) {
+  if (backing.jobs_idle()) return;
+  py::gil_scoped_release unlocked;
+  backing.start();
+}
+
+void wait(BlockBacking& backing) {
+  if (backing.jobs_idle()) return;
+  py::gil_scoped_release unlocked;
+  backing.wait();
 }
 
 std::size_t release(BlockBacking& backing, py::handle blocks, std::optional<std::uintptr_t> stream) {
@@ -169,8 +192,8 @@ void bind_block_backing(py::module_& m) {
            arg("background"), arg("permanent_blocks"), arg("prefer_costless"), arg("give_back_per_job"), arg("states"),
            arg("agreement"), py::keep_alive<1, 18>())  // the states' memory lives as long as the layer
       .def("submit", &submit, arg("release"), arg("target"), arg("stream") = py::none(), arg("start") = true)
-      .def("start", &BlockBacking::start, unlocked)
-      .def("wait", &BlockBacking::wait, unlocked)
+      .def("start", &start)
+      .def("wait", &wait)
       .def("back", &BlockBacking::back, arg("target"), unlocked)
       .def("back_some", &back_some, arg("count"))
       .def("release", &release, arg("blocks"), arg("stream") = py::none())

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _C
-from ._parameters import expect_int, resolve_device
+from ._parameters import UINT64_MAX, expect_int, resolve_device
 from ._reservation import reservation_tensor
 
 # A block's state byte (``BlockBacking.states``): the layer writes UNBACKED -> BACKED (mapped
@@ -182,16 +182,21 @@ class BlockBacking:
         behind the forwards queued on ``stream`` so far (None: torch's current stream), and
         has the layer release ``release`` (a list or int64 numpy array of block ids) and back
         blocks until ``target`` are backed -- on its thread, or (``background`` off) now.
-        ``start=False`` keeps the job until ``start()``."""
-        self._live().submit(release, expect_int("target", target), _stream(stream), bool(start))
+        ``start=False`` keeps the job until ``start()``. A step with nothing to release (an
+        empty list) and ``target`` backed is done here, without a lock, when nothing changed
+        since the last such step: the calls on a step's path are kept few."""
+        core = self._core or self._live()
+        if type(target) is not int or not 0 <= target <= UINT64_MAX:
+            target = expect_int("target", target)  # names the value
+        core.submit(release, target, None if stream is None else _stream(stream), bool(start))
 
     def start(self) -> None:
         """Hands the job ``submit(start=False)`` kept to the thread (call once the forward is queued)."""
-        self._live().start()
+        (self._core or self._live()).start()
 
     def wait(self) -> None:
         """Until the job in flight is done; raises its error (naming the job)."""
-        self._live().wait()
+        (self._core or self._live()).wait()
 
     # ---- synchronous calls ---------------------------------------------------------------
     def back(self, target: int) -> int:

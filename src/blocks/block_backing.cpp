@@ -187,6 +187,7 @@ BlockBackingStats BlockBacking::Impl::stats() const {
   stats.pages_held = store_.held_pages();
   stats.pages_pending = store_.pending_pages();
   stats.jobs = jobs_;
+  stats.jobs.calls += no_op_jobs_.load(std::memory_order_relaxed);
   stats.last_job_ns = last_job_ns_;
   stats.last_job_event_wait_ns = last_job_event_wait_ns_;
   stats.backs = backs_;
@@ -271,6 +272,8 @@ void BlockBacking::submit(const std::int64_t* release, std::size_t release_count
                           bool start) {
   impl_->submit(release, release_count, target, stream, start);
 }
+bool BlockBacking::submit_if_nothing_to_do(std::size_t target) noexcept { return impl_->submit_if_nothing_to_do(target); }
+bool BlockBacking::jobs_idle() const noexcept { return impl_->jobs_idle(); }
 void BlockBacking::start() { impl_->start(); }
 void BlockBacking::wait() { impl_->wait(); }
 std::size_t BlockBacking::back(std::size_t target) { return impl_->back(target); }

@@ -24,6 +24,7 @@ std::size_t BlockBacking::Impl::back(std::size_t target) {
   detail::expect_same_process(fork_generation_);
   std::unique_lock<std::mutex> lock(mutex_);
   expect_not_broken();
+  forget_no_op();
   settle(/*wait=*/false);  // pages whose readers are done make room first
   return back_locked(lock, want_for(target), chosen_, /*released=*/false, nullptr);
 }
@@ -32,6 +33,7 @@ std::vector<std::int64_t> BlockBacking::Impl::back_some(std::size_t count) {
   detail::expect_same_process(fork_generation_);
   std::unique_lock<std::mutex> lock(mutex_);
   expect_not_broken();
+  forget_no_op();
   settle(/*wait=*/false);
   const std::size_t want = std::min(count, table_.backable() - table_.backed_count());
   const std::size_t backed = back_locked(lock, want, chosen_, /*released=*/false, nullptr);

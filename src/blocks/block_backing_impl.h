@@ -21,6 +21,7 @@
 // mutex from start to end, its wait for the forwards' event included.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -68,6 +69,8 @@ class BlockBacking::Impl final {
 
   // ---- the public calls (block_backing.h documents them) ----------------------------
   void submit(const std::int64_t* release, std::size_t release_count, std::size_t target, Stream stream, bool start);
+  bool submit_if_nothing_to_do(std::size_t target) noexcept;
+  bool jobs_idle() const noexcept { return no_op_below_.load(std::memory_order_acquire) != 0; }
   void start();
   void wait();
   std::size_t back(std::size_t target);
@@ -125,6 +128,9 @@ class BlockBacking::Impl final {
   // release or back, no page waiting to go back, the layer whole, no other workers to look
   // at): counts it as run and returns true.
   bool done_if_nothing_to_do(std::size_t release_count, std::size_t target);
+  // Before a call changes what a job would do (backs, releases, hands a job over): the
+  // next job with nothing to do is found under the locks again.
+  void forget_no_op() noexcept { no_op_below_.store(0, std::memory_order_release); }
 
   // ---- releasing (block_backing_release.cpp) ------------------------------------------
   // Releases `blocks` (checked by table_.expect_releasable() already); their freed pages
@@ -176,7 +182,12 @@ class BlockBacking::Impl final {
       jobs_mutex_;  // the engine's side of the jobs (kept_, submitted_, thread_); taken before mutex_, never after
   std::optional<Job> kept_;
   Job running_;
-  std::uint64_t submitted_ = 0;
+  std::atomic<std::uint64_t> submitted_{0};
+  // A job of no release and a target below this changes nothing and needs no wait (0:
+  // unknown): set by the last job done_if_nothing_to_do() found, under both locks; cleared
+  // by forget_no_op(). Lets most decode steps' submit() take no lock (submit_if_nothing_to_do).
+  std::atomic<std::size_t> no_op_below_{0};
+  std::atomic<std::uint64_t> no_op_jobs_{0};  // the jobs done so, in stats().jobs.calls
   std::exception_ptr job_error_;
   std::unique_ptr<detail::JobThread> thread_;  // last: it runs jobs on everything above
 };

@@ -2,6 +2,7 @@
 // (release, target) over; the job thread (or submit() itself, inline) releases, backs, and
 // gives the released pages back once that event completed; its error, naming the job, is
 // rethrown by the next submit() or wait().
+#include <limits>
 #include <string>
 
 #include "block_backing_impl.h"
@@ -39,6 +40,7 @@ std::exception_ptr prefixed(std::exception_ptr error, const std::string& prefix)
 
 void BlockBacking::Impl::submit(const std::int64_t* release, std::size_t release_count, std::size_t target,
                                 Stream stream, bool start) {
+  if (release_count == 0 && submit_if_nothing_to_do(target)) return;
   detail::expect_same_process(fork_generation_);
   std::lock_guard<std::mutex> jobs(jobs_mutex_);
   start_locked();  // a job kept and not started yet goes first
@@ -51,6 +53,7 @@ void BlockBacking::Impl::submit(const std::int64_t* release, std::size_t release
     ++submitted_;
     return;
   }
+  forget_no_op();
   Job job;
   job.release.assign(release, release + release_count);
   job.target = target;
@@ -71,15 +74,29 @@ bool BlockBacking::Impl::done_if_nothing_to_do(std::size_t release_count, std::s
   last_job_ns_ = 0;
   last_job_event_wait_ns_ = 0;
   jobs_.calls += 1;
+  // Until a call changes that, so is every job of no release and a target this low.
+  const std::size_t backed = table_.backed_count();
+  no_op_below_.store(backed >= table_.backable() ? std::numeric_limits<std::size_t>::max() : backed + 1, std::memory_order_release);
+  return true;
+}
+
+bool BlockBacking::Impl::submit_if_nothing_to_do(std::size_t target) noexcept {
+  // A reader that sees the bound before a call clears it is ordered before that call.
+  if (target >= no_op_below_.load(std::memory_order_acquire)) return false;
+  if (detail::fork_generation() != fork_generation_) return false;  // submit() says why
+  ++submitted_;
+  no_op_jobs_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
 void BlockBacking::Impl::start() {
+  if (jobs_idle()) return;
   std::lock_guard<std::mutex> jobs(jobs_mutex_);
   start_locked();
 }
 
 void BlockBacking::Impl::wait() {
+  if (jobs_idle()) return;
   std::lock_guard<std::mutex> jobs(jobs_mutex_);
   start_locked();
   if (thread_) thread_->wait();

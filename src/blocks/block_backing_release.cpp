@@ -18,6 +18,7 @@ std::size_t BlockBacking::Impl::release(const std::int64_t* blocks, std::size_t 
   expect_not_broken();
   table_.expect_releasable(blocks, count);
   if (count == 0) return 0;
+  forget_no_op();
   const Event event = backend_->record_event(stream);  // the last work that may read them
   const std::size_t bytes = release_locked(blocks, count, event);
   try {

@@ -125,6 +125,61 @@ TEST(BlockJobs, AJobWithNothingToDoIsDoneWhenSubmitReturns) {
   }
 }
 
+TEST(BlockJobs, AfterAJobWithNothingToDoTheNextIsDoneWithoutALockUntilACallChangesBacking) {
+  // A decode step's submit() in a binding: once a job under the locks found nothing to do,
+  // the next ones up to the backed count are done lock-free, counted and numbered as jobs;
+  // anything that backs, releases or hands a job over makes the next one look again.
+  auto events =
+      std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
+  BlockBacking backing(one_run(16, testing::kHostTestPageBytes, /*background=*/true), nullptr, std::nullopt, events);
+  EXPECT_FALSE(backing.submit_if_nothing_to_do(0)) << "nothing known before a job";
+  backing.submit(nullptr, 0, 4, 0);
+  backing.wait();
+  EXPECT_FALSE(backing.submit_if_nothing_to_do(4)) << "the job that backed is no proof";
+  backing.submit(nullptr, 0, 4, 0);  // under the locks: nothing to do
+  const std::uint64_t calls = backing.stats().jobs.calls;
+  EXPECT_TRUE(backing.jobs_idle());
+  EXPECT_TRUE(backing.submit_if_nothing_to_do(4));
+  EXPECT_TRUE(backing.submit_if_nothing_to_do(2));
+  EXPECT_FALSE(backing.submit_if_nothing_to_do(5)) << "a block to back";
+  backing.submit(nullptr, 0, 3, 0, /*start=*/false);  // lock-free inside submit() too
+  EXPECT_EQ(backing.stats().jobs.calls, calls + 3);
+  backing.start();
+  backing.wait();
+
+  backing.back(6);
+  EXPECT_FALSE(backing.submit_if_nothing_to_do(4)) << "back() changed backing";
+  backing.submit(nullptr, 0, 6, 0);
+  EXPECT_TRUE(backing.submit_if_nothing_to_do(6));
+  const std::int64_t one[] = {5};
+  backing.release(one, 1, 0);
+  EXPECT_FALSE(backing.submit_if_nothing_to_do(1)) << "release() changed backing (and left a page pending)";
+  events->complete_all();
+  backing.submit(nullptr, 0, 5, 0);
+  backing.wait();
+
+  // A job in flight holds the layer's mutex while it waits for the forwards' event: the
+  // lock-free calls answer at once and say no.
+  const std::int64_t release[] = {2, 3};
+  backing.submit(release, 2, 3, 0);
+  EXPECT_FALSE(backing.jobs_idle());
+  EXPECT_FALSE(backing.submit_if_nothing_to_do(0));
+  events->complete_all();
+  backing.wait();
+  EXPECT_EQ(backing.backed_blocks(), 3u);
+
+  // Numbered as jobs: a failing one names its number, counting those done lock-free.
+  backing.submit(nullptr, 0, 3, 0);
+  const std::uint64_t submitted = backing.stats().jobs.calls;
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(backing.submit_if_nothing_to_do(3));
+  const std::int64_t twice[] = {2};
+  backing.submit(twice, 1, 3, 0);
+  const std::string message = message_of<InvalidArgument>([&] { backing.wait(); });
+  EXPECT_TRUE(contains(message, "block backing job " + std::to_string(submitted + 4) + " "))
+      << message << " (jobs so far: " << submitted << ")";
+  backing.check_invariants();
+}
+
 TEST(BlockJobs, ReleasedPagesAreUnmappedOnlyAfterTheSubmitsEvent) {
   auto events =
       std::make_shared<testing::ControlledEventBackend>(std::make_shared<HostBackend>(testing::kHostTestPageBytes));
