@@ -41,6 +41,10 @@ Launches (--launch, one run each per round):
          the prefills (1,956-2,048 tokens) are past vLLM's largest capture size (eager there too).
 On a CPU graph mode is emulated: the captured step runs eagerly over the same static buffers.
 
+Host threads: on CUDA torch runs one intra-op thread, as vLLM 0.33's GPU worker serves
+(set_torch_threads_for_runtime(); OMP_NUM_THREADS, where set, is kept): the report's
+torch_threads.
+
 Admission (--admission): ahead (default) backs the first step's target before the clock, as
 the queue's blocks mapped while the engine waits for it (the demo maps its ready memory and
 the queue's prompts ahead the same way: expect_tokens()); in-step leaves it to the first
@@ -749,7 +753,7 @@ class _Replayer:
             outs = {}
             order = ("vkv", "fixed") if (index + number) % 2 == 0 else ("fixed", "vkv")
             for name in order:
-                outs[name] = self._step(name, index, step, release, size, inputs, per_step)
+                outs[name] = self._step(name, index, step, size, inputs, per_step)
             if scheduler is not None:
                 scheduler.take_into_pool()
             stats = backing.stats()
@@ -787,7 +791,7 @@ class _Replayer:
                    "gc_ms": {k: round(1e3 * (v - gc_start[k]), 3) for k, v in self.gc_clock.seconds.items()}}
         return summary, per_step
 
-    def _step(self, name, index, step, release, size, inputs, per_step):
+    def _step(self, name, index, step, size, inputs, per_step):
         """One pool's timed part of a step: what ``name`` costs, in parts (PARTS)."""
         self.sync()
         if self.step_barrier is not None:
@@ -800,7 +804,8 @@ class _Replayer:
             # The connector's worker at the bind, before the forward is queued, on its stream:
             # one call (the previous job is done: this step started after it), kept until the
             # forward is queued (after-launch, as vLLM's start_load_kv()) or started at once.
-            self.backing.submit(release, step["target"], start=self.job_start == "bind")
+            # The release as the connector's metadata carries it: a list.
+            self.backing.submit(step["release"], step["target"], start=self.job_start == "bind")
         t1 = time.perf_counter()
         if self.cuda:
             begin.record()
@@ -858,6 +863,7 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
                          f"(flashinfer), not {model.report['attention']!r}")
     if os.environ.get("VKV_REPLAY_SWITCH_INTERVAL"):  # an experiment: the GIL's forced hand-offs between threads
         sys.setswitchinterval(float(os.environ["VKV_REPLAY_SWITCH_INTERVAL"]))
+    torch_threads = _serving_threads(cuda)
     rank = agreement[1] if agreement else 0
     backing = vkv.BlockBacking(nb, model.block_bytes, device=device, page_size=page_bytes, background=background,
                                states=np.zeros(nb, dtype=np.uint8) if rank == 0 else None, permanent_blocks=(0,),
@@ -917,7 +923,7 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
                   "capture_sizes": sizes_list, "captured_sizes": graphs.captured,
                   "capture_seconds": round(graphs.capture_seconds, 3), "warmed_shapes": len(replayer.warmed),
                   **({"graph_error": graph_error} if graph_error else {}),
-                  "gc_freeze": gc_freeze, "bitwise_equal": all(r["bitwise_equal"] for r in runs),
+                  "gc_freeze": gc_freeze, "torch_threads": torch_threads, "bitwise_equal": all(r["bitwise_equal"] for r in runs),
                   "backed_at_end": {"blocks": len(backed), "digest": hashlib.sha1(str(backed).encode()).hexdigest()[:16]},
                   "summary": {launch: _aggregate([r for r in runs if r["launch"] == launch]) for launch in launches},
                   "runs": runs}
@@ -936,6 +942,15 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
                                                                             for k, v in p.items()}}
                                 for r, p in zip(runs, per_steps)]}, f, separators=(",", ":"))
     return report
+
+
+def _serving_threads(cuda: bool) -> int:
+    """Torch's intra-op threads as vLLM 0.33's GPU worker serves (set_torch_threads_for_runtime()
+    once the model is loaded): one, unless OMP_NUM_THREADS is set. Idle OpenMP workers spin
+    after each parallel region and take the host time of the step's serial code."""
+    if cuda and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
 
 
 def _aggregate(runs):
