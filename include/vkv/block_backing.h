@@ -164,7 +164,8 @@ class BlockBacking {
   /// the ids are copied. Without workers, a job with nothing to do (nothing released,
   /// `target` already backed, no released page waiting to go back) is done when submit()
   /// returns: no thread is woken and start() has nothing to start (most decode steps).
-  /// With workers the thread runs it, looking whether they are all alive.
+  /// With workers too, once a look at their processes (a poll() of their pidfds) finds
+  /// them alive; a dead one sends the job to the thread, whose round names it.
   /// @throws the previous job's error; InvalidArgument (inline: the job's errors, as below);
   ///         DriverError recording the event.
   void submit(const std::int64_t* release, std::size_t release_count, std::size_t target, Stream stream,

@@ -65,12 +65,13 @@ void BlockBacking::Impl::submit(const std::int64_t* release, std::size_t release
 }
 
 bool BlockBacking::Impl::done_if_nothing_to_do(std::size_t release_count, std::size_t target) {
-  // With workers, the thread runs it: it looks whether every worker is still alive (a read
-  // of each one's process state, tens of µs) beside the forward, so that a dead one is
-  // named at the next step, not on the step's path.
-  if (release_count > 0 || agreement_) return false;
+  if (release_count > 0) return false;
   std::lock_guard<std::mutex> lock(mutex_);  // the thread is idle: the engine's side waited for it
   if (!broken_.empty() || want_for(target) != 0 || store_.pending_pages() != 0) return false;
+  // Workers hold the same blocks (every change was agreed) and were asked the same, so each
+  // finds this alike and none waits for the others -- while all are alive. A dead one sends
+  // the job to the thread, whose round names it.
+  if (agreement_ && !agreement_->peers_alive()) return false;
   last_job_ns_ = 0;
   last_job_event_wait_ns_ = 0;
   jobs_.calls += 1;
@@ -84,6 +85,7 @@ bool BlockBacking::Impl::submit_if_nothing_to_do(std::size_t target) noexcept {
   // A reader that sees the bound before a call clears it is ordered before that call.
   if (target >= no_op_below_.load(std::memory_order_acquire)) return false;
   if (detail::fork_generation() != fork_generation_) return false;  // submit() says why
+  if (agreement_ && !agreement_->peers_alive()) return false;       // as done_if_nothing_to_do()
   ++submitted_;
   no_op_jobs_.fetch_add(1, std::memory_order_relaxed);
   return true;

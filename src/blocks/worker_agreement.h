@@ -42,8 +42,15 @@ class WorkerAgreement {
   /// on every worker that chose alike; `identity` on every worker at all (else identity_differs).
   /// @throws Error naming the worker that exited or stayed away (the agreement is over).
   Verdict round(std::size_t missing, Failure failure, std::uint64_t digest, std::uint64_t identity = 0);
-  /// Every worker's process is alive (false where this process cannot tell).
-  bool peers_alive() const { return all_reduce_.peers_visible(); }
+  /// Every worker's process is alive (false where this process cannot tell). A poll() a
+  /// step; never throws.
+  bool peers_alive() const noexcept {
+    try {
+      return all_reduce_.peers_visible();
+    } catch (...) {
+      return false;  // the round that follows asks the long way
+    }
+  }
 
   std::size_t rank() const noexcept { return agreement_.rank; }
   std::size_t ranks() const noexcept { return agreement_.ranks; }

@@ -4,9 +4,12 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <mutex>
 #include <new>
+#include <optional>
 #include <vector>
 
+#include "interprocess/process_watch.h"
 #include "interprocess/shared_memory.h"
 #include "vkv/error.h"
 
@@ -79,6 +82,9 @@ struct HostAllReduce::Segment {
   std::size_t capacity = 0;
   std::uint64_t round = 0;  // rounds this rank has started
   std::string failed;       // why a wait gave up: the rounds are out of step since
+  // The other ranks' processes, watched once every rank joined (peers_visible()).
+  std::once_flag watching;
+  std::optional<detail::ProcessWatch> peers;
 
   Segment(detail::SharedMapping mapped, std::string segment_name, std::size_t own_rank)
       : memory(std::move(mapped)), name(std::move(segment_name)), rank(own_rank) {
@@ -226,11 +232,15 @@ bool HostAllReduce::unlink(const std::string& name) noexcept {
 }
 
 bool HostAllReduce::peers_visible() const {
-  const Segment& segment = *segment_;
+  Segment& segment = *segment_;
   if (segment.header->joined.load() != segment.ranks) return false;
-  for (std::size_t other = 0; other < segment.ranks; ++other)
-    if (!segment.members[other].identity.alive()) return false;
-  return true;
+  std::call_once(segment.watching, [&segment] {
+    std::vector<detail::ProcessIdentity> others;
+    for (std::size_t other = 0; other < segment.ranks; ++other)
+      if (other != segment.rank) others.push_back(segment.members[other].identity);
+    segment.peers.emplace(others);
+  });
+  return segment.peers->all_alive();
 }
 
 void HostAllReduce::reduce_max(std::int64_t* values, std::size_t count, std::chrono::nanoseconds timeout) {

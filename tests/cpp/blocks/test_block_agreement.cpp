@@ -176,6 +176,44 @@ TEST(BlockAgreement, AWorkerKilledIsNamed) {
   close(ready[1]);
 }
 
+// Steps with nothing to do are done at submit(), while a poll finds every worker alive; the
+// first one after a worker died goes to the round, which names it.
+TEST(BlockAgreement, AWorkerKilledBetweenStepsThatChangeNothingIsNamedAtTheNextStep) {
+  const std::string name = agreement_name("killed-quiet");
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 1, 2, std::chrono::seconds(20)},
+                           std::make_shared<HostBackend>(kPage));
+      const char byte = 1;
+      if (write(ready[1], &byte, 1) != 1) _exit(2);
+      pause();  // until killed
+    } catch (...) {}
+    _exit(1);
+  }
+  BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 0, 2, std::chrono::seconds(20)},
+                       std::make_shared<HostBackend>(kPage));
+  char byte = 0;
+  ASSERT_EQ(read(ready[0], &byte, 1), 1);
+  for (int step = 0; step < 3; ++step) backing.submit(nullptr, 0, 0, 0);
+  EXPECT_TRUE(backing.jobs_idle()) << "done at submit(): the peer is alive";
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_FALSE(backing.submit_if_nothing_to_do(0));
+  const std::string message = message_of<Error>([&] {
+    backing.submit(nullptr, 0, 0, 0);
+    backing.wait();
+  });
+  EXPECT_TRUE(contains(message, "rank 1")) << message;
+  EXPECT_TRUE(contains(message, std::to_string(child))) << message;
+  close(ready[0]);
+  close(ready[1]);
+}
+
 TEST(BlockAgreement, AWorkerThatCannotStartStopsThemAll) {
   const auto errors = run_workers(
       3, agreement_name("start"),
