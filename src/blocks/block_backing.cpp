@@ -272,7 +272,9 @@ void BlockBacking::submit(const std::int64_t* release, std::size_t release_count
                           bool start) {
   impl_->submit(release, release_count, target, stream, start);
 }
-bool BlockBacking::submit_if_nothing_to_do(std::size_t target) noexcept { return impl_->submit_if_nothing_to_do(target); }
+bool BlockBacking::submit_if_nothing_to_do(std::size_t target) noexcept {
+  return impl_->submit_if_nothing_to_do(target);
+}
 bool BlockBacking::jobs_idle() const noexcept { return impl_->jobs_idle(); }
 void BlockBacking::start() { impl_->start(); }
 void BlockBacking::wait() { impl_->wait(); }

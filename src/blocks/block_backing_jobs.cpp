@@ -77,7 +77,8 @@ bool BlockBacking::Impl::done_if_nothing_to_do(std::size_t release_count, std::s
   jobs_.calls += 1;
   // Until a call changes that, so is every job of no release and a target this low.
   const std::size_t backed = table_.backed_count();
-  no_op_below_.store(backed >= table_.backable() ? std::numeric_limits<std::size_t>::max() : backed + 1, std::memory_order_release);
+  no_op_below_.store(backed >= table_.backable() ? std::numeric_limits<std::size_t>::max() : backed + 1,
+                     std::memory_order_release);
   return true;
 }
 
