@@ -161,11 +161,11 @@ class BlockBacking {
   /// with config.background off, or keeps it until start() when `start` is false. The job
   /// is release(release) then back(target), each as the calls below, then gives back at
   /// most config.give_back_per_job of the released pages. Returns at once with the thread;
-  /// the ids are copied. Without workers, a job with nothing to do (nothing released,
-  /// `target` already backed, no released page waiting to go back) is done when submit()
-  /// returns: no thread is woken and start() has nothing to start (most decode steps).
-  /// With workers too, once a look at their processes (a poll() of their pidfds) finds
-  /// them alive; a dead one sends the job to the thread, whose round names it.
+  /// the ids are copied. A job with nothing to do (nothing released, `target` already
+  /// backed, no released page waiting to go back) is done when submit() returns: no thread
+  /// is woken and start() has nothing to start (most decode steps). With workers, only once
+  /// a poll() of their pidfds finds them alive: a dead one sends the job to the thread,
+  /// whose round names it.
   /// @throws the previous job's error; InvalidArgument (inline: the job's errors, as below);
   ///         DriverError recording the event.
   void submit(const std::int64_t* release, std::size_t release_count, std::size_t target, Stream stream,
@@ -173,7 +173,7 @@ class BlockBacking {
   /// submit(nothing, target) where it needs no lock: the last job found nothing to do,
   /// nothing changed since and `target` is backed. Lock-free and never waits, so that a
   /// binding may try it before letting go of an interpreter lock; false: call submit(),
-  /// which decides under the locks (and is the only way to a done-at-once job with workers).
+  /// which decides under the locks. With workers it polls their pidfds as submit() does.
   bool submit_if_nothing_to_do(std::size_t target) noexcept;
   /// Lock-free: true where start() and wait() would return at once (no job kept, in flight
   /// or with an error to rethrow since the last job with nothing to do); false: call them.

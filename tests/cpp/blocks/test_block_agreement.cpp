@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <functional>
+#include <memory>
 #include <thread>
 
 #include "block_testing.h"
@@ -144,74 +145,70 @@ TEST(BlockAgreement, ALateWorkerIsNamed) {
   EXPECT_TRUE(contains(message_of<Error>([&] { layers[0]->back(4); }), "stop the engine"));
 }
 
-// Rank 1 is another process that starts, then dies before the next job (SIGKILL).
-TEST(BlockAgreement, AWorkerKilledIsNamed) {
-  const std::string name = agreement_name("killed");
-  int ready[2];
-  ASSERT_EQ(pipe(ready), 0);
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    try {
-      BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 1, 2, std::chrono::seconds(20)},
-                           std::make_shared<HostBackend>(kPage));
-      const char byte = 1;
-      if (write(ready[1], &byte, 1) != 1) _exit(2);
-      pause();  // until killed
-    } catch (...) {}
-    _exit(1);
+// Rank 1 of two in another process, rank 0 here: kill() ends rank 1 (SIGKILL) once both started.
+class KilledWorker {
+ public:
+  explicit KilledWorker(const std::string& name) {
+    int ready[2];
+    if (pipe(ready) != 0) throw Error("pipe() failed");
+    child_ = fork();
+    if (child_ == 0) {
+      try {
+        BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 1, 2, std::chrono::seconds(20)},
+                             std::make_shared<HostBackend>(kPage));
+        const char byte = 1;
+        if (write(ready[1], &byte, 1) != 1) _exit(2);
+        pause();  // until killed
+      } catch (...) {}
+      _exit(1);
+    }
+    backing_ = std::make_unique<BlockBacking>(worker_config(kPage), nullptr,
+                                              BlockAgreement{name, 0, 2, std::chrono::seconds(20)},
+                                              std::make_shared<HostBackend>(kPage));
+    char byte = 0;
+    const bool started = read(ready[0], &byte, 1) == 1;
+    close(ready[0]);
+    close(ready[1]);
+    if (!started) throw Error("rank 1 did not start");
   }
-  BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 0, 2, std::chrono::seconds(20)},
-                       std::make_shared<HostBackend>(kPage));
-  char byte = 0;
-  ASSERT_EQ(read(ready[0], &byte, 1), 1);
-  kill(child, SIGKILL);
-  int status = 0;
-  waitpid(child, &status, 0);
+  BlockBacking& rank0() { return *backing_; }
+  pid_t pid() const { return child_; }
+  void kill() {
+    ::kill(child_, SIGKILL);
+    int status = 0;
+    waitpid(child_, &status, 0);
+  }
+
+ private:
+  pid_t child_ = -1;
+  std::unique_ptr<BlockBacking> backing_;
+};
+
+TEST(BlockAgreement, AWorkerKilledIsNamed) {
+  KilledWorker workers(agreement_name("killed"));
+  workers.kill();
+  BlockBacking& backing = workers.rank0();
   const std::string message = message_of<Error>([&] { backing.back(4); });
   EXPECT_TRUE(contains(message, "rank 1")) << message;
-  EXPECT_TRUE(contains(message, std::to_string(child))) << message;
+  EXPECT_TRUE(contains(message, std::to_string(workers.pid()))) << message;
   EXPECT_EQ(backing.backed_blocks(), 0u);
-  close(ready[0]);
-  close(ready[1]);
 }
 
 // Steps with nothing to do are done at submit(), while a poll finds every worker alive; the
 // first one after a worker died goes to the round, which names it.
 TEST(BlockAgreement, AWorkerKilledBetweenStepsThatChangeNothingIsNamedAtTheNextStep) {
-  const std::string name = agreement_name("killed-quiet");
-  int ready[2];
-  ASSERT_EQ(pipe(ready), 0);
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    try {
-      BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 1, 2, std::chrono::seconds(20)},
-                           std::make_shared<HostBackend>(kPage));
-      const char byte = 1;
-      if (write(ready[1], &byte, 1) != 1) _exit(2);
-      pause();  // until killed
-    } catch (...) {}
-    _exit(1);
-  }
-  BlockBacking backing(worker_config(kPage), nullptr, BlockAgreement{name, 0, 2, std::chrono::seconds(20)},
-                       std::make_shared<HostBackend>(kPage));
-  char byte = 0;
-  ASSERT_EQ(read(ready[0], &byte, 1), 1);
+  KilledWorker workers(agreement_name("killed-quiet"));
+  BlockBacking& backing = workers.rank0();
   for (int step = 0; step < 3; ++step) backing.submit(nullptr, 0, 0, 0);
   EXPECT_TRUE(backing.jobs_idle()) << "done at submit(): the peer is alive";
-  kill(child, SIGKILL);
-  int status = 0;
-  waitpid(child, &status, 0);
+  workers.kill();
   EXPECT_FALSE(backing.submit_if_nothing_to_do(0));
   const std::string message = message_of<Error>([&] {
     backing.submit(nullptr, 0, 0, 0);
     backing.wait();
   });
   EXPECT_TRUE(contains(message, "rank 1")) << message;
-  EXPECT_TRUE(contains(message, std::to_string(child))) << message;
-  close(ready[0]);
-  close(ready[1]);
+  EXPECT_TRUE(contains(message, std::to_string(workers.pid()))) << message;
 }
 
 TEST(BlockAgreement, AWorkerThatCannotStartStopsThemAll) {
