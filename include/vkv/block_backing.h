@@ -99,6 +99,14 @@ struct BlockBackingConfig {
   /// and go at the next jobs, at once when a back() runs short or the budget asks, and on
   /// the layer's thread once no job came for 100 ms (background on). 0: no limit.
   std::size_t give_back_per_job = std::size_t{32} << 20;
+  /// Bytes of one physical allocation (a multiple of the page size, at least 2 pages; 0:
+  /// none): a job maps each run of consecutive fresh pages in as many of these as fit from
+  /// its start, with one create, map and access call each instead of one a page (on CUDA
+  /// about 10x the bytes a second: `cuMemSetAccess` costs per page mapped), the rest page by
+  /// page. Such a page goes back only whole, once no backed block has bytes on any of its
+  /// pages: until then its unused pages stay mapped, counted as parked. The backend must
+  /// have large pages (CUDA and host do).
+  std::size_t large_page_size = 0;
   /// Backed at construction and never released (vLLM's null block 0); not counted in
   /// backed_blocks() nor in back()'s target.
   std::vector<std::size_t> permanent_blocks;
@@ -206,8 +214,9 @@ class BlockBacking {
   /// Releases `blocks` (RECLAIMING where the states are shared; backed otherwise): they
   /// become UNBACKED at once; pages no other backed block has bytes on go back to the
   /// budget once an event recorded now on `stream` has completed (at once where it has;
-  /// else at the next call, when a back() runs short, or when the budget asks). Returns
-  /// the bytes of those pages. All or nothing.
+  /// else at the next call, when a back() runs short, or when the budget asks); pages of a
+  /// large page (config.large_page_size) only with its last held page. Returns the bytes
+  /// of those pages. All or nothing.
   /// @throws InvalidArgument naming the first bad block: out of range, permanent, listed
   ///         twice, not backed, or (shared states) not RECLAIMING; DriverError recording
   ///         the event.

@@ -142,6 +142,8 @@ namespace vkv {
   X(pages_held, std::size_t, count, "pages some backed block has bytes on")                                       \
   X(pages_pending, std::size_t, count,                                                                            \
     "pages no backed block has bytes on any more, still mapped until the device work that may read them is done") \
+  X(pages_parked, std::size_t, count,                                                                             \
+    "pages no backed block has bytes on, mapped until their large page goes back whole (large_page_size)")        \
   X(jobs, CallStats, group,                                                                                       \
     "submitted jobs run; units: blocks released and backed; time: on the job's thread, its waits included")       \
   X(last_job_ns, std::uint64_t, seconds, "the last job's time on its thread, its waits included")                 \

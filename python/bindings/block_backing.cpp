@@ -49,7 +49,8 @@ std::shared_ptr<BlockBacking> make_backing(
     const std::string& shared_budget, std::size_t shared_budget_floor, std::size_t shared_budget_cap,
     std::size_t shared_budget_priority, const std::string& shared_budget_label, bool scratch_page, bool background,
     const std::vector<std::size_t>& permanent_blocks, bool prefer_costless, std::size_t give_back_per_job,
-    py::handle states, const std::optional<std::tuple<std::string, std::size_t, std::size_t, double>>& agreement) {
+    std::size_t large_page_size, py::handle states,
+    const std::optional<std::tuple<std::string, std::size_t, std::size_t, double>>& agreement) {
   vkv::BlockBackingConfig config;
   config.num_blocks = num_blocks;
   for (const auto& [start, length, stride] : ranges) config.ranges.push_back({start, length, stride});
@@ -67,6 +68,7 @@ std::shared_ptr<BlockBacking> make_backing(
   config.permanent_blocks = permanent_blocks;
   config.prefer_costless = prefer_costless;
   config.give_back_per_job = give_back_per_job;
+  config.large_page_size = large_page_size;
   std::optional<vkv::BlockAgreement> workers;
   if (agreement) {
     const auto& [name, rank, ranks, timeout_s] = *agreement;
@@ -189,8 +191,9 @@ void bind_block_backing(py::module_& m) {
       .def(py::init(&make_backing), arg("num_blocks"), arg("ranges"), arg("reserved_bytes"), arg("page_size"),
            arg("device"), arg("memory_budget"), arg("shared_budget"), arg("shared_budget_floor"),
            arg("shared_budget_cap"), arg("shared_budget_priority"), arg("shared_budget_label"), arg("scratch_page"),
-           arg("background"), arg("permanent_blocks"), arg("prefer_costless"), arg("give_back_per_job"), arg("states"),
-           arg("agreement"), py::keep_alive<1, 18>())  // the states' memory lives as long as the layer
+           arg("background"), arg("permanent_blocks"), arg("prefer_costless"), arg("give_back_per_job"),
+           arg("large_page_size"), arg("states"), arg("agreement"),
+           py::keep_alive<1, 19>())  // the states' memory lives as long as the layer
       .def("submit", &submit, arg("release"), arg("target"), arg("stream") = py::none(), arg("start") = true)
       .def("start", &start)
       .def("wait", &wait)

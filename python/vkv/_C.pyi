@@ -118,6 +118,7 @@ class BlockBackingStats(TypedDict):
     budget_pages: int  # most physical pages the layer may hold (memory_budget)
     pages_held: int  # pages some backed block has bytes on
     pages_pending: int  # pages no backed block has bytes on any more, still mapped until the device work that may read them is done
+    pages_parked: int  # pages no backed block has bytes on, mapped until their large page goes back whole (large_page_size)
     jobs: CallStats  # submitted jobs run; units: blocks released and backed; time: on the job's thread, its waits included
     last_job_seconds: float  # the last job's time on its thread, its waits included
     last_job_event_wait_seconds: float  # of that: waiting for the forwards' event before giving released pages back
@@ -302,7 +303,7 @@ class BlockBacking:
                  device: str, memory_budget: int, shared_budget: str, shared_budget_floor: int,
                  shared_budget_cap: int, shared_budget_priority: int, shared_budget_label: str, scratch_page: bool,
                  background: bool, permanent_blocks: List[int], prefer_costless: bool, give_back_per_job: int,
-                 states: Optional[Any],
+                 large_page_size: int, states: Optional[Any],
                  agreement: Optional[Tuple[str, int, int, float]]) -> None: ...
     def submit(self, release: Any, target: int, stream: Optional[int] = None, start: bool = True) -> None: ...
     def start(self) -> None: ...

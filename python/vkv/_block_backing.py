@@ -98,7 +98,8 @@ class BlockBacking:
                  shared_budget_cap: int = 0, shared_budget_priority: int = 0, shared_budget_label: str = "",
                  scratch_page: Optional[bool] = None, background: Optional[bool] = None, states: Any = None,
                  permanent_blocks: Iterable[int] = (0,), agreement: Optional[Sequence[Any]] = None,
-                 prefer_costless: bool = True, give_back_per_job: int = 32 << 20) -> None:
+                 prefer_costless: bool = True, give_back_per_job: int = 32 << 20,
+                 large_page_size: int = 0) -> None:
         """Reserves the buffer, backs the permanent blocks and starts the job thread.
 
         Args:
@@ -126,6 +127,11 @@ class BlockBacking:
                 which many requests end waits for no more unmapping); the rest stay pending
                 and go at the next jobs, when a back runs short or the budget asks, or on the
                 layer's thread once no job came for 100 ms. 0: no limit.
+            large_page_size: bytes of one physical allocation (a multiple of page_size, at
+                least 2 pages; 0: none): a job maps each run of consecutive fresh pages in as
+                many of these as fit, one create, map and access call each instead of one a
+                page (on CUDA about 10x faster); such a page goes back only whole, once no
+                backed block is on any of its pages (until then ``stats()["pages_parked"]``).
         """
         num_blocks = expect_int("num_blocks", num_blocks, 1)
         self.device = resolve_device(device)
@@ -144,7 +150,8 @@ class BlockBacking:
             background=cuda if background is None else bool(background),
             permanent_blocks=[expect_int("permanent_blocks", block) for block in permanent_blocks],
             prefer_costless=bool(prefer_costless),
-            give_back_per_job=expect_int("give_back_per_job", give_back_per_job), states=state_array,
+            give_back_per_job=expect_int("give_back_per_job", give_back_per_job),
+            large_page_size=expect_int("large_page_size", large_page_size), states=state_array,
             agreement=_agreement(agreement))
         self._core: Optional[Any] = core
         self._states = state_array if state_array is not None else core.states

@@ -53,7 +53,7 @@ void BlockBacking::Impl::map_new_pages(const std::vector<std::size_t>& chosen, d
   fresh_.clear();
   pending_again_.clear();
   for (std::size_t page : new_pages_) {
-    (store_.state(page) == detail::PageStore::State::pending ? pending_again_ : fresh_).push_back(page);
+    (store_.unused_but_mapped(page) ? pending_again_ : fresh_).push_back(page);
   }
   store_.map_fresh(fresh_, undo);  // all or nothing
 }
@@ -69,7 +69,10 @@ BlockBacking::Impl::Mapping BlockBacking::Impl::map_chosen(std::unique_lock<std:
   };
   // Released pages waiting for their readers: once those are done, they are room.
   auto settle_pending = [&] {
-    if (store_.pending_pages() <= pending_again_.size()) return false;
+    const auto taken_back = std::count_if(pending_again_.begin(), pending_again_.end(), [this](std::size_t page) {
+      return store_.state(page) == detail::PageStore::State::pending;
+    });
+    if (store_.pending_pages() <= static_cast<std::size_t>(taken_back)) return false;
     settle(/*wait=*/true);
     return true;
   };

@@ -37,7 +37,8 @@ class LentBlockPages final : public BudgetClient::CachePages {
     return relock();
   }
   std::uint64_t event_wait_ns() const override { return 0; }
-  std::size_t claimed_pages() const override { return store_.held_pages(); }
+  /// Held pages, and parked ones: they go back only with their large page's held ones.
+  std::size_t claimed_pages() const override { return store_.held_pages() + store_.parked_pages(); }
   std::size_t next_prompt_pages() const override { return 0; }
   std::size_t add_free_pages(std::size_t pages) override { return pool_.add_free(pages); }
 

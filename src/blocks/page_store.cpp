@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "util/clock.h"
 #include "util/internal_assert.h"
@@ -19,8 +21,12 @@ PageStore::PageStore(Backend& backend, PagePool& pool, std::size_t num_pages, bo
       scratch_page_(scratch_page),
       stream_(backend.create_stream()),
       states_(num_pages, State::unmapped),
+      large_pages_(pool.large_page_pages()),
       handles_(num_pages, 0),
-      pending_event_(num_pages, 0) {}
+      large_first_(num_pages, kSinglePage),
+      pending_event_(num_pages, 0) {
+  VKV_ASSERT(num_pages < kSinglePage);
+}
 
 PageStore::~PageStore() {
   for (PendingEvent& entry : events_)
@@ -45,10 +51,33 @@ void PageStore::for_each_run(const std::vector<std::size_t>& pages, Selected sel
 
 void PageStore::map_fresh(const std::vector<std::size_t>& pages, UndoLog& undo) {
   if (pages.empty()) return;
-  const std::vector<Page> taken = pool_.take(pages.size());  // all or nothing: OutOfMemory names the shortfall
-  undo.push([this, taken] { pool_.release_all(taken); });
+  // Large pages for as many whole ones as each run holds from its start, as far as the
+  // budget has room for them; single pages for the rest. All or nothing.
+  std::size_t wanted_large = 0;
+  if (large_pages_ != 0) {
+    for_each_run(
+        pages, [](std::size_t) { return true; },
+        [&](std::size_t, std::size_t count) { wanted_large += count / large_pages_; });
+  }
+  std::vector<Page> large, single;
+  try {
+    while (large.size() < wanted_large) {
+      std::optional<Page> page = pool_.take_large();
+      if (!page) break;
+      large.push_back(*page);
+    }
+    single = pool_.take(pages.size() - large.size() * large_pages_);  // OutOfMemory names the shortfall
+  } catch (...) {
+    pool_.release_all(large);
+    throw;
+  }
+  undo.push([this, large, single] {
+    pool_.release_all(large);
+    pool_.release_all(single);
+  });
   std::vector<PageHandle> run_handles;
-  std::size_t next = 0;  // taken[next] goes to the run's first page
+  std::vector<std::size_t> dirty;  // pages to zero-fill: fresh ones read as zeros only where the backend makes them so
+  std::size_t next_large = 0, next_single = 0;
   for_each_run(
       pages, [](std::size_t) { return true; },
       [&](std::size_t first, std::size_t count) {
@@ -58,27 +87,42 @@ void PageStore::map_fresh(const std::vector<std::size_t>& pages, UndoLog& undo) 
           backend_.unmap(address, bytes);
           undo.push_remap([this, address, bytes] { backend_.back_with_zeros(address, bytes, /*writable=*/true); });
         }
-        run_handles.clear();
-        for (std::size_t i = 0; i < count; ++i) run_handles.push_back(taken[next + i].handle);
-        backend_.map(address, run_handles.data(), count);
-        undo.push_remap([this, address, bytes] { backend_.unmap(address, bytes); });
-        for (std::size_t i = 0; i < count; ++i) {
-          states_[first + i] = State::held;
-          handles_[first + i] = taken[next + i].handle;
+        std::size_t at = first;
+        const std::size_t end = first + count;
+        for (; large_pages_ != 0 && end - at >= large_pages_ && next_large < large.size(); at += large_pages_) {
+          const Page page = large[next_large++];
+          backend_.map_large(this->address(at), page.handle, large_pages_);
+          undo.push_remap([this, at] { backend_.unmap(this->address(at), large_pages_ * pool_page_bytes_); });
+          for (std::size_t i = at; i < at + large_pages_; ++i) {
+            handles_[i] = page.handle;
+            if (!page.clean) dirty.push_back(i);
+          }
+        }
+        const std::size_t singles_start = at;
+        if (at < end) {
+          run_handles.clear();
+          for (std::size_t i = at; i < end; ++i) {
+            const Page page = single[next_single++];
+            handles_[i] = page.handle;
+            run_handles.push_back(page.handle);
+            if (!page.clean) dirty.push_back(i);
+          }
+          backend_.map(this->address(at), run_handles.data(), end - at);
+          undo.push_remap([this, at, end] { backend_.unmap(this->address(at), (end - at) * pool_page_bytes_); });
+        }
+        for (std::size_t i = first; i < end; ++i) {
+          states_[i] = State::held;
+          if (i < singles_start) large_first_[i] = static_cast<std::uint32_t>(i - (i - first) % large_pages_);
         }
         held_ += count;
         undo.push([this, first, count] {
-          for (std::size_t i = 0; i < count; ++i) states_[first + i] = State::unmapped;
+          for (std::size_t i = first; i < first + count; ++i) {
+            states_[i] = State::unmapped;
+            large_first_[i] = kSinglePage;
+          }
           held_ -= count;
         });
-        next += count;
       });
-  // Fresh pages read as zeros only where the backend makes them so (memfd pages).
-  std::size_t index = 0;
-  std::vector<std::size_t> dirty;
-  for (std::size_t page : pages) {
-    if (!taken[index++].clean) dirty.push_back(page);
-  }
   for_each_run(
       dirty, [](std::size_t) { return true; },
       [&](std::size_t first, std::size_t count) {
@@ -91,28 +135,36 @@ void PageStore::take_back(const std::vector<std::size_t>& pages, UndoLog& undo) 
   if (pages.empty()) return;
   std::vector<std::uint32_t> waited;
   for (std::size_t page : pages) {
-    VKV_ASSERT(states_[page] == State::pending);
+    VKV_ASSERT(unused_but_mapped(page));
     const std::uint32_t entry = pending_event_[page];
     if (std::find(waited.begin(), waited.end(), entry) == waited.end()) {
       waited.push_back(entry);
       backend_.stream_wait_event(stream_, events_[entry].event);  // the zero-fill goes after its readers
     }
   }
+  std::vector<std::pair<std::size_t, State>> before;  // every page whose state changes, as it was
   for (std::size_t page : pages) {
+    before.emplace_back(page, states_[page]);
+    parked_ -= states_[page] == State::parked ? 1 : 0;
     states_[page] = State::held;
     events_[pending_event_[page]].pages -= 1;
   }
   held_ += pages.size();
+  for (std::size_t page : pages) {  // a large page with a held page goes back only later, whole
+    if (!in_large(page)) continue;
+    for (std::size_t i = large_first(page); i < large_first(page) + large_pages_; ++i) {
+      if (states_[i] != State::pending) continue;
+      before.emplace_back(i, State::pending);
+      states_[i] = State::parked;
+      parked_ += 1;
+    }
+  }
   pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                 [this](std::size_t page) { return states_[page] != State::pending; }),
                  pending_.end());
-  undo.push([this, pages] {
-    for (std::size_t page : pages) {
-      states_[page] = State::pending;
-      events_[pending_event_[page]].pages += 1;
-      pending_.push_back(page);
-    }
-    held_ -= pages.size();
+  undo.push([this, before] {
+    for (auto it = before.rbegin(); it != before.rend(); ++it) states_[it->first] = it->second;
+    recount();
   });
   for_each_run(
       pages, [](std::size_t) { return true; },
@@ -122,20 +174,79 @@ void PageStore::take_back(const std::vector<std::size_t>& pages, UndoLog& undo) 
       });
 }
 
+std::uint32_t PageStore::add_event(Event event, std::size_t pages) {
+  for (std::size_t entry = 0; entry < events_.size(); ++entry) {
+    if (events_[entry].alive) continue;  // a parked page may keep an old entry alive: reuse the dead ones
+    events_[entry] = {event, pages, true, false, false};
+    return static_cast<std::uint32_t>(entry);
+  }
+  events_.push_back({event, pages, true, false, false});
+  return static_cast<std::uint32_t>(events_.size() - 1);
+}
+
 void PageStore::add_pending(const std::vector<std::size_t>& pages, Event event) noexcept {
   if (pages.empty()) {
     backend_.destroy_event(event);
     return;
   }
   drop_unused_events();
-  const auto entry = static_cast<std::uint32_t>(events_.size());
-  events_.push_back({event, pages.size(), true, false});
+  const std::uint32_t entry = add_event(event, pages.size());
   for (std::size_t page : pages) {  // held: a backed block was on each (the counts say so)
-    states_[page] = State::pending;
     pending_event_[page] = entry;
-    pending_.push_back(page);
+    if (in_large(page)) {
+      states_[page] = State::parked;
+      parked_ += 1;
+    } else {
+      states_[page] = State::pending;
+      pending_.push_back(page);
+    }
   }
   held_ -= pages.size();
+  std::size_t last = kSinglePage;
+  for (std::size_t page : pages) {  // ascending: each large page once
+    if (!in_large(page) || large_first(page) == last) continue;
+    last = large_first(page);
+    pend_if_unheld(last);
+  }
+}
+
+void PageStore::pend_if_unheld(std::size_t first) noexcept {
+  for (std::size_t i = first; i < first + large_pages_; ++i)
+    if (states_[i] != State::parked) return;
+  for (std::size_t i = first; i < first + large_pages_; ++i) {
+    states_[i] = State::pending;
+    pending_.push_back(i);
+  }
+  parked_ -= large_pages_;
+}
+
+void PageStore::recount() noexcept {
+  held_ = parked_ = 0;
+  pending_.clear();
+  for (PendingEvent& entry : events_) entry.pages = 0;
+  for (std::size_t page = 0; page < states_.size(); ++page) {
+    const State state = states_[page];
+    held_ += state == State::held ? 1 : 0;
+    parked_ += state == State::parked ? 1 : 0;
+    if (state == State::pending) pending_.push_back(page);
+    if (state == State::pending || state == State::parked) events_[pending_event_[page]].pages += 1;
+  }
+}
+
+void PageStore::map_as_before(std::size_t first, std::size_t count) {
+  std::size_t at = first;
+  while (at < first + count) {
+    if (in_large(at)) {
+      VKV_ASSERT(large_first(at) == at && at + large_pages_ <= first + count);
+      backend_.map_large(address(at), handles_[at], large_pages_);
+      at += large_pages_;
+      continue;
+    }
+    std::size_t end = at + 1;
+    while (end < first + count && !in_large(end)) ++end;
+    backend_.map(address(at), &handles_[at], end - at);
+    at = end;
+  }
 }
 
 void PageStore::unmap_run(std::size_t first, std::size_t count) {
@@ -147,7 +258,7 @@ void PageStore::unmap_run(std::size_t first, std::size_t count) {
     backend_.back_with_zeros(address, bytes, /*writable=*/true);
   } catch (...) {
     try {
-      backend_.map(address, &handles_[first], count);  // as it was: the pages stay pending
+      map_as_before(first, count);  // as it was: the pages stay pending
     } catch (...) {
       log_debug("block backing: a page run could not be mapped back after its scratch page failed");
     }
@@ -161,8 +272,10 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back, std::size_t most
     return 0;
   }
   const auto start = Clock::now();
-  for (PendingEvent& entry : events_) {
-    if (!entry.alive || entry.pages == 0) continue;
+  for (std::size_t page : pending_) {  // the events pending pages wait for
+    PendingEvent& entry = events_[pending_event_[page]];
+    if (entry.asked) continue;
+    entry.asked = true;
     if (wait) {
       wait_quietly(entry.event);
       entry.ready = true;
@@ -174,16 +287,39 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back, std::size_t most
   for (std::size_t page : pending_)
     if (events_[pending_event_[page]].ready) going.push_back(page);
   std::sort(going.begin(), going.end());
+  if (large_pages_ != 0) {  // a large page goes only whole: once every page's readers are done
+    std::vector<std::size_t> whole;
+    for (std::size_t i = 0; i < going.size();) {
+      const std::size_t page = going[i];
+      if (!in_large(page)) {
+        whole.push_back(page);
+        ++i;
+        continue;
+      }
+      const std::size_t last = large_first(page) + large_pages_ - 1;  // going is ascending, without repeats
+      const bool all =
+          page == large_first(page) && i + large_pages_ <= going.size() && going[i + large_pages_ - 1] == last;
+      if (all)
+        whole.insert(whole.end(), going.begin() + static_cast<std::ptrdiff_t>(i),
+                     going.begin() + static_cast<std::ptrdiff_t>(i + large_pages_));
+      while (i < going.size() && going[i] <= last) ++i;
+    }
+    going.swap(whole);
+  }
   // The highest go first: backing takes the lowest unbacked blocks, whose pending pages
-  // it can take back without mapping.
-  if (going.size() > most) going.erase(going.begin(), going.end() - static_cast<std::ptrdiff_t>(most));
+  // it can take back without mapping. A large page cut by the limit goes whole.
+  if (going.size() > most) {
+    auto keep = going.end() - static_cast<std::ptrdiff_t>(most);
+    if (in_large(*keep)) keep = std::lower_bound(going.begin(), keep, large_first(*keep));
+    going.erase(going.begin(), keep);
+  }
   std::size_t given = 0;
   std::vector<Page> released;
   auto forget_given = [&] {
     pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                   [this](std::size_t page) { return states_[page] != State::pending; }),
                    pending_.end());
-    for (PendingEvent& entry : events_) entry.ready = false;
+    for (PendingEvent& entry : events_) entry.ready = entry.asked = false;
     given_back.calls += given > 0 ? 1 : 0;
     given_back.units += given;
     given_back.nanoseconds += nanoseconds_since(start);
@@ -196,8 +332,9 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back, std::size_t most
           unmap_run(first, count);
           released.clear();
           for (std::size_t page = first; page < first + count; ++page) {
-            released.push_back({handles_[page], false});
+            if (!in_large(page) || large_first(page) == page) released.push_back({handles_[page], false});
             states_[page] = State::unmapped;
+            large_first_[page] = kSinglePage;
             events_[pending_event_[page]].pages -= 1;
           }
           pool_.release_all(released);
@@ -238,7 +375,8 @@ void PageStore::drop_unused_events() noexcept {
 void PageStore::release_everything() noexcept {
   std::vector<Page> pages;
   for (std::size_t page = 0; page < states_.size(); ++page)
-    if (states_[page] != State::unmapped) pages.push_back({handles_[page], false});
+    if (states_[page] != State::unmapped && (!in_large(page) || large_first(page) == page))
+      pages.push_back({handles_[page], false});
   try {
     if (scratch_page_) {
       backend_.unmap(base_, states_.size() * pool_page_bytes_);  // real and scratch pages alike
@@ -254,15 +392,18 @@ void PageStore::release_everything() noexcept {
     // The driver is going away (process exit); the pages die with the context.
   }
   pool_.release_all(pages);
-  for (std::size_t page = 0; page < states_.size(); ++page) states_[page] = State::unmapped;
+  for (std::size_t page = 0; page < states_.size(); ++page) {
+    states_[page] = State::unmapped;
+    large_first_[page] = kSinglePage;
+  }
   pending_.clear();
-  held_ = 0;
+  held_ = parked_ = 0;
   for (PendingEvent& entry : events_) entry.pages = 0;
   drop_unused_events();
 }
 
 void PageStore::check(const std::vector<bool>& backed) const {
-  std::size_t held = 0, pending = 0;
+  std::size_t held = 0, pending = 0, parked = 0;
   for (std::size_t page = 0; page < states_.size(); ++page) {
     const State state = states_[page];
     if (backed[page] != (state == State::held))
@@ -270,17 +411,37 @@ void PageStore::check(const std::vector<bool>& backed) const {
                                  backed[page] ? " is backed but not held" : " is held but no backed block is on it"));
     held += state == State::held ? 1 : 0;
     pending += state == State::pending ? 1 : 0;
+    parked += state == State::parked ? 1 : 0;
+    if (state == State::unmapped && in_large(page))
+      throw Error(detail::concat("block backing: unmapped page ", page, " is still counted in a large page"));
+    if (state == State::parked && !in_large(page))
+      throw Error(detail::concat("block backing: page ", page, " is parked but in no large page"));
+    if (!in_large(page) || large_first(page) != page) continue;
+    std::size_t large_held = 0, large_pending = 0;
+    for (std::size_t i = page; i < page + large_pages_; ++i) {
+      if (i >= states_.size() || large_first(i) != page)
+        throw Error(detail::concat("block backing: the large page at page ", page, " does not cover page ", i));
+      large_held += states_[i] == State::held ? 1 : 0;
+      large_pending += states_[i] == State::pending ? 1 : 0;
+    }
+    if (large_pending != 0 && large_pending != large_pages_)
+      throw Error(detail::concat("block backing: the large page at page ", page, " has ", large_pending,
+                                 " pages pending, but ", large_held, " held"));
+    if (large_held == 0 && large_pending == 0)
+      throw Error(detail::concat("block backing: the large page at page ", page, " is all parked, none held"));
   }
-  if (held != held_ || pending != pending_.size())
-    throw Error(detail::concat("block backing: ", held, " pages held and ", pending, " pending, but the counts say ",
-                               held_, " and ", pending_.size()));
-  for (std::size_t page : pending_) {
+  if (held != held_ || pending != pending_.size() || parked != parked_)
+    throw Error(detail::concat("block backing: ", held, " pages held, ", pending, " pending and ", parked,
+                               " parked, but the counts say ", held_, ", ", pending_.size(), " and ", parked_));
+  for (std::size_t page = 0; page < states_.size(); ++page) {
+    if (states_[page] != State::pending && states_[page] != State::parked) continue;
     const PendingEvent& entry = events_.at(pending_event_[page]);
-    if (!entry.alive) throw Error(detail::concat("block backing: pending page ", page, " waits for a destroyed event"));
+    if (!entry.alive) throw Error(detail::concat("block backing: page ", page, " waits for a destroyed event"));
   }
-  if (pool_.created_pages() != held_ + pending_.size() + pool_.free_pages())
+  if (pool_.created_pages() != held_ + pending_.size() + parked_ + pool_.free_pages())
     throw Error(detail::concat("block backing: the pool created ", pool_.created_pages(), " pages, but ", held_,
-                               " are held, ", pending_.size(), " pending and ", pool_.free_pages(), " free"));
+                               " are held, ", pending_.size(), " pending, ", parked_, " parked and ",
+                               pool_.free_pages(), " free"));
 }
 
 }  // namespace vkv::detail

@@ -1,7 +1,7 @@
 // BlockBacking on every backend, CUDA included (skipped without a device): pages backed
 // anew read as zeros (on CUDA their zero-fill is the layer's, done before BACKED), bytes
 // written through the reservation stay, the scratch page takes writes to unbacked blocks,
-// and everything goes back at the end.
+// large pages map runs whole and go back only whole, and everything goes back at the end.
 #include <gtest/gtest.h>
 
 #include "block_testing.h"
@@ -44,6 +44,54 @@ TEST_P(BlockDevices, PagesBackedAnewAreZerosAndWrittenBytesStay) {
   backing.check_invariants();
   const BlockBackingStats stats = backing.stats();
   EXPECT_EQ(stats.backend.zero.calls > 0, !backend->traits().fresh_pages_are_zero);
+}
+
+// Runs of fresh pages mapped in large pages of 4 (config.large_page_size): one create and
+// one map call each; a large page's pages go back only together, once no block is on any.
+TEST_P(BlockDevices, RunsAreMappedInLargePagesThatGoBackOnlyWhole) {
+  VKV_BACKEND_OR_SKIP(backend, GetParam());
+  const std::size_t page = backend->page_bytes();
+  BlockBackingConfig config;
+  config.num_blocks = 24;
+  config.ranges = {{0, page, page}};  // block b on page b
+  config.scratch_page = true;
+  config.background = true;
+  config.permanent_blocks = {0};
+  config.large_page_size = 4 * page;
+  BlockBacking backing(config, nullptr, std::nullopt, backend);
+  const BackendStats before = backing.stats().backend;
+  backing.submit(nullptr, 0, 10, 0);  // pages 1-10: large pages 1-4 and 5-8, then 9 and 10 in one run
+  backing.wait();
+  BackendStats now = backing.stats().backend;
+  EXPECT_EQ(now.create.calls - before.create.calls, 4u);
+  EXPECT_EQ(now.create.units - before.create.units, 10u);
+  EXPECT_EQ(now.map.calls - before.map.calls, 3u);
+  for (std::size_t b = 1; b <= 10; ++b) {
+    EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, b))) << "block " << b;
+    testing::fill_block(backing, b, static_cast<std::uint8_t>(b));
+  }
+  const std::int64_t two_three[] = {2, 3};
+  backing.submit(two_three, 2, 8, 0);  // blocks 1 and 4 keep their large page
+  backing.wait();
+  EXPECT_EQ(backing.stats().pages_parked, 2u);
+  EXPECT_EQ(backing.stats().backend.release.calls, now.release.calls);
+  for (std::size_t b : {1, 4, 5, 6, 7, 8, 9, 10})
+    EXPECT_EQ(testing::block_bytes(backing, b), std::vector<std::uint8_t>(page, b)) << "block " << b;
+  backing.check_invariants();
+  const std::int64_t one_four[] = {1, 4};
+  backing.submit(one_four, 2, 6, 0);  // the last two: the large page goes, once its readers are done
+  backing.wait();
+  backing.submit(nullptr, 0, 6, 0);
+  backing.wait();
+  const BlockBackingStats stats = backing.stats();
+  EXPECT_EQ(stats.pages_parked + stats.pages_pending, 0u);
+  EXPECT_EQ(stats.backend.release.units - now.release.units, 4u);
+  backing.submit(nullptr, 0, 7, 0);  // block 1 again, on a fresh page
+  backing.wait();
+  EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, 1)));
+  for (std::size_t b = 5; b <= 10; ++b)
+    EXPECT_EQ(testing::block_bytes(backing, b), std::vector<std::uint8_t>(page, b)) << "block " << b;
+  backing.check_invariants();
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BlockDevices,

@@ -9,10 +9,12 @@
 //
 // It runs over the synchronous host backend and the deferred one with its stream kept
 // busy ahead of every call, behind an adaptor whose fresh pages are not zeros, so that
-// zero-fills are queued when a failing call undoes its mappings: the undo must wait.
+// zero-fills are queued when a failing call undoes its mappings: the undo must wait; and
+// each with page runs mapped in large pages of two (config.large_page_size) or page by page.
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <tuple>
 
 #include "block_testing.h"
 
@@ -100,11 +102,12 @@ void write_blocks(BlockBacking& backing, std::size_t step, Backend& io) {
     if (backing.is_backed(b)) testing::fill_block(backing, b, static_cast<std::uint8_t>(1 + b * 13 + step), &io);
 }
 
-class BlockFaultInjection : public ::testing::TestWithParam<BackendKind> {};
+class BlockFaultInjection : public ::testing::TestWithParam<std::tuple<BackendKind, bool>> {};
 
 TEST_P(BlockFaultInjection, EveryFailedCallLeavesTheLayerAsItWasAndNothingLeaks) {
-  const bool deferred = GetParam() == BackendKind::host_deferred;
+  const bool deferred = std::get<0>(GetParam()) == BackendKind::host_deferred;
   BlockBackingConfig config;
+  if (std::get<1>(GetParam())) config.large_page_size = 2 * kHostTestPageBytes;
   config.num_blocks = 24;
   config.ranges = {{0, kHostTestPageBytes / 2, kHostTestPageBytes / 2}, {16 * kHostTestPageBytes, 1024, 4096}};
   config.background = false;
@@ -175,9 +178,11 @@ TEST_P(BlockFaultInjection, EveryFailedCallLeavesTheLayerAsItWasAndNothingLeaks)
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BlockFaultInjection,
-                         ::testing::Values(BackendKind::host, BackendKind::host_deferred),
-                         [](const ::testing::TestParamInfo<BackendKind>& info) {
-                           return testing::backend_label(info.param);
+                         ::testing::Combine(::testing::Values(BackendKind::host, BackendKind::host_deferred),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<BackendKind, bool>>& info) {
+                           return testing::backend_label(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_large_pages" : "");
                          });
 
 }  // namespace
