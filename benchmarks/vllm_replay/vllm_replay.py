@@ -77,6 +77,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -834,7 +835,8 @@ class _Replayer:
 
 def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 1, admission: str = "ahead",
            job_start: str = "after-launch", max_steps: int = 0, keep_going: bool = False, control: bool = False, gc_freeze: bool = True,
-           page_bytes: int = 0, background=None, agreement=None, step_barrier=None, name: str = "llama") -> dict:
+           page_bytes: int = 0, large_page_bytes: Optional[int] = None, background=None, agreement=None,
+           step_barrier=None, name: str = "llama") -> dict:
     """Replays the trace at ``path`` over vkv.BlockBacking and a fixed pool, ``rounds`` times
     each launch of ``launches``; returns the report (written to $OUT when set).
 
@@ -844,7 +846,8 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
     the other ranks' layers keep their own. ``step_barrier()``: called, untimed, before each
     pool's timed part of a step (the ranks start it together, as vLLM's broadcast of the
     step starts them). ``background``: the layer's job thread (None: on CUDA only).
-    ``name``: the report's, and its files' in $OUT (vllm_replay_NAME.json, _steps.json)."""
+    ``name``: the report's, and its files' in $OUT (vllm_replay_NAME.json, _steps.json).
+    ``large_page_bytes``: the layer's large_page_size; None: the connector's default."""
     import vkv
     for launch in launches:
         if launch not in LAUNCHES:
@@ -865,9 +868,13 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
         sys.setswitchinterval(float(os.environ["VKV_REPLAY_SWITCH_INTERVAL"]))
     torch_threads = _serving_threads(cuda)
     rank = agreement[1] if agreement else 0
+    if large_page_bytes is None:  # as the connector's worker makes its layer (worker.py)
+        from vkv.integrations.vllm.block_geometry import default_page_bytes
+        from vkv.integrations.vllm.config import VkvConnectorConfig
+        large_page_bytes = VkvConnectorConfig().large_page_bytes(page_bytes or default_page_bytes(device))
     backing = vkv.BlockBacking(nb, model.block_bytes, device=device, page_size=page_bytes, background=background,
                                states=np.zeros(nb, dtype=np.uint8) if rank == 0 else None, permanent_blocks=(0,),
-                               agreement=agreement)
+                               agreement=agreement, large_page_size=large_page_bytes)
     replayer = None
     try:
         scheduler = _Scheduler(backing) if rank == 0 else None
@@ -916,6 +923,7 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
                   "decode_steps": len(decode), "decode_steps_60_64": sum(1 for i in decode if len(steps[i]["batch"]) >= 60),
                   "max_batch": max((len(s["batch"]) for s in steps), default=0), **model.report,
                   "num_blocks": nb, "block_bytes": model.block_bytes, "page_bytes": backing.stats()["page_bytes"],
+                  "large_page_bytes": large_page_bytes,
                   "memory": "vkv.BlockBacking", "background": cuda if background is None else background,
                   "admission": admission, "job_start": job_start,
                   "launches": list(launches), "rounds": rounds,
@@ -1052,6 +1060,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the layer's job thread (auto: on CUDA; off: submit() runs the job inline)")
     parser.add_argument("--page-bytes", type=int, default=0,
                         help="vkv's page (0: the device's; 2 MiB on a GPU, 4 KiB on the host)")
+    parser.add_argument("--large-page-bytes", type=int, default=None,
+                        help="the layer's large_page_size (default: the connector's, 8 pages; 0: page by page)")
     parser.add_argument("--dense", action="store_true", help="add the model's weight GEMMs to every layer")
     parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
     parser.add_argument("--no-gc-freeze", action="store_true",
@@ -1069,6 +1079,7 @@ def replay_options(args: argparse.Namespace) -> dict:
     return dict(launches=tuple(args.launch.split(",")), rounds=args.rounds, admission=args.admission,
                 job_start=args.job_start,
                 background={"auto": None, "on": True, "off": False}[args.background], page_bytes=args.page_bytes,
+                large_page_bytes=args.large_page_bytes,
                 max_steps=args.steps, gc_freeze=not args.no_gc_freeze, keep_going=args.keep_going,
                 control=args.control)
 

@@ -47,10 +47,11 @@ def make_backing(num_blocks: int, ranges: BlockRanges, buffer_bytes: int, settin
     (vLLM zero-fills the whole buffer); blocks backed lowest ids first (balloon.py)."""
     device = resolve_device(settings.device)
     cuda = device.type == "cuda"
+    page_size = settings.page_size or default_page_bytes(str(device))
     return vkv.BlockBacking(
         num_blocks, ranges=ranges.as_tuples(),
         reserved_bytes=torch_allocation_bytes(buffer_bytes) if cuda else buffer_bytes,
-        device=device, page_size=settings.page_size or default_page_bytes(str(device)),
+        device=device, page_size=page_size, large_page_size=settings.large_page_bytes(page_size),
         memory_budget=settings.memory_budget or None,
         shared_budget=shared_budget, shared_budget_floor=settings.shared_budget_floor,
         shared_budget_cap=settings.shared_budget_cap, shared_budget_priority=settings.shared_budget_priority,
