@@ -871,7 +871,7 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
     if large_page_bytes is None:  # as the connector's worker makes its layer (worker.py)
         from vkv.integrations.vllm.block_geometry import default_page_bytes
         from vkv.integrations.vllm.config import VkvConnectorConfig
-        large_page_bytes = VkvConnectorConfig().large_page_bytes(page_bytes or default_page_bytes(device))
+        large_page_bytes = VkvConnectorConfig().large_page_bytes(page_bytes or default_page_bytes(device), cuda)
     backing = vkv.BlockBacking(nb, model.block_bytes, device=device, page_size=page_bytes, background=background,
                                states=np.zeros(nb, dtype=np.uint8) if rank == 0 else None, permanent_blocks=(0,),
                                agreement=agreement, large_page_size=large_page_bytes)

@@ -51,7 +51,7 @@ def make_backing(num_blocks: int, ranges: BlockRanges, buffer_bytes: int, settin
     return vkv.BlockBacking(
         num_blocks, ranges=ranges.as_tuples(),
         reserved_bytes=torch_allocation_bytes(buffer_bytes) if cuda else buffer_bytes,
-        device=device, page_size=page_size, large_page_size=settings.large_page_bytes(page_size),
+        device=device, page_size=page_size, large_page_size=settings.large_page_bytes(page_size, cuda),
         memory_budget=settings.memory_budget or None,
         shared_budget=shared_budget, shared_budget_floor=settings.shared_budget_floor,
         shared_budget_cap=settings.shared_budget_cap, shared_budget_priority=settings.shared_budget_priority,
