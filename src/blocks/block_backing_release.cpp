@@ -55,15 +55,16 @@ std::size_t BlockBacking::Impl::release_locked(const std::int64_t* blocks, std::
   VKV_ASSERT(event != 0 || count == 0);
   freed_.clear();
   for (std::size_t i = 0; i < count; ++i) {
-    const auto block = static_cast<std::size_t>(blocks[i]);
-    geometry_.pages_of(block, pages_);
+    geometry_.pages_of(static_cast<std::size_t>(blocks[i]), pages_);
     counts_.remove(pages_, freed_);
-    table_.mark_unbacked(block);
   }
   std::sort(freed_.begin(), freed_.end());
   if (event != 0) store_.add_pending(freed_, event);
   blocks_released_ += count;
   budget_.publish_in_use();
+  // UNBACKED only now: an engine that sees its given blocks released finds their pages
+  // counted as on their way back (the budget keeps them promised until they are).
+  for (std::size_t i = 0; i < count; ++i) table_.mark_unbacked(static_cast<std::size_t>(blocks[i]));
   return freed_.size() * geometry_.page_bytes();
 }
 

@@ -160,7 +160,10 @@ EngineShare EngineShares::speak_for(const std::string& label, const EngineReport
     row.speaker_pid.store(speaker.pid, std::memory_order_relaxed);
     row.spare.store(report.spare, std::memory_order_relaxed);
     row.goal.store(report.ask > 0 ? row.held + report.ask : 0, std::memory_order_relaxed);
-    if (report.settled) row.pledged = 0;
+    // Settled: every block given before is released. What is still on its way back (held,
+    // no longer in use: pages waiting for their readers) stays promised until it comes back;
+    // the rest of the promise (a page several blocks shared gives back less) is forgotten.
+    if (report.settled) row.pledged = std::min(row.pledged, on_its_way_back(row));
     row.pledged += report.given;
     const std::int64_t now = monotonic_ns();
     if (report.given > 0) {

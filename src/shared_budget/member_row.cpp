@@ -51,6 +51,12 @@ std::uint64_t can_give(const BudgetMemberRecord& row) noexcept {
   return can > row.pledged ? can - row.pledged : 0;
 }
 
+std::uint64_t on_its_way_back(const BudgetMemberRecord& row) noexcept {
+  const std::uint64_t held = row.held.load(std::memory_order_relaxed);
+  const std::uint64_t in_use = row.in_use.load(std::memory_order_relaxed);
+  return held > in_use ? held - in_use : 0;
+}
+
 std::uint64_t standing_ask(const BudgetMemberRecord& row) noexcept {
   if (row.speaker_pid.load(std::memory_order_relaxed) == 0) return 0;
   std::uint64_t goal = row.goal.load(std::memory_order_relaxed);

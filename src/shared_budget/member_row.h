@@ -40,6 +40,9 @@ std::uint64_t over_cap(const BudgetMemberRecord& row) noexcept;
 std::uint64_t giveable(const BudgetMemberRecord& row) noexcept;
 /// giveable() less what it promised already.
 std::uint64_t can_give(const BudgetMemberRecord& row) noexcept;
+/// What it holds that its last published call says is not in use: on its way back (pages
+/// waiting for the device work that reads them) or free in its pool.
+std::uint64_t on_its_way_back(const BudgetMemberRecord& row) noexcept;
 
 /// A spoken-for member's standing ask: what its speaker's goal lacks beyond what it holds,
 /// within its cap (a member short only of its own cap asks nobody).

@@ -3,7 +3,8 @@
 // priority first, never below a floor, no more than asked, equal priorities keeping equal
 // spare; an engine short only of its own cap asks nobody; free capacity is taken before
 // anyone gives; a dead speaker's ask costs nobody a byte; a cap or resize is given from the
-// spare; and what is given back for a standing ask is the asker's to take.
+// spare; what is given back for a standing ask is the asker's to take; and a give settled
+// before its pages are back stays promised.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -79,6 +80,34 @@ TEST_F(SharedBudgetEngineSharesTest, AnAskIsGivenByTheLowestPriorityAndNoMoreTha
   EXPECT_EQ(budget.share_of("low").give_bytes, pages(65));
   EXPECT_EQ(budget.share_of("high").give_bytes, 0u);
   EXPECT_EQ(budget.share_of("low").open_bytes, pages(65));
+}
+
+// An engine's given blocks are released (settled) before their pages come back (they wait
+// for the forwards that read them): what is on its way back stays promised, so the ask does
+// not open again and nobody gives twice; once the pages are back the promise is kept.
+TEST_F(SharedBudgetEngineSharesTest, AGiveSettledBeforeItsPagesAreBackIsNotAskedAgain) {
+  SharedBudget budget = create(1000);
+  const std::size_t low = member("low", 300);
+  const std::size_t asker = member("asker", 700);  // nothing free
+  ledger().publish_in_use(low, pages(300));
+  budget.speak_for("low", report(290));
+  budget.speak_for("asker", report(0, 65));
+  ASSERT_EQ(budget.share_of("low").give_bytes, pages(65));
+  SharedBudgetReport gave = report(225);
+  gave.given_bytes = pages(65);
+  budget.speak_for("low", gave);
+  ledger().publish_in_use(low, pages(235));  // released: 65 pages pending, still held
+  EXPECT_EQ(budget.share_of("low").give_bytes, 0u);
+  SharedBudgetReport settled = report(225);
+  settled.settled = true;  // the next step sees every given block released
+  budget.speak_for("low", settled);
+  EXPECT_EQ(budget.share_of("low").give_bytes, 0u);
+  EXPECT_EQ(budget.share_of("low").open_bytes, 0u);
+  ledger().release(low, pages(65));  // the pages come back: the asker's to take
+  EXPECT_EQ(budget.share_of("low").give_bytes, 0u);
+  EXPECT_TRUE(ledger().acquire(asker, pages(65)));
+  budget.speak_for("asker", report(0, 0));
+  EXPECT_EQ(budget.share_of("low").give_bytes, 0u);
 }
 
 // The lower priority gives all it can spare; the next one gives only the rest.
