@@ -235,6 +235,22 @@ def test_the_goal_table_names_each_trace_and_launch(capsys, monkeypatch):
     assert "| llama | eager | 1 | True |" in table and "| llama | graph | 1 | True |" in table
     assert "where a step goes at decode batch 60-64" in table
     assert report["summary"]["eager"]["decode_median"] is None  # the short trace has no batch of 60
+    assert "the paired p90's noise" not in table  # nor its noise figures
+
+
+def test_the_noise_figures_are_the_pairs_spread_apart_from_the_jobs():
+    # Ten steps: the pools alternate being 10% slower (launch noise), and one step of vkv's
+    # runs a job that costs 50%: the steps without a job show the noise alone.
+    fixed = [0.004, 0.0044] * 5
+    vkv_steps = [0.0044, 0.004] * 5
+    vkv_steps[3] = 0.0066
+    per_step = {f"{pool}_{part}": [0.0] * 10 for pool in ("vkv", "fixed") for part in vllm_replay.PARTS}
+    per_step.update(vkv_step=vkv_steps, fixed_step=fixed, job=[0.0] * 10, job_event_wait=[0.0] * 10)
+    per_step["job"][3] = 0.002
+    noise = vllm_replay._figures(per_step, list(range(10)))["noise"]
+    assert noise["p10"] == pytest.approx(0.004 / 0.0044 - 1, abs=1e-3)
+    assert noise["p90_without_a_job"] == pytest.approx(0.1, abs=1e-3)
+    assert noise["own_p90"] == pytest.approx(0.05, abs=0.01)  # one slow step of ten moves the p90 a tenth of the way
 
 
 def test_the_command_line_writes_a_small_report_and_the_raw_seconds_apart(tmp_path):
