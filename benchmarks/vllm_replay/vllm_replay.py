@@ -54,7 +54,9 @@ worker backs its start headroom first (the trace's headroom_blocks, 8 in the tra
 Job start (--job-start): after-launch (default) keeps the job submit() hands over at the bind
 until the forward is queued, as the connector's worker does in vLLM 0.33 (start_load_kv()
 after the forward's launch): the job's driver calls never compete with the launches; bind
-starts it at once, beside them.
+starts it at once, beside them. Both, comma-separated (--job-start after-launch,bind): each
+launch runs with each job start in one process, rotated round by round (a process's own
+launch speed then weighs on both alike); the summary names each pair ("eager, bind").
 
 A step's time per pool, in order (each pool's step starts on an idle GPU; the pools alternate
 which goes first, step by step and run by run):
@@ -675,6 +677,11 @@ def _backend_cost(before, after, block_bytes):
     return cost
 
 
+def _mode(launch, job_start, job_starts):
+    """A summary's key: the launch, and the job start where a replay ran more than one."""
+    return launch if len(job_starts) == 1 else f"{launch}, {job_start}"
+
+
 def _rounds(launches, rounds):
     """The runs in order: each round runs every launch once, rotated round by round (so no
     launch always runs first), as (launch, round)."""
@@ -862,8 +869,10 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
             raise ValueError(f"vllm_replay: launch {launch!r} is not one of {sorted(LAUNCHES)}")
     if admission not in ADMISSIONS:
         raise ValueError(f"vllm_replay: admission {admission!r} is not one of {sorted(ADMISSIONS)}")
-    if job_start not in JOB_STARTS:
-        raise ValueError(f"vllm_replay: job_start {job_start!r} is not one of {sorted(JOB_STARTS)}")
+    job_starts = job_start.split(",")
+    for start in job_starts:
+        if start not in JOB_STARTS:
+            raise ValueError(f"vllm_replay: job_start {start!r} is not one of {sorted(JOB_STARTS)}")
     cuda = device.startswith("cuda")
     trace = load(path)
     steps = trace["steps"][:max_steps] if max_steps else trace["steps"]
@@ -894,7 +903,7 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
         # The traces so far were recorded with the connector's worker backing 8 blocks at its start.
         start_blocks = trace.get("headroom_blocks", 8)
         replayer = _Replayer(steps, model, backing, scheduler, fixed, device, admission, sizes, step_barrier,
-                             keep_going, control, start_blocks, job_start)
+                             keep_going, control, start_blocks, job_starts[0])
         model.warm(replayer.pools)  # JIT compilation and first calls, out of the timings
         graphs = replayer.graphs
         graph_error = None
@@ -917,9 +926,11 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
             gc.freeze()
         runs, per_steps = [], []
         try:
-            for number, (launch, _round) in enumerate(_rounds(list(launches), rounds)):
+            modes = [(launch, start) for launch in launches for start in job_starts]
+            for number, ((launch, start), _round) in enumerate(_rounds(modes, rounds)):
+                replayer.job_start = start
                 summary, per_step = replayer.run(launch, number)
-                runs.append({**summary, "round": _round})
+                runs.append({**summary, "round": _round, "job_start": start})
                 per_steps.append(per_step)
                 print(run_line(name, runs[-1]), flush=True)
         finally:
@@ -941,7 +952,9 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
                   **({"graph_error": graph_error} if graph_error else {}),
                   "gc_freeze": gc_freeze, "torch_threads": torch_threads, "bitwise_equal": all(r["bitwise_equal"] for r in runs),
                   "backed_at_end": {"blocks": len(backed), "digest": hashlib.sha1(str(backed).encode()).hexdigest()[:16]},
-                  "summary": {launch: _aggregate([r for r in runs if r["launch"] == launch]) for launch in launches},
+                  "summary": {_mode(launch, start, job_starts): _aggregate(
+                      [r for r in runs if r["launch"] == launch and r["job_start"] == start])
+                      for launch in launches for start in job_starts},
                   "runs": runs}
     finally:
         if replayer is not None:
@@ -954,7 +967,8 @@ def replay(path: str, device: str, model, *, launches=("eager",), rounds: int = 
         base = os.path.join(out, f"vllm_replay_{name}")
         write_json({"machine": machine("cuda" if cuda else device), **report}, base + ".json")
         with open(base + "_steps.json", "w") as f:  # the raw seconds: for reading, not for committing
-            json.dump({"runs": [{"launch": r["launch"], "run": r["run"], **{k: [round(x, 7) for x in v]
+            json.dump({"runs": [{"launch": r["launch"], "job_start": r["job_start"], "run": r["run"],
+                                 **{k: [round(x, 7) for x in v]
                                                                             for k, v in p.items()}}
                                 for r, p in zip(runs, per_steps)]}, f, separators=(",", ":"))
     return report
@@ -1008,7 +1022,9 @@ def _pct(x):
 def run_line(name, run):
     """One run in a line: its verdict and the vkv - fixed figures."""
     d, a = run["decode_batch_60_64"], run["all_steps"]
-    text = (f"{name} {run['launch']} run {run['run']}: bitwise equal {run['bitwise_equal']}; "
+    start = run.get("job_start", "after-launch")
+    launch = run["launch"] if start == "after-launch" else f"{run['launch']} ({start})"
+    text = (f"{name} {launch} run {run['run']}: bitwise equal {run['bitwise_equal']}; "
             f"all {a['steps']} steps total {_pct(a['overhead_vs_fixed'])}")
     if d:
         s = d["per_step_overhead"]
@@ -1065,6 +1081,14 @@ def warm(model) -> None:
         torch.cuda.synchronize()
 
 
+def _job_starts(text: str) -> str:
+    """--job-start's value: one job start or several, comma-separated."""
+    for start in text.split(","):
+        if start not in JOB_STARTS:
+            raise argparse.ArgumentTypeError(f"{start!r} is not one of {', '.join(sorted(JOB_STARTS))}")
+    return text
+
+
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     """What vllm_replay.py and vllm_mla_replay.py replays take alike."""
     parser.add_argument("--device", default="cpu")
@@ -1072,8 +1096,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each launch, rotated round by round")
     parser.add_argument("--admission", choices=sorted(ADMISSIONS), default="ahead",
                         help="; ".join(f"{k}: {v}" for k, v in ADMISSIONS.items()))
-    parser.add_argument("--job-start", choices=sorted(JOB_STARTS), default="after-launch",
-                        help="; ".join(f"{k}: {v}" for k, v in JOB_STARTS.items()))
+    parser.add_argument("--job-start", type=_job_starts, default="after-launch",
+                        help="; ".join(f"{k}: {v}" for k, v in JOB_STARTS.items()) +
+                             "; both, comma-separated: each launch with each, rotated in one process")
     parser.add_argument("--background", choices=["auto", "on", "off"], default="auto",
                         help="the layer's job thread (auto: on CUDA; off: submit() runs the job inline)")
     parser.add_argument("--page-bytes", type=int, default=0,

@@ -15,7 +15,8 @@
 # process; every step's outputs must be bitwise equal between the pools. The worker's memory is
 # driven as the connector's: one submit(release, target) per step at the bind, the job kept
 # until the forward is queued and then run on vkv's C++ thread (--job-start after-launch, as
-# vLLM 0.33's start_load_kv(); VLLM_REPLAY_LLAMA_ARGS="--job-start bind" starts it at the bind);
+# vLLM 0.33's start_load_kv(); VLLM_REPLAY_LLAMA_ARGS="--job-start bind" starts it at the bind,
+# "--job-start after-launch,bind" runs both in one process, rotated);
 # the first step's target is backed before the clock (--admission ahead).
 # FlashInfer's kernels are built (or loaded from the archive's AOT modules) by two processes
 # started before vkv's build and running beside it (~13 s decode, ~90 s FA3 prefill, 1-2 min

@@ -174,6 +174,19 @@ def test_the_job_starts_after_the_launch_as_in_vllm_or_at_the_bind(capsys, monke
         _replay(capsys, monkeypatch, trace=SHORT, max_steps=1, job_start="later")
 
 
+def test_both_job_starts_in_one_process_rotate_round_by_round(capsys, monkeypatch):
+    # A process's own launch speed weighs on both alike: every launch with every job start,
+    # the order rotated each round, and a summary for each pair.
+    report, text = _replay(capsys, monkeypatch, trace=SHORT, max_steps=4, page_bytes=4096, background=True,
+                           launches=("eager",), rounds=2, job_start="after-launch,bind")
+    assert report["bitwise_equal"] and report["job_start"] == "after-launch,bind"
+    assert [r["job_start"] for r in report["runs"]] == ["after-launch", "bind", "bind", "after-launch"]
+    assert set(report["summary"]) == {"eager, after-launch", "eager, bind"}
+    assert all(f["runs"] == 2 for f in report["summary"].values())
+    assert "| llama | eager, bind | 2 | True |" in vllm_replay.goal_table([report])
+    assert "eager (bind) run 1" in text
+
+
 @pytest.mark.parametrize("launches", [("eager",), ("graph",)])
 def test_a_whole_recorded_trace_replays_its_releases_bitwise_equal(tmp_path, monkeypatch, capsys, launches):
     # A short trace, recorded here with vLLM's scheduler, takes every block back once its
