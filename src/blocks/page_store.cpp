@@ -273,7 +273,7 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back, std::size_t most
   }
   const auto start = Clock::now();
   for (PendingEvent& entry : events_) entry.asked = false;  // a settle that threw left some asked
-  for (std::size_t page : pending_) {  // the events pending pages wait for
+  for (std::size_t page : pending_) {                       // the events pending pages wait for
     PendingEvent& entry = events_[pending_event_[page]];
     if (entry.asked) continue;
     entry.asked = true;
