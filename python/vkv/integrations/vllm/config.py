@@ -30,9 +30,9 @@ class VkvConnectorConfig:
         steps' demand, the worker backs that much and this many steps of the running
         requests' growth (one block a request every block_size / tokens-a-step steps) in one
         job, so that most steps map nothing: a job's driver calls cost a few hundred µs
-        however few pages it maps, and ~40 µs a page more. Free blocks up to that mark stay
-        backed; the shared budget may still take them. 0: every step backs exactly what the
-        next steps need (a small job a step).
+        however few pages it maps, and 10-20 µs a page more in large pages (~40 page by
+        page). Free blocks up to that mark stay backed; the shared budget may still take
+        them. 0: every step backs exactly what the next steps need (a small job a step).
     device: 'auto', 'cpu' (host backend: the CPU tests) or 'cuda[:N]'.
     shared_budget_floor, shared_budget_cap, shared_budget_priority: this engine's guarantees
         in the shared budget (bytes no other member takes from it; the most it holds, 0 = no
