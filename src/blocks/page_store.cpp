@@ -19,6 +19,7 @@ PageStore::PageStore(Backend& backend, PagePool& pool, std::size_t num_pages, bo
       pool_(pool),
       pool_page_bytes_(backend.page_bytes()),
       scratch_page_(scratch_page),
+      scratch_(backend, num_pages, pool.large_page_pages()),
       stream_(backend.create_stream()),
       states_(num_pages, State::unmapped),
       large_pages_(pool.large_page_pages()),
@@ -81,12 +82,7 @@ void PageStore::map_fresh(const std::vector<std::size_t>& pages, UndoLog& undo) 
   for_each_run(
       pages, [](std::size_t) { return true; },
       [&](std::size_t first, std::size_t count) {
-        const Address address = this->address(first);
-        const std::size_t bytes = count * pool_page_bytes_;
-        if (scratch_page_) {
-          backend_.unmap(address, bytes);
-          undo.push_remap([this, address, bytes] { backend_.back_with_zeros(address, bytes, /*writable=*/true); });
-        }
+        if (scratch_page_) scratch_.uncover(first, count, undo);
         std::size_t at = first;
         const std::size_t end = first + count;
         for (; large_pages_ != 0 && end - at >= large_pages_ && next_large < large.size(); at += large_pages_) {
@@ -250,12 +246,13 @@ void PageStore::map_as_before(std::size_t first, std::size_t count) {
 }
 
 void PageStore::unmap_run(std::size_t first, std::size_t count) {
-  const Address address = this->address(first);
-  const std::size_t bytes = count * pool_page_bytes_;
-  backend_.unmap(address, bytes);
+  backend_.unmap(address(first), count * pool_page_bytes_);
   if (!scratch_page_) return;
   try {
-    backend_.back_with_zeros(address, bytes, /*writable=*/true);
+    std::vector<std::size_t> large_starts;  // whole large pages: a scratch large page each
+    for (std::size_t page = first; page < first + count; ++page)
+      if (in_large(page) && large_first(page) == page) large_starts.push_back(page);
+    scratch_.cover(first, count, large_starts);
   } catch (...) {
     try {
       map_as_before(first, count);  // as it was: the pages stay pending
@@ -393,6 +390,7 @@ void PageStore::release_everything() noexcept {
     // The driver is going away (process exit); the pages die with the context.
   }
   pool_.release_all(pages);
+  scratch_.forget();
   for (std::size_t page = 0; page < states_.size(); ++page) {
     states_[page] = State::unmapped;
     large_first_[page] = kSinglePage;
@@ -415,6 +413,8 @@ void PageStore::check(const std::vector<bool>& backed) const {
     parked += state == State::parked ? 1 : 0;
     if (state == State::unmapped && in_large(page))
       throw Error(detail::concat("block backing: unmapped page ", page, " is still counted in a large page"));
+    if (state != State::unmapped && scratch_.large_at(page) != ScratchCover::kNone)
+      throw Error(detail::concat("block backing: page ", page, " is mapped but counted under a scratch large page"));
     if (state == State::parked && !in_large(page))
       throw Error(detail::concat("block backing: page ", page, " is parked but in no large page"));
     if (!in_large(page) || large_first(page) != page) continue;

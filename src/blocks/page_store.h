@@ -12,8 +12,8 @@
 // when a block on them is backed again (zero-filled behind their event: a page backed anew
 // always starts as zeros); and gives pending pages back to the pool -- unmapped, the
 // scratch page under them again, released to the device and the budget -- once their
-// events completed. The driver's unmap does not wait for running kernels: nothing is
-// unmapped before its event.
+// events completed (a whole large page with a scratch large page under it: scratch_cover.h).
+// The driver's unmap does not wait for running kernels: nothing is unmapped before its event.
 //
 // map_fresh() and take_back() register how to undo what they did in the caller's log
 // (undo_log.h: a mapping is put back only after the stream's work). A failed settle()
@@ -29,6 +29,7 @@
 
 #include "cache/page_pool.h"
 #include "cache/undo_log.h"
+#include "scratch_cover.h"
 #include "vkv/backend.h"
 #include "vkv/stats.h"
 
@@ -49,7 +50,10 @@ class PageStore {
   PageStore& operator=(const PageStore&) = delete;
 
   /// The reservation's first byte (once reserved).
-  void set_base(Address base) noexcept { base_ = base; }
+  void set_base(Address base) noexcept {
+    base_ = base;
+    scratch_.set_base(base);
+  }
   Address address(std::size_t page) const noexcept { return base_ + page * pool_page_bytes_; }
   Stream stream() const noexcept { return stream_; }
   State state(std::size_t page) const noexcept { return states_[page]; }
@@ -121,6 +125,7 @@ class PageStore {
   PagePool& pool_;
   std::size_t pool_page_bytes_;
   bool scratch_page_;
+  ScratchCover scratch_;  // under unmapped pages, where scratch_page_
   Address base_ = 0;
   Stream stream_ = 0;
   std::vector<State> states_;

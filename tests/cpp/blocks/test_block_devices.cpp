@@ -86,8 +86,13 @@ TEST_P(BlockDevices, RunsAreMappedInLargePagesThatGoBackOnlyWhole) {
   const BlockBackingStats stats = backing.stats();
   EXPECT_EQ(stats.pages_parked + stats.pages_pending, 0u);
   EXPECT_EQ(stats.backend.release.units - now.release.units, 4u);
-  backing.submit(nullptr, 0, 7, 0);  // block 1 again, on a fresh page
-  backing.wait();
+  // Under it now: a scratch large page, in one map call, not the scratch page page by page.
+  EXPECT_EQ(stats.backend.zero_backing.units, now.zero_backing.units);
+  testing::fill_block(backing, 3, 0x5a);  // an unbacked block's writes land in scratch
+  backing.submit(nullptr, 0, 7, 0);       // block 1 again, on a fresh page: the scratch large page
+  backing.wait();                         // is unmapped whole, pages 2-4 get the scratch page again
+  EXPECT_EQ(backing.stats().backend.zero_backing.units - stats.backend.zero_backing.units, 3u);
+  testing::fill_block(backing, 3, 0x5b);
   EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, 1)));
   for (std::size_t b = 5; b <= 10; ++b)
     EXPECT_EQ(testing::block_bytes(backing, b), std::vector<std::uint8_t>(page, b)) << "block " << b;
