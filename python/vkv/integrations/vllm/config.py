@@ -53,9 +53,10 @@ class VkvConnectorConfig:
         with (a multiple of the page, at least 2 pages): one create, map and access call for
         all of them instead of one a page (on a GPU about 10x the bytes a second), so that
         a job that maps ahead costs a few driver calls. Such a page goes back to the budget
-        only whole, once no block is on any of its pages. None (unset) = 8 pages (16 MiB) on
-        a GPU, page by page on the host (an mmap costs no less for one page than for eight);
-        0 = page by page.
+        only whole, once no block is on any of its pages, under one scratch large page (16
+        MiB a worker, outside the budget as the scratch page is). None (unset) = 8 pages
+        (16 MiB) on a GPU, page by page on the host (an mmap costs no less for one page than
+        for eight); 0 = page by page.
     """
 
     shared_budget: str = ""
