@@ -134,6 +134,7 @@ BlockBacking::Impl::~Impl() {
     budget_.abandon();
     static_cast<void>(new std::shared_ptr<Backend>(backend_));
     pool_.abandon();
+    store_.abandon();
     return;
   }
   stop_background();                                                      // finishes the job in flight and a kept one

@@ -86,6 +86,8 @@ class PageStore {
   /// The layer is going away and the device is idle: unmaps every page (and the scratch
   /// page), releases the pool's pages. Never throws.
   void release_everything() noexcept;
+  /// A forked child: what the store holds is the parent's; its destructor releases none of it.
+  void abandon() noexcept { scratch_.abandon(); }
   /// Checks the page states against the counts' backed pages. @throws Error.
   void check(const std::vector<bool>& backed) const;
 

@@ -42,6 +42,8 @@ class ScratchCover {
   void uncover(std::size_t first, std::size_t count, UndoLog& undo);
   /// Everything was unmapped (the layer's teardown): forgets where scratch large pages were.
   void forget() noexcept;
+  /// A forked child: the scratch large page is the parent's, never released here.
+  void abandon() noexcept { have_large_ = false; }
   /// Where no scratch large page covers `page`: kNone; else the first page it covers.
   static constexpr std::uint32_t kNone = static_cast<std::uint32_t>(-1);
   std::uint32_t large_at(std::size_t page) const noexcept { return large_at_[page]; }
