@@ -39,7 +39,8 @@ void ScratchCover::cover(std::size_t first, std::size_t count, const std::vector
       if (!scratch_large()) break;
       pages(start);
       backend_.map_large(address(start), scratch_large_, large_pages_);
-      for (std::size_t page = start; page < start + large_pages_; ++page) large_at_[page] = static_cast<std::uint32_t>(start);
+      for (std::size_t page = start; page < start + large_pages_; ++page)
+        large_at_[page] = static_cast<std::uint32_t>(start);
       covered = start + large_pages_;
     }
     pages(end);
