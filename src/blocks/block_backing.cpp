@@ -41,18 +41,6 @@ std::shared_ptr<Backend> backend_stack(const BlockBackingConfig& config, std::sh
   return std::make_shared<StatisticsBackend>(std::move(backend));
 }
 
-// config.large_page_size in pages (0: none), checked against the page size and the backend.
-std::size_t large_page_pages(const BlockBackingConfig& config, const Backend& backend) {
-  if (config.large_page_size == 0) return 0;
-  const std::size_t page = backend.page_bytes();
-  VKV_EXPECTS(config.large_page_size % page == 0 && config.large_page_size >= 2 * page,
-              "large_page_size = ", config.large_page_size, " must be a multiple of the page size ", page,
-              " and at least 2 pages (", 2 * page, " bytes), or 0");
-  VKV_EXPECTS(backend.traits().large_pages, "large_page_size = ", config.large_page_size, ": backend '", backend.name(),
-              "' has no large pages; use 0");
-  return config.large_page_size / page;
-}
-
 std::size_t budget_pages(const BlockBackingConfig& config, const detail::BlockGeometry& geometry,
                          const Backend& backend) {
   const std::size_t page = geometry.page_bytes();
@@ -78,8 +66,8 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
       counts_(geometry_),
       lent_(store_, pool_, releases_),
       budget_(budget_config(config), *backend_, geometry_.page_bytes(), mutex_),
-      pool_(*backend_, budget_pages(config, geometry_, *backend_), large_page_pages(config, *backend_),
-            budget_.account()),
+      pool_(*backend_, budget_pages(config, geometry_, *backend_),
+            PagePool::large_page_pages_of(config.large_page_size, *backend_), budget_.account()),
       store_(*backend_, pool_, geometry_.num_pages(), config.scratch_page),
       prefer_costless_(config.prefer_costless),
       give_back_pages_per_job_(config.give_back_per_job == 0

@@ -43,18 +43,6 @@ std::size_t budget_pages(const CacheConfig& config, const KvLayout& layout, cons
   return std::min(all_pages, affordable);
 }
 
-// Pages per large page (0: none), checked against the backend's page size and abilities.
-std::size_t large_page_pages(const CacheConfig& config, const Backend& backend) {
-  if (config.large_page_size == 0) return 0;
-  const std::size_t page = backend.page_bytes();
-  VKV_EXPECTS(config.large_page_size % page == 0 && config.large_page_size >= 2 * page,
-              "large_page_size = ", config.large_page_size, " must be a multiple of the page size ", page,
-              " and at least two pages (", 2 * page, " bytes), or 0 (off)");
-  VKV_EXPECTS(backend.traits().large_pages, "large_page_size = ", config.large_page_size, " but backend '",
-              backend.name(), "' has no large pages: set it to 0");
-  return config.large_page_size / page;
-}
-
 }  // namespace
 
 CacheContext::CacheContext(const CacheConfig& given, std::shared_ptr<Backend> backend)
@@ -63,8 +51,8 @@ CacheContext::CacheContext(const CacheConfig& given, std::shared_ptr<Backend> ba
       statistics(dynamic_cast<StatisticsBackend*>(backend_stack.get())),
       layout(config, backend_stack->page_bytes()),
       budget(config, *backend_stack, layout.page_bytes(), mutex),
-      pool(*backend_stack, budget_pages(config, layout, *backend_stack), large_page_pages(config, *backend_stack),
-           budget.account()),
+      pool(*backend_stack, budget_pages(config, layout, *backend_stack),
+           PagePool::large_page_pages_of(config.large_page_size, *backend_stack), budget.account()),
       slots(config.max_batch_size, layout.num_regions()),
       read_windows(*backend_stack),
       host_frees(*backend_stack) {}

@@ -16,6 +16,17 @@ PagePool::PagePool(Backend& backend, std::size_t budget_pages, std::size_t large
 
 PagePool::~PagePool() { trim(0); }
 
+std::size_t PagePool::large_page_pages_of(std::size_t large_page_size, const Backend& backend) {
+  if (large_page_size == 0) return 0;
+  const std::size_t page = backend.page_bytes();
+  VKV_EXPECTS(large_page_size % page == 0 && large_page_size >= 2 * page, "large_page_size = ", large_page_size,
+              " must be a multiple of the page size ", page, " and at least two pages (", 2 * page,
+              " bytes), or 0 (off)");
+  VKV_EXPECTS(backend.traits().large_pages, "large_page_size = ", large_page_size, " but backend '", backend.name(),
+              "' has no large pages: set it to 0");
+  return large_page_size / page;
+}
+
 std::size_t PagePool::obtainable_pages() const noexcept { return free_pages() + creatable_pages(); }
 
 bool PagePool::count_created(std::size_t count) {

@@ -48,6 +48,11 @@ class PagePool {
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
+  /// A config's large_page_size in pages for `backend` (0: none), the pool's
+  /// `large_page_pages`. @throws InvalidArgument naming it: not whole pages, fewer than two,
+  /// or a backend without large pages.
+  static std::size_t large_page_pages_of(std::size_t large_page_size, const Backend& backend);
+
   std::size_t budget_pages() const noexcept { return budget_pages_; }
   /// A new budget; created pages above it stay until the owner releases them (trim()).
   /// With an account, the account may allow fewer.
