@@ -180,8 +180,10 @@ def test_an_idle_engine_gives_another_what_it_lacks_and_keeps_the_rest(backgroun
                 a_steps += 1
         assert most_ask > 0 and a_steps > 0, (most_ask, a_steps)
         given = held_a - held(a)
-        # No more than B lacked beyond what was free (a block's rounding at each ask aside).
-        assert 0 < given <= most_b - free + 8, (held_a, held(a), most_b, free)
+        # No more than B asked for (a block's rounding at each ask aside). B asks for its next
+        # steps' demand, all its waiting prompts included, so it may ask for more than it ends
+        # up holding at once; how much depends on how B's steps and A's thread interleave.
+        assert 0 < given <= max(most_b - free, most_ask) + 8, (held_a, held(a), most_b, free, most_ask)
         assert held(a) > in_use_a + HEADROOM, held(a)
     finally:
         a.close()
