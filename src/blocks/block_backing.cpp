@@ -83,7 +83,7 @@ BlockBacking::Impl::Impl(const BlockBackingConfig& config, std::uint8_t* shared_
   base_ = backend_->reserve(reserved);
   store_.set_base(base_);
   try {
-    if (config.scratch_page) backend_->back_with_zeros(base_, reserved, /*writable=*/true);
+    if (config.scratch_page) store_.cover_all_with_scratch();
     std::unique_lock<std::mutex> lock(mutex_);
     std::vector<std::size_t> permanent(config.permanent_blocks);
     std::sort(permanent.begin(), permanent.end());

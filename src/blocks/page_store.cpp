@@ -31,7 +31,7 @@ PageStore::PageStore(Backend& backend, PagePool& pool, std::size_t num_pages, bo
 
 PageStore::~PageStore() {
   for (PendingEvent& entry : events_)
-    if (entry.alive) backend_.destroy_event(entry.event);
+    if (entry.alive && entry.event != 0) backend_.destroy_event(entry.event);
   backend_.destroy_stream(stream_);
 }
 
@@ -50,24 +50,50 @@ void PageStore::for_each_run(const std::vector<std::size_t>& pages, Selected sel
   }
 }
 
+void PageStore::cover_all_with_scratch() {
+  std::vector<std::size_t> chunks;
+  for (std::size_t chunk = 0; large_pages_ != 0 && chunk + large_pages_ <= states_.size(); chunk += large_pages_)
+    chunks.push_back(chunk);
+  scratch_.cover(0, states_.size(), chunks);
+}
+
+std::vector<std::size_t> PageStore::whole_chunks(const std::vector<std::size_t>& pages) const {
+  std::vector<std::size_t> chunks;
+  if (large_pages_ == 0) return chunks;
+  std::size_t singles = pages.size();  // pages no large page planned so far covers
+  for (std::size_t i = 0; i < pages.size();) {
+    const std::size_t chunk = pages[i] - pages[i] % large_pages_;
+    std::size_t asked = 0;  // the asked pages in this chunk
+    while (i + asked < pages.size() && pages[i + asked] < chunk + large_pages_) ++asked;
+    i += asked;
+    if (chunk + large_pages_ > states_.size()) continue;
+    bool unmapped = true;
+    for (std::size_t page = chunk; page < chunk + large_pages_ && unmapped; ++page)
+      unmapped = states_[page] == State::unmapped;
+    // Its surplus pages come out of the budget too: only where the rest still fits.
+    if (!unmapped || pool_.obtainable_pages() < (chunks.size() + 1) * large_pages_ + (singles - asked)) continue;
+    chunks.push_back(chunk);
+    singles -= asked;
+  }
+  return chunks;
+}
+
 void PageStore::map_fresh(const std::vector<std::size_t>& pages, UndoLog& undo) {
   if (pages.empty()) return;
-  // Large pages for as many whole ones as each run holds from its start, as far as the
-  // budget has room for them; single pages for the rest. All or nothing.
-  std::size_t wanted_large = 0;
-  if (large_pages_ != 0) {
-    for_each_run(
-        pages, [](std::size_t) { return true; },
-        [&](std::size_t, std::size_t count) { wanted_large += count / large_pages_; });
-  }
+  std::vector<std::size_t> chunks = whole_chunks(pages);
   std::vector<Page> large, single;
   try {
-    while (large.size() < wanted_large) {
+    while (large.size() < chunks.size()) {
       std::optional<Page> page = pool_.take_large();
       if (!page) break;
       large.push_back(*page);
     }
-    single = pool_.take(pages.size() - large.size() * large_pages_);  // OutOfMemory names the shortfall
+    chunks.resize(large.size());  // the budget's room was a hint: the rest page by page
+    std::size_t covered = 0;      // asked pages in those chunks
+    for (std::size_t page : pages)
+      covered +=
+          !chunks.empty() && std::binary_search(chunks.begin(), chunks.end(), page - page % large_pages_) ? 1 : 0;
+    single = pool_.take(pages.size() - covered);  // OutOfMemory names the shortfall
   } catch (...) {
     pool_.release_all(large);
     throw;
@@ -76,49 +102,65 @@ void PageStore::map_fresh(const std::vector<std::size_t>& pages, UndoLog& undo) 
     pool_.release_all(large);
     pool_.release_all(single);
   });
+  // What gets mapped: the asked pages and the whole of each chunk given a large page.
+  std::vector<std::size_t> mapped = pages;
+  for (std::size_t chunk : chunks)
+    for (std::size_t page = chunk; page < chunk + large_pages_; ++page) mapped.push_back(page);
+  std::sort(mapped.begin(), mapped.end());
+  mapped.erase(std::unique(mapped.begin(), mapped.end()), mapped.end());
   std::vector<PageHandle> run_handles;
   std::vector<std::size_t> dirty;  // pages to zero-fill: fresh ones read as zeros only where the backend makes them so
   std::size_t next_large = 0, next_single = 0;
   for_each_run(
-      pages, [](std::size_t) { return true; },
+      mapped, [](std::size_t) { return true; },
       [&](std::size_t first, std::size_t count) {
         if (scratch_page_) scratch_.uncover(first, count, undo);
-        std::size_t at = first;
         const std::size_t end = first + count;
-        for (; large_pages_ != 0 && end - at >= large_pages_ && next_large < large.size(); at += large_pages_) {
-          const Page page = large[next_large++];
-          backend_.map_large(this->address(at), page.handle, large_pages_);
-          undo.push_remap([this, at] { backend_.unmap(this->address(at), large_pages_ * pool_page_bytes_); });
-          for (std::size_t i = at; i < at + large_pages_; ++i) {
-            handles_[i] = page.handle;
-            if (!page.clean) dirty.push_back(i);
+        for (std::size_t at = first; at < end;) {
+          if (next_large < chunks.size() && chunks[next_large] == at) {
+            const Page page = large[next_large++];
+            backend_.map_large(address(at), page.handle, large_pages_);
+            undo.push_remap([this, at] { backend_.unmap(address(at), large_pages_ * pool_page_bytes_); });
+            for (std::size_t i = at; i < at + large_pages_; ++i) {
+              handles_[i] = page.handle;
+              if (!page.clean) dirty.push_back(i);
+            }
+            at += large_pages_;
+            continue;
           }
-        }
-        const std::size_t singles_start = at;
-        if (at < end) {
+          std::size_t stop = at + 1;  // single pages up to the next large page or the run's end
+          while (stop < end && !(next_large < chunks.size() && chunks[next_large] == stop)) ++stop;
           run_handles.clear();
-          for (std::size_t i = at; i < end; ++i) {
+          for (std::size_t i = at; i < stop; ++i) {
             const Page page = single[next_single++];
             handles_[i] = page.handle;
             run_handles.push_back(page.handle);
             if (!page.clean) dirty.push_back(i);
           }
-          backend_.map(this->address(at), run_handles.data(), end - at);
-          undo.push_remap([this, at, end] { backend_.unmap(this->address(at), (end - at) * pool_page_bytes_); });
+          backend_.map(address(at), run_handles.data(), stop - at);
+          undo.push_remap([this, at, stop] { backend_.unmap(address(at), (stop - at) * pool_page_bytes_); });
+          at = stop;
         }
-        for (std::size_t i = first; i < end; ++i) {
-          states_[i] = State::held;
-          if (i < singles_start) large_first_[i] = static_cast<std::uint32_t>(i - (i - first) % large_pages_);
-        }
-        held_ += count;
-        undo.push([this, first, count] {
-          for (std::size_t i = first; i < first + count; ++i) {
-            states_[i] = State::unmapped;
-            large_first_[i] = kSinglePage;
-          }
-          held_ -= count;
-        });
       });
+  // Asked pages are held; a large page's others parked, with no event: no device work read them.
+  const std::size_t surplus = mapped.size() - pages.size();
+  const std::uint32_t unread = surplus == 0 ? 0 : add_event(0, surplus);
+  for (std::size_t page : mapped) states_[page] = State::parked;
+  for (std::size_t page : pages) states_[page] = State::held;
+  for (std::size_t chunk : chunks)
+    for (std::size_t page = chunk; page < chunk + large_pages_; ++page) {
+      large_first_[page] = static_cast<std::uint32_t>(chunk);
+      if (states_[page] == State::parked) pending_event_[page] = unread;
+    }
+  held_ += pages.size();
+  parked_ += surplus;
+  undo.push([this, mapped] {
+    for (std::size_t page : mapped) {
+      states_[page] = State::unmapped;
+      large_first_[page] = kSinglePage;
+    }
+    recount();
+  });
   for_each_run(
       dirty, [](std::size_t) { return true; },
       [&](std::size_t first, std::size_t count) {
@@ -135,7 +177,7 @@ void PageStore::take_back(const std::vector<std::size_t>& pages, UndoLog& undo) 
     const std::uint32_t entry = pending_event_[page];
     if (std::find(waited.begin(), waited.end(), entry) == waited.end()) {
       waited.push_back(entry);
-      backend_.stream_wait_event(stream_, events_[entry].event);  // the zero-fill goes after its readers
+      if (events_[entry].event != 0) backend_.stream_wait_event(stream_, events_[entry].event);  // after its readers
     }
   }
   std::vector<std::pair<std::size_t, State>> before;  // every page whose state changes, as it was
@@ -274,7 +316,9 @@ std::size_t PageStore::settle(bool wait, CallStats& given_back, std::size_t most
     PendingEvent& entry = events_[pending_event_[page]];
     if (entry.asked) continue;
     entry.asked = true;
-    if (wait) {
+    if (entry.event == 0) {  // pages no device work read
+      entry.ready = true;
+    } else if (wait) {
       wait_quietly(entry.event);
       entry.ready = true;
     } else {
@@ -362,7 +406,7 @@ void PageStore::drop_unused_events() noexcept {
   bool any_alive = false;
   for (PendingEvent& entry : events_) {
     if (entry.alive && entry.pages == 0) {
-      backend_.destroy_event(entry.event);
+      if (entry.event != 0) backend_.destroy_event(entry.event);
       entry.alive = false;
     }
     any_alive = any_alive || entry.alive;

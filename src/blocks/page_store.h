@@ -5,10 +5,13 @@
 //             the device work that may still read it before it goes back to the pool
 //   parked    as pending, but part of a large page some of whose pages are still held:
 //             a large page goes back only whole, once none of its pages is held
-// It maps fresh pages in runs with their zero-fills on a stream of its own: with large
-// pages (config.large_page_size), each run as many large pages as fit from its start, one
-// create, map and access call each instead of one a page (on CUDA ~10x the bytes a
-// second), the rest page by page in one map call. It takes pending and parked pages back
+// It maps fresh pages in runs with their zero-fills on a stream of its own. With large
+// pages (config.large_page_size) the reservation is cut into chunks of a large page each,
+// from its first page: a chunk with nothing mapped in it is mapped whole, in one create,
+// map and access call instead of one a page (on CUDA ~10x the bytes a second), its pages
+// not asked for parked -- the layer backs the lowest blocks, so the next backs continue
+// into them -- and under it lay one scratch large page, unmapped in one call; the other
+// pages go page by page, in one map call a run. It takes pending and parked pages back
 // when a block on them is backed again (zero-filled behind their event: a page backed anew
 // always starts as zeros); and gives pending pages back to the pool -- unmapped, the
 // scratch page under them again, released to the device and the budget -- once their
@@ -65,9 +68,14 @@ class PageStore {
     return states_[page] == State::pending || states_[page] == State::parked;
   }
 
+  /// The scratch page under every page (construction, with scratch_page): a scratch large
+  /// page on each whole chunk, so that mapping the chunk unmaps one mapping, not one a page.
+  /// All or nothing. @throws DriverError / OutOfMemory.
+  void cover_all_with_scratch();
   /// Maps pool pages at `pages` (ascending, unmapped) and zero-fills those not known to be
-  /// zeros on stream(); they are held. All or nothing: @throws OutOfMemory naming the
-  /// shortfall (nothing changed, no page taken); DriverError.
+  /// zeros on stream(); they are held. A chunk with nothing mapped yet is mapped whole where
+  /// the budget has room for its other pages too (they are parked). All or nothing:
+  /// @throws OutOfMemory naming the shortfall (nothing changed, no page taken); DriverError.
   void map_fresh(const std::vector<std::size_t>& pages, UndoLog& undo);
   /// Pending or parked `pages` (ascending) are held again, zero-filled on stream() behind
   /// their events; the other pending pages of their large pages are parked. @throws DriverError.
@@ -93,7 +101,7 @@ class PageStore {
 
  private:
   struct PendingEvent {
-    Event event = 0;
+    Event event = 0;        // 0: none, the pages were mapped fresh and no device work read them
     std::size_t pages = 0;  // pending and parked pages that wait for it
     bool alive = false;
     bool ready = false;  // settle(): completed
@@ -104,6 +112,9 @@ class PageStore {
   template <typename Selected, typename Run>
   static void for_each_run(const std::vector<std::size_t>& pages, Selected selected, Run run);
   static constexpr std::uint32_t kSinglePage = static_cast<std::uint32_t>(-1);
+  // The chunks of `pages` (ascending, unmapped) to map whole: those with nothing mapped,
+  // inside the reservation, as long as the budget has room for them and the other pages.
+  std::vector<std::size_t> whole_chunks(const std::vector<std::size_t>& pages) const;
   // The first page of the large page `page` is part of; kSinglePage for a page of its own.
   std::size_t large_first(std::size_t page) const noexcept { return large_first_[page]; }
   bool in_large(std::size_t page) const noexcept { return large_first_[page] != kSinglePage; }

@@ -1,7 +1,7 @@
 // BlockBacking on every backend, CUDA included (skipped without a device): pages backed
 // anew read as zeros (on CUDA their zero-fill is the layer's, done before BACKED), bytes
 // written through the reservation stay, the scratch page takes writes to unbacked blocks,
-// large pages map runs whole and go back only whole, and everything goes back at the end.
+// large pages map whole chunks and go back only whole, and everything goes back at the end.
 #include <gtest/gtest.h>
 
 #include "block_testing.h"
@@ -46,9 +46,10 @@ TEST_P(BlockDevices, PagesBackedAnewAreZerosAndWrittenBytesStay) {
   EXPECT_EQ(stats.backend.zero.calls > 0, !backend->traits().fresh_pages_are_zero);
 }
 
-// Runs of fresh pages mapped in large pages of 4 (config.large_page_size): one create and
-// one map call each; a large page's pages go back only together, once no block is on any.
-TEST_P(BlockDevices, RunsAreMappedInLargePagesThatGoBackOnlyWhole) {
+// Large pages of 4 (config.large_page_size): a chunk of 4 pages with nothing mapped is
+// mapped whole, one create and one map call, over one scratch large page; its pages go back
+// only together, once no block is on any, with a scratch large page under them again.
+TEST_P(BlockDevices, ChunksAreMappedInLargePagesThatGoBackOnlyWhole) {
   VKV_BACKEND_OR_SKIP(backend, GetParam());
   const std::size_t page = backend->page_bytes();
   BlockBackingConfig config;
@@ -60,41 +61,54 @@ TEST_P(BlockDevices, RunsAreMappedInLargePagesThatGoBackOnlyWhole) {
   config.large_page_size = 4 * page;
   BlockBacking backing(config, nullptr, std::nullopt, backend);
   const BackendStats before = backing.stats().backend;
-  backing.submit(nullptr, 0, 10, 0);  // pages 1-10: large pages 1-4 and 5-8, then 9 and 10 in one run
+  EXPECT_EQ(before.zero_backing.units, 0u);     // the scratch under pages 4-23: large pages only
+  EXPECT_EQ(backing.stats().pages_parked, 3u);  // block 0's chunk
+  backing.submit(nullptr, 0, 10, 0);            // 1-3 parked; chunks 4-7 and 8-11 whole, 11 parked
   backing.wait();
   BackendStats now = backing.stats().backend;
-  EXPECT_EQ(now.create.calls - before.create.calls, 4u);
-  EXPECT_EQ(now.create.units - before.create.units, 10u);
-  EXPECT_EQ(now.map.calls - before.map.calls, 3u);
+  EXPECT_EQ(now.create.calls - before.create.calls, 2u);
+  EXPECT_EQ(now.create.units - before.create.units, 8u);
+  EXPECT_EQ(now.map.calls - before.map.calls, 2u);
+  EXPECT_EQ(now.zero_backing.units, 0u);
+  EXPECT_EQ(backing.stats().pages_parked, 1u);
   for (std::size_t b = 1; b <= 10; ++b) {
     EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, b))) << "block " << b;
     testing::fill_block(backing, b, static_cast<std::uint8_t>(b));
   }
-  const std::int64_t two_three[] = {2, 3};
-  backing.submit(two_three, 2, 8, 0);  // blocks 1 and 4 keep their large page
+  const std::int64_t five_six[] = {5, 6};
+  backing.submit(five_six, 2, 8, 0);  // blocks 4 and 7 keep their large page
   backing.wait();
-  EXPECT_EQ(backing.stats().pages_parked, 2u);
+  EXPECT_EQ(backing.stats().pages_parked, 3u);
   EXPECT_EQ(backing.stats().backend.release.calls, now.release.calls);
-  for (std::size_t b : {1, 4, 5, 6, 7, 8, 9, 10})
+  for (std::size_t b : {1, 2, 3, 4, 7, 8, 9, 10})
     EXPECT_EQ(testing::block_bytes(backing, b), std::vector<std::uint8_t>(page, b)) << "block " << b;
   backing.check_invariants();
-  const std::int64_t one_four[] = {1, 4};
-  backing.submit(one_four, 2, 6, 0);  // the last two: the large page goes, once its readers are done
+  const std::int64_t four_seven[] = {4, 7};
+  backing.submit(four_seven, 2, 6, 0);  // the last two: the large page goes, once its readers are done
   backing.wait();
   backing.submit(nullptr, 0, 6, 0);
   backing.wait();
-  const BlockBackingStats stats = backing.stats();
-  EXPECT_EQ(stats.pages_parked + stats.pages_pending, 0u);
+  BlockBackingStats stats = backing.stats();
+  EXPECT_EQ(stats.pages_parked, 1u);  // page 11
+  EXPECT_EQ(stats.pages_pending, 0u);
   EXPECT_EQ(stats.backend.release.units - now.release.units, 4u);
-  // Under it now: a scratch large page, in one map call, not the scratch page page by page.
-  EXPECT_EQ(stats.backend.zero_backing.units, now.zero_backing.units);
-  testing::fill_block(backing, 3, 0x5a);  // an unbacked block's writes land in scratch
-  backing.submit(nullptr, 0, 7, 0);       // block 1 again, on a fresh page: the scratch large page
-  backing.wait();                         // is unmapped whole, pages 2-4 get the scratch page again
-  EXPECT_EQ(backing.stats().backend.zero_backing.units - stats.backend.zero_backing.units, 3u);
-  testing::fill_block(backing, 3, 0x5b);
-  EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, 1)));
-  for (std::size_t b = 5; b <= 10; ++b)
+  EXPECT_EQ(stats.backend.zero_backing.units, 0u);  // under it now: a scratch large page again
+  testing::fill_block(backing, 5, 0x5a);            // an unbacked block's writes land in scratch
+  now = stats.backend;
+  backing.submit(nullptr, 0, 8, 0);  // blocks 4 and 5: the chunk whole again
+  backing.wait();
+  stats = backing.stats();
+  EXPECT_EQ(stats.backend.map.calls - now.map.calls, 1u);
+  EXPECT_EQ(stats.backend.unmap.calls - now.unmap.calls, 1u);  // the scratch large page, whole
+  EXPECT_EQ(stats.backend.zero_backing.units, 0u);
+  EXPECT_EQ(stats.pages_parked, 3u);  // 6, 7 and 11
+  EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, 4)));
+  EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, 5)));
+  testing::fill_block(backing, 6, 0x5b);  // on a parked page: zero-filled when it is backed
+  backing.submit(nullptr, 0, 9, 0);
+  backing.wait();
+  EXPECT_TRUE(testing::all_zero(testing::block_bytes(backing, 6)));
+  for (std::size_t b : {1, 2, 3, 8, 9, 10})
     EXPECT_EQ(testing::block_bytes(backing, b), std::vector<std::uint8_t>(page, b)) << "block " << b;
   backing.check_invariants();
 }
