@@ -100,12 +100,16 @@ struct BlockBackingConfig {
   /// the layer's thread once no job came for 100 ms (background on). 0: no limit.
   std::size_t give_back_per_job = std::size_t{32} << 20;
   /// Bytes of one physical allocation (a multiple of the page size, at least 2 pages; 0:
-  /// none): a job maps each run of consecutive fresh pages in as many of these as fit from
-  /// its start, with one create, map and access call each instead of one a page (on CUDA
-  /// about 10x the bytes a second: `cuMemSetAccess` costs per page mapped), the rest page by
-  /// page. Such a page goes back only whole, once no backed block has bytes on any of its
-  /// pages: until then its unused pages stay mapped, counted as parked. The backend must
-  /// have large pages (CUDA and host do).
+  /// none). The reservation is cut into chunks of this size from its start; a job maps a
+  /// chunk with nothing mapped in it whole, with one create, map and access call instead of
+  /// one a page (on CUDA about 10x the bytes a second: the driver charges per mapping), its
+  /// pages not asked for parked: mapped, counted against the budget, taken by the next
+  /// backs (the lowest blocks go first) without a driver call. A chunk the budget has no room
+  /// for, or that the reservation's end cuts, goes page by page. Such a page goes back only
+  /// whole, once no backed block has bytes on any of its pages: until then its unused pages
+  /// stay parked. With scratch_page, one more allocation of this size, outside the budget,
+  /// is mapped under every unmapped chunk, so that mapping a chunk unmaps one mapping. The
+  /// backend must have large pages (CUDA and host do).
   std::size_t large_page_size = 0;
   /// Backed at construction and never released (vLLM's null block 0); not counted in
   /// backed_blocks() nor in back()'s target.

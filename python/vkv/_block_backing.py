@@ -128,10 +128,12 @@ class BlockBacking:
                 and go at the next jobs, when a back runs short or the budget asks, or on the
                 layer's thread once no job came for 100 ms. 0: no limit.
             large_page_size: bytes of one physical allocation (a multiple of page_size, at
-                least 2 pages; 0: none): a job maps each run of consecutive fresh pages in as
-                many of these as fit, one create, map and access call each instead of one a
-                page (on CUDA about 10x faster); such a page goes back only whole, once no
-                backed block is on any of its pages (until then ``stats()["pages_parked"]``).
+                least 2 pages; 0: none): the buffer is cut into chunks of this size, and a job
+                maps a chunk with nothing mapped in it whole, one create, map and access call
+                instead of one a page (on CUDA about 10x faster), its pages not asked for
+                parked for the next backs (``stats()["pages_parked"]``); page by page where
+                the budget has no room for the chunk. Such a page goes back only whole, once no
+                backed block is on any of its pages.
         """
         num_blocks = expect_int("num_blocks", num_blocks, 1)
         self.device = resolve_device(device)
