@@ -22,7 +22,9 @@ nothing while the free blocks stay between the two marks: a job costs a few hund
 driver calls however few pages it maps, so most steps should map none. Beyond the upper
 mark, free blocks without a prefix-cache entry go back when they were beyond it at the
 previous step too (a finished request's blocks are usually what the next arrival takes:
-unmapping them for one step only to map them again costs the driver twice); free blocks
+unmapping them for one step only to map them again costs the driver twice), the highest
+ids first, so that the blocks kept are the lowest, next to those the worker backs next (with
+large pages, a large page goes back once no kept block is on it); free blocks
 that hold a prefix-cache entry stay backed, as in vLLM's own pool, unless the shared budget
 wants bytes of this engine (``give``: another engine's ask, a cap, a resize), which takes
 the free list's head: blocks without a hash first, then the least recently used cached ones.
@@ -165,6 +167,22 @@ class Balloon:
         self.work += count
         return count
 
+    def _highest_of_head(self, count: int, head: int) -> list:
+        """The ``count`` highest ids among the ``head`` blocks without a prefix-cache entry
+        at the free list's head, out of the pool; the others go back to the head, lowest
+        first (free_blocks() puts blocks without a hash there, as before). What the engine
+        keeps backed is then its lowest free blocks, next to the ones the worker backs next:
+        with large pages, a large page goes back once no block on it is kept, and scattered
+        kept blocks would each keep one. Where a block of the pool is watched for reuse (a
+        connector beside vkv pinned it), the head as it is: taking a watched block out and
+        back would tell its watcher it was reused."""
+        if head <= count or self.pool._reuse_watchers:
+            return self.pool.get_new_blocks(count)
+        blocks = sorted(self.pool.get_new_blocks(head), key=lambda block: block.block_id)
+        self.work += head
+        self.pool.free_blocks(blocks[:head - count])
+        return blocks[head - count:]
+
     def plan(self, demand_blocks: int = 0, give: int = 0, room: Optional[int] = None,
              ahead: int = 0) -> Tuple[List[int], int, int]:
         """Once per step, after ``release_backed()``: take back the free blocks beyond the
@@ -200,7 +218,8 @@ class Balloon:
         if count > 0:
             # The free list's head: blocks without a hash, then the least recently used cached ones.
             states, push = self.states.view, self._unbacked.push
-            for block in self.pool.get_new_blocks(count):
+            taken = self.pool.get_new_blocks(count) if given else self._highest_of_head(count, available)
+            for block in taken:
                 reclaim.append(block.block_id)
                 states[block.block_id] = RECLAIMING
                 push(block.block_id)  # the job may back it again: it is among the unbacked from now

