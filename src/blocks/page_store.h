@@ -4,13 +4,14 @@
 //   pending   still mapped, no backed block on it any more, waiting for an event behind
 //             the device work that may still read it before it goes back to the pool
 //   parked    as pending, but part of a large page some of whose pages are still held:
-//             a large page goes back only whole, once none of its pages is held
+//             a large page goes back only whole, once none of its pages is held (a chunk
+//             just mapped whole parks the pages not asked for, with no event to wait for)
 // It maps fresh pages in runs with their zero-fills on a stream of its own. With large
 // pages (config.large_page_size) the reservation is cut into chunks of a large page each,
 // from its first page: a chunk with nothing mapped in it is mapped whole, in one create,
 // map and access call instead of one a page (on CUDA ~10x the bytes a second), its pages
 // not asked for parked -- the layer backs the lowest blocks, so the next backs continue
-// into them -- and under it lay one scratch large page, unmapped in one call; the other
+// into them -- and under it lies one scratch large page, unmapped in one call; the other
 // pages go page by page, in one map call a run. It takes pending and parked pages back
 // when a block on them is backed again (zero-filled behind their event: a page backed anew
 // always starts as zeros); and gives pending pages back to the pool -- unmapped, the
