@@ -176,7 +176,7 @@ class Balloon:
         kept blocks would each keep one. Where a block of the pool is watched for reuse (a
         connector beside vkv pinned it), the head as it is: taking a watched block out and
         back would tell its watcher it was reused."""
-        if head <= count or self.pool._reuse_watchers:
+        if head <= count or getattr(self.pool, "_reuse_watchers", None):
             return self.pool.get_new_blocks(count)
         blocks = sorted(self.pool.get_new_blocks(head), key=lambda block: block.block_id)
         self.work += head
