@@ -662,7 +662,8 @@ def _backend_cost(before, after, block_bytes):
     """Map and unmap over a run: calls, pages, µs per page and per block (a page's cost
     times block bytes / page bytes); and where the jobs' time went, in ms over the run: the
     jobs, their backing (choice, mapping, zero-fills and the wait for them), the pages given
-    back (unmapping), and the backend's calls (map, unmap, zero-fill enqueues, events)."""
+    back (unmapping), and the backend's calls (creating pages, mapping, unmapping, releasing
+    pages, zero-fill enqueues, events and the waits for the zero-fills)."""
     cost = {}
     for kind in ("map", "unmap"):
         (c0, u0, s0), (c1, u1, s1) = _call_stats(before, kind), _call_stats(after, kind)
@@ -670,7 +671,7 @@ def _backend_cost(before, after, block_bytes):
         cost[kind] = {"calls": c1 - c0, "pages": u1 - u0, "us_per_page": round(per_page, 3),
                       "us_per_block": round(per_page * block_bytes / after["page_bytes"], 3)}
     parts = {name: 1e3 * (after[name]["seconds"] - before[name]["seconds"]) for name in ("jobs", "backs", "releases")}
-    for kind in ("map", "unmap", "zero", "event"):
+    for kind in ("create", "map", "unmap", "release", "zero", "event"):
         parts[kind] = 1e3 * (_call_stats(after, kind)[2] - _call_stats(before, kind)[2])
     parts["backing_jobs"] = after["backs"]["calls"] - before["backs"]["calls"]
     cost["job_ms"] = {name: round(value, 3) for name, value in parts.items()}

@@ -43,6 +43,7 @@ class StatisticsBackend final : public ForwardingBackend {
   bool event_done(Event event) override;
   void wait_event(Event event) override;
   void stream_wait_event(Stream stream, Event event) override;
+  void synchronize(Stream stream) override;
 
  private:
   struct Counter {

@@ -39,7 +39,7 @@ namespace vkv {
   X(zero_backing, CallStats, group, "back_with_zeros() (zero_page); units: pages")                        \
   X(zero, CallStats, group, "zero-fills, zero() and zero_strided() one call each; units: bytes")          \
   X(copy, CallStats, group, "copies; units: bytes")                                                       \
-  X(event, CallStats, group, "event record, query, wait, stream-wait; units: calls")                      \
+  X(event, CallStats, group, "event record, query, wait, stream-wait, stream synchronize; units: calls")  \
   X(cleanup_failures, std::uint64_t, count,                                                               \
     "release calls that failed (logged with VKV_LOG=debug), counted with or without backend_statistics")
 #define VKV_BACKEND_STATS_DERIVED(D)

@@ -101,5 +101,8 @@ void StatisticsBackend::wait_event(Event event) {
 void StatisticsBackend::stream_wait_event(Stream stream, Event event) {
   timed(event_, 1, [&] { upstream_->stream_wait_event(stream, event); });
 }
+void StatisticsBackend::synchronize(Stream stream) {
+  timed(event_, 1, [&] { upstream_->synchronize(stream); });
+}
 
 }  // namespace vkv
