@@ -1105,7 +1105,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-bytes", type=int, default=0,
                         help="vkv's page (0: the device's; 2 MiB on a GPU, 4 KiB on the host)")
     parser.add_argument("--large-page-bytes", type=int, default=None,
-                        help="the layer's large_page_size (default: the connector's, 8 pages; 0: page by page)")
+                        help="the layer's large_page_size (default: the connector's, 32 pages on a GPU; 0: page by page)")
     parser.add_argument("--dense", action="store_true", help="add the model's weight GEMMs to every layer")
     parser.add_argument("--steps", type=int, default=0, help="replay only the first N steps (0: all)")
     parser.add_argument("--no-gc-freeze", action="store_true",

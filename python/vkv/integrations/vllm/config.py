@@ -6,7 +6,9 @@ from typing import Any, Mapping, Optional
 
 _DEFAULT_HEADROOM_BLOCKS = 8
 _DEFAULT_MAP_AHEAD_STEPS = 16
-_DEFAULT_LARGE_PAGE_PAGES = 8  # 16 MiB on a GPU: half of what a job maps ahead (scheduler.py)
+# 64 MiB on a GPU: on an H200 a chunk's create, map, access and unmap calls cost about as much for
+# 64 MiB as for 16 (benchmarks/vllm_replay/NOTES.md, "Larger chunks"); twice what a job maps ahead.
+_DEFAULT_LARGE_PAGE_PAGES = 32
 
 
 def budget_label(engine_id: str) -> str:
@@ -53,9 +55,9 @@ class VkvConnectorConfig:
         with (a multiple of the page, at least 2 pages): one create, map and access call for
         all of them instead of one a page (on a GPU about 10x the bytes a second), so that
         a job that maps ahead costs a few driver calls. Such a page goes back to the budget
-        only whole, once no block is on any of its pages, under one scratch large page (16
-        MiB a worker, outside the budget as the scratch page is). None (unset) = 8 pages
-        (16 MiB) on a GPU, page by page on the host (an mmap costs no less for one page than
+        only whole, once no block is on any of its pages, under one scratch large page (64
+        MiB a worker, outside the budget as the scratch page is). None (unset) = 32 pages
+        (64 MiB) on a GPU, page by page on the host (an mmap costs no less for one page than
         for eight); 0 = page by page.
     """
 
@@ -74,7 +76,8 @@ class VkvConnectorConfig:
 
     def large_page_bytes(self, page_size: int, cuda: bool) -> int:
         """The layer's large_page_size for pages of ``page_size`` bytes: the setting, or where
-        it is unset 8 pages on a GPU (each page's access call costs ~30 µs) and none on the host."""
+        it is unset 32 pages on a GPU (a driver call costs about as much for 32 pages as for 8) and none on
+        the host."""
         if self.large_page_size is not None:
             return self.large_page_size
         return _DEFAULT_LARGE_PAGE_PAGES * page_size if cuda else 0
@@ -124,7 +127,7 @@ class VkvConnectorConfig:
                              "of two (a multiple of the backend's page: 2 MiB on a GPU, 4 KiB on the host)")
         if config.large_page_size is not None and config.large_page_size < 0:
             raise ValueError(f"kv_connector_extra_config['large_page_size'] = {config.large_page_size} must be >= 0 "
-                             "(0: page by page; unset: 8 pages)")
+                             "(0: page by page; unset: 32 pages on a GPU)")
         if config.headroom_blocks < 1:
             raise ValueError(f"kv_connector_extra_config['headroom_blocks'] = {config.headroom_blocks} must be >= 1")
         if config.map_ahead_steps < 0:
