@@ -113,6 +113,10 @@ def _allocate(layer, buffer_bytes: int):
     """What vLLM's allocate_kv_cache() does inside get_mem_pool_context(): torch.zeros over the
     whole buffer. Returns (its buffer, the pool: keep it while the buffer lives)."""
     pool = ReservationPool(_buffer(layer, buffer_bytes), layer.reserved_bytes)
+    # A pool an earlier test left in a reference cycle (a refused allocation's traceback holds
+    # it) must not be collected inside this one's context: torch's MemPool destructor asserts
+    # that no pool is in use (a c10::Error out of a destructor: the process aborts).
+    gc.collect()
     with pool.context():
         buffer = torch.zeros(buffer_bytes, dtype=torch.int8, device="cuda")
     assert buffer.data_ptr() == layer.base, "torch.zeros did not return the reservation"
