@@ -35,6 +35,7 @@ driver.
 """
 
 import bisect
+import operator
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -42,6 +43,8 @@ import numpy as np
 from .block_states import BACKED, IN_POOL, RECLAIMING, UNBACKED, BlockStates
 from .held_blocks import count_held_blocks_as_free
 from .unbacked_ids import UnbackedIds
+
+_BLOCK_ID = operator.attrgetter("block_id")
 
 
 class Balloon:
@@ -169,19 +172,25 @@ class Balloon:
 
     def _highest_of_head(self, count: int, head: int) -> list:
         """The ``count`` highest ids among the ``head`` blocks without a prefix-cache entry
-        at the free list's head, out of the pool; the others go back to the head, lowest
-        first (free_blocks() puts blocks without a hash there, as before). What the engine
-        keeps backed is then its lowest free blocks, next to the ones the worker backs next:
-        with large pages, a large page goes back once no block on it is kept, and scattered
-        kept blocks would each keep one. Where a block of the pool is watched for reuse (a
-        connector beside vkv pinned it), the head as it is: taking a watched block out and
-        back would tell its watcher it was reused."""
+        at the free list's head, out of the pool: taken with the pool's ``touch()``, which
+        removes given free blocks from the free list (and counts a reference), so the others
+        stay where they were. What the engine keeps backed is then its lowest free blocks,
+        next to the ones the worker backs next: with large pages, a large page goes back once
+        no block on it is kept, and scattered kept blocks would each keep one. Where a block
+        of the pool is watched for reuse (a connector beside vkv pinned it), the head as it
+        is, with ``get_new_blocks()``, which tells the watchers."""
         if head <= count or getattr(self.pool, "_reuse_watchers", None):
             return self.pool.get_new_blocks(count)
-        blocks = sorted(self.pool.get_new_blocks(head), key=lambda block: block.block_id)
+        block = self.pool.free_block_queue.fake_free_list_head.next_free_block
+        blocks = []
+        for _ in range(head):
+            blocks.append(block)
+            block = block.next_free_block
         self.work += head
-        self.pool.free_blocks(blocks[:head - count])
-        return blocks[head - count:]
+        blocks.sort(key=_BLOCK_ID)
+        taken = blocks[head - count:]
+        self.pool.touch(taken)
+        return taken
 
     def plan(self, demand_blocks: int = 0, give: int = 0, room: Optional[int] = None,
              ahead: int = 0) -> Tuple[List[int], int, int]:

@@ -290,7 +290,7 @@ def test_a_failed_job_fails_the_step_naming_it_and_changes_nothing(background):
         engine.close()
 
 
-@pytest.mark.parametrize("large_pages", [0, 8], ids=["page_by_page", "large_pages_of_8"])
+@pytest.mark.parametrize("large_pages", [0, 8, 32], ids=["page_by_page", "large_pages_of_8", "large_pages_of_32"])
 def test_an_idle_engine_gives_pages_back_within_two_steps(large_pages):
     # Free blocks without a prefix-cache entry (here: prefix caching off); cached ones go
     # when another engine asks (test_vllm_defaults.py). With large pages (a GPU's default),
@@ -314,6 +314,30 @@ def test_an_idle_engine_gives_pages_back_within_two_steps(large_pages):
         assert held <= in_use + HEADROOM + 1 + slack, (held, in_use)  # + the null block
     finally:
         engine.close()
+
+
+def test_the_give_back_takes_the_highest_free_blocks_and_leaves_the_others_where_they_were():
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vkv.integrations.vllm.balloon import Balloon
+
+    pool = BlockPool(num_gpu_blocks=40, enable_caching=True, hash_block_size=16)
+
+    def free_ids():
+        return [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+
+    held = pool.get_new_blocks(39)  # every block but the null one
+    order = [31, 5, 17, 2, 38, 9, 23, 11]  # freed blocks go to the head in this order
+    pool.free_blocks([held[i - 1] for i in order])
+    assert free_ids() == order
+    balloon = SimpleNamespace(pool=pool, work=0)
+    taken = Balloon._highest_of_head(balloon, 3, 6)  # the 3 highest of the first 6: 38, 31, 17
+    assert sorted(block.block_id for block in taken) == [17, 31, 38]
+    assert all(block.ref_cnt == 1 for block in taken)  # out of the pool, as get_new_blocks() would
+    assert free_ids() == [5, 2, 9, 23, 11]  # the others where they were, the blocks past the head too
+    assert pool.get_num_free_blocks() == 5
 
 
 def _budget(blocks):
