@@ -84,7 +84,7 @@ class BackendStats(TypedDict):
     zero_backing: CallStats  # back_with_zeros() (zero_page); units: pages
     zero: CallStats  # zero-fills, zero() and zero_strided() one call each; units: bytes
     copy: CallStats  # copies; units: bytes
-    event: CallStats  # event record, query, wait, stream-wait; units: calls
+    event: CallStats  # event record, query, wait, stream-wait, stream synchronize; units: calls
     cleanup_failures: int  # release calls that failed (logged with VKV_LOG=debug), counted with or without backend_statistics
 
 class StepProfile(TypedDict):
