@@ -155,20 +155,25 @@ class Balloon:
         """Free blocks beyond ``need`` (cached ones included): what the budget may ask of it."""
         return max(0, self.pool.get_num_free_blocks() - need)
 
-    def _uncached_head(self, limit: int) -> int:
-        """How many blocks without a prefix-cache entry the free list starts with, counting
-        at most ``limit``: vLLM puts those at its head and the cached ones behind, in LRU order."""
-        if not self.pool.enable_caching:
-            return min(limit, self.pool.get_num_free_blocks())
+    def _free_head(self, limit: int) -> list:
+        """The blocks without a prefix-cache entry the free list starts with, at most
+        ``limit``: vLLM puts those at its head and the cached ones behind, in LRU order."""
+        blocks: list = []
         block = self.pool.free_block_queue.fake_free_list_head.next_free_block
-        count = 0
         # KVCacheBlock._block_hash: the slot behind vLLM's block_hash property (a property
         # call per block cost more than the rest of the walk).
-        while count < limit and block.next_free_block is not None and block._block_hash is None:
-            count += 1
+        while len(blocks) < limit and block.next_free_block is not None and block._block_hash is None:
+            blocks.append(block)
             block = block.next_free_block
-        self.work += count
-        return count
+        self.work += len(blocks)
+        return blocks
+
+    def _uncached_head(self, limit: int) -> int:
+        """How many blocks without a prefix-cache entry the free list starts with, counting
+        at most ``limit`` (without prefix caching, every free block)."""
+        if not self.pool.enable_caching:
+            return min(limit, self.pool.get_num_free_blocks())
+        return len(self._free_head(limit))
 
     def _highest_of_head(self, count: int, head: int) -> list:
         """The ``count`` highest ids among the ``head`` blocks without a prefix-cache entry
@@ -181,12 +186,7 @@ class Balloon:
         is, with ``get_new_blocks()``, which tells the watchers."""
         if head <= count or getattr(self.pool, "_reuse_watchers", None):
             return self.pool.get_new_blocks(count)
-        block = self.pool.free_block_queue.fake_free_list_head.next_free_block
-        blocks = []
-        for _ in range(head):
-            blocks.append(block)
-            block = block.next_free_block
-        self.work += head
+        blocks = self._free_head(head)
         blocks.sort(key=_BLOCK_ID)
         taken = blocks[head - count:]
         self.pool.touch(taken)

@@ -317,8 +317,6 @@ def test_an_idle_engine_gives_pages_back_within_two_steps(large_pages):
 
 
 def test_the_give_back_takes_the_highest_free_blocks_and_leaves_the_others_where_they_were():
-    from types import SimpleNamespace
-
     from vllm.v1.core.block_pool import BlockPool
 
     from vkv.integrations.vllm.balloon import Balloon
@@ -332,8 +330,9 @@ def test_the_give_back_takes_the_highest_free_blocks_and_leaves_the_others_where
     order = [31, 5, 17, 2, 38, 9, 23, 11]  # freed blocks go to the head in this order
     pool.free_blocks([held[i - 1] for i in order])
     assert free_ids() == order
-    balloon = SimpleNamespace(pool=pool, work=0)
-    taken = Balloon._highest_of_head(balloon, 3, 6)  # the 3 highest of the first 6: 38, 31, 17
+    balloon = Balloon.__new__(Balloon)  # its give-back alone, over this pool
+    balloon.pool, balloon.work = pool, 0
+    taken = balloon._highest_of_head(3, 6)  # the 3 highest of the first 6: 38, 31, 17
     assert sorted(block.block_id for block in taken) == [17, 31, 38]
     assert all(block.ref_cnt == 1 for block in taken)  # out of the pool, as get_new_blocks() would
     assert free_ids() == [5, 2, 9, 23, 11]  # the others where they were, the blocks past the head too
